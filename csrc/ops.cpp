@@ -1,0 +1,52 @@
+// Op schemas of dtp_kernels and the Python module dtp_kernels._C. Device kernels register
+// themselves under these names with TORCH_LIBRARY_IMPL in their own files.
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include <string>
+
+#ifndef DTP_TORCH_VERSION
+#define DTP_TORCH_VERSION "unknown"
+#endif
+#ifndef DTP_CUDA_ARCH_LIST
+#define DTP_CUDA_ARCH_LIST ""
+#endif
+
+TORCH_LIBRARY(dtp, m) {
+  // mask, next log-odds, next shift, and per (segment, pass) the shift used and the two
+  // column log-sum-exps (float64), which the backward needs.
+  m.def(
+      "transport_mask(Tensor scores, Tensor offsets, Tensor keep, Tensor eps, "
+      "Tensor log_odds, Tensor shift, int iters) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "transport_mask_backward(Tensor grad_mask, Tensor scores, Tensor offsets, Tensor keep, "
+      "Tensor eps, Tensor log_odds, Tensor stats) -> (Tensor, Tensor)");
+}
+
+namespace {
+
+pybind11::dict build_info() {
+  pybind11::dict info;
+#ifdef DTP_WITH_CUDA
+  info["cuda_compiled"] = true;
+#else
+  info["cuda_compiled"] = false;
+#endif
+  info["cuda_arch_list"] = std::string(DTP_CUDA_ARCH_LIST);
+#if defined(__clang__)
+  info["compiler"] = std::string("clang ") + __clang_version__;
+#elif defined(__GNUC__)
+  info["compiler"] = std::string("gcc ") + __VERSION__;
+#else
+  info["compiler"] = std::string("unknown");
+#endif
+  info["torch_compiled_against"] = std::string(DTP_TORCH_VERSION);
+  return info;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Compiled kernels of dtp_kernels; the ops live in torch.ops.dtp.";
+  m.def("build_info", &build_info, "How this module was compiled.");
+}

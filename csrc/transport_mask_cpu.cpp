@@ -1,0 +1,483 @@
+// C++ CPU kernels of the DTP transport-mask step: all segments in one call forward and
+// one backward. Segments are cut into chunks of at most kChunk elements; chunks run in
+// parallel (at::parallel_for) and write their partial sums to their own slot, which are
+// then merged per segment in chunk order, so the result does not depend on threading.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <ATen/ATen.h>
+#include <cmath>
+#include <vector>
+
+#include "transport_math.h"
+
+namespace dtp {
+namespace {
+
+constexpr int64_t kChunk = 4096;
+// Below this many elements the whole call runs on the calling thread.
+constexpr int64_t kSerialElements = 32768;
+
+// Hot loops get AVX-512 and AVX2 clones picked at load time; plain builds elsewhere.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define DTP_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define DTP_CLONES
+#endif
+
+struct Chunk {
+  int64_t seg;
+  int64_t begin;
+  int64_t end;
+};
+
+std::vector<Chunk> make_chunks(const int64_t* offsets, int64_t nseg) {
+  std::vector<Chunk> chunks;
+  for (int64_t s = 0; s < nseg; ++s) {
+    for (int64_t b = offsets[s]; b < offsets[s + 1]; b += kChunk) {
+      chunks.push_back({s, b, std::min(b + kChunk, offsets[s + 1])});
+    }
+  }
+  return chunks;
+}
+
+template <class F>
+void for_each_chunk(const std::vector<Chunk>& chunks, int64_t numel, const F& f) {
+  const int64_t n = static_cast<int64_t>(chunks.size());
+  const int64_t grain = numel < kSerialElements ? std::max<int64_t>(n, 1) : 1;
+  at::parallel_for(0, n, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t c = lo; c < hi; ++c) f(c, chunks[c]);
+  });
+}
+
+// ---- per-chunk loops over acc_t arrays (acc_t = float, or double for float64) ----
+
+template <class acc_t>
+struct ColumnSums {
+  acc_t s1, s0;
+};
+
+// sum_i exp(log sigmoid(z_i) - m1) and sum_i exp(log sigmoid(-z_i) - m0), z = x + delta.
+DTP_CLONES ColumnSums<float> column_sums(const float* x, int64_t n, float delta, float m1,
+                                         float m0) {
+  float s1 = 0.0f, s0 = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float z = x[i] + delta;
+    const float r = sigmoid_abs(z);
+    s1 += exp_log_sigmoid(z, m1, r);
+    s0 += exp_log_sigmoid(-z, m0, r);
+  }
+  return {s1, s0};
+}
+
+ColumnSums<double> column_sums(const double* x, int64_t n, double delta, double m1, double m0) {
+  double s1 = 0.0, s0 = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double z = x[i] + delta;
+    const double r = sigmoid_abs(z);
+    s1 += exp_log_sigmoid(z, m1, r);
+    s0 += exp_log_sigmoid(-z, m0, r);
+  }
+  return {s1, s0};
+}
+
+// mask_i = k exp(log sigmoid(z_i) - L1); new log-odds x_i + delta_new.
+template <class acc_t>
+void mask_and_state_loop(const acc_t* x, int64_t n, acc_t delta, acc_t l1, acc_t k,
+                         acc_t delta_new, acc_t* mask, acc_t* new_d) {
+  for (int64_t i = 0; i < n; ++i) {
+    const acc_t z = x[i] + delta;
+    mask[i] = k * exp_log_sigmoid(z, l1, sigmoid_abs(z));
+    new_d[i] = x[i] + delta_new;
+  }
+}
+DTP_CLONES void mask_and_state(const float* x, int64_t n, float delta, float l1, float k,
+                               float delta_new, float* mask, float* new_d) {
+  mask_and_state_loop(x, n, delta, l1, k, delta_new, mask, new_d);
+}
+void mask_and_state(const double* x, int64_t n, double delta, double l1, double k,
+                    double delta_new, double* mask, double* new_d) {
+  mask_and_state_loop(x, n, delta, l1, k, delta_new, mask, new_d);
+}
+
+// Backward, last pass: q_i = sigmoid(z) sigmoid(-z) / S1 (stored), and the sums
+// sum g p, sum g q, sum q, sum g with p_i = sigmoid(z_i) / S1.
+template <class acc_t>
+struct GradSums {
+  acc_t gp, gq, q, g;
+};
+template <class acc_t>
+GradSums<acc_t> grad_sums_loop(const acc_t* x, const acc_t* g, int64_t n, acc_t delta,
+                               acc_t l1, acc_t* q_out) {
+  acc_t gp = 0, gq = 0, qs = 0, gs = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const acc_t z = x[i] + delta;
+    const acc_t r = sigmoid_abs(z);
+    const acc_t p = exp_log_sigmoid(z, l1, r);
+    const acc_t q = exp_log_sigmoid_pair(z, l1, r);
+    q_out[i] = q;
+    gp += g[i] * p;
+    gq += g[i] * q;
+    qs += q;
+    gs += g[i];
+  }
+  return {gp, gq, qs, gs};
+}
+DTP_CLONES GradSums<float> grad_sums(const float* x, const float* g, int64_t n, float delta,
+                                     float l1, float* q_out) {
+  return grad_sums_loop(x, g, n, delta, l1, q_out);
+}
+GradSums<double> grad_sums(const double* x, const double* g, int64_t n, double delta,
+                           double l1, double* q_out) {
+  return grad_sums_loop(x, g, n, delta, l1, q_out);
+}
+
+// w_i = d(L1 - L0)/dz_i magnitude of one earlier pass: sigmoid(z)sigmoid(-z)(1/S1 + 1/S0).
+template <class acc_t>
+DTP_HOST_DEVICE inline acc_t pass_weight(acc_t z, acc_t l1, acc_t l0) {
+  const acc_t r = sigmoid_abs(z);
+  return exp_log_sigmoid_pair(z, l1, r) + exp_log_sigmoid_pair(z, l0, r);
+}
+
+// ---- host side ----
+
+struct Segments {
+  int64_t nseg;
+  int64_t numel;
+  std::vector<int64_t> offsets;
+  std::vector<double> keep;
+  std::vector<double> eps;
+  std::vector<Chunk> chunks;
+};
+
+Segments read_segments(const at::Tensor& scores, const at::Tensor& offsets,
+                       const at::Tensor& keep, const at::Tensor& eps) {
+  TORCH_CHECK(scores.dim() == 1, "dtp::transport_mask: scores must be 1-D, got ", scores.dim(),
+              "-D");
+  TORCH_CHECK(offsets.dim() == 1 && offsets.scalar_type() == at::kLong && offsets.numel() >= 2,
+              "dtp::transport_mask: offsets must be a 1-D int64 tensor with at least 2 entries");
+  Segments sg;
+  sg.nseg = offsets.numel() - 1;
+  sg.numel = scores.numel();
+  auto off = offsets.to(at::kCPU).contiguous();
+  sg.offsets.assign(off.data_ptr<int64_t>(), off.data_ptr<int64_t>() + off.numel());
+  TORCH_CHECK(sg.offsets.front() == 0 && sg.offsets.back() == sg.numel,
+              "dtp::transport_mask: offsets must start at 0 and end at scores.numel() = ",
+              sg.numel);
+  for (int64_t s = 0; s < sg.nseg; ++s) {
+    TORCH_CHECK(sg.offsets[s + 1] > sg.offsets[s], "dtp::transport_mask: segment ", s,
+                " is empty; every segment needs n >= 1");
+  }
+  TORCH_CHECK(keep.numel() == sg.nseg && eps.numel() == sg.nseg,
+              "dtp::transport_mask: keep and eps need one entry per segment (", sg.nseg, ")");
+  auto k = keep.to(at::kCPU, at::kDouble).contiguous();
+  auto e = eps.to(at::kCPU, at::kDouble).contiguous();
+  sg.keep.assign(k.data_ptr<double>(), k.data_ptr<double>() + sg.nseg);
+  sg.eps.assign(e.data_ptr<double>(), e.data_ptr<double>() + sg.nseg);
+  for (int64_t s = 0; s < sg.nseg; ++s) {
+    const int64_t n = sg.offsets[s + 1] - sg.offsets[s];
+    TORCH_CHECK(sg.keep[s] >= 0.0 && sg.keep[s] <= static_cast<double>(n),
+                "dtp::transport_mask: keep[", s, "] = ", sg.keep[s], " is outside [0, ", n, "]");
+    TORCH_CHECK(sg.eps[s] > 0.0 && std::isfinite(sg.eps[s]), "dtp::transport_mask: eps[", s,
+                "] = ", sg.eps[s], " must be finite and > 0");
+  }
+  sg.chunks = make_chunks(sg.offsets.data(), sg.nseg);
+  return sg;
+}
+
+// x_i = d_i + (2 s_i - 1) / eps, in acc_t. Optionally the per-chunk min, max and
+// all-finite flag of x.
+template <class scalar_t, class acc_t>
+void compute_log_odds(const Segments& sg, const scalar_t* s, const acc_t* d, acc_t* x,
+                      acc_t* cmin, acc_t* cmax, uint8_t* cfinite) {
+  for_each_chunk(sg.chunks, sg.numel, [&](int64_t c, const Chunk& ch) {
+    const acc_t inv_eps = static_cast<acc_t>(1.0 / sg.eps[ch.seg]);
+    acc_t lo = INFINITY, hi = -INFINITY;
+    bool finite = true;
+    for (int64_t i = ch.begin; i < ch.end; ++i) {
+      const acc_t v = d[i] + (acc_t(2) * static_cast<acc_t>(s[i]) - acc_t(1)) * inv_eps;
+      x[i] = v;
+      finite = finite && std::isfinite(v);
+      lo = v < lo ? v : lo;
+      hi = v > hi ? v : hi;
+    }
+    if (cmin != nullptr) {
+      cmin[c] = lo;
+      cmax[c] = hi;
+      cfinite[c] = finite;
+    }
+  });
+}
+
+double log_ratio(double k, int64_t n) { return std::log(k) - std::log(static_cast<double>(n) - k); }
+
+template <class scalar_t, class acc_t>
+void forward_impl(const Segments& sg, const at::Tensor& scores, const at::Tensor& log_odds,
+                  const at::Tensor& shift, int64_t iters, at::Tensor& mask, at::Tensor& new_d,
+                  at::Tensor& new_shift, at::Tensor& stats) {
+  const int64_t nseg = sg.nseg, nch = static_cast<int64_t>(sg.chunks.size());
+  const acc_t* d = log_odds.data_ptr<acc_t>();
+  const acc_t* shift_in = shift.data_ptr<acc_t>();
+  auto x_t = at::empty({sg.numel}, log_odds.options());
+  acc_t* x = x_t.data_ptr<acc_t>();
+  std::vector<acc_t> cmin(nch), cmax(nch);
+  std::vector<uint8_t> cfinite(nch);
+  compute_log_odds<scalar_t, acc_t>(sg, scores.data_ptr<scalar_t>(), d, x, cmin.data(),
+                                    cmax.data(), cfinite.data());
+
+  // Segment extremes of x: log sigmoid is monotone, so they give each column's max.
+  std::vector<double> xmin(nseg, INFINITY), xmax(nseg, -INFINITY);
+  std::vector<uint8_t> finite(nseg, 1);
+  for (int64_t c = 0; c < nch; ++c) {
+    const int64_t s = sg.chunks[c].seg;
+    xmin[s] = std::min<double>(xmin[s], cmin[c]);
+    xmax[s] = std::max<double>(xmax[s], cmax[c]);
+    finite[s] = finite[s] && cfinite[c];
+  }
+
+  std::vector<double> delta(nseg), l1(nseg), l0(nseg), bias(nseg);
+  std::vector<uint8_t> degenerate(nseg);
+  for (int64_t s = 0; s < nseg; ++s) {
+    const int64_t n = sg.offsets[s + 1] - sg.offsets[s];
+    delta[s] = static_cast<double>(shift_in[s]);
+    degenerate[s] = is_degenerate(sg.keep[s], n);
+    bias[s] = degenerate[s] ? 0.0 : log_ratio(sg.keep[s], n);
+  }
+  double* st = stats.data_ptr<double>();
+  std::vector<double> ps1(nch), ps0(nch), m1(nseg), m0(nseg);
+  for (int64_t t = 0; t < iters; ++t) {
+    for (int64_t s = 0; s < nseg; ++s) {
+      m1[s] = log_sigmoid(xmax[s] + delta[s]);
+      m0[s] = log_sigmoid(-(xmin[s] + delta[s]));
+      if (!std::isfinite(m1[s])) m1[s] = 0.0;  // non-finite segment: its state is kept
+      if (!std::isfinite(m0[s])) m0[s] = 0.0;
+    }
+    for_each_chunk(sg.chunks, sg.numel, [&](int64_t c, const Chunk& ch) {
+      const int64_t s = ch.seg;
+      const auto sums = column_sums(x + ch.begin, ch.end - ch.begin, static_cast<acc_t>(delta[s]),
+                                    static_cast<acc_t>(m1[s]), static_cast<acc_t>(m0[s]));
+      ps1[c] = sums.s1;
+      ps0[c] = sums.s0;
+    });
+    std::vector<double> s1(nseg, 0.0), s0(nseg, 0.0);
+    for (int64_t c = 0; c < nch; ++c) {
+      s1[sg.chunks[c].seg] += ps1[c];
+      s0[sg.chunks[c].seg] += ps0[c];
+    }
+    for (int64_t s = 0; s < nseg; ++s) {
+      // The shift is rounded to acc_t exactly as the elementwise pass saw it.
+      const double dl = static_cast<double>(static_cast<acc_t>(delta[s]));
+      l1[s] = m1[s] + std::log(s1[s]);
+      l0[s] = m0[s] + std::log(s0[s]);
+      double* row = st + (s * iters + t) * 3;
+      row[0] = dl;
+      row[1] = l1[s];
+      row[2] = l0[s];
+      delta[s] = bias[s] + dl - l1[s] + l0[s];
+    }
+  }
+
+  // Mask and next state. A degenerate or non-finite segment keeps its state.
+  std::vector<uint8_t> advance(nseg);
+  acc_t* new_shift_p = new_shift.data_ptr<acc_t>();
+  for (int64_t s = 0; s < nseg; ++s) {
+    advance[s] = !degenerate[s] && finite[s] && std::isfinite(delta[s]);
+    new_shift_p[s] = advance[s] ? static_cast<acc_t>(delta[s]) : shift_in[s];
+  }
+  acc_t* mask_p = mask.data_ptr<acc_t>();
+  acc_t* new_d_p = new_d.data_ptr<acc_t>();
+  for_each_chunk(sg.chunks, sg.numel, [&](int64_t c, const Chunk& ch) {
+    const int64_t s = ch.seg, len = ch.end - ch.begin;
+    const int64_t n = sg.offsets[s + 1] - sg.offsets[s];
+    if (degenerate[s]) {
+      std::fill(mask_p + ch.begin, mask_p + ch.end, static_cast<acc_t>(sg.keep[s] / n));
+    } else {
+      const double* last = st + (s * iters + iters - 1) * 3;
+      mask_and_state(x + ch.begin, len, static_cast<acc_t>(last[0]), static_cast<acc_t>(last[1]),
+                     static_cast<acc_t>(sg.keep[s]), static_cast<acc_t>(delta[s]),
+                     mask_p + ch.begin, new_d_p + ch.begin);
+    }
+    if (!advance[s]) std::copy(d + ch.begin, d + ch.end, new_d_p + ch.begin);
+  });
+}
+
+template <class acc_t>
+void backward_impl(const Segments& sg, const acc_t* g, const acc_t* x, const double* st,
+                   int64_t iters, acc_t* grad_x, double* grad_keep) {
+  const int64_t nseg = sg.nseg, nch = static_cast<int64_t>(sg.chunks.size());
+  auto seg_n = [&](int64_t s) { return sg.offsets[s + 1] - sg.offsets[s]; };
+  auto row = [&](int64_t s, int64_t t) { return st + (s * iters + t) * 3; };
+
+  // Last pass: mask = k p, dL/dz = k q (g - sum g p). grad_x holds q for now.
+  std::vector<GradSums<double>> part(nch);
+  for_each_chunk(sg.chunks, sg.numel, [&](int64_t c, const Chunk& ch) {
+    const double* r = row(ch.seg, iters - 1);
+    const auto p = grad_sums(x + ch.begin, g + ch.begin, ch.end - ch.begin,
+                             static_cast<acc_t>(r[0]), static_cast<acc_t>(r[1]),
+                             grad_x + ch.begin);
+    part[c] = {p.gp, p.gq, p.q, p.g};
+  });
+  std::vector<GradSums<double>> sums(nseg, GradSums<double>{0, 0, 0, 0});
+  for (int64_t c = 0; c < nch; ++c) {
+    auto& a = sums[sg.chunks[c].seg];
+    a.gp += part[c].gp;
+    a.gq += part[c].gq;
+    a.q += part[c].q;
+    a.g += part[c].g;
+  }
+
+  // Earlier passes (iters > 1): delta_t = B + delta_{t-1} - L1 + L0 depends on x, with
+  // d delta_t / d x_i = -w_i and d delta_t / d delta_{t-1} = 1 - W (W = sum_i w_i).
+  const int64_t npass = iters - 1;
+  std::vector<double> coef(nseg * std::max<int64_t>(npass, 1), 0.0), grad_bias(nseg, 0.0);
+  if (npass > 0) {
+    std::vector<double> wpart(nch * npass);
+    for_each_chunk(sg.chunks, sg.numel, [&](int64_t c, const Chunk& ch) {
+      for (int64_t t = 0; t < npass; ++t) {
+        const double* r = row(ch.seg, t);
+        const acc_t dl = static_cast<acc_t>(r[0]), a1 = static_cast<acc_t>(r[1]),
+                    a0 = static_cast<acc_t>(r[2]);
+        acc_t w = 0;
+        for (int64_t i = ch.begin; i < ch.end; ++i) w += pass_weight<acc_t>(x[i] + dl, a1, a0);
+        wpart[c * npass + t] = w;
+      }
+    });
+    std::vector<double> wsum(nseg * npass, 0.0);
+    for (int64_t c = 0; c < nch; ++c) {
+      for (int64_t t = 0; t < npass; ++t) wsum[sg.chunks[c].seg * npass + t] += wpart[c * npass + t];
+    }
+    for (int64_t s = 0; s < nseg; ++s) {
+      const double k = sg.keep[s];
+      double gdelta = k * (sums[s].gq - sums[s].gp * sums[s].q);  // sum_i dL/dz_i
+      for (int64_t t = npass; t >= 1; --t) {
+        coef[s * npass + t - 1] = -gdelta;
+        grad_bias[s] += gdelta;
+        gdelta *= 1.0 - wsum[s * npass + t - 1];
+      }
+    }
+  }
+
+  for_each_chunk(sg.chunks, sg.numel, [&](int64_t c, const Chunk& ch) {
+    const int64_t s = ch.seg;
+    if (is_degenerate(sg.keep[s], seg_n(s))) {
+      std::fill(grad_x + ch.begin, grad_x + ch.end, acc_t(0));
+      return;
+    }
+    const acc_t k = static_cast<acc_t>(sg.keep[s]);
+    const acc_t gp = static_cast<acc_t>(sums[s].gp);
+    const acc_t scale = static_cast<acc_t>(2.0 / sg.eps[s]);
+    for (int64_t i = ch.begin; i < ch.end; ++i) grad_x[i] = k * grad_x[i] * (g[i] - gp);
+    for (int64_t t = 0; t < npass; ++t) {
+      const double* r = row(s, t);
+      const acc_t dl = static_cast<acc_t>(r[0]), a1 = static_cast<acc_t>(r[1]),
+                  a0 = static_cast<acc_t>(r[2]), a = static_cast<acc_t>(coef[s * npass + t]);
+      for (int64_t i = ch.begin; i < ch.end; ++i) grad_x[i] += a * pass_weight<acc_t>(x[i] + dl, a1, a0);
+    }
+    for (int64_t i = ch.begin; i < ch.end; ++i) grad_x[i] *= scale;
+  });
+
+  for (int64_t s = 0; s < nseg; ++s) {
+    const double k = sg.keep[s];
+    const int64_t n = seg_n(s);
+    if (is_degenerate(k, n)) {
+      grad_keep[s] = sums[s].g / static_cast<double>(n);  // mask = k / n everywhere
+    } else {
+      grad_keep[s] = sums[s].gp + grad_bias[s] * n / (k * (static_cast<double>(n) - k));
+    }
+  }
+}
+
+at::ScalarType acc_type(const at::Tensor& scores) {
+  return scores.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+void check_state(const at::Tensor& scores, const at::Tensor& log_odds, const at::Tensor& shift,
+                 int64_t nseg) {
+  const auto acc = acc_type(scores);
+  TORCH_CHECK(scores.is_floating_point(), "dtp::transport_mask: scores must be floating point");
+  TORCH_CHECK(log_odds.scalar_type() == acc && shift.scalar_type() == acc,
+              "dtp::transport_mask: log_odds and shift must be ", acc, " for ",
+              scores.scalar_type(), " scores");
+  TORCH_CHECK(log_odds.numel() == scores.numel() && shift.numel() == nseg,
+              "dtp::transport_mask: state sizes do not match scores and offsets");
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport_mask_cpu(
+    const at::Tensor& scores_in, const at::Tensor& offsets, const at::Tensor& keep,
+    const at::Tensor& eps, const at::Tensor& log_odds_in, const at::Tensor& shift_in,
+    int64_t iters) {
+  TORCH_CHECK(iters >= 1, "dtp::transport_mask: iters must be >= 1, got ", iters);
+  const Segments sg = read_segments(scores_in, offsets, keep, eps);
+  check_state(scores_in, log_odds_in, shift_in, sg.nseg);
+  const auto scores = scores_in.contiguous();
+  const auto log_odds = log_odds_in.contiguous();
+  const auto shift = shift_in.contiguous();
+  const auto acc = acc_type(scores);
+  auto mask_acc = at::empty({sg.numel}, log_odds.options());
+  auto new_d = at::empty_like(log_odds);
+  auto new_shift = at::empty_like(shift);
+  auto stats = at::empty({sg.nseg, iters, 3}, log_odds.options().dtype(at::kDouble));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scores.scalar_type(), "transport_mask_cpu", [&] {
+    if (acc == at::kDouble) {
+      forward_impl<scalar_t, double>(sg, scores, log_odds, shift, iters, mask_acc, new_d,
+                                     new_shift, stats);
+    } else {
+      forward_impl<scalar_t, float>(sg, scores, log_odds, shift, iters, mask_acc, new_d,
+                                    new_shift, stats);
+    }
+  });
+  auto mask = mask_acc.scalar_type() == scores.scalar_type() ? mask_acc
+                                                               : mask_acc.to(scores.scalar_type());
+  return {mask, new_d, new_shift, stats};
+}
+
+std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cpu(
+    const at::Tensor& grad_mask, const at::Tensor& scores_in, const at::Tensor& offsets,
+    const at::Tensor& keep, const at::Tensor& eps, const at::Tensor& log_odds_in,
+    const at::Tensor& stats_in) {
+  const Segments sg = read_segments(scores_in, offsets, keep, eps);
+  TORCH_CHECK(stats_in.dim() == 3 && stats_in.size(0) == sg.nseg && stats_in.size(2) == 3 &&
+                  stats_in.scalar_type() == at::kDouble,
+              "dtp::transport_mask_backward: stats must be float64 of shape (segments, iters, 3)");
+  TORCH_CHECK(grad_mask.numel() == sg.numel, "dtp::transport_mask_backward: grad_mask has ",
+              grad_mask.numel(), " elements, expected ", sg.numel);
+  const int64_t iters = stats_in.size(1);
+  const auto scores = scores_in.contiguous();
+  const auto log_odds = log_odds_in.contiguous();
+  const auto stats = stats_in.contiguous();
+  const auto acc = acc_type(scores);
+  TORCH_CHECK(log_odds.scalar_type() == acc && log_odds.numel() == sg.numel,
+              "dtp::transport_mask_backward: log_odds must be ", acc, " with ", sg.numel,
+              " elements");
+  const auto g = grad_mask.to(acc).contiguous();
+  auto x_t = at::empty({sg.numel}, log_odds.options());
+  auto grad_x = at::empty({sg.numel}, log_odds.options());
+  auto grad_keep = at::empty({sg.nseg}, log_odds.options().dtype(at::kDouble));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scores.scalar_type(), "transport_mask_backward_cpu", [&] {
+    if (acc == at::kDouble) {
+      compute_log_odds<scalar_t, double>(sg, scores.data_ptr<scalar_t>(),
+                                         log_odds.data_ptr<double>(), x_t.data_ptr<double>(),
+                                         nullptr, nullptr, nullptr);
+      backward_impl<double>(sg, g.data_ptr<double>(), x_t.data_ptr<double>(),
+                            stats.data_ptr<double>(), iters, grad_x.data_ptr<double>(),
+                            grad_keep.data_ptr<double>());
+    } else {
+      compute_log_odds<scalar_t, float>(sg, scores.data_ptr<scalar_t>(),
+                                        log_odds.data_ptr<float>(), x_t.data_ptr<float>(),
+                                        nullptr, nullptr, nullptr);
+      backward_impl<float>(sg, g.data_ptr<float>(), x_t.data_ptr<float>(),
+                           stats.data_ptr<double>(), iters, grad_x.data_ptr<float>(),
+                           grad_keep.data_ptr<double>());
+    }
+  });
+  return {grad_x.to(scores.scalar_type()), grad_keep.to(keep.scalar_type())};
+}
+
+TORCH_LIBRARY_IMPL(dtp, CPU, m) {
+  m.impl("transport_mask", &transport_mask_cpu);
+  m.impl("transport_mask_backward", &transport_mask_backward_cpu);
+}
+
+}  // namespace dtp

@@ -1,0 +1,95 @@
+// Per-element math of the DTP transport-mask step, shared by the C++ CPU kernels and
+// the CUDA kernels. Everything here is inline and free of ATen so both compilers see
+// the same formulas (DESIGN.md section 1).
+//
+// Notation: z = x + delta is the log-odds of the Gibbs kernel's two columns, and
+//   log sigmoid(z)  = min(z, 0)  + log r,   r = 1 / (1 + exp(-|z|)),
+//   log sigmoid(-z) = min(-z, 0) + log r.
+// Writing the log-sigmoids this way needs one exp and one division per element and
+// never evaluates log1p, so the loops vectorise.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define DTP_HOST_DEVICE __host__ __device__
+#else
+#define DTP_HOST_DEVICE
+#endif
+
+namespace dtp {
+
+// exp for float: range reduction to |r| <= ln2/2 and a degree-7 Taylor polynomial
+// (error below 1 ulp on that range). Written without library calls so the compiler
+// vectorises the loops that use it. NaN propagates; x < -87 gives 0, x > 88.72 gives inf.
+DTP_HOST_DEVICE inline float exp_fast(float x) {
+#if defined(__CUDA_ARCH__)
+  return ::expf(x);
+#else
+  const float lo = -87.0f;
+  const float hi = 88.72283935546875f;
+  float xc = x < lo ? lo : x;  // NaN stays NaN: comparisons with NaN are false
+  xc = xc > hi ? hi : xc;
+  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  float r = xc - n * 0.693145751953125f;  // ln2 split in a high part ...
+  r = r - n * 1.42860682030941723e-06f;   // ... and a low part
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  // 2^(n-1) built from its exponent bits, times 2: n - 1 stays in [-126, 127].
+  const float n_safe = (n == n) ? n : 0.0f;
+  const int32_t bits = (static_cast<int32_t>(n_safe) + 126) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  float y = p * scale * 2.0f;
+  y = x < lo ? 0.0f : y;
+  y = x > hi ? INFINITY : y;
+  return y;
+#endif
+}
+
+DTP_HOST_DEVICE inline double exp_fast(double x) { return ::exp(x); }
+
+// min(v, 0) that propagates NaN (std::fmin would drop it).
+template <class T>
+DTP_HOST_DEVICE inline T min_zero(T v) {
+  return v > T(0) ? T(0) : v;
+}
+
+// r = sigmoid(|z|) = 1 / (1 + exp(-|z|)).
+template <class T>
+DTP_HOST_DEVICE inline T sigmoid_abs(T z) {
+  return T(1) / (T(1) + exp_fast(-(z < T(0) ? -z : z)));
+}
+
+// exp(log sigmoid(z) - shift), with r = sigmoid_abs(z).
+template <class T>
+DTP_HOST_DEVICE inline T exp_log_sigmoid(T z, T shift, T r) {
+  return exp_fast(min_zero(z) - shift) * r;
+}
+
+// exp(log sigmoid(z) + log sigmoid(-z) - shift) = sigmoid(z) sigmoid(-z) / exp(shift).
+template <class T>
+DTP_HOST_DEVICE inline T exp_log_sigmoid_pair(T z, T shift, T r) {
+  return exp_fast(-(z < T(0) ? -z : z) - shift) * r * r;
+}
+
+// log sigmoid(v) for one number per segment (double precision, library calls).
+DTP_HOST_DEVICE inline double log_sigmoid(double v) {
+  return (v > 0.0 ? 0.0 : v) - ::log1p(::exp(-(v < 0.0 ? -v : v)));
+}
+
+// A segment whose kept count is 0 or n has one feasible plan, P = a b^T: its mask is
+// the constant k / n and its state does not move.
+DTP_HOST_DEVICE inline bool is_degenerate(double k, int64_t n) {
+  return !(k > 0.0 && k < static_cast<double>(n));
+}
+
+}  // namespace dtp

@@ -1,0 +1,18 @@
+"""dtp_kernels: Differentiable Transportation Pruning (Li et al., ICCV 2023) for PyTorch.
+
+Public API: :func:`transport_mask`, :class:`TransportState`, :func:`available_backends`,
+:func:`build_info`. The literal reference is :mod:`dtp_kernels.reference`.
+"""
+
+from ._extension import BackendUnavailableError, available_backends, build_info
+from .transport_mask import transport_mask
+from .transport_state import TransportState
+
+__all__ = [
+    "BackendUnavailableError",
+    "TransportState",
+    "available_backends",
+    "build_info",
+    "transport_mask",
+]
+__version__ = "0.1.0"

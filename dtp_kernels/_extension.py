@@ -1,0 +1,89 @@
+"""Loading of the compiled module, and what each backend needs to run."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import torch
+
+try:
+    from . import _C  # noqa: F401  (registers the torch.ops.dtp CPU/CUDA kernels)
+
+    _C_ERROR: Exception | None = None
+except ImportError as error:  # the package stays importable without its build
+    _C = None
+    _C_ERROR = error
+
+BUILD_HINT = (
+    "build it with `make build` (or `pip install --no-build-isolation -e .`) in the "
+    "repository, with torch installed"
+)
+
+BACKENDS = ("auto", "reference", "torch", "cpu")
+
+
+class BackendUnavailableError(RuntimeError):
+    """A backend was asked for that cannot run here; the message says how to get it."""
+
+
+def compiled() -> bool:
+    """Whether dtp_kernels._C imported."""
+    return _C is not None
+
+
+def available_backends(device: torch.device | str = "cpu") -> list[str]:
+    """Backends that can run on tensors of `device`, fastest last ("auto" picks the last)."""
+    device = torch.device(device)
+    backends = ["reference", "torch"]
+    if device.type == "cpu" and compiled():
+        backends.append("cpu")
+    return backends
+
+
+def require_backend(backend: str, device: torch.device) -> None:
+    """Raise BackendUnavailableError with instructions when `backend` cannot run on `device`."""
+    if backend in available_backends(device):
+        return
+    if backend == "cpu" and device.type != "cpu":
+        raise BackendUnavailableError(
+            f"backend 'cpu' runs on CPU tensors, got tensors on {device}; "
+            f"use one of {available_backends(device)} there"
+        )
+    if backend == "cpu":
+        raise BackendUnavailableError(
+            f"backend 'cpu' needs the compiled module dtp_kernels._C, which did not import "
+            f"({_C_ERROR}); {BUILD_HINT}"
+        )
+    raise BackendUnavailableError(
+        f"backend {backend!r} is not available on {device}; available: "
+        f"{available_backends(device)}"
+    )
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def build_info() -> dict:
+    """Versions of torch and triton and how dtp_kernels._C was compiled.
+
+    Keys: torch, triton, cuda_compiled, cuda_arch_list, compiler, torch_compiled_against,
+    extension_loaded, extension_error.
+    """
+    info = {
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "triton": _version("triton"),
+        "extension_loaded": compiled(),
+        "extension_error": None if _C_ERROR is None else str(_C_ERROR),
+        "cuda_compiled": False,
+        "cuda_arch_list": "",
+        "compiler": None,
+        "torch_compiled_against": None,
+    }
+    if _C is not None:
+        info.update(_C.build_info())
+    return info

@@ -1,0 +1,321 @@
+"""The DTP transport-mask op: validation, backend dispatch, the eager closed form, and
+the torch.library registration (fake tensor and autograd) of the compiled kernels.
+
+Math: DESIGN.md section 1. State semantics: DESIGN.md section 4 and TransportState.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+
+import torch
+
+from ._extension import BACKENDS, available_backends, require_backend
+from .transport_state import TransportState
+
+Scores = torch.Tensor | Sequence[torch.Tensor]
+
+# ---------------------------------------------------------------------------------------
+# Input checking: everything is checked before any state is touched.
+# ---------------------------------------------------------------------------------------
+
+
+def _check_scores(scores: Scores, state: TransportState) -> tuple[torch.Tensor, bool]:
+    """Return the flat scores tensor and whether the caller gave a list of segments."""
+    if isinstance(scores, torch.Tensor):
+        parts, is_list = [scores], False
+    elif isinstance(scores, Sequence) and all(isinstance(t, torch.Tensor) for t in scores):
+        parts, is_list = list(scores), True
+    else:
+        raise TypeError(
+            f"scores must be a 1-D tensor or a list of 1-D tensors, got {type(scores).__name__}"
+        )
+    for index, part in enumerate(parts):
+        where = f"scores[{index}] (segment {index})" if is_list else "scores"
+        if part.is_complex() or not part.is_floating_point():
+            raise TypeError(
+                f"{where} has dtype {part.dtype}; allowed: float16, bfloat16, float32, float64"
+            )
+        if part.dim() != 1:
+            raise ValueError(f"{where} must be 1-D, got shape {tuple(part.shape)}")
+        if part.device != state.device:
+            raise ValueError(
+                f"{where} is on {part.device} but the transport state is on {state.device}; "
+                "move one of them"
+            )
+    if is_list:
+        if len(parts) != state.num_segments:
+            raise ValueError(
+                f"scores has {len(parts)} segments, the transport state has {state.num_segments}"
+            )
+        for index, (part, n) in enumerate(zip(parts, state.sizes, strict=True)):
+            if part.numel() != n:
+                raise ValueError(
+                    f"scores[{index}] (segment {index}) has {part.numel()} entries, "
+                    f"the transport state expects n = {n}"
+                )
+        dtypes = {p.dtype for p in parts}
+        if len(dtypes) > 1:
+            raise TypeError(f"scores segments mix dtypes {sorted(map(str, dtypes))}")
+        return torch.cat(parts), True
+    if scores.numel() != state.numel:
+        raise ValueError(
+            f"scores has {scores.numel()} entries, the transport state expects "
+            f"{state.numel} (segment sizes {list(state.sizes)})"
+        )
+    return scores, False
+
+
+def _check_keep(keep, state: TransportState) -> torch.Tensor:  # noqa: ANN001
+    """k per segment as a float tensor on the state's device; each in [0, n]."""
+    if isinstance(keep, numbers.Real) and not isinstance(keep, bool):
+        keep = [keep]
+    if isinstance(keep, torch.Tensor):
+        if keep.is_complex() or not keep.is_floating_point():
+            raise TypeError(f"keep has dtype {keep.dtype}; it must be float32 or float64")
+        if keep.dim() > 1:
+            raise ValueError(f"keep must be 0-D or 1-D, got shape {tuple(keep.shape)}")
+        if keep.device != state.device:
+            raise ValueError(f"keep is on {keep.device} but the transport state is on {state.device}")
+        values = keep.reshape(-1)
+    elif isinstance(keep, Sequence):
+        for index, k in enumerate(keep):
+            if isinstance(k, bool) or not isinstance(k, numbers.Real):
+                raise TypeError(f"keep[{index}] (segment {index}) = {k!r} is not a real number")
+        values = torch.tensor([float(k) for k in keep], dtype=torch.float32, device=state.device)
+    else:
+        raise TypeError(f"keep must be a tensor or a sequence of numbers, got {type(keep).__name__}")
+    if values.numel() != state.num_segments:
+        raise ValueError(
+            f"keep has {values.numel()} entries, one per segment is needed ({state.num_segments})"
+        )
+    sizes = _sizes_tensor(state, values.dtype)
+    bad = ~((values >= 0) & (values <= sizes))  # NaN is bad too
+    if values.device.type == "cpu":
+        if bool(bad.any()):
+            index = int(bad.nonzero()[0])
+            raise ValueError(
+                f"keep[{index}] (segment {index}) = {float(values[index])} is outside the "
+                f"allowed range [0, {state.sizes[index]}]"
+            )
+    else:  # checked on the device: no host sync per step
+        torch._assert_async(~bad.any(), "keep: a kept count is outside [0, n] of its segment")
+    return values
+
+
+def _sizes_tensor(state: TransportState, dtype: torch.dtype) -> torch.Tensor:
+    cached = getattr(state, "_sizes_cache", None)
+    if cached is None or cached.dtype != dtype or cached.device != state.device:
+        cached = torch.tensor(state.sizes, dtype=dtype, device=state.device)
+        state._sizes_cache = cached
+    return cached
+
+
+def _check_eps(eps, state: TransportState) -> torch.Tensor:  # noqa: ANN001
+    """eps per segment as a float64 tensor on the state's device; each finite and > 0."""
+    if isinstance(eps, torch.Tensor):
+        if eps.requires_grad:
+            raise ValueError("eps must not require grad: DTP treats eps as a constant")
+        values = [float(v) for v in eps.detach().reshape(-1).cpu()]
+    elif isinstance(eps, numbers.Real) and not isinstance(eps, bool):
+        values = [float(eps)] * state.num_segments
+    elif isinstance(eps, Sequence):
+        values = [float(v) for v in eps]
+    else:
+        raise TypeError(f"eps must be a float or one float per segment, got {type(eps).__name__}")
+    if len(values) != state.num_segments:
+        raise ValueError(f"eps has {len(values)} entries, the state has {state.num_segments} segments")
+    for index, v in enumerate(values):
+        if not (v > 0 and v < float("inf")):
+            raise ValueError(f"eps[{index}] (segment {index}) = {v}; eps must be finite and > 0")
+    return torch.tensor(values, dtype=torch.float64, device=state.device)
+
+
+def _check_options(iters, update, backend, device: torch.device) -> str:  # noqa: ANN001
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
+        raise ValueError(f"iters = {iters!r}; it must be an int >= 1")
+    if not isinstance(update, bool):
+        raise TypeError(f"update must be a bool, got {type(update).__name__}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend = {backend!r}; allowed: {list(BACKENDS)}")
+    if backend == "auto":
+        return available_backends(device)[-1]
+    require_backend(backend, device)
+    return backend
+
+
+# ---------------------------------------------------------------------------------------
+# Backend "torch": the closed form in eager torch, all segments at once.
+# ---------------------------------------------------------------------------------------
+
+
+def _segment_logsumexp(values: torch.Tensor, seg: torch.Tensor, nseg: int) -> torch.Tensor:
+    shift = torch.full((nseg,), -torch.inf, dtype=values.dtype, device=values.device)
+    shift = shift.scatter_reduce(0, seg, values.detach(), "amax", include_self=True)
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    total = torch.zeros(nseg, dtype=values.dtype, device=values.device)
+    total = total.index_add(0, seg, torch.exp(values - shift[seg]))
+    return torch.log(total) + shift
+
+
+def _transport_mask_torch(
+    scores: torch.Tensor,
+    keep: torch.Tensor,
+    eps: torch.Tensor,
+    state: TransportState,
+    iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    acc = torch.float64 if scores.dtype == torch.float64 else torch.float32
+    seg, nseg = state.segment_ids, state.num_segments
+    n = _sizes_tensor(state, acc)
+    d = state.log_odds.to(acc)
+    delta = state.shift.to(acc)
+    k = keep.to(acc)
+    x = d + (2 * scores.to(acc) - 1) / eps.to(acc)[seg]
+    degenerate = ~((k > 0) & (k < n))
+    k_safe = torch.where(degenerate, n / 2, k)  # keeps the unused branch finite for autograd
+    bias = torch.log(k_safe) - torch.log(n - k_safe)
+    for _ in range(iters):
+        z = x + delta[seg]
+        log_sig = torch.nn.functional.logsigmoid(z)
+        l1 = _segment_logsumexp(log_sig, seg, nseg)
+        l0 = _segment_logsumexp(torch.nn.functional.logsigmoid(-z), seg, nseg)
+        new_delta = bias + delta - l1 + l0
+        delta = new_delta
+    mask = k_safe[seg] * torch.exp(log_sig - l1[seg])
+    mask = torch.where(degenerate[seg], (k / n)[seg], mask)
+    finite = torch.ones(nseg, dtype=torch.bool, device=x.device)
+    finite = finite.scatter_reduce(0, seg, torch.isfinite(x.detach()), "amin")
+    advance = finite & torch.isfinite(new_delta.detach()) & ~degenerate
+    new_d = torch.where(advance[seg], x.detach() + new_delta.detach()[seg], state.log_odds.to(acc))
+    new_shift = torch.where(advance, new_delta.detach(), state.shift.to(acc))
+    return mask.to(scores.dtype), new_d, new_shift
+
+
+# ---------------------------------------------------------------------------------------
+# Backend "cpu": the compiled op torch.ops.dtp.transport_mask, its fake and its autograd.
+# ---------------------------------------------------------------------------------------
+
+
+@torch.library.register_fake("dtp::transport_mask")
+def _transport_mask_fake(scores, offsets, keep, eps, log_odds, shift, iters):  # noqa: ANN001
+    nseg = offsets.shape[0] - 1
+    return (
+        torch.empty_like(scores),
+        torch.empty_like(log_odds),
+        torch.empty_like(shift),
+        scores.new_empty((nseg, iters, 3), dtype=torch.float64),
+    )
+
+
+@torch.library.register_fake("dtp::transport_mask_backward")
+def _transport_mask_backward_fake(grad_mask, scores, offsets, keep, eps, log_odds, stats):  # noqa: ANN001
+    return torch.empty_like(scores), torch.empty_like(keep)
+
+
+def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
+    scores, offsets, keep, eps, log_odds, _shift, _iters = inputs
+    _mask, new_d, new_shift, stats = output
+    ctx.save_for_backward(scores, offsets, keep, eps, log_odds, stats)
+    ctx.mark_non_differentiable(new_d, new_shift, stats)
+
+
+def _backward(ctx, grad_mask, _g_d, _g_shift, _g_stats):  # noqa: ANN001
+    scores, offsets, keep, eps, log_odds, stats = ctx.saved_tensors
+    if grad_mask is None:
+        grad_mask = torch.zeros_like(scores)
+    grad_scores, grad_keep = torch.ops.dtp.transport_mask_backward(
+        grad_mask, scores, offsets, keep, eps, log_odds, stats
+    )
+    return grad_scores, None, grad_keep, None, None, None, None
+
+
+torch.library.register_autograd("dtp::transport_mask", _backward, setup_context=_setup_context)
+
+
+def _transport_mask_compiled(
+    scores: torch.Tensor,
+    keep: torch.Tensor,
+    eps: torch.Tensor,
+    state: TransportState,
+    iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    acc = torch.float64 if scores.dtype == torch.float64 else torch.float32
+    mask, new_d, new_shift, _stats = torch.ops.dtp.transport_mask(
+        scores, state.offsets, keep, eps, state.log_odds.to(acc), state.shift.to(acc), iters
+    )
+    return mask, new_d, new_shift
+
+
+# ---------------------------------------------------------------------------------------
+# Backend "reference": the literal Algorithm 1, looped over segments.
+# ---------------------------------------------------------------------------------------
+
+
+def _transport_mask_reference(
+    scores: torch.Tensor,
+    keep: torch.Tensor,
+    eps: torch.Tensor,
+    state: TransportState,
+    iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from . import reference  # only this backend needs the oracle
+
+    sizes = list(state.sizes)
+    masks, new_d, new_shift = reference.transport_mask_segments(
+        list(scores.split(sizes)),
+        keep,
+        list(state.log_odds.split(sizes)),
+        state.shift,
+        eps.tolist(),
+        iters,
+    )
+    return torch.cat(masks).to(scores.dtype), torch.cat(new_d), new_shift
+
+
+_IMPLEMENTATIONS = {
+    "reference": _transport_mask_reference,
+    "torch": _transport_mask_torch,
+    "cpu": _transport_mask_compiled,
+}
+
+
+def transport_mask(
+    scores: Scores,
+    keep: torch.Tensor | Sequence[float] | float,
+    state: TransportState,
+    eps: float | Sequence[float] | torch.Tensor = 1.0,
+    iters: int = 1,
+    update: bool = True,
+    backend: str = "auto",
+) -> torch.Tensor | list[torch.Tensor]:
+    """Soft masks of every segment from one warm-started entropic transport step.
+
+    Args:
+        scores: importance scores, one flat 1-D tensor over all segments (laid out as
+            ``state.sizes``) or a list of 1-D tensors, one per segment. float16, bfloat16,
+            float32 or float64; the math runs in float32 (float64 for float64 scores).
+        keep: kept count k per segment, each in [0, n]; floats, and may require grad
+            (the FLOPs budget learns it). A plain number is allowed for one segment.
+        state: the segments' TransportState; its current state is read, never changed here.
+        eps: entropic regularisation, a float or one per segment, finite and > 0.
+        iters: Sinkhorn iterations per step (the paper uses 1).
+        update: write the next state to ``state.pending_*`` (made current by
+            ``state.commit()``). False leaves the state untouched.
+        backend: "auto", "reference", "torch" or "cpu" (see ``available_backends``).
+
+    Returns:
+        The mask in the layout and dtype of ``scores``: ``mask[i] = n P_new[i, 1]``; each
+        segment's mask sums to its k. Segments with k = 0 or k = n get the constant k/n.
+    """
+    if not isinstance(state, TransportState):
+        raise TypeError(f"state must be a TransportState, got {type(state).__name__}")
+    flat, is_list = _check_scores(scores, state)
+    keep_t = _check_keep(keep, state)
+    eps_t = _check_eps(eps, state)
+    backend = _check_options(iters, update, backend, state.device)
+    mask, new_d, new_shift = _IMPLEMENTATIONS[backend](flat, keep_t, eps_t, state, iters)
+    if update:
+        state.write_pending(new_d, new_shift)
+    return list(mask.split(list(state.sizes))) if is_list else mask

@@ -1,0 +1,120 @@
+"""The warm-start state of the transport problem, carried between training steps."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+
+class TransportState(nn.Module):
+    """Per-segment state of DTP's one-step entropic transport (DESIGN.md sections 1 and 4).
+
+    For a segment of n channels the plan P (n x 2) enters the next step only through the
+    row log-odds ``log_odds[i] = log P[i, 1] - log P[i, 0]`` and the dual shift
+    ``shift = (g_1 - g_0) / eps``. Both start at 0 (uniform plan, g = 1).
+
+    ``transport_mask(..., update=True)`` writes the next state into the ``pending_*``
+    buffers; :meth:`commit` makes it current once per optimizer step, so several forwards
+    before a commit (gradient accumulation, evaluation) all see the same state.
+
+    Buffers (all in ``state_dict``): ``offsets`` (int64, segments + 1), ``log_odds`` and
+    ``pending_log_odds`` (one per channel), ``shift`` and ``pending_shift`` (one per
+    segment), ``has_pending`` (bool) and ``steps`` (int64, committed steps).
+
+    Args:
+        sizes: channels per segment, each >= 1.
+        dtype: float32 (default) or float64 for the carried state.
+        device: where the buffers live; scores must be on the same device.
+    """
+
+    def __init__(
+        self,
+        sizes: Sequence[int],
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        sizes = list(sizes)
+        if not sizes:
+            raise ValueError("TransportState: sizes is empty; give at least one segment")
+        for index, n in enumerate(sizes):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(
+                    f"TransportState: sizes[{index}] = {n!r}; each segment size must be an int >= 1"
+                )
+        if dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"TransportState: dtype must be float32 or float64, got {dtype}")
+        self.sizes: tuple[int, ...] = tuple(sizes)
+        total = sum(sizes)
+        offsets = torch.zeros(len(sizes) + 1, dtype=torch.int64)
+        offsets[1:] = torch.tensor(sizes, dtype=torch.int64).cumsum(0)
+        self.register_buffer("offsets", offsets.to(device))
+        self.register_buffer("log_odds", torch.zeros(total, dtype=dtype, device=device))
+        self.register_buffer("shift", torch.zeros(len(sizes), dtype=dtype, device=device))
+        self.register_buffer("pending_log_odds", torch.zeros(total, dtype=dtype, device=device))
+        self.register_buffer("pending_shift", torch.zeros(len(sizes), dtype=dtype, device=device))
+        self.register_buffer("has_pending", torch.zeros((), dtype=torch.bool, device=device))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64, device=device))
+        # Derived, not saved: segment index of every channel, for the eager backend.
+        self.register_buffer(
+            "segment_ids",
+            torch.repeat_interleave(
+                torch.arange(len(sizes)), torch.tensor(sizes, dtype=torch.int64)
+            ).to(device),
+            persistent=False,
+        )
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def numel(self) -> int:
+        return int(sum(self.sizes))
+
+    @property
+    def device(self) -> torch.device:
+        return self.log_odds.device
+
+    @torch.no_grad()
+    def write_pending(self, log_odds: torch.Tensor, shift: torch.Tensor) -> None:
+        """Store the next state; it becomes current at :meth:`commit`."""
+        self.pending_log_odds.copy_(log_odds)
+        self.pending_shift.copy_(shift)
+        self.has_pending.fill_(True)
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        """Make the pending state current and count a step, if a forward wrote one.
+
+        Runs on the device without a host sync: when nothing is pending the copies
+        write the current values back.
+        """
+        pending = self.has_pending
+        self.log_odds.copy_(torch.where(pending, self.pending_log_odds, self.log_odds))
+        self.shift.copy_(torch.where(pending, self.pending_shift, self.shift))
+        self.steps.add_(pending.to(self.steps.dtype))
+        self.has_pending.fill_(False)
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Back to the uniform plan: all log-odds and shifts 0, no pending step, 0 steps."""
+        for buffer in (self.log_odds, self.shift, self.pending_log_odds, self.pending_shift):
+            buffer.zero_()
+        self.has_pending.fill_(False)
+        self.steps.zero_()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001
+        key = prefix + "offsets"
+        if key in state_dict and not torch.equal(state_dict[key].cpu(), self.offsets.cpu()):
+            raise ValueError(
+                f"TransportState: the saved segment offsets {state_dict[key].tolist()} do not "
+                f"match this state's {self.offsets.tolist()}"
+            )
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"segments={self.num_segments}, numel={self.numel}, dtype={self.log_odds.dtype}"

@@ -1,0 +1,85 @@
+"""Builds dtp_kernels._C: the C++ CPU kernels always, the CUDA kernels when they can be.
+
+CUDA sources (csrc/*.cu) are compiled when torch is a CUDA build and nvcc is found, or
+when DTP_BUILD_CUDA=1; DTP_BUILD_CUDA=0 turns them off. TORCH_CUDA_ARCH_LIST defaults to
+"8.0;9.0". Build in place with `python setup.py build_ext --inplace` (what `make` does)
+or install with `pip install --no-build-isolation -e .`.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+
+import torch
+from setuptools import find_packages, setup
+
+# torch guesses CUDA_HOME=/usr/local from the nvcc wrapper on PATH; name the toolkit.
+if "CUDA_HOME" not in os.environ and os.path.exists("/usr/local/cuda/bin/nvcc"):
+    os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+DEFAULT_ARCH_LIST = "8.0;9.0"
+
+
+def find_nvcc() -> str | None:
+    """Path of nvcc under CUDA_HOME, /usr/local/cuda or on PATH; None when absent."""
+    candidates = [os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
+    for root in candidates:
+        if root and os.path.exists(os.path.join(root, "bin", "nvcc")):
+            return os.path.join(root, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+def want_cuda(cuda_sources: list[str]) -> bool:
+    """Whether to compile the CUDA sources, from DTP_BUILD_CUDA or from what is present."""
+    forced = os.environ.get("DTP_BUILD_CUDA")
+    if forced not in (None, "", "0", "1"):
+        raise SystemExit(f"DTP_BUILD_CUDA must be 0 or 1, got {forced!r}")
+    if forced == "0" or not cuda_sources:
+        if forced == "1":
+            raise SystemExit("DTP_BUILD_CUDA=1 but csrc/ has no CUDA sources")
+        return False
+    found = torch.version.cuda is not None and find_nvcc() is not None
+    if forced == "1" and not found:
+        raise SystemExit(
+            "DTP_BUILD_CUDA=1 needs a CUDA build of torch and nvcc "
+            f"(torch.version.cuda={torch.version.cuda}, nvcc={find_nvcc()})"
+        )
+    return found
+
+
+def extensions() -> list:
+    cpp_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    cuda_sources = sorted(glob.glob(os.path.join("csrc", "*.cu")))
+    cxx = ["-O3", "-std=c++20", f'-DDTP_TORCH_VERSION="{torch.__version__}"']
+    if not want_cuda(cuda_sources):
+        return [CppExtension("dtp_kernels._C", cpp_sources, extra_compile_args={"cxx": cxx})]
+    nvcc = find_nvcc()
+    os.environ.setdefault("CUDA_HOME", os.path.dirname(os.path.dirname(nvcc)))
+    arch_list = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
+    flags = ["-DDTP_WITH_CUDA", f'-DDTP_CUDA_ARCH_LIST="{arch_list}"']
+    return [
+        CUDAExtension(
+            "dtp_kernels._C",
+            cpp_sources + cuda_sources,
+            extra_compile_args={
+                "cxx": cxx + flags,
+                "nvcc": ["-O3", "-std=c++20", "--expt-relaxed-constexpr", *flags],
+            },
+        )
+    ]
+
+
+setup(
+    name="dtp-kernels",
+    version="0.1.0",
+    description="Differentiable Transportation Pruning: fused kernels, reference and pruner",
+    packages=find_packages(include=["dtp_kernels", "dtp_kernels.*"]),
+    python_requires=">=3.11",
+    install_requires=["torch>=2.11"],
+    ext_modules=extensions(),
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)
