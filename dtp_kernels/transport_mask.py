@@ -78,12 +78,14 @@ def _check_keep(keep, state: TransportState) -> torch.Tensor:  # noqa: ANN001
             raise ValueError(f"keep must be 0-D or 1-D, got shape {tuple(keep.shape)}")
         if keep.device != state.device:
             raise ValueError(f"keep is on {keep.device} but the transport state is on {state.device}")
-        values = keep.reshape(-1)
+        values = keep.detach().reshape(-1)
+        keep_flat = keep.reshape(-1)
     elif isinstance(keep, Sequence):
         for index, k in enumerate(keep):
             if isinstance(k, bool) or not isinstance(k, numbers.Real):
                 raise TypeError(f"keep[{index}] (segment {index}) = {k!r} is not a real number")
         values = torch.tensor([float(k) for k in keep], dtype=torch.float32, device=state.device)
+        keep_flat = values
     else:
         raise TypeError(f"keep must be a tensor or a sequence of numbers, got {type(keep).__name__}")
     if values.numel() != state.num_segments:
@@ -101,7 +103,7 @@ def _check_keep(keep, state: TransportState) -> torch.Tensor:  # noqa: ANN001
             )
     else:  # checked on the device: no host sync per step
         torch._assert_async(~bad.any(), "keep: a kept count is outside [0, n] of its segment")
-    return values
+    return keep_flat
 
 
 def _sizes_tensor(state: TransportState, dtype: torch.dtype) -> torch.Tensor:

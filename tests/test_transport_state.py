@@ -1,0 +1,103 @@
+"""State semantics (DESIGN.md section 4): pending vs committed, update=False, state_dict."""
+
+import io
+
+import pytest
+import torch
+
+from dtp_kernels import TransportState, transport_mask
+
+SIZES = [3, 17, 1, 64]
+KEEP = [1.0, 8.5, 1.0, 20.0]
+
+
+def snapshot(state: TransportState) -> dict:
+    return {k: v.clone() for k, v in state.state_dict().items()}
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_repeated_forwards_before_commit_are_identical(any_backend):
+    state = TransportState(SIZES)
+    scores = torch.randn(sum(SIZES), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):  # move off the uniform start
+        transport_mask(scores, KEEP, state, backend=any_backend)
+        state.commit()
+    first = transport_mask(scores, KEEP, state, backend=any_backend)
+    pending = state.pending_log_odds.clone()
+    for _ in range(3):
+        again = transport_mask(scores, KEEP, state, backend=any_backend)
+        assert torch.equal(again, first)
+        assert torch.equal(state.pending_log_odds, pending)
+
+
+def test_update_false_never_changes_state(any_backend):
+    state = TransportState(SIZES)
+    scores = torch.randn(sum(SIZES), generator=torch.Generator().manual_seed(1))
+    transport_mask(scores, KEEP, state, backend=any_backend)
+    state.commit()
+    before = snapshot(state)
+    for _ in range(3):
+        transport_mask(scores * 2, KEEP, state, update=False, backend=any_backend)
+    state.commit()  # nothing pending: a no-op
+    assert_same_state(before, snapshot(state))
+
+
+def test_commit_advances_once_per_pending_step(any_backend):
+    state = TransportState(SIZES)
+    scores = torch.randn(sum(SIZES), generator=torch.Generator().manual_seed(2))
+    m0 = transport_mask(scores, KEEP, state, backend=any_backend)
+    assert int(state.steps) == 0 and torch.all(state.log_odds == 0)
+    state.commit()
+    assert int(state.steps) == 1 and torch.equal(state.log_odds, state.pending_log_odds)
+    state.commit()
+    assert int(state.steps) == 1
+    m1 = transport_mask(scores, KEEP, state, backend=any_backend)
+    assert not torch.equal(m0, m1)
+
+
+def test_state_dict_round_trip():
+    state = TransportState(SIZES)
+    scores = torch.randn(sum(SIZES), generator=torch.Generator().manual_seed(3))
+    for _ in range(4):
+        transport_mask(scores, KEEP, state)
+        state.commit()
+    transport_mask(scores, KEEP, state)  # leave a pending step in the saved state
+    buffer = io.BytesIO()
+    torch.save(state.state_dict(), buffer)
+    buffer.seek(0)
+    restored = TransportState(SIZES)
+    restored.load_state_dict(torch.load(buffer, weights_only=True))
+    assert_same_state(snapshot(state), snapshot(restored))
+    state.commit()
+    restored.commit()
+    assert torch.equal(transport_mask(scores, KEEP, state), transport_mask(scores, KEEP, restored))
+
+
+def test_load_state_dict_with_other_segments_fails_cleanly():
+    state = TransportState(SIZES)
+    other = TransportState([3, 17, 1, 63])
+    before = snapshot(other)
+    with pytest.raises(ValueError, match="offsets"):
+        other.load_state_dict(state.state_dict())
+    assert_same_state(before, snapshot(other))
+
+
+def test_reset_returns_to_uniform_start():
+    state = TransportState(SIZES)
+    scores = torch.randn(sum(SIZES))
+    first = transport_mask(scores, KEEP, state)
+    state.commit()
+    state.reset()
+    assert int(state.steps) == 0
+    assert torch.equal(transport_mask(scores, KEEP, state), first)
+
+
+@pytest.mark.parametrize("bad", [[], [3, 0], [2, -1], [2.0], [True]])
+def test_bad_sizes(bad):
+    with pytest.raises(ValueError, match="size"):
+        TransportState(bad)
