@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._extension import BACKENDS, available_backends, require_backend
+from ._extension import BACKENDS, available_backends, compiled, require_backend
 from .transport_state import TransportState
 
 Scores = torch.Tensor | Sequence[torch.Tensor]
@@ -200,7 +200,6 @@ def _transport_mask_torch(
 # ---------------------------------------------------------------------------------------
 
 
-@torch.library.register_fake("dtp::transport_mask")
 def _transport_mask_fake(scores, offsets, keep, eps, log_odds, shift, iters):  # noqa: ANN001
     nseg = offsets.shape[0] - 1
     return (
@@ -211,7 +210,6 @@ def _transport_mask_fake(scores, offsets, keep, eps, log_odds, shift, iters):  #
     )
 
 
-@torch.library.register_fake("dtp::transport_mask_backward")
 def _transport_mask_backward_fake(grad_mask, scores, offsets, keep, eps, log_odds, stats):  # noqa: ANN001
     return torch.empty_like(scores), torch.empty_like(keep)
 
@@ -233,7 +231,11 @@ def _backward(ctx, grad_mask, _g_d, _g_shift, _g_stats):  # noqa: ANN001
     return grad_scores, None, grad_keep, None, None, None, None
 
 
-torch.library.register_autograd("dtp::transport_mask", _backward, setup_context=_setup_context)
+
+if compiled():  # the ops exist only when dtp_kernels._C loaded
+    torch.library.register_fake("dtp::transport_mask", _transport_mask_fake)
+    torch.library.register_fake("dtp::transport_mask_backward", _transport_mask_backward_fake)
+    torch.library.register_autograd("dtp::transport_mask", _backward, setup_context=_setup_context)
 
 
 def _transport_mask_compiled(

@@ -1,0 +1,55 @@
+"""build_info, available_backends and the error for a backend that is not there."""
+
+import pytest
+import torch
+
+import dtp_kernels
+from dtp_kernels import _extension
+
+
+def test_build_info_keys():
+    info = dtp_kernels.build_info()
+    for key in ("torch", "triton", "cuda_compiled", "cuda_arch_list", "compiler", "extension_loaded"):
+        assert key in info
+    assert info["torch"] == torch.__version__
+    if info["extension_loaded"]:
+        assert info["compiler"] and info["torch_compiled_against"] == torch.__version__
+
+
+def test_available_backends_cpu():
+    backends = dtp_kernels.available_backends("cpu")
+    assert backends[:2] == ["reference", "torch"]
+    assert ("cpu" in backends) == _extension.compiled()
+
+
+def test_missing_extension_message(monkeypatch):
+    monkeypatch.setattr(_extension, "_C", None)
+    monkeypatch.setattr(_extension, "_C_ERROR", ImportError("no module named dtp_kernels._C"))
+    assert "cpu" not in dtp_kernels.available_backends("cpu")
+    state = dtp_kernels.TransportState([3])
+    with pytest.raises(dtp_kernels.BackendUnavailableError, match=r"make build"):
+        dtp_kernels.transport_mask(torch.randn(3), [1.0], state, backend="cpu")
+    # "auto" falls back to what is there
+    mask = dtp_kernels.transport_mask(torch.randn(3), [1.0], state, backend="auto")
+    assert mask.shape == (3,)
+
+
+def test_auto_picks_compiled_kernel_on_cpu():
+    if not _extension.compiled():
+        pytest.skip("dtp_kernels._C is not built")
+    assert dtp_kernels.available_backends("cpu")[-1] == "cpu"
+
+
+def test_package_imports_without_extension(tmp_path):
+    """Importing never fails because the compiled module is missing."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = Path(dtp_kernels.__file__).parent
+    copy = tmp_path / "dtp_kernels"
+    shutil.copytree(src, copy, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    code = "import dtp_kernels as d; print(d.available_backends('cpu'), d.build_info()['extension_loaded'])"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['reference', 'torch'] False"
