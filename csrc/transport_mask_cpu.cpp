@@ -2,10 +2,10 @@
 // one backward. Segments are cut into chunks of at most kChunk elements; chunks run in
 // parallel (at::parallel_for) and write their partial sums to their own slot, which are
 // then merged per segment in chunk order, so the result does not depend on threading.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <ATen/ATen.h>
 #include <cmath>
 #include <vector>
 
@@ -83,8 +83,8 @@ ColumnSums<double> column_sums(const double* x, int64_t n, double delta, double 
 
 // mask_i = k exp(log sigmoid(z_i) - L1); new log-odds x_i + delta_new.
 template <class acc_t>
-void mask_and_state_loop(const acc_t* x, int64_t n, acc_t delta, acc_t l1, acc_t k,
-                         acc_t delta_new, acc_t* mask, acc_t* new_d) {
+void mask_and_state_loop(const acc_t* x, int64_t n, acc_t delta, acc_t l1, acc_t k, acc_t delta_new,
+                         acc_t* mask, acc_t* new_d) {
   for (int64_t i = 0; i < n; ++i) {
     const acc_t z = x[i] + delta;
     mask[i] = k * exp_log_sigmoid(z, l1, sigmoid_abs(z));
@@ -95,8 +95,8 @@ DTP_CLONES void mask_and_state(const float* x, int64_t n, float delta, float l1,
                                float delta_new, float* mask, float* new_d) {
   mask_and_state_loop(x, n, delta, l1, k, delta_new, mask, new_d);
 }
-void mask_and_state(const double* x, int64_t n, double delta, double l1, double k,
-                    double delta_new, double* mask, double* new_d) {
+void mask_and_state(const double* x, int64_t n, double delta, double l1, double k, double delta_new,
+                    double* mask, double* new_d) {
   mask_and_state_loop(x, n, delta, l1, k, delta_new, mask, new_d);
 }
 
@@ -107,8 +107,8 @@ struct GradSums {
   acc_t gp, gq, q, g;
 };
 template <class acc_t>
-GradSums<acc_t> grad_sums_loop(const acc_t* x, const acc_t* g, int64_t n, acc_t delta,
-                               acc_t l1, acc_t* q_out) {
+GradSums<acc_t> grad_sums_loop(const acc_t* x, const acc_t* g, int64_t n, acc_t delta, acc_t l1,
+                               acc_t* q_out) {
   acc_t gp = 0, gq = 0, qs = 0, gs = 0;
   for (int64_t i = 0; i < n; ++i) {
     const acc_t z = x[i] + delta;
@@ -127,8 +127,8 @@ DTP_CLONES GradSums<float> grad_sums(const float* x, const float* g, int64_t n, 
                                      float l1, float* q_out) {
   return grad_sums_loop(x, g, n, delta, l1, q_out);
 }
-GradSums<double> grad_sums(const double* x, const double* g, int64_t n, double delta,
-                           double l1, double* q_out) {
+GradSums<double> grad_sums(const double* x, const double* g, int64_t n, double delta, double l1,
+                           double* q_out) {
   return grad_sums_loop(x, g, n, delta, l1, q_out);
 }
 
@@ -150,8 +150,8 @@ struct Segments {
   std::vector<Chunk> chunks;
 };
 
-Segments read_segments(const at::Tensor& scores, const at::Tensor& offsets,
-                       const at::Tensor& keep, const at::Tensor& eps) {
+Segments read_segments(const at::Tensor& scores, const at::Tensor& offsets, const at::Tensor& keep,
+                       const at::Tensor& eps) {
   TORCH_CHECK(scores.dim() == 1, "dtp::transport_mask: scores must be 1-D, got ", scores.dim(),
               "-D");
   TORCH_CHECK(offsets.dim() == 1 && offsets.scalar_type() == at::kLong && offsets.numel() >= 2,
@@ -161,9 +161,9 @@ Segments read_segments(const at::Tensor& scores, const at::Tensor& offsets,
   sg.numel = scores.numel();
   auto off = offsets.to(at::kCPU).contiguous();
   sg.offsets.assign(off.data_ptr<int64_t>(), off.data_ptr<int64_t>() + off.numel());
-  TORCH_CHECK(sg.offsets.front() == 0 && sg.offsets.back() == sg.numel,
-              "dtp::transport_mask: offsets must start at 0 and end at scores.numel() = ",
-              sg.numel);
+  TORCH_CHECK(
+      sg.offsets.front() == 0 && sg.offsets.back() == sg.numel,
+      "dtp::transport_mask: offsets must start at 0 and end at scores.numel() = ", sg.numel);
   for (int64_t s = 0; s < sg.nseg; ++s) {
     TORCH_CHECK(sg.offsets[s + 1] > sg.offsets[s], "dtp::transport_mask: segment ", s,
                 " is empty; every segment needs n >= 1");
@@ -188,8 +188,8 @@ Segments read_segments(const at::Tensor& scores, const at::Tensor& offsets,
 // x_i = d_i + (2 s_i - 1) / eps, in acc_t. Optionally the per-chunk min, max and
 // all-finite flag of x.
 template <class scalar_t, class acc_t>
-void compute_log_odds(const Segments& sg, const scalar_t* s, const acc_t* d, acc_t* x,
-                      acc_t* cmin, acc_t* cmax, uint8_t* cfinite) {
+void compute_log_odds(const Segments& sg, const scalar_t* s, const acc_t* d, acc_t* x, acc_t* cmin,
+                      acc_t* cmax, uint8_t* cfinite) {
   for_each_chunk(sg.chunks, sg.numel, [&](int64_t c, const Chunk& ch) {
     const acc_t inv_eps = static_cast<acc_t>(1.0 / sg.eps[ch.seg]);
     acc_t lo = INFINITY, hi = -INFINITY;
@@ -222,8 +222,8 @@ void forward_impl(const Segments& sg, const at::Tensor& scores, const at::Tensor
   acc_t* x = x_t.data_ptr<acc_t>();
   std::vector<acc_t> cmin(nch), cmax(nch);
   std::vector<uint8_t> cfinite(nch);
-  compute_log_odds<scalar_t, acc_t>(sg, scores.data_ptr<scalar_t>(), d, x, cmin.data(),
-                                    cmax.data(), cfinite.data());
+  compute_log_odds<scalar_t, acc_t>(sg, scores.data_ptr<scalar_t>(), d, x, cmin.data(), cmax.data(),
+                                    cfinite.data());
 
   // Segment extremes of x: log sigmoid is monotone, so they give each column's max.
   std::vector<double> xmin(nseg, INFINITY), xmax(nseg, -INFINITY);
@@ -313,8 +313,7 @@ void backward_impl(const Segments& sg, const acc_t* g, const acc_t* x, const dou
   for_each_chunk(sg.chunks, sg.numel, [&](int64_t c, const Chunk& ch) {
     const double* r = row(ch.seg, iters - 1);
     const auto p = grad_sums(x + ch.begin, g + ch.begin, ch.end - ch.begin,
-                             static_cast<acc_t>(r[0]), static_cast<acc_t>(r[1]),
-                             grad_x + ch.begin);
+                             static_cast<acc_t>(r[0]), static_cast<acc_t>(r[1]), grad_x + ch.begin);
     part[c] = {p.gp, p.gq, p.q, p.g};
   });
   std::vector<GradSums<double>> sums(nseg, GradSums<double>{0, 0, 0, 0});
@@ -344,7 +343,8 @@ void backward_impl(const Segments& sg, const acc_t* g, const acc_t* x, const dou
     });
     std::vector<double> wsum(nseg * npass, 0.0);
     for (int64_t c = 0; c < nch; ++c) {
-      for (int64_t t = 0; t < npass; ++t) wsum[sg.chunks[c].seg * npass + t] += wpart[c * npass + t];
+      for (int64_t t = 0; t < npass; ++t)
+        wsum[sg.chunks[c].seg * npass + t] += wpart[c * npass + t];
     }
     for (int64_t s = 0; s < nseg; ++s) {
       const double k = sg.keep[s];
@@ -371,7 +371,8 @@ void backward_impl(const Segments& sg, const acc_t* g, const acc_t* x, const dou
       const double* r = row(s, t);
       const acc_t dl = static_cast<acc_t>(r[0]), a1 = static_cast<acc_t>(r[1]),
                   a0 = static_cast<acc_t>(r[2]), a = static_cast<acc_t>(coef[s * npass + t]);
-      for (int64_t i = ch.begin; i < ch.end; ++i) grad_x[i] += a * pass_weight<acc_t>(x[i] + dl, a1, a0);
+      for (int64_t i = ch.begin; i < ch.end; ++i)
+        grad_x[i] += a * pass_weight<acc_t>(x[i] + dl, a1, a0);
     }
     for (int64_t i = ch.begin; i < ch.end; ++i) grad_x[i] *= scale;
   });
@@ -419,17 +420,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport_mask_cpu(
   auto new_d = at::empty_like(log_odds);
   auto new_shift = at::empty_like(shift);
   auto stats = at::empty({sg.nseg, iters, 3}, log_odds.options().dtype(at::kDouble));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scores.scalar_type(), "transport_mask_cpu", [&] {
-    if (acc == at::kDouble) {
-      forward_impl<scalar_t, double>(sg, scores, log_odds, shift, iters, mask_acc, new_d,
-                                     new_shift, stats);
-    } else {
-      forward_impl<scalar_t, float>(sg, scores, log_odds, shift, iters, mask_acc, new_d,
-                                    new_shift, stats);
-    }
-  });
-  auto mask = mask_acc.scalar_type() == scores.scalar_type() ? mask_acc
-                                                               : mask_acc.to(scores.scalar_type());
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, scores.scalar_type(), "transport_mask_cpu", [&] {
+        if (acc == at::kDouble) {
+          forward_impl<scalar_t, double>(sg, scores, log_odds, shift, iters, mask_acc, new_d,
+                                         new_shift, stats);
+        } else {
+          forward_impl<scalar_t, float>(sg, scores, log_odds, shift, iters, mask_acc, new_d,
+                                        new_shift, stats);
+        }
+      });
+  auto mask =
+      mask_acc.scalar_type() == scores.scalar_type() ? mask_acc : mask_acc.to(scores.scalar_type());
   return {mask, new_d, new_shift, stats};
 }
 
@@ -455,23 +457,24 @@ std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cpu(
   auto x_t = at::empty({sg.numel}, log_odds.options());
   auto grad_x = at::empty({sg.numel}, log_odds.options());
   auto grad_keep = at::empty({sg.nseg}, log_odds.options().dtype(at::kDouble));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scores.scalar_type(), "transport_mask_backward_cpu", [&] {
-    if (acc == at::kDouble) {
-      compute_log_odds<scalar_t, double>(sg, scores.data_ptr<scalar_t>(),
-                                         log_odds.data_ptr<double>(), x_t.data_ptr<double>(),
-                                         nullptr, nullptr, nullptr);
-      backward_impl<double>(sg, g.data_ptr<double>(), x_t.data_ptr<double>(),
-                            stats.data_ptr<double>(), iters, grad_x.data_ptr<double>(),
-                            grad_keep.data_ptr<double>());
-    } else {
-      compute_log_odds<scalar_t, float>(sg, scores.data_ptr<scalar_t>(),
-                                        log_odds.data_ptr<float>(), x_t.data_ptr<float>(),
-                                        nullptr, nullptr, nullptr);
-      backward_impl<float>(sg, g.data_ptr<float>(), x_t.data_ptr<float>(),
-                           stats.data_ptr<double>(), iters, grad_x.data_ptr<float>(),
-                           grad_keep.data_ptr<double>());
-    }
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, scores.scalar_type(), "transport_mask_backward_cpu", [&] {
+        if (acc == at::kDouble) {
+          compute_log_odds<scalar_t, double>(sg, scores.data_ptr<scalar_t>(),
+                                             log_odds.data_ptr<double>(), x_t.data_ptr<double>(),
+                                             nullptr, nullptr, nullptr);
+          backward_impl<double>(sg, g.data_ptr<double>(), x_t.data_ptr<double>(),
+                                stats.data_ptr<double>(), iters, grad_x.data_ptr<double>(),
+                                grad_keep.data_ptr<double>());
+        } else {
+          compute_log_odds<scalar_t, float>(sg, scores.data_ptr<scalar_t>(),
+                                            log_odds.data_ptr<float>(), x_t.data_ptr<float>(),
+                                            nullptr, nullptr, nullptr);
+          backward_impl<float>(sg, g.data_ptr<float>(), x_t.data_ptr<float>(),
+                               stats.data_ptr<double>(), iters, grad_x.data_ptr<float>(),
+                               grad_keep.data_ptr<double>());
+        }
+      });
   return {grad_x.to(scores.scalar_type()), grad_keep.to(keep.scalar_type())};
 }
 

@@ -7,7 +7,7 @@ import importlib.metadata
 import torch
 
 try:
-    from . import _C  # noqa: F401  (registers the torch.ops.dtp CPU/CUDA kernels)
+    from . import _C
 
     _C_ERROR: Exception | None = None
 except ImportError as error:  # the package stays importable without its build
@@ -55,8 +55,7 @@ def require_backend(backend: str, device: torch.device) -> None:
             f"({_C_ERROR}); {BUILD_HINT}"
         )
     raise BackendUnavailableError(
-        f"backend {backend!r} is not available on {device}; available: "
-        f"{available_backends(device)}"
+        f"backend {backend!r} is not available on {device}; available: {available_backends(device)}"
     )
 
 

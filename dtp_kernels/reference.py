@@ -37,7 +37,9 @@ def plan_from_state(log_odds: torch.Tensor) -> torch.Tensor:
     """A log plan whose rows have the given log-odds (row scale does not matter)."""
     d = log_odds.to(DTYPE)
     n = d.numel()
-    return torch.stack([torch.nn.functional.logsigmoid(-d), torch.nn.functional.logsigmoid(d)], 1) - math.log(n)
+    return torch.stack(
+        [torch.nn.functional.logsigmoid(-d), torch.nn.functional.logsigmoid(d)], 1
+    ) - math.log(n)
 
 
 def sinkhorn_step(
@@ -89,7 +91,9 @@ def transport_mask_segments(
     for index, s in enumerate(scores):
         e = float(eps[index])
         g = torch.stack([torch.zeros((), dtype=DTYPE), shift[index].to(DTYPE) * e]).to(s.device)
-        mask, log_plan, g_new = sinkhorn_step(s, keep[index], plan_from_state(log_odds[index]), g, e, iters)
+        mask, log_plan, g_new = sinkhorn_step(
+            s, keep[index], plan_from_state(log_odds[index]), g, e, iters
+        )
         d_new = (log_plan[:, 1] - log_plan[:, 0]).detach()
         delta_new = ((g_new[1] - g_new[0]) / e).detach()
         if not (torch.isfinite(d_new).all() and torch.isfinite(delta_new)):

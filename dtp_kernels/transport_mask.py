@@ -67,7 +67,7 @@ def _check_scores(scores: Scores, state: TransportState) -> tuple[torch.Tensor, 
     return scores, False
 
 
-def _check_keep(keep, state: TransportState) -> torch.Tensor:  # noqa: ANN001
+def _check_keep(keep, state: TransportState) -> torch.Tensor:
     """k per segment as a float tensor on the state's device; each in [0, n]."""
     if isinstance(keep, numbers.Real) and not isinstance(keep, bool):
         keep = [keep]
@@ -77,7 +77,9 @@ def _check_keep(keep, state: TransportState) -> torch.Tensor:  # noqa: ANN001
         if keep.dim() > 1:
             raise ValueError(f"keep must be 0-D or 1-D, got shape {tuple(keep.shape)}")
         if keep.device != state.device:
-            raise ValueError(f"keep is on {keep.device} but the transport state is on {state.device}")
+            raise ValueError(
+                f"keep is on {keep.device} but the transport state is on {state.device}"
+            )
         values = keep.detach().reshape(-1)
         keep_flat = keep.reshape(-1)
     elif isinstance(keep, Sequence):
@@ -87,7 +89,9 @@ def _check_keep(keep, state: TransportState) -> torch.Tensor:  # noqa: ANN001
         values = torch.tensor([float(k) for k in keep], dtype=torch.float32, device=state.device)
         keep_flat = values
     else:
-        raise TypeError(f"keep must be a tensor or a sequence of numbers, got {type(keep).__name__}")
+        raise TypeError(
+            f"keep must be a tensor or a sequence of numbers, got {type(keep).__name__}"
+        )
     if values.numel() != state.num_segments:
         raise ValueError(
             f"keep has {values.numel()} entries, one per segment is needed ({state.num_segments})"
@@ -114,7 +118,7 @@ def _sizes_tensor(state: TransportState, dtype: torch.dtype) -> torch.Tensor:
     return cached
 
 
-def _check_eps(eps, state: TransportState) -> torch.Tensor:  # noqa: ANN001
+def _check_eps(eps, state: TransportState) -> torch.Tensor:
     """eps per segment as a float64 tensor on the state's device; each finite and > 0."""
     if isinstance(eps, torch.Tensor):
         if eps.requires_grad:
@@ -127,14 +131,16 @@ def _check_eps(eps, state: TransportState) -> torch.Tensor:  # noqa: ANN001
     else:
         raise TypeError(f"eps must be a float or one float per segment, got {type(eps).__name__}")
     if len(values) != state.num_segments:
-        raise ValueError(f"eps has {len(values)} entries, the state has {state.num_segments} segments")
+        raise ValueError(
+            f"eps has {len(values)} entries, the state has {state.num_segments} segments"
+        )
     for index, v in enumerate(values):
         if not (v > 0 and v < float("inf")):
             raise ValueError(f"eps[{index}] (segment {index}) = {v}; eps must be finite and > 0")
     return torch.tensor(values, dtype=torch.float64, device=state.device)
 
 
-def _check_options(iters, update, backend, device: torch.device) -> str:  # noqa: ANN001
+def _check_options(iters, update, backend, device: torch.device) -> str:
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
         raise ValueError(f"iters = {iters!r}; it must be an int >= 1")
     if not isinstance(update, bool):
@@ -200,7 +206,7 @@ def _transport_mask_torch(
 # ---------------------------------------------------------------------------------------
 
 
-def _transport_mask_fake(scores, offsets, keep, eps, log_odds, shift, iters):  # noqa: ANN001
+def _transport_mask_fake(scores, offsets, keep, eps, log_odds, shift, iters):
     nseg = offsets.shape[0] - 1
     return (
         torch.empty_like(scores),
@@ -210,18 +216,18 @@ def _transport_mask_fake(scores, offsets, keep, eps, log_odds, shift, iters):  #
     )
 
 
-def _transport_mask_backward_fake(grad_mask, scores, offsets, keep, eps, log_odds, stats):  # noqa: ANN001
+def _transport_mask_backward_fake(grad_mask, scores, offsets, keep, eps, log_odds, stats):
     return torch.empty_like(scores), torch.empty_like(keep)
 
 
-def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
+def _setup_context(ctx, inputs, output) -> None:
     scores, offsets, keep, eps, log_odds, _shift, _iters = inputs
     _mask, new_d, new_shift, stats = output
     ctx.save_for_backward(scores, offsets, keep, eps, log_odds, stats)
     ctx.mark_non_differentiable(new_d, new_shift, stats)
 
 
-def _backward(ctx, grad_mask, _g_d, _g_shift, _g_stats):  # noqa: ANN001
+def _backward(ctx, grad_mask, _g_d, _g_shift, _g_stats):
     scores, offsets, keep, eps, log_odds, stats = ctx.saved_tensors
     if grad_mask is None:
         grad_mask = torch.zeros_like(scores)
@@ -229,7 +235,6 @@ def _backward(ctx, grad_mask, _g_d, _g_shift, _g_stats):  # noqa: ANN001
         grad_mask, scores, offsets, keep, eps, log_odds, stats
     )
     return grad_scores, None, grad_keep, None, None, None, None
-
 
 
 if compiled():  # the ops exist only when dtp_kernels._C loaded

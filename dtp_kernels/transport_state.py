@@ -107,7 +107,7 @@ class TransportState(nn.Module):
         self.has_pending.fill_(False)
         self.steps.zero_()
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         key = prefix + "offsets"
         if key in state_dict and not torch.equal(state_dict[key].cpu(), self.offsets.cpu()):
             raise ValueError(

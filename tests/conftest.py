@@ -4,10 +4,10 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-import dtp_kernels  # noqa: E402
+import dtp_kernels
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

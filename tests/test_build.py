@@ -9,7 +9,14 @@ from dtp_kernels import _extension
 
 def test_build_info_keys():
     info = dtp_kernels.build_info()
-    for key in ("torch", "triton", "cuda_compiled", "cuda_arch_list", "compiler", "extension_loaded"):
+    for key in (
+        "torch",
+        "triton",
+        "cuda_compiled",
+        "cuda_arch_list",
+        "compiler",
+        "extension_loaded",
+    ):
         assert key in info
     assert info["torch"] == torch.__version__
     if info["extension_loaded"]:
@@ -50,6 +57,11 @@ def test_package_imports_without_extension(tmp_path):
     src = Path(dtp_kernels.__file__).parent
     copy = tmp_path / "dtp_kernels"
     shutil.copytree(src, copy, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    code = "import dtp_kernels as d; print(d.available_backends('cpu'), d.build_info()['extension_loaded'])"
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    code = (
+        "import dtp_kernels as d; "
+        "print(d.available_backends('cpu'), d.build_info()['extension_loaded'])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip() == "['reference', 'torch'] False"

@@ -32,7 +32,9 @@ def test_opcheck_transport_mask(dtype, iters, requires_grad):
 
 def test_opcheck_transport_mask_backward():
     scores, offsets, keep, eps, log_odds, shift, iters = sample_inputs(torch.float32, 2, False)
-    _, _, _, stats = torch.ops.dtp.transport_mask(scores, offsets, keep, eps, log_odds, shift, iters)
+    _, _, _, stats = torch.ops.dtp.transport_mask(
+        scores, offsets, keep, eps, log_odds, shift, iters
+    )
     grad = torch.randn(26)
     torch.library.opcheck(
         torch.ops.dtp.transport_mask_backward.default,
@@ -54,7 +56,9 @@ def test_deterministic_and_thread_independent():
             s = scores.clone().requires_grad_(True)
             mask = dtp_kernels.transport_mask(s, keep, state, iters=2, backend="cpu")
             mask.pow(2).sum().backward()
-            results.append((mask.detach(), s.grad, state.pending_log_odds.clone(), state.pending_shift.clone()))
+            results.append(
+                (mask.detach(), s.grad, state.pending_log_odds.clone(), state.pending_shift.clone())
+            )
     finally:
         torch.set_num_threads(threads)
     for other in results[1:]:

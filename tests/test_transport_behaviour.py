@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from conftest import RAGGED_LAYOUT
 
+from conftest import RAGGED_LAYOUT
 from dtp_kernels import TransportState, transport_mask
 
 
@@ -35,7 +35,9 @@ def test_non_contiguous_scores(fast_backend):
     assert not strided.is_contiguous()
     sizes = [15, 25]
     got = transport_mask(strided, [3, 7.5], TransportState(sizes), backend=fast_backend)
-    want = transport_mask(strided.contiguous(), [3, 7.5], TransportState(sizes), backend=fast_backend)
+    want = transport_mask(
+        strided.contiguous(), [3, 7.5], TransportState(sizes), backend=fast_backend
+    )
     assert torch.equal(got, want)
 
 

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from conftest import ALL_CPU_BACKENDS, FAST_CPU_BACKENDS, RAGGED_LAYOUT
 
+from conftest import ALL_CPU_BACKENDS, FAST_CPU_BACKENDS, RAGGED_LAYOUT
 from dtp_kernels import TransportState, transport_mask
 
 # Tolerances of a backend computing in `dtype` against the float64 reference. In float32
@@ -96,7 +96,11 @@ def test_gradcheck_float64(backend, iters):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_low_precision_scores_match_reference(fast_backend, dtype):
     """fp16/bf16 scores: math in fp32; the result only carries the output rounding."""
-    tolerance = {torch.float16: (2e-3, 1e-3), torch.bfloat16: (1.6e-2, 8e-3), torch.float32: (2e-5, 2e-6)}
+    tolerance = {
+        torch.float16: (2e-3, 1e-3),
+        torch.bfloat16: (1.6e-2, 8e-3),
+        torch.float32: (2e-5, 2e-6),
+    }
     rtol, atol = tolerance[dtype]
     sizes = [n for n, _ in RAGGED_LAYOUT]
     keep = [k for _, k in RAGGED_LAYOUT]
@@ -117,7 +121,9 @@ def test_fast_backends_agree_with_each_other():
     sizes = [n for n, _ in RAGGED_LAYOUT]
     keep = [k for _, k in RAGGED_LAYOUT]
     scores = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(3))
-    masks = [transport_mask(scores, keep, TransportState(sizes), backend=b) for b in FAST_CPU_BACKENDS]
+    masks = [
+        transport_mask(scores, keep, TransportState(sizes), backend=b) for b in FAST_CPU_BACKENDS
+    ]
     for other in masks[1:]:
         torch.testing.assert_close(other, masks[0], rtol=2e-5, atol=2e-6)
 

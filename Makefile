@@ -1,0 +1,44 @@
+# Set-up on a fresh machine: `make demo` runs the main job, `make test` passes the tests.
+# Both create or reuse .venv, install the pinned dependencies in one pip command and build
+# the extension (incrementally, with ninja) before running.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+INSTALLED := $(VENV)/.installed
+CSRC := $(wildcard csrc/*.h csrc/*.cpp csrc/*.cu)
+
+.PHONY: all venv build test demo lint format bench clean
+
+all: test
+
+$(INSTALLED): requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check -r requirements.txt
+	touch $@
+
+venv: $(INSTALLED)
+
+build: $(INSTALLED)
+	$(PY) setup.py --quiet build_ext --inplace
+
+test: build
+	$(PY) -m pytest -q tests
+
+demo: build
+	$(PY) -m dtp_kernels.demo
+
+lint: $(INSTALLED)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/clang-format --dry-run --Werror $(CSRC)
+
+format: $(INSTALLED)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/clang-format -i $(CSRC)
+
+bench: build
+	$(PY) benchmarks/bench_transport.py
+
+clean:
+	rm -rf build dtp_kernels/*.so
