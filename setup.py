@@ -54,7 +54,15 @@ def want_cuda(cuda_sources: list[str]) -> bool:
 def extensions() -> list:
     cpp_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     cuda_sources = sorted(glob.glob(os.path.join("csrc", "*.cu")))
-    cxx = ["-O3", "-std=c++20", f'-DDTP_TORCH_VERSION="{torch.__version__}"']
+    # -fno-trapping-math and -fno-math-errno let the loops with floor() and selects
+    # vectorise; unlike -ffast-math they keep NaN and Inf, which the state guard needs.
+    cxx = [
+        "-O3",
+        "-std=c++20",
+        "-fno-trapping-math",
+        "-fno-math-errno",
+        f'-DDTP_TORCH_VERSION="{torch.__version__}"',
+    ]
     if not want_cuda(cuda_sources):
         return [CppExtension("dtp_kernels._C", cpp_sources, extra_compile_args={"cxx": cxx})]
     nvcc = find_nvcc()

@@ -51,6 +51,56 @@ void for_each_chunk(const std::vector<Chunk>& chunks, int64_t numel, const F& f)
 }
 
 // ---- per-chunk loops over acc_t arrays (acc_t = float, or double for float64) ----
+//
+// Reductions keep kLanes independent partial sums (lane j takes elements i = j mod kLanes)
+// that are added in a fixed order at the end: the loops vectorise without reassociating
+// floating-point sums, and the result is the same on every run.
+
+constexpr int64_t kLanes = 16;
+
+#define DTP_INLINE inline __attribute__((always_inline))
+
+template <class acc_t>
+DTP_INLINE acc_t add_lanes(const acc_t* lanes) {
+  acc_t total = 0;
+  for (int64_t j = 0; j < kLanes; ++j) total += lanes[j];
+  return total;
+}
+
+template <class acc_t>
+struct Extremes {
+  acc_t lo, hi;
+  bool finite;
+};
+
+// x_i = d_i + (2 s_i - 1) / eps, with the chunk's min, max and whether all x are finite.
+template <class scalar_t, class acc_t>
+DTP_INLINE Extremes<acc_t> log_odds_loop(const scalar_t* s, const acc_t* d, acc_t inv_eps,
+                                         int64_t n, acc_t* x) {
+  acc_t lo[kLanes], hi[kLanes], bad[kLanes];
+  for (int64_t j = 0; j < kLanes; ++j) {
+    lo[j] = INFINITY;
+    hi[j] = -INFINITY;
+    bad[j] = 0;
+  }
+  for (int64_t b = 0; b < n; b += kLanes) {
+    const int64_t m = std::min(kLanes, n - b);
+    for (int64_t j = 0; j < m; ++j) {
+      const acc_t v = d[b + j] + (acc_t(2) * static_cast<acc_t>(s[b + j]) - acc_t(1)) * inv_eps;
+      x[b + j] = v;
+      bad[j] += (v - v == acc_t(0)) ? acc_t(0) : acc_t(1);  // v - v is NaN for inf and NaN
+      lo[j] = v < lo[j] ? v : lo[j];
+      hi[j] = v > hi[j] ? v : hi[j];
+    }
+  }
+  Extremes<acc_t> e{lo[0], hi[0], bad[0] == 0};
+  for (int64_t j = 1; j < kLanes; ++j) {
+    e.lo = lo[j] < e.lo ? lo[j] : e.lo;
+    e.hi = hi[j] > e.hi ? hi[j] : e.hi;
+    e.finite = e.finite && bad[j] == 0;
+  }
+  return e;
+}
 
 template <class acc_t>
 struct ColumnSums {
@@ -58,46 +108,31 @@ struct ColumnSums {
 };
 
 // sum_i exp(log sigmoid(z_i) - m1) and sum_i exp(log sigmoid(-z_i) - m0), z = x + delta.
-DTP_CLONES ColumnSums<float> column_sums(const float* x, int64_t n, float delta, float m1,
-                                         float m0) {
-  float s1 = 0.0f, s0 = 0.0f;
-  for (int64_t i = 0; i < n; ++i) {
-    const float z = x[i] + delta;
-    const float r = sigmoid_abs(z);
-    s1 += exp_log_sigmoid(z, m1, r);
-    s0 += exp_log_sigmoid(-z, m0, r);
+template <class acc_t>
+DTP_INLINE ColumnSums<acc_t> column_sums_loop(const acc_t* x, int64_t n, acc_t delta, acc_t m1,
+                                              acc_t m0) {
+  acc_t s1[kLanes] = {}, s0[kLanes] = {};
+  for (int64_t b = 0; b < n; b += kLanes) {
+    const int64_t m = std::min(kLanes, n - b);
+    for (int64_t j = 0; j < m; ++j) {
+      const acc_t z = x[b + j] + delta;
+      const acc_t r = sigmoid_abs(z);
+      s1[j] += exp_log_sigmoid(z, m1, r);
+      s0[j] += exp_log_sigmoid(-z, m0, r);
+    }
   }
-  return {s1, s0};
-}
-
-ColumnSums<double> column_sums(const double* x, int64_t n, double delta, double m1, double m0) {
-  double s1 = 0.0, s0 = 0.0;
-  for (int64_t i = 0; i < n; ++i) {
-    const double z = x[i] + delta;
-    const double r = sigmoid_abs(z);
-    s1 += exp_log_sigmoid(z, m1, r);
-    s0 += exp_log_sigmoid(-z, m0, r);
-  }
-  return {s1, s0};
+  return {add_lanes(s1), add_lanes(s0)};
 }
 
 // mask_i = k exp(log sigmoid(z_i) - L1); new log-odds x_i + delta_new.
 template <class acc_t>
-void mask_and_state_loop(const acc_t* x, int64_t n, acc_t delta, acc_t l1, acc_t k, acc_t delta_new,
-                         acc_t* mask, acc_t* new_d) {
+DTP_INLINE void mask_and_state_loop(const acc_t* x, int64_t n, acc_t delta, acc_t l1, acc_t k,
+                                    acc_t delta_new, acc_t* mask, acc_t* new_d) {
   for (int64_t i = 0; i < n; ++i) {
     const acc_t z = x[i] + delta;
     mask[i] = k * exp_log_sigmoid(z, l1, sigmoid_abs(z));
     new_d[i] = x[i] + delta_new;
   }
-}
-DTP_CLONES void mask_and_state(const float* x, int64_t n, float delta, float l1, float k,
-                               float delta_new, float* mask, float* new_d) {
-  mask_and_state_loop(x, n, delta, l1, k, delta_new, mask, new_d);
-}
-void mask_and_state(const double* x, int64_t n, double delta, double l1, double k, double delta_new,
-                    double* mask, double* new_d) {
-  mask_and_state_loop(x, n, delta, l1, k, delta_new, mask, new_d);
 }
 
 // Backward, last pass: q_i = sigmoid(z) sigmoid(-z) / S1 (stored), and the sums
@@ -107,21 +142,52 @@ struct GradSums {
   acc_t gp, gq, q, g;
 };
 template <class acc_t>
-GradSums<acc_t> grad_sums_loop(const acc_t* x, const acc_t* g, int64_t n, acc_t delta, acc_t l1,
-                               acc_t* q_out) {
-  acc_t gp = 0, gq = 0, qs = 0, gs = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const acc_t z = x[i] + delta;
-    const acc_t r = sigmoid_abs(z);
-    const acc_t p = exp_log_sigmoid(z, l1, r);
-    const acc_t q = exp_log_sigmoid_pair(z, l1, r);
-    q_out[i] = q;
-    gp += g[i] * p;
-    gq += g[i] * q;
-    qs += q;
-    gs += g[i];
+DTP_INLINE GradSums<acc_t> grad_sums_loop(const acc_t* x, const acc_t* g, int64_t n, acc_t delta,
+                                          acc_t l1, acc_t* q_out) {
+  acc_t gp[kLanes] = {}, gq[kLanes] = {}, qs[kLanes] = {}, gs[kLanes] = {};
+  for (int64_t b = 0; b < n; b += kLanes) {
+    const int64_t m = std::min(kLanes, n - b);
+    for (int64_t j = 0; j < m; ++j) {
+      const acc_t z = x[b + j] + delta;
+      const acc_t r = sigmoid_abs(z);
+      const acc_t p = exp_log_sigmoid(z, l1, r);
+      const acc_t q = exp_log_sigmoid_pair(z, l1, r);
+      const acc_t gi = g[b + j];
+      q_out[b + j] = q;
+      gp[j] += gi * p;
+      gq[j] += gi * q;
+      qs[j] += q;
+      gs[j] += gi;
+    }
   }
-  return {gp, gq, qs, gs};
+  return {add_lanes(gp), add_lanes(gq), add_lanes(qs), add_lanes(gs)};
+}
+
+// The float versions get AVX-512/AVX2 clones; double runs the plain build.
+template <class scalar_t>
+DTP_CLONES Extremes<float> log_odds_chunk(const scalar_t* s, const float* d, float inv_eps,
+                                          int64_t n, float* x) {
+  return log_odds_loop(s, d, inv_eps, n, x);
+}
+template <class scalar_t>
+Extremes<double> log_odds_chunk(const scalar_t* s, const double* d, double inv_eps, int64_t n,
+                                double* x) {
+  return log_odds_loop(s, d, inv_eps, n, x);
+}
+DTP_CLONES ColumnSums<float> column_sums(const float* x, int64_t n, float delta, float m1,
+                                         float m0) {
+  return column_sums_loop(x, n, delta, m1, m0);
+}
+ColumnSums<double> column_sums(const double* x, int64_t n, double delta, double m1, double m0) {
+  return column_sums_loop(x, n, delta, m1, m0);
+}
+DTP_CLONES void mask_and_state(const float* x, int64_t n, float delta, float l1, float k,
+                               float delta_new, float* mask, float* new_d) {
+  mask_and_state_loop(x, n, delta, l1, k, delta_new, mask, new_d);
+}
+void mask_and_state(const double* x, int64_t n, double delta, double l1, double k, double delta_new,
+                    double* mask, double* new_d) {
+  mask_and_state_loop(x, n, delta, l1, k, delta_new, mask, new_d);
 }
 DTP_CLONES GradSums<float> grad_sums(const float* x, const float* g, int64_t n, float delta,
                                      float l1, float* q_out) {
@@ -132,11 +198,51 @@ GradSums<double> grad_sums(const double* x, const double* g, int64_t n, double d
   return grad_sums_loop(x, g, n, delta, l1, q_out);
 }
 
-// w_i = d(L1 - L0)/dz_i magnitude of one earlier pass: sigmoid(z)sigmoid(-z)(1/S1 + 1/S0).
+// w_i = -d(L1 - L0)/dz_i of an earlier pass: sigmoid(z) sigmoid(-z) (1/S1 + 1/S0).
 template <class acc_t>
-DTP_HOST_DEVICE inline acc_t pass_weight(acc_t z, acc_t l1, acc_t l0) {
+DTP_INLINE acc_t pass_weight(acc_t z, acc_t l1, acc_t l0) {
   const acc_t r = sigmoid_abs(z);
   return exp_log_sigmoid_pair(z, l1, r) + exp_log_sigmoid_pair(z, l0, r);
+}
+
+template <class acc_t>
+DTP_INLINE acc_t pass_weight_sum_loop(const acc_t* x, int64_t n, acc_t delta, acc_t l1, acc_t l0) {
+  acc_t w[kLanes] = {};
+  for (int64_t b = 0; b < n; b += kLanes) {
+    const int64_t m = std::min(kLanes, n - b);
+    for (int64_t j = 0; j < m; ++j) w[j] += pass_weight(x[b + j] + delta, l1, l0);
+  }
+  return add_lanes(w);
+}
+
+// grad_i = k q_i (g_i - gp) + sum_t coef_t w_i(pass t), then times 2 / eps.
+template <class acc_t>
+DTP_INLINE void grad_scores_loop(const acc_t* x, const acc_t* g, int64_t n, acc_t k, acc_t gp,
+                                 acc_t scale, const double* rows, const double* coef, int64_t npass,
+                                 acc_t* grad) {
+  for (int64_t i = 0; i < n; ++i) grad[i] = k * grad[i] * (g[i] - gp);
+  for (int64_t t = 0; t < npass; ++t) {
+    const acc_t dl = static_cast<acc_t>(rows[3 * t]), a1 = static_cast<acc_t>(rows[3 * t + 1]),
+                a0 = static_cast<acc_t>(rows[3 * t + 2]), a = static_cast<acc_t>(coef[t]);
+    for (int64_t i = 0; i < n; ++i) grad[i] += a * pass_weight(x[i] + dl, a1, a0);
+  }
+  for (int64_t i = 0; i < n; ++i) grad[i] *= scale;
+}
+
+DTP_CLONES float pass_weight_sum(const float* x, int64_t n, float delta, float l1, float l0) {
+  return pass_weight_sum_loop(x, n, delta, l1, l0);
+}
+double pass_weight_sum(const double* x, int64_t n, double delta, double l1, double l0) {
+  return pass_weight_sum_loop(x, n, delta, l1, l0);
+}
+DTP_CLONES void grad_scores(const float* x, const float* g, int64_t n, float k, float gp,
+                            float scale, const double* rows, const double* coef, int64_t npass,
+                            float* grad) {
+  grad_scores_loop(x, g, n, k, gp, scale, rows, coef, npass, grad);
+}
+void grad_scores(const double* x, const double* g, int64_t n, double k, double gp, double scale,
+                 const double* rows, const double* coef, int64_t npass, double* grad) {
+  grad_scores_loop(x, g, n, k, gp, scale, rows, coef, npass, grad);
 }
 
 // ---- host side ----
@@ -185,27 +291,15 @@ Segments read_segments(const at::Tensor& scores, const at::Tensor& offsets, cons
   return sg;
 }
 
-// x_i = d_i + (2 s_i - 1) / eps, in acc_t. Optionally the per-chunk min, max and
-// all-finite flag of x.
+// x_i = d_i + (2 s_i - 1) / eps over all chunks; optionally each chunk's extremes.
 template <class scalar_t, class acc_t>
-void compute_log_odds(const Segments& sg, const scalar_t* s, const acc_t* d, acc_t* x, acc_t* cmin,
-                      acc_t* cmax, uint8_t* cfinite) {
+void compute_log_odds(const Segments& sg, const scalar_t* s, const acc_t* d, acc_t* x,
+                      Extremes<acc_t>* extremes) {
   for_each_chunk(sg.chunks, sg.numel, [&](int64_t c, const Chunk& ch) {
     const acc_t inv_eps = static_cast<acc_t>(1.0 / sg.eps[ch.seg]);
-    acc_t lo = INFINITY, hi = -INFINITY;
-    bool finite = true;
-    for (int64_t i = ch.begin; i < ch.end; ++i) {
-      const acc_t v = d[i] + (acc_t(2) * static_cast<acc_t>(s[i]) - acc_t(1)) * inv_eps;
-      x[i] = v;
-      finite = finite && std::isfinite(v);
-      lo = v < lo ? v : lo;
-      hi = v > hi ? v : hi;
-    }
-    if (cmin != nullptr) {
-      cmin[c] = lo;
-      cmax[c] = hi;
-      cfinite[c] = finite;
-    }
+    const auto e = log_odds_chunk<scalar_t>(s + ch.begin, d + ch.begin, inv_eps, ch.end - ch.begin,
+                                            x + ch.begin);
+    if (extremes != nullptr) extremes[c] = e;
   });
 }
 
@@ -220,19 +314,17 @@ void forward_impl(const Segments& sg, const at::Tensor& scores, const at::Tensor
   const acc_t* shift_in = shift.data_ptr<acc_t>();
   auto x_t = at::empty({sg.numel}, log_odds.options());
   acc_t* x = x_t.data_ptr<acc_t>();
-  std::vector<acc_t> cmin(nch), cmax(nch);
-  std::vector<uint8_t> cfinite(nch);
-  compute_log_odds<scalar_t, acc_t>(sg, scores.data_ptr<scalar_t>(), d, x, cmin.data(), cmax.data(),
-                                    cfinite.data());
+  std::vector<Extremes<acc_t>> extremes(nch);
+  compute_log_odds<scalar_t, acc_t>(sg, scores.data_ptr<scalar_t>(), d, x, extremes.data());
 
   // Segment extremes of x: log sigmoid is monotone, so they give each column's max.
   std::vector<double> xmin(nseg, INFINITY), xmax(nseg, -INFINITY);
   std::vector<uint8_t> finite(nseg, 1);
   for (int64_t c = 0; c < nch; ++c) {
     const int64_t s = sg.chunks[c].seg;
-    xmin[s] = std::min<double>(xmin[s], cmin[c]);
-    xmax[s] = std::max<double>(xmax[s], cmax[c]);
-    finite[s] = finite[s] && cfinite[c];
+    xmin[s] = std::min<double>(xmin[s], extremes[c].lo);
+    xmax[s] = std::max<double>(xmax[s], extremes[c].hi);
+    finite[s] = finite[s] && extremes[c].finite;
   }
 
   std::vector<double> delta(nseg), l1(nseg), l0(nseg), bias(nseg);
@@ -334,11 +426,9 @@ void backward_impl(const Segments& sg, const acc_t* g, const acc_t* x, const dou
     for_each_chunk(sg.chunks, sg.numel, [&](int64_t c, const Chunk& ch) {
       for (int64_t t = 0; t < npass; ++t) {
         const double* r = row(ch.seg, t);
-        const acc_t dl = static_cast<acc_t>(r[0]), a1 = static_cast<acc_t>(r[1]),
-                    a0 = static_cast<acc_t>(r[2]);
-        acc_t w = 0;
-        for (int64_t i = ch.begin; i < ch.end; ++i) w += pass_weight<acc_t>(x[i] + dl, a1, a0);
-        wpart[c * npass + t] = w;
+        wpart[c * npass + t] =
+            pass_weight_sum(x + ch.begin, ch.end - ch.begin, static_cast<acc_t>(r[0]),
+                            static_cast<acc_t>(r[1]), static_cast<acc_t>(r[2]));
       }
     });
     std::vector<double> wsum(nseg * npass, 0.0);
@@ -363,18 +453,9 @@ void backward_impl(const Segments& sg, const acc_t* g, const acc_t* x, const dou
       std::fill(grad_x + ch.begin, grad_x + ch.end, acc_t(0));
       return;
     }
-    const acc_t k = static_cast<acc_t>(sg.keep[s]);
-    const acc_t gp = static_cast<acc_t>(sums[s].gp);
-    const acc_t scale = static_cast<acc_t>(2.0 / sg.eps[s]);
-    for (int64_t i = ch.begin; i < ch.end; ++i) grad_x[i] = k * grad_x[i] * (g[i] - gp);
-    for (int64_t t = 0; t < npass; ++t) {
-      const double* r = row(s, t);
-      const acc_t dl = static_cast<acc_t>(r[0]), a1 = static_cast<acc_t>(r[1]),
-                  a0 = static_cast<acc_t>(r[2]), a = static_cast<acc_t>(coef[s * npass + t]);
-      for (int64_t i = ch.begin; i < ch.end; ++i)
-        grad_x[i] += a * pass_weight<acc_t>(x[i] + dl, a1, a0);
-    }
-    for (int64_t i = ch.begin; i < ch.end; ++i) grad_x[i] *= scale;
+    grad_scores(x + ch.begin, g + ch.begin, ch.end - ch.begin, static_cast<acc_t>(sg.keep[s]),
+                static_cast<acc_t>(sums[s].gp), static_cast<acc_t>(2.0 / sg.eps[s]), row(s, 0),
+                coef.data() + s * npass, npass, grad_x + ch.begin);
   });
 
   for (int64_t s = 0; s < nseg; ++s) {
@@ -462,14 +543,14 @@ std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cpu(
         if (acc == at::kDouble) {
           compute_log_odds<scalar_t, double>(sg, scores.data_ptr<scalar_t>(),
                                              log_odds.data_ptr<double>(), x_t.data_ptr<double>(),
-                                             nullptr, nullptr, nullptr);
+                                             nullptr);
           backward_impl<double>(sg, g.data_ptr<double>(), x_t.data_ptr<double>(),
                                 stats.data_ptr<double>(), iters, grad_x.data_ptr<double>(),
                                 grad_keep.data_ptr<double>());
         } else {
           compute_log_odds<scalar_t, float>(sg, scores.data_ptr<scalar_t>(),
                                             log_odds.data_ptr<float>(), x_t.data_ptr<float>(),
-                                            nullptr, nullptr, nullptr);
+                                            nullptr);
           backward_impl<float>(sg, g.data_ptr<float>(), x_t.data_ptr<float>(),
                                stats.data_ptr<double>(), iters, grad_x.data_ptr<float>(),
                                grad_keep.data_ptr<double>());

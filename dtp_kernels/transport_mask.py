@@ -96,16 +96,15 @@ def _check_keep(keep, state: TransportState) -> torch.Tensor:
         raise ValueError(
             f"keep has {values.numel()} entries, one per segment is needed ({state.num_segments})"
         )
-    sizes = _sizes_tensor(state, values.dtype)
-    bad = ~((values >= 0) & (values <= sizes))  # NaN is bad too
     if values.device.type == "cpu":
-        if bool(bad.any()):
-            index = int(bad.nonzero()[0])
-            raise ValueError(
-                f"keep[{index}] (segment {index}) = {float(values[index])} is outside the "
-                f"allowed range [0, {state.sizes[index]}]"
-            )
+        for index, (k, n) in enumerate(zip(values.tolist(), state.sizes, strict=True)):
+            if not 0 <= k <= n:  # NaN fails too
+                raise ValueError(
+                    f"keep[{index}] (segment {index}) = {k} is outside the allowed range [0, {n}]"
+                )
     else:  # checked on the device: no host sync per step
+        sizes = _sizes_tensor(state, values.dtype)
+        bad = ~((values >= 0) & (values <= sizes))
         torch._assert_async(~bad.any(), "keep: a kept count is outside [0, n] of its segment")
     return keep_flat
 
@@ -118,14 +117,17 @@ def _sizes_tensor(state: TransportState, dtype: torch.dtype) -> torch.Tensor:
     return cached
 
 
-def _check_eps(eps, state: TransportState) -> torch.Tensor:
+def _check_eps(eps, state: TransportState) -> torch.Tensor:  # noqa: ANN001
     """eps per segment as a float64 tensor on the state's device; each finite and > 0."""
-    if isinstance(eps, torch.Tensor):
+    if isinstance(eps, numbers.Real) and not isinstance(eps, bool):
+        cached = getattr(state, "_eps_cache", None)  # the common case: one float, every step
+        if cached is not None and cached[0] == eps and cached[1].device == state.device:
+            return cached[1]
+        values = [float(eps)] * state.num_segments
+    elif isinstance(eps, torch.Tensor):
         if eps.requires_grad:
             raise ValueError("eps must not require grad: DTP treats eps as a constant")
-        values = [float(v) for v in eps.detach().reshape(-1).cpu()]
-    elif isinstance(eps, numbers.Real) and not isinstance(eps, bool):
-        values = [float(eps)] * state.num_segments
+        values = eps.detach().reshape(-1).cpu().tolist()
     elif isinstance(eps, Sequence):
         values = [float(v) for v in eps]
     else:
@@ -137,7 +139,10 @@ def _check_eps(eps, state: TransportState) -> torch.Tensor:
     for index, v in enumerate(values):
         if not (v > 0 and v < float("inf")):
             raise ValueError(f"eps[{index}] (segment {index}) = {v}; eps must be finite and > 0")
-    return torch.tensor(values, dtype=torch.float64, device=state.device)
+    result = torch.tensor(values, dtype=torch.float64, device=state.device)
+    if isinstance(eps, numbers.Real):
+        state._eps_cache = (eps, result)
+    return result
 
 
 def _check_options(iters, update, backend, device: torch.device) -> str:

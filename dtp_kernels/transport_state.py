@@ -90,13 +90,12 @@ class TransportState(nn.Module):
     def commit(self) -> None:
         """Make the pending state current and count a step, if a forward wrote one.
 
-        Runs on the device without a host sync: when nothing is pending the copies
-        write the current values back.
+        Runs on the device without a host sync. Outside a pending step the pending buffers
+        equal the current ones (every commit leaves them so), so copying is always right.
         """
-        pending = self.has_pending
-        self.log_odds.copy_(torch.where(pending, self.pending_log_odds, self.log_odds))
-        self.shift.copy_(torch.where(pending, self.pending_shift, self.shift))
-        self.steps.add_(pending.to(self.steps.dtype))
+        self.log_odds.copy_(self.pending_log_odds)
+        self.shift.copy_(self.pending_shift)
+        self.steps.add_(self.has_pending)
         self.has_pending.fill_(False)
 
     @torch.no_grad()
