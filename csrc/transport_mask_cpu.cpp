@@ -112,13 +112,26 @@ template <class acc_t>
 DTP_INLINE ColumnSums<acc_t> column_sums_loop(const acc_t* x, int64_t n, acc_t delta, acc_t m1,
                                               acc_t m0) {
   acc_t s1[kLanes] = {}, s0[kLanes] = {};
-  for (int64_t b = 0; b < n; b += kLanes) {
-    const int64_t m = std::min(kLanes, n - b);
-    for (int64_t j = 0; j < m; ++j) {
-      const acc_t z = x[b + j] + delta;
-      const acc_t r = sigmoid_abs(z);
-      s1[j] += exp_log_sigmoid(z, m1, r);
-      s0[j] += exp_log_sigmoid(-z, m0, r);
+  if (m1 >= acc_t(kMinScaledShift) && m0 >= acc_t(kMinScaledShift)) {
+    const acc_t c1 = exp_fast(-m1), c0 = exp_fast(-m0);
+    for (int64_t b = 0; b < n; b += kLanes) {
+      const int64_t m = std::min(kLanes, n - b);
+      for (int64_t j = 0; j < m; ++j) {
+        const acc_t z = x[b + j] + delta;
+        const auto p = sigmoid_parts(z);
+        s1[j] += scaled_sigmoid(z, p, c1);
+        s0[j] += scaled_sigmoid_neg(z, p, c0);
+      }
+    }
+  } else {
+    for (int64_t b = 0; b < n; b += kLanes) {
+      const int64_t m = std::min(kLanes, n - b);
+      for (int64_t j = 0; j < m; ++j) {
+        const acc_t z = x[b + j] + delta;
+        const acc_t r = sigmoid_abs(z);
+        s1[j] += exp_log_sigmoid(z, m1, r);
+        s0[j] += exp_log_sigmoid(-z, m0, r);
+      }
     }
   }
   return {add_lanes(s1), add_lanes(s0)};
@@ -128,10 +141,19 @@ DTP_INLINE ColumnSums<acc_t> column_sums_loop(const acc_t* x, int64_t n, acc_t d
 template <class acc_t>
 DTP_INLINE void mask_and_state_loop(const acc_t* x, int64_t n, acc_t delta, acc_t l1, acc_t k,
                                     acc_t delta_new, acc_t* mask, acc_t* new_d) {
-  for (int64_t i = 0; i < n; ++i) {
-    const acc_t z = x[i] + delta;
-    mask[i] = k * exp_log_sigmoid(z, l1, sigmoid_abs(z));
-    new_d[i] = x[i] + delta_new;
+  if (l1 >= acc_t(kMinScaledShift)) {
+    const acc_t c = k * exp_fast(-l1);
+    for (int64_t i = 0; i < n; ++i) {
+      const acc_t z = x[i] + delta;
+      mask[i] = scaled_sigmoid(z, sigmoid_parts(z), c);
+      new_d[i] = x[i] + delta_new;
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      const acc_t z = x[i] + delta;
+      mask[i] = k * exp_log_sigmoid(z, l1, sigmoid_abs(z));
+      new_d[i] = x[i] + delta_new;
+    }
   }
 }
 
@@ -145,19 +167,32 @@ template <class acc_t>
 DTP_INLINE GradSums<acc_t> grad_sums_loop(const acc_t* x, const acc_t* g, int64_t n, acc_t delta,
                                           acc_t l1, acc_t* q_out) {
   acc_t gp[kLanes] = {}, gq[kLanes] = {}, qs[kLanes] = {}, gs[kLanes] = {};
-  for (int64_t b = 0; b < n; b += kLanes) {
-    const int64_t m = std::min(kLanes, n - b);
-    for (int64_t j = 0; j < m; ++j) {
-      const acc_t z = x[b + j] + delta;
-      const acc_t r = sigmoid_abs(z);
-      const acc_t p = exp_log_sigmoid(z, l1, r);
-      const acc_t q = exp_log_sigmoid_pair(z, l1, r);
-      const acc_t gi = g[b + j];
-      q_out[b + j] = q;
-      gp[j] += gi * p;
-      gq[j] += gi * q;
-      qs[j] += q;
-      gs[j] += gi;
+  auto accumulate = [&](int64_t i, int64_t j, acc_t p, acc_t q) {
+    const acc_t gi = g[i];
+    q_out[i] = q;
+    gp[j] += gi * p;
+    gq[j] += gi * q;
+    qs[j] += q;
+    gs[j] += gi;
+  };
+  if (l1 >= acc_t(kMinScaledShift)) {
+    const acc_t c = exp_fast(-l1);
+    for (int64_t b = 0; b < n; b += kLanes) {
+      const int64_t m = std::min(kLanes, n - b);
+      for (int64_t j = 0; j < m; ++j) {
+        const acc_t z = x[b + j] + delta;
+        const auto parts = sigmoid_parts(z);
+        accumulate(b + j, j, scaled_sigmoid(z, parts, c), scaled_sigmoid_pair(parts, c));
+      }
+    }
+  } else {
+    for (int64_t b = 0; b < n; b += kLanes) {
+      const int64_t m = std::min(kLanes, n - b);
+      for (int64_t j = 0; j < m; ++j) {
+        const acc_t z = x[b + j] + delta;
+        const acc_t r = sigmoid_abs(z);
+        accumulate(b + j, j, exp_log_sigmoid(z, l1, r), exp_log_sigmoid_pair(z, l1, r));
+      }
     }
   }
   return {add_lanes(gp), add_lanes(gq), add_lanes(qs), add_lanes(gs)};
@@ -256,6 +291,19 @@ struct Segments {
   std::vector<Chunk> chunks;
 };
 
+// A small per-segment CPU tensor (float32 or float64, any stride) as doubles.
+std::vector<double> to_doubles(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 1 &&
+                  (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble),
+              "dtp::transport_mask: ", name, " must be a 1-D float32 or float64 CPU tensor");
+  std::vector<double> out(t.numel());
+  AT_DISPATCH_FLOATING_TYPES(t.scalar_type(), "to_doubles", [&] {
+    const auto a = t.accessor<scalar_t, 1>();
+    for (int64_t i = 0; i < t.numel(); ++i) out[i] = static_cast<double>(a[i]);
+  });
+  return out;
+}
+
 Segments read_segments(const at::Tensor& scores, const at::Tensor& offsets, const at::Tensor& keep,
                        const at::Tensor& eps) {
   TORCH_CHECK(scores.dim() == 1, "dtp::transport_mask: scores must be 1-D, got ", scores.dim(),
@@ -276,10 +324,8 @@ Segments read_segments(const at::Tensor& scores, const at::Tensor& offsets, cons
   }
   TORCH_CHECK(keep.numel() == sg.nseg && eps.numel() == sg.nseg,
               "dtp::transport_mask: keep and eps need one entry per segment (", sg.nseg, ")");
-  auto k = keep.to(at::kCPU, at::kDouble).contiguous();
-  auto e = eps.to(at::kCPU, at::kDouble).contiguous();
-  sg.keep.assign(k.data_ptr<double>(), k.data_ptr<double>() + sg.nseg);
-  sg.eps.assign(e.data_ptr<double>(), e.data_ptr<double>() + sg.nseg);
+  sg.keep = to_doubles(keep, "keep");
+  sg.eps = to_doubles(eps, "eps");
   for (int64_t s = 0; s < sg.nseg; ++s) {
     const int64_t n = sg.offsets[s + 1] - sg.offsets[s];
     TORCH_CHECK(sg.keep[s] >= 0.0 && sg.keep[s] <= static_cast<double>(n),
@@ -537,7 +583,7 @@ std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cpu(
   const auto g = grad_mask.to(acc).contiguous();
   auto x_t = at::empty({sg.numel}, log_odds.options());
   auto grad_x = at::empty({sg.numel}, log_odds.options());
-  auto grad_keep = at::empty({sg.nseg}, log_odds.options().dtype(at::kDouble));
+  std::vector<double> grad_keep(sg.nseg);
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, scores.scalar_type(), "transport_mask_backward_cpu", [&] {
         if (acc == at::kDouble) {
@@ -546,17 +592,22 @@ std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cpu(
                                              nullptr);
           backward_impl<double>(sg, g.data_ptr<double>(), x_t.data_ptr<double>(),
                                 stats.data_ptr<double>(), iters, grad_x.data_ptr<double>(),
-                                grad_keep.data_ptr<double>());
+                                grad_keep.data());
         } else {
           compute_log_odds<scalar_t, float>(sg, scores.data_ptr<scalar_t>(),
                                             log_odds.data_ptr<float>(), x_t.data_ptr<float>(),
                                             nullptr);
           backward_impl<float>(sg, g.data_ptr<float>(), x_t.data_ptr<float>(),
                                stats.data_ptr<double>(), iters, grad_x.data_ptr<float>(),
-                               grad_keep.data_ptr<double>());
+                               grad_keep.data());
         }
       });
-  return {grad_x.to(scores.scalar_type()), grad_keep.to(keep.scalar_type())};
+  auto grad_keep_t = at::empty({sg.nseg}, keep.options());
+  AT_DISPATCH_FLOATING_TYPES(keep.scalar_type(), "grad_keep", [&] {
+    auto out = grad_keep_t.accessor<scalar_t, 1>();
+    for (int64_t s = 0; s < sg.nseg; ++s) out[s] = static_cast<scalar_t>(grad_keep[s]);
+  });
+  return {grad_x.to(scores.scalar_type()), grad_keep_t};
 }
 
 TORCH_LIBRARY_IMPL(dtp, CPU, m) {

@@ -13,10 +13,11 @@
 #include <cstdint>
 #include <cstring>
 
+// Internal linkage: each kernel file gets its own copies, called directly (no PLT).
 #if defined(__CUDACC__)
-#define DTP_HOST_DEVICE __host__ __device__
+#define DTP_HOST_DEVICE __host__ __device__ static
 #else
-#define DTP_HOST_DEVICE
+#define DTP_HOST_DEVICE static
 #endif
 
 namespace dtp {
@@ -79,6 +80,38 @@ DTP_HOST_DEVICE inline T exp_log_sigmoid(T z, T shift, T r) {
 template <class T>
 DTP_HOST_DEVICE inline T exp_log_sigmoid_pair(T z, T shift, T r) {
   return exp_fast(-(z < T(0) ? -z : z) - shift) * r * r;
+}
+
+// The same three quantities with one exp per element: e = exp(-|z|) = exp(min(z, 0)) is
+// reused, and exp(-shift) is one number per segment. Exact while exp(-shift) is finite and
+// e * exp(-shift) does not lose terms that matter, which holds for shift >= kMinScaledShift
+// (terms that then underflow are below e^-27 of the largest one).
+constexpr double kMinScaledShift = -60.0;
+
+// e = exp(-|z|) and r = 1 / (1 + e).
+template <class T>
+struct SigmoidParts {
+  T e, r;
+};
+template <class T>
+DTP_HOST_DEVICE inline SigmoidParts<T> sigmoid_parts(T z) {
+  const T e = exp_fast(-(z < T(0) ? -z : z));
+  return {e, T(1) / (T(1) + e)};
+}
+// exp(log sigmoid(z)) * scale
+template <class T>
+DTP_HOST_DEVICE inline T scaled_sigmoid(T z, SigmoidParts<T> p, T scale) {
+  return (z > T(0) ? scale : p.e * scale) * p.r;  // NaN z takes the e branch: NaN
+}
+// exp(log sigmoid(-z)) * scale
+template <class T>
+DTP_HOST_DEVICE inline T scaled_sigmoid_neg(T z, SigmoidParts<T> p, T scale) {
+  return (z < T(0) ? scale : p.e * scale) * p.r;
+}
+// sigmoid(z) sigmoid(-z) * scale
+template <class T>
+DTP_HOST_DEVICE inline T scaled_sigmoid_pair(SigmoidParts<T> p, T scale) {
+  return p.e * scale * p.r * p.r;
 }
 
 // log sigmoid(v) for one number per segment (double precision, library calls).

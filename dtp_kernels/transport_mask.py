@@ -69,9 +69,11 @@ def _check_scores(scores: Scores, state: TransportState) -> tuple[torch.Tensor, 
 
 def _check_keep(keep, state: TransportState) -> torch.Tensor:
     """k per segment as a float tensor on the state's device; each in [0, n]."""
-    if isinstance(keep, numbers.Real) and not isinstance(keep, bool):
-        keep = [keep]
-    if isinstance(keep, torch.Tensor):
+    checked = getattr(state, "_keep_checked", None)
+    if checked is not None and checked[0] is keep and checked[1] == keep._version:
+        return checked[2]  # the same, unmodified tensor as last step: its version proves it
+    original = keep
+    if isinstance(keep, torch.Tensor):  # the per-step case first: ABC isinstance is slow
         if keep.is_complex() or not keep.is_floating_point():
             raise TypeError(f"keep has dtype {keep.dtype}; it must be float32 or float64")
         if keep.dim() > 1:
@@ -80,33 +82,41 @@ def _check_keep(keep, state: TransportState) -> torch.Tensor:
             raise ValueError(
                 f"keep is on {keep.device} but the transport state is on {state.device}"
             )
-        values = keep.detach().reshape(-1)
-        keep_flat = keep.reshape(-1)
-    elif isinstance(keep, Sequence):
+        keep = keep.reshape(-1)
+    else:
+        if isinstance(keep, numbers.Real) and not isinstance(keep, bool):
+            keep = [keep]
+        if not isinstance(keep, Sequence):
+            raise TypeError(
+                f"keep must be a tensor or a sequence of numbers, got {type(keep).__name__}"
+            )
         for index, k in enumerate(keep):
             if isinstance(k, bool) or not isinstance(k, numbers.Real):
                 raise TypeError(f"keep[{index}] (segment {index}) = {k!r} is not a real number")
-        values = torch.tensor([float(k) for k in keep], dtype=torch.float32, device=state.device)
-        keep_flat = values
-    else:
-        raise TypeError(
-            f"keep must be a tensor or a sequence of numbers, got {type(keep).__name__}"
-        )
-    if values.numel() != state.num_segments:
+        keep = torch.tensor([float(k) for k in keep], dtype=torch.float32, device=state.device)
+    if keep.numel() != state.num_segments:
         raise ValueError(
-            f"keep has {values.numel()} entries, one per segment is needed ({state.num_segments})"
+            f"keep has {keep.numel()} entries, one per segment is needed ({state.num_segments})"
         )
-    if values.device.type == "cpu":
-        for index, (k, n) in enumerate(zip(values.tolist(), state.sizes, strict=True)):
-            if not 0 <= k <= n:  # NaN fails too
-                raise ValueError(
-                    f"keep[{index}] (segment {index}) = {k} is outside the allowed range [0, {n}]"
-                )
+    if keep.device.type == "cpu":
+        values = keep.tolist()
+        if not all(map(_in_range, values, state.sizes)):
+            index = next(i for i, k in enumerate(values) if not _in_range(k, state.sizes[i]))
+            raise ValueError(
+                f"keep[{index}] (segment {index}) = {values[index]} is outside the allowed "
+                f"range [0, {state.sizes[index]}]"
+            )
     else:  # checked on the device: no host sync per step
-        sizes = _sizes_tensor(state, values.dtype)
-        bad = ~((values >= 0) & (values <= sizes))
-        torch._assert_async(~bad.any(), "keep: a kept count is outside [0, n] of its segment")
-    return keep_flat
+        sizes = _sizes_tensor(state, keep.dtype)
+        ok = ((keep >= 0) & (keep <= sizes)).all()
+        torch._assert_async(ok, "keep: a kept count is outside [0, n] of its segment")
+    if isinstance(original, torch.Tensor):
+        state._keep_checked = (original, original._version, keep)
+    return keep
+
+
+def _in_range(k: float, n: int) -> bool:
+    return 0 <= k <= n  # False for NaN
 
 
 def _sizes_tensor(state: TransportState, dtype: torch.dtype) -> torch.Tensor:
@@ -117,7 +127,7 @@ def _sizes_tensor(state: TransportState, dtype: torch.dtype) -> torch.Tensor:
     return cached
 
 
-def _check_eps(eps, state: TransportState) -> torch.Tensor:  # noqa: ANN001
+def _check_eps(eps, state: TransportState) -> torch.Tensor:
     """eps per segment as a float64 tensor on the state's device; each finite and > 0."""
     if isinstance(eps, numbers.Real) and not isinstance(eps, bool):
         cached = getattr(state, "_eps_cache", None)  # the common case: one float, every step
@@ -207,7 +217,8 @@ def _transport_mask_torch(
 
 
 # ---------------------------------------------------------------------------------------
-# Backend "cpu": the compiled op torch.ops.dtp.transport_mask, its fake and its autograd.
+# Backend "cpu": the compiled op torch.ops.dtp.transport_mask and its fake implementation.
+# Its autograd is registered in C++ (csrc/transport_mask_autograd.cpp).
 # ---------------------------------------------------------------------------------------
 
 
@@ -225,27 +236,9 @@ def _transport_mask_backward_fake(grad_mask, scores, offsets, keep, eps, log_odd
     return torch.empty_like(scores), torch.empty_like(keep)
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    scores, offsets, keep, eps, log_odds, _shift, _iters = inputs
-    _mask, new_d, new_shift, stats = output
-    ctx.save_for_backward(scores, offsets, keep, eps, log_odds, stats)
-    ctx.mark_non_differentiable(new_d, new_shift, stats)
-
-
-def _backward(ctx, grad_mask, _g_d, _g_shift, _g_stats):
-    scores, offsets, keep, eps, log_odds, stats = ctx.saved_tensors
-    if grad_mask is None:
-        grad_mask = torch.zeros_like(scores)
-    grad_scores, grad_keep = torch.ops.dtp.transport_mask_backward(
-        grad_mask, scores, offsets, keep, eps, log_odds, stats
-    )
-    return grad_scores, None, grad_keep, None, None, None, None
-
-
 if compiled():  # the ops exist only when dtp_kernels._C loaded
     torch.library.register_fake("dtp::transport_mask", _transport_mask_fake)
     torch.library.register_fake("dtp::transport_mask_backward", _transport_mask_backward_fake)
-    torch.library.register_autograd("dtp::transport_mask", _backward, setup_context=_setup_context)
 
 
 def _transport_mask_compiled(
@@ -256,8 +249,12 @@ def _transport_mask_compiled(
     iters: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     acc = torch.float64 if scores.dtype == torch.float64 else torch.float32
+    buffers = state._buffers  # direct: Module.__getattr__ costs ~1 us per buffer per step
+    log_odds, shift = buffers["log_odds"], buffers["shift"]
+    if log_odds.dtype != acc:
+        log_odds, shift = log_odds.to(acc), shift.to(acc)
     mask, new_d, new_shift, _stats = torch.ops.dtp.transport_mask(
-        scores, state.offsets, keep, eps, state.log_odds.to(acc), state.shift.to(acc), iters
+        scores, buffers["offsets"], keep, eps, log_odds, shift, iters
     )
     return mask, new_d, new_shift
 
@@ -328,7 +325,7 @@ def transport_mask(
     flat, is_list = _check_scores(scores, state)
     keep_t = _check_keep(keep, state)
     eps_t = _check_eps(eps, state)
-    backend = _check_options(iters, update, backend, state.device)
+    backend = _check_options(iters, update, backend, flat.device)
     mask, new_d, new_shift = _IMPLEMENTATIONS[backend](flat, keep_t, eps_t, state, iters)
     if update:
         state.write_pending(new_d, new_shift)

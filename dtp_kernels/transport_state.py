@@ -48,7 +48,7 @@ class TransportState(nn.Module):
         if dtype not in (torch.float32, torch.float64):
             raise TypeError(f"TransportState: dtype must be float32 or float64, got {dtype}")
         self.sizes: tuple[int, ...] = tuple(sizes)
-        total = sum(sizes)
+        total = self._numel = sum(sizes)
         offsets = torch.zeros(len(sizes) + 1, dtype=torch.int64)
         offsets[1:] = torch.tensor(sizes, dtype=torch.int64).cumsum(0)
         self.register_buffer("offsets", offsets.to(device))
@@ -73,18 +73,18 @@ class TransportState(nn.Module):
 
     @property
     def numel(self) -> int:
-        return int(sum(self.sizes))
+        return self._numel
 
     @property
     def device(self) -> torch.device:
-        return self.log_odds.device
+        return self._buffers["log_odds"].device  # direct: Module.__getattr__ is slow per step
 
-    @torch.no_grad()
     def write_pending(self, log_odds: torch.Tensor, shift: torch.Tensor) -> None:
-        """Store the next state; it becomes current at :meth:`commit`."""
-        self.pending_log_odds.copy_(log_odds)
-        self.pending_shift.copy_(shift)
-        self.has_pending.fill_(True)
+        """Store the next state (tensors without grad); it becomes current at :meth:`commit`."""
+        buffers = self._buffers  # direct: Module.__getattr__ is slow on a per-step path
+        buffers["pending_log_odds"].copy_(log_odds)
+        buffers["pending_shift"].copy_(shift)
+        buffers["has_pending"].fill_(True)
 
     @torch.no_grad()
     def commit(self) -> None:

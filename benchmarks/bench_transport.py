@@ -1,0 +1,113 @@
+"""Forward and forward + backward of the DTP mask step for all 32 prunable groups of
+torchvision's ResNet-50 (conv1 and conv2 of every bottleneck, ratio 0.6), per backend,
+measured interleaved in one run; ratios against "reference" and "torch".
+
+    python benchmarks/bench_transport.py [--device cpu] [--rounds 30]
+
+Appends rows to benchmarks/results/transport.csv and writes a summary to
+benchmarks/results/transport_<device>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _harness import RESULTS, append_rows, environment, interleaved, summarize
+
+import dtp_kernels
+from dtp_kernels import TransportState, transport_mask
+
+RATIO = 0.6
+
+
+def resnet50_group_sizes() -> list[int]:
+    """Output channels of conv1 and conv2 of every bottleneck of torchvision's ResNet-50."""
+    import torchvision
+
+    model = torchvision.models.resnet50()
+    sizes = []
+    for module in model.modules():
+        if isinstance(module, torchvision.models.resnet.Bottleneck):
+            sizes += [module.conv1.out_channels, module.conv2.out_channels]
+    return sizes
+
+
+def make_step(backend: str, sizes: list[int], device: torch.device, backward: bool):
+    state = TransportState(sizes, device=device)
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.rand(sum(sizes), generator=gen).to(device).requires_grad_(True)
+    weights = torch.randn(sum(sizes), generator=gen).to(device)
+    kept = [n - math.ceil(RATIO * n) for n in sizes]  # a ratio p prunes ceil(n p) channels
+    keep = torch.tensor(kept, dtype=torch.float32, device=device)
+
+    def step() -> None:
+        mask = transport_mask(scores, keep, state, backend=backend)
+        if backward:
+            (mask * weights).sum().backward()
+            scores.grad = None
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--no-save", action="store_true", help="print only")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    sizes = resnet50_group_sizes()
+    backends = dtp_kernels.available_backends(device)
+    env = environment(device)
+    shape = f"resnet50 {len(sizes)} groups, {sum(sizes)} channels"
+    print(f"{shape}; {env}")
+
+    rows, medians = [], {}
+    for mode, backward in (("fwd", False), ("full", True)):
+        cases = {}
+        for backend in backends:
+            inner = 2 if backend == "reference" else 50
+            cases[backend] = (make_step(backend, sizes, device, backward), inner)
+        samples = interleaved(cases, args.rounds, device)
+        for backend in backends:
+            stats = summarize(samples[backend])
+            medians[(mode, backend)] = stats["median_us"]
+            rows.append(
+                dict(op="transport_mask", provider=backend, mode=mode, shape=shape,
+                     dtype="float32", **stats, **env)
+            )  # fmt: skip
+
+    lines = [
+        f"# transport_mask, {shape}",
+        "",
+        f"device: {env['device']}; threads: {env['threads']}; torch {env['torch']}; "
+        f"triton {env['triton']}; date {env['date']}",
+        "",
+        "| mode | backend | median us | p20 us | p80 us | x vs reference | x vs torch |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in rows:
+        ref = medians[(row["mode"], "reference")]
+        eager = medians[(row["mode"], "torch")]
+        lines.append(
+            f"| {row['mode']} | {row['provider']} | {row['median_us']:.1f} | {row['p20_us']:.1f} "
+            f"| {row['p80_us']:.1f} | {ref / row['median_us']:.1f} "
+            f"| {eager / row['median_us']:.2f} |"
+        )
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if not args.no_save:
+        append_rows(RESULTS / "transport.csv", rows)
+        (RESULTS / f"transport_{device.type}.md").write_text(report)
+
+
+if __name__ == "__main__":
+    main()

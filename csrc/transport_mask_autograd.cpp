@@ -1,0 +1,65 @@
+// Autograd of dtp::transport_mask, for every device: a torch::autograd::Function whose
+// forward and backward call the device kernels through the dispatcher. Written in C++
+// because a Python autograd registration costs more per step than the kernels of a whole
+// ResNet-50 (see benchmarks/README.md); torch.compile and opcheck see the same op.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+namespace dtp {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+using ForwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, int64_t);
+using BackwardSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                       const at::Tensor&, const at::Tensor&,
+                                                       const at::Tensor&, const at::Tensor&,
+                                                       const at::Tensor&);
+
+class TransportMaskFunction : public torch::autograd::Function<TransportMaskFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& scores,
+                               const at::Tensor& offsets, const at::Tensor& keep,
+                               const at::Tensor& eps, const at::Tensor& log_odds,
+                               const at::Tensor& shift, int64_t iters) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("dtp::transport_mask", "")
+                         .typed<ForwardSig>();
+    auto [mask, new_log_odds, new_shift, stats] =
+        op.call(scores, offsets, keep, eps, log_odds, shift, iters);
+    ctx->save_for_backward({scores, offsets, keep, eps, log_odds, stats});
+    ctx->mark_non_differentiable({new_log_odds, new_shift, stats});
+    return {mask, new_log_odds, new_shift, stats};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("dtp::transport_mask_backward", "")
+                         .typed<BackwardSig>();
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor grad_mask = grads[0].defined() ? grads[0] : at::zeros_like(saved[0]);
+    auto [grad_scores, grad_keep] =
+        op.call(grad_mask, saved[0], saved[1], saved[2], saved[3], saved[4], saved[5]);
+    return {grad_scores,  at::Tensor(), grad_keep,   at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport_mask_autograd(
+    const at::Tensor& scores, const at::Tensor& offsets, const at::Tensor& keep,
+    const at::Tensor& eps, const at::Tensor& log_odds, const at::Tensor& shift, int64_t iters) {
+  auto out = TransportMaskFunction::apply(scores, offsets, keep, eps, log_odds, shift, iters);
+  return {out[0], out[1], out[2], out[3]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dtp, Autograd, m) { m.impl("transport_mask", &transport_mask_autograd); }
+
+}  // namespace dtp
