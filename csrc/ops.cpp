@@ -21,6 +21,14 @@ TORCH_LIBRARY(dtp, m) {
   m.def(
       "transport_mask_backward(Tensor grad_mask, Tensor scores, Tensor offsets, Tensor keep, "
       "Tensor eps, Tensor log_odds, Tensor stats) -> (Tensor, Tensor)");
+  // out = act((y + bias[c]) * mask[c]), activation "none" or "relu".
+  m.def(
+      "masked_channel_epilogue(Tensor y, Tensor mask, Tensor? bias, str activation, "
+      "int channel_dim) -> Tensor");
+  // grad_y, grad_mask, grad_bias (grad_bias is mask * sum(g) even without a bias).
+  m.def(
+      "masked_channel_epilogue_backward(Tensor grad_out, Tensor y, Tensor mask, Tensor? bias, "
+      "str activation, int channel_dim) -> (Tensor, Tensor, Tensor)");
 }
 
 namespace {

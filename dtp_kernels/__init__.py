@@ -1,10 +1,11 @@
 """dtp_kernels: Differentiable Transportation Pruning (Li et al., ICCV 2023) for PyTorch.
 
-Public API: :func:`transport_mask`, :class:`TransportState`, :func:`available_backends`,
-:func:`build_info`. The literal reference is :mod:`dtp_kernels.reference`.
+Public API: :func:`transport_mask`, :class:`TransportState`,
+:func:`masked_channel_epilogue`, :func:`available_backends`, :func:`build_info`. The literal reference is :mod:`dtp_kernels.reference`.
 """
 
 from ._extension import BackendUnavailableError, available_backends, build_info
+from .masked_channel_epilogue import masked_channel_epilogue
 from .transport_mask import transport_mask
 from .transport_state import TransportState
 
@@ -13,6 +14,7 @@ __all__ = [
     "TransportState",
     "available_backends",
     "build_info",
+    "masked_channel_epilogue",
     "transport_mask",
 ]
 __version__ = "0.1.0"
