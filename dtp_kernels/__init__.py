@@ -1,7 +1,8 @@
 """dtp_kernels: Differentiable Transportation Pruning (Li et al., ICCV 2023) for PyTorch.
 
 Public API: :func:`transport_mask`, :class:`TransportState`,
-:func:`masked_channel_epilogue`, :func:`available_backends`, :func:`build_info`. The literal reference is :mod:`dtp_kernels.reference`.
+:func:`masked_channel_epilogue`, :func:`available_backends`, :func:`build_info`.
+The literal reference is :mod:`dtp_kernels.reference`.
 """
 
 from ._extension import BackendUnavailableError, available_backends, build_info
