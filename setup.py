@@ -61,10 +61,19 @@ def extensions() -> list:
         "-std=c++20",
         "-fno-trapping-math",
         "-fno-math-errno",
+        "-fopenmp",  # at::parallel_for is header code: without OpenMP it runs serially
         f'-DDTP_TORCH_VERSION="{torch.__version__}"',
     ]
+    link = ["-fopenmp"]
     if not want_cuda(cuda_sources):
-        return [CppExtension("dtp_kernels._C", cpp_sources, extra_compile_args={"cxx": cxx})]
+        return [
+            CppExtension(
+                "dtp_kernels._C",
+                cpp_sources,
+                extra_compile_args={"cxx": cxx},
+                extra_link_args=link,
+            )
+        ]
     nvcc = find_nvcc()
     os.environ.setdefault("CUDA_HOME", os.path.dirname(os.path.dirname(nvcc)))
     arch_list = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
@@ -77,6 +86,7 @@ def extensions() -> list:
                 "cxx": cxx + flags,
                 "nvcc": ["-O3", "-std=c++20", "--expt-relaxed-constexpr", *flags],
             },
+            extra_link_args=link,
         )
     ]
 
