@@ -19,10 +19,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _harness import RESULTS, append_rows, environment, interleaved, summarize  # noqa: E402
+from _harness import RESULTS, append_rows, environment, interleaved, summarize
 
-import dtp_kernels  # noqa: E402
-from dtp_kernels import masked_channel_epilogue  # noqa: E402
+import dtp_kernels
+from dtp_kernels import masked_channel_epilogue
 
 SHAPE = (64, 256, 28, 28)
 
