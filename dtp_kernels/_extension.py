@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
+import os
 
 import torch
 
@@ -19,7 +21,7 @@ BUILD_HINT = (
     "repository, with torch installed"
 )
 
-BACKENDS = ("auto", "reference", "torch", "cpu")
+BACKENDS = ("auto", "reference", "torch", "cpu", "triton")
 
 
 class BackendUnavailableError(RuntimeError):
@@ -31,10 +33,28 @@ def compiled() -> bool:
     return _C is not None
 
 
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
+def triton_installed() -> bool:
+    return _TRITON_INSTALLED
+
+
+def triton_interpreted() -> bool:
+    """Triton kernels run on CPU tensors only under TRITON_INTERPRET=1 (tests, CI)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
-    """Backends that can run on tensors of `device`, fastest last ("auto" picks the last)."""
+    """Backends that can run on tensors of `device`, in the order "auto" prefers them last.
+
+    CPU: reference, torch, triton (interpreted, only with TRITON_INTERPRET=1), cpu.
+    CUDA: reference, torch, triton.
+    """
     device = torch.device(device)
     backends = ["reference", "torch"]
+    if triton_installed() and (device.type == "cuda" or triton_interpreted()):
+        backends.append("triton")
     if device.type == "cpu" and compiled():
         backends.append("cpu")
     return backends
@@ -54,6 +74,14 @@ def require_backend(backend: str, device: torch.device) -> None:
             f"backend 'cpu' needs the compiled module dtp_kernels._C, which did not import "
             f"({_C_ERROR}); {BUILD_HINT}"
         )
+    if backend == "triton":
+        how = (
+            "install triton (pip install triton)"
+            if not triton_installed()
+            else "use CUDA tensors, or set TRITON_INTERPRET=1 before importing dtp_kernels "
+            "to interpret the kernels on the CPU (slow; for tests)"
+        )
+        raise BackendUnavailableError(f"backend 'triton' is not available on {device}: {how}")
     raise BackendUnavailableError(
         f"backend {backend!r} is not available on {device}; available: {available_backends(device)}"
     )

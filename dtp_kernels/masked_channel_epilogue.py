@@ -3,14 +3,20 @@
 Where a group's mask cannot be folded into an affine layer's parameters (frozen or
 quantized weights, a producer that is not affine), it is applied to the activations
 (DESIGN.md section 2). Masks are non-negative, so the mask commutes with ReLU.
-Backends: "torch" (eager), "cpu" (C++ kernels in csrc/), "auto".
+Backends: "torch" (eager), "cpu" (C++ kernels in csrc/), "triton", "auto".
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._extension import BACKENDS, available_backends, compiled, require_backend
+from ._extension import (
+    BACKENDS,
+    available_backends,
+    compiled,
+    require_backend,
+    triton_installed,
+)
 
 ACTIVATIONS = (None, "relu")
 
@@ -67,7 +73,45 @@ def _epilogue_compiled(y, mask, bias, activation, dim):
     return torch.ops.dtp.masked_channel_epilogue(y, mask, bias, activation or "none", dim)
 
 
-_IMPLEMENTATIONS = {"torch": _epilogue_torch, "cpu": _epilogue_compiled}
+Tensor = torch.Tensor
+
+if triton_installed():
+    from torch.library import triton_op, wrap_triton
+
+    from .kernels import masked_epilogue_triton as _tk
+
+    @triton_op("dtp::masked_channel_epilogue_triton", mutates_args=())
+    def _epilogue_triton_op(
+        y: Tensor, mask: Tensor, bias: Tensor | None, relu: bool, channel_dim: int
+    ) -> Tensor:
+        return _tk.epilogue_forward(wrap_triton, y, mask, bias, relu, channel_dim)
+
+    @triton_op("dtp::masked_channel_epilogue_triton_backward", mutates_args=())
+    def _epilogue_triton_backward_op(
+        grad: Tensor, y: Tensor, mask: Tensor, bias: Tensor | None, relu: bool, channel_dim: int
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        return _tk.epilogue_backward(wrap_triton, grad, y, mask, bias, relu, channel_dim)
+
+    def _triton_setup_context(ctx, inputs, output) -> None:
+        y, mask, bias, relu, channel_dim = inputs
+        ctx.save_for_backward(y, mask, bias)
+        ctx.relu, ctx.channel_dim = relu, channel_dim
+
+    def _triton_backward(ctx, grad):
+        y, mask, bias = ctx.saved_tensors
+        dy, dmask, dbias = _epilogue_triton_backward_op(
+            grad, y, mask, bias, ctx.relu, ctx.channel_dim
+        )
+        return dy, dmask, dbias if bias is not None else None, None, None
+
+    _epilogue_triton_op.register_autograd(_triton_backward, setup_context=_triton_setup_context)
+
+
+def _epilogue_triton(y, mask, bias, activation, dim):
+    return _epilogue_triton_op(y, mask, bias, activation == "relu", dim)
+
+
+_IMPLEMENTATIONS = {"torch": _epilogue_torch, "cpu": _epilogue_compiled, "triton": _epilogue_triton}
 
 
 def masked_channel_epilogue(
@@ -88,7 +132,7 @@ def masked_channel_epilogue(
         bias: optional per-channel bias added before the mask, shape (C,).
         activation: None or "relu".
         channel_dim: the channel dimension of ``y``.
-        backend: "auto", "torch" or "cpu" (see ``available_backends``).
+        backend: "auto", "torch", "cpu" or "triton" (see ``available_backends``).
 
     Returns:
         A tensor shaped and typed like ``y`` (channels_last stays channels_last).

@@ -11,7 +11,13 @@ from collections.abc import Sequence
 
 import torch
 
-from ._extension import BACKENDS, available_backends, compiled, require_backend
+from ._extension import (
+    BACKENDS,
+    available_backends,
+    compiled,
+    require_backend,
+    triton_installed,
+)
 from .transport_state import TransportState
 
 Scores = torch.Tensor | Sequence[torch.Tensor]
@@ -69,7 +75,8 @@ def _check_scores(scores: Scores, state: TransportState) -> tuple[torch.Tensor, 
 
 def _check_keep(keep, state: TransportState) -> torch.Tensor:
     """k per segment as a float tensor on the state's device; each in [0, n]."""
-    checked = getattr(state, "_keep_checked", None)
+    compiling = torch.compiler.is_compiling()
+    checked = None if compiling else getattr(state, "_keep_checked", None)
     if checked is not None and checked[0] is keep and checked[1] == keep._version:
         return checked[2]  # the same, unmodified tensor as last step: its version proves it
     original = keep
@@ -98,7 +105,7 @@ def _check_keep(keep, state: TransportState) -> torch.Tensor:
         raise ValueError(
             f"keep has {keep.numel()} entries, one per segment is needed ({state.num_segments})"
         )
-    if keep.device.type == "cpu":
+    if keep.device.type == "cpu" and not compiling:
         values = keep.tolist()
         if not all(map(_in_range, values, state.sizes)):
             index = next(i for i, k in enumerate(values) if not _in_range(k, state.sizes[i]))
@@ -106,11 +113,11 @@ def _check_keep(keep, state: TransportState) -> torch.Tensor:
                 f"keep[{index}] (segment {index}) = {values[index]} is outside the allowed "
                 f"range [0, {state.sizes[index]}]"
             )
-    else:  # checked on the device: no host sync per step
+    else:  # checked on the device (no host sync per step, and traceable by torch.compile)
         sizes = _sizes_tensor(state, keep.dtype)
         ok = ((keep >= 0) & (keep <= sizes)).all()
         torch._assert_async(ok, "keep: a kept count is outside [0, n] of its segment")
-    if isinstance(original, torch.Tensor):
+    if isinstance(original, torch.Tensor) and not compiling:
         state._keep_checked = (original, original._version, keep)
     return keep
 
@@ -260,6 +267,78 @@ def _transport_mask_compiled(
 
 
 # ---------------------------------------------------------------------------------------
+# Backend "triton": torch.library.triton_op, so torch.compile sees the kernels. The fused
+# kernels do one Sinkhorn iteration; iters > 1 runs the eager closed form instead.
+# ---------------------------------------------------------------------------------------
+
+Tensor = torch.Tensor
+
+if triton_installed():
+    from torch.library import triton_op, wrap_triton
+
+    from .kernels import transport_mask_triton as _tk
+
+    @triton_op("dtp::transport_mask_triton", mutates_args=())
+    def _transport_mask_triton_op(
+        scores: Tensor, offsets: Tensor, keep: Tensor, eps: Tensor, log_odds: Tensor, shift: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return _tk.transport_mask_forward(wrap_triton, scores, offsets, keep, eps, log_odds, shift)
+
+    @triton_op("dtp::transport_mask_triton_backward", mutates_args=())
+    def _transport_mask_triton_backward_op(
+        grad_mask: Tensor,
+        scores: Tensor,
+        offsets: Tensor,
+        keep: Tensor,
+        eps: Tensor,
+        log_odds: Tensor,
+        stats: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        return _tk.transport_mask_backward(
+            wrap_triton, grad_mask, scores, offsets, keep, eps, log_odds, stats
+        )
+
+    def _triton_setup_context(ctx, inputs, output) -> None:
+        scores, offsets, keep, eps, log_odds, _shift = inputs
+        _mask, new_d, new_shift, stats = output
+        ctx.save_for_backward(scores, offsets, keep, eps, log_odds, stats)
+        ctx.mark_non_differentiable(new_d, new_shift, stats)
+
+    def _triton_backward(ctx, grad_mask, _g_d, _g_shift, _g_stats):
+        scores, offsets, keep, eps, log_odds, stats = ctx.saved_tensors
+        if grad_mask is None:
+            grad_mask = torch.zeros_like(scores)
+        grad_scores, grad_keep = _transport_mask_triton_backward_op(
+            grad_mask, scores, offsets, keep, eps, log_odds, stats
+        )
+        return grad_scores, None, grad_keep, None, None, None
+
+    _transport_mask_triton_op.register_autograd(
+        _triton_backward, setup_context=_triton_setup_context
+    )
+
+
+def _transport_mask_triton(
+    scores: torch.Tensor,
+    keep: torch.Tensor,
+    eps: torch.Tensor,
+    state: TransportState,
+    iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if iters > 1:
+        return _transport_mask_torch(scores, keep, eps, state, iters)
+    acc = torch.float64 if scores.dtype == torch.float64 else torch.float32
+    buffers = state._buffers
+    log_odds, shift = buffers["log_odds"], buffers["shift"]
+    if log_odds.dtype != acc:
+        log_odds, shift = log_odds.to(acc), shift.to(acc)
+    mask, new_d, new_shift, _stats = _transport_mask_triton_op(
+        scores.contiguous(), buffers["offsets"], keep.contiguous(), eps, log_odds, shift
+    )
+    return mask, new_d, new_shift
+
+
+# ---------------------------------------------------------------------------------------
 # Backend "reference": the literal Algorithm 1, looped over segments.
 # ---------------------------------------------------------------------------------------
 
@@ -289,6 +368,7 @@ _IMPLEMENTATIONS = {
     "reference": _transport_mask_reference,
     "torch": _transport_mask_torch,
     "cpu": _transport_mask_compiled,
+    "triton": _transport_mask_triton,
 }
 
 
@@ -314,7 +394,9 @@ def transport_mask(
         iters: Sinkhorn iterations per step (the paper uses 1).
         update: write the next state to ``state.pending_*`` (made current by
             ``state.commit()``). False leaves the state untouched.
-        backend: "auto", "reference", "torch" or "cpu" (see ``available_backends``).
+        backend: "auto", "reference", "torch", "cpu" or "triton" (see
+            ``available_backends``; "triton" does iters = 1 in its fused kernels and runs
+            the eager closed form for iters > 1).
 
     Returns:
         The mask in the layout and dtype of ``scores``: ``mask[i] = n P_new[i, 1]``; each

@@ -41,6 +41,15 @@ def test_missing_extension_message(monkeypatch):
     assert mask.shape == (3,)
 
 
+def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "triton" not in dtp_kernels.available_backends("cpu")
+    with pytest.raises(dtp_kernels.BackendUnavailableError, match="TRITON_INTERPRET=1"):
+        dtp_kernels.transport_mask(
+            torch.randn(3), [1.0], dtp_kernels.TransportState([3]), backend="triton"
+        )
+
+
 def test_auto_picks_compiled_kernel_on_cpu():
     if not _extension.compiled():
         pytest.skip("dtp_kernels._C is not built")
@@ -64,4 +73,6 @@ def test_package_imports_without_extension(tmp_path):
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
     )
-    assert out.stdout.strip() == "['reference', 'torch'] False"
+    backends, loaded = out.stdout.strip().rsplit(" ", 1)
+    assert "'cpu'" not in backends and backends.startswith("['reference', 'torch'")
+    assert loaded == "False"

@@ -106,7 +106,11 @@ def test_matches_reference(backend, layout, dtype, activation, with_bias):
 def test_gradcheck_float64(backend, activation, layout):
     gen = torch.Generator().manual_seed(1)
     y, channel_dim = make_y(layout, torch.float64, gen)
-    y = y[:2].detach().requires_grad_(True)
+    # small: gradcheck runs the op twice per input element (interpreted Triton: ~ms each)
+    y = y[:2, :5] if y.dim() == 2 else y[:2, :3, :2, :3]
+    if layout == "channels_last":
+        y = y.contiguous(memory_format=torch.channels_last)
+    y = y.detach().requires_grad_(True)
     channels = y.shape[channel_dim]
     mask = torch.rand(channels, generator=gen, dtype=torch.float64).requires_grad_(True)
     bias = torch.randn(channels, generator=gen, dtype=torch.float64).requires_grad_(True)
