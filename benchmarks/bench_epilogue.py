@@ -1,7 +1,9 @@
 """The masked-channel epilogue, out = relu((y + bias[c]) * mask[c]), per backend against a
 plain copy of the same bytes (the memory limit), measured interleaved in one run.
 
-    python benchmarks/bench_epilogue.py [--device cpu] [--rounds 10]
+    python benchmarks/bench_epilogue.py [--device cpu|cuda] [--rounds 10]
+
+On CPU: C++ vs eager; on CUDA: Triton vs eager vs torch.compile of the eager expression.
 
 Modes: fwd, bwd (backward only, producing dy, dmask and dbias), full (fwd + bwd).
 Appends rows to benchmarks/results/epilogue.csv; writes
@@ -55,6 +57,16 @@ def make_cases(layout: str, dtype: torch.dtype, device: torch.device) -> dict:
             torch.autograd.grad(fwd(), (y, mask, bias), grad)
 
         cases[backend] = {"fwd": fwd, "bwd": bwd, "full": full}
+    if device.type == "cuda":  # eager epilogue compiled by inductor: the baseline to beat
+        compiled = torch.compile(
+            lambda y, mask, bias: masked_channel_epilogue(y, mask, bias, "relu", backend="torch")
+        )
+        graph_out = compiled(y, mask, bias)
+        cases["torch.compile"] = {
+            "fwd": lambda: compiled(y, mask, bias),
+            "bwd": lambda: torch.autograd.grad(graph_out, (y, mask, bias), grad, retain_graph=True),
+            "full": lambda: torch.autograd.grad(compiled(y, mask, bias), (y, mask, bias), grad),
+        }
     return cases
 
 

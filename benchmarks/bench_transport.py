@@ -2,7 +2,10 @@
 torchvision's ResNet-50 (conv1 and conv2 of every bottleneck, ratio 0.6), per backend,
 measured interleaved in one run; ratios against "reference" and "torch".
 
-    python benchmarks/bench_transport.py [--device cpu] [--rounds 30]
+    python benchmarks/bench_transport.py [--device cpu|cuda] [--rounds 30]
+
+On CUDA the providers are reference, torch (eager), triton and torch.compile of the eager
+closed form; on CPU reference, torch and cpu (C++).
 
 Appends rows to benchmarks/results/transport.csv and writes a summary to
 benchmarks/results/transport_<device>.md.
@@ -48,8 +51,14 @@ def make_step(backend: str, sizes: list[int], device: torch.device, backward: bo
     kept = [n - math.ceil(RATIO * n) for n in sizes]  # a ratio p prunes ceil(n p) channels
     keep = torch.tensor(kept, dtype=torch.float32, device=device)
 
+    def mask_step(scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return transport_mask(scores, keep, state, backend=eager_backend)
+
+    eager_backend = "torch" if backend == "torch.compile" else backend
+    fn = torch.compile(mask_step) if backend == "torch.compile" else mask_step
+
     def step() -> None:
-        mask = transport_mask(scores, keep, state, backend=backend)
+        mask = fn(scores, keep)
         if backward:
             (mask * weights).sum().backward()
             scores.grad = None
@@ -66,6 +75,8 @@ def main() -> None:
     device = torch.device(args.device)
     sizes = resnet50_group_sizes()
     backends = dtp_kernels.available_backends(device)
+    if device.type == "cuda":  # the eager closed form compiled: the baseline to beat on GPU
+        backends.append("torch.compile")
     env = environment(device)
     shape = f"resnet50 {len(sizes)} groups, {sum(sizes)} channels"
     print(f"{shape}; {env}")
@@ -107,6 +118,31 @@ def main() -> None:
     if not args.no_save:
         append_rows(RESULTS / "transport.csv", rows)
         (RESULTS / f"transport_{device.type}.md").write_text(report)
+        plot(rows, RESULTS / f"transport_{device.type}.png", shape, env)
+
+
+def plot(rows: list[dict], path: Path, shape: str, env: dict) -> None:
+    """Median time per backend, fwd and fwd + bwd, on a log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    providers = list(dict.fromkeys(r["provider"] for r in rows))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.4
+    for i, mode in enumerate(("fwd", "full")):
+        medians = {r["provider"]: r["median_us"] for r in rows if r["mode"] == mode}
+        xs = [p + i * width for p in range(len(providers))]
+        label = "fwd" if mode == "fwd" else "fwd + bwd"
+        ax.bar(xs, [medians[p] for p in providers], width, label=label)
+    ax.set_xticks([p + width / 2 for p in range(len(providers))], providers)
+    ax.set_yscale("log")
+    ax.set_ylabel("median us (log)")
+    ax.set_title(f"transport_mask, {shape}\n{env['device']}, torch {env['torch']}, {env['date']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

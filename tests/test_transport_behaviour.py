@@ -106,3 +106,18 @@ def test_non_finite_segment_keeps_its_state(any_backend, bad_value):
     mask = transport_mask(scores, keep, state, backend=any_backend)
     state.commit()
     assert torch.isfinite(mask).all() and not torch.equal(state.log_odds[4:10], before_d[4:10])
+
+
+def test_autocast_returns_scores_dtype(any_backend):
+    """Under autocast the op keeps the scores' dtype and agrees with the fp32 reference."""
+    sizes = [5, 17]
+    scores = torch.rand(22, generator=torch.Generator().manual_seed(7))
+    want = transport_mask(scores.double(), [2.0, 8.5], TransportState(sizes), backend="reference")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got32 = transport_mask(scores, [2.0, 8.5], TransportState(sizes), backend=any_backend)
+        got16 = transport_mask(
+            scores.bfloat16(), [2.0, 8.5], TransportState(sizes), backend=any_backend
+        )
+    assert got32.dtype == torch.float32 and got16.dtype == torch.bfloat16
+    torch.testing.assert_close(got32.double(), want, rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(got16.double(), want, rtol=2e-2, atol=1e-2)
