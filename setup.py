@@ -51,6 +51,18 @@ def want_cuda(cuda_sources: list[str]) -> bool:
     return found
 
 
+def cuda_library_headers() -> list[str]:
+    """Headers of the CUDA libraries (cuSPARSE, cuBLAS, ...) that ATen's CUDA headers
+    include; pip's CUDA builds of torch ship them in site-packages/nvidia/cu*/include."""
+    import site
+
+    roots = [*site.getsitepackages(), os.path.dirname(os.path.dirname(torch.__file__))]
+    found = []
+    for root in dict.fromkeys(roots):
+        found += sorted(glob.glob(os.path.join(root, "nvidia", "cu*", "include")))
+    return found
+
+
 def extensions() -> list:
     cpp_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     cuda_sources = sorted(glob.glob(os.path.join("csrc", "*.cu")))
@@ -82,6 +94,7 @@ def extensions() -> list:
         CUDAExtension(
             "dtp_kernels._C",
             cpp_sources + cuda_sources,
+            include_dirs=cuda_library_headers(),
             extra_compile_args={
                 "cxx": cxx + flags,
                 "nvcc": ["-O3", "-std=c++20", "--expt-relaxed-constexpr", *flags],

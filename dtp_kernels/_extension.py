@@ -21,7 +21,12 @@ BUILD_HINT = (
     "repository, with torch installed"
 )
 
-BACKENDS = ("auto", "reference", "torch", "cpu", "triton")
+BACKENDS = ("auto", "reference", "torch", "cpu", "triton", "cuda")
+
+# Which fused backend "auto" picks on a CUDA device, by device name, from measured results
+# (benchmarks/results/*_cuda.md). Empty until a GPU run has measured both: Triton stays the
+# default then, as its issue set. A device missing here also gets Triton.
+AUTO_ON_CUDA: dict[str, str] = {}
 
 
 class BackendUnavailableError(RuntimeError):
@@ -45,25 +50,60 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def cuda_compiled() -> bool:
+    return _C is not None and bool(_C.build_info()["cuda_compiled"])
+
+
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
-    """Backends that can run on tensors of `device`, in the order "auto" prefers them last.
+    """Backends that can run on tensors of `device`; "auto" picks the last one.
 
     CPU: reference, torch, triton (interpreted, only with TRITON_INTERPRET=1), cpu.
-    CUDA: reference, torch, triton.
+    CUDA: reference, torch, then cuda and triton (when built / installed), ordered so the
+    last is the one AUTO_ON_CUDA names for this GPU (Triton when it names none).
     """
     device = torch.device(device)
     backends = ["reference", "torch"]
-    if triton_installed() and (device.type == "cuda" or triton_interpreted()):
+    if device.type == "cuda":
+        fused = []
+        if cuda_compiled():
+            fused.append("cuda")
+        if triton_installed():
+            fused.append("triton")
+        preferred = _preferred_on_cuda(device)
+        fused.sort(key=lambda b: b == preferred)  # stable: the preferred one goes last
+        return backends + fused
+    if device.type == "cpu" and triton_installed() and triton_interpreted():
         backends.append("triton")
     if device.type == "cpu" and compiled():
         backends.append("cpu")
     return backends
 
 
+_PREFERRED_ON_CUDA: dict[int, str] = {}  # device index -> backend, looked up once
+
+
+def _preferred_on_cuda(device: torch.device) -> str:
+    index = device.index if device.index is not None else 0
+    if index not in _PREFERRED_ON_CUDA:
+        name = torch.cuda.get_device_name(index) if torch.cuda.is_available() else ""
+        _PREFERRED_ON_CUDA[index] = next(
+            (b for key, b in AUTO_ON_CUDA.items() if key in name), "triton"
+        )
+    return _PREFERRED_ON_CUDA[index]
+
+
 def require_backend(backend: str, device: torch.device) -> None:
     """Raise BackendUnavailableError with instructions when `backend` cannot run on `device`."""
     if backend in available_backends(device):
         return
+    if backend == "cuda":
+        reason = (
+            f"it runs on CUDA tensors, got tensors on {device}"
+            if device.type != "cuda"
+            else "dtp_kernels._C was built without CUDA kernels; rebuild with a CUDA build of "
+            "torch and nvcc on the PATH (or DTP_BUILD_CUDA=1)"
+        )
+        raise BackendUnavailableError(f"backend 'cuda' is not available: {reason}")
     if backend == "cpu" and device.type != "cpu":
         raise BackendUnavailableError(
             f"backend 'cpu' runs on CPU tensors, got tensors on {device}; "

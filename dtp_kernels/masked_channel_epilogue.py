@@ -3,7 +3,7 @@
 Where a group's mask cannot be folded into an affine layer's parameters (frozen or
 quantized weights, a producer that is not affine), it is applied to the activations
 (DESIGN.md section 2). Masks are non-negative, so the mask commutes with ReLU.
-Backends: "torch" (eager), "cpu" (C++ kernels in csrc/), "triton", "auto".
+Backends: "torch" (eager), "cpu" and "cuda" (kernels in csrc/), "triton", "auto".
 """
 
 from __future__ import annotations
@@ -111,7 +111,12 @@ def _epilogue_triton(y, mask, bias, activation, dim):
     return _epilogue_triton_op(y, mask, bias, activation == "relu", dim)
 
 
-_IMPLEMENTATIONS = {"torch": _epilogue_torch, "cpu": _epilogue_compiled, "triton": _epilogue_triton}
+_IMPLEMENTATIONS = {
+    "torch": _epilogue_torch,
+    "cpu": _epilogue_compiled,
+    "cuda": _epilogue_compiled,  # the same op; the dispatcher picks the CUDA kernel
+    "triton": _epilogue_triton,
+}
 
 
 def masked_channel_epilogue(
@@ -132,7 +137,7 @@ def masked_channel_epilogue(
         bias: optional per-channel bias added before the mask, shape (C,).
         activation: None or "relu".
         channel_dim: the channel dimension of ``y``.
-        backend: "auto", "torch", "cpu" or "triton" (see ``available_backends``).
+        backend: "auto", "torch", "cpu", "cuda" or "triton" (see ``available_backends``).
 
     Returns:
         A tensor shaped and typed like ``y`` (channels_last stays channels_last).

@@ -369,6 +369,7 @@ _IMPLEMENTATIONS = {
     "torch": _transport_mask_torch,
     "cpu": _transport_mask_compiled,
     "triton": _transport_mask_triton,
+    "cuda": _transport_mask_compiled,  # the same op; the dispatcher picks the CUDA kernel
 }
 
 
@@ -394,7 +395,7 @@ def transport_mask(
         iters: Sinkhorn iterations per step (the paper uses 1).
         update: write the next state to ``state.pending_*`` (made current by
             ``state.commit()``). False leaves the state untouched.
-        backend: "auto", "reference", "torch", "cpu" or "triton" (see
+        backend: "auto", "reference", "torch", "cpu", "triton" or "cuda" (see
             ``available_backends``; "triton" does iters = 1 in its fused kernels and runs
             the eager closed form for iters > 1).
 

@@ -76,3 +76,29 @@ def test_package_imports_without_extension(tmp_path):
     backends, loaded = out.stdout.strip().rsplit(" ", 1)
     assert "'cpu'" not in backends and backends.startswith("['reference', 'torch'")
     assert loaded == "False"
+
+
+def test_cuda_sources_compiled_when_toolchain_present():
+    """With a CUDA build of torch and nvcc, `make` compiles and links the CUDA kernels, so
+    a CUDA source that does not compile fails CI even on a machine without a GPU."""
+    import os
+    import shutil
+
+    if not _extension.compiled():
+        pytest.skip("dtp_kernels._C is not built")
+    nvcc = shutil.which("nvcc") or os.path.exists("/usr/local/cuda/bin/nvcc")
+    if torch.version.cuda is None or not nvcc or os.environ.get("DTP_BUILD_CUDA") == "0":
+        pytest.skip("no CUDA toolchain here")
+    info = dtp_kernels.build_info()
+    assert info["cuda_compiled"] is True
+    assert info["cuda_arch_list"]
+    # the CUDA kernels are registered under the CUDA dispatch key of the same ops
+    for op in ("transport_mask", "transport_mask_backward", "masked_channel_epilogue"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"dtp::{op}", "CUDA")
+
+
+def test_cuda_backend_error_without_cuda_tensors():
+    with pytest.raises(dtp_kernels.BackendUnavailableError, match="backend 'cuda'"):
+        dtp_kernels.transport_mask(
+            torch.randn(3), [1.0], dtp_kernels.TransportState([3]), backend="cuda"
+        )

@@ -121,3 +121,60 @@ def test_compile_fullgraph_on_gpu(backend):
     torch.testing.assert_close(
         compiled_model.conv.weight.grad, eager.conv.weight.grad, rtol=1e-5, atol=1e-6
     )
+
+
+def test_cuda_matches_triton():
+    if not {"cuda", "triton"} <= set(gpu_backends()):
+        pytest.skip("needs both the CUDA and the Triton backend")
+    sizes = [n for n, _ in RAGGED_LAYOUT]
+    keep = torch.tensor([k for _, k in RAGGED_LAYOUT], device=CUDA)
+    scores = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(5)).to(CUDA)
+    out = {}
+    for backend in ("cuda", "triton"):
+        s = scores.clone().requires_grad_(True)
+        state = TransportState(sizes, device=CUDA)
+        mask = transport_mask(s, keep, state, backend=backend)
+        mask.square().sum().backward()
+        out[backend] = (mask.detach(), s.grad, state.pending_log_odds, state.pending_shift)
+    for a, b in zip(out["cuda"], out["triton"], strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
+
+
+SANITIZED = """
+import torch, dtp_kernels as d
+c = torch.device("cuda")
+st = d.TransportState([1, 3, 1025, 70000], device=c)
+s = torch.randn(71029, device=c, requires_grad=True)
+for iters in (1, 3):
+    m = d.transport_mask(s, [1.0, 1.5, 10.0, 3000.0], st, iters=iters, backend="cuda")
+    m.square().sum().backward()
+for fmt in (torch.contiguous_format, torch.channels_last):
+    y = torch.randn(3, 5, 7, 9, device=c).to(memory_format=fmt).requires_grad_(True)
+    mask = torch.rand(5, device=c, requires_grad=True)
+    bias = torch.randn(5, device=c)
+    d.masked_channel_epilogue(y, mask, bias, "relu", backend="cuda").sum().backward()
+torch.cuda.synchronize()
+"""
+
+
+def test_compute_sanitizer_memcheck_clean():
+    """compute-sanitizer memcheck on one run of each CUDA kernel."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if "cuda" not in gpu_backends():
+        pytest.skip("the CUDA kernels are not built")
+    tool = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    if not Path(tool).exists():
+        pytest.skip("compute-sanitizer not found")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    result = subprocess.run(
+        [tool, "--tool", "memcheck", "--error-exitcode", "1", sys.executable, "-c", SANITIZED],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "ERROR SUMMARY: 0 errors" in result.stdout + result.stderr
