@@ -178,3 +178,21 @@ def test_compute_sanitizer_memcheck_clean():
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "ERROR SUMMARY: 0 errors" in result.stdout + result.stderr
+
+
+def test_opcheck_cuda_kernels():
+    if "cuda" not in gpu_backends():
+        pytest.skip("the CUDA kernels are not built")
+    scores = torch.randn(26, device=CUDA, requires_grad=True)
+    offsets = torch.tensor([0, 1, 4, 21, 26], device=CUDA)
+    keep = torch.tensor([1.0, 1.5, 4.0, 0.0], device=CUDA, requires_grad=True)
+    eps = torch.full((4,), 0.5, dtype=torch.float64, device=CUDA)
+    log_odds, shift = torch.randn(26, device=CUDA), torch.randn(4, device=CUDA)
+    for iters in (1, 3):
+        torch.library.opcheck(
+            torch.ops.dtp.transport_mask.default,
+            (scores, offsets, keep, eps, log_odds, shift, iters),
+        )
+    y = torch.randn(2, 4, 3, 3, device=CUDA, requires_grad=True)
+    mask = torch.rand(4, device=CUDA, requires_grad=True)
+    torch.library.opcheck(torch.ops.dtp.masked_channel_epilogue.default, (y, mask, None, "relu", 1))
