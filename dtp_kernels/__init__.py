@@ -7,15 +7,21 @@ The literal reference is :mod:`dtp_kernels.reference`.
 
 from ._extension import BackendUnavailableError, available_backends, build_info
 from .masked_channel_epilogue import masked_channel_epilogue
+from .pruning import DTPPruner, L1Pruner, RandomPruner, load_pruned, save_pruned
 from .transport_mask import transport_mask
 from .transport_state import TransportState
 
 __all__ = [
     "BackendUnavailableError",
+    "DTPPruner",
+    "L1Pruner",
+    "RandomPruner",
     "TransportState",
     "available_backends",
     "build_info",
+    "load_pruned",
     "masked_channel_epilogue",
+    "save_pruned",
     "transport_mask",
 ]
 __version__ = "0.1.0"

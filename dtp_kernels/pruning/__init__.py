@@ -1,0 +1,9 @@
+"""Pruning (layer 3 of DESIGN.md section 6): channel groups, ratios, budgets, where masks
+are applied, the DTP pruner, export, baselines."""
+
+from .base import ChannelPruner
+from .baselines import L1Pruner, RandomPruner
+from .pruner import DTPPruner
+from .saving import load_pruned, save_pruned
+
+__all__ = ["ChannelPruner", "DTPPruner", "L1Pruner", "RandomPruner", "load_pruned", "save_pruned"]

@@ -1,0 +1,213 @@
+"""What every channel pruner here shares: groups, ratios, hard masks, report, export.
+
+A pruner decides which channels of each group to keep (`select`); the base class finds
+the groups, turns ratios into exact kept counts, predicts parameters and FLOPs after
+pruning, and exports the physically smaller network with Torch-Pruning.
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from . import ratios as ratio_rules
+from .flops import count_flops, count_params
+from .groups import ChannelGroup, build_graph, find_groups
+
+
+def _as_tuple(example_inputs) -> tuple:
+    return example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+
+
+class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
+    """Exact-size filter pruning of `model` (the model is referenced, not owned)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        example_inputs: torch.Tensor | tuple,
+        ratios: float | Mapping[str, float] | str,
+        *,
+        budget: str = "layer",
+        ignored_layers: Sequence[nn.Module] = (),
+    ) -> None:
+        super().__init__()
+        if budget not in ("layer", "global"):
+            raise ValueError(f"budget = {budget!r}; allowed: ['layer', 'global']")
+        inputs = _as_tuple(example_inputs)
+        was_training = model.training
+        try:
+            with torch.no_grad():
+                model.eval()
+                model(*inputs)
+        except Exception as error:
+            raise ValueError(
+                f"example_inputs do not run through the model: {type(error).__name__}: {error}"
+            ) from error
+        finally:
+            model.train(was_training)
+        object.__setattr__(self, "model", model)  # not a submodule: the pruner is not the model
+        self.example_inputs = inputs
+        self.budget = budget
+        graph = build_graph(model, inputs)
+        model.train(was_training)  # Torch-Pruning's tracing leaves the model in eval mode
+        all_groups = find_groups(model, graph, list(ignored_layers))
+        convs = [name for name, m in model.named_modules() if isinstance(m, nn.Conv2d)]
+        per_group = ratio_rules.resolve(
+            ratios, [g.name for g in all_groups], {n: i for i, n in enumerate(convs)}, len(convs)
+        )
+        self.groups: list[ChannelGroup] = [g for g in all_groups if per_group[g.name] > 0]
+        if not self.groups:
+            raise ValueError("the ratios prune no channel of this model")
+        self.ratios = {g.name: per_group[g.name] for g in self.groups}
+        self.sizes = [g.size for g in self.groups]
+        if budget == "layer":
+            self.kept = [ratio_rules.kept_count(g.size, self.ratios[g.name]) for g in self.groups]
+        else:  # one budget over all groups, from the (single) ratio
+            distinct = set(self.ratios.values())
+            if len(distinct) != 1:
+                raise ValueError("budget='global' needs one ratio for all groups (a float)")
+            self.kept = [ratio_rules.kept_count(sum(self.sizes), distinct.pop())]
+        self._base_params = count_params(model)
+        self._base_flops = count_flops(model, inputs)
+
+    # -- what a pruner decides -----------------------------------------------------------
+    @abc.abstractmethod
+    def channel_scores(self) -> torch.Tensor:
+        """One importance value per channel, flat over the groups (higher = keep)."""
+
+    # -- shared --------------------------------------------------------------------------
+    @torch.no_grad()
+    def hard_masks(self) -> list[torch.Tensor]:
+        """0/1 float mask per group: the top-k channels by `channel_scores()`.
+
+        Per layer, exactly k per group. Global: the top-k over all groups, and each group's
+        best channel on top of that if it would otherwise lose every channel.
+        """
+        values = self.channel_scores().detach().float().cpu()
+        parts = list(values.split(self.sizes))
+        if self.budget == "layer":
+            masks = []
+            for part, k in zip(parts, self.kept, strict=True):
+                mask = torch.zeros_like(part)
+                mask[torch.topk(part, k, sorted=False).indices] = 1.0
+                masks.append(mask)
+            return masks
+        flat = torch.zeros_like(values)
+        flat[torch.topk(values, self.kept[0], sorted=False).indices] = 1.0
+        masks = list(flat.split(self.sizes))
+        for part, mask in zip(parts, masks, strict=True):
+            if mask.sum() == 0:
+                mask[part.argmax()] = 1.0
+        return masks
+
+    def _kept_channels(self, masks: list[torch.Tensor]) -> dict[nn.Module, tuple[int, int]]:
+        """Per affected module: (output channels lost, input channels lost)."""
+        lost: dict[nn.Module, list[int]] = {}
+        for group, mask in zip(self.groups, masks, strict=True):
+            pruned = int(mask.numel() - mask.sum())
+            for module in group.kept_out:
+                lost.setdefault(module, [0, 0])[0] += pruned
+            for module in group.kept_in:
+                lost.setdefault(module, [0, 0])[1] += pruned
+        return {m: (a, b) for m, (a, b) in lost.items()}
+
+    @torch.no_grad()
+    def predicted_counts(self, masks: list[torch.Tensor] | None = None) -> tuple[int, int]:
+        """(parameters, FLOPs) after pruning with `masks`, computed from the layer shapes."""
+        masks = self.hard_masks() if masks is None else masks
+        lost = self._kept_channels(masks)
+        params = 0
+        for module in self.model.modules():
+            if isinstance(module, (nn.Conv2d, nn.Linear, nn.modules.batchnorm._BatchNorm)):
+                params += _params_after(module, *lost.get(module, (0, 0)))
+            elif not isinstance(module, parametrize.ParametrizationList):  # owner counts it
+                params += sum(p.numel() for p in module.parameters(recurse=False))
+        flops = _flops_after(self.model, self.example_inputs, lost)
+        return params, flops
+
+    @torch.no_grad()
+    def report(self) -> dict:
+        """Per group n and k; totals of parameters and FLOPs before and after pruning."""
+        masks = self.hard_masks()
+        params, flops = self.predicted_counts(masks)
+        return {
+            "groups": [
+                {"name": g.name, "n": g.size, "k": int(m.sum()), "ratio": self.ratios[g.name]}
+                for g, m in zip(self.groups, masks, strict=True)
+            ],
+            "params_before": self._base_params,
+            "params_after": params,
+            "flops_before": self._base_flops,
+            "flops_after": flops,
+            "sparsity": 1 - params / self._base_params,
+            "speedup": self._base_flops / flops,
+        }
+
+    def export(self) -> nn.Module:
+        """A physically smaller copy of the model: Torch-Pruning removes the channels whose
+        hard mask is 0. Its eval-mode outputs equal the hard-masked model's."""
+        import torch_pruning as tp
+
+        masks = self.hard_masks()
+        pruned = self._unmasked_copy()
+        graph = build_graph(pruned, self.example_inputs)
+        names = dict(pruned.named_modules())
+        for group, mask in zip(self.groups, masks, strict=True):
+            drop = (mask == 0).nonzero().flatten().tolist()
+            if drop:
+                conv = names[group.name]
+                graph.get_pruning_group(conv, tp.prune_conv_out_channels, drop).prune()
+        return pruned
+
+    def _unmasked_copy(self) -> nn.Module:
+        return copy.deepcopy(self.model)
+
+
+def _params_after(module: nn.Module, out_lost: int, in_lost: int) -> int:
+    if isinstance(module, nn.Conv2d):
+        out_c, in_c = module.out_channels - out_lost, module.in_channels - in_lost
+        groups = module.groups - (out_lost if module.groups > 1 else 0)
+        per = (in_c // max(groups, 1)) * module.kernel_size[0] * module.kernel_size[1]
+        return out_c * per + (out_c if module.bias is not None else 0)
+    if isinstance(module, nn.Linear):
+        out_f, in_f = module.out_features - out_lost, module.in_features - in_lost
+        return out_f * in_f + (out_f if module.bias is not None else 0)
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return 2 * (module.num_features - out_lost) if module.affine else 0
+    raise TypeError(f"no parameter formula for {type(module).__name__}")
+
+
+def _flops_after(model: nn.Module, inputs: tuple, lost: dict) -> int:
+    """The paper's FLOPs with each conv/linear's channel counts reduced by `lost`."""
+    total = 0
+
+    def hook(module: nn.Module, _inputs, output: torch.Tensor) -> None:
+        nonlocal total
+        out_lost, in_lost = lost.get(module, (0, 0))
+        if isinstance(module, nn.Conv2d):
+            groups = module.groups - (out_lost if module.groups > 1 else 0)
+            out_c, in_c = module.out_channels - out_lost, module.in_channels - in_lost
+            area = output.shape[0] * output.shape[2] * output.shape[3]
+            kernel = module.kernel_size[0] * module.kernel_size[1]
+            total += (kernel * in_c // max(groups, 1) + 1) * out_c * area
+        else:
+            rows = output.numel() // module.out_features
+            total += (module.in_features - in_lost + 1) * (module.out_features - out_lost) * rows
+
+    handles = [m.register_forward_hook(hook) for m in model.modules()
+               if isinstance(m, (nn.Conv2d, nn.Linear))]  # fmt: skip
+    was_training = model.training
+    model.eval()
+    try:
+        model(*inputs)
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+    return int(total)

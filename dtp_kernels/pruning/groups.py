@@ -1,0 +1,70 @@
+"""Prunable channel groups, found with Torch-Pruning's DependencyGraph.
+
+A group is the output channels of one convolution together with everything coupled to
+them (its BN, the next layers' input channels, depthwise convolutions in between). Groups
+whose channels meet a residual add or a concatenation involve several convolutions'
+outputs; following the paper (for ResNets: the last convolution of a residual block is
+not pruned), those are left alone, so a basic block prunes its first convolution and a
+bottleneck its first two. Linear layers are never group roots (the classifier keeps its
+outputs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch_pruning as tp
+from torch import nn
+
+
+@dataclass
+class ChannelGroup:
+    name: str  # the root convolution's module name
+    conv: nn.Conv2d
+    bn: nn.BatchNorm2d | None  # the group's last BN (after a depthwise conv, if any)
+    size: int
+    kept_out: list[nn.Module] = field(default_factory=list)  # modules losing output channels
+    kept_in: list[nn.Module] = field(default_factory=list)  # modules losing input channels
+
+
+def _is_depthwise(module: nn.Module) -> bool:
+    return (
+        isinstance(module, nn.Conv2d)
+        and module.groups > 1
+        and (module.groups == module.in_channels == module.out_channels)
+    )
+
+
+def build_graph(model: nn.Module, example_inputs) -> tp.DependencyGraph:
+    return tp.DependencyGraph().build_dependency(model, example_inputs=example_inputs)
+
+
+def find_groups(
+    model: nn.Module, graph: tp.DependencyGraph, ignored: list[nn.Module]
+) -> list[ChannelGroup]:
+    """All prunable groups, in model order."""
+    names = {module: name for name, module in model.named_modules()}
+    order = {module: index for index, module in enumerate(model.modules())}
+    ignored_all = list(ignored) + [m for m in model.modules() if isinstance(m, nn.Linear)]
+    found = {}
+    for group in graph.get_all_groups(ignored_layers=ignored_all, root_module_types=[nn.Conv2d]):
+        out_convs, bns, outs, ins = [], [], [], []
+        for dep, _idxs in group:
+            module, handler = dep.target.module, dep.handler
+            if handler == tp.prune_conv_out_channels:
+                outs.append(module)
+                if not _is_depthwise(module):
+                    out_convs.append(module)
+            elif handler == tp.prune_batchnorm_out_channels:
+                bns.append(module)
+                outs.append(module)
+            elif handler in (tp.prune_conv_in_channels, tp.prune_linear_in_channels):
+                ins.append(module)
+        if len(out_convs) != 1 or out_convs[0] in ignored:
+            continue  # coupled through a residual add or a concatenation, or ignored
+        conv = out_convs[0]
+        # Mask at the last affine op before the nonlinearity that ends the group: a
+        # depthwise conv + BN after the root would otherwise add its BN bias back.
+        bn = max(bns, key=lambda b: order[b], default=None)
+        found[conv] = ChannelGroup(names[conv], conv, bn, conv.out_channels, outs, ins)
+    return [found[m] for m in model.modules() if m in found]

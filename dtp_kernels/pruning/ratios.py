@@ -1,0 +1,95 @@
+"""Pruning ratios: a float, a dict from module name to ratio, or the paper's strings.
+
+"[0, 0.5, 0.5, 0.5]" gives one ratio per ResNet stage (first entry: the stem, then
+layer1, layer2, ...); "[0:0, 1-15:0.5]" gives ratios per convolution index (the i-th
+Conv2d of the model, 0-based; "a-b" is a range, both ends included), as in the paper's
+appendix. A ratio p prunes ceil(n p) of a group's n channels and keeps at least one.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+
+
+def kept_count(n: int, ratio: float) -> int:
+    """Channels kept of n at pruning ratio p: n - ceil(n p), at least 1."""
+    return max(1, n - math.ceil(n * ratio - 1e-9))
+
+
+def check_ratio(value: object, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{where}: ratio {value!r} is not a number")
+    if not 0 <= value < 1:
+        raise ValueError(f"{where}: ratio {value} is outside [0, 1)")
+    return float(value)
+
+
+def stage_of(name: str) -> int:
+    """ResNet stage of a module name: 0 for the stem, i for layer{i}.*."""
+    match = re.match(r"(?:.*\.)?layer(\d+)\.", name)
+    return int(match.group(1)) if match else 0
+
+
+def parse_stage_list(text: str) -> list[float]:
+    body = text.strip()[1:-1]
+    return [check_ratio(float(item), f"ratios {text!r}, stage {i}")
+            for i, item in enumerate(body.split(","))]  # fmt: skip
+
+
+def parse_layer_map(text: str) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for item in text.strip()[1:-1].split(","):
+        if ":" not in item:
+            raise ValueError(
+                f"ratios {text!r}: {item.strip()!r} is not 'index:ratio' or 'a-b:ratio'"
+            )
+        span, value = item.split(":")
+        ratio = check_ratio(float(value), f"ratios {text!r}, entry {item.strip()!r}")
+        lo, _, hi = span.strip().partition("-")
+        for index in range(int(lo), int(hi or lo) + 1):
+            out[index] = ratio
+    return out
+
+
+def resolve(
+    ratios: float | Mapping[str, float] | str,
+    names: list[str],
+    conv_index: dict[str, int],
+    all_convs: int,
+) -> dict[str, float]:
+    """Ratio of every group root (by module name); groups absent from a dict get 0."""
+    if isinstance(ratios, (int, float)) and not isinstance(ratios, bool):
+        ratio = check_ratio(ratios, "ratios")
+        return {name: ratio for name in names}
+    if isinstance(ratios, Mapping):
+        unknown = sorted(set(ratios) - set(names))
+        if unknown:
+            raise ValueError(
+                f"ratios names {unknown}, which are not prunable layers of this model; "
+                f"prunable: {names}"
+            )
+        return {name: check_ratio(ratios.get(name, 0.0), f"ratios[{name!r}]") for name in names}
+    if isinstance(ratios, str) and ratios.strip().startswith("[") and ratios.strip().endswith("]"):
+        if ":" in ratios:
+            per_layer = parse_layer_map(ratios)
+            missing = sorted(i for i in per_layer if i >= all_convs or i < 0)
+            if missing:
+                raise ValueError(
+                    f"ratios {ratios!r} names convolution indices {missing}, but the model has "
+                    f"{all_convs} (0 to {all_convs - 1})"
+                )
+            return {name: per_layer.get(conv_index[name], 0.0) for name in names}
+        stages = parse_stage_list(ratios)
+        present = max((stage_of(n) for n in names), default=0)
+        if len(stages) != present + 1:
+            raise ValueError(
+                f"ratios {ratios!r} gives {len(stages)} stages, the model has {present + 1} "
+                "(the stem and layer1..layer%d)" % present
+            )
+        return {name: stages[stage_of(name)] for name in names}
+    raise TypeError(
+        f"ratios must be a float, a dict from layer name to ratio, or a string like "
+        f"'[0, 0.5, 0.5, 0.5]' or '[0:0, 1-15:0.5]', got {ratios!r}"
+    )

@@ -1,0 +1,181 @@
+"""DTPPruner and the baselines on the paper's CIFAR networks (small inputs, random weights)."""
+
+import math
+
+import pytest
+import torch
+from torch.nn.utils import parametrize
+
+from dtp_kernels import DTPPruner, L1Pruner, RandomPruner, load_pruned, save_pruned
+from dtp_kernels.models import resnet20, resnet56, vgg19_bn
+from dtp_kernels.pruning.flops import count_flops, count_params
+
+X1 = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+XB = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+CASES = [
+    (resnet20, 0.3),
+    (resnet20, 0.9),
+    (resnet56, 0.5),
+    (vgg19_bn, "[0:0, 1-15:0.5]"),
+    (vgg19_bn, 0.7),
+]
+
+
+def build(make, ratio, **kwargs):
+    torch.manual_seed(0)
+    model = make()
+    return model, DTPPruner(model, X1, ratio, **kwargs)
+
+
+@pytest.mark.parametrize("make,ratio", CASES)
+def test_kept_counts_are_exact(make, ratio):
+    _, pruner = build(make, ratio)
+    for group, mask, k in zip(pruner.groups, pruner.hard_masks(), pruner.kept, strict=True):
+        p = pruner.ratios[group.name]
+        assert k == max(1, group.size - math.ceil(group.size * p - 1e-9))
+        assert int(mask.sum()) == k and set(mask.unique().tolist()) <= {0.0, 1.0}
+
+
+@pytest.mark.parametrize("make,ratio", CASES[:3])
+def test_gradients_reach_every_score(make, ratio):
+    model, pruner = build(make, ratio)
+    model.train()
+    model(XB).square().sum().backward()
+    assert pruner.scores.grad is not None and torch.all(pruner.scores.grad != 0)
+
+
+@pytest.mark.parametrize("make,ratio", CASES)
+def test_export_equals_hard_masked_model_and_report(make, ratio):
+    model, pruner = build(make, ratio)
+    model.train()
+    optimizer = torch.optim.SGD([*model.parameters(), *pruner.parameters()], lr=0.01)
+    pruner.attach(optimizer)
+    for _ in range(2):  # move the scores and the state a little first
+        optimizer.zero_grad()
+        model(XB).square().mean().backward()
+        optimizer.step()
+    report = pruner.report()
+    exported = pruner.export()
+    assert count_params(exported) == report["params_after"] < report["params_before"]
+    assert count_flops(exported, X1) == report["flops_after"] < report["flops_before"]
+    model.eval()
+    exported.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(XB)
+    torch.testing.assert_close(exported(XB), want, rtol=1e-4, atol=1e-5)
+    assert not any(parametrize.is_parametrized(m) for m in exported.modules())
+    assert all(g["mass_in_top_k"] >= 0 and g["distance_to_hard"] >= 0 for g in report["groups"])
+
+
+# Paper, Table 1 "Sparsity / Speedup" (sparsity in % of parameters, speed-up in FLOPs).
+TABLE1 = [
+    (resnet56, 0.5, 49.82, 1.99),
+    (resnet56, 0.7, 70.57, 3.59),
+    (resnet56, 0.9, 90.39, 11.41),
+    (resnet56, 0.925, 93.43, 14.76),
+    (resnet56, 0.95, 95.19, 19.31),
+    (vgg19_bn, "[0:0, 1-15:0.5]", 74.87, 3.60),
+    (vgg19_bn, "[0:0, 1-15:0.6]", 84.00, 5.41),
+    (vgg19_bn, "[0:0, 1-15:0.7]", 90.98, 8.84),
+    (vgg19_bn, "[0:0, 1-15:0.8]", 95.95, 17.30),
+    (vgg19_bn, "[0:0, 1-15:0.9]", 98.96, 44.22),
+]
+
+
+@pytest.mark.parametrize("make,ratio,sparsity,speedup", TABLE1)
+def test_table1_sparsity_and_speedup(make, ratio, sparsity, speedup):
+    _, pruner = build(make, ratio)
+    exported = pruner.export()
+    got_sparsity = 100 * (1 - count_params(exported) / count_params(make()))
+    got_speedup = count_flops(make(), X1) / count_flops(exported, X1)
+    assert abs(got_sparsity - sparsity) <= 0.3, (got_sparsity, sparsity)
+    assert abs(got_speedup / speedup - 1) <= 0.05, (got_speedup, speedup)
+
+
+def test_activation_masking_equals_parameter_masking():
+    model_p, _ = build(resnet20, 0.5)
+    model_a, _ = build(resnet20, 0.5, mask_at="activation")
+    model_a.load_state_dict(model_p.state_dict(), strict=False)
+    for model in (model_p, model_a):
+        model.train()
+    torch.testing.assert_close(model_a(XB), model_p(XB), rtol=1e-5, atol=1e-6)
+    assert not any(parametrize.is_parametrized(m) for m in model_a.modules())
+
+
+def test_attach_commits_after_each_step():
+    model, pruner = build(resnet20, 0.5)
+    optimizer = torch.optim.SGD(pruner.parameters(), lr=0.1)
+    pruner.attach(optimizer)
+    for step in range(3):
+        model(XB).sum().backward()
+        optimizer.step()
+        assert int(pruner.state.steps) == step + 1
+
+
+def test_eval_forward_does_not_advance_state():
+    model, pruner = build(resnet20, 0.5)
+    model.eval()
+    model(XB)
+    pruner.state.commit()
+    assert int(pruner.state.steps) == 0
+
+
+def test_global_budget():
+    _, pruner = build(resnet20, 0.6, budget="global")
+    masks = pruner.hard_masks()
+    total = sum(pruner.sizes)
+    assert len(pruner.kept) == 1 and pruner.kept[0] == total - math.ceil(total * 0.6)
+    assert all(m.sum() >= 1 for m in masks)
+    assert sum(int(m.sum()) for m in masks) >= pruner.kept[0]
+
+
+@pytest.mark.parametrize("cls", [L1Pruner, RandomPruner])
+def test_baselines_same_interface(cls):
+    model = resnet20()
+    pruner = cls(model, X1, 0.5)
+    masks = pruner.hard_masks()
+    assert [int(m.sum()) for m in masks] == pruner.kept
+    exported = pruner.export()
+    assert count_params(exported) == pruner.report()["params_after"]
+    if cls is L1Pruner:
+        group, mask = pruner.groups[0], masks[0]
+        l1 = group.conv.weight.detach().flatten(1).abs().sum(1)
+        assert l1[mask == 1].min() >= l1[mask == 0].max()
+
+
+def test_save_and_load_pruned(tmp_path):
+    _, pruner = build(resnet20, 0.5)
+    exported = pruner.export().eval()
+    save_pruned(tmp_path / "pruned.pt", exported)
+    loaded = load_pruned(tmp_path / "pruned.pt").eval()
+    torch.testing.assert_close(loaded(XB), exported(XB))
+    torch.save({"something": 1}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="is not a pruned model"):
+        load_pruned(tmp_path / "other.pt")
+
+
+BAD = [
+    (dict(ratios=1.0), ValueError, r"ratio 1.0 is outside \[0, 1\)"),
+    (dict(ratios=-0.1), ValueError, r"outside \[0, 1\)"),
+    (dict(ratios="[0, 0.5, 0.5]"), ValueError, r"gives 3 stages, the model has 4"),
+    (dict(ratios="[0:0, 1-25:0.5]"), ValueError, r"indices \[19, 20, .*the model has 19"),
+    (dict(ratios={"layer9.conv1": 0.5}), ValueError, r"not prunable layers of this model"),
+    (dict(example_inputs=torch.randn(1, 5, 32, 32)), ValueError, r"do not run through"),
+    (dict(budget="flops2"), ValueError, r"budget = 'flops2'"),
+    (dict(granularity="kernel"), ValueError, r"granularity = 'kernel'"),
+    (dict(mask_at="weights"), ValueError, r"mask_at = 'weights'"),
+]
+
+
+@pytest.mark.parametrize("kwargs,error,pattern", BAD, ids=[b[2][:30] for b in BAD])
+def test_bad_input_leaves_model_untouched(kwargs, error, pattern):
+    model = resnet20()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    args = dict(example_inputs=X1, ratios=0.5)
+    args.update(kwargs)
+    with pytest.raises(error, match=pattern):
+        DTPPruner(model, args.pop("example_inputs"), args.pop("ratios"), **args)
+    assert not any(parametrize.is_parametrized(m) for m in model.modules())
+    assert not model._forward_pre_hooks
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
