@@ -169,11 +169,18 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         return copy.deepcopy(self.model)
 
 
+def _conv_channels(module: nn.Conv2d, out_lost: int, in_lost: int) -> tuple[int, int, int]:
+    """(out, in, groups) of a conv after pruning; a depthwise conv loses both together."""
+    if module.groups > 1 and module.groups == module.in_channels == module.out_channels:
+        kept = module.out_channels - max(out_lost, in_lost)
+        return kept, kept, kept
+    return module.out_channels - out_lost, module.in_channels - in_lost, module.groups
+
+
 def _params_after(module: nn.Module, out_lost: int, in_lost: int) -> int:
     if isinstance(module, nn.Conv2d):
-        out_c, in_c = module.out_channels - out_lost, module.in_channels - in_lost
-        groups = module.groups - (out_lost if module.groups > 1 else 0)
-        per = (in_c // max(groups, 1)) * module.kernel_size[0] * module.kernel_size[1]
+        out_c, in_c, groups = _conv_channels(module, out_lost, in_lost)
+        per = (in_c // groups) * module.kernel_size[0] * module.kernel_size[1]
         return out_c * per + (out_c if module.bias is not None else 0)
     if isinstance(module, nn.Linear):
         out_f, in_f = module.out_features - out_lost, module.in_features - in_lost
@@ -191,11 +198,10 @@ def _flops_after(model: nn.Module, inputs: tuple, lost: dict) -> int:
         nonlocal total
         out_lost, in_lost = lost.get(module, (0, 0))
         if isinstance(module, nn.Conv2d):
-            groups = module.groups - (out_lost if module.groups > 1 else 0)
-            out_c, in_c = module.out_channels - out_lost, module.in_channels - in_lost
+            out_c, in_c, groups = _conv_channels(module, out_lost, in_lost)
             area = output.shape[0] * output.shape[2] * output.shape[3]
             kernel = module.kernel_size[0] * module.kernel_size[1]
-            total += (kernel * in_c // max(groups, 1) + 1) * out_c * area
+            total += (kernel * in_c // groups + 1) * out_c * area
         else:
             rows = output.numel() // module.out_features
             total += (module.in_features - in_lost + 1) * (module.out_features - out_lost) * rows

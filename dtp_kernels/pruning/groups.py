@@ -51,14 +51,18 @@ def find_groups(
         out_convs, bns, outs, ins = [], [], [], []
         for dep, _idxs in group:
             module, handler = dep.target.module, dep.handler
-            if handler == tp.prune_conv_out_channels:
+            if handler in (tp.prune_conv_out_channels, tp.prune_depthwise_conv_out_channels):
                 outs.append(module)
                 if not _is_depthwise(module):
                     out_convs.append(module)
             elif handler == tp.prune_batchnorm_out_channels:
                 bns.append(module)
                 outs.append(module)
-            elif handler in (tp.prune_conv_in_channels, tp.prune_linear_in_channels):
+            elif handler in (
+                tp.prune_conv_in_channels,
+                tp.prune_depthwise_conv_in_channels,
+                tp.prune_linear_in_channels,
+            ):
                 ins.append(module)
         if len(out_convs) != 1 or out_convs[0] in ignored:
             continue  # coupled through a residual add or a concatenation, or ignored
