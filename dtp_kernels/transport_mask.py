@@ -106,7 +106,7 @@ def _check_keep(keep, state: TransportState) -> torch.Tensor:
             f"keep has {keep.numel()} entries, one per segment is needed ({state.num_segments})"
         )
     if keep.device.type == "cpu" and not compiling:
-        values = keep.tolist()
+        values = keep.detach().tolist()
         if not all(map(_in_range, values, state.sizes)):
             index = next(i for i, k in enumerate(values) if not _in_range(k, state.sizes[i]))
             raise ValueError(

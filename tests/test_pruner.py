@@ -213,3 +213,41 @@ def test_every_model(name, size, ratio):
     with torch.no_grad(), pruner.hard_masked():
         want = model(xb)
     torch.testing.assert_close(exported(xb), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("make", [resnet20, vgg19_bn])
+def test_flops_budget(make):
+    """Learned kept ratios: F(alpha) at alpha = k/n equals the exported FLOPs ratio, the
+    task loss and the penalty both reach theta, and the penalty drives F to the budget."""
+    from dtp_kernels.models import mobilenet_v2
+
+    for maker in (make, mobilenet_v2):
+        model, pruner = build(maker, 0.5, budget="flops")
+        report = pruner.report()
+        torch.testing.assert_close(
+            pruner.flops_ratio().item(), report["flops_after"] / report["flops_before"]
+        )
+        model.train()
+        model(XB).square().sum().backward()
+        assert pruner.theta.grad is not None and torch.any(pruner.theta.grad != 0)
+        optimizer = torch.optim.SGD([pruner.theta], lr=5.0)
+        start = abs(pruner.flops_ratio().item() - 0.3)
+        for _ in range(50):
+            optimizer.zero_grad()
+            pruner.penalty(0.3).backward()
+            optimizer.step()
+        assert abs(pruner.flops_ratio().item() - 0.3) < 0.2 * start
+        masks = pruner.hard_masks()
+        assert [int(m.sum()) for m in masks] == pruner.kept_counts()
+        exported = pruner.export()
+        ratio = count_flops(exported, X1) / report["flops_before"]
+        assert abs(ratio - 0.3) < 0.05
+
+
+def test_penalty_needs_flops_budget():
+    _, pruner = build(resnet20, 0.5)
+    with pytest.raises(ValueError, match="need budget='flops'"):
+        pruner.penalty(0.5)
+    _, pruner = build(resnet20, 0.5, budget="flops")
+    with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
+        pruner.penalty(1.5)

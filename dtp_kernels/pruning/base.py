@@ -27,6 +27,8 @@ def _as_tuple(example_inputs) -> tuple:
 class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
     """Exact-size filter pruning of `model` (the model is referenced, not owned)."""
 
+    BUDGETS: tuple[str, ...] = ("layer", "global")
+
     def __init__(
         self,
         model: nn.Module,
@@ -37,8 +39,8 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         ignored_layers: Sequence[nn.Module] = (),
     ) -> None:
         super().__init__()
-        if budget not in ("layer", "global"):
-            raise ValueError(f"budget = {budget!r}; allowed: ['layer', 'global']")
+        if budget not in self.BUDGETS:
+            raise ValueError(f"budget = {budget!r}; allowed: {list(self.BUDGETS)}")
         inputs = _as_tuple(example_inputs)
         was_training = model.training
         try:
@@ -66,7 +68,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             raise ValueError("the ratios prune no channel of this model")
         self.ratios = {g.name: per_group[g.name] for g in self.groups}
         self.sizes = [g.size for g in self.groups]
-        if budget == "layer":
+        if budget != "global":
             self.kept = [ratio_rules.kept_count(g.size, self.ratios[g.name]) for g in self.groups]
         else:  # one budget over all groups, from the (single) ratio
             distinct = set(self.ratios.values())
@@ -81,6 +83,10 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
     def channel_scores(self) -> torch.Tensor:
         """One importance value per channel, flat over the groups (higher = keep)."""
 
+    def kept_counts(self) -> list[int]:
+        """Channels to keep per group (one entry, for all groups, under budget='global')."""
+        return self.kept
+
     # -- shared --------------------------------------------------------------------------
     @torch.no_grad()
     def hard_masks(self) -> list[torch.Tensor]:
@@ -91,15 +97,16 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         """
         values = self.channel_scores().detach().float().cpu()
         parts = list(values.split(self.sizes))
-        if self.budget == "layer":
+        kept = self.kept_counts()
+        if self.budget != "global":
             masks = []
-            for part, k in zip(parts, self.kept, strict=True):
+            for part, k in zip(parts, kept, strict=True):
                 mask = torch.zeros_like(part)
                 mask[torch.topk(part, k, sorted=False).indices] = 1.0
                 masks.append(mask)
             return masks
         flat = torch.zeros_like(values)
-        flat[torch.topk(values, self.kept[0], sorted=False).indices] = 1.0
+        flat[torch.topk(values, kept[0], sorted=False).indices] = 1.0
         masks = list(flat.split(self.sizes))
         for part, mask in zip(parts, masks, strict=True):
             if mask.sum() == 0:

@@ -26,6 +26,58 @@ from .base import ChannelPruner
 MASK_AT = ("auto", "parameters", "activation")
 
 
+class _FlopsModel:
+    """The appendix's FLOPs as a function of the kept ratios alpha of the groups:
+    sum over conv/linear layers of (K n_in alpha_in / groups + 1) n_out alpha_out A."""
+
+    def __init__(self, model: nn.Module, groups: list, inputs: tuple) -> None:
+        out_group, in_group = {}, {}
+        for index, group in enumerate(groups):
+            for module in group.kept_out:
+                out_group[module] = index
+            for module in group.kept_in:
+                in_group[module] = index
+        rows: list[tuple[float, float, int, int]] = []  # (in cost, out count, in idx, out idx)
+        none = len(groups)  # index of the constant ratio 1
+
+        def hook(module: nn.Module, _inputs, output: torch.Tensor) -> None:
+            o = out_group.get(module, none)
+            if isinstance(module, nn.Conv2d):
+                area = output.shape[0] * output.shape[2] * output.shape[3]
+                kernel = module.kernel_size[0] * module.kernel_size[1]
+                depthwise = module.groups > 1 and module.groups == module.in_channels
+                per_in = kernel if depthwise else kernel * module.in_channels / module.groups
+                i = none if depthwise else in_group.get(module, none)
+                rows.append((per_in, module.out_channels * area, i, o))
+            else:
+                count = output.numel() // module.out_features
+                rows.append((module.in_features, module.out_features * count,
+                             in_group.get(module, none), o))  # fmt: skip
+
+        handles = [m.register_forward_hook(hook) for m in model.modules()
+                   if isinstance(m, (nn.Conv2d, nn.Linear))]  # fmt: skip
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                model(*inputs)
+        finally:
+            model.train(was_training)
+            for h in handles:
+                h.remove()
+        self.per_in = torch.tensor([r[0] for r in rows], dtype=torch.float64)
+        self.outs = torch.tensor([r[1] for r in rows], dtype=torch.float64)
+        self.in_index = torch.tensor([r[2] for r in rows])
+        self.out_index = torch.tensor([r[3] for r in rows])
+        self.dense = float(((self.per_in + 1) * self.outs).sum())
+
+    def ratio(self, alpha: torch.Tensor) -> torch.Tensor:
+        a = torch.cat([alpha.double(), alpha.new_ones(1, dtype=torch.float64)])
+        dev = a.device
+        flops = (self.per_in.to(dev) * a[self.in_index.to(dev)] + 1) * self.outs.to(dev)
+        return (flops * a[self.out_index.to(dev)]).sum() / self.dense
+
+
 class _MaskSource:
     """The masks of the current forward, shared by the parametrizations and hooks."""
 
@@ -57,12 +109,17 @@ class DTPPruner(ChannelPruner):
         example_inputs: a tensor or tuple that runs through the model (batch 1 is enough).
         ratios: a float, {module name: ratio}, "[0, 0.5, 0.5, 0.5]" (per ResNet stage) or
             "[0:0, 1-15:0.5]" (per convolution index); each in [0, 1).
-        budget: "layer" (one transport segment per group) or "global" (one over all).
+        budget: "layer" (one transport segment per group), "global" (one over all), or
+            "flops": learned kept ratios sigmoid(theta) per group (started at 1 - ratio),
+            the kept count k = n sigmoid(theta) differentiable through `keep`; add
+            `pruner.penalty(target)` to the loss.
         granularity: "filter" (structured).
         eps, iters, backend: passed to `transport_mask`.
         mask_at: "auto" (parameters where possible), "parameters" or "activation".
         ignored_layers: convolutions never to prune.
     """
+
+    BUDGETS = ("layer", "global", "flops")
 
     def __init__(
         self,
@@ -87,13 +144,20 @@ class DTPPruner(ChannelPruner):
         super().__init__(
             model, example_inputs, ratios, budget=budget, ignored_layers=ignored_layers
         )
+        if budget == "flops":
+            alpha = torch.tensor([k / n for k, n in zip(self.kept, self.sizes, strict=True)])
+            self.theta = nn.Parameter(torch.logit(alpha.clamp(1e-4, 1 - 1e-4)))
+            self._flops = _FlopsModel(model, self.groups, self.example_inputs)
         self.eps, self.iters, self.backend, self.mask_at = float(eps), iters, backend, mask_at
         device = next(model.parameters()).device
         norms = [g.conv.weight.detach().flatten(1).norm(dim=1) for g in self.groups]
         self.scores = nn.Parameter(torch.cat(norms).float().to(device))
-        segments = self.sizes if budget == "layer" else [sum(self.sizes)]
+        segments = [sum(self.sizes)] if budget == "global" else self.sizes
         self.state = TransportState(segments, device=device)
         self.register_buffer("keep", torch.tensor(self.kept, dtype=torch.float32, device=device))
+        self.register_buffer("_sizes", torch.tensor(self.sizes, dtype=torch.float32, device=device))
+        if budget == "flops":
+            self.theta.data = self.theta.data.to(device)
         self._source = _MaskSource()
         with torch.no_grad():  # masks exist before the first forward (parametrize checks)
             self._compute_masks(model, ())
@@ -121,11 +185,36 @@ class DTPPruner(ChannelPruner):
 
             self._handles.append(target.register_forward_hook(hook))
 
+    def current_keep(self) -> torch.Tensor:
+        """k per segment: fixed counts, or n sigmoid(theta) under budget='flops'."""
+        if self.budget == "flops":
+            return torch.sigmoid(self.theta) * self._sizes
+        return self.keep
+
+    def kept_counts(self) -> list[int]:
+        if self.budget != "flops":
+            return self.kept
+        keep = self.current_keep().detach().round().long().cpu().tolist()
+        return [min(n, max(1, k)) for k, n in zip(keep, self.sizes, strict=True)]
+
+    def flops_ratio(self) -> torch.Tensor:
+        """F(alpha) of the appendix: the FLOPs kept at the learned ratios over the dense
+        FLOPs, differentiable in theta (budget='flops' only)."""
+        if self.budget != "flops":
+            raise ValueError("flops_ratio() and penalty() need budget='flops'")
+        return self._flops.ratio(torch.sigmoid(self.theta))
+
+    def penalty(self, target: float) -> torch.Tensor:
+        """||F - B||^2 for a FLOPs budget B in (0, 1] (the fraction of dense FLOPs kept)."""
+        if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target <= 1:
+            raise ValueError(f"target = {target!r}; the FLOPs budget must be in (0, 1]")
+        return (self.flops_ratio() - target) ** 2
+
     def _compute_masks(self, model: nn.Module, _inputs) -> None:
         """Forward pre-hook: all masks in one transport_mask call."""
         update = model.training and torch.is_grad_enabled()
         mask = transport_mask(
-            self.scores, self.keep, self.state, eps=self.eps, iters=self.iters,
+            self.scores, self.current_keep(), self.state, eps=self.eps, iters=self.iters,
             update=update, backend=self.backend,
         )  # fmt: skip
         self._source.masks = list(mask.split(self.sizes))
@@ -134,7 +223,7 @@ class DTPPruner(ChannelPruner):
         """The current soft masks (update=False): the top-k of each group is kept."""
         with torch.no_grad():
             mask = transport_mask(
-                self.scores, self.keep, self.state, eps=self.eps, iters=self.iters,
+                self.scores, self.current_keep(), self.state, eps=self.eps, iters=self.iters,
                 update=False, backend=self.backend,
             )  # fmt: skip
         return mask + 1e-12 * self.scores.detach()  # ties (masks at 0 or 1) by score
@@ -153,7 +242,7 @@ class DTPPruner(ChannelPruner):
         result = super().report()
         with torch.no_grad():
             soft = transport_mask(
-                self.scores, self.keep, self.state, eps=self.eps, iters=self.iters,
+                self.scores, self.current_keep(), self.state, eps=self.eps, iters=self.iters,
                 update=False, backend=self.backend,
             ).float().cpu()  # fmt: skip
         hard = torch.cat(self.hard_masks())
