@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
-CSRC := $(wildcard csrc/*.h csrc/*.cpp csrc/*.cu)
+CSRC := $(wildcard csrc/*.h csrc/*.cuh csrc/*.cpp csrc/*.cu)
 
 .PHONY: all venv build test demo lint format bench clean
 

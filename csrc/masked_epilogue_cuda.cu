@@ -11,6 +11,8 @@
 #include <cub/block/block_reduce.cuh>
 #include <string>
 
+#include "block_sums.cuh"
+
 namespace dtp {
 namespace {
 
@@ -28,15 +30,6 @@ __global__ void epilogue_fwd_kernel(const scalar_t* __restrict__ y, const acc_t*
     if constexpr (kRelu) v = v > acc_t(0) ? v : acc_t(0);
     out[i] = static_cast<scalar_t>(v);
   }
-}
-
-template <class T>
-struct Pair {
-  T a, b;
-};
-template <class T>
-__device__ Pair<T> operator+(Pair<T> x, Pair<T> y) {
-  return {x.a + y.a, x.b + y.b};
 }
 
 // One block per (outer, channel) plane of `inner` elements.

@@ -11,6 +11,7 @@
 
 #include <cub/block/block_reduce.cuh>
 
+#include "block_sums.cuh"
 #include "transport_math.h"
 
 namespace dtp {
@@ -18,22 +19,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-template <class T>
-struct Pair {
-  T a, b;
-};
-template <class T>
-__device__ Pair<T> operator+(Pair<T> x, Pair<T> y) {
-  return {x.a + y.a, x.b + y.b};
-}
-template <class T>
-struct Quad {
-  T a, b, c, d;
-};
-template <class T>
-__device__ Quad<T> operator+(Quad<T> x, Quad<T> y) {
-  return {x.a + y.a, x.b + y.b, x.c + y.c, x.d + y.d};
-}
 struct MinMaxBad {
   double lo, hi;
   int bad;

@@ -243,6 +243,19 @@ def _transport_mask_backward_fake(grad_mask, scores, offsets, keep, eps, log_odd
     return torch.empty_like(scores), torch.empty_like(keep)
 
 
+def _state_tensors(
+    state: TransportState, scores: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(offsets, log-odds, shift) for a fused kernel, the state in its compute dtype:
+    float32, or float64 for float64 scores."""
+    acc = torch.float64 if scores.dtype == torch.float64 else torch.float32
+    buffers = state._buffers  # direct: Module.__getattr__ costs ~1 us per buffer per step
+    log_odds, shift = buffers["log_odds"], buffers["shift"]
+    if log_odds.dtype != acc:
+        log_odds, shift = log_odds.to(acc), shift.to(acc)
+    return buffers["offsets"], log_odds, shift
+
+
 if compiled():  # the ops exist only when dtp_kernels._C loaded
     torch.library.register_fake("dtp::transport_mask", _transport_mask_fake)
     torch.library.register_fake("dtp::transport_mask_backward", _transport_mask_backward_fake)
@@ -255,13 +268,9 @@ def _transport_mask_compiled(
     state: TransportState,
     iters: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    acc = torch.float64 if scores.dtype == torch.float64 else torch.float32
-    buffers = state._buffers  # direct: Module.__getattr__ costs ~1 us per buffer per step
-    log_odds, shift = buffers["log_odds"], buffers["shift"]
-    if log_odds.dtype != acc:
-        log_odds, shift = log_odds.to(acc), shift.to(acc)
+    offsets, log_odds, shift = _state_tensors(state, scores)
     mask, new_d, new_shift, _stats = torch.ops.dtp.transport_mask(
-        scores, buffers["offsets"], keep, eps, log_odds, shift, iters
+        scores, offsets, keep, eps, log_odds, shift, iters
     )
     return mask, new_d, new_shift
 
@@ -327,13 +336,9 @@ def _transport_mask_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if iters > 1:
         return _transport_mask_torch(scores, keep, eps, state, iters)
-    acc = torch.float64 if scores.dtype == torch.float64 else torch.float32
-    buffers = state._buffers
-    log_odds, shift = buffers["log_odds"], buffers["shift"]
-    if log_odds.dtype != acc:
-        log_odds, shift = log_odds.to(acc), shift.to(acc)
+    offsets, log_odds, shift = _state_tensors(state, scores)
     mask, new_d, new_shift, _stats = _transport_mask_triton_op(
-        scores.contiguous(), buffers["offsets"], keep.contiguous(), eps, log_odds, shift
+        scores.contiguous(), offsets, keep.contiguous(), eps, log_odds, shift
     )
     return mask, new_d, new_shift
 
