@@ -162,7 +162,11 @@ BAD = [
     (dict(ratios={"layer9.conv1": 0.5}), ValueError, r"not prunable layers of this model"),
     (dict(example_inputs=torch.randn(1, 5, 32, 32)), ValueError, r"do not run through"),
     (dict(budget="flops2"), ValueError, r"budget = 'flops2'"),
-    (dict(granularity="kernel"), ValueError, r"granularity = 'kernel'"),
+    (
+        dict(granularity="kernel"),
+        ValueError,
+        r"granularity = 'kernel'; allowed: \['filter', 'weight'\]",
+    ),
     (dict(mask_at="weights"), ValueError, r"mask_at = 'weights'"),
 ]
 
@@ -251,3 +255,35 @@ def test_penalty_needs_flops_budget():
     _, pruner = build(resnet20, 0.5, budget="flops")
     with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
         pruner.penalty(1.5)
+
+
+@pytest.mark.parametrize("budget", ["layer", "global"])
+def test_weight_granularity(budget):
+    """Unstructured DTP: scores |w|, the mask on the weights, exact kept counts; the export
+    zeroes exactly the pruned weights and equals the hard-masked model."""
+    model, pruner = build(resnet20, 0.8, granularity="weight", budget=budget)
+    model.train()
+    model(XB).square().sum().backward()
+    assert torch.all(pruner.scores.grad != 0)
+    masks = pruner.hard_masks()
+    if budget == "layer":
+        assert [int(m.sum()) for m in masks] == pruner.kept
+    else:
+        assert sum(int(m.sum()) for m in masks) >= pruner.kept[0]
+    exported = pruner.export()
+    modules = dict(exported.named_modules())
+    zeros = sum(int((modules[g.name].weight == 0).sum()) for g in pruner.groups)
+    pruned = sum(int(m.numel() - m.sum()) for m in masks)
+    assert zeros == pruned
+    report = pruner.report()
+    assert report["params_after"] == report["params_before"] - pruned
+    model.eval()
+    exported.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(XB)
+    torch.testing.assert_close(exported(XB), want)
+
+
+def test_weight_granularity_has_no_flops_budget():
+    with pytest.raises(ValueError, match="budget='flops' needs granularity='filter'"):
+        DTPPruner(resnet20(), X1, 0.5, granularity="weight", budget="flops")

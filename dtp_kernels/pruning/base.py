@@ -17,7 +17,7 @@ from torch.nn.utils import parametrize
 
 from . import ratios as ratio_rules
 from .flops import count_flops, count_params
-from .groups import ChannelGroup, build_graph, find_groups
+from .groups import build_graph, find_groups
 
 
 def _as_tuple(example_inputs) -> tuple:
@@ -56,16 +56,15 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         object.__setattr__(self, "model", model)  # not a submodule: the pruner is not the model
         self.example_inputs = inputs
         self.budget = budget
-        graph = build_graph(model, inputs)
+        all_groups = self._find_groups(model, inputs, list(ignored_layers))
         model.train(was_training)  # Torch-Pruning's tracing leaves the model in eval mode
-        all_groups = find_groups(model, graph, list(ignored_layers))
         convs = [name for name, m in model.named_modules() if isinstance(m, nn.Conv2d)]
         per_group = ratio_rules.resolve(
             ratios, [g.name for g in all_groups], {n: i for i, n in enumerate(convs)}, len(convs)
         )
-        self.groups: list[ChannelGroup] = [g for g in all_groups if per_group[g.name] > 0]
+        self.groups = [g for g in all_groups if per_group[g.name] > 0]
         if not self.groups:
-            raise ValueError("the ratios prune no channel of this model")
+            raise ValueError("the ratios prune nothing of this model")
         self.ratios = {g.name: per_group[g.name] for g in self.groups}
         self.sizes = [g.size for g in self.groups]
         if budget != "global":
@@ -77,6 +76,10 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             self.kept = [ratio_rules.kept_count(sum(self.sizes), distinct.pop())]
         self._base_params = count_params(model)
         self._base_flops = count_flops(model, inputs)
+
+    def _find_groups(self, model: nn.Module, inputs: tuple, ignored: list) -> list:
+        """The prunable groups: channel groups (filter pruning)."""
+        return find_groups(model, build_graph(model, inputs), ignored)
 
     # -- what a pruner decides -----------------------------------------------------------
     @abc.abstractmethod

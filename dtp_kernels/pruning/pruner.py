@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -101,6 +102,26 @@ class _ScaleRows(nn.Module):
         return weight * mask.view(-1, *([1] * (weight.dim() - 1)))
 
 
+class _ScaleEach(nn.Module):
+    """Parametrization w -> w * mask, one mask entry per weight (unstructured)."""
+
+    def __init__(self, source: _MaskSource, index: int) -> None:
+        super().__init__()
+        self.source, self.index = source, index
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * self.source.get(self.index).to(weight.dtype).view_as(weight)
+
+
+@dataclass
+class LayerWeights:
+    """An unstructured segment: every weight of one conv or linear layer."""
+
+    name: str
+    module: nn.Module
+    size: int
+
+
 class DTPPruner(ChannelPruner):
     """Prune `model` to exact sizes with DTP. See the module docstring and README.
 
@@ -113,7 +134,9 @@ class DTPPruner(ChannelPruner):
             "flops": learned kept ratios sigmoid(theta) per group (started at 1 - ratio),
             the kept count k = n sigmoid(theta) differentiable through `keep`; add
             `pruner.penalty(target)` to the loss.
-        granularity: "filter" (structured).
+        granularity: "filter" (structured: channels, exported physically smaller) or
+            "weight" (unstructured: one segment per conv/linear weight, scores |w|, the
+            mask on the weights; exported with the pruned weights set to zero).
         eps, iters, backend: passed to `transport_mask`.
         mask_at: "auto" (parameters where possible), "parameters" or "activation".
         ignored_layers: convolutions never to prune.
@@ -135,8 +158,11 @@ class DTPPruner(ChannelPruner):
         ignored_layers: Sequence[nn.Module] = (),
         backend: str = "auto",
     ) -> None:
-        if granularity != "filter":
-            raise ValueError(f"granularity = {granularity!r}; allowed: ['filter']")
+        if granularity not in ("filter", "weight"):
+            raise ValueError(f"granularity = {granularity!r}; allowed: ['filter', 'weight']")
+        if granularity == "weight" and budget == "flops":
+            raise ValueError("budget='flops' needs granularity='filter'")
+        self.granularity = granularity
         if mask_at not in MASK_AT:
             raise ValueError(f"mask_at = {mask_at!r}; allowed: {list(MASK_AT)}")
         if not (isinstance(eps, (int, float)) and eps > 0):
@@ -150,8 +176,11 @@ class DTPPruner(ChannelPruner):
             self._flops = _FlopsModel(model, self.groups, self.example_inputs)
         self.eps, self.iters, self.backend, self.mask_at = float(eps), iters, backend, mask_at
         device = next(model.parameters()).device
-        norms = [g.conv.weight.detach().flatten(1).norm(dim=1) for g in self.groups]
-        self.scores = nn.Parameter(torch.cat(norms).float().to(device))
+        if granularity == "filter":  # L2 norms of the filters (paper, Sec. 4)
+            initial = [g.conv.weight.detach().flatten(1).norm(dim=1) for g in self.groups]
+        else:  # |w| of every weight
+            initial = [g.module.weight.detach().abs().flatten() for g in self.groups]
+        self.scores = nn.Parameter(torch.cat(initial).float().to(device))
         segments = [sum(self.sizes)] if budget == "global" else self.sizes
         self.state = TransportState(segments, device=device)
         self.register_buffer("keep", torch.tensor(self.kept, dtype=torch.float32, device=device))
@@ -165,7 +194,21 @@ class DTPPruner(ChannelPruner):
         for index, group in enumerate(self.groups):
             self._attach_mask(index, group)
 
+    def _find_groups(self, model: nn.Module, inputs: tuple, ignored: list) -> list:
+        if self.granularity == "filter":
+            return super()._find_groups(model, inputs, ignored)
+        return [
+            LayerWeights(name, module, module.weight.numel())
+            for name, module in model.named_modules()
+            if isinstance(module, (nn.Conv2d, nn.Linear)) and module not in ignored
+        ]
+
     def _attach_mask(self, index: int, group) -> None:
+        if self.granularity == "weight":
+            parametrize.register_parametrization(
+                group.module, "weight", _ScaleEach(self._source, index)
+            )
+            return
         if self.mask_at != "activation" and group.bn is not None and group.bn.affine:
             for name in ("weight", "bias"):
                 parametrize.register_parametrization(
@@ -251,6 +294,26 @@ class DTPPruner(ChannelPruner):
             row["mass_in_top_k"] = float((s * h).sum() / h.sum().clamp(min=1))
             row["distance_to_hard"] = float(((s - h) ** 2).mean())
         return result
+
+    def predicted_counts(self, masks: list[torch.Tensor] | None = None) -> tuple[int, int]:
+        if self.granularity == "filter":
+            return super().predicted_counts(masks)
+        masks = self.hard_masks() if masks is None else masks
+        pruned = sum(int(m.numel() - m.sum()) for m in masks)
+        return self._base_params - pruned, self._base_flops  # zeros still run densely
+
+    def export(self) -> nn.Module:
+        """Filter granularity: the physically smaller network (see ChannelPruner.export).
+        Weight granularity: a copy whose pruned weights are zero (same shapes)."""
+        if self.granularity == "filter":
+            return super().export()
+        pruned = self._unmasked_copy()
+        modules = dict(pruned.named_modules())
+        with torch.no_grad():
+            for group, mask in zip(self.groups, self.hard_masks(), strict=True):
+                weight = modules[group.name].weight
+                weight.mul_(mask.to(weight.device, weight.dtype).view_as(weight))
+        return pruned
 
     def _unmasked_copy(self) -> nn.Module:
         """A deep copy of the model without this pruner's masks, hooks and state."""

@@ -80,7 +80,7 @@ def resolve(
                     f"ratios {ratios!r} names convolution indices {missing}, but the model has "
                     f"{all_convs} (0 to {all_convs - 1})"
                 )
-            return {name: per_layer.get(conv_index[name], 0.0) for name in names}
+            return {name: per_layer.get(conv_index.get(name, -1), 0.0) for name in names}
         stages = parse_stage_list(ratios)
         present = max((stage_of(n) for n in names), default=0)
         if len(stages) != present + 1:
