@@ -170,12 +170,12 @@ class DTPPruner(ChannelPruner):
         super().__init__(
             model, example_inputs, ratios, budget=budget, ignored_layers=ignored_layers
         )
-        if budget == "flops":
-            alpha = torch.tensor([k / n for k, n in zip(self.kept, self.sizes, strict=True)])
-            self.theta = nn.Parameter(torch.logit(alpha.clamp(1e-4, 1 - 1e-4)))
-            self._flops = _FlopsModel(model, self.groups, self.example_inputs)
         self.eps, self.iters, self.backend, self.mask_at = float(eps), iters, backend, mask_at
         device = next(model.parameters()).device
+        if budget == "flops":  # learned kept ratios, started at the ratios' kept fractions
+            alpha = torch.tensor([k / n for k, n in zip(self.kept, self.sizes, strict=True)])
+            self.theta = nn.Parameter(torch.logit(alpha.clamp(1e-4, 1 - 1e-4)).to(device))
+            self._flops = _FlopsModel(model, self.groups, self.example_inputs)
         if granularity == "filter":  # L2 norms of the filters (paper, Sec. 4)
             initial = [g.conv.weight.detach().flatten(1).norm(dim=1) for g in self.groups]
         else:  # |w| of every weight
@@ -185,8 +185,6 @@ class DTPPruner(ChannelPruner):
         self.state = TransportState(segments, device=device)
         self.register_buffer("keep", torch.tensor(self.kept, dtype=torch.float32, device=device))
         self.register_buffer("_sizes", torch.tensor(self.sizes, dtype=torch.float32, device=device))
-        if budget == "flops":
-            self.theta.data = self.theta.data.to(device)
         self._source = _MaskSource()
         with torch.no_grad():  # masks exist before the first forward (parametrize checks)
             self._compute_masks(model, ())
