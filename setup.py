@@ -110,7 +110,8 @@ setup(
     description="Differentiable Transportation Pruning: fused kernels, reference and pruner",
     packages=find_packages(include=["dtp_kernels", "dtp_kernels.*"]),
     python_requires=">=3.11",
-    install_requires=["torch>=2.11"],
+    install_requires=["torch>=2.11", "torch-pruning", "pyyaml", "scikit-learn"],
+    entry_points={"console_scripts": ["dtp = dtp_kernels.cli:main"]},
     ext_modules=extensions(),
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

@@ -10,11 +10,13 @@ from collections.abc import Callable
 from torch import nn
 
 from .cifar_resnet import resnet20, resnet56
+from .digits_cnn import digits_cnn
 from .mobilenet_v2 import mobilenet_v2
 from .vgg import vgg19_bn
 from .wide_resnet import wrn26
 
 CIFAR_MODELS: dict[str, Callable[..., nn.Module]] = {
+    "digits_cnn": digits_cnn,
     "resnet20": resnet20,
     "resnet56": resnet56,
     "vgg19_bn": vgg19_bn,
@@ -40,4 +42,4 @@ def get_model(name: str, num_classes: int = 10) -> nn.Module:
     return CIFAR_MODELS[name](num_classes=num_classes)
 
 
-__all__ = ["get_model", "mobilenet_v2", "resnet20", "resnet56", "vgg19_bn", "wrn26"]
+__all__ = ["digits_cnn", "get_model", "mobilenet_v2", "resnet20", "resnet56", "vgg19_bn", "wrn26"]

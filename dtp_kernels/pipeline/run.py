@@ -1,0 +1,103 @@
+"""One pruning run: optional dense pre-training, pruning (DTP soft-mask training, or a
+one-shot baseline), export, fine-tuning and evaluation, from a recipe."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..models import get_model
+from ..pruning import DTPPruner, L1Pruner, RandomPruner, save_pruned
+from ..pruning.flops import count_flops, count_params
+from . import data as datasets
+from .train import MetricsLog, evaluate, train
+
+METHODS = ("dtp", "l1", "random")
+
+
+def build_data(recipe: dict):
+    spec = recipe["data"]
+    if spec["name"] == "digits":
+        train_set, test_set = datasets.digits(seed=recipe["seed"])
+    elif spec["name"] in ("cifar10", "cifar100"):
+        train_set, test_set = datasets.cifar(spec["root"], spec["name"])
+    elif spec["name"] == "imagefolder":
+        train_set, test_set = datasets.image_folder(spec["root"])
+    else:
+        raise ValueError(
+            f"data.name = {spec['name']!r}; allowed: digits, cifar10, cifar100, imagefolder"
+        )
+    return datasets.loaders(train_set, test_set, spec["batch_size"], recipe["seed"])
+
+
+def prune_and_finetune(
+    dense: nn.Module,
+    recipe: dict,
+    train_loader,
+    test_loader,
+    log: MetricsLog,
+) -> dict:
+    """Prune a copy of `dense` per recipe["prune"], fine-tune it; return the summary."""
+    settings = recipe["prune"]
+    method = settings["method"]
+    if method not in METHODS:
+        raise ValueError(f"prune.method = {method!r}; allowed: {list(METHODS)}")
+    model = copy.deepcopy(dense)
+    example = next(iter(test_loader))[0][:1]
+    times = {}
+    start = time.perf_counter()
+    if method == "dtp":
+        pruner = DTPPruner(model, example, settings["ratios"], budget=settings["budget"],
+                           eps=settings["eps"], iters=settings["iters"])  # fmt: skip
+        result = train(model, train_loader, test_loader, settings, log, f"dtp-{settings['ratios']}",
+                       pruner=pruner, flops_target=settings.get("flops_target"))  # fmt: skip
+    else:
+        cls = L1Pruner if method == "l1" else RandomPruner
+        pruner = cls(model, example, settings["ratios"], budget=settings["budget"])
+    times["prune"] = time.perf_counter() - start
+    start = time.perf_counter()
+    pruned = pruner.export()
+    times["export"] = time.perf_counter() - start
+    result = train(pruned, train_loader, test_loader, recipe["finetune"], log,
+                   f"finetune-{method}-{settings['ratios']}")  # fmt: skip
+    times["finetune"] = result["seconds"]
+    base_params, base_flops = count_params(dense), count_flops(dense, example)
+    params, flops = count_params(pruned), count_flops(pruned, example)
+    return {
+        "method": method,
+        "ratios": settings["ratios"],
+        "accuracy": evaluate(pruned, test_loader),
+        "params": params,
+        "flops": flops,
+        "sparsity": 1 - params / base_params,
+        "speedup": base_flops / flops,
+        "seconds": times,
+        "model": pruned,
+    }
+
+
+def run(recipe: dict, out_dir: str | Path | None = None) -> dict:
+    """The whole pipeline; writes metrics.jsonl, summary.json and pruned.pt to out_dir."""
+    torch.manual_seed(recipe["seed"])
+    out = Path(out_dir) if out_dir is not None else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    log = MetricsLog(out / "metrics.jsonl" if out is not None else None)
+    train_loader, test_loader = build_data(recipe)
+    model = get_model(recipe["model"]["name"], recipe["model"]["num_classes"])
+    dense = {"seconds": 0.0, "accuracy": evaluate(model, test_loader)}
+    if recipe["pretrain"]["epochs"]:
+        dense = train(model, train_loader, test_loader, recipe["pretrain"], log, "pretrain")
+    summary = prune_and_finetune(model, recipe, train_loader, test_loader, log)
+    summary["dense_accuracy"] = dense["accuracy"]
+    summary["seconds"]["pretrain"] = dense["seconds"]
+    if out is not None:
+        save_pruned(out / "pruned.pt", summary["model"])
+        printable = {k: v for k, v in summary.items() if k != "model"}
+        (out / "summary.json").write_text(json.dumps(printable, indent=2))
+    return summary

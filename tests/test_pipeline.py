@@ -1,0 +1,72 @@
+"""Recipes, data errors and a short end-to-end `dtp prune` run on digits."""
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtp_kernels.cli import main
+from dtp_kernels.pipeline import data, recipe
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in CONFIGS.glob("*.yaml")))
+def test_shipped_recipes_load(name):
+    loaded = recipe.load(CONFIGS / f"{name}.yaml")
+    assert loaded["prune"]["method"] == "dtp" and loaded["finetune"]["epochs"] > 0
+
+
+def test_overrides_and_unknown_fields():
+    loaded = recipe.load(None, ["prune.ratios=0.9", "finetune.milestones=[3, 4]", "seed=3"])
+    assert loaded["prune"]["ratios"] == 0.9 and loaded["finetune"]["milestones"] == [3, 4]
+    assert loaded["seed"] == 3
+    with pytest.raises(ValueError, match=r"unknown recipe field 'prune\.ratio'"):
+        recipe.load(None, ["prune.ratio=0.9"])
+    with pytest.raises(ValueError, match=r"section\.key=value"):
+        recipe.load(None, ["prune.ratios"])
+
+
+def test_missing_cifar_directory_names_path_and_layout(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"missing \['data_batch_1'.*data_batch_1 \.\.\."):
+        data.cifar(tmp_path, "cifar10")
+    with pytest.raises(FileNotFoundError, match=r"train/<class>/<image> folders"):
+        data.image_folder(tmp_path)
+
+
+def test_cifar_python_format_is_read(tmp_path):
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {b"data": torch.randint(0, 255, (4, 3072), dtype=torch.uint8).numpy(),
+                 b"labels": [0, 1, 2, 3]}  # fmt: skip
+        (tmp_path / name).write_bytes(pickle.dumps(batch))
+    train, test = data.cifar(tmp_path, "cifar10")
+    assert len(train) == 20 and len(test) == 4 and train[0][0].shape == (3, 32, 32)
+    (tmp_path / "test_batch").write_bytes(pickle.dumps({b"data": [1, 2]}))
+    with pytest.raises(ValueError, match="is not a cifar10 batch"):
+        data.cifar(tmp_path, "cifar10")
+
+
+@pytest.mark.parametrize("method", ["dtp", "l1"])
+def test_prune_command_end_to_end(tmp_path, method, capsys):
+    out = tmp_path / "run"
+    code = main(["prune", "--config", str(CONFIGS / "digits.yaml"), "--out", str(out),
+                 "--set", "pretrain.epochs=1", "--set", "prune.epochs=1",
+                 "--set", "finetune.epochs=1", "--set", f"prune.method={method}",
+                 "--set", "prune.ratios=0.5"])  # fmt: skip
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["method"] == method and 0 < summary["sparsity"] < 1 and summary["speedup"] > 1
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {r["stage"].split("-")[0] for r in rows} >= {"pretrain", "finetune"}
+    from dtp_kernels import load_pruned
+
+    model = load_pruned(out / "pruned.pt")
+    assert sum(p.numel() for p in model.parameters()) == summary["params"]
+    assert '"accuracy"' in capsys.readouterr().out
+
+
+def test_check_command(capsys):
+    assert main(["check"]) == 0
+    assert "reference" in capsys.readouterr().out
