@@ -16,7 +16,7 @@ from .transport_state import TransportState
 
 
 def fig2_toy(
-    steps: int = 200, lr: float = 0.1, eps: float = 1.0, backend: str = "auto"
+    steps: int = 200, lr: float = 0.1, eps: float = 1.0, iters: int = 1, backend: str = "auto"
 ) -> list[tuple[int, list[float], float]]:
     """Paper Fig. 2: keep 1 of w = (2, 1, 3) with loss w . mask; (step, mask, loss) rows."""
     weights = torch.tensor([2.0, 1.0, 3.0])
@@ -25,7 +25,7 @@ def fig2_toy(
     optimizer = torch.optim.SGD([scores], lr=lr)
     trajectory = []
     for step in range(steps):
-        mask = transport_mask(scores, [1.0], state, eps=eps, backend=backend)
+        mask = transport_mask(scores, [1.0], state, eps=eps, iters=iters, backend=backend)
         loss = (weights * mask).sum()
         optimizer.zero_grad()
         loss.backward()
