@@ -77,7 +77,7 @@ def train(
     start = time.perf_counter()
     model.train()
     for epoch in range(epochs):
-        total = 0.0
+        total = torch.zeros(())  # summed on the device: no host sync per step
         for images, labels in train_loader:
             loss = nn.functional.cross_entropy(model(images), labels)
             if flops_target is not None:
@@ -86,7 +86,7 @@ def train(
             loss.backward()
             optimizer.step()
             schedule.step()
-            total += loss.item()
-        log.write(stage=stage, epoch=epoch, loss=total / len(train_loader),
+            total = total.to(loss.device) + loss.detach()
+        log.write(stage=stage, epoch=epoch, loss=total.item() / len(train_loader),
                   accuracy=evaluate(model, test_loader))  # fmt: skip
     return {"seconds": time.perf_counter() - start, "accuracy": evaluate(model, test_loader)}

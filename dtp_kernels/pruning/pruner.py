@@ -73,10 +73,12 @@ class _FlopsModel:
         self.dense = float(((self.per_in + 1) * self.outs).sum())
 
     def ratio(self, alpha: torch.Tensor) -> torch.Tensor:
+        if self.per_in.device != alpha.device:  # once: no host-to-device copies per step
+            for name in ("per_in", "outs", "in_index", "out_index"):
+                setattr(self, name, getattr(self, name).to(alpha.device))
         a = torch.cat([alpha.double(), alpha.new_ones(1, dtype=torch.float64)])
-        dev = a.device
-        flops = (self.per_in.to(dev) * a[self.in_index.to(dev)] + 1) * self.outs.to(dev)
-        return (flops * a[self.out_index.to(dev)]).sum() / self.dense
+        flops = (self.per_in * a[self.in_index] + 1) * self.outs
+        return (flops * a[self.out_index]).sum() / self.dense
 
 
 class _MaskSource:
