@@ -7,7 +7,7 @@ two runs; the Triton ops under torch.compile(fullgraph=True) with inductor.
 
 import pytest
 import torch
-from test_transport_matches_reference import run_loop
+from test_transport_matches_reference import check_low_precision, run_loop
 
 import dtp_kernels
 from conftest import RAGGED_LAYOUT
@@ -38,21 +38,7 @@ def test_200_steps_match_reference_on_gpu(backend, dtype, iters):
 @pytest.mark.parametrize("backend", gpu_backends())
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_low_precision_on_gpu(backend, dtype):
-    tolerance = {
-        torch.float16: (2e-3, 1e-3),
-        torch.bfloat16: (1.6e-2, 8e-3),
-        torch.float32: (2e-5, 2e-6),
-    }
-    rtol, atol = tolerance[dtype]
-    sizes = [n for n, _ in RAGGED_LAYOUT]
-    keep = [k for _, k in RAGGED_LAYOUT]
-    scores = torch.rand(sum(sizes), generator=torch.Generator().manual_seed(2)).to(dtype)
-    ref = transport_mask(scores.double(), keep, TransportState(sizes), backend="reference")
-    mask = transport_mask(
-        scores.to(CUDA), keep, TransportState(sizes, device=CUDA), backend=backend
-    )
-    assert mask.dtype == dtype
-    torch.testing.assert_close(mask.double().cpu(), ref, rtol=rtol, atol=atol)
+    check_low_precision(backend, dtype, device=CUDA)
 
 
 @pytest.mark.parametrize("backend", gpu_backends())

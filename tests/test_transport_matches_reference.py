@@ -99,6 +99,10 @@ def test_gradcheck_float64(backend, iters):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_low_precision_scores_match_reference(fast_backend, dtype):
+    check_low_precision(fast_backend, dtype)
+
+
+def check_low_precision(backend, dtype, device="cpu"):
     """fp16/bf16 scores: math in fp32; the result only carries the output rounding."""
     tolerance = {
         torch.float16: (2e-3, 1e-3),
@@ -111,10 +115,10 @@ def test_low_precision_scores_match_reference(fast_backend, dtype):
     gen = torch.Generator().manual_seed(2)
     scores = torch.rand(sum(sizes), generator=gen).to(dtype)
     ref = transport_mask(scores.double(), keep, TransportState(sizes), backend="reference")
-    s = scores.clone().requires_grad_(True)
-    mask = transport_mask(s, keep, TransportState(sizes), backend=fast_backend)
+    s = scores.to(device).requires_grad_(True)
+    mask = transport_mask(s, keep, TransportState(sizes, device=device), backend=backend)
     assert mask.dtype == dtype
-    torch.testing.assert_close(mask.double(), ref, rtol=rtol, atol=atol)
+    torch.testing.assert_close(mask.double().cpu(), ref, rtol=rtol, atol=atol)
     mask.float().pow(2).sum().backward()
     assert s.grad.dtype == dtype and torch.isfinite(s.grad.float()).all()
 
