@@ -1,14 +1,22 @@
-// CUDA kernels of the DTP transport-mask step: one block per segment, all segments in one
-// launch forward and one backward, any number of Sinkhorn iterations. Each block reduces
-// its segment with cub::BlockReduce (a fixed reduction tree: bitwise reproducible, no
-// atomics) and uses the per-element formulas of transport_math.h, the same the CPU
-// kernels use. The non-finite guard is decided in the block, with no host sync.
+// CUDA kernels of the DTP transport-mask step, any number of Sinkhorn iterations, with
+// the per-element formulas of transport_math.h (the same the CPU kernels use).
+//
+// Two schedules, chosen on the host from numel and the segment count alone (reading the
+// offsets would cost a device-to-host sync):
+// - fused: one block per segment, all segments in one launch forward and one backward;
+//   best while the step is launch-bound (every layer-group layout of a CNN).
+// - split: B blocks per segment for large inputs. Each block writes its partial sums, and
+//   one thread per segment merges them in block order between passes: a fixed reduction
+//   order, so results are bitwise reproducible, and no atomics.
+// Each block reduces with cub::BlockReduce (a fixed tree). The non-finite guard is
+// decided on the device, with no host sync.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <cub/block/block_reduce.cuh>
 
 #include "block_sums.cuh"
@@ -210,6 +218,316 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// ---- split schedule: B blocks per segment ------------------------------------------
+
+constexpr int kSegThreads = 128;                  // one thread per segment in the merge kernels
+constexpr int64_t kSplitFrom = int64_t(1) << 16;  // below this many elements: fused
+constexpr int64_t kMinPerBlock = 4096;            // split no finer than this many elements a block
+
+// Block b of segment s covers [begin + b * chunk, min(end, begin + (b + 1) * chunk)).
+struct Range {
+  int64_t seg, lo, hi;
+};
+__device__ __forceinline__ Range block_range(const int64_t* offsets, int64_t blocks_per_seg) {
+  const int64_t seg = blockIdx.x / blocks_per_seg, part = blockIdx.x % blocks_per_seg;
+  const int64_t begin = offsets[seg], end = offsets[seg + 1];
+  const int64_t chunk = (end - begin + blocks_per_seg - 1) / blocks_per_seg;
+  const int64_t lo = min(end, begin + part * chunk);
+  return {seg, lo, min(end, lo + chunk)};
+}
+
+__device__ __forceinline__ int64_t segment_thread() {
+  return blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+}
+
+// Per-segment scalars of the split forward, carried between its launches.
+struct FwdSeg {
+  double lo, hi;          // extremes of x
+  double delta, m1, m0;   // shift of this pass (rounded to acc_t) and its stabilisers
+  double delta_last, l1;  // shift and log column mass of the last pass
+  double delta_new;       // the updated shift
+  int bad;                // non-finite x in the segment
+};
+
+__device__ inline void set_stabilisers(FwdSeg& st) {
+  const double m1 = log_sigmoid(st.hi + st.delta), m0 = log_sigmoid(-(st.lo + st.delta));
+  st.m1 = ::isfinite(m1) ? m1 : 0.0;
+  st.m0 = ::isfinite(m0) ? m0 : 0.0;
+}
+
+template <class scalar_t, class acc_t>
+__global__ void __launch_bounds__(kThreads)
+    split_extremes_kernel(const scalar_t* __restrict__ scores, const int64_t* __restrict__ offsets,
+                          const double* __restrict__ eps, const acc_t* __restrict__ log_odds,
+                          int64_t blocks_per_seg, MinMaxBad* __restrict__ part) {
+  using ReduceMMB = cub::BlockReduce<MinMaxBad, kThreads>;
+  __shared__ typename ReduceMMB::TempStorage temp;
+  const Range r = block_range(offsets, blocks_per_seg);
+  const acc_t inv_eps = static_cast<acc_t>(1.0 / eps[r.seg]);
+  MinMaxBad local{INFINITY, -INFINITY, 0};
+  for (int64_t i = r.lo + threadIdx.x; i < r.hi; i += kThreads) {
+    const acc_t v = log_odds_at(scores, log_odds, i, inv_eps);
+    local.lo = v < local.lo ? v : local.lo;
+    local.hi = v > local.hi ? v : local.hi;
+    local.bad += (v - v == acc_t(0)) ? 0 : 1;
+  }
+  const MinMaxBad ext = ReduceMMB(temp).Reduce(local, MinMaxBadOp());
+  if (threadIdx.x == 0) part[blockIdx.x] = ext;
+}
+
+template <class acc_t>
+__global__ void split_start_kernel(const MinMaxBad* __restrict__ part,
+                                   const acc_t* __restrict__ shift, int64_t nseg,
+                                   int64_t blocks_per_seg, FwdSeg* __restrict__ seg) {
+  const int64_t s = segment_thread();
+  if (s >= nseg) return;
+  MinMaxBad ext = part[s * blocks_per_seg];
+  for (int64_t b = 1; b < blocks_per_seg; ++b)
+    ext = MinMaxBadOp()(ext, part[s * blocks_per_seg + b]);
+  FwdSeg st;
+  st.lo = ext.lo;
+  st.hi = ext.hi;
+  st.bad = ext.bad;
+  st.delta = static_cast<double>(static_cast<acc_t>(shift[s]));
+  set_stabilisers(st);
+  st.delta_last = st.delta;
+  st.l1 = 0.0;
+  st.delta_new = st.delta;
+  seg[s] = st;
+}
+
+template <class scalar_t, class acc_t>
+__global__ void __launch_bounds__(kThreads)
+    split_sums_kernel(const scalar_t* __restrict__ scores, const int64_t* __restrict__ offsets,
+                      const double* __restrict__ eps, const acc_t* __restrict__ log_odds,
+                      int64_t blocks_per_seg, const FwdSeg* __restrict__ seg,
+                      Pair<double>* __restrict__ part) {
+  using ReducePair = cub::BlockReduce<Pair<double>, kThreads>;
+  __shared__ typename ReducePair::TempStorage temp;
+  const Range r = block_range(offsets, blocks_per_seg);
+  const acc_t inv_eps = static_cast<acc_t>(1.0 / eps[r.seg]);
+  const acc_t dl = static_cast<acc_t>(seg[r.seg].delta), m1 = static_cast<acc_t>(seg[r.seg].m1),
+              m0 = static_cast<acc_t>(seg[r.seg].m0);
+  acc_t s1 = 0, s0 = 0;
+  for (int64_t i = r.lo + threadIdx.x; i < r.hi; i += kThreads) {
+    const acc_t z = log_odds_at(scores, log_odds, i, inv_eps) + dl;
+    const acc_t q = sigmoid_abs(z);
+    s1 += exp_log_sigmoid(z, m1, q);
+    s0 += exp_log_sigmoid(-z, m0, q);
+  }
+  const Pair<double> sums = ReducePair(temp).Sum(Pair<double>{double(s1), double(s0)});
+  if (threadIdx.x == 0) part[blockIdx.x] = sums;
+}
+
+// One Sinkhorn pass's per-segment update: delta_t = B + delta_{t-1} - L1 + L0.
+template <class acc_t>
+__global__ void split_step_kernel(const Pair<double>* __restrict__ part,
+                                  const int64_t* __restrict__ offsets,
+                                  const double* __restrict__ keep, int64_t nseg,
+                                  int64_t blocks_per_seg, int64_t t, int64_t iters,
+                                  FwdSeg* __restrict__ seg, double* __restrict__ stats) {
+  const int64_t s = segment_thread();
+  if (s >= nseg) return;
+  Pair<double> sums = part[s * blocks_per_seg];
+  for (int64_t b = 1; b < blocks_per_seg; ++b) sums = sums + part[s * blocks_per_seg + b];
+  FwdSeg st = seg[s];
+  const int64_t n = offsets[s + 1] - offsets[s];
+  const double k = keep[s];
+  const double bias = is_degenerate(k, n) ? 0.0 : ::log(k) - ::log(static_cast<double>(n) - k);
+  const double l1 = st.m1 + ::log(sums.a), l0 = st.m0 + ::log(sums.b);
+  double* row = stats + (s * iters + t) * 3;
+  row[0] = st.delta;
+  row[1] = l1;
+  row[2] = l0;
+  st.delta_last = st.delta;
+  st.l1 = l1;
+  const double next = bias + st.delta - l1 + l0;
+  st.delta = static_cast<double>(static_cast<acc_t>(next));
+  st.delta_new = next;
+  set_stabilisers(st);
+  seg[s] = st;
+}
+
+template <class scalar_t, class acc_t>
+__global__ void __launch_bounds__(kThreads)
+    split_output_kernel(const scalar_t* __restrict__ scores, const int64_t* __restrict__ offsets,
+                        const double* __restrict__ keep, const double* __restrict__ eps,
+                        const acc_t* __restrict__ log_odds, const acc_t* __restrict__ shift,
+                        int64_t blocks_per_seg, const FwdSeg* __restrict__ seg,
+                        scalar_t* __restrict__ mask, acc_t* __restrict__ new_log_odds,
+                        acc_t* __restrict__ new_shift) {
+  const Range r = block_range(offsets, blocks_per_seg);
+  const FwdSeg st = seg[r.seg];
+  const int64_t n = offsets[r.seg + 1] - offsets[r.seg];
+  const double k = keep[r.seg];
+  const bool degenerate = is_degenerate(k, n);
+  const bool advance = !degenerate && st.bad == 0 && ::isfinite(st.delta_new);
+  if (blockIdx.x % blocks_per_seg == 0 && threadIdx.x == 0) {
+    new_shift[r.seg] = advance ? static_cast<acc_t>(st.delta_new) : shift[r.seg];
+  }
+  const acc_t inv_eps = static_cast<acc_t>(1.0 / eps[r.seg]);
+  const acc_t dl = static_cast<acc_t>(st.delta_last), l1 = static_cast<acc_t>(st.l1);
+  const acc_t dn = static_cast<acc_t>(st.delta_new), kk = static_cast<acc_t>(k);
+  const acc_t constant = static_cast<acc_t>(k / static_cast<double>(n));
+  for (int64_t i = r.lo + threadIdx.x; i < r.hi; i += kThreads) {
+    const acc_t x = log_odds_at(scores, log_odds, i, inv_eps);
+    const acc_t z = x + dl;
+    const acc_t m = degenerate ? constant : kk * exp_log_sigmoid(z, l1, sigmoid_abs(z));
+    mask[i] = static_cast<scalar_t>(m);
+    new_log_odds[i] = advance ? x + dn : log_odds[i];
+  }
+}
+
+// Per-segment scalars of the split backward.
+struct BwdSeg {
+  double gp, gdelta, grad_bias, gs;
+};
+
+template <class scalar_t, class acc_t>
+__global__ void __launch_bounds__(kThreads)
+    split_bwd_sums_kernel(const acc_t* __restrict__ grad_mask, const scalar_t* __restrict__ scores,
+                          const int64_t* __restrict__ offsets, const double* __restrict__ eps,
+                          const acc_t* __restrict__ log_odds, const double* __restrict__ stats,
+                          int64_t iters, int64_t blocks_per_seg, Quad<double>* __restrict__ part) {
+  using ReduceQuad = cub::BlockReduce<Quad<double>, kThreads>;
+  __shared__ typename ReduceQuad::TempStorage temp;
+  const Range r = block_range(offsets, blocks_per_seg);
+  const acc_t inv_eps = static_cast<acc_t>(1.0 / eps[r.seg]);
+  const double* last = stats + (r.seg * iters + iters - 1) * 3;
+  const acc_t dl = static_cast<acc_t>(last[0]), l1 = static_cast<acc_t>(last[1]);
+  acc_t gp = 0, gq = 0, qs = 0, gs = 0;
+  for (int64_t i = r.lo + threadIdx.x; i < r.hi; i += kThreads) {
+    const acc_t z = log_odds_at(scores, log_odds, i, inv_eps) + dl;
+    const acc_t q1 = sigmoid_abs(z);
+    const acc_t p = exp_log_sigmoid(z, l1, q1), q = exp_log_sigmoid_pair(z, l1, q1);
+    const acc_t g = grad_mask[i];
+    gp += g * p;
+    gq += g * q;
+    qs += q;
+    gs += g;
+  }
+  const Quad<double> sums =
+      ReduceQuad(temp).Sum(Quad<double>{double(gp), double(gq), double(qs), double(gs)});
+  if (threadIdx.x == 0) part[blockIdx.x] = sums;
+}
+
+__global__ void split_bwd_start_kernel(const Quad<double>* __restrict__ part,
+                                       const double* __restrict__ keep, int64_t nseg,
+                                       int64_t blocks_per_seg, BwdSeg* __restrict__ seg) {
+  const int64_t s = segment_thread();
+  if (s >= nseg) return;
+  Quad<double> sums = part[s * blocks_per_seg];
+  for (int64_t b = 1; b < blocks_per_seg; ++b) sums = sums + part[s * blocks_per_seg + b];
+  seg[s] = BwdSeg{sums.a, keep[s] * (sums.b - sums.a * sums.c), 0.0, sums.d};
+}
+
+// Sums of w_i = q(z_i; L1) + q(z_i; L0) of pass t (1-based) for the chain through delta.
+template <class scalar_t, class acc_t>
+__global__ void __launch_bounds__(kThreads)
+    split_bwd_pass_kernel(const scalar_t* __restrict__ scores, const int64_t* __restrict__ offsets,
+                          const double* __restrict__ eps, const acc_t* __restrict__ log_odds,
+                          const double* __restrict__ stats, int64_t iters, int64_t t,
+                          int64_t blocks_per_seg, double* __restrict__ part) {
+  using ReduceOne = cub::BlockReduce<double, kThreads>;
+  __shared__ typename ReduceOne::TempStorage temp;
+  const Range r = block_range(offsets, blocks_per_seg);
+  const acc_t inv_eps = static_cast<acc_t>(1.0 / eps[r.seg]);
+  const double* row = stats + (r.seg * iters + t - 1) * 3;
+  const acc_t pd = static_cast<acc_t>(row[0]), a1 = static_cast<acc_t>(row[1]),
+              a0 = static_cast<acc_t>(row[2]);
+  acc_t w = 0;
+  for (int64_t i = r.lo + threadIdx.x; i < r.hi; i += kThreads) {
+    const acc_t z = log_odds_at(scores, log_odds, i, inv_eps) + pd;
+    const acc_t q1 = sigmoid_abs(z);
+    w += exp_log_sigmoid_pair(z, a1, q1) + exp_log_sigmoid_pair(z, a0, q1);
+  }
+  const double total = ReduceOne(temp).Sum(double(w));
+  if (threadIdx.x == 0) part[blockIdx.x] = total;
+}
+
+__global__ void split_bwd_step_kernel(const double* __restrict__ part, int64_t nseg,
+                                      int64_t blocks_per_seg, int64_t t, int64_t npass,
+                                      BwdSeg* __restrict__ seg, double* __restrict__ coef) {
+  const int64_t s = segment_thread();
+  if (s >= nseg) return;
+  double total = part[s * blocks_per_seg];
+  for (int64_t b = 1; b < blocks_per_seg; ++b) total += part[s * blocks_per_seg + b];
+  BwdSeg st = seg[s];
+  coef[s * npass + t - 1] = -st.gdelta;
+  st.grad_bias += st.gdelta;
+  st.gdelta *= 1.0 - total;
+  seg[s] = st;
+}
+
+template <class scalar_t, class acc_t>
+__global__ void __launch_bounds__(kThreads)
+    split_bwd_output_kernel(const acc_t* __restrict__ grad_mask,
+                            const scalar_t* __restrict__ scores,
+                            const int64_t* __restrict__ offsets, const double* __restrict__ keep,
+                            const double* __restrict__ eps, const acc_t* __restrict__ log_odds,
+                            const double* __restrict__ stats, int64_t iters, int64_t blocks_per_seg,
+                            const BwdSeg* __restrict__ seg, const double* __restrict__ coef,
+                            scalar_t* __restrict__ grad_scores, double* __restrict__ grad_keep) {
+  const Range r = block_range(offsets, blocks_per_seg);
+  const BwdSeg st = seg[r.seg];
+  const int64_t n = offsets[r.seg + 1] - offsets[r.seg];
+  const double k = keep[r.seg];
+  const bool degenerate = is_degenerate(k, n);
+  if (blockIdx.x % blocks_per_seg == 0 && threadIdx.x == 0) {
+    grad_keep[r.seg] = degenerate ? st.gs / static_cast<double>(n)
+                                  : st.gp + st.grad_bias * n / (k * (static_cast<double>(n) - k));
+  }
+  const acc_t inv_eps = static_cast<acc_t>(1.0 / eps[r.seg]);
+  const double* last = stats + (r.seg * iters + iters - 1) * 3;
+  const acc_t dl = static_cast<acc_t>(last[0]), l1 = static_cast<acc_t>(last[1]);
+  const acc_t kk = static_cast<acc_t>(k), gpa = static_cast<acc_t>(st.gp);
+  const acc_t scale = degenerate ? acc_t(0) : static_cast<acc_t>(2.0 * inv_eps);
+  const int64_t npass = iters - 1;
+  for (int64_t i = r.lo + threadIdx.x; i < r.hi; i += kThreads) {
+    const acc_t x = log_odds_at(scores, log_odds, i, inv_eps);
+    const acc_t z = x + dl;
+    const acc_t q1 = sigmoid_abs(z);
+    acc_t grad = kk * exp_log_sigmoid_pair(z, l1, q1) * (grad_mask[i] - gpa);
+    for (int64_t t = 0; t < npass; ++t) {
+      const double* row = stats + (r.seg * iters + t) * 3;
+      const acc_t zt = x + static_cast<acc_t>(row[0]);
+      const acc_t rt = sigmoid_abs(zt);
+      const acc_t w = exp_log_sigmoid_pair(zt, static_cast<acc_t>(row[1]), rt) +
+                      exp_log_sigmoid_pair(zt, static_cast<acc_t>(row[2]), rt);
+      grad += static_cast<acc_t>(coef[r.seg * npass + t]) * w;
+    }
+    grad_scores[i] = static_cast<scalar_t>(scale * grad);
+  }
+}
+
+// Blocks per segment: 1 (fused) for small inputs, else enough blocks to fill the GPU twice
+// with at least kMinPerBlock elements each. Decided from numel and nseg, known on the
+// host. DTP_CUDA_BLOCKS_PER_SEGMENT overrides it (tests and benchmarks use it).
+int64_t blocks_per_segment(int64_t numel, int64_t nseg) {
+  if (const char* env = std::getenv("DTP_CUDA_BLOCKS_PER_SEGMENT"); env != nullptr && *env) {
+    char* end = nullptr;
+    const long long v = std::strtoll(env, &end, 10);
+    TORCH_CHECK(end != env && *end == '\0' && v >= 1,
+                "DTP_CUDA_BLOCKS_PER_SEGMENT must be an integer >= 1, got '", env, "'");
+    return v;
+  }
+  if (numel < kSplitFrom) return 1;
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t fill = (2 * sms + nseg - 1) / nseg;
+  const int64_t work = (numel + nseg * kMinPerBlock - 1) / (nseg * kMinPerBlock);
+  return std::max<int64_t>(1, std::min(fill, work));
+}
+
+// Bytes for `count` objects of T, rounded up so the next array stays 16-byte aligned.
+template <class T>
+int64_t aligned_bytes(int64_t count) {
+  return (count * int64_t(sizeof(T)) + 15) / 16 * 16;
+}
+
+int segment_blocks(int64_t nseg) {
+  return static_cast<int>((nseg + kSegThreads - 1) / kSegThreads);
+}
+
 at::ScalarType acc_type(const at::Tensor& scores) {
   return scores.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
@@ -252,15 +570,50 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport_mask_cuda(
   auto new_d = at::empty_like(log_odds);
   auto new_shift = at::empty_like(shift);
   auto stats = at::empty({nseg, iters, 3}, log_odds.options().dtype(at::kDouble));
+  const int64_t bps = blocks_per_segment(scores.numel(), nseg);
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, scores.scalar_type(), "transport_mask_cuda", [&] {
         using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-        transport_mask_fwd_kernel<scalar_t, acc_t><<<nseg, kThreads, 0, stream>>>(
-            scores.data_ptr<scalar_t>(), offsets.data_ptr<int64_t>(), keep_d.data_ptr<double>(),
-            eps_d.data_ptr<double>(), log_odds.data_ptr<acc_t>(), shift.data_ptr<acc_t>(), iters,
-            mask.data_ptr<scalar_t>(), new_d.data_ptr<acc_t>(), new_shift.data_ptr<acc_t>(),
-            stats.data_ptr<double>());
+        const auto* sc = scores.data_ptr<scalar_t>();
+        const auto* off = offsets.data_ptr<int64_t>();
+        const auto* kp = keep_d.data_ptr<double>();
+        const auto* ep = eps_d.data_ptr<double>();
+        const auto* lo = log_odds.data_ptr<acc_t>();
+        const auto* sh = shift.data_ptr<acc_t>();
+        if (bps == 1) {
+          transport_mask_fwd_kernel<scalar_t, acc_t><<<nseg, kThreads, 0, stream>>>(
+              sc, off, kp, ep, lo, sh, iters, mask.data_ptr<scalar_t>(), new_d.data_ptr<acc_t>(),
+              new_shift.data_ptr<acc_t>(), stats.data_ptr<double>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          return;
+        }
+        const int64_t seg_bytes = aligned_bytes<FwdSeg>(nseg);
+        const int64_t ext_bytes = aligned_bytes<MinMaxBad>(nseg * bps);
+        auto work = at::empty({seg_bytes + ext_bytes + aligned_bytes<Pair<double>>(nseg * bps)},
+                              scores.options().dtype(at::kByte));
+        auto* seg = reinterpret_cast<FwdSeg*>(work.data_ptr<uint8_t>());
+        auto* ext = reinterpret_cast<MinMaxBad*>(work.data_ptr<uint8_t>() + seg_bytes);
+        auto* sums =
+            reinterpret_cast<Pair<double>*>(work.data_ptr<uint8_t>() + seg_bytes + ext_bytes);
+        const int64_t grid = nseg * bps;
+        split_extremes_kernel<scalar_t, acc_t>
+            <<<grid, kThreads, 0, stream>>>(sc, off, ep, lo, bps, ext);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        split_start_kernel<acc_t>
+            <<<segment_blocks(nseg), kSegThreads, 0, stream>>>(ext, sh, nseg, bps, seg);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        for (int64_t t = 0; t < iters; ++t) {
+          split_sums_kernel<scalar_t, acc_t>
+              <<<grid, kThreads, 0, stream>>>(sc, off, ep, lo, bps, seg, sums);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          split_step_kernel<acc_t><<<segment_blocks(nseg), kSegThreads, 0, stream>>>(
+              sums, off, kp, nseg, bps, t, iters, seg, stats.data_ptr<double>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
+        split_output_kernel<scalar_t, acc_t><<<grid, kThreads, 0, stream>>>(
+            sc, off, kp, ep, lo, sh, bps, seg, mask.data_ptr<scalar_t>(), new_d.data_ptr<acc_t>(),
+            new_shift.data_ptr<acc_t>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
   return {mask, new_d, new_shift, stats};
@@ -287,14 +640,49 @@ std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cuda(
   auto grad_keep = at::empty({nseg}, log_odds.options().dtype(at::kDouble));
   auto coef =
       at::empty({nseg * std::max<int64_t>(iters - 1, 1)}, log_odds.options().dtype(at::kDouble));
+  const int64_t bps = blocks_per_segment(scores.numel(), nseg);
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, scores.scalar_type(), "transport_mask_backward_cuda", [&] {
         using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-        transport_mask_bwd_kernel<scalar_t, acc_t><<<nseg, kThreads, 0, stream>>>(
-            g.data_ptr<acc_t>(), scores.data_ptr<scalar_t>(), offsets.data_ptr<int64_t>(),
-            keep_d.data_ptr<double>(), eps_d.data_ptr<double>(), log_odds.data_ptr<acc_t>(),
-            stats.data_ptr<double>(), iters, coef.data_ptr<double>(),
+        const auto* gm = g.data_ptr<acc_t>();
+        const auto* sc = scores.data_ptr<scalar_t>();
+        const auto* off = offsets.data_ptr<int64_t>();
+        const auto* kp = keep_d.data_ptr<double>();
+        const auto* ep = eps_d.data_ptr<double>();
+        const auto* lo = log_odds.data_ptr<acc_t>();
+        const auto* st = stats.data_ptr<double>();
+        if (bps == 1) {
+          transport_mask_bwd_kernel<scalar_t, acc_t><<<nseg, kThreads, 0, stream>>>(
+              gm, sc, off, kp, ep, lo, st, iters, coef.data_ptr<double>(),
+              grad_scores.data_ptr<scalar_t>(), grad_keep.data_ptr<double>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          return;
+        }
+        const int64_t seg_bytes = aligned_bytes<BwdSeg>(nseg);
+        const int64_t quad_bytes = aligned_bytes<Quad<double>>(nseg * bps);
+        auto work = at::empty({seg_bytes + quad_bytes + aligned_bytes<double>(nseg * bps)},
+                              scores.options().dtype(at::kByte));
+        auto* seg = reinterpret_cast<BwdSeg*>(work.data_ptr<uint8_t>());
+        auto* quads = reinterpret_cast<Quad<double>*>(work.data_ptr<uint8_t>() + seg_bytes);
+        auto* wsum = reinterpret_cast<double*>(work.data_ptr<uint8_t>() + seg_bytes + quad_bytes);
+        const int64_t grid = nseg * bps, npass = iters - 1;
+        split_bwd_sums_kernel<scalar_t, acc_t>
+            <<<grid, kThreads, 0, stream>>>(gm, sc, off, ep, lo, st, iters, bps, quads);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        split_bwd_start_kernel<<<segment_blocks(nseg), kSegThreads, 0, stream>>>(quads, kp, nseg,
+                                                                                 bps, seg);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        for (int64_t t = npass; t >= 1; --t) {
+          split_bwd_pass_kernel<scalar_t, acc_t>
+              <<<grid, kThreads, 0, stream>>>(sc, off, ep, lo, st, iters, t, bps, wsum);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          split_bwd_step_kernel<<<segment_blocks(nseg), kSegThreads, 0, stream>>>(
+              wsum, nseg, bps, t, npass, seg, coef.data_ptr<double>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
+        split_bwd_output_kernel<scalar_t, acc_t><<<grid, kThreads, 0, stream>>>(
+            gm, sc, off, kp, ep, lo, st, iters, bps, seg, coef.data_ptr<double>(),
             grad_scores.data_ptr<scalar_t>(), grad_keep.data_ptr<double>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });

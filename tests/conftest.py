@@ -1,11 +1,17 @@
-"""Shared fixtures. TRITON_INTERPRET must be set before any @triton.jit runs, so first."""
+"""Shared fixtures. TRITON_INTERPRET must be set before any @triton.jit runs, so first.
+
+Without a GPU, Triton runs under its interpreter on CPU tensors; with one, Triton compiles
+for the GPU (tests/test_gpu.py) and the CPU tests leave Triton out.
+"""
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
-import torch
 
 import dtp_kernels
 

@@ -35,6 +35,43 @@ def test_200_steps_match_reference_on_gpu(backend, dtype, iters):
     run_loop(backend, dtype, iters, steps=200, device=CUDA)
 
 
+@pytest.mark.parametrize("blocks", ["2", "7"])
+@pytest.mark.parametrize("iters", [1, 5])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_split_schedule_matches_reference(monkeypatch, blocks, dtype, iters):
+    """CUDA's several-blocks-per-segment schedule, forced on the ragged layout."""
+    if "cuda" not in gpu_backends():
+        pytest.skip("the CUDA kernels are not built")
+    monkeypatch.setenv("DTP_CUDA_BLOCKS_PER_SEGMENT", blocks)
+    run_loop("cuda", dtype, iters, steps=50, device=CUDA)
+
+
+@pytest.mark.parametrize("iters", [1, 3])
+def test_large_segments_take_split_schedule_and_match(monkeypatch, iters):
+    """Above 65536 elements CUDA splits segments; it agrees with the fused schedule."""
+    if "cuda" not in gpu_backends():
+        pytest.skip("the CUDA kernels are not built")
+    sizes, keep = [300_000, 3, 90_001, 1], [1000.5, 1.5, 45_000.0, 1.0]
+    scores = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(2)).to(CUDA)
+    weights = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(3)).to(CUDA)
+    out = {}
+    for blocks in ("", "1"):  # "" = the size-based choice (split here), "1" = fused
+        monkeypatch.setenv("DTP_CUDA_BLOCKS_PER_SEGMENT", blocks)
+        s = scores.clone().requires_grad_(True)
+        k = torch.tensor(keep, device=CUDA, requires_grad=True)
+        state = TransportState(sizes, device=CUDA)
+        mask = transport_mask(s, k, state, iters=iters, backend="cuda")
+        (weights * mask).sum().backward()
+        out[blocks] = (mask.detach(), s.grad, k.grad, state.pending_log_odds, state.pending_shift)
+    ref_state = TransportState(sizes, dtype=torch.float64)
+    s = scores.double().cpu().requires_grad_(True)
+    mask = transport_mask(s, keep, ref_state, iters=iters, backend="reference")
+    for a, b in zip(out[""], out["1"], strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(out[""][0].double().cpu(), mask.detach(), rtol=2e-5, atol=1e-6)
+    assert torch.allclose(out[""][0].sum(0).double().cpu(), torch.tensor(sum(keep)).double())
+
+
 @pytest.mark.parametrize("backend", gpu_backends())
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_low_precision_on_gpu(backend, dtype):

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Everything a lent GPU is for, in one run: build the extension against that machine's
+# torch, run the GPU test suite, then the GPU benchmarks. Logs and results go to $OUT.
+#
+#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh [tests|bench|train|all]...
+#
+# The GPU machine has torch, Triton and nvcc but no package index: wheels it lacks
+# (torch-pruning) travel in .whl/ and are installed to /tmp/site first.
+set -u -o pipefail
+OUT=${OUT:-/tmp/gpu_session}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+steps=${*:-all}
+
+if [ -d .whl ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+} 2>&1 | tee "$OUT/env.txt"
+
+t0=$(date +%s)
+MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} DTP_BUILD_CUDA=1 \
+  $PY setup.py --quiet build_ext --inplace >"$OUT/build.log" 2>&1 || {
+  tail -60 "$OUT/build.log"
+  exit 1
+}
+echo "build: $(($(date +%s) - t0)) s"
+$PY -c "import dtp_kernels as d; print(d.build_info()); print(d.available_backends('cuda'))"
+
+run() {  # name, seconds, command...
+  local name=$1 limit=$2
+  shift 2
+  local t=$(date +%s)
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  echo "$name: rc ${PIPESTATUS[0]}, $(($(date +%s) - t)) s"
+}
+
+for step in $steps; do
+  case $step in
+  tests | all)
+    run test_gpu 300 $PY -m pytest -q -rs --tb=short -p no:cacheprovider tests/test_gpu.py
+    ;;&
+  bench | all)
+    run bench_transport 120 $PY benchmarks/bench_transport.py --device cuda
+    run bench_epilogue 120 $PY benchmarks/bench_epilogue.py --device cuda
+    ;;&
+  train | all)
+    for script in bench_training_step bench_scaling bench_iterations; do
+      if [ -f benchmarks/$script.py ]; then
+        run $script 180 $PY benchmarks/$script.py --device cuda
+      fi
+    done
+    ;;
+  esac
+done
+tar -cf "$OUT/results.tar" benchmarks/results
