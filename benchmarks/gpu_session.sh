@@ -50,11 +50,9 @@ for step in $steps; do
     run bench_epilogue 120 $PY benchmarks/bench_epilogue.py --device cuda
     ;;&
   train | all)
-    for script in bench_training_step bench_scaling bench_iterations; do
-      if [ -f benchmarks/$script.py ]; then
-        run $script 180 $PY benchmarks/$script.py --device cuda
-      fi
-    done
+    run bench_training_step 150 $PY benchmarks/bench_training_step.py --device cuda
+    run bench_scaling 120 $PY benchmarks/bench_scaling.py --device cuda --rounds 5
+    run bench_iterations 90 $PY benchmarks/bench_iterations.py --device cuda --rounds 5
     ;;
   esac
 done

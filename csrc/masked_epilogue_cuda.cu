@@ -1,7 +1,8 @@
 // CUDA kernels of the masked-channel epilogue, out = act((y + bias[c]) * mask[c]).
 // Memory is [outer][C][inner] as in masked_epilogue_cpu.cpp. The backward writes dy and
 // per-channel partial sums (one per plane, or per block of rows) with block reductions,
-// then one thread per channel adds its partials in order: deterministic, no atomics.
+// then one block per channel reduces its partials in a fixed tree: deterministic, no
+// atomics. No kernel divides per element to find the channel.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -17,18 +18,51 @@ namespace dtp {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int64_t kRowBlock = 32;
+constexpr int kSumThreads = 128;
+constexpr int64_t kMaxRowBlocks = 1024;
 
+constexpr int kPerThread = 4;  // elements per thread of a plane block: loads in flight
+
+// Planes (inner > 1): block (p, j) takes elements [j * kThreads * kPerThread, ...) of plane
+// p = outer index * channels + c, so the channel is known per block, with no per-element
+// integer division.
 template <bool kRelu, class scalar_t, class acc_t>
-__global__ void epilogue_fwd_kernel(const scalar_t* __restrict__ y, const acc_t* __restrict__ mask,
-                                    const acc_t* __restrict__ bias, int64_t numel, int64_t channels,
-                                    int64_t inner, scalar_t* __restrict__ out) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < numel;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t c = (i / inner) % channels;
-    acc_t v = (static_cast<acc_t>(y[i]) + bias[c]) * mask[c];
-    if constexpr (kRelu) v = v > acc_t(0) ? v : acc_t(0);
-    out[i] = static_cast<scalar_t>(v);
+__global__ void __launch_bounds__(kThreads)
+    epilogue_fwd_planes_kernel(const scalar_t* __restrict__ y, const acc_t* __restrict__ mask,
+                               const acc_t* __restrict__ bias, int64_t channels, int64_t inner,
+                               scalar_t* __restrict__ out) {
+  const int64_t plane = blockIdx.x, c = plane % channels;
+  const acc_t m = mask[c], b = bias[c];
+  const int64_t base = plane * inner;
+  const int64_t first = int64_t(blockIdx.y) * kThreads * kPerThread + threadIdx.x;
+#pragma unroll
+  for (int u = 0; u < kPerThread; ++u) {
+    const int64_t j = first + u * kThreads;
+    if (j < inner) {
+      acc_t v = (static_cast<acc_t>(y[base + j]) + b) * m;
+      if constexpr (kRelu) v = v > acc_t(0) ? v : acc_t(0);
+      out[base + j] = static_cast<scalar_t>(v);
+    }
+  }
+}
+
+// Rows (inner == 1: channels-last, or [rows, C]): block k takes rows [k * rows_per_block,
+// ...), its threads stride over the channels of each row.
+template <bool kRelu, class scalar_t, class acc_t>
+__global__ void __launch_bounds__(kThreads)
+    epilogue_fwd_rows_kernel(const scalar_t* __restrict__ y, const acc_t* __restrict__ mask,
+                             const acc_t* __restrict__ bias, int64_t rows, int64_t channels,
+                             int64_t rows_per_block, scalar_t* __restrict__ out) {
+  const int64_t first = blockIdx.x * rows_per_block;
+  const int64_t last = min(rows, first + rows_per_block);
+  for (int64_t c = threadIdx.x; c < channels; c += kThreads) {
+    const acc_t m = mask[c], b = bias[c];
+    for (int64_t r = first; r < last; ++r) {
+      const int64_t i = r * channels + c;
+      acc_t v = (static_cast<acc_t>(y[i]) + b) * m;
+      if constexpr (kRelu) v = v > acc_t(0) ? v : acc_t(0);
+      out[i] = static_cast<scalar_t>(v);
+    }
   }
 }
 
@@ -60,20 +94,20 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Channels-last: block k takes rows [k * kRowBlock, ...), each thread a set of channels.
+// Rows: block k takes rows [k * rows_per_block, ...), each thread a set of channels.
 template <bool kRelu, class scalar_t, class acc_t>
-__global__ void epilogue_bwd_rows_kernel(const scalar_t* __restrict__ go,
-                                         const scalar_t* __restrict__ y,
-                                         const acc_t* __restrict__ mask,
-                                         const acc_t* __restrict__ bias, int64_t rows,
-                                         int64_t channels, scalar_t* __restrict__ dy,
-                                         acc_t* __restrict__ part_gy, acc_t* __restrict__ part_g) {
+__global__ void __launch_bounds__(kThreads)
+    epilogue_bwd_rows_kernel(const scalar_t* __restrict__ go, const scalar_t* __restrict__ y,
+                             const acc_t* __restrict__ mask, const acc_t* __restrict__ bias,
+                             int64_t rows, int64_t channels, int64_t rows_per_block,
+                             scalar_t* __restrict__ dy, acc_t* __restrict__ part_gy,
+                             acc_t* __restrict__ part_g) {
   const int64_t block = blockIdx.x;
-  const int64_t end = min(rows, (block + 1) * kRowBlock);
+  const int64_t end = min(rows, (block + 1) * rows_per_block);
   for (int64_t c = threadIdx.x; c < channels; c += blockDim.x) {
     const acc_t m = mask[c], b = bias[c];
     acc_t sgy = 0, sg = 0;
-    for (int64_t r = block * kRowBlock; r < end; ++r) {
+    for (int64_t r = block * rows_per_block; r < end; ++r) {
       const int64_t i = r * channels + c;
       const acc_t yb = static_cast<acc_t>(y[i]) + b;
       acc_t g = static_cast<acc_t>(go[i]);
@@ -87,21 +121,32 @@ __global__ void epilogue_bwd_rows_kernel(const scalar_t* __restrict__ go,
   }
 }
 
+// One block per channel: its threads stride over the partials, then a block reduction
+// (a fixed tree): deterministic, no atomics.
 template <class acc_t>
-__global__ void sum_partials_kernel(const acc_t* __restrict__ part_gy,
-                                    const acc_t* __restrict__ part_g,
-                                    const acc_t* __restrict__ mask, int64_t parts, int64_t channels,
-                                    double* __restrict__ grad_mask,
-                                    double* __restrict__ grad_bias) {
-  const int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (c >= channels) return;
-  double sgy = 0, sg = 0;
-  for (int64_t p = 0; p < parts; ++p) {  // fixed order
-    sgy += part_gy[p * channels + c];
-    sg += part_g[p * channels + c];
+__global__ void __launch_bounds__(kSumThreads)
+    sum_partials_kernel(const acc_t* __restrict__ part_gy, const acc_t* __restrict__ part_g,
+                        const acc_t* __restrict__ mask, int64_t parts, int64_t channels,
+                        double* __restrict__ grad_mask, double* __restrict__ grad_bias) {
+  using Reduce = cub::BlockReduce<Pair<double>, kSumThreads>;
+  __shared__ typename Reduce::TempStorage temp;
+  const int64_t c = blockIdx.x;
+  Pair<double> local{0, 0};
+  for (int64_t p = threadIdx.x; p < parts; p += kSumThreads) {
+    local.a += part_gy[p * channels + c];
+    local.b += part_g[p * channels + c];
   }
-  grad_mask[c] = sgy;
-  grad_bias[c] = static_cast<double>(mask[c]) * sg;
+  const Pair<double> total = Reduce(temp).Sum(local);
+  if (threadIdx.x == 0) {
+    grad_mask[c] = total.a;
+    grad_bias[c] = static_cast<double>(mask[c]) * total.b;
+  }
+}
+
+// Rows per block of the rows kernels: enough blocks to fill the GPU, few partials.
+int64_t rows_per_block(int64_t rows) {
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((rows + 15) / 16, kMaxRowBlocks));
+  return (rows + blocks - 1) / blocks;
 }
 
 struct Layout {
@@ -155,18 +200,34 @@ at::Tensor masked_channel_epilogue_cuda(const at::Tensor& y_in, const at::Tensor
   auto out = at::empty_like(L.y);
   const int64_t numel = L.y.numel();
   if (numel == 0) return out;
-  const int64_t blocks = std::min<int64_t>((numel + kThreads - 1) / kThreads, 65536);
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, L.y.scalar_type(), "epilogue_cuda", [&] {
         using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-        auto launch = [&](auto kernel) {
-          kernel<<<blocks, kThreads, 0, stream>>>(L.y.data_ptr<scalar_t>(), m.data_ptr<acc_t>(),
-                                                  b.data_ptr<acc_t>(), numel, L.channels, L.inner,
-                                                  out.data_ptr<scalar_t>());
-        };
-        relu ? launch(epilogue_fwd_kernel<true, scalar_t, acc_t>)
-             : launch(epilogue_fwd_kernel<false, scalar_t, acc_t>);
+        const auto* yp = L.y.data_ptr<scalar_t>();
+        const auto* mp = m.data_ptr<acc_t>();
+        const auto* bp = b.data_ptr<acc_t>();
+        auto* op = out.data_ptr<scalar_t>();
+        if (L.inner > 1) {
+          const int64_t chunks = (L.inner + kThreads * kPerThread - 1) / (kThreads * kPerThread);
+          TORCH_CHECK(chunks <= 65535, "dtp::masked_channel_epilogue: inner size ", L.inner,
+                      " is too large for the CUDA kernel");
+          const dim3 grid(static_cast<unsigned>(L.outer * L.channels),
+                          static_cast<unsigned>(chunks));
+          auto launch = [&](auto kernel) {
+            kernel<<<grid, kThreads, 0, stream>>>(yp, mp, bp, L.channels, L.inner, op);
+          };
+          relu ? launch(epilogue_fwd_planes_kernel<true, scalar_t, acc_t>)
+               : launch(epilogue_fwd_planes_kernel<false, scalar_t, acc_t>);
+        } else {
+          const int64_t per = rows_per_block(L.outer);
+          auto launch = [&](auto kernel) {
+            kernel<<<(L.outer + per - 1) / per, kThreads, 0, stream>>>(yp, mp, bp, L.outer,
+                                                                       L.channels, per, op);
+          };
+          relu ? launch(epilogue_fwd_rows_kernel<true, scalar_t, acc_t>)
+               : launch(epilogue_fwd_rows_kernel<false, scalar_t, acc_t>);
+        }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
   return out;
@@ -190,7 +251,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_channel_epilogue_backward_
   }
   auto dy = at::empty_like(L.y);
   const bool planes = L.inner > 1;
-  const int64_t parts = planes ? L.outer : (L.outer + kRowBlock - 1) / kRowBlock;
+  const int64_t per = rows_per_block(L.outer);
+  const int64_t parts = planes ? L.outer : (L.outer + per - 1) / per;
   auto part_gy = at::zeros({std::max<int64_t>(parts, 1), L.channels}, m.options());
   auto part_g = at::zeros_like(part_gy);
   auto grad_mask = at::empty({L.channels}, m.options().dtype(at::kDouble));
@@ -213,7 +275,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_channel_epilogue_backward_
         } else if (L.outer * L.channels > 0) {
           auto launch = [&](auto kernel) {
             kernel<<<parts, kThreads, 0, stream>>>(
-                gp, yp, m.data_ptr<acc_t>(), b.data_ptr<acc_t>(), L.outer, L.channels, dp,
+                gp, yp, m.data_ptr<acc_t>(), b.data_ptr<acc_t>(), L.outer, L.channels, per, dp,
                 part_gy.data_ptr<acc_t>(), part_g.data_ptr<acc_t>());
           };
           relu ? launch(epilogue_bwd_rows_kernel<true, scalar_t, acc_t>)
@@ -221,11 +283,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_channel_epilogue_backward_
         }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         if (L.channels > 0) {
-          sum_partials_kernel<acc_t>
-              <<<(L.channels + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
-                  part_gy.data_ptr<acc_t>(), part_g.data_ptr<acc_t>(), m.data_ptr<acc_t>(),
-                  planes ? L.outer : parts, L.channels, grad_mask.data_ptr<double>(),
-                  grad_bias.data_ptr<double>());
+          sum_partials_kernel<acc_t><<<L.channels, kSumThreads, 0, stream>>>(
+              part_gy.data_ptr<acc_t>(), part_g.data_ptr<acc_t>(), m.data_ptr<acc_t>(), parts,
+              L.channels, grad_mask.data_ptr<double>(), grad_bias.data_ptr<double>());
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
       });

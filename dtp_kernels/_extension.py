@@ -50,8 +50,12 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# Read once: torch.compile cannot trace into the pybind function, and it never changes.
+_CUDA_COMPILED = _C is not None and bool(_C.build_info()["cuda_compiled"])
+
+
 def cuda_compiled() -> bool:
-    return _C is not None and bool(_C.build_info()["cuda_compiled"])
+    return _CUDA_COMPILED
 
 
 def available_backends(device: torch.device | str = "cpu") -> list[str]:

@@ -90,7 +90,10 @@ def transport_mask_segments(
     masks, new_log_odds, new_shift = [], [], []
     for index, s in enumerate(scores):
         e = float(eps[index])
-        g = torch.stack([torch.zeros((), dtype=DTYPE), shift[index].to(DTYPE) * e]).to(s.device)
+        g = torch.stack(
+            [torch.zeros((), dtype=DTYPE, device=shift.device), shift[index].to(DTYPE) * e]
+        )
+        g = g.to(s.device)
         mask, log_plan, g_new = sinkhorn_step(
             s, keep[index], plan_from_state(log_odds[index]), g, e, iters
         )

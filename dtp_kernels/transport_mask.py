@@ -105,7 +105,9 @@ def _check_keep(keep, state: TransportState) -> torch.Tensor:
         raise ValueError(
             f"keep has {keep.numel()} entries, one per segment is needed ({state.num_segments})"
         )
-    if keep.device.type == "cpu" and not compiling:
+    # Fixed counts on the CPU are checked on the host (a clear message); learned counts
+    # (keep requires grad, budget="flops") and device tensors on the device, as on a GPU.
+    if keep.device.type == "cpu" and not keep.requires_grad and not compiling:
         values = keep.detach().tolist()
         if not all(map(_in_range, values, state.sizes)):
             index = next(i for i, k in enumerate(values) if not _in_range(k, state.sizes[i]))
@@ -215,8 +217,10 @@ def _transport_mask_torch(
         delta = new_delta
     mask = k_safe[seg] * torch.exp(log_sig - l1[seg])
     mask = torch.where(degenerate[seg], (k / n)[seg], mask)
-    finite = torch.ones(nseg, dtype=torch.bool, device=x.device)
-    finite = finite.scatter_reduce(0, seg, torch.isfinite(x.detach()), "amin")
+    # uint8, not bool: CUDA's scatter_reduce has no bool kernels
+    finite = torch.ones(nseg, dtype=torch.uint8, device=x.device)
+    finite = finite.scatter_reduce(0, seg, torch.isfinite(x.detach()).to(torch.uint8), "amin")
+    finite = finite.bool()
     advance = finite & torch.isfinite(new_delta.detach()) & ~degenerate
     new_d = torch.where(advance[seg], x.detach() + new_delta.detach()[seg], state.log_odds.to(acc))
     new_shift = torch.where(advance, new_delta.detach(), state.shift.to(acc))

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from .step import training_step
+
 
 class MetricsLog:
     """Appends one JSON object per line to `path` (or keeps them in memory only)."""
@@ -79,14 +81,12 @@ def train(
     for epoch in range(epochs):
         total = torch.zeros(())  # summed on the device: no host sync per step
         for images, labels in train_loader:
-            loss = nn.functional.cross_entropy(model(images), labels)
-            if flops_target is not None:
-                loss = loss + settings.get("penalty_weight", 10.0) * pruner.penalty(flops_target)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+            loss = training_step(
+                model, optimizer, images, labels, pruner, flops_target,
+                settings.get("penalty_weight", 10.0),
+            )  # fmt: skip
             schedule.step()
-            total = total.to(loss.device) + loss.detach()
+            total = total.to(loss.device) + loss
         log.write(stage=stage, epoch=epoch, loss=total.item() / len(train_loader),
                   accuracy=evaluate(model, test_loader))  # fmt: skip
     return {"seconds": time.perf_counter() - start, "accuracy": evaluate(model, test_loader)}

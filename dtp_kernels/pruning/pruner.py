@@ -25,6 +25,7 @@ from ..transport_state import TransportState
 from .base import ChannelPruner
 
 MASK_AT = ("auto", "parameters", "activation")
+EPILOGUE_BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
 
 
 class _FlopsModel:
@@ -141,6 +142,8 @@ class DTPPruner(ChannelPruner):
             mask on the weights; exported with the pruned weights set to zero).
         eps, iters, backend: passed to `transport_mask`.
         mask_at: "auto" (parameters where possible), "parameters" or "activation".
+        epilogue_backend: backend of `masked_channel_epilogue` for activation masks
+            ("auto", "torch" for eager masking, "cpu", "triton", "cuda").
         ignored_layers: convolutions never to prune.
     """
 
@@ -159,6 +162,7 @@ class DTPPruner(ChannelPruner):
         mask_at: str = "auto",
         ignored_layers: Sequence[nn.Module] = (),
         backend: str = "auto",
+        epilogue_backend: str = "auto",
     ) -> None:
         if granularity not in ("filter", "weight"):
             raise ValueError(f"granularity = {granularity!r}; allowed: ['filter', 'weight']")
@@ -167,6 +171,11 @@ class DTPPruner(ChannelPruner):
         self.granularity = granularity
         if mask_at not in MASK_AT:
             raise ValueError(f"mask_at = {mask_at!r}; allowed: {list(MASK_AT)}")
+        if epilogue_backend not in EPILOGUE_BACKENDS:
+            raise ValueError(
+                f"epilogue_backend = {epilogue_backend!r}; allowed: {list(EPILOGUE_BACKENDS)}"
+            )
+        self.epilogue_backend = epilogue_backend
         if not (isinstance(eps, (int, float)) and eps > 0):
             raise ValueError(f"eps = {eps!r}; it must be a number > 0")
         super().__init__(
@@ -224,7 +233,9 @@ class DTPPruner(ChannelPruner):
 
             def hook(_module, _inputs, output, index=index):
                 mask = self._source.get(index)
-                return masked_channel_epilogue(output, mask.to(output.dtype), backend="auto")
+                return masked_channel_epilogue(
+                    output, mask.to(output.dtype), backend=self.epilogue_backend
+                )
 
             self._handles.append(target.register_forward_hook(hook))
 

@@ -1,0 +1,144 @@
+"""What DTP costs in training: a full training step (forward, backward, SGD step, state
+commit) with DTP masks against the same model without masks, interleaved in one run.
+
+    python benchmarks/bench_training_step.py [--device cpu|cuda] [--rounds N]
+
+CPU: CIFAR ResNet-56 (batch 64, 32x32) and the digits CNN (batch 64, 8x8).
+CUDA: torchvision ResNet-50 (batch 64, 224x224, bf16 autocast, channels_last).
+
+Masking strategies (DESIGN.md section 2): "fold" puts the masks on the BN affine
+parameters (mask_at="parameters"); "epilogue" multiplies the activations with the fused
+masked-channel epilogue; "eager-act" does the same with eager torch ops. Each runs with
+every mask-step backend present. The overhead is median(masked) / median(dense) - 1.
+
+Appends rows to benchmarks/results/training_step.csv and writes
+benchmarks/results/training_step_<device>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _harness import RESULTS, append_rows, environment, interleaved, summarize
+
+import dtp_kernels
+from dtp_kernels import DTPPruner
+from dtp_kernels.models import get_model
+from dtp_kernels.pipeline.step import training_step
+from dtp_kernels.pipeline.train import make_optimizer
+
+# strategy -> (mask_at, epilogue backend: None = the mask-step backend's own)
+STRATEGIES = {"fold": ("parameters", None), "epilogue": ("activation", None),
+              "eager-act": ("activation", "torch")}  # fmt: skip
+
+
+def workloads(device: torch.device) -> list[dict]:
+    if device.type == "cuda":
+        return [dict(model="torchvision.resnet50", batch=64, size=224, classes=1000,
+                     amp=torch.bfloat16, channels_last=True, inner=5)]  # fmt: skip
+    return [
+        dict(model="resnet56", batch=64, size=32, classes=10, amp=None, channels_last=False,
+             inner=1),
+        dict(model="digits_cnn", batch=64, size=8, classes=10, amp=None, channels_last=False,
+             inner=20),
+    ]  # fmt: skip
+
+
+def make_case(work: dict, base: torch.nn.Module, device: torch.device, strategy, backend):
+    """A step function for the dense model (strategy None) or one DTP configuration."""
+    model = copy.deepcopy(base).to(device)
+    channels = 1 if work["model"] == "digits_cnn" else 3
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randn(work["batch"], channels, work["size"], work["size"], generator=gen)
+    labels = torch.randint(0, work["classes"], (work["batch"],), generator=gen)
+    images, labels = images.to(device), labels.to(device)
+    if work["channels_last"]:
+        model = model.to(memory_format=torch.channels_last)
+        images = images.to(memory_format=torch.channels_last)
+    pruner = None
+    if strategy is not None:
+        mask_at, epilogue = STRATEGIES[strategy]
+        epilogue = epilogue or (backend if backend != "torch" else "torch")
+        pruner = DTPPruner(model, images[:1], 0.5, mask_at=mask_at, backend=backend,
+                           epilogue_backend=epilogue)  # fmt: skip
+    optimizer = make_optimizer(model, {"lr": 0.01}, pruner)
+    if pruner is not None:
+        pruner.attach(optimizer)
+    model.train()
+
+    def step() -> None:
+        training_step(model, optimizer, images, labels, pruner, amp=work["amp"])
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--rounds", type=int, default=None, help="default: 15 CPU, 20 CUDA")
+    parser.add_argument("--no-save", action="store_true", help="print only")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    rounds = args.rounds or (20 if device.type == "cuda" else 15)
+    env = environment(device)
+    backends = [b for b in dtp_kernels.available_backends(device) if b not in ("reference",)]
+    if device.type == "cpu":
+        backends = [b for b in backends if b != "triton"]  # interpreted Triton: not a CPU path
+    print(env)
+    rows, lines = [], []
+    for work in workloads(device):
+        torch.manual_seed(0)
+        base = get_model(work["model"], num_classes=work["classes"])
+        cases = {"dense": (make_case(work, base, device, None, None), work["inner"])}
+        for strategy in STRATEGIES:
+            for backend in backends:
+                if strategy != "fold" and backend == "torch":
+                    continue  # activation strategies: one mask-step backend is enough
+                name = f"{strategy}/{backend}"
+                cases[name] = (make_case(work, base, device, strategy, backend), work["inner"])
+        samples = interleaved(cases, rounds, device, warmup=2)
+        dense = summarize(samples["dense"])["median_us"]
+        shape = (f"{work['model']} batch {work['batch']} {work['size']}x{work['size']}"
+                 + (" bf16 channels_last" if work["amp"] else ""))  # fmt: skip
+        lines += [f"## {shape}", "",
+                  "| provider | median ms | p20 ms | p80 ms | overhead vs dense |",
+                  "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+        for name, values in samples.items():
+            stats = summarize(values)
+            overhead = 100 * (stats["median_us"] / dense - 1)
+            dtype = "bfloat16" if work["amp"] else "float32"
+            rows.append(dict(op="training_step", provider=name, mode="step", shape=shape,
+                             dtype=dtype, **stats, **env))  # fmt: skip
+            lines.append(
+                f"| {name} | {stats['median_us'] / 1e3:.2f} | {stats['p20_us'] / 1e3:.2f} "
+                f"| {stats['p80_us'] / 1e3:.2f} | {overhead:+.2f}% |"
+            )
+        lines.append("")
+    header = [
+        "# DTP training-step overhead",
+        "",
+        f"device: {env['device']}; threads: {env['threads']}; torch {env['torch']}; "
+        f"triton {env['triton']}; date {env['date']}; {rounds} interleaved rounds",
+        "",
+        "fold = masks on the BN affine parameters; epilogue = fused masked-channel epilogue "
+        "on the activations; eager-act = the same in eager torch. `provider` is "
+        "strategy/mask-step backend.",
+        "",
+    ]
+    report = "\n".join(header + lines)
+    print(report)
+    if not args.no_save:
+        append_rows(RESULTS / "training_step.csv", rows)
+        (RESULTS / f"training_step_{device.type}.md").write_text(report)
+
+
+if __name__ == "__main__":
+    main()
