@@ -271,6 +271,7 @@ def test_training_step_in_cuda_graph_matches_eager(backend):
     from dtp_kernels.pipeline.step import training_step
 
     runs = {}
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     for mode in ("eager", "graph"):
         model, pruner, optimizer, images, labels = dtp_training_setup(backend)
         side = torch.cuda.Stream()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import copy
+import gc
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -79,7 +80,13 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
 
     def _find_groups(self, model: nn.Module, inputs: tuple, ignored: list) -> list:
         """The prunable groups: channel groups (filter pruning)."""
-        return find_groups(model, build_graph(model, inputs), ignored)
+        groups = find_groups(model, build_graph(model, inputs), ignored)
+        # The traced graph holds autograd nodes (the parameters' AccumulateGrad among them)
+        # in reference cycles; left to the garbage collector they outlive this call on the
+        # stream they were made on, and a later CUDA-graph capture of a training step
+        # fails on the cross-stream dependency. Free them now.
+        gc.collect()
+        return groups
 
     # -- what a pruner decides -----------------------------------------------------------
     @abc.abstractmethod
