@@ -21,7 +21,10 @@ class TransportState(nn.Module):
 
     Buffers (all in ``state_dict``): ``offsets`` (int64, segments + 1), ``log_odds`` and
     ``pending_log_odds`` (one per channel), ``shift`` and ``pending_shift`` (one per
-    segment), ``has_pending`` (bool) and ``steps`` (int64, committed steps).
+    segment), ``has_pending`` (bool), ``steps`` (int64, committed steps),
+    ``pending_nonfinite`` (bool, one per segment) and ``skipped_steps`` (int64, one per
+    segment: committed steps in which the segment had a NaN or Inf score, so its state was
+    kept). All of it is updated on the device, with no host sync.
 
     Args:
         sizes: channels per segment, each >= 1.
@@ -58,6 +61,12 @@ class TransportState(nn.Module):
         self.register_buffer("pending_shift", torch.zeros(len(sizes), dtype=dtype, device=device))
         self.register_buffer("has_pending", torch.zeros((), dtype=torch.bool, device=device))
         self.register_buffer("steps", torch.zeros((), dtype=torch.int64, device=device))
+        self.register_buffer(
+            "pending_nonfinite", torch.zeros(len(sizes), dtype=torch.bool, device=device)
+        )
+        self.register_buffer(
+            "skipped_steps", torch.zeros(len(sizes), dtype=torch.int64, device=device)
+        )
         # Derived, not saved: segment index of every channel, for the eager backend.
         self.register_buffer(
             "segment_ids",
@@ -79,12 +88,31 @@ class TransportState(nn.Module):
     def device(self) -> torch.device:
         return self._buffers["log_odds"].device  # direct: Module.__getattr__ is slow per step
 
-    def write_pending(self, log_odds: torch.Tensor, shift: torch.Tensor) -> None:
-        """Store the next state (tensors without grad); it becomes current at :meth:`commit`."""
+    def write_pending(
+        self, log_odds: torch.Tensor, shift: torch.Tensor, nonfinite: torch.Tensor | None = None
+    ) -> None:
+        """Store the next state (tensors without grad); it becomes current at :meth:`commit`.
+
+        nonfinite (bool, one per segment) marks the segments whose scores had a NaN or Inf
+        (their state was kept); :meth:`commit` counts them in ``skipped_steps``.
+        """
         buffers = self._buffers  # direct: Module.__getattr__ is slow on a per-step path
         buffers["pending_log_odds"].copy_(log_odds)
         buffers["pending_shift"].copy_(shift)
         buffers["has_pending"].fill_(True)
+        if nonfinite is not None:
+            buffers["pending_nonfinite"].copy_(nonfinite)
+
+    @torch.no_grad()
+    def hold(self, segments: torch.Tensor) -> None:
+        """Keep the current state of the marked segments (bool, one per segment) at the
+        next :meth:`commit` and count the step as skipped for them; on the device."""
+        buffers = self._buffers
+        per_channel = segments[buffers["segment_ids"]]
+        pending_d, pending_s = buffers["pending_log_odds"], buffers["pending_shift"]
+        pending_d.copy_(torch.where(per_channel, buffers["log_odds"], pending_d))
+        pending_s.copy_(torch.where(segments, buffers["shift"], pending_s))
+        buffers["pending_nonfinite"].logical_or_(segments)
 
     @torch.no_grad()
     def commit(self) -> None:
@@ -93,10 +121,13 @@ class TransportState(nn.Module):
         Runs on the device without a host sync. Outside a pending step the pending buffers
         equal the current ones (every commit leaves them so), so copying is always right.
         """
-        self.log_odds.copy_(self.pending_log_odds)
-        self.shift.copy_(self.pending_shift)
-        self.steps.add_(self.has_pending)
-        self.has_pending.fill_(False)
+        buffers = self._buffers
+        buffers["log_odds"].copy_(buffers["pending_log_odds"])
+        buffers["shift"].copy_(buffers["pending_shift"])
+        buffers["steps"].add_(buffers["has_pending"])
+        buffers["skipped_steps"].add_(buffers["pending_nonfinite"] & buffers["has_pending"])
+        buffers["has_pending"].fill_(False)
+        buffers["pending_nonfinite"].fill_(False)
 
     @torch.no_grad()
     def reset(self) -> None:
@@ -104,7 +135,9 @@ class TransportState(nn.Module):
         for buffer in (self.log_odds, self.shift, self.pending_log_odds, self.pending_shift):
             buffer.zero_()
         self.has_pending.fill_(False)
+        self.pending_nonfinite.fill_(False)
         self.steps.zero_()
+        self.skipped_steps.zero_()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         key = prefix + "offsets"
@@ -113,6 +146,8 @@ class TransportState(nn.Module):
                 f"TransportState: the saved segment offsets {state_dict[key].tolist()} do not "
                 f"match this state's {self.offsets.tolist()}"
             )
+        for name in ("pending_nonfinite", "skipped_steps"):  # absent before version 0.2
+            state_dict.setdefault(prefix + name, getattr(self, name).clone())
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:

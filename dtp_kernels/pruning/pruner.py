@@ -12,6 +12,7 @@ instead.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -82,6 +83,12 @@ class _FlopsModel:
         return (flops * a[self.out_index]).sum() / self.dense
 
 
+def _segment_any(flags: torch.Tensor, state: TransportState) -> torch.Tensor:
+    """Per segment of `state`: whether any of its flags is set."""
+    counts = torch.zeros(state.num_segments, dtype=torch.int32, device=flags.device)
+    return counts.index_add_(0, state.segment_ids, flags.to(torch.int32)) > 0
+
+
 class _MaskSource:
     """The masks of the current forward, shared by the parametrizations and hooks."""
 
@@ -148,6 +155,7 @@ class DTPPruner(ChannelPruner):
     """
 
     BUDGETS = ("layer", "global", "flops")
+    NONFINITE_CHECK_EVERY = 100  # steps between reads of the skipped-step counts (0: never)
 
     def __init__(
         self,
@@ -194,6 +202,7 @@ class DTPPruner(ChannelPruner):
         self.scores = nn.Parameter(torch.cat(initial).float().to(device))
         segments = [sum(self.sizes)] if budget == "global" else self.sizes
         self.state = TransportState(segments, device=device)
+        self._steps_since_check, self._skipped_seen = 0, [0] * len(segments)
         self.register_buffer("keep", torch.tensor(self.kept, dtype=torch.float32, device=device))
         self.register_buffer("_sizes", torch.tensor(self.sizes, dtype=torch.float32, device=device))
         self._source = _MaskSource()
@@ -265,12 +274,22 @@ class DTPPruner(ChannelPruner):
         return (self.flops_ratio() - target) ** 2
 
     def _compute_masks(self, model: nn.Module, _inputs) -> None:
-        """Forward pre-hook: all masks in one transport_mask call."""
+        """Forward pre-hook: all masks in one transport_mask call.
+
+        NaN/Inf scores would make their group's mask NaN and so every activation and
+        gradient of the network; they enter as the neutral score 0.5 instead (no pull
+        either way, no gradient), and their segment's state is held at this step and the
+        step counted in ``skipped_steps``. All on the device.
+        """
         update = model.training and torch.is_grad_enabled()
+        finite = torch.isfinite(self.scores)
+        scores = torch.where(finite, self.scores, 0.5)
         mask = transport_mask(
-            self.scores, self.current_keep(), self.state, eps=self.eps, iters=self.iters,
+            scores, self.current_keep(), self.state, eps=self.eps, iters=self.iters,
             update=update, backend=self.backend,
         )  # fmt: skip
+        if update:
+            self.state.hold(_segment_any(finite.logical_not(), self.state))
         self._source.masks = list(mask.split(self.sizes))
 
     def channel_scores(self) -> torch.Tensor:
@@ -283,8 +302,45 @@ class DTPPruner(ChannelPruner):
         return mask + 1e-12 * self.scores.detach()  # ties (masks at 0 or 1) by score
 
     def attach(self, optimizer: torch.optim.Optimizer):
-        """Commit the transport state after every `optimizer.step()`; returns the handle."""
-        return optimizer.register_step_post_hook(lambda *_: self.state.commit())
+        """Commit the transport state after every `optimizer.step()`; returns the handle.
+
+        Every NONFINITE_CHECK_EVERY steps it also reads the skipped-step counts (the only
+        host read of a DTP step) and warns, at most once per check, when a group skipped
+        steps since the last check because its scores were NaN or Inf.
+        """
+
+        def after_step(*_) -> None:
+            self.state.commit()
+            self._steps_since_check += 1
+            if self.NONFINITE_CHECK_EVERY and (
+                self._steps_since_check >= self.NONFINITE_CHECK_EVERY
+            ):
+                self._steps_since_check = 0
+                self._warn_skipped()
+
+        return optimizer.register_step_post_hook(after_step)
+
+    def _warn_skipped(self) -> None:
+        counts = self.state.skipped_steps.tolist()
+        new = [c - last for c, last in zip(counts, self._skipped_seen, strict=True)]
+        self._skipped_seen = counts
+        if any(new):
+            groups = [(name, n) for name, n in zip(self._segment_names(), new, strict=True) if n]
+            warnings.warn(
+                "DTP: non-finite (NaN/Inf) scores made these groups skip steps since the last "
+                f"check (their transport state was kept): {groups}; pruner.report() has the "
+                "totals",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def _segment_names(self) -> list[str]:
+        return ["all groups (global)"] if self.budget == "global" else [g.name for g in self.groups]
+
+    def skipped_steps(self) -> list[int]:
+        """Per group: committed steps its transport state skipped for NaN/Inf scores."""
+        counts = self.state.skipped_steps.tolist()
+        return [counts[0]] * len(self.groups) if self.budget == "global" else counts
 
     def hard_masked(self) -> _HardMasks:
         """Context manager: inside it the model runs with the hard 0/1 masks."""
@@ -300,6 +356,8 @@ class DTPPruner(ChannelPruner):
                 update=False, backend=self.backend,
             ).float().cpu()  # fmt: skip
         hard = torch.cat(self.hard_masks())
+        for row, skipped in zip(result["groups"], self.skipped_steps(), strict=True):
+            row["skipped_steps"] = skipped
         for row, s, h in zip(result["groups"], soft.split(self.sizes), hard.split(self.sizes),
                              strict=True):  # fmt: skip
             row["mass_in_top_k"] = float((s * h).sum() / h.sum().clamp(min=1))
