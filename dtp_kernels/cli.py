@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     prune.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a recipe field, e.g. prune.ratios=0.9")  # fmt: skip
     prune.add_argument("--out", default=None, help="output directory")
+    prune.add_argument("--resume", action="store_true",
+                       help="continue from the checkpoints in --out/checkpoints")  # fmt: skip
     sub.add_parser("check", help="compare every backend with the reference")
     sub.add_parser("demo", help="DTP vs L1 on digits")
     args = parser.parse_args(argv)
@@ -51,6 +53,6 @@ def main(argv: list[str] | None = None) -> int:
     from .pipeline import recipe as recipes
     from .pipeline.run import run
 
-    summary = run(recipes.load(args.config, args.set), args.out)
+    summary = run(recipes.load(args.config, args.set), args.out, resume=args.resume)
     print(json.dumps({k: v for k, v in summary.items() if k != "model"}, indent=2))
     return 0

@@ -15,7 +15,7 @@ from ..models import get_model
 from ..pruning import DTPPruner, L1Pruner, RandomPruner, save_pruned
 from ..pruning.flops import count_flops, count_params
 from . import data as datasets
-from .train import MetricsLog, evaluate, train
+from .train import Checkpointing, MetricsLog, evaluate, train
 
 METHODS = ("dtp", "l1", "random")
 
@@ -35,12 +35,28 @@ def build_data(recipe: dict):
     return datasets.loaders(train_set, test_set, spec["batch_size"], recipe["seed"])
 
 
+def stage_checkpoint(
+    checkpoints: Path | None, recipe: dict, stage: str, resume: bool
+) -> Checkpointing | None:
+    """Checkpoint settings of one stage: its file, and what a resumed file must match."""
+    if checkpoints is None:
+        return None
+    prune = recipe["prune"]
+    meta = {
+        "stage": stage, "model": recipe["model"]["name"], "method": prune["method"],
+        "ratios": str(prune["ratios"]), "budget": prune["budget"], "seed": recipe["seed"],
+    }  # fmt: skip
+    return Checkpointing(checkpoints / f"{stage}.pt", meta, resume)
+
+
 def prune_and_finetune(
     dense: nn.Module,
     recipe: dict,
     train_loader,
     test_loader,
     log: MetricsLog,
+    checkpoints: Path | None = None,
+    resume: bool = False,
 ) -> dict:
     """Prune a copy of `dense` per recipe["prune"], fine-tune it; return the summary."""
     settings = recipe["prune"]
@@ -55,7 +71,8 @@ def prune_and_finetune(
         pruner = DTPPruner(model, example, settings["ratios"], budget=settings["budget"],
                            eps=settings["eps"], iters=settings["iters"])  # fmt: skip
         result = train(model, train_loader, test_loader, settings, log, f"dtp-{settings['ratios']}",
-                       pruner=pruner, flops_target=settings.get("flops_target"))  # fmt: skip
+                       pruner=pruner, flops_target=settings.get("flops_target"),
+                       checkpoint=stage_checkpoint(checkpoints, recipe, "dtp", resume))  # fmt: skip
     else:
         cls = L1Pruner if method == "l1" else RandomPruner
         pruner = cls(model, example, settings["ratios"], budget=settings["budget"])
@@ -63,8 +80,9 @@ def prune_and_finetune(
     start = time.perf_counter()
     pruned = pruner.export()
     times["export"] = time.perf_counter() - start
+    saving = stage_checkpoint(checkpoints, recipe, "finetune", resume)
     result = train(pruned, train_loader, test_loader, recipe["finetune"], log,
-                   f"finetune-{method}-{settings['ratios']}")  # fmt: skip
+                   f"finetune-{method}-{settings['ratios']}", checkpoint=saving)  # fmt: skip
     times["finetune"] = result["seconds"]
     base_params, base_flops = count_params(dense), count_flops(dense, example)
     params, flops = count_params(pruned), count_flops(pruned, example)
@@ -81,19 +99,27 @@ def prune_and_finetune(
     }
 
 
-def run(recipe: dict, out_dir: str | Path | None = None) -> dict:
-    """The whole pipeline; writes metrics.jsonl, summary.json and pruned.pt to out_dir."""
+def run(recipe: dict, out_dir: str | Path | None = None, resume: bool = False) -> dict:
+    """The whole pipeline; writes metrics.jsonl, summary.json and pruned.pt to out_dir,
+    and a checkpoint per stage to out_dir/checkpoints after every epoch. resume=True
+    continues from those checkpoints (finished stages are restored, not rerun) and ends
+    bitwise where an uninterrupted run ends."""
     torch.manual_seed(recipe["seed"])
     out = Path(out_dir) if out_dir is not None else None
+    if resume and out is None:
+        raise ValueError("resume needs the output directory of the run to resume (--out)")
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
+    checkpoints = out / "checkpoints" if out is not None else None
     log = MetricsLog(out / "metrics.jsonl" if out is not None else None)
     train_loader, test_loader = build_data(recipe)
     model = get_model(recipe["model"]["name"], recipe["model"]["num_classes"])
     dense = {"seconds": 0.0, "accuracy": evaluate(model, test_loader)}
     if recipe["pretrain"]["epochs"]:
-        dense = train(model, train_loader, test_loader, recipe["pretrain"], log, "pretrain")
-    summary = prune_and_finetune(model, recipe, train_loader, test_loader, log)
+        saving = stage_checkpoint(checkpoints, recipe, "pretrain", resume)
+        dense = train(model, train_loader, test_loader, recipe["pretrain"], log, "pretrain",
+                      checkpoint=saving)  # fmt: skip
+    summary = prune_and_finetune(model, recipe, train_loader, test_loader, log, checkpoints, resume)
     summary["dense_accuracy"] = dense["accuracy"]
     summary["seconds"]["pretrain"] = dense["seconds"]
     if out is not None:

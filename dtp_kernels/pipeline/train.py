@@ -4,13 +4,22 @@ pruner's scores in their own parameter group, metrics as JSONL lines."""
 from __future__ import annotations
 
 import json
+import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from .checkpoint import (
+    CheckpointError,
+    check_state_dict,
+    load_checkpoint,
+    make_payload,
+    save_atomic,
+)
 from .step import training_step
 
 
@@ -25,6 +34,15 @@ class MetricsLog:
         if self.path is not None:
             with self.path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
+
+    def restore(self, rows: list[dict]) -> None:
+        """Replace the rows (and the file) with those of a checkpoint: rows written after
+        it by a run that was then killed are dropped."""
+        self.rows = [dict(row) for row in rows]
+        if self.path is not None:
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
+            os.replace(tmp, self.path)
 
 
 @torch.no_grad()
@@ -60,6 +78,15 @@ def make_schedule(optimizer: torch.optim.Optimizer, settings: dict, steps: int):
     return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones, settings.get("gamma", 0.1))
 
 
+@dataclass
+class Checkpointing:
+    """Where a stage's checkpoint goes, what it must match, and whether to resume."""
+
+    path: Path
+    meta: dict
+    resume: bool = False
+
+
 def train(
     model: nn.Module,
     train_loader: DataLoader,
@@ -69,16 +96,28 @@ def train(
     stage: str,
     pruner: nn.Module | None = None,
     flops_target: float | None = None,
+    checkpoint: Checkpointing | None = None,
 ) -> dict:
-    """Train for settings["epochs"]; log loss and accuracy per epoch; return the summary."""
+    """Train for settings["epochs"]; log loss and accuracy per epoch; return the summary.
+
+    With `checkpoint`, the stage is saved after every epoch; with `checkpoint.resume` and
+    a checkpoint present, it continues from there (a finished stage returns at once) and
+    ends bitwise where an uninterrupted run ends.
+    """
     epochs = settings["epochs"]
     optimizer = make_optimizer(model, settings, pruner)
     schedule = make_schedule(optimizer, settings, epochs * len(train_loader))
     if pruner is not None:
         pruner.attach(optimizer)
-    start = time.perf_counter()
+    first_epoch, seconds = 0, 0.0
+    if checkpoint is not None and checkpoint.resume and checkpoint.path.exists():
+        saved = _restore(checkpoint, model, optimizer, schedule, pruner, train_loader, log)
+        if saved["done"]:
+            return saved["result"]
+        first_epoch, seconds = saved["epoch"], saved["seconds"]
+    start = time.perf_counter() - seconds
     model.train()
-    for epoch in range(epochs):
+    for epoch in range(first_epoch, epochs):
         total = torch.zeros(())  # summed on the device: no host sync per step
         for images, labels in train_loader:
             loss = training_step(
@@ -89,4 +128,37 @@ def train(
             total = total.to(loss.device) + loss
         log.write(stage=stage, epoch=epoch, loss=total.item() / len(train_loader),
                   accuracy=evaluate(model, test_loader))  # fmt: skip
+        done = epoch + 1 == epochs
+        result = {"seconds": time.perf_counter() - start, "accuracy": evaluate(model, test_loader)}
+        if checkpoint is not None:
+            save_atomic(
+                make_payload(
+                    checkpoint.meta, epoch=epoch + 1, done=done, result=result,
+                    seconds=result["seconds"], model=model.state_dict(),
+                    optimizer=optimizer.state_dict(), scheduler=schedule.state_dict(),
+                    pruner=pruner.state_dict() if pruner is not None else None,
+                    rng=torch.get_rng_state(), loader_rng=train_loader.generator.get_state(),
+                    log_rows=log.rows,
+                ),
+                checkpoint.path,
+            )  # fmt: skip
     return {"seconds": time.perf_counter() - start, "accuracy": evaluate(model, test_loader)}
+
+
+def _restore(checkpoint: Checkpointing, model, optimizer, schedule, pruner, loader, log) -> dict:
+    """Load a stage checkpoint into the run's objects, after checking all of it."""
+    saved = load_checkpoint(checkpoint.path, checkpoint.meta)
+    check_state_dict(model, saved["model"], "model", checkpoint.path)
+    if pruner is not None:
+        if saved["pruner"] is None:
+            raise CheckpointError(f"{checkpoint.path} holds no pruner state")
+        check_state_dict(pruner, saved["pruner"], "pruner state", checkpoint.path)
+    model.load_state_dict(saved["model"])
+    if pruner is not None:
+        pruner.load_state_dict(saved["pruner"])
+    optimizer.load_state_dict(saved["optimizer"])
+    schedule.load_state_dict(saved["scheduler"])
+    torch.set_rng_state(saved["rng"])
+    loader.generator.set_state(saved["loader_rng"])
+    log.restore(saved["log_rows"])
+    return saved

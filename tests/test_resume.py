@@ -1,0 +1,148 @@
+"""Resumption (issues 6 and 8): a `dtp prune` run killed with SIGKILL at a random moment
+and resumed with --resume ends bitwise equal to an uninterrupted run; checkpoint writes
+are atomic; a checkpoint from another architecture, ratio or a newer format is refused
+with a clear error before anything is loaded."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtp_kernels.pipeline import checkpoint as ckpt
+
+ROOT = Path(__file__).resolve().parents[1]
+OVERRIDES = ["pretrain.epochs=3", "prune.epochs=4", "finetune.epochs=3"]
+
+
+def command(out: Path, *extra: str) -> list[str]:
+    sets = [arg for s in OVERRIDES for arg in ("--set", s)]
+    return [sys.executable, "-m", "dtp_kernels", "prune", "--config",
+            str(ROOT / "configs" / "digits.yaml"), *sets, "--out", str(out), *extra]  # fmt: skip
+
+
+def environment() -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+
+
+def final_state(out: Path) -> dict[str, torch.Tensor]:
+    """Every tensor the run ends with: the DTP stage's pruner (scores, transport state)
+    and model, and the fine-tuned model."""
+    tensors = {}
+    for stage in ("pretrain", "dtp", "finetune"):
+        payload = torch.load(out / "checkpoints" / f"{stage}.pt", weights_only=True)
+        assert payload["done"]
+        for part in ("model", "pruner"):
+            for key, value in (payload[part] or {}).items():
+                tensors[f"{stage}/{part}/{key}"] = value
+    return tensors
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sigkill_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
+    reference = tmp_path / "uninterrupted"
+    subprocess.run(command(reference), env=environment(), check=True, capture_output=True)
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    for attempt in range(4):
+        run = tmp_path / f"killed{attempt}"
+        quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+        process = subprocess.Popen(command(run), env=environment(), **quiet)
+        while not (run / "checkpoints").exists() and process.poll() is None:
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 1.5) / (attempt + 1))  # a random epoch, mid-step
+        if process.poll() is None:
+            break
+    else:
+        pytest.fail("the run always finished before it could be killed")
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    stages = sorted(p.name for p in (run / "checkpoints").glob("*.pt"))
+    assert stages, "killed before the first checkpoint"
+    resumed = subprocess.run(command(run, "--resume"), env=environment(), capture_output=True,
+                             text=True)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    want, got = final_state(reference), final_state(run)
+    assert want.keys() == got.keys()
+    for key in want:
+        assert torch.equal(want[key], got[key]), f"{key} differs (kill seed {seed}, {stages})"
+    assert metrics(run) == metrics(reference)
+    assert not list((run / "checkpoints").glob("*.tmp"))
+
+
+def test_a_crash_while_writing_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    path = tmp_path / "stage.pt"
+    ckpt.save_atomic(ckpt.make_payload({"stage": "x"}, epoch=1, done=False), path)
+
+    def torn_save(payload, f):
+        f.write(b"half a checkpoint")
+        raise OSError("killed while writing")
+
+    monkeypatch.setattr(torch, "save", torn_save)
+    with pytest.raises(OSError):
+        ckpt.save_atomic(ckpt.make_payload({"stage": "x"}, epoch=2, done=False), path)
+    assert ckpt.load_checkpoint(path, {"stage": "x"})["epoch"] == 1
+
+
+def run_pretrain_checkpoint(tmp_path: Path, *overrides: str) -> Path:
+    out = tmp_path / "run"
+    sets = [a for s in ("pretrain.epochs=1", "prune.epochs=1", "finetune.epochs=1", *overrides)
+            for a in ("--set", s)]  # fmt: skip
+    subprocess.run([sys.executable, "-m", "dtp_kernels", "prune", "--config",
+                    str(ROOT / "configs" / "digits.yaml"), *sets, "--out", str(out)],
+                   env=environment(), check=True, capture_output=True)  # fmt: skip
+    return out
+
+
+def test_resume_with_another_ratio_or_model_is_refused(tmp_path):
+    from dtp_kernels.pipeline import recipe as recipes
+    from dtp_kernels.pipeline.run import run
+
+    out = run_pretrain_checkpoint(tmp_path)
+    before = {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()}
+    base = ["pretrain.epochs=1", "prune.epochs=1", "finetune.epochs=1"]
+    for change, message in (("prune.ratios=0.7", "ratios"), ("prune.budget=global", "budget")):
+        recipe = recipes.load(str(ROOT / "configs" / "digits.yaml"), [*base, change])
+        with pytest.raises(ckpt.CheckpointError, match=message):
+            run(recipe, out, resume=True)
+    after = {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()}
+    assert after == before  # nothing written or half-loaded
+
+
+def test_newer_format_and_foreign_files_are_refused(tmp_path):
+    path = tmp_path / "x.pt"
+    payload = ckpt.make_payload({"stage": "dtp"}, epoch=1)
+    payload["version"] = ckpt.VERSION + 1
+    torch.save(payload, path)
+    with pytest.raises(ckpt.CheckpointError, match=r"format version 2.*upgrade"):
+        ckpt.load_checkpoint(path, {"stage": "dtp"})
+    torch.save({"weights": torch.zeros(2)}, path)
+    with pytest.raises(ckpt.CheckpointError, match="not a dtp-kernels training checkpoint"):
+        ckpt.load_checkpoint(path, {})
+    path.write_bytes(b"garbage")
+    with pytest.raises(ckpt.CheckpointError, match="not a readable checkpoint"):
+        ckpt.load_checkpoint(path, {})
+
+
+def test_state_dict_mismatch_is_reported_before_loading():
+    from dtp_kernels.models import digits_cnn, resnet20
+
+    model = digits_cnn()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ckpt.CheckpointError, match="another architecture"):
+        ckpt.check_state_dict(model, resnet20().state_dict(), "model", "x.pt")
+    smaller = {k: v[..., :1] if v.dim() else v for k, v in before.items()}
+    with pytest.raises(ckpt.CheckpointError, match="shape mismatch"):
+        ckpt.check_state_dict(model, smaller, "model", "x.pt")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
