@@ -143,15 +143,44 @@ def test_baselines_same_interface(cls):
         assert l1[mask == 1].min() >= l1[mask == 0].max()
 
 
-def test_save_and_load_pruned(tmp_path):
+def test_save_and_load_pruned_weights_only(tmp_path):
     _, pruner = build(resnet20, 0.5)
     exported = pruner.export().eval()
-    save_pruned(tmp_path / "pruned.pt", exported)
-    loaded = load_pruned(tmp_path / "pruned.pt").eval()
+    path = tmp_path / "pruned.pt"
+    save_pruned(path, exported, {"name": "resnet20", "num_classes": 10}, {"ratios": "0.5"})
+    torch.load(path, weights_only=True)  # the format allows it
+    loaded = load_pruned(path, expect={"name": "resnet20", "ratios": "0.5"}).eval()
     torch.testing.assert_close(loaded(XB), exported(XB))
+    assert sum(p.numel() for p in loaded.parameters()) == pruner.report()["params_after"]
+    with pytest.raises(ValueError, match=r"ratios = '0.5', expected '0.7'"):
+        load_pruned(path, expect={"ratios": "0.7"})
     torch.save({"something": 1}, tmp_path / "other.pt")
     with pytest.raises(ValueError, match="is not a pruned model"):
         load_pruned(tmp_path / "other.pt")
+
+
+def test_pruned_file_from_another_architecture_or_newer_version_is_refused(tmp_path):
+    _, pruner = build(resnet20, 0.5)
+    payload = {"format": "dtp-kernels/pruned-model", "version": 2,
+               "architecture": {"name": "resnet56", "num_classes": 10}, "metadata": {},
+               "state_dict": pruner.export().state_dict()}  # fmt: skip
+    torch.save(payload, tmp_path / "wrong.pt")  # resnet20 weights labelled resnet56
+    with pytest.raises(ValueError, match="saved from another model"):
+        load_pruned(tmp_path / "wrong.pt")
+    payload["version"] = 3
+    torch.save(payload, tmp_path / "newer.pt")
+    with pytest.raises(ValueError, match=r"format version 3.*upgrade"):
+        load_pruned(tmp_path / "newer.pt")
+
+
+def test_pickled_module_format_needs_trust(tmp_path):
+    _, pruner = build(resnet20, 0.5)
+    exported = pruner.export().eval()
+    save_pruned(tmp_path / "any.pt", exported)  # no architecture: the module is pickled
+    with pytest.raises(ValueError, match="trusted=True"):
+        load_pruned(tmp_path / "any.pt")
+    loaded = load_pruned(tmp_path / "any.pt", trusted=True).eval()
+    torch.testing.assert_close(loaded(XB), exported(XB))
 
 
 BAD = [

@@ -123,7 +123,9 @@ def run(recipe: dict, out_dir: str | Path | None = None, resume: bool = False) -
     summary["dense_accuracy"] = dense["accuracy"]
     summary["seconds"]["pretrain"] = dense["seconds"]
     if out is not None:
-        save_pruned(out / "pruned.pt", summary["model"])
+        architecture = {k: recipe["model"][k] for k in ("name", "num_classes")}
+        metadata = {"method": summary["method"], "ratios": str(summary["ratios"])}
+        save_pruned(out / "pruned.pt", summary["model"], architecture, metadata)
         printable = {k: v for k, v in summary.items() if k != "model"}
         (out / "summary.json").write_text(json.dumps(printable, indent=2))
     return summary

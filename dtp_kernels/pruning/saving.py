@@ -1,8 +1,15 @@
 """Saving and loading an exported (physically pruned) model.
 
-The file holds the whole module (architecture and weights), so loading needs neither
-the original model nor a re-run of the pruning; the classes it uses must be importable
-(torch's usual rule for pickled modules). A format tag guards against other files.
+Two formats, both tagged and versioned:
+
+- weights only (version 2), when the model is one `dtp_kernels.models.get_model` builds:
+  the architecture's name, the pruning metadata and the state dict. Loading uses
+  ``torch.load(weights_only=True)``: it builds the dense architecture, shrinks every conv,
+  BN and linear layer to the saved shapes, checks every key and shape, and only then
+  loads the weights, so a file from another architecture or ratio is refused before
+  anything is loaded.
+- pickled module (version 1), for any other model: the whole module is pickled, so
+  loading needs ``weights_only=False`` and is allowed only with ``trusted=True``.
 """
 
 from __future__ import annotations
@@ -13,25 +20,113 @@ import torch
 from torch import nn
 
 FORMAT = "dtp-kernels/pruned-model"
-VERSION = 1
+VERSION = 2  # the newest format this module writes and reads
+PICKLED = 1  # the version of the pickled-module format
 
 
-def save_pruned(path: str | Path, model: nn.Module) -> None:
-    """Write `model` (e.g. ``pruner.export()``) to `path`."""
+def save_pruned(
+    path: str | Path,
+    model: nn.Module,
+    architecture: dict | None = None,
+    metadata: dict | None = None,
+) -> None:
+    """Write `model` (e.g. ``pruner.export()``) to `path`.
+
+    architecture: ``{"name": ..., "num_classes": ...}`` as for ``get_model``; with it the
+        file is weights only. metadata: plain values (e.g. method, ratios) stored with it
+        and checked by ``load_pruned(expect=...)``.
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    torch.save({"format": FORMAT, "version": VERSION, "model": model}, path)
+    if architecture is None:
+        torch.save({"format": FORMAT, "version": PICKLED, "model": model}, path)
+        return
+    if set(architecture) != {"name", "num_classes"}:
+        raise ValueError(f"architecture needs exactly name and num_classes, got {architecture}")
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    torch.save({"format": FORMAT, "version": VERSION, "architecture": dict(architecture),
+                "metadata": dict(metadata or {}), "state_dict": state}, path)  # fmt: skip
 
 
-def load_pruned(path: str | Path, map_location: str | torch.device | None = None) -> nn.Module:
-    """Read a model written by :func:`save_pruned`."""
-    # weights_only=False: the architecture is pickled too; load only files you trust.
-    payload = torch.load(path, map_location=map_location, weights_only=False)
+def load_pruned(
+    path: str | Path,
+    map_location: str | torch.device | None = None,
+    expect: dict | None = None,
+    trusted: bool = False,
+) -> nn.Module:
+    """Read a model written by :func:`save_pruned`.
+
+    expect: architecture or metadata values the file must have, e.g.
+        ``{"name": "resnet56", "ratios": "0.5"}``; a mismatch raises ValueError.
+    trusted: allow the pickled-module format (it runs pickle: load only files you trust).
+    """
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # a pickled module, or not a torch file at all
+        payload = None
+        if not trusted:
+            raise ValueError(
+                f"{path} cannot be read with weights_only=True ({type(error).__name__}); if it "
+                "is a pickled-module file from save_pruned (a model get_model does not build) "
+                "and you trust it, pass trusted=True"
+            ) from error
+        payload = torch.load(path, map_location=map_location, weights_only=False)
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError(f"{path} is not a pruned model saved by dtp_kernels.save_pruned")
-    if payload.get("version") != VERSION:
+    version = payload.get("version")
+    if version == PICKLED:
+        if not trusted:
+            raise ValueError(f"{path} holds a pickled module; pass trusted=True to load it")
+        return payload["model"]
+    if version != VERSION:
         raise ValueError(
-            f"{path} has format version {payload.get('version')}; this dtp_kernels reads "
-            f"version {VERSION}"
+            f"{path} has pruned-model format version {version!r}; this dtp_kernels reads "
+            f"versions {PICKLED} and {VERSION}: upgrade dtp_kernels"
         )
-    return payload["model"]
+    known = {**payload["metadata"], **payload["architecture"]}
+    for key, value in (expect or {}).items():
+        if known.get(key) != value:
+            raise ValueError(
+                f"{path} holds a model with {key} = {known.get(key)!r}, expected {value!r}"
+            )
+    from ..models import get_model
+
+    arch = payload["architecture"]
+    model = get_model(arch["name"], arch["num_classes"])
+    state = payload["state_dict"]
+    _shrink_to(model, state, path)
+    model.load_state_dict(state)
+    return model.to(map_location) if map_location is not None else model
+
+
+def _shrink_to(model: nn.Module, state: dict, path) -> None:
+    """Give every conv, BN and linear layer of the dense `model` the saved shapes, after
+    checking that the saved keys are the model's and no layer would grow."""
+    own = model.state_dict()
+    if set(own) != set(state):
+        missing, extra = sorted(set(own) - set(state))[:3], sorted(set(state) - set(own))[:3]
+        raise ValueError(
+            f"{path} does not fit this architecture (missing {missing}, unexpected {extra}): "
+            "it was saved from another model"
+        )
+    bad = [k for k in own if state[k].dim() != own[k].dim()
+           or any(s > o for s, o in zip(state[k].shape, own[k].shape, strict=True))]  # fmt: skip
+    if bad:
+        raise ValueError(f"{path}: saved shapes do not fit this architecture ({bad[:3]})")
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        weight = state.get(prefix + "weight")
+        if isinstance(module, nn.Conv2d):
+            depthwise = module.groups > 1 and module.groups == module.in_channels
+            module.out_channels = weight.shape[0]
+            module.groups = weight.shape[0] if depthwise else module.groups
+            module.in_channels = weight.shape[1] * module.groups
+        elif isinstance(module, nn.BatchNorm2d):
+            module.num_features = state[prefix + "running_mean"].shape[0]
+        elif isinstance(module, nn.Linear):
+            module.out_features, module.in_features = weight.shape
+        for key, tensor in list(module.named_parameters(recurse=False)):
+            setattr(module, key, nn.Parameter(tensor.new_empty(state[prefix + key].shape)))
+        for key, tensor in list(module.named_buffers(recurse=False)):
+            if prefix + key in state:
+                module._buffers[key] = tensor.new_empty(state[prefix + key].shape)
