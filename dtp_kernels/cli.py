@@ -40,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     prune.add_argument("--out", default=None, help="output directory")
     prune.add_argument("--resume", action="store_true",
                        help="continue from the checkpoints in --out/checkpoints")  # fmt: skip
+    prune.add_argument("--amp", choices=["bf16", "fp16"], default=None,
+                       help="mixed precision (torch.autocast); = --set run.amp=...")  # fmt: skip
+    prune.add_argument("--channels-last", action="store_true",
+                       help="channels_last memory format")  # fmt: skip
+    prune.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     sub.add_parser("check", help="compare every backend with the reference")
     sub.add_parser("demo", help="DTP vs L1 on digits")
     args = parser.parse_args(argv)
@@ -53,6 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     from .pipeline import recipe as recipes
     from .pipeline.run import run
 
-    summary = run(recipes.load(args.config, args.set), args.out, resume=args.resume)
+    overrides = list(args.set)
+    if args.amp:
+        overrides.append(f"run.amp={args.amp}")
+    if args.channels_last:
+        overrides.append("run.channels_last=true")
+    if args.no_progress:
+        overrides.append("run.progress=false")
+    summary = run(recipes.load(args.config, overrides), args.out, resume=args.resume)
     print(json.dumps({k: v for k, v in summary.items() if k != "model"}, indent=2))
     return 0

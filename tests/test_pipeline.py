@@ -70,3 +70,38 @@ def test_prune_command_end_to_end(tmp_path, method, capsys):
 def test_check_command(capsys):
     assert main(["check"]) == 0
     assert "reference" in capsys.readouterr().out
+
+
+def test_run_writes_plots_tensorboard_and_progress(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["prune", "--config", "configs/digits.yaml", "--out", str(out),
+                 "--set", "pretrain.epochs=1", "--set", "prune.epochs=3",
+                 "--set", "finetune.epochs=1", "--set", "prune.budget=global"])  # fmt: skip
+    assert code == 0
+    for name in ("mask_evolution.png", "sparsity.png"):
+        png = (out / "plots" / name).read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) > 5000
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    traces = [r for r in rows if r["stage"] == "mask-trace"]
+    assert [r["epoch"] for r in traces] == [-1, 0, 1, 2]  # before training, then per epoch
+    assert all(v >= 0 for r in traces for vs in r["masks"].values() for v in vs)  # may pass 1
+    summary = json.loads((out / "summary.json").read_text())
+    ratios = {g["k"] / g["n"] for g in summary["groups"]}
+    assert len(ratios) > 1  # a global budget learns different kept fractions per layer
+    assert "it/s" in capsys.readouterr().err  # tqdm
+
+
+def test_amp_bf16_and_channels_last_run(tmp_path):
+    out = tmp_path / "run"
+    code = main(["prune", "--config", "configs/digits.yaml", "--out", str(out), "--amp", "bf16",
+                 "--channels-last", "--no-progress", "--set", "pretrain.epochs=1",
+                 "--set", "prune.epochs=1", "--set", "finetune.epochs=1",
+                 "--set", "run.plots=false", "--set", "run.tensorboard=false"])  # fmt: skip
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert 0 < summary["accuracy"] <= 1 and not (out / "plots").exists()
+    with pytest.raises(ValueError, match=r"run.amp = 'fp8'"):
+        main(["prune", "--config", "configs/digits.yaml", "--set", "run.amp=fp8",
+              "--set", "pretrain.epochs=0", "--set", "prune.epochs=1",
+              "--set", "finetune.epochs=1"])  # fmt: skip

@@ -18,6 +18,9 @@ DEFAULTS = {
               "schedule": "cosine", "flops_target": None},
     "finetune": {"epochs": 10, "lr": 0.01, "momentum": 0.9, "weight_decay": 5e-4,
                  "schedule": "step", "milestones": [], "gamma": 0.1},
+    # amp: null, "bf16" or "fp16" (torch.autocast; fp16 with a GradScaler)
+    "run": {"amp": None, "channels_last": False, "progress": True, "tensorboard": True,
+            "plots": True},
 }  # fmt: skip
 
 

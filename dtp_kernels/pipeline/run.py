@@ -15,7 +15,8 @@ from ..models import get_model
 from ..pruning import DTPPruner, L1Pruner, RandomPruner, save_pruned
 from ..pruning.flops import count_flops, count_params
 from . import data as datasets
-from .train import Checkpointing, MetricsLog, evaluate, train
+from . import plots
+from .train import Checkpointing, MetricsLog, RunOptions, evaluate, train
 
 METHODS = ("dtp", "l1", "random")
 
@@ -57,6 +58,7 @@ def prune_and_finetune(
     log: MetricsLog,
     checkpoints: Path | None = None,
     resume: bool = False,
+    options: RunOptions | None = None,
 ) -> dict:
     """Prune a copy of `dense` per recipe["prune"], fine-tune it; return the summary."""
     settings = recipe["prune"]
@@ -70,19 +72,27 @@ def prune_and_finetune(
     if method == "dtp":
         pruner = DTPPruner(model, example, settings["ratios"], budget=settings["budget"],
                            eps=settings["eps"], iters=settings["iters"])  # fmt: skip
+
+        def trace(epoch: int) -> None:  # soft masks of sample filters, for the Fig. 3a plot
+            log.write(stage="mask-trace", epoch=epoch, masks=sample_masks(pruner))
+
+        trace(-1)
         result = train(model, train_loader, test_loader, settings, log, f"dtp-{settings['ratios']}",
                        pruner=pruner, flops_target=settings.get("flops_target"),
-                       checkpoint=stage_checkpoint(checkpoints, recipe, "dtp", resume))  # fmt: skip
+                       checkpoint=stage_checkpoint(checkpoints, recipe, "dtp", resume),
+                       options=options, on_epoch=trace)  # fmt: skip
     else:
         cls = L1Pruner if method == "l1" else RandomPruner
         pruner = cls(model, example, settings["ratios"], budget=settings["budget"])
     times["prune"] = time.perf_counter() - start
+    groups = pruner.report()["groups"]
     start = time.perf_counter()
     pruned = pruner.export()
     times["export"] = time.perf_counter() - start
     saving = stage_checkpoint(checkpoints, recipe, "finetune", resume)
     result = train(pruned, train_loader, test_loader, recipe["finetune"], log,
-                   f"finetune-{method}-{settings['ratios']}", checkpoint=saving)  # fmt: skip
+                   f"finetune-{method}-{settings['ratios']}", checkpoint=saving,
+                   options=options)  # fmt: skip
     times["finetune"] = result["seconds"]
     base_params, base_flops = count_params(dense), count_flops(dense, example)
     params, flops = count_params(pruned), count_flops(pruned, example)
@@ -95,8 +105,37 @@ def prune_and_finetune(
         "sparsity": 1 - params / base_params,
         "speedup": base_flops / flops,
         "seconds": times,
+        "groups": groups,
         "model": pruned,
     }
+
+
+SAMPLE_GROUPS, SAMPLE_FILTERS = 6, 4
+
+
+def sample_masks(pruner: DTPPruner) -> dict[str, list[float]]:
+    """The current soft masks of the first filters of the first groups."""
+    masks = pruner.channel_scores().float().cpu().split(pruner.sizes)
+    return {group.name: [round(float(v), 6) for v in mask[:SAMPLE_FILTERS]]
+            for group, mask in zip(pruner.groups[:SAMPLE_GROUPS], masks, strict=False)}  # fmt: skip
+
+
+def write_plots(summary: dict, rows: list[dict], where: Path, recipe: dict) -> list[Path]:
+    """Fig. 3a (from the mask-trace rows of a DTP run) and Fig. 7 as PNG files."""
+    where.mkdir(parents=True, exist_ok=True)
+    prune = recipe["prune"]
+    label = f"{recipe['model']['name']}, {prune['method']} {prune['ratios']} ({prune['budget']})"
+    written = []
+    traces = [r for r in rows if r["stage"] == "mask-trace"]
+    if traces:
+        by_group = {name: [r["masks"][name] for r in traces] for name in traces[0]["masks"]}
+        plots.mask_evolution(by_group, where / "mask_evolution.png",
+                             f"soft masks of sample filters, {label}")  # fmt: skip
+        written.append(where / "mask_evolution.png")
+    plots.learned_sparsity(summary["groups"], where / "sparsity.png",
+                           f"kept fraction per group, {label}")  # fmt: skip
+    written.append(where / "sparsity.png")
+    return written
 
 
 def run(recipe: dict, out_dir: str | Path | None = None, resume: bool = False) -> dict:
@@ -111,21 +150,27 @@ def run(recipe: dict, out_dir: str | Path | None = None, resume: bool = False) -
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     checkpoints = out / "checkpoints" if out is not None else None
-    log = MetricsLog(out / "metrics.jsonl" if out is not None else None)
+    settings = recipe["run"]
+    options = RunOptions(settings["amp"], settings["channels_last"], settings["progress"])
+    tensorboard = out / "tensorboard" if out is not None and settings["tensorboard"] else None
+    log = MetricsLog(out / "metrics.jsonl" if out is not None else None, tensorboard)
     train_loader, test_loader = build_data(recipe)
     model = get_model(recipe["model"]["name"], recipe["model"]["num_classes"])
     dense = {"seconds": 0.0, "accuracy": evaluate(model, test_loader)}
     if recipe["pretrain"]["epochs"]:
         saving = stage_checkpoint(checkpoints, recipe, "pretrain", resume)
         dense = train(model, train_loader, test_loader, recipe["pretrain"], log, "pretrain",
-                      checkpoint=saving)  # fmt: skip
-    summary = prune_and_finetune(model, recipe, train_loader, test_loader, log, checkpoints, resume)
+                      checkpoint=saving, options=options)  # fmt: skip
+    summary = prune_and_finetune(model, recipe, train_loader, test_loader, log, checkpoints,
+                                 resume, options)  # fmt: skip
     summary["dense_accuracy"] = dense["accuracy"]
     summary["seconds"]["pretrain"] = dense["seconds"]
     if out is not None:
         architecture = {k: recipe["model"][k] for k in ("name", "num_classes")}
         metadata = {"method": summary["method"], "ratios": str(summary["ratios"])}
         save_pruned(out / "pruned.pt", summary["model"], architecture, metadata)
+        if settings["plots"]:
+            write_plots(summary, log.rows, out / "plots", recipe)
         printable = {k: v for k, v in summary.items() if k != "model"}
         (out / "summary.json").write_text(json.dumps(printable, indent=2))
     return summary

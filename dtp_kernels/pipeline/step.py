@@ -23,11 +23,14 @@ def training_step(
     flops_target: float | None = None,
     penalty_weight: float = 10.0,
     amp: torch.dtype | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> torch.Tensor:
     """Run one step and return the loss, detached and left on the device.
 
     flops_target adds `penalty_weight * pruner.penalty(flops_target)` (budget="flops");
-    amp runs the forward under torch.autocast with that dtype (bf16 or fp16).
+    amp runs the forward under torch.autocast with that dtype (bf16 or fp16); scaler (for
+    fp16) scales the loss and skips the optimizer step, and so the transport-state
+    commit, when a gradient is not finite.
     """
     autocast = (
         torch.autocast(images.device.type, dtype=amp)
@@ -39,6 +42,11 @@ def training_step(
     if flops_target is not None:
         loss = loss + penalty_weight * pruner.penalty(flops_target)
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
     return loss.detach()

@@ -3,15 +3,18 @@ pruner's scores in their own parameter group, metrics as JSONL lines."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
+from tqdm import tqdm
 
 from .checkpoint import (
     CheckpointError,
@@ -24,16 +27,26 @@ from .step import training_step
 
 
 class MetricsLog:
-    """Appends one JSON object per line to `path` (or keeps them in memory only)."""
+    """Appends one JSON object per line to `path` (or keeps them in memory only), and
+    the numbers to TensorBoard under `tensorboard_dir` when tensorboard is installed."""
 
-    def __init__(self, path: Path | None = None) -> None:
-        self.path, self.rows = path, []
+    def __init__(self, path: Path | None = None, tensorboard_dir: Path | None = None) -> None:
+        self.path, self.rows, self.writer = path, [], None
+        if tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(tensorboard_dir))
 
     def write(self, **row) -> None:
         self.rows.append(row)
         if self.path is not None:
             with self.path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
+        if self.writer is not None:
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and key != "epoch":
+                    self.writer.add_scalar(f"{row['stage']}/{key}", value, row.get("epoch", 0))
+            self.writer.flush()
 
     def restore(self, rows: list[dict]) -> None:
         """Replace the rows (and the file) with those of a checkpoint: rows written after
@@ -45,14 +58,36 @@ class MetricsLog:
             os.replace(tmp, self.path)
 
 
+@dataclass
+class RunOptions:
+    """How stages run: mixed precision ("bf16", "fp16" or None), channels_last memory
+    format, tqdm progress bars."""
+
+    amp: str | None = None
+    channels_last: bool = False
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.amp not in (None, "bf16", "fp16"):
+            raise ValueError(f"run.amp = {self.amp!r}; allowed: null, 'bf16', 'fp16'")
+
+    @property
+    def amp_dtype(self) -> torch.dtype | None:
+        return {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[self.amp]
+
+    def images(self, images: torch.Tensor) -> torch.Tensor:
+        return images.to(memory_format=torch.channels_last) if self.channels_last else images
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: DataLoader) -> float:
+def evaluate(model: nn.Module, loader: DataLoader, options: RunOptions | None = None) -> float:
     """Top-1 accuracy in [0, 1]."""
+    options = options or RunOptions()
     was_training = model.training
     model.eval()
     correct = total = 0
     for images, labels in loader:
-        correct += int((model(images).argmax(1) == labels).sum())
+        correct += int((model(options.images(images)).argmax(1) == labels).sum())
         total += len(labels)
     model.train(was_training)
     return correct / max(total, 1)
@@ -97,6 +132,8 @@ def train(
     pruner: nn.Module | None = None,
     flops_target: float | None = None,
     checkpoint: Checkpointing | None = None,
+    options: RunOptions | None = None,
+    on_epoch: Callable[[int], None] | None = None,
 ) -> dict:
     """Train for settings["epochs"]; log loss and accuracy per epoch; return the summary.
 
@@ -105,6 +142,11 @@ def train(
     ends bitwise where an uninterrupted run ends.
     """
     epochs = settings["epochs"]
+    options = options or RunOptions()
+    if options.channels_last:
+        model.to(memory_format=torch.channels_last)
+    device = next(model.parameters()).device.type
+    scaler = torch.amp.GradScaler(device) if options.amp == "fp16" else None
     optimizer = make_optimizer(model, settings, pruner)
     schedule = make_schedule(optimizer, settings, epochs * len(train_loader))
     if pruner is not None:
@@ -117,19 +159,25 @@ def train(
         first_epoch, seconds = saved["epoch"], saved["seconds"]
     start = time.perf_counter() - seconds
     model.train()
+    bar = tqdm(total=epochs * len(train_loader), initial=first_epoch * len(train_loader),
+               desc=stage, disable=not options.progress, leave=False)  # fmt: skip
     for epoch in range(first_epoch, epochs):
         total = torch.zeros(())  # summed on the device: no host sync per step
         for images, labels in train_loader:
             loss = training_step(
-                model, optimizer, images, labels, pruner, flops_target,
-                settings.get("penalty_weight", 10.0),
+                model, optimizer, options.images(images), labels, pruner, flops_target,
+                settings.get("penalty_weight", 10.0), options.amp_dtype, scaler,
             )  # fmt: skip
+            bar.update()
             schedule.step()
             total = total.to(loss.device) + loss
+        accuracy = evaluate(model, test_loader, options)
         log.write(stage=stage, epoch=epoch, loss=total.item() / len(train_loader),
-                  accuracy=evaluate(model, test_loader))  # fmt: skip
+                  accuracy=accuracy)  # fmt: skip
+        if on_epoch is not None:
+            on_epoch(epoch)
         done = epoch + 1 == epochs
-        result = {"seconds": time.perf_counter() - start, "accuracy": evaluate(model, test_loader)}
+        result = {"seconds": time.perf_counter() - start, "accuracy": accuracy}
         if checkpoint is not None:
             save_atomic(
                 make_payload(
@@ -142,7 +190,11 @@ def train(
                 ),
                 checkpoint.path,
             )  # fmt: skip
-    return {"seconds": time.perf_counter() - start, "accuracy": evaluate(model, test_loader)}
+    bar.close()
+    return {
+        "seconds": time.perf_counter() - start,
+        "accuracy": evaluate(model, test_loader, options),
+    }
 
 
 def _restore(checkpoint: Checkpointing, model, optimizer, schedule, pruner, loader, log) -> dict:
