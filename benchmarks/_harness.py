@@ -1,4 +1,5 @@
-"""Shared benchmark plumbing: interleaved timing, machine description, CSV rows."""
+"""Shared benchmark plumbing: machine description and CSV rows; the interleaved timing
+is dtp_kernels.benchmarking (also behind `dtp bench`)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,12 @@ import csv
 import datetime
 import os
 import platform
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 import dtp_kernels
+from dtp_kernels.benchmarking import interleaved, summarize, sync  # noqa: F401 - re-exported
 
 RESULTS = Path(__file__).parent / "results"
 CSV_FIELDS = [
@@ -47,45 +46,6 @@ def environment(device: torch.device) -> dict:
         "torch": info["torch"],
         "triton": info["triton"],
         "date": datetime.date.today().isoformat(),
-    }
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def interleaved(
-    cases: dict[str, tuple[Callable[[], None], int]],
-    rounds: int,
-    device: torch.device,
-    warmup: int = 3,
-) -> dict[str, list[float]]:
-    """Time every case in turn, round after round, so all see the same machine state.
-
-    cases maps a name to (function, calls per sample). Returns seconds per call samples.
-    """
-    for fn, inner in cases.values():
-        for _ in range(warmup * inner):
-            fn()
-    samples: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(rounds):
-        for name, (fn, inner) in cases.items():
-            sync(device)
-            start = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            sync(device)
-            samples[name].append((time.perf_counter() - start) / inner)
-    return samples
-
-
-def summarize(samples: list[float]) -> dict[str, float]:
-    q = statistics.quantiles(samples, n=10)
-    return {
-        "median_us": statistics.median(samples) * 1e6,
-        "p20_us": q[1] * 1e6,
-        "p80_us": q[7] * 1e6,
     }
 
 

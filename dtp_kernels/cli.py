@@ -2,6 +2,7 @@
 
 dtp prune --config configs/digits.yaml --set prune.ratios=0.9 --out runs/digits
 dtp check            # every backend present against the literal reference
+dtp bench            # the mask step of every backend present, timed interleaved
 dtp demo             # DTP vs L1 on digits at 50% and 90%
 """
 
@@ -30,6 +31,25 @@ def check() -> int:
     return 0 if worst < 1e-4 else 1
 
 
+def bench_command(device: str, rounds: int) -> int:
+    """Print the interleaved fwd + bwd timing of the mask step on ResNet-50's groups."""
+    import torch
+
+    from .benchmarking import bench_mask_step
+
+    if rounds < 2:
+        raise SystemExit(f"--rounds = {rounds}; it must be at least 2")
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available here")
+    print(f"mask step fwd + bwd, ResNet-50's 32 groups (7552 channels), {device}, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}")  # fmt: skip
+    print(f"{'backend':>10} {'median us':>10} {'x vs reference':>15} {'x vs torch':>11}")
+    for row in bench_mask_step(device, rounds):
+        print(f"{row['backend']:>10} {row['median_us']:10.1f} {row['x_vs_reference']:15.1f} "
+              f"{row['x_vs_torch']:11.2f}")  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dtp", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -46,10 +66,15 @@ def main(argv: list[str] | None = None) -> int:
                        help="channels_last memory format")  # fmt: skip
     prune.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     sub.add_parser("check", help="compare every backend with the reference")
+    bench = sub.add_parser("bench", help="time the mask step of every backend present")
+    bench.add_argument("--device", default="cpu", help="cpu or cuda")
+    bench.add_argument("--rounds", type=int, default=20)
     sub.add_parser("demo", help="DTP vs L1 on digits")
     args = parser.parse_args(argv)
     if args.command == "check":
         return check()
+    if args.command == "bench":
+        return bench_command(args.device, args.rounds)
     if args.command == "demo":
         from .demo import main as demo_main
 

@@ -164,13 +164,6 @@ def _check_eps(eps, state: TransportState) -> torch.Tensor:
     return result
 
 
-def _nonfinite_segments(scores: torch.Tensor, state: TransportState) -> torch.Tensor:
-    """Per segment: whether any score is NaN or Inf (on the device, no host sync)."""
-    bad = torch.isfinite(scores.detach()).logical_not_().to(torch.int32)
-    counts = torch.zeros(state.num_segments, dtype=torch.int32, device=scores.device)
-    return counts.index_add_(0, state.segment_ids, bad) > 0
-
-
 def _check_options(iters, update, backend, device: torch.device) -> str:
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
         raise ValueError(f"iters = {iters!r}; it must be an int >= 1")
@@ -427,5 +420,5 @@ def transport_mask(
     backend = _check_options(iters, update, backend, flat.device)
     mask, new_d, new_shift = _IMPLEMENTATIONS[backend](flat, keep_t, eps_t, state, iters)
     if update:
-        state.write_pending(new_d, new_shift, _nonfinite_segments(flat, state))
+        state.write_pending(new_d, new_shift)
     return list(mask.split(list(state.sizes))) if is_list else mask

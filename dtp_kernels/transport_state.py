@@ -23,8 +23,8 @@ class TransportState(nn.Module):
     ``pending_log_odds`` (one per channel), ``shift`` and ``pending_shift`` (one per
     segment), ``has_pending`` (bool), ``steps`` (int64, committed steps),
     ``pending_nonfinite`` (bool, one per segment) and ``skipped_steps`` (int64, one per
-    segment: committed steps in which the segment had a NaN or Inf score, so its state was
-    kept). All of it is updated on the device, with no host sync.
+    segment: committed steps :meth:`hold` kept the segment's state, which DTPPruner does
+    for NaN/Inf scores). All of it is updated on the device, with no host sync.
 
     Args:
         sizes: channels per segment, each >= 1.
@@ -88,20 +88,12 @@ class TransportState(nn.Module):
     def device(self) -> torch.device:
         return self._buffers["log_odds"].device  # direct: Module.__getattr__ is slow per step
 
-    def write_pending(
-        self, log_odds: torch.Tensor, shift: torch.Tensor, nonfinite: torch.Tensor | None = None
-    ) -> None:
-        """Store the next state (tensors without grad); it becomes current at :meth:`commit`.
-
-        nonfinite (bool, one per segment) marks the segments whose scores had a NaN or Inf
-        (their state was kept); :meth:`commit` counts them in ``skipped_steps``.
-        """
+    def write_pending(self, log_odds: torch.Tensor, shift: torch.Tensor) -> None:
+        """Store the next state (tensors without grad); it becomes current at :meth:`commit`."""
         buffers = self._buffers  # direct: Module.__getattr__ is slow on a per-step path
         buffers["pending_log_odds"].copy_(log_odds)
         buffers["pending_shift"].copy_(shift)
         buffers["has_pending"].fill_(True)
-        if nonfinite is not None:
-            buffers["pending_nonfinite"].copy_(nonfinite)
 
     @torch.no_grad()
     def hold(self, segments: torch.Tensor) -> None:

@@ -104,12 +104,13 @@ def test_warning_at_most_once_per_check_interval():
     assert len([w for w in caught if "non-finite" in str(w.message)]) == 1
 
 
-def test_transport_mask_counts_nonfinite_segments_itself():
+def test_hold_keeps_the_marked_segments_and_counts_them():
     state = TransportState([3, 4, 2])
-    scores = torch.tensor([0.1, float("nan"), 0.3, 0.2, 0.5, 0.9, 0.1, 0.4, float("inf")])
+    scores = torch.tensor([0.1, 0.7, 0.3, 0.2, 0.5, 0.9, 0.1, 0.4, 0.8])
     transport_mask(scores, [1.0, 2.0, 1.0], state, backend="torch")
+    state.hold(torch.tensor([True, False, True]))
     state.commit()
-    assert state.skipped_steps.tolist() == [1, 0, 1]
+    assert state.skipped_steps.tolist() == [1, 0, 1] and int(state.steps) == 1
     assert torch.equal(state.log_odds[:3], torch.zeros(3))
     assert torch.equal(state.log_odds[7:], torch.zeros(2))
     assert not torch.equal(state.log_odds[3:7], torch.zeros(4))

@@ -105,3 +105,13 @@ def test_amp_bf16_and_channels_last_run(tmp_path):
         main(["prune", "--config", "configs/digits.yaml", "--set", "run.amp=fp8",
               "--set", "pretrain.epochs=0", "--set", "prune.epochs=1",
               "--set", "finetune.epochs=1"])  # fmt: skip
+
+
+def test_bench_command(capsys):
+    assert main(["bench", "--rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "ResNet-50's 32 groups" in out
+    for backend in ("reference", "torch", "cpu"):
+        assert any(line.split()[:1] == [backend] for line in out.splitlines())
+    with pytest.raises(SystemExit, match="--rounds = 1"):
+        main(["bench", "--rounds", "1"])
