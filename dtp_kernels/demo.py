@@ -17,21 +17,23 @@ from .transport_state import TransportState
 
 def fig2_toy(
     steps: int = 200, lr: float = 0.1, eps: float = 1.0, iters: int = 1, backend: str = "auto"
-) -> list[tuple[int, list[float], float]]:
-    """Paper Fig. 2: keep 1 of w = (2, 1, 3) with loss w . mask; (step, mask, loss) rows."""
+) -> list[tuple[int, list[float], float, list[float]]]:
+    """Paper Fig. 2: keep 1 of w = (2, 1, 3) with loss w . mask; rows of (step, mask, loss,
+    scores), the scores as they entered that step."""
     weights = torch.tensor([2.0, 1.0, 3.0])
     scores = torch.full((3,), 0.5, requires_grad=True)  # no preference at the start
     state = TransportState([3])
     optimizer = torch.optim.SGD([scores], lr=lr)
     trajectory = []
     for step in range(steps):
+        entered = scores.detach().tolist()
         mask = transport_mask(scores, [1.0], state, eps=eps, iters=iters, backend=backend)
         loss = (weights * mask).sum()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         state.commit()
-        trajectory.append((step, mask.detach().tolist(), loss.item()))
+        trajectory.append((step, mask.detach().tolist(), loss.item(), entered))
     return trajectory
 
 
@@ -40,7 +42,7 @@ def print_toy(steps: int = 200) -> None:
     print("DTP, paper Fig. 2 toy: keep 1 of w = (2, 1, 3), loss = w . mask")
     print(f"{'step':>6}  {'m1':>8} {'m2':>8} {'m3':>8}  {'sum':>6}  {'loss':>8}")
     shown = {0, 1, 2, 5, 10, 20, 50, 100, steps - 1} | set(range(0, steps, 25))
-    for step, mask, loss in trajectory:
+    for step, mask, loss, _scores in trajectory:
         if step in shown:
             m = "".join(f" {v:8.4f}" for v in mask)
             print(f"{step:>6} {m}  {sum(mask):6.3f}  {loss:8.4f}")
@@ -50,8 +52,15 @@ def print_toy(steps: int = 200) -> None:
     print(f"final mask {rounded} -> hard mask {hard}, loss {trajectory[-1][2]:.4f}")
 
 
-def digits_comparison(epochs: int = 12, seed: int = 0) -> list[dict]:
-    """Pre-train once; then per ratio and method prune, fine-tune the same epochs, evaluate."""
+DEFAULT_VARIANTS = [{"ratios": r, "method": m} for r in (0.5, 0.9) for m in ("dtp", "l1")]
+
+
+def digits_comparison(
+    epochs: int = 12, seed: int = 0, variants: list[dict] | None = None
+) -> list[dict]:
+    """Pre-train once; then for each variant (recipe["prune"] updates: method, ratios,
+    iters, ...) prune, fine-tune the same epochs, evaluate. The first row is the dense
+    model."""
     from .models import get_model
     from .pipeline import recipe as recipes
     from .pipeline.run import build_data, prune_and_finetune
@@ -67,13 +76,12 @@ def digits_comparison(epochs: int = 12, seed: int = 0) -> list[dict]:
     train(dense, train_loader, test_loader, recipe["pretrain"], log, "pretrain")
     rows = [{"method": "dense", "ratio": 0.0, "accuracy": evaluate(dense, test_loader),
              "seconds": {"pretrain": time.perf_counter() - start}}]  # fmt: skip
-    for ratio in (0.5, 0.9):
-        for method in ("dtp", "l1"):
-            torch.manual_seed(seed)
-            run = copy.deepcopy(recipe)
-            run["prune"].update(method=method, ratios=ratio)
-            summary = prune_and_finetune(dense, run, train_loader, test_loader, log)
-            rows.append({**summary, "ratio": ratio})
+    for variant in variants or DEFAULT_VARIANTS:
+        torch.manual_seed(seed)
+        run = copy.deepcopy(recipe)
+        run["prune"].update(variant)
+        summary = prune_and_finetune(dense, run, train_loader, test_loader, log)
+        rows.append({**summary, **variant, "ratio": run["prune"]["ratios"]})
     dense_row = rows[0]
     from .pruning.flops import count_flops, count_params
 

@@ -47,7 +47,7 @@ def test_fig2_toy_converges(any_backend, iters):
     (the toy `python -m dtp_kernels.demo --toy` prints)."""
     from dtp_kernels.demo import fig2_toy
 
-    _step, mask, loss = fig2_toy(steps=300, iters=iters, backend=any_backend)[-1]
+    _step, mask, loss, _scores = fig2_toy(steps=300, iters=iters, backend=any_backend)[-1]
     torch.testing.assert_close(torch.tensor(mask), torch.tensor([0.0, 1.0, 0.0]), atol=1e-3, rtol=0)
     assert abs(loss - 1.0) < 1e-3
 
