@@ -91,5 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_progress:
         overrides.append("run.progress=false")
     summary = run(recipes.load(args.config, overrides), args.out, resume=args.resume)
-    print(json.dumps({k: v for k, v in summary.items() if k != "model"}, indent=2))
+    from .pipeline import distributed
+
+    if distributed.is_main():
+        print(json.dumps({k: v for k, v in summary.items() if k != "model"}, indent=2))
     return 0

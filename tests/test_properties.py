@@ -6,6 +6,8 @@ warm-started one."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -35,7 +37,13 @@ def problems(draw):
     return sizes, keep, magnitude, eps, seed
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Derandomized: the same 40 examples every run, so CI is reproducible; set
+# HYPOTHESIS_EXPLORE=1 to draw new ones.
+EXPLORE = os.environ.get("HYPOTHESIS_EXPLORE") == "1"
+
+
+@settings(max_examples=40, deadline=None, derandomize=not EXPLORE, database=None,
+          suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
 @given(problems())
 def test_every_backend_equals_the_reference_on_random_problems(problem):
     sizes, keep, magnitude, eps, seed = problem

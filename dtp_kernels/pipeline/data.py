@@ -90,8 +90,14 @@ def image_folder(root: str | Path, size: int = 224):
 
 
 def loaders(train, test, batch_size: int, seed: int = 0) -> tuple[DataLoader, DataLoader]:
-    generator = torch.Generator().manual_seed(seed)
-    return (
-        DataLoader(train, batch_size=batch_size, shuffle=True, generator=generator),
-        DataLoader(test, batch_size=512),
-    )
+    """Shuffled training batches (each rank its shard under torch.distributed, reshuffled
+    per epoch with `sampler.set_epoch`) and the whole test set in order."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        sampler = torch.utils.data.DistributedSampler(train, shuffle=True, seed=seed)
+        training = DataLoader(train, batch_size=batch_size, sampler=sampler)
+    else:
+        generator = torch.Generator().manual_seed(seed)
+        training = DataLoader(train, batch_size=batch_size, shuffle=True, generator=generator)
+    return training, DataLoader(test, batch_size=512)

@@ -15,7 +15,7 @@ from ..models import get_model
 from ..pruning import DTPPruner, L1Pruner, RandomPruner, save_pruned
 from ..pruning.flops import count_flops, count_params
 from . import data as datasets
-from . import plots
+from . import distributed, plots
 from .train import Checkpointing, MetricsLog, RunOptions, evaluate, train
 
 METHODS = ("dtp", "l1", "random")
@@ -143,6 +143,7 @@ def run(recipe: dict, out_dir: str | Path | None = None, resume: bool = False) -
     and a checkpoint per stage to out_dir/checkpoints after every epoch. resume=True
     continues from those checkpoints (finished stages are restored, not rerun) and ends
     bitwise where an uninterrupted run ends."""
+    distributed.init_from_env()  # under torchrun: one process per GPU (or CPU rank)
     torch.manual_seed(recipe["seed"])
     out = Path(out_dir) if out_dir is not None else None
     if resume and out is None:
@@ -152,8 +153,9 @@ def run(recipe: dict, out_dir: str | Path | None = None, resume: bool = False) -
     checkpoints = out / "checkpoints" if out is not None else None
     settings = recipe["run"]
     options = RunOptions(settings["amp"], settings["channels_last"], settings["progress"])
-    tensorboard = out / "tensorboard" if out is not None and settings["tensorboard"] else None
-    log = MetricsLog(out / "metrics.jsonl" if out is not None else None, tensorboard)
+    writes = out is not None and distributed.is_main()  # rank 0 writes the files
+    tensorboard = out / "tensorboard" if writes and settings["tensorboard"] else None
+    log = MetricsLog(out / "metrics.jsonl" if writes else None, tensorboard)
     train_loader, test_loader = build_data(recipe)
     model = get_model(recipe["model"]["name"], recipe["model"]["num_classes"])
     dense = {"seconds": 0.0, "accuracy": evaluate(model, test_loader)}
@@ -165,7 +167,7 @@ def run(recipe: dict, out_dir: str | Path | None = None, resume: bool = False) -
                                  resume, options)  # fmt: skip
     summary["dense_accuracy"] = dense["accuracy"]
     summary["seconds"]["pretrain"] = dense["seconds"]
-    if out is not None:
+    if writes:
         architecture = {k: recipe["model"][k] for k in ("name", "num_classes")}
         metadata = {"method": summary["method"], "ratios": str(summary["ratios"])}
         save_pruned(out / "pruned.pt", summary["model"], architecture, metadata)

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from . import distributed
 from .checkpoint import (
     CheckpointError,
     check_state_dict,
@@ -150,6 +151,8 @@ def train(
     optimizer = make_optimizer(model, settings, pruner)
     schedule = make_schedule(optimizer, settings, epochs * len(train_loader))
     if pruner is not None:
+        if distributed.active():  # same scores on every rank: same masks and state
+            optimizer.register_step_pre_hook(lambda *_: distributed.average_gradients(pruner))
         pruner.attach(optimizer)
     first_epoch, seconds = 0, 0.0
     if checkpoint is not None and checkpoint.resume and checkpoint.path.exists():
@@ -161,11 +164,14 @@ def train(
     model.train()
     bar = tqdm(total=epochs * len(train_loader), initial=first_epoch * len(train_loader),
                desc=stage, disable=not options.progress, leave=False)  # fmt: skip
+    net = distributed.wrap(model)
     for epoch in range(first_epoch, epochs):
+        if isinstance(train_loader.sampler, torch.utils.data.DistributedSampler):
+            train_loader.sampler.set_epoch(epoch)
         total = torch.zeros(())  # summed on the device: no host sync per step
         for images, labels in train_loader:
             loss = training_step(
-                model, optimizer, options.images(images), labels, pruner, flops_target,
+                net, optimizer, options.images(images), labels, pruner, flops_target,
                 settings.get("penalty_weight", 10.0), options.amp_dtype, scaler,
             )  # fmt: skip
             bar.update()
@@ -178,14 +184,14 @@ def train(
             on_epoch(epoch)
         done = epoch + 1 == epochs
         result = {"seconds": time.perf_counter() - start, "accuracy": accuracy}
-        if checkpoint is not None:
+        if checkpoint is not None and distributed.is_main():
             save_atomic(
                 make_payload(
                     checkpoint.meta, epoch=epoch + 1, done=done, result=result,
                     seconds=result["seconds"], model=model.state_dict(),
                     optimizer=optimizer.state_dict(), scheduler=schedule.state_dict(),
                     pruner=pruner.state_dict() if pruner is not None else None,
-                    rng=torch.get_rng_state(), loader_rng=train_loader.generator.get_state(),
+                    rng=torch.get_rng_state(), loader_rng=_loader_rng(train_loader),
                     log_rows=log.rows,
                 ),
                 checkpoint.path,
@@ -195,6 +201,11 @@ def train(
         "seconds": time.perf_counter() - start,
         "accuracy": evaluate(model, test_loader, options),
     }
+
+
+def _loader_rng(loader: DataLoader) -> torch.Tensor | None:
+    """The shuffling generator's state (None under a DistributedSampler: seed + epoch)."""
+    return loader.generator.get_state() if loader.generator is not None else None
 
 
 def _restore(checkpoint: Checkpointing, model, optimizer, schedule, pruner, loader, log) -> dict:
@@ -211,6 +222,7 @@ def _restore(checkpoint: Checkpointing, model, optimizer, schedule, pruner, load
     optimizer.load_state_dict(saved["optimizer"])
     schedule.load_state_dict(saved["scheduler"])
     torch.set_rng_state(saved["rng"])
-    loader.generator.set_state(saved["loader_rng"])
+    if loader.generator is not None and saved["loader_rng"] is not None:
+        loader.generator.set_state(saved["loader_rng"])
     log.restore(saved["log_rows"])
     return saved

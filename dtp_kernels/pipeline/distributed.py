@@ -1,0 +1,55 @@
+"""Multi-process training (torchrun, DDP) for the pipeline.
+
+Under torchrun (WORLD_SIZE > 1) the process group starts from the environment (NCCL on
+GPUs, gloo on CPU), each rank reads its shard of the training set (DistributedSampler),
+the model trains wrapped in DistributedDataParallel, and the pruner's own parameters
+(scores, learned ratios) are averaged over the ranks before every optimizer step. Every
+rank then computes the same masks and the same transport state from the same scores
+with the same deterministic kernels; only rank 0 writes files.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def init_from_env() -> int:
+    """Start the process group when launched by torchrun; returns this process's rank."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def wrap(model: nn.Module) -> nn.Module:
+    """DistributedDataParallel around `model` when running distributed, else `model`."""
+    if not active():
+        return model
+    device = next(model.parameters()).device
+    ids = [device.index] if device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+
+def average_gradients(module: nn.Module) -> None:
+    """All-reduce the gradients of `module`'s own parameters to their mean (in place)."""
+    if not active():
+        return
+    world = dist.get_world_size()
+    for parameter in module.parameters():
+        if parameter.grad is not None:
+            dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)
+            parameter.grad.div_(world)
