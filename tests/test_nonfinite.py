@@ -116,3 +116,15 @@ def test_hold_keeps_the_marked_segments_and_counts_them():
     assert not torch.equal(state.log_odds[3:7], torch.zeros(4))
     state.commit()  # no pending step: nothing counted
     assert state.skipped_steps.tolist() == [1, 0, 1]
+
+
+def test_report_and_export_stay_finite_with_bad_scores():
+    model, pruner, optimizer, images, labels = setup("cpu")
+    with torch.no_grad():
+        pruner.scores[0] = float("nan")
+        pruner.scores[1] = float("inf")
+    assert torch.isfinite(pruner.channel_scores()).all()
+    report = pruner.report()
+    assert all(row["k"] == k for row, k in zip(report["groups"], pruner.kept, strict=True))
+    exported = pruner.export()
+    assert torch.isfinite(exported(images)).all()

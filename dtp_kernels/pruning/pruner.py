@@ -283,23 +283,28 @@ class DTPPruner(ChannelPruner):
         """
         update = model.training and torch.is_grad_enabled()
         finite = torch.isfinite(self.scores)
-        scores = torch.where(finite, self.scores, 0.5)
         mask = transport_mask(
-            scores, self.current_keep(), self.state, eps=self.eps, iters=self.iters,
-            update=update, backend=self.backend,
+            self._finite_scores(finite), self.current_keep(), self.state, eps=self.eps,
+            iters=self.iters, update=update, backend=self.backend,
         )  # fmt: skip
         if update:
             self.state.hold(_segment_any(finite.logical_not(), self.state))
         self._source.masks = list(mask.split(self.sizes))
 
+    def _finite_scores(self, finite: torch.Tensor | None = None) -> torch.Tensor:
+        """The scores with NaN/Inf entries replaced by the neutral 0.5."""
+        finite = torch.isfinite(self.scores) if finite is None else finite
+        return torch.where(finite, self.scores, 0.5)
+
     def channel_scores(self) -> torch.Tensor:
         """The current soft masks (update=False): the top-k of each group is kept."""
         with torch.no_grad():
+            scores = self._finite_scores()
             mask = transport_mask(
-                self.scores, self.current_keep(), self.state, eps=self.eps, iters=self.iters,
+                scores, self.current_keep(), self.state, eps=self.eps, iters=self.iters,
                 update=False, backend=self.backend,
             )  # fmt: skip
-        return mask + 1e-12 * self.scores.detach()  # ties (masks at 0 or 1) by score
+        return mask + 1e-12 * scores  # ties (masks at 0 or 1) by score
 
     def attach(self, optimizer: torch.optim.Optimizer):
         """Commit the transport state after every `optimizer.step()`; returns the handle.
@@ -352,8 +357,8 @@ class DTPPruner(ChannelPruner):
         result = super().report()
         with torch.no_grad():
             soft = transport_mask(
-                self.scores, self.current_keep(), self.state, eps=self.eps, iters=self.iters,
-                update=False, backend=self.backend,
+                self._finite_scores(), self.current_keep(), self.state, eps=self.eps,
+                iters=self.iters, update=False, backend=self.backend,
             ).float().cpu()  # fmt: skip
         hard = torch.cat(self.hard_masks())
         for row, skipped in zip(result["groups"], self.skipped_steps(), strict=True):
