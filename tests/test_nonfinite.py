@@ -119,7 +119,7 @@ def test_hold_keeps_the_marked_segments_and_counts_them():
 
 
 def test_report_and_export_stay_finite_with_bad_scores():
-    model, pruner, optimizer, images, labels = setup("cpu")
+    _model, pruner, _optimizer, images, _labels = setup("cpu")
     with torch.no_grad():
         pruner.scores[0] = float("nan")
         pruner.scores[1] = float("inf")

@@ -101,6 +101,11 @@ def test_amp_bf16_and_channels_last_run(tmp_path):
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
     assert 0 < summary["accuracy"] <= 1 and not (out / "plots").exists()
+    fp16 = tmp_path / "fp16"
+    assert main(["prune", "--config", "configs/digits.yaml", "--out", str(fp16), "--amp", "fp16",
+                 "--no-progress", "--set", "pretrain.epochs=1", "--set", "prune.epochs=1",
+                 "--set", "finetune.epochs=1"]) == 0  # fmt: skip
+    assert json.loads((fp16 / "summary.json").read_text())["accuracy"] > 0
     with pytest.raises(ValueError, match=r"run.amp = 'fp8'"):
         main(["prune", "--config", "configs/digits.yaml", "--set", "run.amp=fp8",
               "--set", "pretrain.epochs=0", "--set", "prune.epochs=1",
