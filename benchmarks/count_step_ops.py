@@ -1,0 +1,68 @@
+"""How many operators one training step dispatches, dense against DTP-masked: the host
+work that an eager, dispatch-bound GPU step pays for (benchmarks/README.md).
+
+    python benchmarks/count_step_ops.py [--model torchvision.resnet50]
+
+Counts every ATen (and dtp) operator call of one SGD training step through a
+TorchDispatchMode, on CPU tensors (the count does not depend on the device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dtp_kernels import DTPPruner
+from dtp_kernels.models import get_model
+from dtp_kernels.pipeline.step import training_step
+from dtp_kernels.pipeline.train import make_optimizer
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="torchvision.resnet50")
+    parser.add_argument("--size", type=int, default=64)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    classes = 1000 if args.model.startswith("torchvision.") else 10
+    base = get_model(args.model, classes)
+    images = torch.randn(2, 3, args.size, args.size)
+    labels = torch.randint(0, classes, (2,))
+    dense = None
+    for name, mask_at in (("dense", None), ("fold", "parameters"), ("activation", "activation")):
+        model = copy.deepcopy(base)
+        pruner = None
+        if mask_at is not None:
+            pruner = DTPPruner(model, images[:1], 0.5, mask_at=mask_at, backend="cpu",
+                               epilogue_backend="cpu")  # fmt: skip
+        optimizer = make_optimizer(model, {"lr": 0.01}, pruner)
+        if pruner is not None:
+            pruner.attach(optimizer)
+        training_step(model, optimizer, images, labels, pruner)  # warm-up
+        with CountOps() as mode:
+            training_step(model, optimizer, images, labels, pruner)
+        total = sum(mode.counts.values())
+        dense = dense or total
+        print(f"{name:>10}: {total} ops ({100 * (total / dense - 1):+.0f}%)")
+
+
+if __name__ == "__main__":
+    main()
