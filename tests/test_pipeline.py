@@ -106,6 +106,8 @@ def test_amp_bf16_and_channels_last_run(tmp_path):
                  "--no-progress", "--set", "pretrain.epochs=1", "--set", "prune.epochs=1",
                  "--set", "finetune.epochs=1"]) == 0  # fmt: skip
     assert json.loads((fp16 / "summary.json").read_text())["accuracy"] > 0
+    saved = torch.load(fp16 / "checkpoints" / "dtp.pt", weights_only=True)
+    assert saved["scaler"]["scale"] > 0  # resumable: the GradScaler state is saved
     with pytest.raises(ValueError, match=r"run.amp = 'fp8'"):
         main(["prune", "--config", "configs/digits.yaml", "--set", "run.amp=fp8",
               "--set", "pretrain.epochs=0", "--set", "prune.epochs=1",

@@ -157,6 +157,8 @@ def train(
     first_epoch, seconds = 0, 0.0
     if checkpoint is not None and checkpoint.resume and checkpoint.path.exists():
         saved = _restore(checkpoint, model, optimizer, schedule, pruner, train_loader, log)
+        if scaler is not None and saved.get("scaler") is not None:
+            scaler.load_state_dict(saved["scaler"])
         if saved["done"]:
             return saved["result"]
         first_epoch, seconds = saved["epoch"], saved["seconds"]
@@ -192,6 +194,7 @@ def train(
                     optimizer=optimizer.state_dict(), scheduler=schedule.state_dict(),
                     pruner=pruner.state_dict() if pruner is not None else None,
                     rng=torch.get_rng_state(), loader_rng=_loader_rng(train_loader),
+                    scaler=scaler.state_dict() if scaler is not None else None,
                     log_rows=log.rows,
                 ),
                 checkpoint.path,
