@@ -52,8 +52,11 @@ def workloads(device: torch.device) -> list[dict]:
     ]  # fmt: skip
 
 
-def make_case(work: dict, base: torch.nn.Module, device: torch.device, strategy, backend):
-    """A step function for the dense model (strategy None) or one DTP configuration."""
+def make_case(
+    work: dict, base: torch.nn.Module, device: torch.device, strategy, backend, graph=False
+):
+    """A step function for the dense model (strategy None) or one DTP configuration;
+    graph=True captures the whole step in a CUDA graph and returns its replay."""
     model = copy.deepcopy(base).to(device)
     channels = 1 if work["model"] == "digits_cnn" else 3
     gen = torch.Generator().manual_seed(0)
@@ -77,7 +80,37 @@ def make_case(work: dict, base: torch.nn.Module, device: torch.device, strategy,
     def step() -> None:
         training_step(model, optimizer, images, labels, pruner, amp=work["amp"])
 
-    return step
+    if not graph:
+        return step
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as capture requires
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    captured = torch.cuda.CUDAGraph()
+    optimizer.zero_grad(set_to_none=True)
+    with torch.cuda.graph(captured):
+        step()
+    return captured.replay
+
+
+def host_overhead(cases: dict, device: torch.device, rounds: int = 5) -> dict[str, float]:
+    """Per case: the seconds the host spends issuing one step (no sync inside), against
+    the samples' full step time; near 1 means the step is host-bound."""
+    import time
+
+    host = {}
+    for name, (fn, _inner) in cases.items():
+        times = []
+        for _ in range(rounds):
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        torch.cuda.synchronize(device)
+        host[name] = sorted(times)[len(times) // 2]
+    return host
 
 
 def main() -> None:
@@ -85,9 +118,13 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--rounds", type=int, default=None, help="default: 15 CPU, 20 CUDA")
     parser.add_argument("--no-save", action="store_true", help="print only")
+    parser.add_argument("--graph", action="store_true",
+                        help="CUDA: time steps captured in CUDA graphs")  # fmt: skip
     args = parser.parse_args()
     device = torch.device(args.device)
     rounds = args.rounds or (20 if device.type == "cuda" else 15)
+    if args.graph and device.type != "cuda":
+        raise SystemExit("--graph needs --device cuda")
     env = environment(device)
     backends = [b for b in dtp_kernels.available_backends(device) if b not in ("reference",)]
     if device.type == "cpu":
@@ -97,29 +134,35 @@ def main() -> None:
     for work in workloads(device):
         torch.manual_seed(0)
         base = get_model(work["model"], num_classes=work["classes"])
-        cases = {"dense": (make_case(work, base, device, None, None), work["inner"])}
+        dense_step = make_case(work, base, device, None, None, args.graph)
+        cases = {"dense": (dense_step, work["inner"])}
         for strategy in STRATEGIES:
             for backend in backends:
                 if strategy != "fold" and backend == "torch":
                     continue  # activation strategies: one mask-step backend is enough
                 name = f"{strategy}/{backend}"
-                cases[name] = (make_case(work, base, device, strategy, backend), work["inner"])
+                step = make_case(work, base, device, strategy, backend, args.graph)
+                cases[name] = (step, work["inner"])
         samples = interleaved(cases, rounds, device, warmup=2)
+        host = host_overhead(cases, device) if device.type == "cuda" and not args.graph else {}
         dense = summarize(samples["dense"])["median_us"]
         shape = (f"{work['model']} batch {work['batch']} {work['size']}x{work['size']}"
-                 + (" bf16 channels_last" if work["amp"] else ""))  # fmt: skip
+                 + (" bf16 channels_last" if work["amp"] else "")
+                 + (" CUDA graph" if args.graph else ""))  # fmt: skip
         lines += [f"## {shape}", "",
-                  "| provider | median ms | p20 ms | p80 ms | overhead vs dense |",
-                  "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+                  "| provider | median ms | p20 ms | p80 ms | overhead vs dense | host ms |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
         for name, values in samples.items():
             stats = summarize(values)
             overhead = 100 * (stats["median_us"] / dense - 1)
             dtype = "bfloat16" if work["amp"] else "float32"
-            rows.append(dict(op="training_step", provider=name, mode="step", shape=shape,
+            mode = "graph-step" if args.graph else "step"
+            rows.append(dict(op="training_step", provider=name, mode=mode, shape=shape,
                              dtype=dtype, **stats, **env))  # fmt: skip
+            issued = f"{host[name] * 1e3:.2f}" if name in host else "-"
             lines.append(
                 f"| {name} | {stats['median_us'] / 1e3:.2f} | {stats['p20_us'] / 1e3:.2f} "
-                f"| {stats['p80_us'] / 1e3:.2f} | {overhead:+.2f}% |"
+                f"| {stats['p80_us'] / 1e3:.2f} | {overhead:+.2f}% | {issued} |"
             )
         lines.append("")
     header = [
@@ -130,7 +173,8 @@ def main() -> None:
         "",
         "fold = masks on the BN affine parameters; epilogue = fused masked-channel epilogue "
         "on the activations; eager-act = the same in eager torch. `provider` is "
-        "strategy/mask-step backend.",
+        "strategy/mask-step backend. `host ms` (CUDA): time the host spends issuing one "
+        "step; close to the median, the step is host-bound.",
         "",
     ]
     report = "\n".join(header + lines)

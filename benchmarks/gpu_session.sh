@@ -51,6 +51,7 @@ for step in $steps; do
     ;;&
   train | all)
     run bench_training_step 150 $PY benchmarks/bench_training_step.py --device cuda
+    run bench_training_graph 150 $PY benchmarks/bench_training_step.py --device cuda --graph
     run bench_scaling 120 $PY benchmarks/bench_scaling.py --device cuda --rounds 5
     run bench_iterations 90 $PY benchmarks/bench_iterations.py --device cuda --rounds 5
     ;;
