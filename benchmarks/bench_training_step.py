@@ -181,7 +181,8 @@ def main() -> None:
     print(report)
     if not args.no_save:
         append_rows(RESULTS / "training_step.csv", rows)
-        (RESULTS / f"training_step_{device.type}.md").write_text(report)
+        suffix = "_graph" if args.graph else ""
+        (RESULTS / f"training_step_{device.type}{suffix}.md").write_text(report)
 
 
 if __name__ == "__main__":
