@@ -11,8 +11,11 @@ parameters (mask_at="parameters"); "epilogue" multiplies the activations with th
 masked-channel epilogue; "eager-act" does the same with eager torch ops. Each runs with
 every mask-step backend present. The overhead is median(masked) / median(dense) - 1.
 
+On CUDA the table also gives the time the host spends issuing one step (`host ms`), and
+--graph times every step captured in a CUDA graph instead (replays: no dispatch cost).
+
 Appends rows to benchmarks/results/training_step.csv and writes
-benchmarks/results/training_step_<device>.md.
+benchmarks/results/training_step_<device>.md (training_step_cuda_graph.md with --graph).
 """
 
 from __future__ import annotations
