@@ -316,3 +316,45 @@ def test_weight_granularity(budget):
 def test_weight_granularity_has_no_flops_budget():
     with pytest.raises(ValueError, match="budget='flops' needs granularity='filter'"):
         DTPPruner(resnet20(), X1, 0.5, granularity="weight", budget="flops")
+
+
+@pytest.mark.parametrize("budget", ["layer", "flops"])
+def test_folded_masks_equal_the_per_parameter_product(budget):
+    """The pruner multiplies all BN parameters by their masks in one foreach op; the same
+    model with one product per parameter (the parametrizations' own path) gives the same
+    outputs and gradients."""
+    from dtp_kernels.models import resnet20
+
+    results = []
+    for fold in (True, False):
+        torch.manual_seed(0)
+        model = resnet20()
+        pruner = DTPPruner(model, X1, 0.5, budget=budget)
+        if not fold:
+            pruner._fold = []  # every parametrization multiplies on its own
+        out = model(XB)
+        loss = out.square().mean() + (pruner.penalty(0.5) if budget == "flops" else 0)
+        loss.backward()
+        grads = [p.grad.clone() for p in (*model.parameters(), *pruner.parameters())]
+        results.append((out.detach(), grads, pruner.state.pending_log_odds.clone()))
+    (out_a, grads_a, state_a), (out_b, grads_b, state_b) = results
+    torch.testing.assert_close(out_a, out_b, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(state_a, state_b, rtol=0, atol=0)
+    for a, b in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_folded_bn_weight_read_after_a_step_is_current():
+    """Reading a masked BN weight outside forward after the optimizer changed it gives
+    the product with the new weight, not the cached one."""
+    from dtp_kernels.models import resnet20
+
+    torch.manual_seed(0)
+    model = resnet20()
+    pruner = DTPPruner(model, X1, 0.5)
+    model(XB).sum().backward()
+    bn = pruner.groups[0].bn
+    with torch.no_grad():
+        bn.parametrizations.weight.original.add_(1.0)
+    mask = pruner._source.masks[0]
+    torch.testing.assert_close(bn.weight, bn.parametrizations.weight.original * mask)
