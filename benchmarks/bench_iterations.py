@@ -23,26 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _harness import RESULTS, append_rows, environment, interleaved, summarize
-from bench_transport import resnet50_group_sizes
 
 import dtp_kernels
-from dtp_kernels import TransportState, transport_mask
+from dtp_kernels.benchmarking import RESNET50_GROUPS, mask_step
 
 ITERS = [1, 10, 100]
-
-
-def make_step(backend: str, sizes: list[int], iters: int, device: torch.device):
-    state = TransportState(sizes, device=device)
-    gen = torch.Generator().manual_seed(0)
-    scores = torch.rand(sum(sizes), generator=gen).to(device).requires_grad_(True)
-    weights = torch.randn(sum(sizes), generator=gen).to(device)
-    keep = torch.tensor([0.4 * n for n in sizes], device=device)
-
-    def step() -> None:
-        transport_mask(scores, keep, state, iters=iters, backend=backend).backward(weights)
-        scores.grad = None
-
-    return step
 
 
 def main() -> None:
@@ -56,7 +41,7 @@ def main() -> None:
     backends = [b for b in dtp_kernels.available_backends(device) if b != "reference"]
     if device.type == "cpu":
         backends = [b for b in backends if b != "triton"]
-    layouts = {"resnet50 32 groups": resnet50_group_sizes(), "1 segment of 2^20": [1 << 20]}
+    layouts = {"resnet50 32 groups": RESNET50_GROUPS, "1 segment of 2^20": [1 << 20]}
     print(env)
     rows, lines = [], []
     for label, sizes in layouts.items():
@@ -66,7 +51,7 @@ def main() -> None:
                 continue  # eager segment sums of one 2^20 segment: ~0.1 s an iteration here
             for iters in ITERS:
                 inner = max(1, 20 // iters) if sum(sizes) < 100_000 else 1
-                cases[(backend, iters)] = (make_step(backend, sizes, iters, device), inner)
+                cases[(backend, iters)] = (mask_step(backend, sizes, device, iters=iters), inner)
         samples = interleaved(cases, args.rounds, device, warmup=1)
         lines += [f"## {label}", "", "| backend | iters | median us | x vs iters=1 |",
                   "| --- | ---: | ---: | ---: |"]  # fmt: skip

@@ -29,28 +29,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _harness import RESULTS, append_rows, environment, interleaved, summarize
 
 import dtp_kernels
-from dtp_kernels import TransportState, transport_mask
+from dtp_kernels.benchmarking import mask_step
 
 SIZES = [1_000, 10_000, 100_000, 1_000_000, 10_000_000]
 SEGMENTS = [1, 8, 64, 512]
 BYTES_PER_ELEMENT = 32  # fp32: fwd reads 2, writes 2; bwd reads 3, writes 1
 
 
-def make_step(backend: str, numel: int, nseg: int, device: torch.device):
+def segment_sizes(numel: int, nseg: int) -> list[int]:
     base, extra = divmod(numel, nseg)
-    sizes = [base + (1 if i < extra else 0) for i in range(nseg)]
-    state = TransportState(sizes, device=device)
-    gen = torch.Generator().manual_seed(0)
-    scores = torch.rand(numel, generator=gen).to(device).requires_grad_(True)
-    weights = torch.randn(numel, generator=gen).to(device)
-    keep = torch.tensor([n / 2 for n in sizes], device=device)
-
-    def step() -> None:
-        mask = transport_mask(scores, keep, state, backend=backend)
-        mask.backward(weights)
-        scores.grad = None
-
-    return step
+    return [base + (1 if i < extra else 0) for i in range(nseg)]
 
 
 def allocated_bytes(step, device: torch.device) -> int:
@@ -90,7 +78,8 @@ def main() -> None:
         for nseg in layouts:
             for backend in backends:
                 inner = max(1, min(20, 2_000_000 // numel))
-                cases[f"{backend}|{nseg}"] = (make_step(backend, numel, nseg, device), inner)
+                step = mask_step(backend, segment_sizes(numel, nseg), device, ratio=0.5)
+                cases[f"{backend}|{nseg}"] = (step, inner)
         samples = interleaved(cases, args.rounds, device, warmup=2)
         copy_us = summarize(samples["copy"])["median_us"]
         for name, values in samples.items():

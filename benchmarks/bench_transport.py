@@ -14,7 +14,6 @@ benchmarks/results/transport_<device>.md.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -26,44 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _harness import RESULTS, append_rows, environment, interleaved, summarize
 
 import dtp_kernels
-from dtp_kernels import TransportState, transport_mask
+from dtp_kernels.benchmarking import RESNET50_GROUPS, mask_step
 
 RATIO = 0.6
-
-
-def resnet50_group_sizes() -> list[int]:
-    """Output channels of conv1 and conv2 of every bottleneck of torchvision's ResNet-50."""
-    import torchvision
-
-    model = torchvision.models.resnet50()
-    sizes = []
-    for module in model.modules():
-        if isinstance(module, torchvision.models.resnet.Bottleneck):
-            sizes += [module.conv1.out_channels, module.conv2.out_channels]
-    return sizes
-
-
-def make_step(backend: str, sizes: list[int], device: torch.device, backward: bool):
-    state = TransportState(sizes, device=device)
-    gen = torch.Generator().manual_seed(0)
-    scores = torch.rand(sum(sizes), generator=gen).to(device).requires_grad_(True)
-    weights = torch.randn(sum(sizes), generator=gen).to(device)
-    kept = [n - math.ceil(RATIO * n) for n in sizes]  # a ratio p prunes ceil(n p) channels
-    keep = torch.tensor(kept, dtype=torch.float32, device=device)
-
-    def mask_step(scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        return transport_mask(scores, keep, state, backend=eager_backend)
-
-    eager_backend = "torch" if backend == "torch.compile" else backend
-    fn = torch.compile(mask_step) if backend == "torch.compile" else mask_step
-
-    def step() -> None:
-        mask = fn(scores, keep)
-        if backward:
-            (mask * weights).sum().backward()
-            scores.grad = None
-
-    return step
 
 
 def main() -> None:
@@ -73,7 +37,7 @@ def main() -> None:
     parser.add_argument("--no-save", action="store_true", help="print only")
     args = parser.parse_args()
     device = torch.device(args.device)
-    sizes = resnet50_group_sizes()
+    sizes = RESNET50_GROUPS
     backends = dtp_kernels.available_backends(device)
     if device.type == "cuda":  # the eager closed form compiled: the baseline to beat on GPU
         backends.append("torch.compile")
@@ -86,7 +50,10 @@ def main() -> None:
         cases = {}
         for backend in backends:
             inner = 2 if backend == "reference" else 50
-            cases[backend] = (make_step(backend, sizes, device, backward), inner)
+            compiled = backend == "torch.compile"  # the eager closed form, compiled
+            step = mask_step("torch" if compiled else backend, sizes, device, RATIO,
+                             backward=backward, compiled=compiled)  # fmt: skip
+            cases[backend] = (step, inner)
         samples = interleaved(cases, args.rounds, device)
         for backend in backends:
             stats = summarize(samples[backend])

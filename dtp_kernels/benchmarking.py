@@ -56,20 +56,38 @@ def summarize(samples: list[float]) -> dict[str, float]:
     }
 
 
-def mask_step(backend: str, sizes: list[int], device: torch.device, ratio: float = 0.6):
-    """One forward + backward of the DTP mask step over `sizes`, as a callable."""
+def mask_step(
+    backend: str,
+    sizes: list[int],
+    device: torch.device,
+    ratio: float = 0.6,
+    iters: int = 1,
+    backward: bool = True,
+    compiled: bool = False,
+):
+    """One DTP mask step over segments of `sizes` (keeping n - ceil(ratio n) of each) as
+    a callable: the forward and, with `backward`, the backward of the mask against a fixed
+    random gradient (``mask.backward(g)``, no loss op of its own). `compiled` runs the
+    forward through torch.compile."""
     from . import TransportState, transport_mask
 
     state = TransportState(sizes, device=device)
     gen = torch.Generator().manual_seed(0)
     scores = torch.rand(sum(sizes), generator=gen).to(device).requires_grad_(True)
-    weights = torch.randn(sum(sizes), generator=gen).to(device)
+    grad = torch.randn(sum(sizes), generator=gen).to(device)
     kept = [n - math.ceil(ratio * n) for n in sizes]  # a ratio p prunes ceil(n p) channels
     keep = torch.tensor(kept, dtype=torch.float32, device=device)
 
+    def forward(scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return transport_mask(scores, keep, state, iters=iters, backend=backend)
+
+    run = torch.compile(forward) if compiled else forward
+
     def step() -> None:
-        (transport_mask(scores, keep, state, backend=backend) * weights).sum().backward()
-        scores.grad = None
+        mask = run(scores, keep)
+        if backward:
+            mask.backward(grad)
+            scores.grad = None
 
     return step
 

@@ -122,3 +122,17 @@ def test_bench_command(capsys):
         assert any(line.split()[:1] == [backend] for line in out.splitlines())
     with pytest.raises(SystemExit, match="--rounds = 1"):
         main(["bench", "--rounds", "1"])
+
+
+def test_resnet50_group_sizes_match_torchvision():
+    """The benchmark layout is conv1 and conv2 of every torchvision ResNet-50 bottleneck."""
+    import torchvision
+
+    from dtp_kernels.benchmarking import RESNET50_GROUPS
+
+    model = torchvision.models.resnet50()
+    sizes = []
+    for module in model.modules():
+        if isinstance(module, torchvision.models.resnet.Bottleneck):
+            sizes += [module.conv1.out_channels, module.conv2.out_channels]
+    assert sizes == RESNET50_GROUPS
