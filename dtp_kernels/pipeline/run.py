@@ -158,11 +158,12 @@ def run(recipe: dict, out_dir: str | Path | None = None, resume: bool = False) -
     log = MetricsLog(out / "metrics.jsonl" if writes else None, tensorboard)
     train_loader, test_loader = build_data(recipe)
     model = get_model(recipe["model"]["name"], recipe["model"]["num_classes"])
-    dense = {"seconds": 0.0, "accuracy": evaluate(model, test_loader)}
     if recipe["pretrain"]["epochs"]:
         saving = stage_checkpoint(checkpoints, recipe, "pretrain", resume)
         dense = train(model, train_loader, test_loader, recipe["pretrain"], log, "pretrain",
                       checkpoint=saving, options=options)  # fmt: skip
+    else:
+        dense = {"seconds": 0.0, "accuracy": evaluate(model, test_loader, options)}
     summary = prune_and_finetune(model, recipe, train_loader, test_loader, log, checkpoints,
                                  resume, options)  # fmt: skip
     summary["dense_accuracy"] = dense["accuracy"]

@@ -200,6 +200,8 @@ def train(
                 checkpoint.path,
             )  # fmt: skip
     bar.close()
+    if first_epoch < epochs:  # the last epoch's evaluation: no second pass over the test set
+        return result
     return {
         "seconds": time.perf_counter() - start,
         "accuracy": evaluate(model, test_loader, options),
