@@ -95,7 +95,14 @@ def make_case(
     optimizer.zero_grad(set_to_none=True)
     with torch.cuda.graph(captured):
         step()
-    return captured.replay
+
+    def replay() -> None:
+        captured.replay()
+
+    # The graph reads and writes the model's, optimizer's and pruner's tensors without
+    # owning them: keep them alive with the replay (freed, the replay writes freed memory).
+    replay.step = step
+    return replay
 
 
 def host_overhead(cases: dict, device: torch.device, rounds: int = 5) -> dict[str, float]:
@@ -144,6 +151,7 @@ def main() -> None:
                 if strategy != "fold" and backend == "torch":
                     continue  # activation strategies: one mask-step backend is enough
                 name = f"{strategy}/{backend}"
+                print(f"setting up {name}", flush=True)  # which case, should one crash
                 step = make_case(work, base, device, strategy, backend, args.graph)
                 cases[name] = (step, work["inner"])
         samples = interleaved(cases, rounds, device, warmup=2)

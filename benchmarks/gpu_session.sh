@@ -2,7 +2,10 @@
 # Everything a lent GPU is for, in one run: build the extension against that machine's
 # torch, run the GPU test suite, then the GPU benchmarks. Logs and results go to $OUT.
 #
-#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh [tests|bench|train|all]...
+#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh [tests|bench|train|scale|all]...
+#
+# tests: tests/test_gpu.py; bench: the kernel benchmarks; train: the training step (eager,
+# profiled, CUDA graph); scale: mask-step scaling and iterations; all: every one.
 #
 # The GPU machine has torch, Triton and nvcc but no package index: wheels it lacks
 # (torch-pruning) travel in .whl/ and are installed to /tmp/site first.
@@ -51,7 +54,10 @@ for step in $steps; do
     ;;&
   train | all)
     run bench_training_step 150 $PY benchmarks/bench_training_step.py --device cuda
-    run bench_training_graph 150 $PY benchmarks/bench_training_step.py --device cuda --graph
+    run profile_training_step 90 $PY benchmarks/profile_training_step.py
+    run bench_training_graph 150 $PY -X faulthandler benchmarks/bench_training_step.py --device cuda --graph
+    ;;&
+  scale | all)
     run bench_scaling 120 $PY benchmarks/bench_scaling.py --device cuda --rounds 5
     run bench_iterations 90 $PY benchmarks/bench_iterations.py --device cuda --rounds 5
     ;;

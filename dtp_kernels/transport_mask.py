@@ -412,13 +412,39 @@ def transport_mask(
         The mask in the layout and dtype of ``scores``: ``mask[i] = n P_new[i, 1]``; each
         segment's mask sums to its k. Segments with k = 0 or k = n get the constant k/n.
     """
-    if not isinstance(state, TransportState):
-        raise TypeError(f"state must be a TransportState, got {type(state).__name__}")
-    flat, is_list = _check_scores(scores, state)
-    keep_t = _check_keep(keep, state)
-    eps_t = _check_eps(eps, state)
-    backend = _check_options(iters, update, backend, flat.device)
-    mask, new_d, new_shift = _IMPLEMENTATIONS[backend](flat, keep_t, eps_t, state, iters)
+    flat, is_list = _check_scores(scores, _checked_state(state))
+    mask, new_d, new_shift = _step(flat, keep, state, eps, iters, update, backend)
     if update:
         state.write_pending(new_d, new_shift)
     return list(mask.split(list(state.sizes))) if is_list else mask
+
+
+def _checked_state(state) -> TransportState:
+    if not isinstance(state, TransportState):
+        raise TypeError(f"state must be a TransportState, got {type(state).__name__}")
+    return state
+
+
+def transport_step(
+    scores: torch.Tensor,
+    keep: torch.Tensor | Sequence[float] | float,
+    state: TransportState,
+    eps: float | Sequence[float] | torch.Tensor = 1.0,
+    iters: int = 1,
+    update: bool = True,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`transport_mask` on flat scores without writing the state: returns the mask
+    and the next state (log-odds, shift) for ``state.write_pending``, so a caller can
+    hold segments in the same write (DTPPruner does, for non-finite scores)."""
+    if not isinstance(scores, torch.Tensor):
+        raise TypeError(f"scores must be one flat 1-D tensor, got {type(scores).__name__}")
+    flat, _ = _check_scores(scores, _checked_state(state))
+    return _step(flat, keep, state, eps, iters, update, backend)
+
+
+def _step(flat, keep, state, eps, iters, update, backend):
+    keep_t = _check_keep(keep, state)
+    eps_t = _check_eps(eps, state)
+    backend = _check_options(iters, update, backend, flat.device)
+    return _IMPLEMENTATIONS[backend](flat, keep_t, eps_t, state, iters)

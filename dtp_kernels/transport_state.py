@@ -88,38 +88,52 @@ class TransportState(nn.Module):
     def device(self) -> torch.device:
         return self._buffers["log_odds"].device  # direct: Module.__getattr__ is slow per step
 
-    def write_pending(self, log_odds: torch.Tensor, shift: torch.Tensor) -> None:
-        """Store the next state (tensors without grad); it becomes current at :meth:`commit`."""
+    def write_pending(
+        self, log_odds: torch.Tensor, shift: torch.Tensor, hold: torch.Tensor | None = None
+    ) -> None:
+        """Store the next state (tensors without grad); it becomes current at :meth:`commit`.
+        ``hold`` (bool, one per segment) keeps the current state of the marked segments
+        instead and counts the step as skipped for them (see :meth:`hold`)."""
         buffers = self._buffers  # direct: Module.__getattr__ is slow on a per-step path
-        buffers["pending_log_odds"].copy_(log_odds)
-        buffers["pending_shift"].copy_(shift)
+        pending_d, pending_s = buffers["pending_log_odds"], buffers["pending_shift"]
+        if log_odds.dtype != pending_d.dtype:  # float64 scores on a float32 state
+            log_odds, shift = log_odds.to(pending_d.dtype), shift.to(pending_d.dtype)
+        if hold is None:
+            torch._foreach_copy_([pending_d, pending_s], [log_odds, shift])
+        else:  # one op per buffer: a DTP step pays host time per op on a GPU
+            torch.where(hold[buffers["segment_ids"]], buffers["log_odds"], log_odds, out=pending_d)
+            torch.where(hold, buffers["shift"], shift, out=pending_s)
+            buffers["pending_nonfinite"].logical_or_(hold)
         buffers["has_pending"].fill_(True)
 
     @torch.no_grad()
     def hold(self, segments: torch.Tensor) -> None:
         """Keep the current state of the marked segments (bool, one per segment) at the
-        next :meth:`commit` and count the step as skipped for them; on the device."""
+        next :meth:`commit` and count the step as skipped for them, if a forward wrote a
+        pending step; on the device."""
         buffers = self._buffers
         per_channel = segments[buffers["segment_ids"]]
         pending_d, pending_s = buffers["pending_log_odds"], buffers["pending_shift"]
-        pending_d.copy_(torch.where(per_channel, buffers["log_odds"], pending_d))
-        pending_s.copy_(torch.where(segments, buffers["shift"], pending_s))
-        buffers["pending_nonfinite"].logical_or_(segments)
+        torch.where(per_channel, buffers["log_odds"], pending_d, out=pending_d)
+        torch.where(segments, buffers["shift"], pending_s, out=pending_s)
+        buffers["pending_nonfinite"].logical_or_(segments & buffers["has_pending"])
 
     @torch.no_grad()
     def commit(self) -> None:
         """Make the pending state current and count a step, if a forward wrote one.
 
-        Runs on the device without a host sync. Outside a pending step the pending buffers
-        equal the current ones (every commit leaves them so), so copying is always right.
+        Runs on the device without a host sync, in four ops. Outside a pending step the
+        pending buffers equal the current ones (every commit leaves them so), so copying
+        is always right, and ``pending_nonfinite`` is only ever set with a pending step.
         """
         buffers = self._buffers
-        buffers["log_odds"].copy_(buffers["pending_log_odds"])
-        buffers["shift"].copy_(buffers["pending_shift"])
+        torch._foreach_copy_(
+            [buffers["log_odds"], buffers["shift"]],
+            [buffers["pending_log_odds"], buffers["pending_shift"]],
+        )
         buffers["steps"].add_(buffers["has_pending"])
-        buffers["skipped_steps"].add_(buffers["pending_nonfinite"] & buffers["has_pending"])
-        buffers["has_pending"].fill_(False)
-        buffers["pending_nonfinite"].fill_(False)
+        buffers["skipped_steps"].add_(buffers["pending_nonfinite"])
+        torch._foreach_zero_([buffers["has_pending"], buffers["pending_nonfinite"]])
 
     @torch.no_grad()
     def reset(self) -> None:

@@ -222,7 +222,9 @@ def test_opcheck_cuda_kernels():
     torch.library.opcheck(torch.ops.dtp.masked_channel_epilogue.default, (y, mask, None, "relu", 1))
 
 
-def dtp_training_setup(backend: str, mask_at: str = "parameters", budget: str = "layer"):
+def dtp_training_setup(
+    backend: str, mask_at: str = "parameters", budget: str = "layer", channels_last=False
+):
     """resnet20 with DTP masks on the GPU, its optimizer (state committed after each step)
     and one batch."""
     from dtp_kernels import DTPPruner
@@ -234,6 +236,9 @@ def dtp_training_setup(backend: str, mask_at: str = "parameters", budget: str = 
     gen = torch.Generator().manual_seed(1)
     images = torch.randn(16, 3, 32, 32, generator=gen).to(CUDA)
     labels = torch.randint(0, 10, (16,), generator=gen).to(CUDA)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+        images = images.to(memory_format=torch.channels_last)
     epilogue = backend if backend in ("cuda", "triton", "torch") else "auto"
     pruner = DTPPruner(
         model, images[:1], 0.5, budget=budget, mask_at=mask_at, backend=backend,
@@ -264,32 +269,36 @@ def test_training_step_has_no_host_sync(backend, mask_at, budget):
     assert int(pruner.state.steps) == 4
 
 
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "bf16-channels-last"])
 @pytest.mark.parametrize("backend", gpu_backends())
-def test_training_step_in_cuda_graph_matches_eager(backend):
+def test_training_step_in_cuda_graph_matches_eager(backend, amp):
     """A whole DTP training step (forward, backward, SGD step, state commit) captured in a
-    CUDA graph and replayed gives what the same steps give eagerly."""
+    CUDA graph and replayed gives what the same steps give eagerly; also under bf16
+    autocast with channels_last (the GPU benchmark's setting)."""
     from dtp_kernels.pipeline.step import training_step
 
     runs = {}
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     for mode in ("eager", "graph"):
-        model, pruner, optimizer, images, labels = dtp_training_setup(backend)
+        model, pruner, optimizer, images, labels = dtp_training_setup(
+            backend, channels_last=amp is not None
+        )
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up on a side stream, as capture requires
             for _ in range(3):
-                training_step(model, optimizer, images, labels, pruner)
+                training_step(model, optimizer, images, labels, pruner, amp=amp)
         torch.cuda.current_stream().wait_stream(side)
         if mode == "graph":
             graph = torch.cuda.CUDAGraph()
             optimizer.zero_grad(set_to_none=True)
             with torch.cuda.graph(graph):
-                training_step(model, optimizer, images, labels, pruner)
+                training_step(model, optimizer, images, labels, pruner, amp=amp)
             for _ in range(5):
                 graph.replay()
         else:
             for _ in range(5):
-                training_step(model, optimizer, images, labels, pruner)
+                training_step(model, optimizer, images, labels, pruner, amp=amp)
         torch.cuda.synchronize()
         runs[mode] = (
             pruner.scores.detach().clone(), pruner.state.log_odds.clone(),

@@ -318,17 +318,34 @@ def test_weight_granularity_has_no_flops_budget():
         DTPPruner(resnet20(), X1, 0.5, granularity="weight", budget="flops")
 
 
+class _BNAfterSome(torch.nn.Module):
+    """The first group has no BN (its conv rows are masked), the others do: the folded
+    BN masks cover only some segments of the flat mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.c2, self.b2 = torch.nn.Conv2d(8, 7, 3, padding=1), torch.nn.BatchNorm2d(7)
+        self.c3, self.b3 = torch.nn.Conv2d(7, 6, 3, padding=1), torch.nn.BatchNorm2d(6)
+        self.head = torch.nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.c1(x))
+        x = torch.relu(self.b2(self.c2(x)))
+        x = torch.relu(self.b3(self.c3(x)))
+        return self.head(x.mean((2, 3)))
+
+
+@pytest.mark.parametrize("make", [resnet20, _BNAfterSome])
 @pytest.mark.parametrize("budget", ["layer", "flops"])
-def test_folded_masks_equal_the_per_parameter_product(budget):
+def test_folded_masks_equal_the_per_parameter_product(budget, make):
     """The pruner multiplies all BN parameters by their masks in one foreach op; the same
     model with one product per parameter (the parametrizations' own path) gives the same
     outputs and gradients."""
-    from dtp_kernels.models import resnet20
-
     results = []
     for fold in (True, False):
         torch.manual_seed(0)
-        model = resnet20()
+        model = make()
         pruner = DTPPruner(model, X1, 0.5, budget=budget)
         if not fold:
             pruner._fold = []  # every parametrization multiplies on its own
@@ -337,6 +354,8 @@ def test_folded_masks_equal_the_per_parameter_product(budget):
         loss.backward()
         grads = [p.grad.clone() for p in (*model.parameters(), *pruner.parameters())]
         results.append((out.detach(), grads, pruner.state.pending_log_odds.clone()))
+        if fold and make is _BNAfterSome:
+            assert pruner._fold_plan.channels is not None  # the placement path ran
     (out_a, grads_a, state_a), (out_b, grads_b, state_b) = results
     torch.testing.assert_close(out_a, out_b, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(state_a, state_b, rtol=0, atol=0)

@@ -32,8 +32,10 @@ def training_step(
     fp16) scales the loss and skips the optimizer step, and so the transport-state
     commit, when a gradient is not finite.
     """
+    # No autocast weight cache: every weight is cast once per forward anyway, and cached
+    # casts made during CUDA-graph capture must not outlive it (torch's CUDA-graph notes).
     autocast = (
-        torch.autocast(images.device.type, dtype=amp)
+        torch.autocast(images.device.type, dtype=amp, cache_enabled=False)
         if amp is not None
         else contextlib.nullcontext()
     )

@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..masked_channel_epilogue import masked_channel_epilogue
-from ..transport_mask import transport_mask
+from ..transport_mask import transport_mask, transport_step
 from ..transport_state import TransportState
 from .base import ChannelPruner
 
@@ -83,82 +83,126 @@ class _FlopsModel:
         return (flops * a[self.out_index]).sum() / self.dense
 
 
-def _segment_any(flags: torch.Tensor, state: TransportState) -> torch.Tensor:
-    """Per segment of `state`: whether any of its flags is set."""
-    counts = torch.zeros(state.num_segments, dtype=torch.int32, device=flags.device)
-    return counts.index_add_(0, state.segment_ids, flags.to(torch.int32)) > 0
+def _isfinite(x: torch.Tensor) -> torch.Tensor:
+    """torch.isfinite in two ops (it decomposes into four): x * 0 is NaN for NaN and Inf."""
+    return x.detach().mul(0).eq(0)
+
+
+@dataclass
+class _FoldPlan:
+    """Where the folded BN parameters take their masks from. Slots come in (weight, bias)
+    pairs of one BN each; `groups[pair]` is that BN's mask segment. `channels` places the
+    pairs' per-channel gradients in the flat mask (None: the pairs cover every segment in
+    order, so no placement is needed)."""
+
+    groups: list[int]
+    sizes: list[int]
+    channels: torch.Tensor | None
+
+    @classmethod
+    def build(cls, groups: list[int], sizes: list[int], device: torch.device) -> _FoldPlan:
+        offsets = [0]
+        for n in sizes:
+            offsets.append(offsets[-1] + n)
+        if groups == list(range(len(sizes))):
+            return cls(groups, sizes, None)
+        channels = [c for g in groups for c in range(offsets[g], offsets[g + 1])]
+        return cls(groups, sizes, torch.tensor(channels, device=device))
 
 
 class _FoldMasks(torch.autograd.Function):
-    """All masked BN parameters at once: forward one foreach multiply, backward one
-    foreach multiply per input side and one concatenation for the flat mask's gradient.
-    `groups[slot]` is the mask segment of each parameter; segments of `sizes` that no
-    slot uses get a zero gradient."""
+    """Every masked BN weight and bias times its mask at once: forward one foreach
+    multiply; backward two (the parameters' and the mask's gradients) and one sum of the
+    weight and bias terms per channel for the flat mask."""
 
     @staticmethod
-    def forward(ctx, mask, groups: list[int], sizes: list[int], *params):
-        segments = mask.split(sizes)
+    def forward(ctx, mask, plan: _FoldPlan, *params):
+        segments = mask.split(plan.sizes)
+        per_slot = [segments[g] for g in plan.groups for _ in (0, 1)]
         ctx.save_for_backward(mask, *params)
-        ctx.groups, ctx.sizes = groups, sizes
-        return tuple(torch._foreach_mul(list(params), [segments[g] for g in groups]))
+        ctx.plan = plan
+        return tuple(torch._foreach_mul(list(params), per_slot))
 
     @staticmethod
     def backward(ctx, *grads):
         mask, *params = ctx.saved_tensors
+        plan: _FoldPlan = ctx.plan
         grads = [g if g is not None else torch.zeros_like(p)
                  for g, p in zip(grads, params, strict=True)]  # fmt: skip
-        segments = mask.split(ctx.sizes)
-        grad_params = torch._foreach_mul(grads, [segments[g] for g in ctx.groups])
-        products = torch._foreach_mul(grads, params)
-        slots: dict[int, list[torch.Tensor]] = {}
-        for group, product in zip(ctx.groups, products, strict=True):
-            slots.setdefault(group, []).append(product)
-        pairs = [g for g, found in slots.items() if len(found) == 2]  # BN weight and bias
-        summed = dict(
-            zip(
-                pairs,
-                torch._foreach_add([slots[g][0] for g in pairs], [slots[g][1] for g in pairs]),
-                strict=True,
-            )
-        )
-        for group, found in slots.items():
-            if group not in summed:
-                summed[group] = torch.stack(found).sum(0)
-        pieces = [summed[g] if g in summed else mask.new_zeros(n) for g, n in enumerate(ctx.sizes)]
-        return (torch.cat(pieces), None, None, *grad_params)
+        segments = mask.split(plan.sizes)
+        grad_params = torch._foreach_mul(grads, [segments[g] for g in plan.groups for _ in (0, 1)])
+        products = torch._foreach_mul(grads, params)  # d loss / d mask, per slot
+        per_channel = torch.cat(products[0::2]) + torch.cat(products[1::2])
+        if plan.channels is not None:
+            per_channel = mask.new_zeros(mask.numel()).index_copy_(0, plan.channels, per_channel)
+        return (per_channel, None, *grad_params)
 
 
 class _MaskSource:
     """The masks of the current forward, shared by the parametrizations and hooks, and
     the BN parameters already multiplied by them (one foreach op for all; see
-    DTPPruner._fold_masks)."""
+    DTPPruner._fold_masks). The flat mask is split per group only when a group's mask is
+    read on its own (activation masks, parametrize's getter)."""
 
-    def __init__(self) -> None:
-        self.masks: list[torch.Tensor] = []
+    def __init__(self, sizes: Sequence[int]) -> None:
+        self.sizes = list(sizes)
+        self.flat: torch.Tensor | None = None
+        self._split: tuple[torch.Tensor, ...] | None = None
         self.hard: list[torch.Tensor] | None = None  # set: evaluate the hard-masked model
         # slot -> (masked parameter, the original it was computed from, its version)
         self.folded: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
 
+    def set(self, flat: torch.Tensor) -> None:
+        self.flat, self._split = flat, None
+
+    @property
+    def masks(self) -> tuple[torch.Tensor, ...]:
+        if self._split is None:
+            self._split = self.flat.split(self.sizes)
+        return self._split
+
     def get(self, index: int) -> torch.Tensor:
         return self.hard[index] if self.hard is not None else self.masks[index]
 
+    def release_graph(self) -> None:
+        """Keep the values, drop the autograd graph of this forward's masks: held past the
+        forward it would keep the scores' and BN parameters' gradient accumulators alive
+        into the next step (stream mismatches under CUDA-graph capture)."""
+        if self.flat is not None and self.flat.requires_grad:
+            self.set(self.flat.detach())
+            self.folded = {}
+
 
 class _ScaleRows(nn.Module):
-    """Parametrization w -> w * mask, broadcast over the first (output-channel) dim. Uses
-    the product the pruner computed for this forward when it is for this very tensor,
-    unchanged since (so a read after an optimizer step is never stale)."""
+    """Parametrization w -> w * mask, broadcast over the first (output-channel) dim."""
 
-    def __init__(self, source: _MaskSource, index: int, slot: int = -1) -> None:
+    def __init__(self, source: _MaskSource, index: int) -> None:
         super().__init__()
-        self.source, self.index, self.slot = source, index, slot
+        self.source, self.index = source, index
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        if self.source.hard is None:
-            cached = self.source.folded.get(self.slot)
-            if cached is not None and cached[1] is weight and cached[2] == weight._version:
-                return cached[0]
         mask = self.source.get(self.index).to(weight.dtype)
         return weight * mask.view(-1, *([1] * (weight.dim() - 1)))
+
+
+def _read_folded_first(module: nn.Module, name: str, source: _MaskSource, slot: int) -> None:
+    """Make reading ``module.<name>`` return the product DTPPruner folded for this forward
+    while it is current (no hard masks, the original unchanged since), and parametrize's
+    getter otherwise. Parametrize's getter costs several Python calls per read, 66 reads
+    per ResNet-50 forward: a host cost an eager GPU step pays in full. The property goes on
+    the class parametrize made for this module, which deep copies share: they read
+    through parametrize."""
+    cls = type(module)
+    slow = getattr(cls, name)
+
+    def get(self: nn.Module) -> torch.Tensor:
+        if self is module and source.hard is None:
+            cached = source.folded.get(slot)
+            if cached is not None and cached[1]._version == cached[2]:
+                return cached[0]
+        return slow.fget(self)
+
+    setattr(cls, name, property(get, slow.fset))
 
 
 class _ScaleEach(nn.Module):
@@ -252,13 +296,18 @@ class DTPPruner(ChannelPruner):
         segments = [sum(self.sizes)] if budget == "global" else self.sizes
         self.state = TransportState(segments, device=device)
         self._steps_since_check, self._skipped_seen = 0, [0] * len(segments)
+        self._segment_sizes: torch.Tensor | None = None  # int32 sizes for _segment_any_bad
         self.register_buffer("keep", torch.tensor(self.kept, dtype=torch.float32, device=device))
         self.register_buffer("_sizes", torch.tensor(self.sizes, dtype=torch.float32, device=device))
-        self._source = _MaskSource()
+        self._source = _MaskSource(self.sizes)
         self._fold: list[tuple[int, nn.Parameter]] = []  # (group, BN parameter) per slot
+        self._fold_plan: _FoldPlan | None = None
         with torch.no_grad():  # masks exist before the first forward (parametrize checks)
             self._compute_masks(model, ())
-        self._handles = [model.register_forward_pre_hook(self._compute_masks)]
+        self._handles = [
+            model.register_forward_pre_hook(self._compute_masks),
+            model.register_forward_hook(lambda *_: self._source.release_graph()),
+        ]
         for index, group in enumerate(self.groups):
             self._attach_mask(index, group)
 
@@ -280,9 +329,9 @@ class DTPPruner(ChannelPruner):
         if self.mask_at != "activation" and group.bn is not None and group.bn.affine:
             for name in ("weight", "bias"):
                 slot = len(self._fold)
-                parametrize.register_parametrization(
-                    group.bn, name, _ScaleRows(self._source, index, slot)
-                )
+                scale = _ScaleRows(self._source, index)
+                parametrize.register_parametrization(group.bn, name, scale)
+                _read_folded_first(group.bn, name, self._source, slot)
                 self._fold.append((index, group.bn.parametrizations[name].original))
         elif self.mask_at != "activation" and group.bn is None:
             for name in ("weight", "bias") if group.conv.bias is not None else ("weight",):
@@ -334,34 +383,47 @@ class DTPPruner(ChannelPruner):
         step counted in ``skipped_steps``. All on the device.
         """
         update = model.training and torch.is_grad_enabled()
-        finite = torch.isfinite(self.scores)
-        mask = transport_mask(
+        finite = _isfinite(self.scores)
+        mask, log_odds, shift = transport_step(
             self._finite_scores(finite), self.current_keep(), self.state, eps=self.eps,
             iters=self.iters, update=update, backend=self.backend,
         )  # fmt: skip
         if update:
-            self.state.hold(_segment_any(finite.logical_not(), self.state))
-        self._source.masks = list(mask.split(self.sizes))
-        self._flat_mask = mask
+            self.state.write_pending(log_odds, shift, hold=self._segment_any_bad(finite))
+        self._source.set(mask)
         self._fold_masks()
 
     def _fold_masks(self) -> None:
         """Multiply every masked BN weight and bias by its mask in one foreach op (and one
         for its backward) instead of one multiply per parameter per forward: ResNet-50 has
-        106 of them, and an eager GPU step pays host time per op."""
+        66 of them, and an eager GPU step pays host time per op."""
         if not self._fold:
             return
         originals = [original for _, original in self._fold]
-        groups = [index for index, _ in self._fold]
-        products = _FoldMasks.apply(self._flat_mask, groups, self.sizes, *originals)
+        flat = self._source.flat
+        if self._fold_plan is None or (
+            self._fold_plan.channels is not None and self._fold_plan.channels.device != flat.device
+        ):
+            self._fold_plan = _FoldPlan.build(
+                [index for index, _ in self._fold[0::2]], self.sizes, flat.device
+            )
+        products = _FoldMasks.apply(flat, self._fold_plan, *originals)
         self._source.folded = {
             slot: (product, original, original._version)
             for slot, (product, original) in enumerate(zip(products, originals, strict=True))
         }
 
+    def _segment_any_bad(self, finite: torch.Tensor) -> torch.Tensor:
+        """Per transport segment: whether any of its scores is not finite."""
+        state = self.state
+        if self._segment_sizes is None or self._segment_sizes.device != finite.device:
+            self._segment_sizes = torch.tensor(state.sizes, dtype=torch.int32, device=finite.device)
+        counts = torch.zeros(state.num_segments, dtype=torch.int32, device=finite.device)
+        return counts.index_add_(0, state.segment_ids, finite.to(torch.int32)) < self._segment_sizes
+
     def _finite_scores(self, finite: torch.Tensor | None = None) -> torch.Tensor:
         """The scores with NaN/Inf entries replaced by the neutral 0.5."""
-        finite = torch.isfinite(self.scores) if finite is None else finite
+        finite = _isfinite(self.scores) if finite is None else finite
         return torch.where(finite, self.scores, 0.5)
 
     def channel_scores(self) -> torch.Tensor:
@@ -459,7 +521,7 @@ class DTPPruner(ChannelPruner):
 
     def _unmasked_copy(self) -> nn.Module:
         """A deep copy of the model without this pruner's masks, hooks and state."""
-        memo = {id(self): self, id(self._source): _MaskSource()}  # share, do not copy, these
+        memo = {id(self): self, id(self._source): _MaskSource(self.sizes)}  # do not copy these
         pruned = copy.deepcopy(self.model, memo)
         for module in list(pruned.modules()):
             for handle in self._handles:

@@ -1,0 +1,119 @@
+"""Where a DTP training step's extra time goes on a GPU: host issue time against device
+time, dense against DTP-masked, for the bench_training_step GPU workload.
+
+    python benchmarks/profile_training_step.py [--strategy fold] [--backend cuda]
+
+For each case it reports, per step: the wall time (synchronised), the time the host
+spends issuing the step, the summed device time of its kernels and their count, and the
+kernels the masked step adds. A step whose host time is close to its wall time is
+host-bound: there its overhead is the host cost of the extra operators, not their
+kernels. Writes benchmarks/results/training_step_profile_<device>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _harness import RESULTS, environment, sync
+from bench_training_step import make_case, workloads
+
+from dtp_kernels.models import get_model
+
+
+def kernel_times(step, steps: int, device: torch.device) -> tuple[Counter, Counter]:
+    """Device microseconds and launches per kernel name, per step (on CPU: operators and
+    their self time, for a dry run of this script)."""
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        sync(device)
+    times, counts = Counter(), Counter()
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    for event in prof.events():
+        if event.device_type == kind:
+            times[event.name] += (event.device_time if cuda else event.self_cpu_time_total) / steps
+            counts[event.name] += 1 / steps
+    return times, counts
+
+
+def wall_and_host(step, device: torch.device) -> tuple[float, float]:
+    """One step: ms until synchronised, ms until the host has issued it."""
+    sync(device)
+    start = time.perf_counter()
+    step()
+    host = time.perf_counter() - start
+    sync(device)
+    return (time.perf_counter() - start) * 1e3, host * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strategy", default="fold")
+    parser.add_argument("--backend", default="cuda")
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--device", default="cuda", help="cpu: a dry run on the CPU workload")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    env = environment(device)
+    work = workloads(device)[-1]  # CPU: the small digits CNN
+    torch.manual_seed(0)
+    base = get_model(work["model"], num_classes=work["classes"])
+    masked = f"{args.strategy}/{args.backend}"
+    names = {"dense": (None, None), masked: (args.strategy, args.backend)}
+    steps = {name: make_case(work, base, device, *spec) for name, spec in names.items()}
+    for step in steps.values():
+        for _ in range(3):
+            step()
+    lines = [
+        "# Where the DTP step's time goes (GPU)",
+        "",
+        f"device: {env['device']}; torch {env['torch']}; triton {env['triton']}; "
+        f"date {env['date']}; {work['model']} batch {work['batch']}"
+        f"{' bf16 channels_last' if work['amp'] else ''}; "
+        f"medians of {args.rounds} alternating steps",
+        "",
+        "| case | wall ms | host issue ms | device busy ms | kernels |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    samples = {name: ([], []) for name in steps}
+    for _ in range(args.rounds):  # alternate the cases: same clocks and host load
+        for name, step in steps.items():
+            wall, host = wall_and_host(step, device)
+            samples[name][0].append(wall)
+            samples[name][1].append(host)
+    profiles = {name: kernel_times(step, 5, device) for name, step in steps.items()}
+    for name in steps:
+        times, counts = profiles[name]
+        lines.append(
+            f"| {name} | {statistics.median(samples[name][0]):.2f} | "
+            f"{statistics.median(samples[name][1]):.2f} | {sum(times.values()) / 1e3:.2f} | "
+            f"{sum(counts.values()):.0f} |"
+        )
+    (dense_t, dense_c), (dtp_t, dtp_c) = profiles.values()
+    extra = Counter({k: dtp_t[k] - dense_t.get(k, 0.0) for k in dtp_t})
+    lines += ["", "Kernels the masked step adds (device us per step, launches per step):", "",
+              "| kernel | extra us | extra launches |", "| --- | ---: | ---: |"]  # fmt: skip
+    for name, us in extra.most_common(15):
+        launches = dtp_c[name] - dense_c.get(name, 0)
+        if us > 0.05 or launches > 0:
+            lines.append(f"| {name[:90]} | {us:.1f} | {launches:.0f} |")
+    report = "\n".join([*lines, ""])
+    print(report)
+    if device.type == "cuda":
+        (RESULTS / f"training_step_profile_{device.type}.md").write_text(report)
+
+
+if __name__ == "__main__":
+    main()
