@@ -54,7 +54,7 @@ for step in $steps; do
     ;;&
   train | all)
     run bench_training_step 150 $PY benchmarks/bench_training_step.py --device cuda
-    run profile_training_step 90 $PY benchmarks/profile_training_step.py
+    run profile_training_step 90 $PY benchmarks/profile_training_step.py --python
     run bench_training_graph 150 $PY -X faulthandler benchmarks/bench_training_step.py --device cuda --graph
     ;;&
   scale | all)

@@ -31,10 +31,10 @@ from bench_training_step import make_case, workloads
 from dtp_kernels.models import get_model
 
 
-def kernel_times(step, steps: int, device: torch.device) -> tuple[Counter, Counter]:
-    """Device microseconds and launches per kernel name, per step (on CPU: operators and
-    their self time, for a dry run of this script)."""
-    cuda = device.type == "cuda"
+def kernel_times(step, steps: int, device: torch.device, host: bool = False):
+    """Per step and name: device microseconds and launches of each kernel, or with
+    host=True (and on CPU) the host's self microseconds and calls of each operator."""
+    cuda = device.type == "cuda" and not host
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             step()
@@ -46,6 +46,18 @@ def kernel_times(step, steps: int, device: torch.device) -> tuple[Counter, Count
             times[event.name] += (event.device_time if cuda else event.self_cpu_time_total) / steps
             counts[event.name] += 1 / steps
     return times, counts
+
+
+def added(profiles: dict, title: str, unit: str) -> list[str]:
+    """Rows of the names the masked step adds most to, from {case: (times, counts)}."""
+    (dense_t, dense_c), (dtp_t, dtp_c) = profiles.values()
+    extra = Counter({k: dtp_t[k] - dense_t.get(k, 0.0) for k in dtp_t})
+    lines = ["", title, "", f"| name | extra {unit} | extra calls |", "| --- | ---: | ---: |"]
+    for name, us in extra.most_common(15):
+        calls = dtp_c[name] - dense_c.get(name, 0)
+        if us > 0.05 or calls > 0:
+            lines.append(f"| {name[:90]} | {us:.1f} | {calls:.0f} |")
+    return lines
 
 
 def wall_and_host(step, device: torch.device) -> tuple[float, float]:
@@ -64,6 +76,8 @@ def main() -> None:
     parser.add_argument("--backend", default="cuda")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--device", default="cuda", help="cpu: a dry run on the CPU workload")
+    parser.add_argument("--python", action="store_true",
+                        help="also print cProfile top functions of both")  # fmt: skip
     args = parser.parse_args()
     device = torch.device(args.device)
     env = environment(device)
@@ -101,14 +115,20 @@ def main() -> None:
             f"{statistics.median(samples[name][1]):.2f} | {sum(times.values()) / 1e3:.2f} | "
             f"{sum(counts.values()):.0f} |"
         )
-    (dense_t, dense_c), (dtp_t, dtp_c) = profiles.values()
-    extra = Counter({k: dtp_t[k] - dense_t.get(k, 0.0) for k in dtp_t})
-    lines += ["", "Kernels the masked step adds (device us per step, launches per step):", "",
-              "| kernel | extra us | extra launches |", "| --- | ---: | ---: |"]  # fmt: skip
-    for name, us in extra.most_common(15):
-        launches = dtp_c[name] - dense_c.get(name, 0)
-        if us > 0.05 or launches > 0:
-            lines.append(f"| {name[:90]} | {us:.1f} | {launches:.0f} |")
+    lines += added(profiles, "Kernels the masked step adds (device us per step, launches):", "us")
+    if device.type == "cuda":  # where the host's extra time goes
+        host = {name: kernel_times(step, 5, device, host=True) for name, step in steps.items()}
+        lines += added(host, "Operators the masked step adds on the host (self us per step, "
+                       "profiler overhead included):", "host us")  # fmt: skip
+    if args.python:
+        import cProfile
+        import pstats
+
+        for name, step in steps.items():
+            print(f"cProfile, 10 steps of {name}:")
+            profiler = cProfile.Profile()
+            profiler.runcall(lambda step=step: [step() for _ in range(10)])
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     report = "\n".join([*lines, ""])
     print(report)
     if device.type == "cuda":
