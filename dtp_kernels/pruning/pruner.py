@@ -91,51 +91,63 @@ def _isfinite(x: torch.Tensor) -> torch.Tensor:
 @dataclass
 class _FoldPlan:
     """Where the folded BN parameters take their masks from. Slots come in (weight, bias)
-    pairs of one BN each; `groups[pair]` is that BN's mask segment. `channels` places the
-    pairs' per-channel gradients in the flat mask (None: the pairs cover every segment in
-    order, so no placement is needed)."""
+    pairs of one BN each, `groups[pair]` being that BN's mask segment. `channels` picks
+    the pairs' channels from the flat mask (None: the pairs cover every segment in order)."""
 
     groups: list[int]
     sizes: list[int]
     channels: torch.Tensor | None
+    halves: list[int]  # the flat copy's pieces: every weight's size, then every bias's
+    slots: list[int]  # the same in slot order (w0, b0, w1, b1, ...)
 
     @classmethod
     def build(cls, groups: list[int], sizes: list[int], device: torch.device) -> _FoldPlan:
+        folded = [sizes[g] for g in groups]
+        halves, slots = folded * 2, [n for n in folded for _ in (0, 1)]
+        if groups == list(range(len(sizes))):
+            return cls(groups, sizes, None, halves, slots)
         offsets = [0]
         for n in sizes:
             offsets.append(offsets[-1] + n)
-        if groups == list(range(len(sizes))):
-            return cls(groups, sizes, None)
         channels = [c for g in groups for c in range(offsets[g], offsets[g + 1])]
-        return cls(groups, sizes, torch.tensor(channels, device=device))
+        return cls(groups, sizes, torch.tensor(channels, device=device), halves, slots)
 
 
 class _FoldMasks(torch.autograd.Function):
-    """Every masked BN weight and bias times its mask at once: forward one foreach
-    multiply; backward two (the parameters' and the mask's gradients) and one sum of the
-    weight and bias terms per channel for the flat mask."""
+    """Every masked BN weight and bias times its mask at once, on one flat copy of them
+    (weights, then biases): a handful of ops and allocations per step, where a product
+    per parameter would allocate one tensor per BN parameter in forward and two in
+    backward (on a GPU, host time the step pays in full). The outputs and the
+    parameters' gradients are views of one tensor each."""
 
     @staticmethod
     def forward(ctx, mask, plan: _FoldPlan, *params):
-        segments = mask.split(plan.sizes)
-        per_slot = [segments[g] for g in plan.groups for _ in (0, 1)]
-        ctx.save_for_backward(mask, *params)
-        ctx.plan = plan
-        return tuple(torch._foreach_mul(list(params), per_slot))
+        flat = torch.cat([*params[0::2], *params[1::2]]).view(2, -1)
+        per_channel = mask if plan.channels is None else mask.index_select(0, plan.channels)
+        per_channel = per_channel.to(flat.dtype)
+        ctx.save_for_backward(flat, per_channel)
+        ctx.plan, ctx.mask_shape, ctx.mask_dtype = plan, mask.shape, mask.dtype
+        return tuple(_interleave((flat * per_channel).view(-1).split(plan.halves)))
 
     @staticmethod
     def backward(ctx, *grads):
-        mask, *params = ctx.saved_tensors
+        flat, per_channel = ctx.saved_tensors
         plan: _FoldPlan = ctx.plan
-        grads = [g if g is not None else torch.zeros_like(p)
-                 for g, p in zip(grads, params, strict=True)]  # fmt: skip
-        segments = mask.split(plan.sizes)
-        grad_params = torch._foreach_mul(grads, [segments[g] for g in plan.groups for _ in (0, 1)])
-        products = torch._foreach_mul(grads, params)  # d loss / d mask, per slot
-        per_channel = torch.cat(products[0::2]) + torch.cat(products[1::2])
+        grads = [g if g is not None else flat.new_zeros(n)
+                 for g, n in zip(grads, plan.slots, strict=True)]  # fmt: skip
+        grad = torch.cat([*grads[0::2], *grads[1::2]]).view(2, -1)
+        grad_params = (grad * per_channel).view(-1).split(plan.halves)
+        grad_mask = (grad * flat).sum(0).to(ctx.mask_dtype)  # weight and bias terms
         if plan.channels is not None:
-            per_channel = mask.new_zeros(mask.numel()).index_copy_(0, plan.channels, per_channel)
-        return (per_channel, None, *grad_params)
+            full = grad_mask.new_zeros(ctx.mask_shape)
+            grad_mask = full.index_copy_(0, plan.channels, grad_mask)
+        return (grad_mask, None, *_interleave(grad_params))
+
+
+def _interleave(halves):
+    """[w0, w1, ..., b0, b1, ...] -> [w0, b0, w1, b1, ...] (the slots' order)."""
+    half = len(halves) // 2
+    return [item for pair in zip(halves[:half], halves[half:], strict=True) for item in pair]
 
 
 class _MaskSource:
