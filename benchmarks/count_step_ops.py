@@ -4,7 +4,8 @@ work that an eager, dispatch-bound GPU step pays for (benchmarks/README.md).
     python benchmarks/count_step_ops.py [--model torchvision.resnet50]
 
 Counts every ATen (and dtp) operator call of one SGD training step through a
-TorchDispatchMode, on CPU tensors (the count does not depend on the device).
+TorchDispatchMode, and the tensors those allocate, on CPU tensors with the
+optimizer's foreach path (the default on CUDA), so the counts are a GPU step's.
 """
 
 from __future__ import annotations
@@ -27,13 +28,26 @@ from dtp_kernels.pipeline.train import make_optimizer
 
 
 class CountOps(TorchDispatchMode):
+    """Operator calls, and the tensors they allocate: outputs whose storage none of the
+    inputs has (on a GPU, each is a request to the caching allocator)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self.allocations = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
+        self.allocations += sum(
+            1 for t in _tensors(out) if t.untyped_storage().data_ptr() not in inputs
+        )
+        return out
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 def main() -> None:
@@ -54,14 +68,19 @@ def main() -> None:
             pruner = DTPPruner(model, images[:1], 0.5, mask_at=mask_at, backend="cpu",
                                epilogue_backend="cpu")  # fmt: skip
         optimizer = make_optimizer(model, {"lr": 0.01}, pruner)
+        for group in optimizer.param_groups:
+            group["foreach"] = True
         if pruner is not None:
             pruner.attach(optimizer)
         training_step(model, optimizer, images, labels, pruner)  # warm-up
         with CountOps() as mode:
             training_step(model, optimizer, images, labels, pruner)
         total = sum(mode.counts.values())
-        dense = dense or total
-        print(f"{name:>10}: {total} ops ({100 * (total / dense - 1):+.0f}%)")
+        allocations = mode.allocations
+        dense = dense or (total, allocations)
+        more_ops, more_allocations = total / dense[0] - 1, allocations / dense[1] - 1
+        print(f"{name:>10}: {total} ops ({100 * more_ops:+.1f}%), "
+              f"{allocations} allocations ({100 * more_allocations:+.1f}%)")  # fmt: skip
 
 
 if __name__ == "__main__":
