@@ -83,11 +83,6 @@ class _FlopsModel:
         return (flops * a[self.out_index]).sum() / self.dense
 
 
-def _isfinite(x: torch.Tensor) -> torch.Tensor:
-    """torch.isfinite in two ops (it decomposes into four): x * 0 is NaN for NaN and Inf."""
-    return x.detach().mul(0).eq(0)
-
-
 @dataclass
 class _FoldPlan:
     """Where the folded BN parameters take their masks from. Slots come in (weight, bias)
@@ -152,7 +147,7 @@ def _interleave(halves):
 
 class _MaskSource:
     """The masks of the current forward, shared by the parametrizations and hooks, and
-    the BN parameters already multiplied by them (one foreach op for all; see
+    the BN parameters already multiplied by them (all at once; see
     DTPPruner._fold_masks). The flat mask is split per group only when a group's mask is
     read on its own (activation masks, parametrize's getter)."""
 
@@ -308,7 +303,6 @@ class DTPPruner(ChannelPruner):
         segments = [sum(self.sizes)] if budget == "global" else self.sizes
         self.state = TransportState(segments, device=device)
         self._steps_since_check, self._skipped_seen = 0, [0] * len(segments)
-        self._segment_sizes: torch.Tensor | None = None  # int32 sizes for _segment_any_bad
         self.register_buffer("keep", torch.tensor(self.kept, dtype=torch.float32, device=device))
         self.register_buffer("_sizes", torch.tensor(self.sizes, dtype=torch.float32, device=device))
         self._source = _MaskSource(self.sizes)
@@ -395,20 +389,20 @@ class DTPPruner(ChannelPruner):
         step counted in ``skipped_steps``. All on the device.
         """
         update = model.training and torch.is_grad_enabled()
-        finite = _isfinite(self.scores)
+        zeros = self.scores.detach().mul(0)  # NaN where a score is NaN or Inf, else 0
         mask, log_odds, shift = transport_step(
-            self._finite_scores(finite), self.current_keep(), self.state, eps=self.eps,
+            self._finite_scores(zeros.eq(0)), self.current_keep(), self.state, eps=self.eps,
             iters=self.iters, update=update, backend=self.backend,
         )  # fmt: skip
         if update:
-            self.state.write_pending(log_odds, shift, hold=self._segment_any_bad(finite))
+            self.state.write_pending(log_odds, shift, hold=self._segment_any_bad(zeros))
         self._source.set(mask)
         self._fold_masks()
 
     def _fold_masks(self) -> None:
-        """Multiply every masked BN weight and bias by its mask in one foreach op (and one
-        for its backward) instead of one multiply per parameter per forward: ResNet-50 has
-        66 of them, and an eager GPU step pays host time per op."""
+        """Multiply every masked BN weight and bias by its mask at once (_FoldMasks)
+        instead of one multiply per parameter per forward: ResNet-50 has 66 of them, and
+        an eager GPU step pays host time per op and per allocation."""
         if not self._fold:
             return
         originals = [original for _, original in self._fold]
@@ -425,17 +419,17 @@ class DTPPruner(ChannelPruner):
             for slot, (product, original) in enumerate(zip(products, originals, strict=True))
         }
 
-    def _segment_any_bad(self, finite: torch.Tensor) -> torch.Tensor:
-        """Per transport segment: whether any of its scores is not finite."""
+    def _segment_any_bad(self, zeros: torch.Tensor) -> torch.Tensor:
+        """Per transport segment: whether any of its scores is not finite, from
+        ``scores * 0`` (NaN exactly there): a segment's sum of it is 0 or NaN, in any
+        summation order."""
         state = self.state
-        if self._segment_sizes is None or self._segment_sizes.device != finite.device:
-            self._segment_sizes = torch.tensor(state.sizes, dtype=torch.int32, device=finite.device)
-        counts = torch.zeros(state.num_segments, dtype=torch.int32, device=finite.device)
-        return counts.index_add_(0, state.segment_ids, finite.to(torch.int32)) < self._segment_sizes
+        sums = zeros.new_zeros(state.num_segments).index_add_(0, state.segment_ids, zeros)
+        return sums.ne(sums)
 
     def _finite_scores(self, finite: torch.Tensor | None = None) -> torch.Tensor:
         """The scores with NaN/Inf entries replaced by the neutral 0.5."""
-        finite = _isfinite(self.scores) if finite is None else finite
+        finite = torch.isfinite(self.scores) if finite is None else finite
         return torch.where(finite, self.scores, 0.5)
 
     def channel_scores(self) -> torch.Tensor:
