@@ -1,11 +1,15 @@
-"""How many operators one training step dispatches, dense against DTP-masked: the host
-work that an eager, dispatch-bound GPU step pays for (benchmarks/README.md).
+"""How much host work one training step has, dense against DTP-masked: what an eager,
+host-bound GPU step pays for (benchmarks/README.md).
 
-    python benchmarks/count_step_ops.py [--model torchvision.resnet50]
+    python benchmarks/count_step_ops.py [--model torchvision.resnet50] [--time]
 
 Counts every ATen (and dtp) operator call of one SGD training step through a
 TorchDispatchMode, and the tensors those allocate, on CPU tensors with the
-optimizer's foreach path (the default on CUDA), so the counts are a GPU step's.
+optimizer's foreach path (the default on CUDA), so the counts are a GPU step's. Views
+(slices, splits) allocate nothing and launch no kernel; allocations and kernel-launching
+operators are what costs. --time adds the median step time of each case, interleaved
+(with a small model and input, `--model resnet56 --size 8`, the difference to dense is
+mostly the masked step's host cost).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dtp_kernels import DTPPruner
+from dtp_kernels.benchmarking import interleaved, summarize
 from dtp_kernels.models import get_model
 from dtp_kernels.pipeline.step import training_step
 from dtp_kernels.pipeline.train import make_optimizer
@@ -54,13 +59,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="torchvision.resnet50")
     parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--time", action="store_true", help="also time the steps")
+    parser.add_argument("--rounds", type=int, default=200)
     args = parser.parse_args()
     torch.manual_seed(0)
     classes = 1000 if args.model.startswith("torchvision.") else 10
     base = get_model(args.model, classes)
     images = torch.randn(2, 3, args.size, args.size)
     labels = torch.randint(0, classes, (2,))
-    dense = None
+    dense, steps = None, {}
     for name, mask_at in (("dense", None), ("fold", "parameters"), ("activation", "activation")):
         model = copy.deepcopy(base)
         pruner = None
@@ -81,6 +88,16 @@ def main() -> None:
         more_ops, more_allocations = total / dense[0] - 1, allocations / dense[1] - 1
         print(f"{name:>10}: {total} ops ({100 * more_ops:+.1f}%), "
               f"{allocations} allocations ({100 * more_allocations:+.1f}%)")  # fmt: skip
+        steps[name] = (
+            lambda m=model, o=optimizer, p=pruner: training_step(m, o, images, labels, p),
+            1,
+        )
+    if args.time:
+        samples = interleaved(steps, args.rounds, torch.device("cpu"), warmup=5)
+        base_ms = summarize(samples["dense"])["median_us"] / 1e3
+        for name, values in samples.items():
+            ms = summarize(values)["median_us"] / 1e3
+            print(f"{name:>10}: {ms:.3f} ms per step ({ms - base_ms:+.3f} ms)")
 
 
 if __name__ == "__main__":

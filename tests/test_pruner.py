@@ -365,16 +365,17 @@ def test_folded_masks_equal_the_per_parameter_product(budget, make):
 
 @pytest.mark.parametrize("groups,sizes", [([0, 1], [2, 3]), ([1, 2], [4, 2, 3])])
 def test_fold_masks_gradcheck(groups, sizes):
-    """The folded product's hand-written backward, float64: BN pairs covering every
-    segment, and pairs covering some (the mask gradient placed by channel)."""
-    from dtp_kernels.pruning.pruner import _FoldMasks, _FoldPlan
+    """The folded product's gradients, float64: BN pairs covering every segment, and
+    pairs covering some (the mask gradient placed by channel)."""
+    from dtp_kernels.pruning.pruner import _folded_products, _FoldPlan
 
     gen = torch.Generator().manual_seed(0)
     plan = _FoldPlan.build(groups, sizes, torch.device("cpu"))
     mask = torch.rand(sum(sizes), generator=gen, dtype=torch.float64, requires_grad=True)
     params = [torch.randn(sizes[g], generator=gen, dtype=torch.float64, requires_grad=True)
               for g in groups for _ in (0, 1)]  # fmt: skip
-    assert torch.autograd.gradcheck(lambda m, *p: _FoldMasks.apply(m, plan, *p), (mask, *params))
+    fold = lambda m, *p: tuple(_folded_products(m, plan, list(p)))  # noqa: E731
+    assert torch.autograd.gradcheck(fold, (mask, *params))
 
 
 def test_folded_bn_weight_read_after_a_step_is_current():

@@ -108,41 +108,17 @@ class _FoldPlan:
         return cls(groups, sizes, torch.tensor(channels, device=device), halves, slots)
 
 
-class _FoldMasks(torch.autograd.Function):
-    """Every masked BN weight and bias times its mask at once, on one flat copy of them
-    (weights, then biases): a handful of ops and allocations per step, where a product
-    per parameter would allocate one tensor per BN parameter in forward and two in
-    backward (on a GPU, host time the step pays in full). The outputs and the
-    parameters' gradients are views of one tensor each."""
-
-    @staticmethod
-    def forward(ctx, mask, plan: _FoldPlan, *params):
-        flat = torch.cat([*params[0::2], *params[1::2]]).view(2, -1)
-        per_channel = mask if plan.channels is None else mask.index_select(0, plan.channels)
-        per_channel = per_channel.to(flat.dtype)
-        ctx.save_for_backward(flat, per_channel)
-        ctx.plan, ctx.mask_shape, ctx.mask_dtype = plan, mask.shape, mask.dtype
-        return tuple(_interleave((flat * per_channel).view(-1).split(plan.halves)))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        flat, per_channel = ctx.saved_tensors
-        plan: _FoldPlan = ctx.plan
-        grads = [g if g is not None else flat.new_zeros(n)
-                 for g, n in zip(grads, plan.slots, strict=True)]  # fmt: skip
-        grad = torch.cat([*grads[0::2], *grads[1::2]]).view(2, -1)
-        grad_params = (grad * per_channel).view(-1).split(plan.halves)
-        grad_mask = (grad * flat).sum(0).to(ctx.mask_dtype)  # weight and bias terms
-        if plan.channels is not None:
-            full = grad_mask.new_zeros(ctx.mask_shape)
-            grad_mask = full.index_copy_(0, plan.channels, grad_mask)
-        return (grad_mask, None, *_interleave(grad_params))
-
-
-def _interleave(halves):
-    """[w0, w1, ..., b0, b1, ...] -> [w0, b0, w1, b1, ...] (the slots' order)."""
-    half = len(halves) // 2
-    return [item for pair in zip(halves[:half], halves[half:], strict=True) for item in pair]
+def _folded_products(mask: torch.Tensor, plan: _FoldPlan, params: list[torch.Tensor]) -> list:
+    """Every masked BN weight and bias (`params`, in (weight, bias) pairs) times its mask,
+    at once on one flat copy of them (weights, then biases): four autograd ops whose
+    backward runs in C++, where a product per parameter would allocate one tensor per BN
+    parameter in forward and two in backward (on a GPU, host time the step pays in full).
+    Returns views of one product tensor, in the order of `params`."""
+    flat = torch.cat([*params[0::2], *params[1::2]]).view(2, -1)
+    per_channel = mask if plan.channels is None else mask.index_select(0, plan.channels)
+    products = (flat * per_channel.to(flat.dtype)).view(-1).split(plan.halves)
+    half = len(products) // 2
+    return [p for pair in zip(products[:half], products[half:], strict=True) for p in pair]
 
 
 class _MaskSource:
@@ -400,7 +376,7 @@ class DTPPruner(ChannelPruner):
         self._fold_masks()
 
     def _fold_masks(self) -> None:
-        """Multiply every masked BN weight and bias by its mask at once (_FoldMasks)
+        """Multiply every masked BN weight and bias by its mask at once (_folded_products)
         instead of one multiply per parameter per forward: ResNet-50 has 66 of them, and
         an eager GPU step pays host time per op and per allocation."""
         if not self._fold:
@@ -413,7 +389,7 @@ class DTPPruner(ChannelPruner):
             self._fold_plan = _FoldPlan.build(
                 [index for index, _ in self._fold[0::2]], self.sizes, flat.device
             )
-        products = _FoldMasks.apply(flat, self._fold_plan, *originals)
+        products = _folded_products(flat, self._fold_plan, originals)
         self._source.folded = {
             slot: (product, original, original._version)
             for slot, (product, original) in enumerate(zip(products, originals, strict=True))
