@@ -93,19 +93,17 @@ class _FoldPlan:
     sizes: list[int]
     channels: torch.Tensor | None
     halves: list[int]  # the flat copy's pieces: every weight's size, then every bias's
-    slots: list[int]  # the same in slot order (w0, b0, w1, b1, ...)
 
     @classmethod
     def build(cls, groups: list[int], sizes: list[int], device: torch.device) -> _FoldPlan:
-        folded = [sizes[g] for g in groups]
-        halves, slots = folded * 2, [n for n in folded for _ in (0, 1)]
+        halves = [sizes[g] for g in groups] * 2
         if groups == list(range(len(sizes))):
-            return cls(groups, sizes, None, halves, slots)
+            return cls(groups, sizes, None, halves)
         offsets = [0]
         for n in sizes:
             offsets.append(offsets[-1] + n)
         channels = [c for g in groups for c in range(offsets[g], offsets[g + 1])]
-        return cls(groups, sizes, torch.tensor(channels, device=device), halves, slots)
+        return cls(groups, sizes, torch.tensor(channels, device=device), halves)
 
 
 def _folded_products(mask: torch.Tensor, plan: _FoldPlan, params: list[torch.Tensor]) -> list:
