@@ -172,12 +172,12 @@ def _read_folded_first(module: nn.Module, name: str, source: _MaskSource, slot: 
     getter otherwise. Parametrize's getter costs several Python calls per read, 66 reads
     per ResNet-50 forward: a host cost an eager GPU step pays in full. The property goes on
     the class parametrize made for this module, which deep copies share: they read
-    through parametrize."""
+    through parametrize, as does torch.compile (which traces parametrize, not a cache)."""
     cls = type(module)
     slow = getattr(cls, name)
 
     def get(self: nn.Module) -> torch.Tensor:
-        if self is module and source.hard is None:
+        if self is module and source.hard is None and not torch.compiler.is_compiling():
             cached = source.folded.get(slot)
             if cached is not None and cached[1]._version == cached[2]:
                 return cached[0]
