@@ -100,11 +100,20 @@ class TransportState(nn.Module):
             log_odds, shift = log_odds.to(pending_d.dtype), shift.to(pending_d.dtype)
         if hold is None:
             torch._foreach_copy_([pending_d, pending_s], [log_odds, shift])
-        else:  # one op per buffer: a DTP step pays host time per op on a GPU
-            torch.where(hold[buffers["segment_ids"]], buffers["log_odds"], log_odds, out=pending_d)
-            torch.where(hold, buffers["shift"], shift, out=pending_s)
+        else:
+            self._write_held(hold, log_odds, shift)
             buffers["pending_nonfinite"].logical_or_(hold)
         buffers["has_pending"].fill_(True)
+
+    def _write_held(self, hold: torch.Tensor, log_odds: torch.Tensor, shift: torch.Tensor):
+        """pending = current state where `hold` marks the segment, else the given one; one
+        op per buffer (a DTP step pays host time per op on a GPU)."""
+        buffers = self._buffers
+        torch.where(
+            hold[buffers["segment_ids"]], buffers["log_odds"], log_odds,
+            out=buffers["pending_log_odds"],
+        )  # fmt: skip
+        torch.where(hold, buffers["shift"], shift, out=buffers["pending_shift"])
 
     @torch.no_grad()
     def hold(self, segments: torch.Tensor) -> None:
@@ -112,10 +121,7 @@ class TransportState(nn.Module):
         next :meth:`commit` and count the step as skipped for them, if a forward wrote a
         pending step; on the device."""
         buffers = self._buffers
-        per_channel = segments[buffers["segment_ids"]]
-        pending_d, pending_s = buffers["pending_log_odds"], buffers["pending_shift"]
-        torch.where(per_channel, buffers["log_odds"], pending_d, out=pending_d)
-        torch.where(segments, buffers["shift"], pending_s, out=pending_s)
+        self._write_held(segments, buffers["pending_log_odds"], buffers["pending_shift"])
         buffers["pending_nonfinite"].logical_or_(segments & buffers["has_pending"])
 
     @torch.no_grad()

@@ -85,25 +85,25 @@ class _FlopsModel:
 
 @dataclass
 class _FoldPlan:
-    """Where the folded BN parameters take their masks from. Slots come in (weight, bias)
-    pairs of one BN each, `groups[pair]` being that BN's mask segment. `channels` picks
-    the pairs' channels from the flat mask (None: the pairs cover every segment in order)."""
+    """Where the folded BN parameters, (weight, bias) pairs of one BN each, take their
+    masks from: `channels` picks the pairs' channels from the flat mask (None: the pairs
+    cover every segment in order); `halves` are the flat copy's pieces, every weight's
+    size, then every bias's."""
 
-    groups: list[int]
-    sizes: list[int]
     channels: torch.Tensor | None
-    halves: list[int]  # the flat copy's pieces: every weight's size, then every bias's
+    halves: list[int]
 
     @classmethod
     def build(cls, groups: list[int], sizes: list[int], device: torch.device) -> _FoldPlan:
+        """`groups[pair]` is the mask segment of each BN; `sizes` the segments' sizes."""
         halves = [sizes[g] for g in groups] * 2
         if groups == list(range(len(sizes))):
-            return cls(groups, sizes, None, halves)
+            return cls(None, halves)
         offsets = [0]
         for n in sizes:
             offsets.append(offsets[-1] + n)
         channels = [c for g in groups for c in range(offsets[g], offsets[g + 1])]
-        return cls(groups, sizes, torch.tensor(channels, device=device), halves)
+        return cls(torch.tensor(channels, device=device), halves)
 
 
 def _folded_products(mask: torch.Tensor, plan: _FoldPlan, params: list[torch.Tensor]) -> list:
