@@ -23,7 +23,10 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _harness import RESULTS, environment
 
 from dtp_kernels import DTPPruner
 from dtp_kernels.benchmarking import interleaved, summarize
@@ -61,7 +64,11 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--time", action="store_true", help="also time the steps")
     parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--label", default="", help="what code was measured, for --save")
+    parser.add_argument("--save", action="store_true",
+                        help="append the lines to benchmarks/results/step_ops_cpu.md")  # fmt: skip
     args = parser.parse_args()
+    lines: list[str] = []
     torch.manual_seed(0)
     classes = 1000 if args.model.startswith("torchvision.") else 10
     base = get_model(args.model, classes)
@@ -86,8 +93,8 @@ def main() -> None:
         allocations = mode.allocations
         dense = dense or (total, allocations)
         more_ops, more_allocations = total / dense[0] - 1, allocations / dense[1] - 1
-        print(f"{name:>10}: {total} ops ({100 * more_ops:+.1f}%), "
-              f"{allocations} allocations ({100 * more_allocations:+.1f}%)")  # fmt: skip
+        lines.append(f"{name:>10}: {total} ops ({100 * more_ops:+.1f}%), "
+                     f"{allocations} allocations ({100 * more_allocations:+.1f}%)")  # fmt: skip
         steps[name] = (
             lambda m=model, o=optimizer, p=pruner: training_step(m, o, images, labels, p),
             1,
@@ -97,7 +104,16 @@ def main() -> None:
         base_ms = summarize(samples["dense"])["median_us"] / 1e3
         for name, values in samples.items():
             ms = summarize(values)["median_us"] / 1e3
-            print(f"{name:>10}: {ms:.3f} ms per step ({ms - base_ms:+.3f} ms)")
+            lines.append(f"{name:>10}: {ms:.3f} ms per step ({ms - base_ms:+.3f} ms)")
+    print("\n".join(lines))
+    if args.save:
+        env = environment(torch.device("cpu"))
+        header = (f"## {args.label + ': ' if args.label else ''}{args.model}, batch 2, "
+                  f"{args.size}x{args.size}"
+                  f"{f', {args.rounds} interleaved steps' if args.time else ''}\n\n"
+                  f"{env['device']}; torch {env['torch']}; {env['date']}\n")  # fmt: skip
+        with (RESULTS / "step_ops_cpu.md").open("a") as f:
+            f.write(header + "\n```\n" + "\n".join(lines) + "\n```\n\n")
 
 
 if __name__ == "__main__":
