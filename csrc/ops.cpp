@@ -13,14 +13,19 @@
 #endif
 
 TORCH_LIBRARY(dtp, m) {
-  // mask, next log-odds, next shift, and per (segment, pass) the shift used and the two
-  // column log-sum-exps (float64), which the backward needs.
+  // mask, next log-odds, next shift, per (segment, pass) the shift used and the two
+  // column log-sum-exps (float64, which the backward needs), and per segment whether its
+  // scores or next state were not finite (bool; such a segment keeps its state).
+  // neutral_nonfinite: NaN/Inf scores enter as 0.5 with zero gradient, so the mask stays
+  // finite; otherwise they propagate into their segment's mask.
   m.def(
       "transport_mask(Tensor scores, Tensor offsets, Tensor keep, Tensor eps, "
-      "Tensor log_odds, Tensor shift, int iters) -> (Tensor, Tensor, Tensor, Tensor)");
+      "Tensor log_odds, Tensor shift, int iters, bool neutral_nonfinite=False) -> "
+      "(Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "transport_mask_backward(Tensor grad_mask, Tensor scores, Tensor offsets, Tensor keep, "
-      "Tensor eps, Tensor log_odds, Tensor stats) -> (Tensor, Tensor)");
+      "Tensor eps, Tensor log_odds, Tensor stats, bool neutral_nonfinite=False) -> "
+      "(Tensor, Tensor)");
   // out = act((y + bias[c]) * mask[c]), activation "none" or "relu".
   m.def(
       "masked_channel_epilogue(Tensor y, Tensor mask, Tensor? bias, str activation, "

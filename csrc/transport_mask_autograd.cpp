@@ -12,29 +12,30 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-using ForwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, int64_t);
+using Outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using ForwardSig = Outputs(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool);
 using BackwardSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                        const at::Tensor&, const at::Tensor&,
                                                        const at::Tensor&, const at::Tensor&,
-                                                       const at::Tensor&);
+                                                       const at::Tensor&, bool);
 
 class TransportMaskFunction : public torch::autograd::Function<TransportMaskFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& scores,
                                const at::Tensor& offsets, const at::Tensor& keep,
                                const at::Tensor& eps, const at::Tensor& log_odds,
-                               const at::Tensor& shift, int64_t iters) {
+                               const at::Tensor& shift, int64_t iters, bool neutral_nonfinite) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("dtp::transport_mask", "")
                          .typed<ForwardSig>();
-    auto [mask, new_log_odds, new_shift, stats] =
-        op.call(scores, offsets, keep, eps, log_odds, shift, iters);
+    auto [mask, new_log_odds, new_shift, stats, nonfinite] =
+        op.call(scores, offsets, keep, eps, log_odds, shift, iters, neutral_nonfinite);
     ctx->save_for_backward({scores, offsets, keep, eps, log_odds, stats});
-    ctx->mark_non_differentiable({new_log_odds, new_shift, stats});
-    return {mask, new_log_odds, new_shift, stats};
+    ctx->saved_data["neutral_nonfinite"] = neutral_nonfinite;
+    ctx->mark_non_differentiable({new_log_odds, new_shift, stats, nonfinite});
+    return {mask, new_log_odds, new_shift, stats, nonfinite};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -45,17 +46,20 @@ class TransportMaskFunction : public torch::autograd::Function<TransportMaskFunc
     const auto saved = ctx->get_saved_variables();
     const at::Tensor grad_mask = grads[0].defined() ? grads[0] : at::zeros_like(saved[0]);
     auto [grad_scores, grad_keep] =
-        op.call(grad_mask, saved[0], saved[1], saved[2], saved[3], saved[4], saved[5]);
-    return {grad_scores,  at::Tensor(), grad_keep,   at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor()};
+        op.call(grad_mask, saved[0], saved[1], saved[2], saved[3], saved[4], saved[5],
+                ctx->saved_data["neutral_nonfinite"].toBool());
+    return {grad_scores,  at::Tensor(), grad_keep,    at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport_mask_autograd(
-    const at::Tensor& scores, const at::Tensor& offsets, const at::Tensor& keep,
-    const at::Tensor& eps, const at::Tensor& log_odds, const at::Tensor& shift, int64_t iters) {
-  auto out = TransportMaskFunction::apply(scores, offsets, keep, eps, log_odds, shift, iters);
-  return {out[0], out[1], out[2], out[3]};
+Outputs transport_mask_autograd(const at::Tensor& scores, const at::Tensor& offsets,
+                                const at::Tensor& keep, const at::Tensor& eps,
+                                const at::Tensor& log_odds, const at::Tensor& shift, int64_t iters,
+                                bool neutral_nonfinite) {
+  auto out = TransportMaskFunction::apply(scores, offsets, keep, eps, log_odds, shift, iters,
+                                          neutral_nonfinite);
+  return {out[0], out[1], out[2], out[3], out[4]};
 }
 
 }  // namespace

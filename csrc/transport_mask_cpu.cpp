@@ -73,10 +73,11 @@ struct Extremes {
   bool finite;
 };
 
-// x_i = d_i + (2 s_i - 1) / eps, with the chunk's min, max and whether all x are finite.
+// x_i = d_i + (2 s_i - 1) / eps, with the chunk's min, max and whether all s and x are
+// finite. `neutral`: a non-finite s_i enters as 0.5 (x_i = d_i).
 template <class scalar_t, class acc_t>
 DTP_INLINE Extremes<acc_t> log_odds_loop(const scalar_t* s, const acc_t* d, acc_t inv_eps,
-                                         int64_t n, acc_t* x) {
+                                         int64_t n, bool neutral, acc_t* x) {
   acc_t lo[kLanes], hi[kLanes], bad[kLanes];
   for (int64_t j = 0; j < kLanes; ++j) {
     lo[j] = INFINITY;
@@ -86,9 +87,12 @@ DTP_INLINE Extremes<acc_t> log_odds_loop(const scalar_t* s, const acc_t* d, acc_
   for (int64_t b = 0; b < n; b += kLanes) {
     const int64_t m = std::min(kLanes, n - b);
     for (int64_t j = 0; j < m; ++j) {
-      const acc_t v = d[b + j] + (acc_t(2) * static_cast<acc_t>(s[b + j]) - acc_t(1)) * inv_eps;
+      const acc_t raw = static_cast<acc_t>(s[b + j]);
+      const bool raw_ok = raw - raw == acc_t(0);  // raw - raw is NaN for inf and NaN
+      const acc_t si = (neutral && !raw_ok) ? acc_t(0.5) : raw;
+      const acc_t v = d[b + j] + (acc_t(2) * si - acc_t(1)) * inv_eps;
       x[b + j] = v;
-      bad[j] += (v - v == acc_t(0)) ? acc_t(0) : acc_t(1);  // v - v is NaN for inf and NaN
+      bad[j] += (raw_ok && v - v == acc_t(0)) ? acc_t(0) : acc_t(1);
       lo[j] = v < lo[j] ? v : lo[j];
       hi[j] = v > hi[j] ? v : hi[j];
     }
@@ -201,13 +205,13 @@ DTP_INLINE GradSums<acc_t> grad_sums_loop(const acc_t* x, const acc_t* g, int64_
 // The float versions get AVX-512/AVX2 clones; double runs the plain build.
 template <class scalar_t>
 DTP_CLONES Extremes<float> log_odds_chunk(const scalar_t* s, const float* d, float inv_eps,
-                                          int64_t n, float* x) {
-  return log_odds_loop(s, d, inv_eps, n, x);
+                                          int64_t n, bool neutral, float* x) {
+  return log_odds_loop(s, d, inv_eps, n, neutral, x);
 }
 template <class scalar_t>
 Extremes<double> log_odds_chunk(const scalar_t* s, const double* d, double inv_eps, int64_t n,
-                                double* x) {
-  return log_odds_loop(s, d, inv_eps, n, x);
+                                bool neutral, double* x) {
+  return log_odds_loop(s, d, inv_eps, n, neutral, x);
 }
 DTP_CLONES ColumnSums<float> column_sums(const float* x, int64_t n, float delta, float m1,
                                          float m0) {
@@ -339,12 +343,12 @@ Segments read_segments(const at::Tensor& scores, const at::Tensor& offsets, cons
 
 // x_i = d_i + (2 s_i - 1) / eps over all chunks; optionally each chunk's extremes.
 template <class scalar_t, class acc_t>
-void compute_log_odds(const Segments& sg, const scalar_t* s, const acc_t* d, acc_t* x,
+void compute_log_odds(const Segments& sg, const scalar_t* s, const acc_t* d, bool neutral, acc_t* x,
                       Extremes<acc_t>* extremes) {
   for_each_chunk(sg.chunks, sg.numel, [&](int64_t c, const Chunk& ch) {
     const acc_t inv_eps = static_cast<acc_t>(1.0 / sg.eps[ch.seg]);
     const auto e = log_odds_chunk<scalar_t>(s + ch.begin, d + ch.begin, inv_eps, ch.end - ch.begin,
-                                            x + ch.begin);
+                                            neutral, x + ch.begin);
     if (extremes != nullptr) extremes[c] = e;
   });
 }
@@ -353,15 +357,17 @@ double log_ratio(double k, int64_t n) { return std::log(k) - std::log(static_cas
 
 template <class scalar_t, class acc_t>
 void forward_impl(const Segments& sg, const at::Tensor& scores, const at::Tensor& log_odds,
-                  const at::Tensor& shift, int64_t iters, at::Tensor& mask, at::Tensor& new_d,
-                  at::Tensor& new_shift, at::Tensor& stats) {
+                  const at::Tensor& shift, int64_t iters, bool neutral, at::Tensor& mask,
+                  at::Tensor& new_d, at::Tensor& new_shift, at::Tensor& stats,
+                  at::Tensor& nonfinite) {
   const int64_t nseg = sg.nseg, nch = static_cast<int64_t>(sg.chunks.size());
   const acc_t* d = log_odds.data_ptr<acc_t>();
   const acc_t* shift_in = shift.data_ptr<acc_t>();
   auto x_t = at::empty({sg.numel}, log_odds.options());
   acc_t* x = x_t.data_ptr<acc_t>();
   std::vector<Extremes<acc_t>> extremes(nch);
-  compute_log_odds<scalar_t, acc_t>(sg, scores.data_ptr<scalar_t>(), d, x, extremes.data());
+  compute_log_odds<scalar_t, acc_t>(sg, scores.data_ptr<scalar_t>(), d, neutral, x,
+                                    extremes.data());
 
   // Segment extremes of x: log sigmoid is monotone, so they give each column's max.
   std::vector<double> xmin(nseg, INFINITY), xmax(nseg, -INFINITY);
@@ -418,8 +424,10 @@ void forward_impl(const Segments& sg, const at::Tensor& scores, const at::Tensor
   // Mask and next state. A degenerate or non-finite segment keeps its state.
   std::vector<uint8_t> advance(nseg);
   acc_t* new_shift_p = new_shift.data_ptr<acc_t>();
+  bool* nonfinite_p = nonfinite.data_ptr<bool>();
   for (int64_t s = 0; s < nseg; ++s) {
-    advance[s] = !degenerate[s] && finite[s] && std::isfinite(delta[s]);
+    nonfinite_p[s] = !(finite[s] && std::isfinite(delta[s]));
+    advance[s] = !degenerate[s] && !nonfinite_p[s];
     new_shift_p[s] = advance[s] ? static_cast<acc_t>(delta[s]) : shift_in[s];
   }
   acc_t* mask_p = mask.data_ptr<acc_t>();
@@ -515,6 +523,20 @@ void backward_impl(const Segments& sg, const acc_t* g, const acc_t* x, const dou
   }
 }
 
+// Scores read as the neutral 0.5 get no gradient.
+template <class acc_t>
+void zero_at_nonfinite(const Segments& sg, const at::Tensor& scores, acc_t* grad) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scores.scalar_type(), "zero", [&] {
+    const scalar_t* s = scores.data_ptr<scalar_t>();
+    for_each_chunk(sg.chunks, sg.numel, [&](int64_t, const Chunk& ch) {
+      for (int64_t i = ch.begin; i < ch.end; ++i) {
+        const acc_t v = static_cast<acc_t>(s[i]);
+        grad[i] = v - v == acc_t(0) ? grad[i] : acc_t(0);
+      }
+    });
+  });
+}
+
 at::ScalarType acc_type(const at::Tensor& scores) {
   return scores.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
@@ -532,10 +554,10 @@ void check_state(const at::Tensor& scores, const at::Tensor& log_odds, const at:
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport_mask_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport_mask_cpu(
     const at::Tensor& scores_in, const at::Tensor& offsets, const at::Tensor& keep,
-    const at::Tensor& eps, const at::Tensor& log_odds_in, const at::Tensor& shift_in,
-    int64_t iters) {
+    const at::Tensor& eps, const at::Tensor& log_odds_in, const at::Tensor& shift_in, int64_t iters,
+    bool neutral_nonfinite) {
   TORCH_CHECK(iters >= 1, "dtp::transport_mask: iters must be >= 1, got ", iters);
   const Segments sg = read_segments(scores_in, offsets, keep, eps);
   check_state(scores_in, log_odds_in, shift_in, sg.nseg);
@@ -547,25 +569,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport_mask_cpu(
   auto new_d = at::empty_like(log_odds);
   auto new_shift = at::empty_like(shift);
   auto stats = at::empty({sg.nseg, iters, 3}, log_odds.options().dtype(at::kDouble));
+  auto nonfinite = at::empty({sg.nseg}, log_odds.options().dtype(at::kBool));
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, scores.scalar_type(), "transport_mask_cpu", [&] {
         if (acc == at::kDouble) {
-          forward_impl<scalar_t, double>(sg, scores, log_odds, shift, iters, mask_acc, new_d,
-                                         new_shift, stats);
+          forward_impl<scalar_t, double>(sg, scores, log_odds, shift, iters, neutral_nonfinite,
+                                         mask_acc, new_d, new_shift, stats, nonfinite);
         } else {
-          forward_impl<scalar_t, float>(sg, scores, log_odds, shift, iters, mask_acc, new_d,
-                                        new_shift, stats);
+          forward_impl<scalar_t, float>(sg, scores, log_odds, shift, iters, neutral_nonfinite,
+                                        mask_acc, new_d, new_shift, stats, nonfinite);
         }
       });
   auto mask =
       mask_acc.scalar_type() == scores.scalar_type() ? mask_acc : mask_acc.to(scores.scalar_type());
-  return {mask, new_d, new_shift, stats};
+  return {mask, new_d, new_shift, stats, nonfinite};
 }
 
 std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cpu(
     const at::Tensor& grad_mask, const at::Tensor& scores_in, const at::Tensor& offsets,
     const at::Tensor& keep, const at::Tensor& eps, const at::Tensor& log_odds_in,
-    const at::Tensor& stats_in) {
+    const at::Tensor& stats_in, bool neutral_nonfinite) {
   const Segments sg = read_segments(scores_in, offsets, keep, eps);
   TORCH_CHECK(stats_in.dim() == 3 && stats_in.size(0) == sg.nseg && stats_in.size(2) == 3 &&
                   stats_in.scalar_type() == at::kDouble,
@@ -588,18 +611,20 @@ std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cpu(
       at::kHalf, at::kBFloat16, scores.scalar_type(), "transport_mask_backward_cpu", [&] {
         if (acc == at::kDouble) {
           compute_log_odds<scalar_t, double>(sg, scores.data_ptr<scalar_t>(),
-                                             log_odds.data_ptr<double>(), x_t.data_ptr<double>(),
-                                             nullptr);
+                                             log_odds.data_ptr<double>(), neutral_nonfinite,
+                                             x_t.data_ptr<double>(), nullptr);
           backward_impl<double>(sg, g.data_ptr<double>(), x_t.data_ptr<double>(),
                                 stats.data_ptr<double>(), iters, grad_x.data_ptr<double>(),
                                 grad_keep.data());
+          if (neutral_nonfinite) zero_at_nonfinite(sg, scores, grad_x.data_ptr<double>());
         } else {
           compute_log_odds<scalar_t, float>(sg, scores.data_ptr<scalar_t>(),
-                                            log_odds.data_ptr<float>(), x_t.data_ptr<float>(),
-                                            nullptr);
+                                            log_odds.data_ptr<float>(), neutral_nonfinite,
+                                            x_t.data_ptr<float>(), nullptr);
           backward_impl<float>(sg, g.data_ptr<float>(), x_t.data_ptr<float>(),
                                stats.data_ptr<double>(), iters, grad_x.data_ptr<float>(),
                                grad_keep.data());
+          if (neutral_nonfinite) zero_at_nonfinite(sg, scores, grad_x.data_ptr<float>());
         }
       });
   auto grad_keep_t = at::empty({sg.nseg}, keep.options());

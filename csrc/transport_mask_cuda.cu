@@ -37,10 +37,31 @@ struct MinMaxBadOp {
   }
 };
 
+template <class acc_t>
+__device__ __forceinline__ bool is_finite(acc_t v) {
+  return v - v == acc_t(0);  // NaN for inf and NaN
+}
+
+// x_i = d_i + (2 s_i - 1) / eps; `neutral`: a non-finite s_i enters as 0.5 (x_i = d_i).
 template <class scalar_t, class acc_t>
 __device__ __forceinline__ acc_t log_odds_at(const scalar_t* s, const acc_t* d, int64_t i,
-                                             acc_t inv_eps) {
-  return d[i] + (acc_t(2) * static_cast<acc_t>(s[i]) - acc_t(1)) * inv_eps;
+                                             acc_t inv_eps, bool neutral) {
+  const acc_t raw = static_cast<acc_t>(s[i]);
+  const acc_t si = (neutral && !is_finite(raw)) ? acc_t(0.5) : raw;
+  return d[i] + (acc_t(2) * si - acc_t(1)) * inv_eps;
+}
+
+// Whether element i counts against its segment's finiteness: s_i or x_i not finite.
+template <class scalar_t, class acc_t>
+__device__ __forceinline__ int bad_at(const scalar_t* s, int64_t i, acc_t x) {
+  return (is_finite(static_cast<acc_t>(s[i])) && is_finite(x)) ? 0 : 1;
+}
+
+// A score read as the neutral 0.5 gets no gradient.
+template <class scalar_t, class acc_t>
+__device__ __forceinline__ acc_t zero_if_neutral(const scalar_t* s, int64_t i, bool neutral,
+                                                 acc_t grad) {
+  return (neutral && !is_finite(static_cast<acc_t>(s[i]))) ? acc_t(0) : grad;
 }
 
 template <class scalar_t, class acc_t>
@@ -48,9 +69,10 @@ __global__ void __launch_bounds__(kThreads)
     transport_mask_fwd_kernel(const scalar_t* __restrict__ scores,
                               const int64_t* __restrict__ offsets, const double* __restrict__ keep,
                               const double* __restrict__ eps, const acc_t* __restrict__ log_odds,
-                              const acc_t* __restrict__ shift, int64_t iters,
+                              const acc_t* __restrict__ shift, int64_t iters, bool neutral,
                               scalar_t* __restrict__ mask, acc_t* __restrict__ new_log_odds,
-                              acc_t* __restrict__ new_shift, double* __restrict__ stats) {
+                              acc_t* __restrict__ new_shift, double* __restrict__ stats,
+                              bool* __restrict__ nonfinite) {
   using ReduceMMB = cub::BlockReduce<MinMaxBad, kThreads>;
   using ReducePair = cub::BlockReduce<Pair<double>, kThreads>;
   __shared__ union {
@@ -69,10 +91,10 @@ __global__ void __launch_bounds__(kThreads)
   // Extremes of x (log sigmoid is monotone: they give each column's max) and finiteness.
   MinMaxBad local{INFINITY, -INFINITY, 0};
   for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
-    const acc_t v = log_odds_at(scores, log_odds, i, inv_eps);
+    const acc_t v = log_odds_at(scores, log_odds, i, inv_eps, neutral);
     local.lo = v < local.lo ? v : local.lo;
     local.hi = v > local.hi ? v : local.hi;
-    local.bad += (v - v == acc_t(0)) ? 0 : 1;
+    local.bad += bad_at(scores, i, v);
   }
   const MinMaxBad ext = ReduceMMB(temp.mmb).Reduce(local, MinMaxBadOp());
   if (threadIdx.x == 0) sh_delta = static_cast<double>(static_cast<acc_t>(shift[seg]));
@@ -90,7 +112,7 @@ __global__ void __launch_bounds__(kThreads)
                 m0 = static_cast<acc_t>(sh_m0);
     acc_t s1 = 0, s0 = 0;
     for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
-      const acc_t z = log_odds_at(scores, log_odds, i, inv_eps) + dl;
+      const acc_t z = log_odds_at(scores, log_odds, i, inv_eps, neutral) + dl;
       const acc_t r = sigmoid_abs(z);
       s1 += exp_log_sigmoid(z, m1, r);
       s0 += exp_log_sigmoid(-z, m0, r);
@@ -111,7 +133,9 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
   }
   if (threadIdx.x == 0) {
-    sh_advance = !degenerate && ext.bad == 0 && ::isfinite(sh_delta_new);
+    const bool bad = ext.bad != 0 || !::isfinite(sh_delta_new);
+    nonfinite[seg] = bad;
+    sh_advance = !degenerate && !bad;
     new_shift[seg] = sh_advance ? static_cast<acc_t>(sh_delta_new) : shift[seg];
   }
   __syncthreads();
@@ -120,7 +144,7 @@ __global__ void __launch_bounds__(kThreads)
   const acc_t dn = static_cast<acc_t>(sh_delta_new), kk = static_cast<acc_t>(k);
   const acc_t constant = static_cast<acc_t>(k / static_cast<double>(n));
   for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
-    const acc_t x = log_odds_at(scores, log_odds, i, inv_eps);
+    const acc_t x = log_odds_at(scores, log_odds, i, inv_eps, neutral);
     const acc_t z = x + dl;
     const acc_t m = degenerate ? constant : kk * exp_log_sigmoid(z, l1, sigmoid_abs(z));
     mask[i] = static_cast<scalar_t>(m);
@@ -134,7 +158,7 @@ __global__ void __launch_bounds__(kThreads)
                               const scalar_t* __restrict__ scores,
                               const int64_t* __restrict__ offsets, const double* __restrict__ keep,
                               const double* __restrict__ eps, const acc_t* __restrict__ log_odds,
-                              const double* __restrict__ stats, int64_t iters,
+                              const double* __restrict__ stats, int64_t iters, bool neutral,
                               double* __restrict__ coef, scalar_t* __restrict__ grad_scores,
                               double* __restrict__ grad_keep) {
   using ReduceQuad = cub::BlockReduce<Quad<double>, kThreads>;
@@ -156,7 +180,7 @@ __global__ void __launch_bounds__(kThreads)
   // Last pass: mask = k p; sums of g p, g q, q and g.
   acc_t gp = 0, gq = 0, qs = 0, gs = 0;
   for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
-    const acc_t z = log_odds_at(scores, log_odds, i, inv_eps) + dl;
+    const acc_t z = log_odds_at(scores, log_odds, i, inv_eps, neutral) + dl;
     const acc_t r = sigmoid_abs(z);
     const acc_t p = exp_log_sigmoid(z, l1, r), q = exp_log_sigmoid_pair(z, l1, r);
     const acc_t g = grad_mask[i];
@@ -182,7 +206,7 @@ __global__ void __launch_bounds__(kThreads)
                 a0 = static_cast<acc_t>(row[2]);
     acc_t w = 0;
     for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
-      const acc_t z = log_odds_at(scores, log_odds, i, inv_eps) + pd;
+      const acc_t z = log_odds_at(scores, log_odds, i, inv_eps, neutral) + pd;
       const acc_t r = sigmoid_abs(z);
       w += exp_log_sigmoid_pair(z, a1, r) + exp_log_sigmoid_pair(z, a0, r);
     }
@@ -198,7 +222,7 @@ __global__ void __launch_bounds__(kThreads)
   const acc_t kk = static_cast<acc_t>(k), gpa = static_cast<acc_t>(sh_gp);
   const acc_t scale = degenerate ? acc_t(0) : static_cast<acc_t>(2.0 * inv_eps);
   for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
-    const acc_t x = log_odds_at(scores, log_odds, i, inv_eps);
+    const acc_t x = log_odds_at(scores, log_odds, i, inv_eps, neutral);
     const acc_t z = x + dl;
     const acc_t r = sigmoid_abs(z);
     acc_t grad = kk * exp_log_sigmoid_pair(z, l1, r) * (grad_mask[i] - gpa);
@@ -210,7 +234,7 @@ __global__ void __launch_bounds__(kThreads)
                       exp_log_sigmoid_pair(zt, static_cast<acc_t>(row[2]), rt);
       grad += static_cast<acc_t>(coef[seg * npass + t]) * w;
     }
-    grad_scores[i] = static_cast<scalar_t>(scale * grad);
+    grad_scores[i] = static_cast<scalar_t>(zero_if_neutral(scores, i, neutral, scale * grad));
   }
   if (threadIdx.x == 0) {
     grad_keep[seg] = degenerate ? sums.d / static_cast<double>(n)
@@ -259,17 +283,17 @@ template <class scalar_t, class acc_t>
 __global__ void __launch_bounds__(kThreads)
     split_extremes_kernel(const scalar_t* __restrict__ scores, const int64_t* __restrict__ offsets,
                           const double* __restrict__ eps, const acc_t* __restrict__ log_odds,
-                          int64_t blocks_per_seg, MinMaxBad* __restrict__ part) {
+                          bool neutral, int64_t blocks_per_seg, MinMaxBad* __restrict__ part) {
   using ReduceMMB = cub::BlockReduce<MinMaxBad, kThreads>;
   __shared__ typename ReduceMMB::TempStorage temp;
   const Range r = block_range(offsets, blocks_per_seg);
   const acc_t inv_eps = static_cast<acc_t>(1.0 / eps[r.seg]);
   MinMaxBad local{INFINITY, -INFINITY, 0};
   for (int64_t i = r.lo + threadIdx.x; i < r.hi; i += kThreads) {
-    const acc_t v = log_odds_at(scores, log_odds, i, inv_eps);
+    const acc_t v = log_odds_at(scores, log_odds, i, inv_eps, neutral);
     local.lo = v < local.lo ? v : local.lo;
     local.hi = v > local.hi ? v : local.hi;
-    local.bad += (v - v == acc_t(0)) ? 0 : 1;
+    local.bad += bad_at(scores, i, v);
   }
   const MinMaxBad ext = ReduceMMB(temp).Reduce(local, MinMaxBadOp());
   if (threadIdx.x == 0) part[blockIdx.x] = ext;
@@ -300,7 +324,7 @@ template <class scalar_t, class acc_t>
 __global__ void __launch_bounds__(kThreads)
     split_sums_kernel(const scalar_t* __restrict__ scores, const int64_t* __restrict__ offsets,
                       const double* __restrict__ eps, const acc_t* __restrict__ log_odds,
-                      int64_t blocks_per_seg, const FwdSeg* __restrict__ seg,
+                      bool neutral, int64_t blocks_per_seg, const FwdSeg* __restrict__ seg,
                       Pair<double>* __restrict__ part) {
   using ReducePair = cub::BlockReduce<Pair<double>, kThreads>;
   __shared__ typename ReducePair::TempStorage temp;
@@ -310,7 +334,7 @@ __global__ void __launch_bounds__(kThreads)
               m0 = static_cast<acc_t>(seg[r.seg].m0);
   acc_t s1 = 0, s0 = 0;
   for (int64_t i = r.lo + threadIdx.x; i < r.hi; i += kThreads) {
-    const acc_t z = log_odds_at(scores, log_odds, i, inv_eps) + dl;
+    const acc_t z = log_odds_at(scores, log_odds, i, inv_eps, neutral) + dl;
     const acc_t q = sigmoid_abs(z);
     s1 += exp_log_sigmoid(z, m1, q);
     s0 += exp_log_sigmoid(-z, m0, q);
@@ -353,24 +377,26 @@ __global__ void __launch_bounds__(kThreads)
     split_output_kernel(const scalar_t* __restrict__ scores, const int64_t* __restrict__ offsets,
                         const double* __restrict__ keep, const double* __restrict__ eps,
                         const acc_t* __restrict__ log_odds, const acc_t* __restrict__ shift,
-                        int64_t blocks_per_seg, const FwdSeg* __restrict__ seg,
+                        bool neutral, int64_t blocks_per_seg, const FwdSeg* __restrict__ seg,
                         scalar_t* __restrict__ mask, acc_t* __restrict__ new_log_odds,
-                        acc_t* __restrict__ new_shift) {
+                        acc_t* __restrict__ new_shift, bool* __restrict__ nonfinite) {
   const Range r = block_range(offsets, blocks_per_seg);
   const FwdSeg st = seg[r.seg];
   const int64_t n = offsets[r.seg + 1] - offsets[r.seg];
   const double k = keep[r.seg];
   const bool degenerate = is_degenerate(k, n);
-  const bool advance = !degenerate && st.bad == 0 && ::isfinite(st.delta_new);
+  const bool bad = st.bad != 0 || !::isfinite(st.delta_new);
+  const bool advance = !degenerate && !bad;
   if (blockIdx.x % blocks_per_seg == 0 && threadIdx.x == 0) {
     new_shift[r.seg] = advance ? static_cast<acc_t>(st.delta_new) : shift[r.seg];
+    nonfinite[r.seg] = bad;
   }
   const acc_t inv_eps = static_cast<acc_t>(1.0 / eps[r.seg]);
   const acc_t dl = static_cast<acc_t>(st.delta_last), l1 = static_cast<acc_t>(st.l1);
   const acc_t dn = static_cast<acc_t>(st.delta_new), kk = static_cast<acc_t>(k);
   const acc_t constant = static_cast<acc_t>(k / static_cast<double>(n));
   for (int64_t i = r.lo + threadIdx.x; i < r.hi; i += kThreads) {
-    const acc_t x = log_odds_at(scores, log_odds, i, inv_eps);
+    const acc_t x = log_odds_at(scores, log_odds, i, inv_eps, neutral);
     const acc_t z = x + dl;
     const acc_t m = degenerate ? constant : kk * exp_log_sigmoid(z, l1, sigmoid_abs(z));
     mask[i] = static_cast<scalar_t>(m);
@@ -388,7 +414,8 @@ __global__ void __launch_bounds__(kThreads)
     split_bwd_sums_kernel(const acc_t* __restrict__ grad_mask, const scalar_t* __restrict__ scores,
                           const int64_t* __restrict__ offsets, const double* __restrict__ eps,
                           const acc_t* __restrict__ log_odds, const double* __restrict__ stats,
-                          int64_t iters, int64_t blocks_per_seg, Quad<double>* __restrict__ part) {
+                          int64_t iters, bool neutral, int64_t blocks_per_seg,
+                          Quad<double>* __restrict__ part) {
   using ReduceQuad = cub::BlockReduce<Quad<double>, kThreads>;
   __shared__ typename ReduceQuad::TempStorage temp;
   const Range r = block_range(offsets, blocks_per_seg);
@@ -397,7 +424,7 @@ __global__ void __launch_bounds__(kThreads)
   const acc_t dl = static_cast<acc_t>(last[0]), l1 = static_cast<acc_t>(last[1]);
   acc_t gp = 0, gq = 0, qs = 0, gs = 0;
   for (int64_t i = r.lo + threadIdx.x; i < r.hi; i += kThreads) {
-    const acc_t z = log_odds_at(scores, log_odds, i, inv_eps) + dl;
+    const acc_t z = log_odds_at(scores, log_odds, i, inv_eps, neutral) + dl;
     const acc_t q1 = sigmoid_abs(z);
     const acc_t p = exp_log_sigmoid(z, l1, q1), q = exp_log_sigmoid_pair(z, l1, q1);
     const acc_t g = grad_mask[i];
@@ -426,7 +453,7 @@ template <class scalar_t, class acc_t>
 __global__ void __launch_bounds__(kThreads)
     split_bwd_pass_kernel(const scalar_t* __restrict__ scores, const int64_t* __restrict__ offsets,
                           const double* __restrict__ eps, const acc_t* __restrict__ log_odds,
-                          const double* __restrict__ stats, int64_t iters, int64_t t,
+                          const double* __restrict__ stats, int64_t iters, int64_t t, bool neutral,
                           int64_t blocks_per_seg, double* __restrict__ part) {
   using ReduceOne = cub::BlockReduce<double, kThreads>;
   __shared__ typename ReduceOne::TempStorage temp;
@@ -437,7 +464,7 @@ __global__ void __launch_bounds__(kThreads)
               a0 = static_cast<acc_t>(row[2]);
   acc_t w = 0;
   for (int64_t i = r.lo + threadIdx.x; i < r.hi; i += kThreads) {
-    const acc_t z = log_odds_at(scores, log_odds, i, inv_eps) + pd;
+    const acc_t z = log_odds_at(scores, log_odds, i, inv_eps, neutral) + pd;
     const acc_t q1 = sigmoid_abs(z);
     w += exp_log_sigmoid_pair(z, a1, q1) + exp_log_sigmoid_pair(z, a0, q1);
   }
@@ -465,9 +492,10 @@ __global__ void __launch_bounds__(kThreads)
                             const scalar_t* __restrict__ scores,
                             const int64_t* __restrict__ offsets, const double* __restrict__ keep,
                             const double* __restrict__ eps, const acc_t* __restrict__ log_odds,
-                            const double* __restrict__ stats, int64_t iters, int64_t blocks_per_seg,
-                            const BwdSeg* __restrict__ seg, const double* __restrict__ coef,
-                            scalar_t* __restrict__ grad_scores, double* __restrict__ grad_keep) {
+                            const double* __restrict__ stats, int64_t iters, bool neutral,
+                            int64_t blocks_per_seg, const BwdSeg* __restrict__ seg,
+                            const double* __restrict__ coef, scalar_t* __restrict__ grad_scores,
+                            double* __restrict__ grad_keep) {
   const Range r = block_range(offsets, blocks_per_seg);
   const BwdSeg st = seg[r.seg];
   const int64_t n = offsets[r.seg + 1] - offsets[r.seg];
@@ -484,7 +512,7 @@ __global__ void __launch_bounds__(kThreads)
   const acc_t scale = degenerate ? acc_t(0) : static_cast<acc_t>(2.0 * inv_eps);
   const int64_t npass = iters - 1;
   for (int64_t i = r.lo + threadIdx.x; i < r.hi; i += kThreads) {
-    const acc_t x = log_odds_at(scores, log_odds, i, inv_eps);
+    const acc_t x = log_odds_at(scores, log_odds, i, inv_eps, neutral);
     const acc_t z = x + dl;
     const acc_t q1 = sigmoid_abs(z);
     acc_t grad = kk * exp_log_sigmoid_pair(z, l1, q1) * (grad_mask[i] - gpa);
@@ -496,7 +524,7 @@ __global__ void __launch_bounds__(kThreads)
                       exp_log_sigmoid_pair(zt, static_cast<acc_t>(row[2]), rt);
       grad += static_cast<acc_t>(coef[r.seg * npass + t]) * w;
     }
-    grad_scores[i] = static_cast<scalar_t>(scale * grad);
+    grad_scores[i] = static_cast<scalar_t>(zero_if_neutral(scores, i, neutral, scale * grad));
   }
 }
 
@@ -552,10 +580,10 @@ void check(const at::Tensor& scores, const at::Tensor& offsets, const at::Tensor
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport_mask_cuda(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport_mask_cuda(
     const at::Tensor& scores_in, const at::Tensor& offsets_in, const at::Tensor& keep,
-    const at::Tensor& eps, const at::Tensor& log_odds_in, const at::Tensor& shift_in,
-    int64_t iters) {
+    const at::Tensor& eps, const at::Tensor& log_odds_in, const at::Tensor& shift_in, int64_t iters,
+    bool neutral) {
   TORCH_CHECK(iters >= 1, "dtp::transport_mask: iters must be >= 1, got ", iters);
   check(scores_in, offsets_in, keep, eps, log_odds_in);
   const c10::cuda::CUDAGuard guard(scores_in.device());
@@ -570,6 +598,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport_mask_cuda(
   auto new_d = at::empty_like(log_odds);
   auto new_shift = at::empty_like(shift);
   auto stats = at::empty({nseg, iters, 3}, log_odds.options().dtype(at::kDouble));
+  auto nonfinite = at::empty({nseg}, log_odds.options().dtype(at::kBool));
   const int64_t bps = blocks_per_segment(scores.numel(), nseg);
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(
@@ -583,8 +612,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport_mask_cuda(
         const auto* sh = shift.data_ptr<acc_t>();
         if (bps == 1) {
           transport_mask_fwd_kernel<scalar_t, acc_t><<<nseg, kThreads, 0, stream>>>(
-              sc, off, kp, ep, lo, sh, iters, mask.data_ptr<scalar_t>(), new_d.data_ptr<acc_t>(),
-              new_shift.data_ptr<acc_t>(), stats.data_ptr<double>());
+              sc, off, kp, ep, lo, sh, iters, neutral, mask.data_ptr<scalar_t>(),
+              new_d.data_ptr<acc_t>(), new_shift.data_ptr<acc_t>(), stats.data_ptr<double>(),
+              nonfinite.data_ptr<bool>());
           C10_CUDA_KERNEL_LAUNCH_CHECK();
           return;
         }
@@ -598,31 +628,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport_mask_cuda(
             reinterpret_cast<Pair<double>*>(work.data_ptr<uint8_t>() + seg_bytes + ext_bytes);
         const int64_t grid = nseg * bps;
         split_extremes_kernel<scalar_t, acc_t>
-            <<<grid, kThreads, 0, stream>>>(sc, off, ep, lo, bps, ext);
+            <<<grid, kThreads, 0, stream>>>(sc, off, ep, lo, neutral, bps, ext);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         split_start_kernel<acc_t>
             <<<segment_blocks(nseg), kSegThreads, 0, stream>>>(ext, sh, nseg, bps, seg);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         for (int64_t t = 0; t < iters; ++t) {
           split_sums_kernel<scalar_t, acc_t>
-              <<<grid, kThreads, 0, stream>>>(sc, off, ep, lo, bps, seg, sums);
+              <<<grid, kThreads, 0, stream>>>(sc, off, ep, lo, neutral, bps, seg, sums);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
           split_step_kernel<acc_t><<<segment_blocks(nseg), kSegThreads, 0, stream>>>(
               sums, off, kp, nseg, bps, t, iters, seg, stats.data_ptr<double>());
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
         split_output_kernel<scalar_t, acc_t><<<grid, kThreads, 0, stream>>>(
-            sc, off, kp, ep, lo, sh, bps, seg, mask.data_ptr<scalar_t>(), new_d.data_ptr<acc_t>(),
-            new_shift.data_ptr<acc_t>());
+            sc, off, kp, ep, lo, sh, neutral, bps, seg, mask.data_ptr<scalar_t>(),
+            new_d.data_ptr<acc_t>(), new_shift.data_ptr<acc_t>(), nonfinite.data_ptr<bool>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
-  return {mask, new_d, new_shift, stats};
+  return {mask, new_d, new_shift, stats, nonfinite};
 }
 
 std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cuda(
     const at::Tensor& grad_mask, const at::Tensor& scores_in, const at::Tensor& offsets_in,
     const at::Tensor& keep, const at::Tensor& eps, const at::Tensor& log_odds_in,
-    const at::Tensor& stats_in) {
+    const at::Tensor& stats_in, bool neutral) {
   check(scores_in, offsets_in, keep, eps, log_odds_in);
   TORCH_CHECK(stats_in.dim() == 3 && stats_in.size(0) == offsets_in.numel() - 1 &&
                   stats_in.size(2) == 3 && stats_in.scalar_type() == at::kDouble,
@@ -654,7 +684,7 @@ std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cuda(
         const auto* st = stats.data_ptr<double>();
         if (bps == 1) {
           transport_mask_bwd_kernel<scalar_t, acc_t><<<nseg, kThreads, 0, stream>>>(
-              gm, sc, off, kp, ep, lo, st, iters, coef.data_ptr<double>(),
+              gm, sc, off, kp, ep, lo, st, iters, neutral, coef.data_ptr<double>(),
               grad_scores.data_ptr<scalar_t>(), grad_keep.data_ptr<double>());
           C10_CUDA_KERNEL_LAUNCH_CHECK();
           return;
@@ -668,21 +698,21 @@ std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cuda(
         auto* wsum = reinterpret_cast<double*>(work.data_ptr<uint8_t>() + seg_bytes + quad_bytes);
         const int64_t grid = nseg * bps, npass = iters - 1;
         split_bwd_sums_kernel<scalar_t, acc_t>
-            <<<grid, kThreads, 0, stream>>>(gm, sc, off, ep, lo, st, iters, bps, quads);
+            <<<grid, kThreads, 0, stream>>>(gm, sc, off, ep, lo, st, iters, neutral, bps, quads);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         split_bwd_start_kernel<<<segment_blocks(nseg), kSegThreads, 0, stream>>>(quads, kp, nseg,
                                                                                  bps, seg);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         for (int64_t t = npass; t >= 1; --t) {
           split_bwd_pass_kernel<scalar_t, acc_t>
-              <<<grid, kThreads, 0, stream>>>(sc, off, ep, lo, st, iters, t, bps, wsum);
+              <<<grid, kThreads, 0, stream>>>(sc, off, ep, lo, st, iters, t, neutral, bps, wsum);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
           split_bwd_step_kernel<<<segment_blocks(nseg), kSegThreads, 0, stream>>>(
               wsum, nseg, bps, t, npass, seg, coef.data_ptr<double>());
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
         split_bwd_output_kernel<scalar_t, acc_t><<<grid, kThreads, 0, stream>>>(
-            gm, sc, off, kp, ep, lo, st, iters, bps, seg, coef.data_ptr<double>(),
+            gm, sc, off, kp, ep, lo, st, iters, neutral, bps, seg, coef.data_ptr<double>(),
             grad_scores.data_ptr<scalar_t>(), grad_keep.data_ptr<double>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });

@@ -80,14 +80,15 @@ def transport_mask_segments(
     shift: torch.Tensor,
     eps: list[float],
     iters: int = 1,
-) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, list[bool]]:
     """Algorithm 1 looped over segments, on the compact state of TransportState.
 
     Converts each segment's (log_odds, shift) to a plan and a dual g, runs
     :func:`sinkhorn_step`, and converts back. A segment whose new state is not finite
-    keeps its old state. Returns (masks, new log-odds, new shifts), all float64.
+    keeps its old state. Returns (masks, new log-odds, new shifts, held), all float64
+    but ``held``: per segment, whether it kept its old state for that reason.
     """
-    masks, new_log_odds, new_shift = [], [], []
+    masks, new_log_odds, new_shift, held = [], [], [], []
     for index, s in enumerate(scores):
         e = float(eps[index])
         g = torch.stack(
@@ -99,9 +100,10 @@ def transport_mask_segments(
         )
         d_new = (log_plan[:, 1] - log_plan[:, 0]).detach()
         delta_new = ((g_new[1] - g_new[0]) / e).detach()
-        if not (torch.isfinite(d_new).all() and torch.isfinite(delta_new)):
+        held.append(not bool(torch.isfinite(d_new).all() and torch.isfinite(delta_new)))
+        if held[-1]:
             d_new, delta_new = log_odds[index].to(DTYPE), shift[index].to(DTYPE)
         masks.append(mask)
         new_log_odds.append(d_new)
         new_shift.append(delta_new)
-    return masks, new_log_odds, torch.stack(new_shift)
+    return masks, new_log_odds, torch.stack(new_shift), held

@@ -21,6 +21,8 @@ from ._extension import (
 from .transport_state import TransportState
 
 Scores = torch.Tensor | Sequence[torch.Tensor]
+Step = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+NONFINITE_MODES = ("propagate", "neutral")
 
 # ---------------------------------------------------------------------------------------
 # Input checking: everything is checked before any state is touched.
@@ -164,11 +166,13 @@ def _check_eps(eps, state: TransportState) -> torch.Tensor:
     return result
 
 
-def _check_options(iters, update, backend, device: torch.device) -> str:
+def _check_options(iters, update, backend, nonfinite, device: torch.device) -> str:
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
         raise ValueError(f"iters = {iters!r}; it must be an int >= 1")
     if not isinstance(update, bool):
         raise TypeError(f"update must be a bool, got {type(update).__name__}")
+    if nonfinite not in NONFINITE_MODES:
+        raise ValueError(f"nonfinite = {nonfinite!r}; allowed: {list(NONFINITE_MODES)}")
     if backend not in BACKENDS:
         raise ValueError(f"backend = {backend!r}; allowed: {list(BACKENDS)}")
     if backend == "auto":
@@ -197,9 +201,13 @@ def _transport_mask_torch(
     eps: torch.Tensor,
     state: TransportState,
     iters: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    neutral: bool = False,
+) -> Step:
     acc = torch.float64 if scores.dtype == torch.float64 else torch.float32
     seg, nseg = state.segment_ids, state.num_segments
+    scores_ok = torch.isfinite(scores.detach())
+    if neutral:
+        scores = torch.where(scores_ok, scores, 0.5)
     n = _sizes_tensor(state, acc)
     d = state.log_odds.to(acc)
     delta = state.shift.to(acc)
@@ -219,12 +227,14 @@ def _transport_mask_torch(
     mask = torch.where(degenerate[seg], (k / n)[seg], mask)
     # uint8, not bool: CUDA's scatter_reduce has no bool kernels
     finite = torch.ones(nseg, dtype=torch.uint8, device=x.device)
-    finite = finite.scatter_reduce(0, seg, torch.isfinite(x.detach()).to(torch.uint8), "amin")
-    finite = finite.bool()
-    advance = finite & torch.isfinite(new_delta.detach()) & ~degenerate
+    finite = finite.scatter_reduce(
+        0, seg, (torch.isfinite(x.detach()) & scores_ok).to(torch.uint8), "amin"
+    )
+    nonfinite = ~(finite.bool() & torch.isfinite(new_delta.detach()))
+    advance = ~nonfinite & ~degenerate
     new_d = torch.where(advance[seg], x.detach() + new_delta.detach()[seg], state.log_odds.to(acc))
     new_shift = torch.where(advance, new_delta.detach(), state.shift.to(acc))
-    return mask.to(scores.dtype), new_d, new_shift
+    return mask.to(scores.dtype), new_d, new_shift, nonfinite
 
 
 # ---------------------------------------------------------------------------------------
@@ -233,17 +243,22 @@ def _transport_mask_torch(
 # ---------------------------------------------------------------------------------------
 
 
-def _transport_mask_fake(scores, offsets, keep, eps, log_odds, shift, iters):
+def _transport_mask_fake(
+    scores, offsets, keep, eps, log_odds, shift, iters, neutral_nonfinite=False
+):
     nseg = offsets.shape[0] - 1
     return (
         torch.empty_like(scores),
         torch.empty_like(log_odds),
         torch.empty_like(shift),
         scores.new_empty((nseg, iters, 3), dtype=torch.float64),
+        scores.new_empty((nseg,), dtype=torch.bool),
     )
 
 
-def _transport_mask_backward_fake(grad_mask, scores, offsets, keep, eps, log_odds, stats):
+def _transport_mask_backward_fake(
+    grad_mask, scores, offsets, keep, eps, log_odds, stats, neutral_nonfinite=False
+):
     return torch.empty_like(scores), torch.empty_like(keep)
 
 
@@ -271,12 +286,13 @@ def _transport_mask_compiled(
     eps: torch.Tensor,
     state: TransportState,
     iters: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    neutral: bool = False,
+) -> Step:
     offsets, log_odds, shift = _state_tensors(state, scores)
-    mask, new_d, new_shift, _stats = torch.ops.dtp.transport_mask(
-        scores, offsets, keep, eps, log_odds, shift, iters
+    mask, new_d, new_shift, _stats, nonfinite = torch.ops.dtp.transport_mask(
+        scores, offsets, keep, eps, log_odds, shift, iters, neutral
     )
-    return mask, new_d, new_shift
+    return mask, new_d, new_shift, nonfinite
 
 
 # ---------------------------------------------------------------------------------------
@@ -293,9 +309,17 @@ if triton_installed():
 
     @triton_op("dtp::transport_mask_triton", mutates_args=())
     def _transport_mask_triton_op(
-        scores: Tensor, offsets: Tensor, keep: Tensor, eps: Tensor, log_odds: Tensor, shift: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        return _tk.transport_mask_forward(wrap_triton, scores, offsets, keep, eps, log_odds, shift)
+        scores: Tensor,
+        offsets: Tensor,
+        keep: Tensor,
+        eps: Tensor,
+        log_odds: Tensor,
+        shift: Tensor,
+        neutral_nonfinite: bool,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        return _tk.transport_mask_forward(
+            wrap_triton, scores, offsets, keep, eps, log_odds, shift, neutral_nonfinite
+        )
 
     @triton_op("dtp::transport_mask_triton_backward", mutates_args=())
     def _transport_mask_triton_backward_op(
@@ -306,25 +330,27 @@ if triton_installed():
         eps: Tensor,
         log_odds: Tensor,
         stats: Tensor,
+        neutral_nonfinite: bool,
     ) -> tuple[Tensor, Tensor]:
         return _tk.transport_mask_backward(
-            wrap_triton, grad_mask, scores, offsets, keep, eps, log_odds, stats
+            wrap_triton, grad_mask, scores, offsets, keep, eps, log_odds, stats, neutral_nonfinite
         )
 
     def _triton_setup_context(ctx, inputs, output) -> None:
-        scores, offsets, keep, eps, log_odds, _shift = inputs
-        _mask, new_d, new_shift, stats = output
+        scores, offsets, keep, eps, log_odds, _shift, neutral = inputs
+        _mask, new_d, new_shift, stats, nonfinite = output
         ctx.save_for_backward(scores, offsets, keep, eps, log_odds, stats)
-        ctx.mark_non_differentiable(new_d, new_shift, stats)
+        ctx.neutral = neutral
+        ctx.mark_non_differentiable(new_d, new_shift, stats, nonfinite)
 
-    def _triton_backward(ctx, grad_mask, _g_d, _g_shift, _g_stats):
+    def _triton_backward(ctx, grad_mask, _g_d, _g_shift, _g_stats, _g_nonfinite):
         scores, offsets, keep, eps, log_odds, stats = ctx.saved_tensors
         if grad_mask is None:
             grad_mask = torch.zeros_like(scores)
         grad_scores, grad_keep = _transport_mask_triton_backward_op(
-            grad_mask, scores, offsets, keep, eps, log_odds, stats
+            grad_mask, scores, offsets, keep, eps, log_odds, stats, ctx.neutral
         )
-        return grad_scores, None, grad_keep, None, None, None
+        return grad_scores, None, grad_keep, None, None, None, None
 
     _transport_mask_triton_op.register_autograd(
         _triton_backward, setup_context=_triton_setup_context
@@ -337,14 +363,15 @@ def _transport_mask_triton(
     eps: torch.Tensor,
     state: TransportState,
     iters: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    neutral: bool = False,
+) -> Step:
     if iters > 1:
-        return _transport_mask_torch(scores, keep, eps, state, iters)
+        return _transport_mask_torch(scores, keep, eps, state, iters, neutral)
     offsets, log_odds, shift = _state_tensors(state, scores)
-    mask, new_d, new_shift, _stats = _transport_mask_triton_op(
-        scores.contiguous(), offsets, keep.contiguous(), eps, log_odds, shift
+    mask, new_d, new_shift, _stats, nonfinite = _transport_mask_triton_op(
+        scores.contiguous(), offsets, keep.contiguous(), eps, log_odds, shift, neutral
     )
-    return mask, new_d, new_shift
+    return mask, new_d, new_shift, nonfinite
 
 
 # ---------------------------------------------------------------------------------------
@@ -358,11 +385,18 @@ def _transport_mask_reference(
     eps: torch.Tensor,
     state: TransportState,
     iters: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    neutral: bool = False,
+) -> Step:
+    """Algorithm 1 per segment. The non-finite handling around it is this wrapper's: the
+    literal algorithm has none (neutral scores enter as 0.5; a segment with non-finite
+    scores or next state keeps its state and is flagged)."""
     from . import reference  # only this backend needs the oracle
 
     sizes = list(state.sizes)
-    masks, new_d, new_shift = reference.transport_mask_segments(
+    scores_ok = torch.isfinite(scores.detach())
+    if neutral:
+        scores = torch.where(scores_ok, scores, 0.5)
+    masks, new_d, new_shift, held = reference.transport_mask_segments(
         list(scores.split(sizes)),
         keep,
         list(state.log_odds.split(sizes)),
@@ -370,7 +404,14 @@ def _transport_mask_reference(
         eps.tolist(),
         iters,
     )
-    return torch.cat(masks).to(scores.dtype), torch.cat(new_d), new_shift
+    nonfinite = torch.tensor(
+        [h or not bool(ok.all()) for h, ok in zip(held, scores_ok.split(sizes), strict=True)],
+        device=scores.device,
+    )
+    held = nonfinite.repeat_interleave(torch.tensor(sizes, device=scores.device))
+    new_d = torch.where(held, state.log_odds.to(torch.float64), torch.cat(new_d))
+    new_shift = torch.where(nonfinite, state.shift.to(torch.float64), new_shift)
+    return torch.cat(masks).to(scores.dtype), new_d, new_shift, nonfinite
 
 
 _IMPLEMENTATIONS = {
@@ -390,6 +431,7 @@ def transport_mask(
     iters: int = 1,
     update: bool = True,
     backend: str = "auto",
+    nonfinite: str = "propagate",
 ) -> torch.Tensor | list[torch.Tensor]:
     """Soft masks of every segment from one warm-started entropic transport step.
 
@@ -407,15 +449,25 @@ def transport_mask(
         backend: "auto", "reference", "torch", "cpu", "triton" or "cuda" (see
             ``available_backends``; "triton" does iters = 1 in its fused kernels and runs
             the eager closed form for iters > 1).
+        nonfinite: what NaN/Inf scores do to their segment's mask: "propagate" (it
+            becomes NaN) or "neutral" (they enter as the score 0.5, with zero gradient, so
+            the mask stays finite; DTPPruner uses it). Either way the segment keeps its
+            state, decided in the kernel, and ``update`` flags the step for
+            ``state.skipped_steps``; so does a next state that is not finite.
 
     Returns:
         The mask in the layout and dtype of ``scores``: ``mask[i] = n P_new[i, 1]``; each
         segment's mask sums to its k. Segments with k = 0 or k = n get the constant k/n.
     """
     flat, is_list = _check_scores(scores, _checked_state(state))
-    mask, new_d, new_shift = _step(flat, keep, state, eps, iters, update, backend)
+    keep_t = _check_keep(keep, state)
+    eps_t = _check_eps(eps, state)
+    backend = _check_options(iters, update, backend, nonfinite, flat.device)
+    mask, new_d, new_shift, flags = _IMPLEMENTATIONS[backend](
+        flat, keep_t, eps_t, state, iters, nonfinite == "neutral"
+    )
     if update:
-        state.write_pending(new_d, new_shift)
+        state.write_pending(new_d, new_shift, nonfinite=flags)
     return list(mask.split(list(state.sizes))) if is_list else mask
 
 
@@ -423,28 +475,3 @@ def _checked_state(state) -> TransportState:
     if not isinstance(state, TransportState):
         raise TypeError(f"state must be a TransportState, got {type(state).__name__}")
     return state
-
-
-def transport_step(
-    scores: torch.Tensor,
-    keep: torch.Tensor | Sequence[float] | float,
-    state: TransportState,
-    eps: float | Sequence[float] | torch.Tensor = 1.0,
-    iters: int = 1,
-    update: bool = True,
-    backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`transport_mask` on flat scores without writing the state: returns the mask
-    and the next state (log-odds, shift) for ``state.write_pending``, so a caller can
-    hold segments in the same write (DTPPruner does, for non-finite scores)."""
-    if not isinstance(scores, torch.Tensor):
-        raise TypeError(f"scores must be one flat 1-D tensor, got {type(scores).__name__}")
-    flat, _ = _check_scores(scores, _checked_state(state))
-    return _step(flat, keep, state, eps, iters, update, backend)
-
-
-def _step(flat, keep, state, eps, iters, update, backend):
-    keep_t = _check_keep(keep, state)
-    eps_t = _check_eps(eps, state)
-    backend = _check_options(iters, update, backend, flat.device)
-    return _IMPLEMENTATIONS[backend](flat, keep_t, eps_t, state, iters)

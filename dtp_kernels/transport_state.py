@@ -23,8 +23,9 @@ class TransportState(nn.Module):
     ``pending_log_odds`` (one per channel), ``shift`` and ``pending_shift`` (one per
     segment), ``has_pending`` (bool), ``steps`` (int64, committed steps),
     ``pending_nonfinite`` (bool, one per segment) and ``skipped_steps`` (int64, one per
-    segment: committed steps :meth:`hold` kept the segment's state, which DTPPruner does
-    for NaN/Inf scores). All of it is updated on the device, with no host sync.
+    segment: committed steps in which the segment kept its state because its scores or
+    its next state were NaN/Inf, or :meth:`hold` kept it). All of it is updated on the
+    device, with no host sync.
 
     Args:
         sizes: channels per segment, each >= 1.
@@ -89,31 +90,19 @@ class TransportState(nn.Module):
         return self._buffers["log_odds"].device  # direct: Module.__getattr__ is slow per step
 
     def write_pending(
-        self, log_odds: torch.Tensor, shift: torch.Tensor, hold: torch.Tensor | None = None
+        self, log_odds: torch.Tensor, shift: torch.Tensor, nonfinite: torch.Tensor | None = None
     ) -> None:
         """Store the next state (tensors without grad); it becomes current at :meth:`commit`.
-        ``hold`` (bool, one per segment) keeps the current state of the marked segments
-        instead and counts the step as skipped for them (see :meth:`hold`)."""
+        ``nonfinite`` (bool, one per segment; the transport kernels return it) marks the
+        segments that kept their state in it: :meth:`commit` counts them as skipped."""
         buffers = self._buffers  # direct: Module.__getattr__ is slow on a per-step path
         pending_d, pending_s = buffers["pending_log_odds"], buffers["pending_shift"]
         if log_odds.dtype != pending_d.dtype:  # float64 scores on a float32 state
             log_odds, shift = log_odds.to(pending_d.dtype), shift.to(pending_d.dtype)
-        if hold is None:
-            torch._foreach_copy_([pending_d, pending_s], [log_odds, shift])
-        else:
-            self._write_held(hold, log_odds, shift)
-            buffers["pending_nonfinite"].logical_or_(hold)
+        torch._foreach_copy_([pending_d, pending_s], [log_odds, shift])
+        if nonfinite is not None:
+            buffers["pending_nonfinite"].logical_or_(nonfinite)
         buffers["has_pending"].fill_(True)
-
-    def _write_held(self, hold: torch.Tensor, log_odds: torch.Tensor, shift: torch.Tensor):
-        """pending = current state where `hold` marks the segment, else the given one; one
-        op per buffer (a DTP step pays host time per op on a GPU)."""
-        buffers = self._buffers
-        torch.where(
-            hold[buffers["segment_ids"]], buffers["log_odds"], log_odds,
-            out=buffers["pending_log_odds"],
-        )  # fmt: skip
-        torch.where(hold, buffers["shift"], shift, out=buffers["pending_shift"])
 
     @torch.no_grad()
     def hold(self, segments: torch.Tensor) -> None:
@@ -121,7 +110,9 @@ class TransportState(nn.Module):
         next :meth:`commit` and count the step as skipped for them, if a forward wrote a
         pending step; on the device."""
         buffers = self._buffers
-        self._write_held(segments, buffers["pending_log_odds"], buffers["pending_shift"])
+        pending_d, pending_s = buffers["pending_log_odds"], buffers["pending_shift"]
+        torch.where(segments[buffers["segment_ids"]], buffers["log_odds"], pending_d, out=pending_d)
+        torch.where(segments, buffers["shift"], pending_s, out=pending_s)
         buffers["pending_nonfinite"].logical_or_(segments & buffers["has_pending"])
 
     @torch.no_grad()

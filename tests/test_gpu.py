@@ -73,6 +73,37 @@ def test_large_segments_take_split_schedule_and_match(monkeypatch, iters):
 
 
 @pytest.mark.parametrize("backend", gpu_backends())
+@pytest.mark.parametrize("blocks", ["", "3"])
+@pytest.mark.parametrize("mode", ["neutral", "propagate"])
+def test_nonfinite_scores_on_gpu(monkeypatch, backend, blocks, mode):
+    """NaN/Inf scores: the GPU kernels (CUDA's fused and split schedules) give the eager
+    backend's mask, gradients, held state and per-segment flags."""
+    if blocks and backend != "cuda":
+        pytest.skip("the block split is CUDA's")
+    monkeypatch.setenv("DTP_CUDA_BLOCKS_PER_SEGMENT", blocks)
+    sizes, keep = [4, 600, 5, 1], [2.0, 300.5, 1.5, 1.0]
+    gen = torch.Generator().manual_seed(4)
+    scores = torch.randn(sum(sizes), generator=gen)
+    weights = torch.randn(sum(sizes), generator=gen)
+    scores[5], scores[606] = float("nan"), float("inf")  # segments 1 and 2
+    out = {}
+    for device, name in ((CUDA, backend), (torch.device("cpu"), "torch")):
+        state = TransportState(sizes, device=device)
+        s = scores.to(device).requires_grad_(True)
+        mask = transport_mask(s, keep, state, backend=name, nonfinite=mode)
+        (weights.to(device) * mask.nan_to_num(0.0)).sum().backward()
+        state.commit()
+        out[name] = [t.detach().cpu() for t in (mask, s.grad, state.log_odds, state.shift)]
+        assert state.skipped_steps.tolist() == [0, 1, 1, 0]
+    if mode == "propagate":  # gradients through a NaN segment are NaN in no fixed pattern
+        del out[backend][1], out["torch"][1]
+    for a, b in zip(out[backend], out["torch"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
+    if mode == "neutral":
+        assert torch.isfinite(out[backend][0]).all() and out[backend][1][[5, 606]].eq(0).all()
+
+
+@pytest.mark.parametrize("backend", gpu_backends())
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_low_precision_on_gpu(backend, dtype):
     check_low_precision(backend, dtype, device=CUDA)
@@ -213,10 +244,11 @@ def test_opcheck_cuda_kernels():
     eps = torch.full((4,), 0.5, dtype=torch.float64, device=CUDA)
     log_odds, shift = torch.randn(26, device=CUDA), torch.randn(4, device=CUDA)
     for iters in (1, 3):
-        torch.library.opcheck(
-            torch.ops.dtp.transport_mask.default,
-            (scores, offsets, keep, eps, log_odds, shift, iters),
-        )
+        for neutral in (False, True):
+            torch.library.opcheck(
+                torch.ops.dtp.transport_mask.default,
+                (scores, offsets, keep, eps, log_odds, shift, iters, neutral),
+            )
     y = torch.randn(2, 4, 3, 3, device=CUDA, requires_grad=True)
     mask = torch.rand(4, device=CUDA, requires_grad=True)
     torch.library.opcheck(torch.ops.dtp.masked_channel_epilogue.default, (y, mask, None, "relu", 1))

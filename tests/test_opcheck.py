@@ -30,16 +30,29 @@ def test_opcheck_transport_mask(dtype, iters, requires_grad):
     torch.library.opcheck(torch.ops.dtp.transport_mask.default, args)
 
 
+@pytest.mark.parametrize("iters", [1, 3])
+def test_opcheck_transport_mask_neutral_nonfinite(iters):
+    """NaN and Inf scores read as 0.5: every output and gradient finite, segments flagged."""
+    scores, offsets, keep, eps, log_odds, shift, _ = sample_inputs(torch.float32, iters, True)
+    with torch.no_grad():
+        scores[2], scores[10] = float("nan"), float("inf")
+    args = (scores, offsets, keep, eps, log_odds, shift, iters, True)
+    torch.library.opcheck(torch.ops.dtp.transport_mask.default, args)
+    *_, nonfinite = torch.ops.dtp.transport_mask(*args)
+    assert nonfinite.tolist() == [False, True, True, False]
+
+
 def test_opcheck_transport_mask_backward():
     scores, offsets, keep, eps, log_odds, shift, iters = sample_inputs(torch.float32, 2, False)
-    _, _, _, stats = torch.ops.dtp.transport_mask(
+    _, _, _, stats, _ = torch.ops.dtp.transport_mask(
         scores, offsets, keep, eps, log_odds, shift, iters
     )
     grad = torch.randn(26)
-    torch.library.opcheck(
-        torch.ops.dtp.transport_mask_backward.default,
-        (grad, scores, offsets, keep, eps, log_odds, stats),
-    )
+    for neutral in (False, True):
+        torch.library.opcheck(
+            torch.ops.dtp.transport_mask_backward.default,
+            (grad, scores, offsets, keep, eps, log_odds, stats, neutral),
+        )
 
 
 def test_deterministic_and_thread_independent():

@@ -1,5 +1,7 @@
 """What DTP's mask does: sums to k, the paper's Fig. 2 toy, long runs, non-finite input."""
 
+import copy
+
 import pytest
 import torch
 
@@ -88,8 +90,12 @@ def test_non_finite_segment_keeps_its_state(any_backend, bad_value):
     before_d, before_shift = state.log_odds.clone(), state.shift.clone()
     poisoned = scores.clone()
     poisoned[5] = bad_value  # segment 1
-    transport_mask(poisoned, keep, state, backend=any_backend)
+    mask = transport_mask(poisoned, keep, state, backend=any_backend)
     state.commit()
+    if bad_value != bad_value:  # NaN propagates (default "propagate"), into its segment only
+        assert torch.isnan(mask[4:10]).all()
+    assert torch.isfinite(mask[:4]).all() and torch.isfinite(mask[10:]).all()
+    assert state.skipped_steps.tolist() == [0, 1, 0] and int(state.steps) == 2
     assert torch.equal(state.log_odds[4:10], before_d[4:10])
     assert state.shift[1] == before_shift[1]
     assert not torch.equal(state.log_odds[:4], before_d[:4])  # the others advance
@@ -99,6 +105,75 @@ def test_non_finite_segment_keeps_its_state(any_backend, bad_value):
     mask = transport_mask(scores, keep, state, backend=any_backend)
     state.commit()
     assert torch.isfinite(mask).all() and not torch.equal(state.log_odds[4:10], before_d[4:10])
+
+
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), -float("inf")])
+def test_neutral_nonfinite_reads_bad_scores_as_half(any_backend, bad_value):
+    """nonfinite="neutral": the mask and gradients of the scores with the bad entry set to
+    0.5 (the reference), no gradient for that entry, and its segment held and flagged."""
+    sizes, keep = [4, 6, 5], [2.0, 3.0, 1.5]
+    gen = torch.Generator().manual_seed(8)
+    scores = torch.randn(15, generator=gen, dtype=torch.float64)
+    weights = torch.randn(15, generator=gen, dtype=torch.float64)
+    state = TransportState(sizes, dtype=torch.float64)
+    transport_mask(scores, keep, state, backend=any_backend)
+    state.commit()
+    ref_state = copy.deepcopy(state)
+    poisoned = scores.clone()
+    poisoned[5] = bad_value  # segment 1
+    s = poisoned.clone().requires_grad_(True)
+    mask = transport_mask(s, keep, state, backend=any_backend, nonfinite="neutral")
+    (weights * mask).sum().backward()
+    substituted = poisoned.clone()
+    substituted[5] = 0.5
+    s_ref = substituted.clone().requires_grad_(True)
+    want = transport_mask(s_ref, keep, ref_state, backend="reference")
+    (weights * want).sum().backward()
+    torch.testing.assert_close(mask, want, rtol=1e-9, atol=1e-12)
+    grad_want = s_ref.grad.clone()
+    grad_want[5] = 0.0
+    torch.testing.assert_close(s.grad, grad_want, rtol=1e-9, atol=1e-12)
+    assert s.grad[5] == 0
+    held = state.log_odds.clone(), state.shift.clone()
+    state.commit()
+    ref_state.commit()
+    assert torch.equal(state.log_odds[4:10], held[0][4:10]) and state.shift[1] == held[1][1]
+    torch.testing.assert_close(state.log_odds[:4], ref_state.log_odds[:4])
+    torch.testing.assert_close(state.log_odds[10:], ref_state.log_odds[10:])
+    assert state.skipped_steps.tolist() == [0, 1, 0]
+
+
+def test_neutral_nonfinite_gradcheck(fast_backend):
+    """float64 gradcheck through the neutral mode with a NaN and an Inf score."""
+    sizes, keep = [4, 6, 5], [2.0, 3.0, 1.5]
+    gen = torch.Generator().manual_seed(9)
+    state = TransportState(sizes, dtype=torch.float64)
+    state.log_odds.copy_(torch.randn(15, generator=gen, dtype=torch.float64))
+    scores = torch.randn(15, generator=gen, dtype=torch.float64)
+    scores[1], scores[12] = float("nan"), float("inf")
+    scores.requires_grad_(True)
+
+    def f(s):
+        return transport_mask(
+            s, keep, state, backend=fast_backend, update=False, nonfinite="neutral"
+        )
+
+    assert torch.isfinite(f(scores)).all()
+    assert torch.autograd.gradcheck(f, (scores,), eps=1e-6, atol=1e-6)
+
+
+def test_overflowing_log_odds_hold_and_flag_the_segment(fast_backend):
+    """Finite scores whose log-odds overflow fp32 (s / eps > 3.4e38) hold their segment
+    and count a skipped step in both modes (the float64 reference does not overflow)."""
+    sizes, keep = [3, 4], [1.0, 2.0]
+    for mode in ("propagate", "neutral"):
+        state = TransportState(sizes)
+        scores = torch.tensor([0.1, 0.9, 0.3, 0.2, 3e38, 0.4, 0.8])
+        transport_mask(scores, keep, state, eps=0.1, backend=fast_backend, nonfinite=mode)
+        state.commit()
+        assert state.skipped_steps.tolist() == [0, 1], mode
+        assert torch.equal(state.log_odds[3:], torch.zeros(4))
+        assert not torch.equal(state.log_odds[:3], torch.zeros(3))
 
 
 def test_autocast_returns_scores_dtype(any_backend):

@@ -74,6 +74,11 @@ CASES = [
     (dict(iters=1.5), ValueError, r"iters = 1.5; it must be an int >= 1"),
     (dict(update="yes"), TypeError, r"update must be a bool"),
     (
+        dict(nonfinite="zero"),
+        ValueError,
+        r"nonfinite = 'zero'; allowed: \['propagate', 'neutral'\]",
+    ),
+    (
         dict(backend="fast"),
         ValueError,
         r"backend = 'fast'; allowed: \['auto', 'reference', 'torch', 'cpu'",

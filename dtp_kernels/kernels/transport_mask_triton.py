@@ -23,10 +23,21 @@ def _log_sigmoid(z):
 
 
 @triton.jit
+def _load_scores(scores_ptr, idx, valid, ACC: tl.constexpr, NEUTRAL: tl.constexpr):
+    """(scores as used, whether each raw score is finite). NEUTRAL: a non-finite score
+    enters as 0.5."""
+    raw = tl.load(scores_ptr + idx, mask=valid, other=0.0).to(ACC)
+    ok = raw - raw == 0.0  # False for inf and NaN
+    if NEUTRAL:
+        raw = tl.where(ok, raw, 0.5)
+    return raw, ok
+
+
+@triton.jit
 def _transport_mask_fwd_kernel(
     scores_ptr, offsets_ptr, keep_ptr, eps_ptr, log_odds_ptr, shift_ptr,
-    mask_ptr, new_log_odds_ptr, new_shift_ptr, stats_ptr,
-    ACC: tl.constexpr, BLOCK: tl.constexpr,
+    mask_ptr, new_log_odds_ptr, new_shift_ptr, stats_ptr, nonfinite_ptr,
+    ACC: tl.constexpr, BLOCK: tl.constexpr, NEUTRAL: tl.constexpr,
 ):  # fmt: skip
     seg = tl.program_id(0)
     start = tl.load(offsets_ptr + seg)
@@ -46,10 +57,10 @@ def _transport_mask_fwd_kernel(
     for chunk in range(start, end, BLOCK):
         idx = chunk + lanes
         valid = idx < end
-        s = tl.load(scores_ptr + idx, mask=valid, other=0.0).to(ACC)
+        s, s_ok = _load_scores(scores_ptr, idx, valid, ACC, NEUTRAL)
         d = tl.load(log_odds_ptr + idx, mask=valid, other=0.0).to(ACC)
         x = d + (2.0 * s - 1.0) * inv_eps
-        bad += tl.sum(tl.where(valid & (x - x != 0.0), 1, 0), axis=0)  # inf or NaN
+        bad += tl.sum(tl.where(valid & ((x - x != 0.0) | ~s_ok), 1, 0), axis=0)  # inf or NaN
         z = x + delta
         l1 = tl.where(valid, _log_sigmoid(z), float("-inf"))
         l0 = tl.where(valid, _log_sigmoid(-z), float("-inf"))
@@ -70,13 +81,14 @@ def _transport_mask_fwd_kernel(
     degenerate = (k <= 0.0) | (k >= n)
     k_safe = tl.where(degenerate, n * 0.5, k)
     new_delta = tl.log(k_safe) - tl.log(n - k_safe) + delta - lse1 + lse0
-    advance = (bad == 0) & (new_delta - new_delta == 0.0) & (~degenerate)
+    nonfinite = (bad != 0) | (new_delta - new_delta != 0.0)
+    advance = ~nonfinite & ~degenerate
 
     # Pass 2: mask and next state.
     for chunk in range(start, end, BLOCK):
         idx = chunk + lanes
         valid = idx < end
-        s = tl.load(scores_ptr + idx, mask=valid, other=0.0).to(ACC)
+        s, _ = _load_scores(scores_ptr, idx, valid, ACC, NEUTRAL)
         d = tl.load(log_odds_ptr + idx, mask=valid, other=0.0).to(ACC)
         x = d + (2.0 * s - 1.0) * inv_eps
         mask = k * tl.exp(_log_sigmoid(x + delta) - lse1)
@@ -90,13 +102,14 @@ def _transport_mask_fwd_kernel(
     tl.store(stats_ptr + 3 * seg, delta.to(stats_ptr.dtype.element_ty))
     tl.store(stats_ptr + 3 * seg + 1, lse1.to(stats_ptr.dtype.element_ty))
     tl.store(stats_ptr + 3 * seg + 2, lse0.to(stats_ptr.dtype.element_ty))
+    tl.store(nonfinite_ptr + seg, nonfinite)
 
 
 @triton.jit
 def _transport_mask_bwd_kernel(
     grad_mask_ptr, scores_ptr, offsets_ptr, keep_ptr, eps_ptr, log_odds_ptr, stats_ptr,
     grad_scores_ptr, grad_keep_ptr,
-    ACC: tl.constexpr, BLOCK: tl.constexpr,
+    ACC: tl.constexpr, BLOCK: tl.constexpr, NEUTRAL: tl.constexpr,
 ):  # fmt: skip
     seg = tl.program_id(0)
     start = tl.load(offsets_ptr + seg)
@@ -115,7 +128,7 @@ def _transport_mask_bwd_kernel(
     for chunk in range(start, end, BLOCK):
         idx = chunk + lanes
         valid = idx < end
-        s = tl.load(scores_ptr + idx, mask=valid, other=0.0).to(ACC)
+        s, _ = _load_scores(scores_ptr, idx, valid, ACC, NEUTRAL)
         d = tl.load(log_odds_ptr + idx, mask=valid, other=0.0).to(ACC)
         g = tl.load(grad_mask_ptr + idx, mask=valid, other=0.0).to(ACC)
         z = d + (2.0 * s - 1.0) * inv_eps + delta
@@ -128,12 +141,14 @@ def _transport_mask_bwd_kernel(
     for chunk in range(start, end, BLOCK):
         idx = chunk + lanes
         valid = idx < end
-        s = tl.load(scores_ptr + idx, mask=valid, other=0.0).to(ACC)
+        s, s_ok = _load_scores(scores_ptr, idx, valid, ACC, NEUTRAL)
         d = tl.load(log_odds_ptr + idx, mask=valid, other=0.0).to(ACC)
         g = tl.load(grad_mask_ptr + idx, mask=valid, other=0.0).to(ACC)
         z = d + (2.0 * s - 1.0) * inv_eps + delta
         q = tl.exp(_log_sigmoid(z) + _log_sigmoid(-z) - lse1)
         grad = scale * q * (g - gp)
+        if NEUTRAL:
+            grad = tl.where(s_ok, grad, 0.0)  # a score read as 0.5 gets no gradient
         tl.store(grad_scores_ptr + idx, grad.to(grad_scores_ptr.dtype.element_ty), mask=valid)
     grad_keep = tl.where(degenerate, gs / n, gp)
     tl.store(grad_keep_ptr + seg, grad_keep.to(grad_keep_ptr.dtype.element_ty))
@@ -143,26 +158,29 @@ def _acc(scores: torch.Tensor):
     return tl.float64 if scores.dtype == torch.float64 else tl.float32
 
 
-def transport_mask_forward(launch, scores, offsets, keep, eps, log_odds, shift):
+def transport_mask_forward(launch, scores, offsets, keep, eps, log_odds, shift, neutral):
     """Allocate outputs and launch the forward; `launch` wraps the kernel (wrap_triton)."""
     nseg = offsets.shape[0] - 1
     mask = torch.empty_like(scores)
     new_log_odds = torch.empty_like(log_odds)
     new_shift = torch.empty_like(shift)
     stats = torch.empty((nseg, 1, 3), dtype=log_odds.dtype, device=scores.device)
+    nonfinite = torch.empty((nseg,), dtype=torch.bool, device=scores.device)
     launch(_transport_mask_fwd_kernel)[(nseg,)](
         scores, offsets, keep, eps, log_odds, shift, mask, new_log_odds, new_shift, stats,
-        ACC=_acc(scores), BLOCK=BLOCK,
+        nonfinite, ACC=_acc(scores), BLOCK=BLOCK, NEUTRAL=neutral,
     )  # fmt: skip
-    return mask, new_log_odds, new_shift, stats
+    return mask, new_log_odds, new_shift, stats, nonfinite
 
 
-def transport_mask_backward(launch, grad_mask, scores, offsets, keep, eps, log_odds, stats):
+def transport_mask_backward(
+    launch, grad_mask, scores, offsets, keep, eps, log_odds, stats, neutral
+):
     nseg = offsets.shape[0] - 1
     grad_scores = torch.empty_like(scores)
     grad_keep = torch.empty_like(keep)
     launch(_transport_mask_bwd_kernel)[(nseg,)](
         grad_mask.contiguous(), scores, offsets, keep, eps, log_odds, stats, grad_scores,
-        grad_keep, ACC=_acc(scores), BLOCK=BLOCK,
+        grad_keep, ACC=_acc(scores), BLOCK=BLOCK, NEUTRAL=neutral,
     )  # fmt: skip
     return grad_scores, grad_keep

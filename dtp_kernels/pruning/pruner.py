@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..masked_channel_epilogue import masked_channel_epilogue
-from ..transport_mask import transport_mask, transport_step
+from ..transport_mask import transport_mask
 from ..transport_state import TransportState
 from .base import ChannelPruner
 
@@ -360,16 +360,10 @@ class DTPPruner(ChannelPruner):
         NaN/Inf scores would make their group's mask NaN and so every activation and
         gradient of the network; they enter as the neutral score 0.5 instead (no pull
         either way, no gradient), and their segment's state is held at this step and the
-        step counted in ``skipped_steps``. All on the device.
+        step counted in ``skipped_steps``. The transport kernels do all of it on the
+        device (nonfinite="neutral").
         """
-        update = model.training and torch.is_grad_enabled()
-        zeros = self.scores.detach().mul(0)  # NaN where a score is NaN or Inf, else 0
-        mask, log_odds, shift = transport_step(
-            self._finite_scores(zeros.eq(0)), self.current_keep(), self.state, eps=self.eps,
-            iters=self.iters, update=update, backend=self.backend,
-        )  # fmt: skip
-        if update:
-            self.state.write_pending(log_odds, shift, hold=self._segment_any_bad(zeros))
+        mask = self._transport(update=model.training and torch.is_grad_enabled())
         self._source.set(mask)
         self._fold_masks()
 
@@ -393,27 +387,18 @@ class DTPPruner(ChannelPruner):
             for slot, (product, original) in enumerate(zip(products, originals, strict=True))
         }
 
-    def _segment_any_bad(self, zeros: torch.Tensor) -> torch.Tensor:
-        """Per transport segment: whether any of its scores is not finite, from
-        ``scores * 0`` (NaN exactly there): a segment's sum of it is 0 or NaN, in any
-        summation order."""
-        state = self.state
-        sums = zeros.new_zeros(state.num_segments).index_add_(0, state.segment_ids, zeros)
-        return sums.ne(sums)
-
-    def _finite_scores(self, finite: torch.Tensor | None = None) -> torch.Tensor:
-        """The scores with NaN/Inf entries replaced by the neutral 0.5."""
-        finite = torch.isfinite(self.scores) if finite is None else finite
-        return torch.where(finite, self.scores, 0.5)
+    def _transport(self, update: bool) -> torch.Tensor:
+        """The soft masks of all groups, NaN/Inf scores read as the neutral 0.5."""
+        return transport_mask(
+            self.scores, self.current_keep(), self.state, eps=self.eps, iters=self.iters,
+            update=update, backend=self.backend, nonfinite="neutral",
+        )  # fmt: skip
 
     def channel_scores(self) -> torch.Tensor:
         """The current soft masks (update=False): the top-k of each group is kept."""
         with torch.no_grad():
-            scores = self._finite_scores()
-            mask = transport_mask(
-                scores, self.current_keep(), self.state, eps=self.eps, iters=self.iters,
-                update=False, backend=self.backend,
-            )  # fmt: skip
+            mask = self._transport(update=False)
+            scores = self.scores.nan_to_num(0.5, 0.5, 0.5)
         return mask + 1e-12 * scores  # ties (masks at 0 or 1) by score
 
     def attach(self, optimizer: torch.optim.Optimizer):
@@ -466,10 +451,7 @@ class DTPPruner(ChannelPruner):
         squared distance of the soft mask from the hard one."""
         result = super().report()
         with torch.no_grad():
-            soft = transport_mask(
-                self._finite_scores(), self.current_keep(), self.state, eps=self.eps,
-                iters=self.iters, update=False, backend=self.backend,
-            ).float().cpu()  # fmt: skip
+            soft = self._transport(update=False).float().cpu()
         hard = torch.cat(self.hard_masks())
         for row, skipped in zip(result["groups"], self.skipped_steps(), strict=True):
             row["skipped_steps"] = skipped
