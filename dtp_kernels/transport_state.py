@@ -94,14 +94,17 @@ class TransportState(nn.Module):
     ) -> None:
         """Store the next state (tensors without grad); it becomes current at :meth:`commit`.
         ``nonfinite`` (bool, one per segment; the transport kernels return it) marks the
-        segments that kept their state in it: :meth:`commit` counts them as skipped."""
+        segments that kept their state in it: :meth:`commit` counts them as skipped. The
+        last write before a commit decides both (several forwards per optimizer step)."""
         buffers = self._buffers  # direct: Module.__getattr__ is slow on a per-step path
         pending_d, pending_s = buffers["pending_log_odds"], buffers["pending_shift"]
         if log_odds.dtype != pending_d.dtype:  # float64 scores on a float32 state
             log_odds, shift = log_odds.to(pending_d.dtype), shift.to(pending_d.dtype)
         torch._foreach_copy_([pending_d, pending_s], [log_odds, shift])
-        if nonfinite is not None:
-            buffers["pending_nonfinite"].logical_or_(nonfinite)
+        if nonfinite is None:
+            buffers["pending_nonfinite"].zero_()
+        else:
+            buffers["pending_nonfinite"].copy_(nonfinite)
         buffers["has_pending"].fill_(True)
 
     @torch.no_grad()

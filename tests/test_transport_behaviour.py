@@ -143,6 +143,22 @@ def test_neutral_nonfinite_reads_bad_scores_as_half(any_backend, bad_value):
     assert state.skipped_steps.tolist() == [0, 1, 0]
 
 
+@pytest.mark.parametrize("bad_first", [True, False])
+def test_last_forward_before_a_commit_decides_the_hold(fast_backend, bad_first):
+    """Two forwards before one commit (gradient accumulation): the state and the skipped
+    count both come from the last one."""
+    sizes, keep = [4, 6, 5], [2.0, 3.0, 1.5]
+    scores = torch.randn(15, generator=torch.Generator().manual_seed(10))
+    poisoned = scores.clone()
+    poisoned[5] = float("nan")
+    state = TransportState(sizes)
+    for s in (poisoned, scores) if bad_first else (scores, poisoned):
+        transport_mask(s, keep, state, backend=fast_backend, nonfinite="neutral")
+    state.commit()
+    assert state.skipped_steps.tolist() == ([0, 0, 0] if bad_first else [0, 1, 0])
+    assert torch.equal(state.log_odds[4:10], torch.zeros(6)) != bad_first
+
+
 def test_neutral_nonfinite_gradcheck(fast_backend):
     """float64 gradcheck through the neutral mode with a NaN and an Inf score."""
     sizes, keep = [4, 6, 5], [2.0, 3.0, 1.5]
