@@ -205,8 +205,9 @@ def _transport_mask_torch(
 ) -> Step:
     acc = torch.float64 if scores.dtype == torch.float64 else torch.float32
     seg, nseg = state.segment_ids, state.num_segments
-    scores_ok = torch.isfinite(scores.detach())
+    scores_ok = None
     if neutral:
+        scores_ok = torch.isfinite(scores.detach())
         scores = torch.where(scores_ok, scores, 0.5)
     n = _sizes_tensor(state, acc)
     d = state.log_odds.to(acc)
@@ -227,9 +228,11 @@ def _transport_mask_torch(
     mask = torch.where(degenerate[seg], (k / n)[seg], mask)
     # uint8, not bool: CUDA's scatter_reduce has no bool kernels
     finite = torch.ones(nseg, dtype=torch.uint8, device=x.device)
-    finite = finite.scatter_reduce(
-        0, seg, (torch.isfinite(x.detach()) & scores_ok).to(torch.uint8), "amin"
-    )
+    # A non-finite score makes x non-finite unless neutral mode replaced it first.
+    finite_x = torch.isfinite(x.detach())
+    if scores_ok is not None:
+        finite_x &= scores_ok
+    finite = finite.scatter_reduce(0, seg, finite_x.to(torch.uint8), "amin")
     nonfinite = ~(finite.bool() & torch.isfinite(new_delta.detach()))
     advance = ~nonfinite & ~degenerate
     new_d = torch.where(advance[seg], x.detach() + new_delta.detach()[seg], state.log_odds.to(acc))
