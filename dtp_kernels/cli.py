@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 
 def check() -> int:
@@ -90,8 +91,17 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append("run.channels_last=true")
     if args.no_progress:
         overrides.append("run.progress=false")
-    summary = run(recipes.load(args.config, overrides), args.out, resume=args.resume)
     from .pipeline import distributed
+    from .pipeline.preemption import Preempted
+
+    try:
+        summary = run(recipes.load(args.config, overrides), args.out, resume=args.resume)
+    except Preempted as stop:
+        if distributed.is_main():
+            again = " ".join(["dtp", *(argv if argv is not None else sys.argv[1:])])
+            again += "" if args.resume else " --resume"
+            print(f"dtp prune: {stop}. Resume with:\n  {again}", file=sys.stderr)
+        return 128 + stop.signum
 
     if distributed.is_main():
         print(json.dumps({k: v for k, v in summary.items() if k != "model"}, indent=2))

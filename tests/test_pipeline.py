@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dtp_kernels.cli import main
-from dtp_kernels.pipeline import data, recipe
+from dtp_kernels.pipeline import data, recipe, synthetic
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -37,14 +37,12 @@ def test_missing_cifar_directory_names_path_and_layout(tmp_path):
 
 
 def test_cifar_python_format_is_read(tmp_path):
-    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        batch = {b"data": torch.randint(0, 255, (4, 3072), dtype=torch.uint8).numpy(),
-                 b"labels": [0, 1, 2, 3]}  # fmt: skip
-        (tmp_path / name).write_bytes(pickle.dumps(batch))
-    train, test = data.cifar(tmp_path, "cifar10")
-    assert len(train) == 20 and len(test) == 4 and train[0][0].shape == (3, 32, 32)
-    (tmp_path / "test_batch").write_bytes(pickle.dumps({b"data": [1, 2]}))
-    with pytest.raises(ValueError, match="is not a cifar10 batch"):
+    where = synthetic.write_cifar(tmp_path, "cifar10", train=20, test=4)
+    for root in (where, tmp_path):  # the extracted folder, or the folder holding it
+        train, test = data.cifar(root, "cifar10")
+        assert len(train) == 20 and len(test) == 4 and train[0][0].shape == (3, 32, 32)
+    (where / "test_batch").write_bytes(pickle.dumps({"data": [1, 2]}))
+    with pytest.raises(ValueError, match="is not a cifar10 directory"):
         data.cifar(tmp_path, "cifar10")
 
 

@@ -125,7 +125,11 @@ def test_newer_format_and_foreign_files_are_refused(tmp_path):
     payload = ckpt.make_payload({"stage": "dtp"}, epoch=1)
     payload["version"] = ckpt.VERSION + 1
     torch.save(payload, path)
-    with pytest.raises(ckpt.CheckpointError, match=r"format version 2.*upgrade"):
+    with pytest.raises(ckpt.CheckpointError, match=rf"format version {ckpt.VERSION + 1}.*upgrade"):
+        ckpt.load_checkpoint(path, {"stage": "dtp"})
+    payload["version"] = ckpt.VERSION - 1
+    torch.save(payload, path)
+    with pytest.raises(ckpt.CheckpointError, match=r"older dtp-kernels.*new output directory"):
         ckpt.load_checkpoint(path, {"stage": "dtp"})
     torch.save({"weights": torch.zeros(2)}, path)
     with pytest.raises(ckpt.CheckpointError, match="not a dtp-kernels training checkpoint"):

@@ -2,10 +2,14 @@
 checked against the run before anything is restored.
 
 A checkpoint holds one training stage's model, optimizer, scheduler and (for the DTP
-stage) pruner state with its transport state, the global and data-loader RNG states,
-the metrics so far and the next epoch. It is written to a temporary file in the same
-directory, flushed and fsynced, then renamed over the old one, so a kill at any moment
-leaves either the previous checkpoint or the new one, never a torn file.
+stage) pruner state with its transport state, the global CPU (and CUDA) RNG states, the
+metrics so far and where to go on: the epoch and the step within it (a checkpoint written
+at a preemption signal stops mid-epoch), with the loss summed over that epoch so far.
+The data order needs no state: it is a function of the seed and the epoch.
+
+A checkpoint is written to a temporary file in the same directory, flushed and
+fsynced, then renamed over the old one, so a kill at any moment leaves
+either the previous checkpoint or the new one, never a torn file.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 from torch import nn
 
 FORMAT = "dtp-kernels/checkpoint"
-VERSION = 1
+VERSION = 2  # 2: mid-epoch steps, data order drawn from (seed, epoch)
 
 
 class CheckpointError(ValueError):
@@ -60,6 +64,12 @@ def load_checkpoint(path: str | Path, meta: dict) -> dict:
         raise CheckpointError(
             f"{path} has checkpoint format version {version!r}; this dtp-kernels reads "
             f"versions up to {VERSION}: upgrade dtp-kernels to resume from it"
+        )
+    if version < VERSION:
+        raise CheckpointError(
+            f"{path} has checkpoint format version {version}, written by an older "
+            f"dtp-kernels that ordered the data differently; this one resumes version "
+            f"{VERSION}: start the run again in a new output directory"
         )
     saved = payload.get("meta", {})
     for key, value in meta.items():

@@ -21,13 +21,15 @@ def active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def init_from_env() -> int:
-    """Start the process group when launched by torchrun; returns this process's rank."""
+def init_from_env(device: torch.device) -> int:
+    """Start the process group when launched by torchrun (NCCL for a CUDA `device`, gloo
+    on the CPU); returns this process's rank."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if device.type == "cuda" else "gloo"
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
+            dist.init_process_group(backend, device_id=device)
+        else:
+            dist.init_process_group(backend)
     return dist.get_rank() if dist.is_initialized() else 0
 
 

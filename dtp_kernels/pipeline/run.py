@@ -4,6 +4,7 @@ one-shot baseline), export, fine-tuning and evaluation, from a recipe."""
 from __future__ import annotations
 
 import copy
+import fnmatch
 import json
 import time
 from pathlib import Path
@@ -11,29 +12,76 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..models import get_model
+from ..models import CIFAR_MODELS, TORCHVISION_MODELS
 from ..pruning import DTPPruner, L1Pruner, RandomPruner, save_pruned
 from ..pruning.flops import count_flops, count_params
 from . import data as datasets
 from . import distributed, plots
+from .device import resolve_device
+from .model_source import RANDOM, build_model, example_input, load_weights
+from .preemption import PreemptionGuard
 from .train import Checkpointing, MetricsLog, RunOptions, evaluate, train
 
 METHODS = ("dtp", "l1", "random")
 
 
-def build_data(recipe: dict):
+def build_data(recipe: dict, device: torch.device | None = None):
+    """The training and test loaders of the recipe's `data` section, for a run on
+    `device` (CPU by default: it decides pinned memory)."""
     spec = recipe["data"]
+    device = torch.device(device or "cpu")
     if spec["name"] == "digits":
         train_set, test_set = datasets.digits(seed=recipe["seed"])
     elif spec["name"] in ("cifar10", "cifar100"):
-        train_set, test_set = datasets.cifar(spec["root"], spec["name"])
+        train_set, test_set = datasets.cifar(spec["root"], spec["name"], spec["augment"])
     elif spec["name"] == "imagefolder":
-        train_set, test_set = datasets.image_folder(spec["root"])
+        train_set, test_set = datasets.image_folder(
+            spec["root"], spec["image_size"], spec["augment"]
+        )
     else:
         raise ValueError(
             f"data.name = {spec['name']!r}; allowed: digits, cifar10, cifar100, imagefolder"
         )
-    return datasets.loaders(train_set, test_set, spec["batch_size"], recipe["seed"])
+    pin = spec["pin_memory"] if spec["pin_memory"] is not None else device.type == "cuda"
+    return datasets.loaders(
+        train_set, test_set, spec["batch_size"], recipe["seed"],
+        eval_batch_size=spec["eval_batch_size"], num_workers=spec["num_workers"],
+        pin_memory=pin, persistent_workers=spec["persistent_workers"],
+        prefetch_factor=spec["prefetch_factor"],
+    )  # fmt: skip
+
+
+def check_starting_point(recipe: dict) -> None:
+    """Refuse, before any work, a run that would prune a network nobody trained."""
+    weights = recipe["model"]["weights"]
+    if weights is None and not recipe["pretrain"]["epochs"]:
+        raise ValueError(
+            "model.weights is not set and pretrain.epochs is 0: the run would prune a "
+            "randomly initialised network. Give the dense model's weights (--set "
+            "model.weights=PATH, a state_dict file such as torchvision's "
+            "resnet50-0676ba61.pth or a checkpoint holding one under 'state_dict' or "
+            "'model'), train it first (--set pretrain.epochs=N), or prune the random "
+            "initialisation on purpose (--set model.weights=random)"
+        )
+    if weights not in (None, RANDOM) and not Path(weights).is_file():
+        raise FileNotFoundError(
+            f"model.weights = {weights!r}: no such file (a state_dict of the dense model; "
+            "or train one with --set model.weights=null --set pretrain.epochs=N)"
+        )
+
+
+def skipped_modules(model: nn.Module, patterns: list[str]) -> list[nn.Module]:
+    """The modules prune.skip names (fnmatch globs over module names)."""
+    names = [name for name, _ in model.named_modules() if name]
+    chosen = []
+    for pattern in patterns:
+        hits = [name for name in names if fnmatch.fnmatchcase(name, pattern)]
+        if not hits:
+            raise ValueError(f"prune.skip names {pattern!r}, which matches no module of the "
+                             f"model; modules include {names[:8]}")  # fmt: skip
+        chosen += hits
+    modules = dict(model.named_modules())
+    return [modules[name] for name in dict.fromkeys(chosen)]
 
 
 def stage_checkpoint(
@@ -59,47 +107,63 @@ def prune_and_finetune(
     checkpoints: Path | None = None,
     resume: bool = False,
     options: RunOptions | None = None,
+    example: torch.Tensor | None = None,
 ) -> dict:
-    """Prune a copy of `dense` per recipe["prune"], fine-tune it; return the summary."""
+    """Prune a copy of `dense` per recipe["prune"], fine-tune it; return the summary.
+    `example` is one input for tracing (default: the first test image)."""
     settings = recipe["prune"]
     method = settings["method"]
     if method not in METHODS:
         raise ValueError(f"prune.method = {method!r}; allowed: {list(METHODS)}")
+    options = options or RunOptions()
     model = copy.deepcopy(dense)
-    example = next(iter(test_loader))[0][:1]
+    if example is None:
+        example = next(iter(test_loader))[0][:1]
+    example = example.to(options.device)
+    skip = skipped_modules(model, settings["skip"])
     times = {}
     start = time.perf_counter()
     if method == "dtp":
         pruner = DTPPruner(model, example, settings["ratios"], budget=settings["budget"],
-                           eps=settings["eps"], iters=settings["iters"])  # fmt: skip
+                           granularity=settings["granularity"], eps=settings["eps"],
+                           iters=settings["iters"], ignored_layers=skip)  # fmt: skip
 
         def trace(epoch: int) -> None:  # soft masks of sample filters, for the Fig. 3a plot
             log.write(stage="mask-trace", epoch=epoch, masks=sample_masks(pruner))
 
         trace(-1)
         result = train(model, train_loader, test_loader, settings, log, f"dtp-{settings['ratios']}",
-                       pruner=pruner, flops_target=settings.get("flops_target"),
+                       pruner=pruner, flops_target=settings["flops_target"],
                        checkpoint=stage_checkpoint(checkpoints, recipe, "dtp", resume),
                        options=options, on_epoch=trace)  # fmt: skip
     else:
+        if settings["granularity"] != "filter":
+            raise ValueError(f"prune.granularity = {settings['granularity']!r} needs "
+                             "prune.method=dtp; l1 and random prune filters")  # fmt: skip
         cls = L1Pruner if method == "l1" else RandomPruner
-        pruner = cls(model, example, settings["ratios"], budget=settings["budget"])
+        pruner = cls(model, example, settings["ratios"], budget=settings["budget"],
+                     ignored_layers=skip)  # fmt: skip
     times["prune"] = time.perf_counter() - start
     groups = pruner.report()["groups"]
     start = time.perf_counter()
     pruned = pruner.export()
     times["export"] = time.perf_counter() - start
+    before_finetune = evaluate(pruned, test_loader, options)  # the paper's star point
+    zeros = zero_pattern(pruned) if settings["granularity"] == "weight" else None
     saving = stage_checkpoint(checkpoints, recipe, "finetune", resume)
     result = train(pruned, train_loader, test_loader, recipe["finetune"], log,
                    f"finetune-{method}-{settings['ratios']}", checkpoint=saving,
-                   options=options)  # fmt: skip
+                   options=options, keep_zero=zeros)  # fmt: skip
     times["finetune"] = result["seconds"]
     base_params, base_flops = count_params(dense), count_flops(dense, example)
     params, flops = count_params(pruned), count_flops(pruned, example)
+    if zeros is not None:  # unstructured: the same shapes, pruned weights held at zero
+        params -= sum(int((~keep).sum()) for keep in zeros.values())
     return {
         "method": method,
         "ratios": settings["ratios"],
-        "accuracy": evaluate(pruned, test_loader),
+        "accuracy_before_finetune": before_finetune,
+        "accuracy": evaluate(pruned, test_loader, options),
         "params": params,
         "flops": flops,
         "sparsity": 1 - params / base_params,
@@ -108,6 +172,28 @@ def prune_and_finetune(
         "groups": groups,
         "model": pruned,
     }
+
+
+def zero_pattern(model: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
+    """The kept entries (weight != 0) of every conv and linear weight of an exported
+    unstructured model, which fine-tuning keeps at zero where they are pruned."""
+    return {m.weight: m.weight.detach() != 0 for m in model.modules()
+            if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Linear))}  # fmt: skip
+
+
+def saved_architecture(recipe: dict) -> dict | None:
+    """How pruned.pt names the architecture: {name, num_classes} for a model get_model
+    builds (the file then holds weights only), None otherwise (a pickled module, which
+    load_pruned reads with trusted=True)."""
+    spec = recipe["model"]
+    name = spec["name"]
+    if spec["source"] == "torchvision":
+        name = "torchvision." + name.removeprefix("torchvision.")
+    if spec["source"] == "python" or spec["kwargs"]:
+        return None
+    if name in CIFAR_MODELS or name.removeprefix("torchvision.") in TORCHVISION_MODELS:
+        return {"name": name, "num_classes": spec["num_classes"]}
+    return None
 
 
 SAMPLE_GROUPS, SAMPLE_FILTERS = 6, 4
@@ -142,36 +228,45 @@ def run(recipe: dict, out_dir: str | Path | None = None, resume: bool = False) -
     """The whole pipeline; writes metrics.jsonl, summary.json and pruned.pt to out_dir,
     and a checkpoint per stage to out_dir/checkpoints after every epoch. resume=True
     continues from those checkpoints (finished stages are restored, not rerun) and ends
-    bitwise where an uninterrupted run ends."""
-    distributed.init_from_env()  # under torchrun: one process per GPU (or CPU rank)
-    torch.manual_seed(recipe["seed"])
+    bitwise where an uninterrupted run ends. SIGTERM, SIGINT or SIGUSR1 stop the run after
+    the current step with a checkpoint (raises preemption.Preempted)."""
+    settings = recipe["run"]
+    device = resolve_device(settings["device"])
+    options = RunOptions(settings["amp"], settings["channels_last"], settings["progress"],
+                         device, settings["compile"])  # fmt: skip
+    check_starting_point(recipe)
     out = Path(out_dir) if out_dir is not None else None
     if resume and out is None:
         raise ValueError("resume needs the output directory of the run to resume (--out)")
+    distributed.init_from_env(device)  # under torchrun: one process per GPU (or CPU rank)
+    torch.manual_seed(recipe["seed"])
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     checkpoints = out / "checkpoints" if out is not None else None
-    settings = recipe["run"]
-    options = RunOptions(settings["amp"], settings["channels_last"], settings["progress"])
-    writes = out is not None and distributed.is_main()  # rank 0 writes the files
-    tensorboard = out / "tensorboard" if writes and settings["tensorboard"] else None
-    log = MetricsLog(out / "metrics.jsonl" if writes else None, tensorboard)
-    train_loader, test_loader = build_data(recipe)
-    model = get_model(recipe["model"]["name"], recipe["model"]["num_classes"])
-    if recipe["pretrain"]["epochs"]:
-        saving = stage_checkpoint(checkpoints, recipe, "pretrain", resume)
-        dense = train(model, train_loader, test_loader, recipe["pretrain"], log, "pretrain",
-                      checkpoint=saving, options=options)  # fmt: skip
-    else:
-        dense = {"seconds": 0.0, "accuracy": evaluate(model, test_loader, options)}
-    summary = prune_and_finetune(model, recipe, train_loader, test_loader, log, checkpoints,
-                                 resume, options)  # fmt: skip
+    with PreemptionGuard() as options.preemption:
+        writes = out is not None and distributed.is_main()  # rank 0 writes the files
+        tensorboard = out / "tensorboard" if writes and settings["tensorboard"] else None
+        log = MetricsLog(out / "metrics.jsonl" if writes else None, tensorboard)
+        train_loader, test_loader = build_data(recipe, device)
+        model = build_model(recipe["model"])
+        if recipe["model"]["weights"] not in (None, RANDOM):
+            load_weights(model, recipe["model"]["weights"])
+        model.to(device)
+        sample = None if recipe["model"]["input_shape"] else next(iter(test_loader))[0]
+        example = example_input(recipe["model"], sample)
+        if recipe["pretrain"]["epochs"]:
+            saving = stage_checkpoint(checkpoints, recipe, "pretrain", resume)
+            dense = train(model, train_loader, test_loader, recipe["pretrain"], log, "pretrain",
+                          checkpoint=saving, options=options)  # fmt: skip
+        else:
+            dense = {"seconds": 0.0, "accuracy": evaluate(model, test_loader, options)}
+        summary = prune_and_finetune(model, recipe, train_loader, test_loader, log,
+                                     checkpoints, resume, options, example)  # fmt: skip
     summary["dense_accuracy"] = dense["accuracy"]
     summary["seconds"]["pretrain"] = dense["seconds"]
     if writes:
-        architecture = {k: recipe["model"][k] for k in ("name", "num_classes")}
         metadata = {"method": summary["method"], "ratios": str(summary["ratios"])}
-        save_pruned(out / "pruned.pt", summary["model"], architecture, metadata)
+        save_pruned(out / "pruned.pt", summary["model"], saved_architecture(recipe), metadata)
         if settings["plots"]:
             write_plots(summary, log.rows, out / "plots", recipe)
         printable = {k: v for k, v in summary.items() if k != "model"}

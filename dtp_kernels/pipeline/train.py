@@ -8,7 +8,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ from .checkpoint import (
     make_payload,
     save_atomic,
 )
+from .preemption import Preempted, PreemptionGuard
 from .step import training_step
 
 
@@ -61,37 +62,49 @@ class MetricsLog:
 
 @dataclass
 class RunOptions:
-    """How stages run: mixed precision ("bf16", "fp16" or None), channels_last memory
-    format, tqdm progress bars."""
+    """How stages run: the device, mixed precision ("bf16", "fp16" or None),
+    channels_last memory format, torch.compile of the training step, tqdm progress bars,
+    and the guard that stops a stage at a preemption signal."""
 
     amp: str | None = None
     channels_last: bool = False
     progress: bool = False
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    compile: bool = False
+    preemption: PreemptionGuard | None = None
 
     def __post_init__(self) -> None:
         if self.amp not in (None, "bf16", "fp16"):
             raise ValueError(f"run.amp = {self.amp!r}; allowed: null, 'bf16', 'fp16'")
+        self.device = torch.device(self.device)
 
     @property
     def amp_dtype(self) -> torch.dtype | None:
         return {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[self.amp]
 
     def images(self, images: torch.Tensor) -> torch.Tensor:
+        """A batch of inputs on the run's device (asynchronously from pinned memory), in
+        its memory format."""
+        images = images.to(self.device, non_blocking=True)
         return images.to(memory_format=torch.channels_last) if self.channels_last else images
+
+    def labels(self, labels: torch.Tensor) -> torch.Tensor:
+        return labels.to(self.device, non_blocking=True)
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: DataLoader, options: RunOptions | None = None) -> float:
-    """Top-1 accuracy in [0, 1]."""
+    """Top-1 accuracy in [0, 1], counted on the device (one read at the end)."""
     options = options or RunOptions()
     was_training = model.training
     model.eval()
-    correct = total = 0
+    correct = torch.zeros((), dtype=torch.int64, device=options.device)
+    total = 0
     for images, labels in loader:
-        correct += int((model(options.images(images)).argmax(1) == labels).sum())
+        correct += (model(options.images(images)).argmax(1) == options.labels(labels)).sum()
         total += len(labels)
     model.train(was_training)
-    return correct / max(total, 1)
+    return int(correct) / max(total, 1)
 
 
 def make_optimizer(model: nn.Module, settings: dict, pruner: nn.Module | None = None):
@@ -135,70 +148,97 @@ def train(
     checkpoint: Checkpointing | None = None,
     options: RunOptions | None = None,
     on_epoch: Callable[[int], None] | None = None,
+    keep_zero: dict[nn.Parameter, torch.Tensor] | None = None,
 ) -> dict:
     """Train for settings["epochs"]; log loss and accuracy per epoch; return the summary.
 
-    With `checkpoint`, the stage is saved after every epoch; with `checkpoint.resume` and
-    a checkpoint present, it continues from there (a finished stage returns at once) and
-    ends bitwise where an uninterrupted run ends.
+    keep_zero maps parameters to boolean masks of their kept entries; the others are set
+    back to zero after every optimizer step (fine-tuning an unstructured pruned model).
+
+    With `checkpoint`, the stage is saved after every epoch (and at a preemption signal,
+    after the current step); with `checkpoint.resume` and a checkpoint present, it
+    continues from there (a finished stage returns at once) and ends bitwise where an
+    uninterrupted run ends. The loader's sampler must be an EpochSampler (data.loaders).
     """
     epochs = settings["epochs"]
     options = options or RunOptions()
     if options.channels_last:
         model.to(memory_format=torch.channels_last)
-    device = next(model.parameters()).device.type
-    scaler = torch.amp.GradScaler(device) if options.amp == "fp16" else None
+    scaler = torch.amp.GradScaler(options.device.type) if options.amp == "fp16" else None
     optimizer = make_optimizer(model, settings, pruner)
-    schedule = make_schedule(optimizer, settings, epochs * len(train_loader))
+    steps = len(train_loader)
+    schedule = make_schedule(optimizer, settings, epochs * steps)
     if pruner is not None:
         if distributed.active():  # same scores on every rank: same masks and state
             optimizer.register_step_pre_hook(lambda *_: distributed.average_gradients(pruner))
         pruner.attach(optimizer)
-    first_epoch, seconds = 0, 0.0
+    if keep_zero:
+        params, masks = list(keep_zero), [m.to(p.dtype) for p, m in keep_zero.items()]
+        optimizer.register_step_post_hook(
+            lambda *_: torch._foreach_mul_([p.data for p in params], masks)
+        )
+    first_epoch, first_step, seconds = 0, 0, 0.0
+    loss_sum = torch.zeros((), device=options.device)  # summed on the device: no host sync
     if checkpoint is not None and checkpoint.resume and checkpoint.path.exists():
-        saved = _restore(checkpoint, model, optimizer, schedule, pruner, train_loader, log)
+        saved = _restore(checkpoint, model, optimizer, schedule, pruner, log, options)
         if scaler is not None and saved.get("scaler") is not None:
             scaler.load_state_dict(saved["scaler"])
         if saved["done"]:
             return saved["result"]
-        first_epoch, seconds = saved["epoch"], saved["seconds"]
+        first_epoch, first_step, seconds = saved["epoch"], saved["step"], saved["seconds"]
+        loss_sum = saved["loss_sum"].to(options.device)
     start = time.perf_counter() - seconds
     model.train()
-    bar = tqdm(total=epochs * len(train_loader), initial=first_epoch * len(train_loader),
-               desc=stage, disable=not options.progress, leave=False)  # fmt: skip
+    bar = tqdm(total=epochs * steps, initial=first_epoch * steps + first_step, desc=stage,
+               disable=not options.progress, leave=False)  # fmt: skip
     net = distributed.wrap(model)
+    if options.compile:  # default mode: the pruner's hooks and ops trace without breaks
+        net = torch.compile(net)
+    guard = options.preemption
+    result = {}
+
+    def save(epoch: int, step: int, done: bool) -> None:
+        if checkpoint is None or not distributed.is_main():
+            return
+        save_atomic(
+            make_payload(
+                checkpoint.meta, epoch=epoch, step=step, done=done, result=result,
+                seconds=time.perf_counter() - start, loss_sum=loss_sum.cpu(),
+                model=model.state_dict(), optimizer=optimizer.state_dict(),
+                scheduler=schedule.state_dict(),
+                pruner=pruner.state_dict() if pruner is not None else None,
+                rng=torch.get_rng_state(), cuda_rng=_cuda_rng(options.device),
+                scaler=scaler.state_dict() if scaler is not None else None,
+                log_rows=log.rows,
+            ),
+            checkpoint.path,
+        )  # fmt: skip
+
+    batch = train_loader.batch_size
     for epoch in range(first_epoch, epochs):
-        if isinstance(train_loader.sampler, torch.utils.data.DistributedSampler):
-            train_loader.sampler.set_epoch(epoch)
-        total = torch.zeros(())  # summed on the device: no host sync per step
-        for images, labels in train_loader:
+        begin = first_step if epoch == first_epoch else 0
+        train_loader.sampler.set_epoch(epoch, start=begin * batch)
+        for step, (images, labels) in enumerate(train_loader, start=begin):
             loss = training_step(
-                net, optimizer, options.images(images), labels, pruner, flops_target,
-                settings.get("penalty_weight", 10.0), options.amp_dtype, scaler,
+                net, optimizer, options.images(images), options.labels(labels), pruner,
+                flops_target, settings.get("penalty_weight", 10.0), options.amp_dtype, scaler,
             )  # fmt: skip
             bar.update()
             schedule.step()
-            total = total.to(loss.device) + loss
+            loss_sum += loss.float()
+            signum = guard.requested() if guard is not None else None
+            if signum:
+                save(epoch, step + 1, False)
+                bar.close()
+                where = checkpoint.path if checkpoint is not None else None
+                raise Preempted(signum, stage, epoch, step + 1, where)
         accuracy = evaluate(model, test_loader, options)
-        log.write(stage=stage, epoch=epoch, loss=total.item() / len(train_loader),
-                  accuracy=accuracy)  # fmt: skip
+        log.write(stage=stage, epoch=epoch, loss=loss_sum.item() / steps, accuracy=accuracy)
+        loss_sum = torch.zeros((), device=options.device)
         if on_epoch is not None:
             on_epoch(epoch)
-        done = epoch + 1 == epochs
         result = {"seconds": time.perf_counter() - start, "accuracy": accuracy}
-        if checkpoint is not None and distributed.is_main():
-            save_atomic(
-                make_payload(
-                    checkpoint.meta, epoch=epoch + 1, done=done, result=result,
-                    seconds=result["seconds"], model=model.state_dict(),
-                    optimizer=optimizer.state_dict(), scheduler=schedule.state_dict(),
-                    pruner=pruner.state_dict() if pruner is not None else None,
-                    rng=torch.get_rng_state(), loader_rng=_loader_rng(train_loader),
-                    scaler=scaler.state_dict() if scaler is not None else None,
-                    log_rows=log.rows,
-                ),
-                checkpoint.path,
-            )  # fmt: skip
+        save(epoch + 1, 0, epoch + 1 == epochs)
     bar.close()
     if first_epoch < epochs:  # the last epoch's evaluation: no second pass over the test set
         return result
@@ -208,13 +248,14 @@ def train(
     }
 
 
-def _loader_rng(loader: DataLoader) -> torch.Tensor | None:
-    """The shuffling generator's state (None under a DistributedSampler: seed + epoch)."""
-    return loader.generator.get_state() if loader.generator is not None else None
+def _cuda_rng(device: torch.device) -> torch.Tensor | None:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
 
-def _restore(checkpoint: Checkpointing, model, optimizer, schedule, pruner, loader, log) -> dict:
-    """Load a stage checkpoint into the run's objects, after checking all of it."""
+def _restore(checkpoint: Checkpointing, model, optimizer, schedule, pruner, log, options) -> dict:
+    """Load a stage checkpoint into the run's objects, after checking all of it. Tensors
+    are read on the CPU and copied to the run's device, so a checkpoint written on one
+    device resumes on another."""
     saved = load_checkpoint(checkpoint.path, checkpoint.meta)
     check_state_dict(model, saved["model"], "model", checkpoint.path)
     if pruner is not None:
@@ -224,10 +265,10 @@ def _restore(checkpoint: Checkpointing, model, optimizer, schedule, pruner, load
     model.load_state_dict(saved["model"])
     if pruner is not None:
         pruner.load_state_dict(saved["pruner"])
-    optimizer.load_state_dict(saved["optimizer"])
+    optimizer.load_state_dict(saved["optimizer"])  # moves its state to the parameters' device
     schedule.load_state_dict(saved["scheduler"])
     torch.set_rng_state(saved["rng"])
-    if loader.generator is not None and saved["loader_rng"] is not None:
-        loader.generator.set_state(saved["loader_rng"])
+    if options.device.type == "cuda" and saved.get("cuda_rng") is not None:
+        torch.cuda.set_rng_state(saved["cuda_rng"], options.device)
     log.restore(saved["log_rows"])
     return saved

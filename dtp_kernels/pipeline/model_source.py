@@ -1,0 +1,131 @@
+"""The model a recipe prunes: a built-in architecture, a torchvision one, or the user's
+own (any `package.module:function`), with the user's pretrained weights.
+
+    model:
+      source: python                       # builtin (default) | torchvision | python
+      entry: my_project.nets:build_net     # python: a callable returning an nn.Module
+      kwargs: {width: 2}                   # passed to it (torchvision: to the builder)
+      weights: checkpoints/dense.pt        # a state_dict, or a dict holding one
+      input_shape: [3, 32, 32]             # one example input, without the batch dim
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..models import get_model
+
+SOURCES = ("builtin", "torchvision", "python")
+RANDOM = "random"  # model.weights: start from the architecture's random initialisation
+WEIGHT_KEYS = ("state_dict", "model")  # where a checkpoint file may hold the state_dict
+
+
+def build_model(spec: Mapping) -> nn.Module:
+    """The recipe's `model` section as a module with random weights (see load_weights)."""
+    source = spec.get("source", "builtin")
+    kwargs = dict(spec.get("kwargs") or {})
+    if source not in SOURCES:
+        raise ValueError(f"model.source = {source!r}; allowed: {list(SOURCES)}")
+    if source == "builtin":
+        return get_model(spec["name"], spec["num_classes"])
+    if source == "torchvision":
+        import torchvision
+
+        name = spec["name"].removeprefix("torchvision.")
+        try:
+            builder = torchvision.models.get_model_builder(name)
+        except ValueError as error:
+            raise ValueError(f"model.name = {name!r} is not a torchvision model") from error
+        kwargs.setdefault("num_classes", spec["num_classes"])
+        return builder(weights=None, **kwargs)
+    entry = spec.get("entry")
+    if not isinstance(entry, str) or entry.count(":") != 1:
+        raise ValueError(
+            f"model.entry = {entry!r}; with model.source: python it must be "
+            "'package.module:function' (a callable that returns the nn.Module)"
+        )
+    module_name, attribute = entry.split(":")
+    try:
+        builder = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"model.entry = {entry!r} cannot be imported: {error}") from error
+    model = builder(**kwargs)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model.entry = {entry!r} returned {type(model).__name__}, not a Module")
+    return model
+
+
+def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """A state_dict from `path` (torch.load with weights_only=True): the file's dict
+    itself, or the one under "state_dict" or "model"; DataParallel's "module." prefix
+    is removed."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"model.weights = {str(path)!r}: no such file")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise ValueError(
+            f"model.weights = {str(path)!r} is not a readable weights file: {error}"
+        ) from error
+    if isinstance(payload, Mapping):
+        for key in WEIGHT_KEYS:
+            if isinstance(payload.get(key), Mapping):
+                payload = payload[key]
+                break
+    if not isinstance(payload, Mapping) or not all(
+        isinstance(v, torch.Tensor) for v in payload.values()
+    ):
+        raise ValueError(
+            f"model.weights = {str(path)!r} holds no state_dict (a dict of tensors, at the "
+            f"top level or under {list(WEIGHT_KEYS)})"
+        )
+    if payload and all(k.startswith("module.") for k in payload):
+        payload = {k.removeprefix("module."): v for k, v in payload.items()}
+    return dict(payload)
+
+
+def load_weights(model: nn.Module, path: str | Path) -> None:
+    """Load the weights file into `model`; missing, unexpected or mis-shaped keys are an
+    error that lists them (nothing is loaded then)."""
+    state = read_state_dict(path)
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [
+        f"{k}: file {tuple(state[k].shape)}, model {tuple(own[k].shape)}"
+        for k in own
+        if k in state and state[k].shape != own[k].shape
+    ]
+    if missing or unexpected or shapes:
+        parts = [
+            f"missing keys {missing}" if missing else "",
+            f"unexpected keys {unexpected}" if unexpected else "",
+            f"shape mismatches {shapes}" if shapes else "",
+        ]
+        raise ValueError(
+            f"model.weights = {str(path)!r} does not fit the model: "
+            + "; ".join(p for p in parts if p)
+        )
+    model.load_state_dict(state)
+
+
+def example_input(spec: Mapping, dataset_sample: torch.Tensor | None) -> torch.Tensor:
+    """One example input (batch 1) for tracing: model.input_shape, else a data sample."""
+    shape = spec.get("input_shape")
+    if shape is not None:
+        positive = all(isinstance(d, int) and d > 0 for d in shape or [None])
+        if not (isinstance(shape, list) and positive):
+            raise ValueError(
+                f"model.input_shape = {shape!r}; a list of positive ints, "
+                "without the batch dimension, e.g. [3, 224, 224]"
+            )
+        return torch.randn(1, *shape)
+    if dataset_sample is None:
+        raise ValueError("model.input_shape is needed: no data sample to trace the model with")
+    return dataset_sample[:1]
