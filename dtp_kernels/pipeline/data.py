@@ -245,5 +245,13 @@ def loaders(
         if prefetch_factor is not None:
             extra["prefetch_factor"] = prefetch_factor
     sampler = EpochSampler(len(train), seed, shuffle=True, rank=rank, world=world)
-    training = DataLoader(SeededSamples(train), batch_size=batch_size, sampler=sampler, **extra)
-    return training, DataLoader(test, batch_size=eval_batch_size, **extra)
+    # Own generators: creating an iterator draws the workers' base seed from the global
+    # RNG otherwise, and a resumed run would then draw it once more than the original.
+    training = DataLoader(
+        SeededSamples(train), batch_size=batch_size, sampler=sampler,
+        generator=torch.Generator().manual_seed(seed), **extra,
+    )  # fmt: skip
+    evaluation = DataLoader(
+        test, batch_size=eval_batch_size, generator=torch.Generator().manual_seed(seed), **extra
+    )
+    return training, evaluation

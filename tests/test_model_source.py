@@ -1,0 +1,115 @@
+"""A recipe's model: built-in, torchvision or the user's own `package.module:function`,
+started from the user's weights file; errors name the field and what is wrong."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtp_kernels.cli import main
+from dtp_kernels.models import resnet20
+from dtp_kernels.pipeline import model_source, recipe, run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def spec(**fields) -> dict:
+    return {**recipe.DEFAULTS["model"], **fields}
+
+
+def test_sources_build_their_models():
+    assert type(model_source.build_model(spec(name="resnet20"))).__name__ == "CifarResNet"
+    vision = model_source.build_model(spec(source="torchvision", name="resnet18", num_classes=7))
+    assert vision.fc.out_features == 7
+    own = model_source.build_model(
+        spec(source="python", entry="dtp_kernels.models.cifar_resnet:resnet20",
+             kwargs={"num_classes": 3})
+    )  # fmt: skip
+    assert own.fc.out_features == 3
+    with pytest.raises(ValueError, match=r"model.source = 'hub'"):
+        model_source.build_model(spec(source="hub"))
+    with pytest.raises(ValueError, match=r"model.entry = 'nope'.*package.module:function"):
+        model_source.build_model(spec(source="python", entry="nope"))
+    with pytest.raises(ValueError, match=r"model.entry = 'no_such_pkg:f' cannot be imported"):
+        model_source.build_model(spec(source="python", entry="no_such_pkg:f"))
+    with pytest.raises(ValueError, match=r"model.name = 'resnet9000' is not a torchvision"):
+        model_source.build_model(spec(source="torchvision", name="resnet9000"))
+
+
+@pytest.mark.parametrize("layout", ["plain", "state_dict", "model", "dataparallel"])
+def test_weights_files_in_every_layout_load(tmp_path, layout):
+    torch.manual_seed(0)
+    trained = resnet20()
+    state = trained.state_dict()
+    payload = {
+        "plain": state,
+        "state_dict": {"state_dict": state, "epoch": 3},
+        "model": {"model": state, "optimizer": {}},
+        "dataparallel": {f"module.{k}": v for k, v in state.items()},
+    }[layout]
+    torch.save(payload, tmp_path / "w.pt")
+    model = resnet20()
+    model_source.load_weights(model, tmp_path / "w.pt")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+
+
+def test_weights_that_do_not_fit_are_listed_and_nothing_loads(tmp_path):
+    state = resnet20().state_dict()
+    state.pop("fc.bias")
+    state["extra.weight"] = torch.zeros(1)
+    state["conv1.weight"] = torch.zeros(1, 1, 1, 1)
+    torch.save(state, tmp_path / "w.pt")
+    model = resnet20()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"missing keys \['fc.bias'\].*unexpected keys "
+                       r"\['extra.weight'\].*conv1.weight: file \(1, 1, 1, 1\)"):  # fmt: skip
+        model_source.load_weights(model, tmp_path / "w.pt")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    (tmp_path / "bad.pt").write_bytes(b"not a torch file")
+    with pytest.raises(ValueError, match="not a readable weights file"):
+        model_source.load_weights(model, tmp_path / "bad.pt")
+    torch.save({"epoch": 3}, tmp_path / "nothing.pt")
+    with pytest.raises(ValueError, match="holds no state_dict"):
+        model_source.load_weights(model, tmp_path / "nothing.pt")
+
+
+def test_input_shape_or_a_data_sample():
+    assert model_source.example_input(spec(input_shape=[3, 8, 8]), None).shape == (1, 3, 8, 8)
+    assert model_source.example_input(spec(), torch.zeros(4, 1, 8, 8)).shape == (1, 1, 8, 8)
+    with pytest.raises(ValueError, match=r"model.input_shape = \[3, -1\]"):
+        model_source.example_input(spec(input_shape=[3, -1]), None)
+
+
+def test_pruning_a_network_nobody_trained_is_refused_before_any_work(tmp_path):
+    base = recipe.load(ROOT / "configs" / "digits.yaml", ["pretrain.epochs=0"])
+    with pytest.raises(ValueError, match=r"model.weights is not set.*pretrain.epochs=N.*random"):
+        run.run(base, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    missing = recipe.load(ROOT / "configs" / "digits.yaml", ["model.weights=nowhere.pt"])
+    with pytest.raises(FileNotFoundError, match=r"model.weights = 'nowhere.pt': no such file"):
+        run.run(missing, tmp_path / "out")
+
+
+def test_prune_the_users_own_model_from_its_weights(tmp_path):
+    """`dtp prune` on a model given as package.module:function with the user's weights;
+    pruned.pt (a pickled module: the builder is the user's) loads and has the params."""
+    from dtp_kernels import load_pruned
+    from dtp_kernels.models import digits_cnn
+
+    torch.manual_seed(0)
+    torch.save({"state_dict": digits_cnn().state_dict()}, tmp_path / "dense.pt")
+    out = tmp_path / "run"
+    code = main(["prune", "--config", str(ROOT / "configs" / "digits.yaml"), "--out", str(out),
+                 "--no-progress", "--set", "model.source=python",
+                 "--set", "model.entry=dtp_kernels.models.digits_cnn:digits_cnn",
+                 "--set", "model.kwargs={num_classes: 10}", "--set", "model.input_shape=[1, 8, 8]",
+                 "--set", f"model.weights={tmp_path / 'dense.pt'}", "--set", "pretrain.epochs=0",
+                 "--set", "prune.epochs=1", "--set", "finetune.epochs=1"])  # fmt: skip
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    model = load_pruned(out / "pruned.pt", trusted=True)
+    assert sum(p.numel() for p in model.parameters()) == summary["params"]
+    assert 0 <= summary["accuracy_before_finetune"] <= 1

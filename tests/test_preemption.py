@@ -1,0 +1,78 @@
+"""Preemption: SIGTERM, SIGINT and SIGUSR1 (what schedulers send before they stop a job)
+finish the current step, write a checkpoint mid-epoch and exit 128 + signal with a
+message saying how to resume; `--resume` then ends bitwise equal to an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+OVERRIDES = ["pretrain.epochs=1", "prune.epochs=4", "finetune.epochs=1", "run.progress=false"]
+
+
+def command(out: Path, *extra: str) -> list[str]:
+    sets = [arg for s in OVERRIDES for arg in ("--set", s)]
+    return [sys.executable, "-m", "dtp_kernels", "prune", "--config",
+            str(ROOT / "configs" / "digits.yaml"), *sets, "--out", str(out), *extra]  # fmt: skip
+
+
+def environment() -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+
+
+def final_state(out: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for stage in ("pretrain", "dtp", "finetune"):
+        payload = torch.load(out / "checkpoints" / f"{stage}.pt", weights_only=True)
+        assert payload["done"]
+        for part in ("model", "pruner"):
+            for key, value in (payload[part] or {}).items():
+                tensors[f"{stage}/{part}/{key}"] = value
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    subprocess.run(command(out), env=environment(), check=True, capture_output=True)
+    return out
+
+
+@pytest.mark.parametrize(
+    "signum", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1], ids=lambda s: s.name
+)
+def test_signal_checkpoints_mid_epoch_and_resume_is_bitwise_equal(tmp_path, uninterrupted, signum):
+    out = tmp_path / "run"
+    process = subprocess.Popen(command(out), env=environment(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    first_dtp_epoch = out / "checkpoints" / "dtp.pt"
+    while not first_dtp_epoch.exists() and process.poll() is None:
+        time.sleep(0.005)
+    assert process.poll() is None, "the run ended before the DTP stage checkpointed"
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signum, stderr[-2000:]
+    assert f"stopped by {signal.Signals(signum).name} in stage dtp-" in stderr
+    assert "Resume with:" in stderr and stderr.rstrip().endswith("--resume")
+    saved = torch.load(first_dtp_epoch, weights_only=True)
+    assert not saved["done"] and saved["step"] >= 1  # after the step in flight
+    assert not (out / "summary.json").exists()
+    resumed = subprocess.run(command(out, "--resume"), env=environment(), capture_output=True,
+                             text=True)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    want, got = final_state(uninterrupted), final_state(out)
+    assert want.keys() == got.keys()
+    for key in want:
+        assert torch.equal(want[key], got[key]), f"{key} differs"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    reference = (uninterrupted / "metrics.jsonl").read_text().splitlines()
+    assert rows == [json.loads(line) for line in reference]
