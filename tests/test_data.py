@@ -48,8 +48,8 @@ def test_image_folder_transforms(tmp_path):
     assert names[:2] == ["RandomResizedCrop", "RandomHorizontalFlip"]
     resize, center = val.transform.transforms[:2]
     assert resize.size == round(32 * 8 / 7) and center.size == (32, 32)
-    default, _ = data.image_folder(tmp_path)
-    resize, center = _.transform.transforms[:2]
+    _, val = data.image_folder(tmp_path)
+    resize, center = val.transform.transforms[:2]
     assert resize.size == 256 and center.size == (224, 224)  # the paper's evaluation
 
 
