@@ -1,6 +1,7 @@
 """Command line: `python -m dtp_kernels prune|check|demo` (also the `dtp` console script).
 
 dtp prune --config configs/digits.yaml --set prune.ratios=0.9 --out runs/digits
+dtp paper table1-resnet56 --seeds 0 1 2 --set data.root=DIR --set model.weights=FILE
 dtp check            # every backend present against the literal reference
 dtp bench            # the mask step of every backend present, timed interleaved
 dtp demo             # DTP vs L1 on digits at 50% and 90%
@@ -51,6 +52,22 @@ def bench_command(device: str, rounds: int) -> int:
     return 0
 
 
+def paper_command(args: argparse.Namespace) -> int:
+    """List the paper's experiments, or run one's rows over the seeds and print the table."""
+    from .pipeline.experiments import EXPERIMENTS, results_table, run_experiment
+
+    if args.experiment is None:
+        for name, experiment in EXPERIMENTS.items():
+            labels = ", ".join(row.label for row in experiment.rows)
+            print(f"{name:<30} {experiment.source} (configs/paper/{experiment.config}): {labels}")
+        return 0
+    out = args.out or f"runs/paper/{args.experiment}"
+    results = run_experiment(args.experiment, args.seeds, out, args.set, args.rows)
+    if results:
+        print(results_table(EXPERIMENTS[args.experiment], results), end="")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dtp", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -66,6 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     prune.add_argument("--channels-last", action="store_true",
                        help="channels_last memory format")  # fmt: skip
     prune.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    paper = sub.add_parser("paper", help="run a paper experiment's rows over seeds")
+    paper.add_argument("experiment", nargs="?", help="its name; none: list them")
+    paper.add_argument("--seeds", type=int, nargs="+", default=[0])
+    paper.add_argument("--rows", nargs="+", default=None, help="row labels (default: all)")
+    paper.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a field of every row's recipe")  # fmt: skip
+    paper.add_argument("--out", default=None, help="output directory (runs/paper/<name>)")
     sub.add_parser("check", help="compare every backend with the reference")
     bench = sub.add_parser("bench", help="time the mask step of every backend present")
     bench.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -76,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         return check()
     if args.command == "bench":
         return bench_command(args.device, args.rounds)
+    if args.command == "paper":
+        return paper_command(args)
     if args.command == "demo":
         from .demo import main as demo_main
 

@@ -25,9 +25,12 @@ def test_sources_build_their_models():
     vision = model_source.build_model(spec(source="torchvision", name="resnet18", num_classes=7))
     assert vision.fc.out_features == 7
     own = model_source.build_model(
-        spec(source="python", entry="dtp_kernels.models.cifar_resnet:resnet20",
-             kwargs={"num_classes": 3})
-    )  # fmt: skip
+        spec(
+            source="python",
+            entry="dtp_kernels.models.cifar_resnet:resnet20",
+            kwargs={"num_classes": 3},
+        )
+    )
     assert own.fc.out_features == 3
     with pytest.raises(ValueError, match=r"model.source = 'hub'"):
         model_source.build_model(spec(source="hub"))
@@ -64,8 +67,11 @@ def test_weights_that_do_not_fit_are_listed_and_nothing_loads(tmp_path):
     torch.save(state, tmp_path / "w.pt")
     model = resnet20()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match=r"missing keys \['fc.bias'\].*unexpected keys "
-                       r"\['extra.weight'\].*conv1.weight: file \(1, 1, 1, 1\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"missing keys \['fc.bias'\].*unexpected keys "
+        r"\['extra.weight'\].*conv1.weight: file \(1, 1, 1, 1\)",
+    ):
         model_source.load_weights(model, tmp_path / "w.pt")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     (tmp_path / "bad.pt").write_bytes(b"not a torch file")
@@ -102,12 +108,32 @@ def test_prune_the_users_own_model_from_its_weights(tmp_path):
     torch.manual_seed(0)
     torch.save({"state_dict": digits_cnn().state_dict()}, tmp_path / "dense.pt")
     out = tmp_path / "run"
-    code = main(["prune", "--config", str(ROOT / "configs" / "digits.yaml"), "--out", str(out),
-                 "--no-progress", "--set", "model.source=python",
-                 "--set", "model.entry=dtp_kernels.models.digits_cnn:digits_cnn",
-                 "--set", "model.kwargs={num_classes: 10}", "--set", "model.input_shape=[1, 8, 8]",
-                 "--set", f"model.weights={tmp_path / 'dense.pt'}", "--set", "pretrain.epochs=0",
-                 "--set", "prune.epochs=1", "--set", "finetune.epochs=1"])  # fmt: skip
+    code = main(
+        [
+            "prune",
+            "--config",
+            str(ROOT / "configs" / "digits.yaml"),
+            "--out",
+            str(out),
+            "--no-progress",
+            "--set",
+            "model.source=python",
+            "--set",
+            "model.entry=dtp_kernels.models.digits_cnn:digits_cnn",
+            "--set",
+            "model.kwargs={num_classes: 10}",
+            "--set",
+            "model.input_shape=[1, 8, 8]",
+            "--set",
+            f"model.weights={tmp_path / 'dense.pt'}",
+            "--set",
+            "pretrain.epochs=0",
+            "--set",
+            "prune.epochs=1",
+            "--set",
+            "finetune.epochs=1",
+        ]
+    )
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
     model = load_pruned(out / "pruned.pt", trusted=True)

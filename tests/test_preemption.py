@@ -21,8 +21,18 @@ OVERRIDES = ["pretrain.epochs=1", "prune.epochs=4", "finetune.epochs=1", "run.pr
 
 def command(out: Path, *extra: str) -> list[str]:
     sets = [arg for s in OVERRIDES for arg in ("--set", s)]
-    return [sys.executable, "-m", "dtp_kernels", "prune", "--config",
-            str(ROOT / "configs" / "digits.yaml"), *sets, "--out", str(out), *extra]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "dtp_kernels",
+        "prune",
+        "--config",
+        str(ROOT / "configs" / "digits.yaml"),
+        *sets,
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def environment() -> dict:
@@ -52,8 +62,9 @@ def uninterrupted(tmp_path_factory) -> Path:
 )
 def test_signal_checkpoints_mid_epoch_and_resume_is_bitwise_equal(tmp_path, uninterrupted, signum):
     out = tmp_path / "run"
-    process = subprocess.Popen(command(out), env=environment(), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    process = subprocess.Popen(
+        command(out), env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     first_dtp_epoch = out / "checkpoints" / "dtp.pt"
     while not first_dtp_epoch.exists() and process.poll() is None:
         time.sleep(0.005)
@@ -66,8 +77,9 @@ def test_signal_checkpoints_mid_epoch_and_resume_is_bitwise_equal(tmp_path, unin
     saved = torch.load(first_dtp_epoch, weights_only=True)
     assert not saved["done"] and saved["step"] >= 1  # after the step in flight
     assert not (out / "summary.json").exists()
-    resumed = subprocess.run(command(out, "--resume"), env=environment(), capture_output=True,
-                             text=True)  # fmt: skip
+    resumed = subprocess.run(
+        command(out, "--resume"), env=environment(), capture_output=True, text=True
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     want, got = final_state(uninterrupted), final_state(out)
     assert want.keys() == got.keys()

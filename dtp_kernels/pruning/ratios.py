@@ -1,4 +1,5 @@
-"""Pruning ratios: a float, a dict from module name to ratio, or the paper's strings.
+"""Pruning ratios: a float, a dict from module name to ratio, a list (one per stage), or
+the paper's strings.
 
 "[0, 0.5, 0.5, 0.5]" gives one ratio per ResNet stage (first entry: the stem, then
 layer1, layer2, ...); "[0:0, 1-15:0.5]" gives ratios per convolution index (the i-th
@@ -71,6 +72,10 @@ def resolve(
                 f"prunable: {names}"
             )
         return {name: check_ratio(ratios.get(name, 0.0), f"ratios[{name!r}]") for name in names}
+    if isinstance(ratios, (list, tuple)):  # [0, 0.5, 0.5, 0.5]: the per-stage form
+        ratios = (
+            "[" + ", ".join(str(check_ratio(r, f"ratios {list(ratios)!r}")) for r in ratios) + "]"
+        )
     if isinstance(ratios, str) and ratios.strip().startswith("[") and ratios.strip().endswith("]"):
         if ":" in ratios:
             per_layer = parse_layer_map(ratios)
@@ -82,7 +87,8 @@ def resolve(
                 )
             return {name: per_layer.get(conv_index.get(name, -1), 0.0) for name in names}
         stages = parse_stage_list(ratios)
-        present = max((stage_of(n) for n in names), default=0)
+        # the model's stages, counted over every convolution (skipped ones included)
+        present = max((stage_of(n) for n in [*names, *conv_index]), default=0)
         if len(stages) != present + 1:
             raise ValueError(
                 f"ratios {ratios!r} gives {len(stages)} stages, the model has {present + 1} "
