@@ -222,3 +222,49 @@ def results_table(experiment: Experiment, results: list[dict]) -> str:
             f"{r['dense_accuracy']:.2f} | {r['sparsity']:.2%} | {r['speedup']:.2f}x |"
         )
     return "\n".join(lines) + "\n"
+
+
+def missing_inputs(name: str, overrides: list[str] = ()) -> list[str]:
+    """What experiment `name` needs that is not on disk (data directory, weights file),
+    for each of its rows, in words."""
+    from . import recipe as recipes
+
+    experiment, missing = EXPERIMENTS[name], []
+    for row in experiment.rows:
+        loaded = recipes.load(experiment.path, [*row.overrides, *overrides])
+        root, weights = loaded["data"]["root"], loaded["model"]["weights"]
+        if root is not None and not Path(root).exists():
+            missing.append(f"data.root = {root} ({loaded['data']['name']})")
+        if weights not in (None, "random") and not Path(weights).is_file():
+            missing.append(f"model.weights = {weights}")
+    return list(dict.fromkeys(missing))
+
+
+def table_script(names: list[str], argv: list[str] | None = None) -> int:
+    """Main of the python/table*.py scripts: run the experiments `names` over --seeds, or,
+    while their data or weights are missing, print the commands and what to provide."""
+    import argparse
+    import shlex
+
+    from ..cli import main as dtp
+
+    parser = argparse.ArgumentParser(description=", ".join(EXPERIMENTS[n].source for n in names))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--out", default="runs/paper")
+    args = parser.parse_args(argv)
+    commands = []
+    for name in names:
+        sets = [a for s in args.set for a in ("--set", s)]
+        seeds = [str(s) for s in args.seeds]
+        commands.append(["paper", name, "--seeds", *seeds, "--out", f"{args.out}/{name}", *sets])
+    missing = [m for name in names for m in missing_inputs(name, args.set)]
+    if missing:
+        print("Needs (give them with --set KEY=VALUE):")
+        for item in dict.fromkeys(missing):
+            print(f"  {item}")
+        print("The commands (python -m dtp_kernels ...):")
+        for argv_ in commands:
+            print(f"python -m dtp_kernels {shlex.join(argv_)}")
+        return 0
+    return max(dtp(argv_) for argv_ in commands)

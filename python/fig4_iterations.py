@@ -1,4 +1,4 @@
-"""Paper Fig. 5: accuracy and training time against the number of Sinkhorn iterations
+"""Paper Fig. 4: accuracy and training time against the number of Sinkhorn iterations
 per step. DTP's one warm-started step against 2 to 50 iterations (the converged soft
 top-k regime), digits CNN at 90% of its filters pruned, the same epochs for each."""
 
@@ -19,7 +19,7 @@ def main() -> None:
     parser.add_argument("--iters", default="1,2,5,10,50")
     parser.add_argument("--ratio", type=float, default=0.9)
     parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--out", default="runs/fig5_iterations")
+    parser.add_argument("--out", default="runs/fig4_iterations")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -31,7 +31,7 @@ def main() -> None:
     print(f"{'iters':>6} {'accuracy':>9} {'DTP stage s':>12}")
     for row in table:
         print(f"{row['iters']:>6} {row['accuracy']:>9.2%} {row['prune_seconds']:>12.1f}")
-    (out / "fig5_iterations.json").write_text(json.dumps(table, indent=2))
+    (out / "fig4_iterations.json").write_text(json.dumps(table, indent=2))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -45,10 +45,10 @@ def main() -> None:
     right = left.twinx()
     right.semilogx(xs, [r["prune_seconds"] for r in table], "s--", color="C1")
     right.set_ylabel("DTP stage wall time (s)", color="C1")
-    left.set_title(f"digits CNN, {args.ratio:.0%} pruned (cf. paper Fig. 5)")
+    left.set_title(f"digits CNN, {args.ratio:.0%} pruned (cf. paper Fig. 4)")
     fig.tight_layout()
-    fig.savefig(out / "fig5_iterations.png", dpi=90)
-    print(f"plot: {out / 'fig5_iterations.png'}")
+    fig.savefig(out / "fig4_iterations.png", dpi=90)
+    print(f"plot: {out / 'fig4_iterations.png'}")
 
 
 if __name__ == "__main__":
