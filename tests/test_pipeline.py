@@ -134,3 +134,36 @@ def test_resnet50_group_sizes_match_torchvision():
         if isinstance(module, torchvision.models.resnet.Bottleneck):
             sizes += [module.conv1.out_channels, module.conv2.out_channels]
     assert sizes == RESNET50_GROUPS
+
+
+def test_device_field_is_checked_before_any_work(tmp_path):
+    from dtp_kernels.pipeline.device import resolve_device
+    from dtp_kernels.pipeline.run import run
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"run.device = 'gpu'; allowed: auto, cpu, cuda"):
+        resolve_device("gpu")
+    if not torch.cuda.is_available():
+        assert resolve_device("auto") == torch.device("cpu")
+        with pytest.raises(ValueError, match=r"run.device = 'cuda:1', but no CUDA device"):
+            run(recipe.load(CONFIGS / "digits.yaml", ["run.device=cuda:1"]), tmp_path / "out")
+        assert not (tmp_path / "out").exists()
+
+
+def test_compiled_training_step_matches_eager(tmp_path):
+    """run.compile: the DTP and fine-tuning stages under torch.compile (inductor on the
+    CPU here) give the eager run's losses and accuracies."""
+    rows = {}
+    for compiled in ("false", "true"):
+        out = tmp_path / compiled
+        args = ["prune", "--config", "configs/digits.yaml", "--out", str(out), "--no-progress",
+                "--set", "model.weights=random", "--set", "pretrain.epochs=0",
+                "--set", "prune.epochs=1", "--set", "finetune.epochs=1",
+                "--set", f"run.compile={compiled}", "--set", "run.plots=false"]  # fmt: skip
+        assert main(args) == 0
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        rows[compiled] = [json.loads(line) for line in lines if '"loss"' in line]
+    assert len(rows["true"]) == len(rows["false"]) == 2
+    for eager, compiled in zip(rows["false"], rows["true"], strict=True):
+        assert compiled["loss"] == pytest.approx(eager["loss"], rel=1e-3)
+        assert abs(compiled["accuracy"] - eager["accuracy"]) <= 0.01

@@ -263,6 +263,7 @@ def run(recipe: dict, out_dir: str | Path | None = None, resume: bool = False) -
         summary = prune_and_finetune(model, recipe, train_loader, test_loader, log,
                                      checkpoints, resume, options, example)  # fmt: skip
     summary["dense_accuracy"] = dense["accuracy"]
+    summary["device"] = str(device)
     summary["seconds"]["pretrain"] = dense["seconds"]
     if writes:
         metadata = {"method": summary["method"], "ratios": str(summary["ratios"])}
