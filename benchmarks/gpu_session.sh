@@ -5,10 +5,14 @@
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh [tests|bench|train|scale|all]...
 #
 # tests: tests/test_gpu.py; bench: the kernel benchmarks; train: the training step (eager,
-# profiled, CUDA graph); scale: mask-step scaling and iterations; all: every one.
+# profiled, CUDA graph); scale: mask-step scaling and iterations; pipeline: `dtp prune` on
+# the GPU (tests/test_pipeline_gpu.py) and whole epochs with the data loader
+# (bench_pipeline.py); all: every one.
 #
-# The GPU machine has torch, Triton and nvcc but no package index: wheels it lacks
-# (torch-pruning) travel in .whl/ and are installed to /tmp/site first.
+# The GPU machine has torch, Triton and nvcc but no package index: wheels it lacks travel
+# in .whl/ and are installed to /tmp/site first. Fetch them here with
+#   pip download --no-deps -d .whl torch-pruning==1.6.1 pyyaml==6.0.4 tqdm==4.70.1 \
+#       scikit-learn==1.9.1 (and torchvision, pillow, if that machine lacks them)
 set -u -o pipefail
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
@@ -57,8 +61,11 @@ for step in $steps; do
     run profile_training_step 90 $PY benchmarks/profile_training_step.py --python
     run bench_training_graph 150 $PY -X faulthandler benchmarks/bench_training_step.py --device cuda --graph
     ;;&
-  scale | all)
-    run bench_scaling 120 $PY benchmarks/bench_scaling.py --device cuda --rounds 5
+  pipeline | all)
+    run test_pipeline_gpu 400 $PY -m pytest -q -rs --tb=short -p no:cacheprovider tests/test_pipeline_gpu.py
+    run bench_pipeline 400 $PY benchmarks/bench_pipeline.py --device cuda --rounds 3
+    ;;&
+  scale | all) 120 $PY benchmarks/bench_scaling.py --device cuda --rounds 5
     run bench_iterations 90 $PY benchmarks/bench_iterations.py --device cuda --rounds 5
     ;;
   esac

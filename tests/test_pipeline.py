@@ -13,7 +13,9 @@ from dtp_kernels.pipeline import data, recipe, synthetic
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in CONFIGS.glob("*.yaml")))
+@pytest.mark.parametrize(
+    "name", sorted(str(p.relative_to(CONFIGS).with_suffix("")) for p in CONFIGS.rglob("*.yaml"))
+)
 def test_shipped_recipes_load(name):
     loaded = recipe.load(CONFIGS / f"{name}.yaml")
     assert loaded["prune"]["method"] == "dtp" and loaded["finetune"]["epochs"] > 0
