@@ -60,6 +60,18 @@ def test_200_steps_match_reference(fast_backend, dtype, iters):
     assert int(state.steps) == int(ref_state.steps) == steps
 
 
+# Segments longer than one 4,096-element chunk of the C++ kernels, 40,964 elements in all
+# (above the 32,768 at which they split the work over threads): each segment's chunk
+# partials must be merged, not overwritten, in forward and backward.
+MULTI_CHUNK_LAYOUT = [(4097, 1000.0), (8193, 4000.5), (12289, 6144.0), (16385, 1.0)]
+
+
+@pytest.mark.parametrize("iters", [1, 3])
+def test_segments_over_one_chunk_match_reference(fast_backend, iters):
+    state, _ = run_loop(fast_backend, torch.float64, iters, steps=3, layout=MULTI_CHUNK_LAYOUT)
+    assert int(state.steps) == 3
+
+
 @pytest.mark.parametrize("backend", ALL_CPU_BACKENDS)
 def test_reference_backend_is_deterministic_oracle(backend):
     """The loop itself is meaningful: masks move away from the uniform start."""
