@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 CSRC := $(wildcard csrc/*.h csrc/*.cuh csrc/*.cpp csrc/*.cu)
 
-.PHONY: all venv build test demo lint format bench clean
+.PHONY: all venv build test test-fast demo lint format bench clean
 
 all: test
 
@@ -23,6 +23,10 @@ build: $(INSTALLED)
 
 test: build
 	$(PY) -m pytest -q tests
+
+# The inner loop: everything but the end-to-end, subprocess and interpreted-Triton tests.
+test-fast: build
+	$(PY) -m pytest -q -m "not slow" tests
 
 demo: build
 	$(PY) -m dtp_kernels.demo

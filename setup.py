@@ -77,6 +77,11 @@ def extensions() -> list:
         f'-DDTP_TORCH_VERSION="{torch.__version__}"',
     ]
     link = ["-fopenmp"]
+    # What the build saw, compiled into build_info() so the tests check the build's own
+    # decision, not the environment they happen to run in.
+    toolchain = torch.version.cuda is not None and find_nvcc() is not None
+    forced = os.environ.get("DTP_BUILD_CUDA") or "auto"
+    cxx += [f"-DDTP_CUDA_TOOLCHAIN_FOUND={int(toolchain)}", f'-DDTP_BUILD_CUDA_SETTING="{forced}"']
     if not want_cuda(cuda_sources):
         return [
             CppExtension(

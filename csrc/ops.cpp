@@ -54,6 +54,10 @@ pybind11::dict build_info() {
   info["compiler"] = std::string("unknown");
 #endif
   info["torch_compiled_against"] = std::string(DTP_TORCH_VERSION);
+#ifdef DTP_CUDA_TOOLCHAIN_FOUND
+  info["cuda_toolchain_at_build"] = static_cast<bool>(DTP_CUDA_TOOLCHAIN_FOUND);
+  info["build_cuda_setting"] = std::string(DTP_BUILD_CUDA_SETTING);
+#endif
   return info;
 }
 

@@ -148,7 +148,9 @@ def build_info() -> dict:
     """Versions of torch and triton and how dtp_kernels._C was compiled.
 
     Keys: torch, triton, cuda_compiled, cuda_arch_list, compiler, torch_compiled_against,
-    extension_loaded, extension_error.
+    cuda_toolchain_at_build (a CUDA torch and nvcc were there when _C was built),
+    build_cuda_setting (DTP_BUILD_CUDA then: "0", "1" or "auto"), extension_loaded,
+    extension_error.
     """
     info = {
         "torch": torch.__version__,
@@ -160,6 +162,8 @@ def build_info() -> dict:
         "cuda_arch_list": "",
         "compiler": None,
         "torch_compiled_against": None,
+        "cuda_toolchain_at_build": None,
+        "build_cuda_setting": None,
     }
     if _C is not None:
         info.update(_C.build_info())

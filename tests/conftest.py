@@ -48,3 +48,12 @@ def fast_backend(request) -> str:
 @pytest.fixture(params=ALL_CPU_BACKENDS)
 def any_backend(request) -> str:
     return request.param
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Every case of the interpreted Triton backend is slow (~2 ms per program instance):
+    `make test-fast` leaves them out, the full suite runs them."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and "triton" in callspec.params.values():
+            item.add_marker(pytest.mark.slow)

@@ -56,6 +56,7 @@ def test_compiled_model_matches_eager(backend):
     assert int(compiled_model.state.steps) == 3
 
 
+@pytest.mark.slow
 def test_pruned_model_compiles_without_recompiles():
     """torch.compile of a ResNet with a DTPPruner attached (BN masks folded, parametrized
     BN classes, hooks): no graph breaks, no recompiles after two warm-up steps, and four

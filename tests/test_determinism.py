@@ -7,10 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from dtp_kernels.pipeline import recipe as recipes
 from dtp_kernels.pipeline.run import run
+
+pytestmark = pytest.mark.slow  # end to end or long: `make test-fast` leaves it out
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["pretrain.epochs=2", "prune.epochs=2", "finetune.epochs=1"]

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+pytestmark = pytest.mark.slow  # end to end or long: `make test-fast` leaves it out
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

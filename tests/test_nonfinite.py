@@ -82,6 +82,7 @@ def test_inf_gradients_are_skipped_the_same_way():
     assert pruner.skipped_steps()[2] == 1 and sum(pruner.skipped_steps()) == 1
 
 
+@pytest.mark.slow
 def test_warning_at_most_once_per_check_interval():
     model, pruner, optimizer, images, labels = setup("cpu", budget="global")
     assert DTPPruner.NONFINITE_CHECK_EVERY == 100

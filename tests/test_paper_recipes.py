@@ -14,6 +14,8 @@ from dtp_kernels.pipeline.model_source import build_model
 from dtp_kernels.pipeline.run import run, skipped_modules
 from dtp_kernels.pruning import DTPPruner, L1Pruner
 
+pytestmark = pytest.mark.slow  # end to end or long: `make test-fast` leaves it out
+
 NAMES = sorted(experiments.EXPERIMENTS)
 TINY = [
     "pretrain.epochs=0",

@@ -92,6 +92,7 @@ def test_run_writes_plots_tensorboard_and_progress(tmp_path, capsys):
     assert "it/s" in capsys.readouterr().err  # tqdm
 
 
+@pytest.mark.slow
 def test_amp_bf16_and_channels_last_run(tmp_path):
     out = tmp_path / "run"
     code = main(["prune", "--config", "configs/digits.yaml", "--out", str(out), "--amp", "bf16",
@@ -152,6 +153,7 @@ def test_device_field_is_checked_before_any_work(tmp_path):
         assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_compiled_training_step_matches_eager(tmp_path):
     """run.compile: the DTP and fine-tuning stages under torch.compile (inductor on the
     CPU here) give the eager run's losses and accuracies."""

@@ -18,7 +18,10 @@ import torch
 from dtp_kernels.cli import main
 from dtp_kernels.pipeline import synthetic
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.slow,
+]
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import ALL_CPU_BACKENDS
 from dtp_kernels import TransportState, transport_mask
+
+pytestmark = pytest.mark.slow  # end to end or long: `make test-fast` leaves it out
 
 BACKENDS = [b for b in ALL_CPU_BACKENDS if b != "reference"]
 

@@ -346,6 +346,10 @@ def test_folded_masks_equal_the_per_parameter_product(budget, make):
     for fold in (True, False):
         torch.manual_seed(0)
         model = make()
+        with torch.no_grad():  # BN weights and biases away from 1 and 0: both are masked
+            for bn in (m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)):
+                bn.weight.uniform_(0.5, 1.5)
+                bn.bias.uniform_(-0.5, 0.5)
         pruner = DTPPruner(model, X1, 0.5, budget=budget)
         if not fold:
             pruner._fold = []  # every parametrization multiplies on its own

@@ -50,6 +50,7 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
     reference = tmp_path / "uninterrupted"
     subprocess.run(command(reference), env=environment(), check=True, capture_output=True)
@@ -105,6 +106,7 @@ def run_pretrain_checkpoint(tmp_path: Path, *overrides: str) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_resume_with_another_ratio_or_model_is_refused(tmp_path):
     from dtp_kernels.pipeline import recipe as recipes
     from dtp_kernels.pipeline.run import run
@@ -150,3 +152,60 @@ def test_state_dict_mismatch_is_reported_before_loading():
     with pytest.raises(ckpt.CheckpointError, match="shape mismatch"):
         ckpt.check_state_dict(model, smaller, "model", "x.pt")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_every_piece_of_run_state_is_restored(tmp_path):
+    """Save a stage, perturb every piece of state a run holds, restore: each piece equals
+    what the checkpoint holds (model, pruner scores and transport state, optimizer,
+    scheduler, global RNG, metrics), so a dropped restore fails here by name."""
+    from dtp_kernels.models import digits_cnn
+    from dtp_kernels.pipeline import data, train
+    from dtp_kernels.pruning import DTPPruner
+
+    train_set, test_set = data.digits()
+    loader, test_loader = data.loaders(train_set, test_set, 64)
+    settings = {"epochs": 2, "lr": 0.1, "schedule": "cosine"}
+    checkpoint = train.Checkpointing(tmp_path / "dtp.pt", {"stage": "dtp"})
+
+    def objects(seed: int):
+        torch.manual_seed(seed)
+        model = digits_cnn()
+        pruner = DTPPruner(model, torch.randn(1, 1, 8, 8), 0.5)
+        optimizer = train.make_optimizer(model, settings, pruner)
+        schedule = train.make_schedule(optimizer, settings, 2 * len(loader))
+        return model, pruner, optimizer, schedule
+
+    model, pruner, _, _ = objects(0)
+    log = train.MetricsLog()
+    train.train(model, loader, test_loader, {**settings, "epochs": 1}, log, "dtp",
+                pruner=pruner, checkpoint=checkpoint)  # fmt: skip
+    saved = torch.load(checkpoint.path, weights_only=True)
+    model, pruner, optimizer, schedule = objects(1)  # other weights, scores, state
+    torch.rand(100)  # and another RNG position
+    perturbed_log = train.MetricsLog()
+    perturbed_log.write(stage="other", epoch=9, loss=1.0)
+    checkpoint.resume = True
+    train._restore(checkpoint, model, optimizer, schedule, pruner, perturbed_log,
+                   train.RunOptions())  # fmt: skip
+
+    def same(a, b, what):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), what
+        elif isinstance(a, dict):
+            assert a.keys() == b.keys(), what
+            for key in a:
+                same(a[key], b[key], f"{what}.{key}")
+        elif isinstance(a, list):
+            assert len(a) == len(b), what
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                same(x, y, f"{what}[{i}]")
+        else:
+            assert a == b, what
+
+    same(model.state_dict(), saved["model"], "model")
+    same(pruner.state_dict(), saved["pruner"], "pruner")
+    assert int(pruner.state.steps) == len(loader)  # the transport state moved every step
+    same(optimizer.state_dict(), saved["optimizer"], "optimizer")
+    same(schedule.state_dict(), saved["scheduler"], "scheduler")
+    same(torch.get_rng_state(), saved["rng"], "rng")
+    same(perturbed_log.rows, saved["log_rows"], "metrics")

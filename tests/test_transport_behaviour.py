@@ -55,6 +55,7 @@ def test_fig2_toy_converges(any_backend, iters):
 
 
 @pytest.mark.parametrize("backend,steps", [("cpu", 100_000), ("torch", 10_000)])
+@pytest.mark.slow
 def test_fp32_stays_finite_for_long_runs(backend, steps):
     """Scores up to |s| = 1e3 for 1e5 steps: the fp32 state and masks stay finite."""
     from conftest import FAST_CPU_BACKENDS

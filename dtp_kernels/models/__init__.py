@@ -26,20 +26,20 @@ CIFAR_MODELS: dict[str, Callable[..., nn.Module]] = {
 TORCHVISION_MODELS = ("resnet34", "resnet50", "mobilenet_v2")
 
 
-def get_model(name: str, num_classes: int = 10) -> nn.Module:
+def get_model(name: str, num_classes: int = 10, **kwargs) -> nn.Module:
     """A model by name: the CIFAR ones above, or "torchvision.<name>" for ResNet-34/50 and
-    MobileNetV2 from torchvision (ImageNet layouts)."""
+    MobileNetV2 from torchvision (ImageNet layouts); `kwargs` go to its builder."""
     if name.startswith("torchvision."):
         import torchvision
 
         short = name.removeprefix("torchvision.")
         if short not in TORCHVISION_MODELS:
             raise ValueError(f"model {name!r}: torchvision models here: {list(TORCHVISION_MODELS)}")
-        return getattr(torchvision.models, short)(weights=None, num_classes=num_classes)
+        return getattr(torchvision.models, short)(weights=None, num_classes=num_classes, **kwargs)
     if name not in CIFAR_MODELS:
         known = list(CIFAR_MODELS) + [f"torchvision.{n}" for n in TORCHVISION_MODELS]
         raise ValueError(f"unknown model {name!r}; known: {known}")
-    return CIFAR_MODELS[name](num_classes=num_classes)
+    return CIFAR_MODELS[name](num_classes=num_classes, **kwargs)
 
 
 __all__ = ["digits_cnn", "get_model", "mobilenet_v2", "resnet20", "resnet56", "vgg19_bn", "wrn26"]

@@ -32,7 +32,7 @@ def build_model(spec: Mapping) -> nn.Module:
     if source not in SOURCES:
         raise ValueError(f"model.source = {source!r}; allowed: {list(SOURCES)}")
     if source == "builtin":
-        return get_model(spec["name"], spec["num_classes"])
+        return get_model(spec["name"], spec["num_classes"], **kwargs)
     if source == "torchvision":
         import torchvision
 
