@@ -83,7 +83,7 @@ def digits_comparison(
         summary = prune_and_finetune(dense, run, train_loader, test_loader, log)
         rows.append({**summary, **variant, "ratio": run["prune"]["ratios"]})
     dense_row = rows[0]
-    from .pruning.flops import count_flops, count_params
+    from .pruning.cost import count_flops, count_params
 
     example = next(iter(test_loader))[0][:1]
     dense_row.update(params=count_params(dense), flops=count_flops(dense, example),

@@ -78,7 +78,7 @@ def _check_scores(scores: Scores, state: TransportState) -> tuple[torch.Tensor, 
 def _check_keep(keep, state: TransportState) -> torch.Tensor:
     """k per segment as a float tensor on the state's device; each in [0, n]."""
     compiling = torch.compiler.is_compiling()
-    checked = None if compiling else getattr(state, "_keep_checked", None)
+    checked = None if compiling else state._keep_checked
     if checked is not None and checked[0] is keep and checked[1] == keep._version:
         return checked[2]  # the same, unmodified tensor as last step: its version proves it
     original = keep
@@ -131,7 +131,7 @@ def _in_range(k: float, n: int) -> bool:
 
 
 def _sizes_tensor(state: TransportState, dtype: torch.dtype) -> torch.Tensor:
-    cached = getattr(state, "_sizes_cache", None)
+    cached = state._sizes_cache
     if cached is None or cached.dtype != dtype or cached.device != state.device:
         cached = torch.tensor(state.sizes, dtype=dtype, device=state.device)
         state._sizes_cache = cached
@@ -141,7 +141,7 @@ def _sizes_tensor(state: TransportState, dtype: torch.dtype) -> torch.Tensor:
 def _check_eps(eps, state: TransportState) -> torch.Tensor:
     """eps per segment as a float64 tensor on the state's device; each finite and > 0."""
     if isinstance(eps, numbers.Real) and not isinstance(eps, bool):
-        cached = getattr(state, "_eps_cache", None)  # the common case: one float, every step
+        cached = state._eps_cache  # the common case: one float, every step
         if cached is not None and cached[0] == eps and cached[1].device == state.device:
             return cached[1]
         values = [float(eps)] * state.num_segments

@@ -68,6 +68,13 @@ class TransportState(nn.Module):
         self.register_buffer(
             "skipped_steps", torch.zeros(len(sizes), dtype=torch.int64, device=device)
         )
+        # What transport_mask caches between calls to skip repeated argument work (not
+        # state, not saved; each entry says what it was made from, so a stale one is
+        # recomputed): the keep tensor last checked (the tensor, its version, the checked
+        # copy), the segment sizes as a tensor, and the last float eps with its tensor.
+        self._keep_checked: tuple[torch.Tensor, int, torch.Tensor] | None = None
+        self._sizes_cache: torch.Tensor | None = None
+        self._eps_cache: tuple[float, torch.Tensor] | None = None
         # Derived, not saved: segment index of every channel, for the eager backend.
         self.register_buffer(
             "segment_ids",

@@ -8,7 +8,7 @@ from torch.nn.utils import parametrize
 
 from dtp_kernels import DTPPruner, L1Pruner, RandomPruner, load_pruned, save_pruned
 from dtp_kernels.models import resnet20, resnet56, vgg19_bn
-from dtp_kernels.pruning.flops import count_flops, count_params
+from dtp_kernels.pruning.cost import count_flops, count_params
 
 X1 = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
 XB = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
@@ -371,14 +371,14 @@ def test_folded_masks_equal_the_per_parameter_product(budget, make):
 def test_fold_masks_gradcheck(groups, sizes):
     """The folded product's gradients, float64: BN pairs covering every segment, and
     pairs covering some (the mask gradient placed by channel)."""
-    from dtp_kernels.pruning.pruner import _folded_products, _FoldPlan
+    from dtp_kernels.pruning.masking import FoldPlan, folded_products
 
     gen = torch.Generator().manual_seed(0)
-    plan = _FoldPlan.build(groups, sizes, torch.device("cpu"))
+    plan = FoldPlan.build(groups, sizes, torch.device("cpu"))
     mask = torch.rand(sum(sizes), generator=gen, dtype=torch.float64, requires_grad=True)
     params = [torch.randn(sizes[g], generator=gen, dtype=torch.float64, requires_grad=True)
               for g in groups for _ in (0, 1)]  # fmt: skip
-    fold = lambda m, *p: tuple(_folded_products(m, plan, list(p)))  # noqa: E731
+    fold = lambda m, *p: tuple(folded_products(m, plan, list(p)))  # noqa: E731
     assert torch.autograd.gradcheck(fold, (mask, *params))
 
 

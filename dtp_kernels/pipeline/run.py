@@ -14,7 +14,7 @@ from torch import nn
 
 from ..models import CIFAR_MODELS, TORCHVISION_MODELS
 from ..pruning import DTPPruner, L1Pruner, RandomPruner, save_pruned
-from ..pruning.flops import count_flops, count_params
+from ..pruning.cost import count_flops, count_params
 from . import data as datasets
 from . import distributed, plots
 from .device import resolve_device

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from . import ratios as ratio_rules
-from .flops import count_flops, count_params
+from .cost import count_params, flops_after, params_after, trace_layers
 from .groups import build_graph, find_groups
 
 
@@ -76,7 +76,8 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                 raise ValueError("budget='global' needs one ratio for all groups (a float)")
             self.kept = [ratio_rules.kept_count(sum(self.sizes), distinct.pop())]
         self._base_params = count_params(model)
-        self._base_flops = count_flops(model, inputs)
+        self._layers = trace_layers(model, inputs)  # the cost model's view of the model
+        self._base_flops = flops_after(self._layers, {})
 
     def _find_groups(self, model: nn.Module, inputs: tuple, ignored: list) -> list:
         """The prunable groups: channel groups (filter pruning)."""
@@ -142,11 +143,10 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         params = 0
         for module in self.model.modules():
             if isinstance(module, (nn.Conv2d, nn.Linear, nn.modules.batchnorm._BatchNorm)):
-                params += _params_after(module, *lost.get(module, (0, 0)))
+                params += params_after(module, *lost.get(module, (0, 0)))
             elif not isinstance(module, parametrize.ParametrizationList):  # owner counts it
                 params += sum(p.numel() for p in module.parameters(recurse=False))
-        flops = _flops_after(self.model, self.example_inputs, lost)
-        return params, flops
+        return params, flops_after(self._layers, lost)
 
     @torch.no_grad()
     def report(self) -> dict:
@@ -184,53 +184,3 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
 
     def _unmasked_copy(self) -> nn.Module:
         return copy.deepcopy(self.model)
-
-
-def _conv_channels(module: nn.Conv2d, out_lost: int, in_lost: int) -> tuple[int, int, int]:
-    """(out, in, groups) of a conv after pruning; a depthwise conv loses both together."""
-    if module.groups > 1 and module.groups == module.in_channels == module.out_channels:
-        kept = module.out_channels - max(out_lost, in_lost)
-        return kept, kept, kept
-    return module.out_channels - out_lost, module.in_channels - in_lost, module.groups
-
-
-def _params_after(module: nn.Module, out_lost: int, in_lost: int) -> int:
-    if isinstance(module, nn.Conv2d):
-        out_c, in_c, groups = _conv_channels(module, out_lost, in_lost)
-        per = (in_c // groups) * module.kernel_size[0] * module.kernel_size[1]
-        return out_c * per + (out_c if module.bias is not None else 0)
-    if isinstance(module, nn.Linear):
-        out_f, in_f = module.out_features - out_lost, module.in_features - in_lost
-        return out_f * in_f + (out_f if module.bias is not None else 0)
-    if isinstance(module, nn.modules.batchnorm._BatchNorm):
-        return 2 * (module.num_features - out_lost) if module.affine else 0
-    raise TypeError(f"no parameter formula for {type(module).__name__}")
-
-
-def _flops_after(model: nn.Module, inputs: tuple, lost: dict) -> int:
-    """The paper's FLOPs with each conv/linear's channel counts reduced by `lost`."""
-    total = 0
-
-    def hook(module: nn.Module, _inputs, output: torch.Tensor) -> None:
-        nonlocal total
-        out_lost, in_lost = lost.get(module, (0, 0))
-        if isinstance(module, nn.Conv2d):
-            out_c, in_c, groups = _conv_channels(module, out_lost, in_lost)
-            area = output.shape[0] * output.shape[2] * output.shape[3]
-            kernel = module.kernel_size[0] * module.kernel_size[1]
-            total += (kernel * in_c // groups + 1) * out_c * area
-        else:
-            rows = output.numel() // module.out_features
-            total += (module.in_features - in_lost + 1) * (module.out_features - out_lost) * rows
-
-    handles = [m.register_forward_hook(hook) for m in model.modules()
-               if isinstance(m, (nn.Conv2d, nn.Linear))]  # fmt: skip
-    was_training = model.training
-    model.eval()
-    try:
-        model(*inputs)
-    finally:
-        model.train(was_training)
-        for h in handles:
-            h.remove()
-    return int(total)

@@ -24,177 +24,20 @@ from ..masked_channel_epilogue import masked_channel_epilogue
 from ..transport_mask import transport_mask
 from ..transport_state import TransportState
 from .base import ChannelPruner
+from .cost import FlopsRatio
+from .masking import (
+    FoldPlan,
+    HardMasks,
+    MaskSource,
+    ScaleEach,
+    ScaleRows,
+    folded_products,
+    read_folded_first,
+    strip_parametrizations,
+)
 
 MASK_AT = ("auto", "parameters", "activation")
 EPILOGUE_BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
-
-
-class _FlopsModel:
-    """The appendix's FLOPs as a function of the kept ratios alpha of the groups:
-    sum over conv/linear layers of (K n_in alpha_in / groups + 1) n_out alpha_out A."""
-
-    def __init__(self, model: nn.Module, groups: list, inputs: tuple) -> None:
-        out_group, in_group = {}, {}
-        for index, group in enumerate(groups):
-            for module in group.kept_out:
-                out_group[module] = index
-            for module in group.kept_in:
-                in_group[module] = index
-        rows: list[tuple[float, float, int, int]] = []  # (in cost, out count, in idx, out idx)
-        none = len(groups)  # index of the constant ratio 1
-
-        def hook(module: nn.Module, _inputs, output: torch.Tensor) -> None:
-            o = out_group.get(module, none)
-            if isinstance(module, nn.Conv2d):
-                area = output.shape[0] * output.shape[2] * output.shape[3]
-                kernel = module.kernel_size[0] * module.kernel_size[1]
-                depthwise = module.groups > 1 and module.groups == module.in_channels
-                per_in = kernel if depthwise else kernel * module.in_channels / module.groups
-                i = none if depthwise else in_group.get(module, none)
-                rows.append((per_in, module.out_channels * area, i, o))
-            else:
-                count = output.numel() // module.out_features
-                rows.append((module.in_features, module.out_features * count,
-                             in_group.get(module, none), o))  # fmt: skip
-
-        handles = [m.register_forward_hook(hook) for m in model.modules()
-                   if isinstance(m, (nn.Conv2d, nn.Linear))]  # fmt: skip
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                model(*inputs)
-        finally:
-            model.train(was_training)
-            for h in handles:
-                h.remove()
-        self.per_in = torch.tensor([r[0] for r in rows], dtype=torch.float64)
-        self.outs = torch.tensor([r[1] for r in rows], dtype=torch.float64)
-        self.in_index = torch.tensor([r[2] for r in rows])
-        self.out_index = torch.tensor([r[3] for r in rows])
-        self.dense = float(((self.per_in + 1) * self.outs).sum())
-
-    def ratio(self, alpha: torch.Tensor) -> torch.Tensor:
-        if self.per_in.device != alpha.device:  # once: no host-to-device copies per step
-            for name in ("per_in", "outs", "in_index", "out_index"):
-                setattr(self, name, getattr(self, name).to(alpha.device))
-        a = torch.cat([alpha.double(), alpha.new_ones(1, dtype=torch.float64)])
-        flops = (self.per_in * a[self.in_index] + 1) * self.outs
-        return (flops * a[self.out_index]).sum() / self.dense
-
-
-@dataclass
-class _FoldPlan:
-    """Where the folded BN parameters, (weight, bias) pairs of one BN each, take their
-    masks from: `channels` picks the pairs' channels from the flat mask (None: the pairs
-    cover every segment in order); `halves` are the flat copy's pieces, every weight's
-    size, then every bias's."""
-
-    channels: torch.Tensor | None
-    halves: list[int]
-
-    @classmethod
-    def build(cls, groups: list[int], sizes: list[int], device: torch.device) -> _FoldPlan:
-        """`groups[pair]` is the mask segment of each BN; `sizes` the segments' sizes."""
-        halves = [sizes[g] for g in groups] * 2
-        if groups == list(range(len(sizes))):
-            return cls(None, halves)
-        offsets = [0]
-        for n in sizes:
-            offsets.append(offsets[-1] + n)
-        channels = [c for g in groups for c in range(offsets[g], offsets[g + 1])]
-        return cls(torch.tensor(channels, device=device), halves)
-
-
-def _folded_products(mask: torch.Tensor, plan: _FoldPlan, params: list[torch.Tensor]) -> list:
-    """Every masked BN weight and bias (`params`, in (weight, bias) pairs) times its mask,
-    at once on one flat copy of them (weights, then biases): four autograd ops whose
-    backward runs in C++, where a product per parameter would allocate one tensor per BN
-    parameter in forward and two in backward (on a GPU, host time the step pays in full).
-    Returns views of one product tensor, in the order of `params`."""
-    flat = torch.cat([*params[0::2], *params[1::2]]).view(2, -1)
-    per_channel = mask if plan.channels is None else mask.index_select(0, plan.channels)
-    products = (flat * per_channel.to(flat.dtype)).view(-1).split(plan.halves)
-    half = len(products) // 2
-    return [p for pair in zip(products[:half], products[half:], strict=True) for p in pair]
-
-
-class _MaskSource:
-    """The masks of the current forward, shared by the parametrizations and hooks, and
-    the BN parameters already multiplied by them (all at once; see
-    DTPPruner._fold_masks). The flat mask is split per group only when a group's mask is
-    read on its own (activation masks, parametrize's getter)."""
-
-    def __init__(self, sizes: Sequence[int]) -> None:
-        self.sizes = list(sizes)
-        self.flat: torch.Tensor | None = None
-        self._split: tuple[torch.Tensor, ...] | None = None
-        self.hard: list[torch.Tensor] | None = None  # set: evaluate the hard-masked model
-        # slot -> (masked parameter, the original it was computed from, its version)
-        self.folded: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
-
-    def set(self, flat: torch.Tensor) -> None:
-        self.flat, self._split = flat, None
-
-    @property
-    def masks(self) -> tuple[torch.Tensor, ...]:
-        if self._split is None:
-            self._split = self.flat.split(self.sizes)
-        return self._split
-
-    def get(self, index: int) -> torch.Tensor:
-        return self.hard[index] if self.hard is not None else self.masks[index]
-
-    def release_graph(self) -> None:
-        """Keep the values, drop the autograd graph of this forward's masks: held past the
-        forward it would keep the scores' and BN parameters' gradient accumulators alive
-        into the next step (stream mismatches under CUDA-graph capture)."""
-        if self.flat is not None and self.flat.requires_grad:
-            self.set(self.flat.detach())
-            self.folded = {}
-
-
-class _ScaleRows(nn.Module):
-    """Parametrization w -> w * mask, broadcast over the first (output-channel) dim."""
-
-    def __init__(self, source: _MaskSource, index: int) -> None:
-        super().__init__()
-        self.source, self.index = source, index
-
-    def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        mask = self.source.get(self.index).to(weight.dtype)
-        return weight * mask.view(-1, *([1] * (weight.dim() - 1)))
-
-
-def _read_folded_first(module: nn.Module, name: str, source: _MaskSource, slot: int) -> None:
-    """Make reading ``module.<name>`` return the product DTPPruner folded for this forward
-    while it is current (no hard masks, the original unchanged since), and parametrize's
-    getter otherwise. Parametrize's getter costs several Python calls per read, 66 reads
-    per ResNet-50 forward: a host cost an eager GPU step pays in full. The property goes on
-    the class parametrize made for this module, which deep copies share: they read
-    through parametrize, as does torch.compile (which traces parametrize, not a cache)."""
-    cls = type(module)
-    slow = getattr(cls, name)
-
-    def get(self: nn.Module) -> torch.Tensor:
-        if self is module and source.hard is None and not torch.compiler.is_compiling():
-            cached = source.folded.get(slot)
-            if cached is not None and cached[1]._version == cached[2]:
-                return cached[0]
-        return slow.fget(self)
-
-    setattr(cls, name, property(get, slow.fset))
-
-
-class _ScaleEach(nn.Module):
-    """Parametrization w -> w * mask, one mask entry per weight (unstructured)."""
-
-    def __init__(self, source: _MaskSource, index: int) -> None:
-        super().__init__()
-        self.source, self.index = source, index
-
-    def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight * self.source.get(self.index).to(weight.dtype).view_as(weight)
 
 
 @dataclass
@@ -268,7 +111,7 @@ class DTPPruner(ChannelPruner):
         if budget == "flops":  # learned kept ratios, started at the ratios' kept fractions
             alpha = torch.tensor([k / n for k, n in zip(self.kept, self.sizes, strict=True)])
             self.theta = nn.Parameter(torch.logit(alpha.clamp(1e-4, 1 - 1e-4)).to(device))
-            self._flops = _FlopsModel(model, self.groups, self.example_inputs)
+            self._flops = FlopsRatio(self._layers, self.groups)
         if granularity == "filter":  # L2 norms of the filters (paper, Sec. 4)
             initial = [g.conv.weight.detach().flatten(1).norm(dim=1) for g in self.groups]
         else:  # |w| of every weight
@@ -279,9 +122,9 @@ class DTPPruner(ChannelPruner):
         self._steps_since_check, self._skipped_seen = 0, [0] * len(segments)
         self.register_buffer("keep", torch.tensor(self.kept, dtype=torch.float32, device=device))
         self.register_buffer("_sizes", torch.tensor(self.sizes, dtype=torch.float32, device=device))
-        self._source = _MaskSource(self.sizes)
+        self._source = MaskSource(self.sizes)
         self._fold: list[tuple[int, nn.Parameter]] = []  # (group, BN parameter) per slot
-        self._fold_plan: _FoldPlan | None = None
+        self._fold_plan: FoldPlan | None = None
         with torch.no_grad():  # masks exist before the first forward (parametrize checks)
             self._compute_masks(model, ())
         self._handles = [
@@ -303,20 +146,20 @@ class DTPPruner(ChannelPruner):
     def _attach_mask(self, index: int, group) -> None:
         if self.granularity == "weight":
             parametrize.register_parametrization(
-                group.module, "weight", _ScaleEach(self._source, index)
+                group.module, "weight", ScaleEach(self._source, index)
             )
             return
         if self.mask_at != "activation" and group.bn is not None and group.bn.affine:
             for name in ("weight", "bias"):
                 slot = len(self._fold)
-                scale = _ScaleRows(self._source, index)
+                scale = ScaleRows(self._source, index)
                 parametrize.register_parametrization(group.bn, name, scale)
-                _read_folded_first(group.bn, name, self._source, slot)
+                read_folded_first(group.bn, name, self._source, slot)
                 self._fold.append((index, group.bn.parametrizations[name].original))
         elif self.mask_at != "activation" and group.bn is None:
             for name in ("weight", "bias") if group.conv.bias is not None else ("weight",):
                 parametrize.register_parametrization(
-                    group.conv, name, _ScaleRows(self._source, index)
+                    group.conv, name, ScaleRows(self._source, index)
                 )
         else:  # on the activations, with the fused epilogue
             target = group.bn if group.bn is not None else group.conv
@@ -346,7 +189,7 @@ class DTPPruner(ChannelPruner):
         FLOPs, differentiable in theta (budget='flops' only)."""
         if self.budget != "flops":
             raise ValueError("flops_ratio() and penalty() need budget='flops'")
-        return self._flops.ratio(torch.sigmoid(self.theta))
+        return self._flops(torch.sigmoid(self.theta))
 
     def penalty(self, target: float) -> torch.Tensor:
         """||F - B||^2 for a FLOPs budget B in (0, 1] (the fraction of dense FLOPs kept)."""
@@ -368,7 +211,7 @@ class DTPPruner(ChannelPruner):
         self._fold_masks()
 
     def _fold_masks(self) -> None:
-        """Multiply every masked BN weight and bias by its mask at once (_folded_products)
+        """Multiply every masked BN weight and bias by its mask at once (folded_products)
         instead of one multiply per parameter per forward: ResNet-50 has 66 of them, and
         an eager GPU step pays host time per op and per allocation."""
         if not self._fold:
@@ -378,10 +221,10 @@ class DTPPruner(ChannelPruner):
         if self._fold_plan is None or (
             self._fold_plan.channels is not None and self._fold_plan.channels.device != flat.device
         ):
-            self._fold_plan = _FoldPlan.build(
+            self._fold_plan = FoldPlan.build(
                 [index for index, _ in self._fold[0::2]], self.sizes, flat.device
             )
-        products = _folded_products(flat, self._fold_plan, originals)
+        products = folded_products(flat, self._fold_plan, originals)
         self._source.folded = {
             slot: (product, original, original._version)
             for slot, (product, original) in enumerate(zip(products, originals, strict=True))
@@ -442,9 +285,9 @@ class DTPPruner(ChannelPruner):
         counts = self.state.skipped_steps.tolist()
         return [counts[0]] * len(self.groups) if self.budget == "global" else counts
 
-    def hard_masked(self) -> _HardMasks:
+    def hard_masked(self) -> HardMasks:
         """Context manager: inside it the model runs with the hard 0/1 masks."""
-        return _HardMasks(self)
+        return HardMasks(self)
 
     def report(self) -> dict:
         """Base report plus, per group, the soft-mask mass inside the top k and the mean
@@ -483,14 +326,14 @@ class DTPPruner(ChannelPruner):
 
     def _unmasked_copy(self) -> nn.Module:
         """A deep copy of the model without this pruner's masks, hooks and state."""
-        memo = {id(self): self, id(self._source): _MaskSource(self.sizes)}  # do not copy these
+        memo = {id(self): self, id(self._source): MaskSource(self.sizes)}  # do not copy these
         pruned = copy.deepcopy(self.model, memo)
         for module in list(pruned.modules()):
             for handle in self._handles:
                 module._forward_pre_hooks.pop(handle.id, None)
                 module._forward_hooks.pop(handle.id, None)
             if parametrize.is_parametrized(module):
-                _strip_parametrizations(module)
+                strip_parametrizations(module)
         return pruned
 
     def remove(self) -> None:
@@ -500,27 +343,4 @@ class DTPPruner(ChannelPruner):
             handle.remove()
         for module in list(self.model.modules()):
             if parametrize.is_parametrized(module):
-                _strip_parametrizations(module)
-
-
-def _strip_parametrizations(module: nn.Module) -> None:
-    """Put the original parameters back. Unlike parametrize.remove_parametrizations this
-    leaves the parametrized class alone, which deep copies share with the original."""
-    originals = {name: plist.original for name, plist in module.parametrizations.items()}
-    module.__class__ = module.__class__.__bases__[0]
-    del module._modules["parametrizations"]
-    for name, parameter in originals.items():
-        module._parameters[name] = parameter
-
-
-class _HardMasks:
-    def __init__(self, pruner: DTPPruner) -> None:
-        self.pruner = pruner
-
-    def __enter__(self) -> DTPPruner:
-        device = self.pruner.scores.device
-        self.pruner._source.hard = [m.to(device) for m in self.pruner.hard_masks()]
-        return self.pruner
-
-    def __exit__(self, *exc) -> None:
-        self.pruner._source.hard = None
+                strip_parametrizations(module)

@@ -1,0 +1,131 @@
+"""The one cost model of the pruning layer: parameters and FLOPs of a model, before and
+after pruning, and the FLOPs as a differentiable function of learned kept ratios.
+
+FLOPs follow the paper's appendix (Eq. flops_comput, after ChipNet): a convolution costs
+(K * n_in / groups + 1) * n_out * A multiply-adds (K the kernel area, A the output
+feature-map area, +1 for the bias term); a linear layer (n_in + 1) * n_out per output
+row; nonlinearities, BN and pooling are ignored. A depthwise convolution loses its input
+and output channels together.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+COSTED = (nn.Conv2d, nn.Linear)  # the layers whose FLOPs are counted
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One costed layer as one forward saw it."""
+
+    module: nn.Module
+    kernel: int  # kernel area (1 for a linear layer)
+    rows: int  # output positions: batch x feature-map area (linear: batch x tokens)
+
+    @property
+    def depthwise(self) -> bool:
+        m = self.module
+        return isinstance(m, nn.Conv2d) and m.groups > 1 and m.groups == m.in_channels
+
+    def channels(self, out_lost: int = 0, in_lost: int = 0) -> tuple[int, int, int]:
+        """(out, in, groups) after losing channels; depthwise loses both together."""
+        m = self.module
+        if isinstance(m, nn.Linear):
+            return m.out_features - out_lost, m.in_features - in_lost, 1
+        if self.depthwise and m.out_channels == m.in_channels:
+            kept = m.out_channels - max(out_lost, in_lost)
+            return kept, kept, kept
+        return m.out_channels - out_lost, m.in_channels - in_lost, m.groups
+
+    def flops(self, out_lost: int = 0, in_lost: int = 0) -> int:
+        out_c, in_c, groups = self.channels(out_lost, in_lost)
+        return (self.kernel * in_c // groups + 1) * out_c * self.rows
+
+
+def count_params(model: nn.Module) -> int:
+    """Number of parameters (BN affine included; buffers excluded)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+@torch.no_grad()
+def trace_layers(model: nn.Module, example_inputs: torch.Tensor | tuple) -> list[Layer]:
+    """The costed layers of one eval-mode forward of `example_inputs`, in call order."""
+    layers: list[Layer] = []
+
+    def hook(module: nn.Module, _inputs, output: torch.Tensor) -> None:
+        if isinstance(module, nn.Conv2d):
+            layers.append(Layer(module, math.prod(module.kernel_size),
+                                output.shape[0] * math.prod(output.shape[2:])))  # fmt: skip
+        else:
+            layers.append(Layer(module, 1, output.numel() // max(module.out_features, 1)))
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, COSTED)]
+    was_training = model.training
+    model.eval()
+    try:
+        args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+        model(*args)
+    finally:
+        model.train(was_training)
+        for handle in handles:
+            handle.remove()
+    return layers
+
+
+def count_flops(model: nn.Module, example_inputs: torch.Tensor | tuple) -> int:
+    """FLOPs of one forward of `example_inputs` (batch 1 expected), the paper's convention."""
+    return sum(layer.flops() for layer in trace_layers(model, example_inputs))
+
+
+def flops_after(layers: list[Layer], lost: dict[nn.Module, tuple[int, int]]) -> int:
+    """FLOPs with each layer's (output, input) channels reduced by `lost`."""
+    return sum(layer.flops(*lost.get(layer.module, (0, 0))) for layer in layers)
+
+
+def params_after(module: nn.Module, out_lost: int, in_lost: int) -> int:
+    """Parameters of a conv, linear or BN layer after losing channels."""
+    if isinstance(module, COSTED):
+        out_c, in_c, groups = Layer(module, 0, 0).channels(out_lost, in_lost)
+        kernel = math.prod(module.kernel_size) if isinstance(module, nn.Conv2d) else 1
+        return out_c * (in_c // groups) * kernel + (out_c if module.bias is not None else 0)
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return 2 * (module.num_features - out_lost) if module.affine else 0
+    raise TypeError(f"no parameter formula for {type(module).__name__}")
+
+
+class FlopsRatio:
+    """F(alpha) of the appendix: the FLOPs kept at per-group kept ratios alpha over the
+    dense FLOPs, differentiable in alpha (the FLOPs budget). Every costed layer scales
+    with the kept ratio of the group whose output channels it loses and, unless it is
+    depthwise, of the group whose input channels it loses."""
+
+    def __init__(self, layers: list[Layer], groups: list) -> None:
+        out_group, in_group = {}, {}
+        for index, group in enumerate(groups):
+            out_group.update(dict.fromkeys(group.kept_out, index))
+            in_group.update(dict.fromkeys(group.kept_in, index))
+        whole = len(groups)  # index of the constant ratio 1
+        per_in, outs, ins, out_index = [], [], [], []
+        for layer in layers:
+            out_c, in_c, groups_ = layer.channels()
+            per_in.append(layer.kernel if layer.depthwise else layer.kernel * in_c / groups_)
+            outs.append(out_c * layer.rows)
+            ins.append(whole if layer.depthwise else in_group.get(layer.module, whole))
+            out_index.append(out_group.get(layer.module, whole))
+        self.per_in = torch.tensor(per_in, dtype=torch.float64)
+        self.outs = torch.tensor(outs, dtype=torch.float64)
+        self.in_index, self.out_index = torch.tensor(ins), torch.tensor(out_index)
+        self.dense = float(((self.per_in + 1) * self.outs).sum())
+
+    def __call__(self, alpha: torch.Tensor) -> torch.Tensor:
+        if self.per_in.device != alpha.device:  # once: no host-to-device copies per step
+            for name in ("per_in", "outs", "in_index", "out_index"):
+                setattr(self, name, getattr(self, name).to(alpha.device))
+        a = torch.cat([alpha.double(), alpha.new_ones(1, dtype=torch.float64)])
+        flops = (self.per_in * a[self.in_index] + 1) * self.outs
+        return (flops * a[self.out_index]).sum() / self.dense
