@@ -1,5 +1,7 @@
-"""Shared benchmark plumbing: machine description and CSV rows; the interleaved timing
-is dtp_kernels.benchmarking (also behind `dtp bench`)."""
+"""The benchmark harness: a benchmark is a setup function and a sweep; the harness times
+every provider of a sweep point interleaved (dtp_kernels.benchmarking, also behind `dtp
+bench`), records the device and versions, appends rows of one CSV schema, writes the
+markdown table and the plot (plot_results.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import csv
 import datetime
 import os
 import platform
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -58,3 +62,71 @@ def append_rows(path: Path, rows: list[dict]) -> None:
             writer.writeheader()
         for row in rows:
             writer.writerow({k: row[k] for k in CSV_FIELDS})
+
+
+# (provider, mode) -> (callable, calls per sample)
+Cases = dict[tuple[str, str], tuple[Callable[[], object], int]]
+
+
+@dataclass
+class Sweep:
+    """A benchmark: `setup(point, device)` builds the cases of one sweep point, a dict
+    with "shape" and "dtype" (and whatever else setup reads); `baselines` are the
+    providers each row's ratio is taken against (their time over this row's, from the
+    same point and mode, or from the baseline's only mode)."""
+
+    op: str
+    title: str
+    points: list[dict]
+    setup: Callable[[dict, torch.device], Cases]
+    baselines: list[str] = field(default_factory=list)
+    warmup: int = 3
+    note: str = ""
+
+
+def run_sweep(sweep: Sweep, device: torch.device, rounds: int, save: bool, name: str) -> list[dict]:
+    """Time every point of `sweep`; print the table; with `save`, append the rows to
+    results/<name>.csv and write results/<name>_<device>.md and .png."""
+    env = environment(device)
+    rows = []
+    for point in sweep.points:
+        samples = interleaved(sweep.setup(point, device), rounds, device, sweep.warmup)
+        for (provider, mode), times in samples.items():
+            rows.append(dict(op=sweep.op, provider=provider, mode=mode, shape=point["shape"],
+                             dtype=point["dtype"], **summarize(times), **env))  # fmt: skip
+    report = markdown(sweep, rows, env)
+    print(report)
+    if save:
+        append_rows(RESULTS / f"{name}.csv", rows)
+        (RESULTS / f"{name}_{device.type}.md").write_text(report)
+        from plot_results import plot_rows
+
+        plot_rows(rows, RESULTS / f"{name}_{device.type}.png", f"{sweep.title}\n{env['device']}, "
+                  f"torch {env['torch']}, {env['date']}")  # fmt: skip
+    return rows
+
+
+def markdown(sweep: Sweep, rows: list[dict], env: dict) -> str:
+    """The rows as a table: medians with p20 and p80, and the ratio to each baseline."""
+    by_key = {(r["shape"], r["dtype"], r["provider"], r["mode"]): r["median_us"] for r in rows}
+    modes = {}
+    for r in rows:
+        modes.setdefault((r["shape"], r["dtype"], r["provider"]), []).append(r["mode"])
+    head = "| shape | dtype | mode | provider | median us | p20 us | p80 us |"
+    head += "".join(f" x vs {b} |" for b in sweep.baselines)
+    lines = [f"# {sweep.title}", "",
+             f"device: {env['device']}; threads: {env['threads']}; torch {env['torch']}; "
+             f"triton {env['triton']}; date {env['date']}", "", head,
+             "| --- | --- | --- | --- |" + " ---: |" * (3 + len(sweep.baselines))]  # fmt: skip
+    for r in rows:
+        ratios = []
+        for base in sweep.baselines:
+            own = modes.get((r["shape"], r["dtype"], base), [])
+            mode = r["mode"] if r["mode"] in own else (own[0] if len(own) == 1 else None)
+            time = by_key.get((r["shape"], r["dtype"], base, mode))
+            ratios.append(f" {time / r['median_us']:.2f} |" if time else " - |")
+        lines.append(f"| {r['shape']} | {r['dtype']} | {r['mode']} | {r['provider']} | "
+                     f"{r['median_us']:.1f} | {r['p20_us']:.1f} | {r['p80_us']:.1f} |"
+                     + "".join(ratios))  # fmt: skip
+    note = f"\n`x vs P`: P's median over this row's (> 1: faster than P). {sweep.note}\n"
+    return "\n".join(lines) + "\n" + note
