@@ -6,7 +6,7 @@
 #
 # tests: tests/test_gpu.py; bench: the kernel benchmarks; train: the training step (eager,
 # profiled, CUDA graph); scale: mask-step scaling and iterations; pipeline: `dtp prune` on
-# the GPU (tests/test_pipeline_gpu.py) and whole epochs with the data loader
+# the GPU (tests/pipeline/test_pipeline_gpu.py) and whole epochs with the data loader
 # (bench_pipeline.py); all: every one.
 #
 # The GPU machine has torch, Triton and nvcc but no package index: wheels it lacks travel
@@ -62,7 +62,7 @@ for step in $steps; do
     run bench_training_graph 150 $PY -X faulthandler benchmarks/bench_training_step.py --device cuda --graph
     ;;&
   pipeline | all)
-    run test_pipeline_gpu 400 $PY -m pytest -q -rs --tb=short -p no:cacheprovider tests/test_pipeline_gpu.py
+    run test_pipeline_gpu 400 $PY -m pytest -q -rs --tb=short -p no:cacheprovider tests/pipeline/test_pipeline_gpu.py
     run bench_pipeline 400 $PY benchmarks/bench_pipeline.py --device cuda --rounds 3
     ;;&
   scale | all) 120 $PY benchmarks/bench_scaling.py --device cuda --rounds 5

@@ -13,31 +13,9 @@ if not torch.cuda.is_available():
 
 import pytest
 
-import dtp_kernels
-
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-# Backends that run on CPU tensors here, besides the reference oracle.
-FAST_CPU_BACKENDS = [b for b in dtp_kernels.available_backends("cpu") if b != "reference"]
-ALL_CPU_BACKENDS = dtp_kernels.available_backends("cpu")
-
-# (n, k) per segment: ragged sizes, k from 0 to n with both ends, fractional k.
-RAGGED_LAYOUT = [
-    (1, 0.0),
-    (1, 1.0),
-    (2, 0.0),
-    (2, 1.0),
-    (2, 2.0),
-    (3, 1.5),
-    (3, 3.0),
-    (17, 0.0),
-    (17, 5.0),
-    (17, 17.0),
-    (1023, 511.5),
-    (1025, 1.0),
-    (4096, 1000.0),
-    (4096, 4096.0),
-]
+from utils import ALL_CPU_BACKENDS, FAST_CPU_BACKENDS  # noqa: E402 - after the env
 
 
 @pytest.fixture(params=FAST_CPU_BACKENDS)

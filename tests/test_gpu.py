@@ -7,11 +7,10 @@ two runs; the Triton ops under torch.compile(fullgraph=True) with inductor.
 
 import pytest
 import torch
-from test_transport_matches_reference import check_low_precision, run_loop
 
 import dtp_kernels
-from conftest import RAGGED_LAYOUT
 from dtp_kernels import TransportState, masked_channel_epilogue, transport_mask
+from utils import RAGGED_LAYOUT, check_low_precision, run_loop
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda")

@@ -19,7 +19,7 @@ import torch
 
 from dtp_kernels.pipeline import checkpoint as ckpt
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OVERRIDES = ["pretrain.epochs=3", "prune.epochs=4", "finetune.epochs=3"]
 
 

@@ -13,8 +13,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import ALL_CPU_BACKENDS
 from dtp_kernels import TransportState, transport_mask
+from utils import ALL_CPU_BACKENDS
 
 pytestmark = pytest.mark.slow  # end to end or long: `make test-fast` leaves it out
 

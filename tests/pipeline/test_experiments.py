@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # end to end or long: `make test-fast` leaves it out
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPTS = [
     ("fig2_toy.py", ["--steps", "60"], "fig2_toy.png"),

@@ -22,7 +22,7 @@ import torch
 
 pytestmark = pytest.mark.slow  # end to end or long: `make test-fast` leaves it out
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OVERRIDES = ["pretrain.epochs=2", "prune.epochs=3", "finetune.epochs=2", "run.progress=false",
              "model.kwargs={dropout: 0.3}"]  # fmt: skip
 STOPS = [(signal.SIGTERM, "pretrain"), (signal.SIGINT, "dtp"), (signal.SIGUSR1, "finetune")]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_own_training_loop_prunes_to_the_exact_counts_and_learns():

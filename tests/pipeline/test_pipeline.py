@@ -10,7 +10,7 @@ import torch
 from dtp_kernels.cli import main
 from dtp_kernels.pipeline import data, recipe, synthetic
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 @pytest.mark.parametrize(

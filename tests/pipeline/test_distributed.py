@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 pytestmark = pytest.mark.slow  # end to end or long: `make test-fast` leaves it out
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:

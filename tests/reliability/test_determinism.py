@@ -15,7 +15,7 @@ from dtp_kernels.pipeline.run import run
 
 pytestmark = pytest.mark.slow  # end to end or long: `make test-fast` leaves it out
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["pretrain.epochs=2", "prune.epochs=2", "finetune.epochs=1"]
 
 

@@ -13,7 +13,7 @@ from dtp_kernels.cli import main
 from dtp_kernels.models import resnet20
 from dtp_kernels.pipeline import model_source, recipe, run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def spec(**fields) -> dict:

@@ -1,0 +1,438 @@
+"""transport_mask, the DTP mask step: every backend against the literal reference.
+
+- Values and gradients: every backend equals the literal reference over a training loop.
+- What DTP's mask does: sums to k, the paper's Fig. 2 toy, long runs, non-finite input.
+- Bad input: a clear error naming the argument, the segment and the allowed range, and
+the state untouched.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from dtp_kernels import TransportState, transport_mask
+from utils import ALL_CPU_BACKENDS, FAST_CPU_BACKENDS, RAGGED_LAYOUT, check_low_precision, run_loop
+
+# -- values and gradients against the reference --------------------------------------
+
+
+@pytest.mark.parametrize("iters", [1, 5])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_200_steps_match_reference(fast_backend, dtype, iters):
+    # The Triton interpreter costs ~2 ms per program instance: 60 steps keep CI short
+    # (on CUDA, tests/test_gpu.py runs the full 200).
+    steps = 60 if fast_backend == "triton" else 200
+    state, ref_state = run_loop(fast_backend, dtype, iters, steps=steps)
+    assert int(state.steps) == int(ref_state.steps) == steps
+
+
+# Segments longer than one 4,096-element chunk of the C++ kernels, 40,964 elements in all
+# (above the 32,768 at which they split the work over threads): each segment's chunk
+# partials must be merged, not overwritten, in forward and backward.
+MULTI_CHUNK_LAYOUT = [(4097, 1000.0), (8193, 4000.5), (12289, 6144.0), (16385, 1.0)]
+
+
+@pytest.mark.parametrize("iters", [1, 3])
+def test_segments_over_one_chunk_match_reference(fast_backend, iters):
+    state, _ = run_loop(fast_backend, torch.float64, iters, steps=3, layout=MULTI_CHUNK_LAYOUT)
+    assert int(state.steps) == 3
+
+
+@pytest.mark.parametrize("backend", ALL_CPU_BACKENDS)
+def test_reference_backend_is_deterministic_oracle(backend):
+    """The loop itself is meaningful: masks move away from the uniform start."""
+    sizes = [5, 7]
+    state = TransportState(sizes, dtype=torch.float64)
+    scores = torch.linspace(-1, 2, 12, dtype=torch.float64)
+    first = transport_mask(scores, [2.0, 3.0], state, backend=backend)
+    for _ in range(20):
+        transport_mask(scores, [2.0, 3.0], state, backend=backend)
+        state.commit()
+    later = transport_mask(scores, [2.0, 3.0], state, backend=backend)
+    assert (later - first).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("iters", [1, 3])
+@pytest.mark.parametrize("backend", ALL_CPU_BACKENDS)
+def test_gradcheck_float64(backend, iters):
+    # Interior k only: finite differences in k must stay inside [0, n] (see the
+    # degenerate test below for k = 0 and k = n).
+    layout = [(1, 0.5), (2, 0.5), (3, 1.0), (6, 2.5), (5, 4.0), (4, 0.25)]
+    sizes = [n for n, _ in layout]
+    state = TransportState(sizes, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.rand(sum(sizes), generator=gen, dtype=torch.float64)
+    # Move the state off the uniform start so every term of the formula is exercised.
+    for _ in range(3):
+        transport_mask(scores * 3, [k for _, k in layout], state, eps=0.5, backend="reference")
+        state.commit()
+    keep = torch.tensor([k for _, k in layout], dtype=torch.float64, requires_grad=True)
+    scores.requires_grad_(True)
+
+    def fn(s, k):
+        return transport_mask(s, k, state, eps=0.5, iters=iters, update=False, backend=backend)
+
+    assert torch.autograd.gradcheck(fn, (scores, keep), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_low_precision_scores_match_reference(fast_backend, dtype):
+    check_low_precision(fast_backend, dtype)
+
+
+def test_fast_backends_agree_with_each_other():
+    if len(FAST_CPU_BACKENDS) < 2:
+        pytest.skip("only one fast backend is built here")
+    sizes = [n for n, _ in RAGGED_LAYOUT]
+    keep = [k for _, k in RAGGED_LAYOUT]
+    scores = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(3))
+    masks = [
+        transport_mask(scores, keep, TransportState(sizes), backend=b) for b in FAST_CPU_BACKENDS
+    ]
+    for other in masks[1:]:
+        torch.testing.assert_close(other, masks[0], rtol=2e-5, atol=2e-6)
+
+
+def test_degenerate_segments_have_constant_masks(any_backend):
+    """k = 0 and k = n: mask k/n, no score gradient, d mask / d k = 1/n, state unmoved."""
+    sizes = [4, 3, 5]
+    state = TransportState(sizes, dtype=torch.float64)
+    scores = torch.randn(12, dtype=torch.float64, requires_grad=True)
+    keep = torch.tensor([0.0, 3.0, 2.0], dtype=torch.float64, requires_grad=True)
+    weights = torch.arange(12, dtype=torch.float64)
+    mask = transport_mask(scores, keep, state, backend=any_backend)
+    (weights * mask).sum().backward()
+    torch.testing.assert_close(mask[:7], torch.tensor([0.0] * 4 + [1.0] * 3, dtype=torch.float64))
+    assert torch.all(scores.grad[:7] == 0) and torch.any(scores.grad[7:] != 0)
+    torch.testing.assert_close(keep.grad[:2], torch.tensor([6 / 4, 15 / 3], dtype=torch.float64))
+    state.commit()
+    assert torch.all(state.log_odds[:7] == 0) and torch.all(state.shift[:2] == 0)
+    assert torch.any(state.log_odds[7:] != 0)
+
+
+# -- what the mask does --------------------------------------------------------------
+
+
+def test_mask_sums_to_k(any_backend):
+    sizes = [n for n, _ in RAGGED_LAYOUT]
+    keep = torch.tensor([k for _, k in RAGGED_LAYOUT])
+    state = TransportState(sizes)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        scores = torch.randn(sum(sizes), generator=gen) * 3
+        mask = transport_mask(scores, keep, state, backend=any_backend)
+        sums = torch.stack([m.double().sum() for m in mask.split(sizes)])
+        torch.testing.assert_close(sums, keep.double(), rtol=1e-5, atol=1e-5)
+        state.commit()
+
+
+def test_list_of_segments_in_list_out(any_backend):
+    sizes = [3, 5]
+    parts = [torch.randn(3), torch.randn(5)]
+    masks = transport_mask(parts, [1, 2], TransportState(sizes), backend=any_backend)
+    flat = transport_mask(torch.cat(parts), [1, 2], TransportState(sizes), backend=any_backend)
+    assert isinstance(masks, list) and [m.numel() for m in masks] == sizes
+    assert torch.equal(torch.cat(masks), flat)
+
+
+def test_non_contiguous_scores(fast_backend):
+    base = torch.randn(2 * 40, generator=torch.Generator().manual_seed(4))
+    strided = base[::2]
+    assert not strided.is_contiguous()
+    sizes = [15, 25]
+    got = transport_mask(strided, [3, 7.5], TransportState(sizes), backend=fast_backend)
+    want = transport_mask(
+        strided.contiguous(), [3, 7.5], TransportState(sizes), backend=fast_backend
+    )
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("iters", [1, 5])
+def test_fig2_toy_converges(any_backend, iters):
+    """Paper Fig. 2: w = [2, 1, 3], keep 1 of 3, loss w . mask: the mask picks weight 2
+    (the toy `python -m dtp_kernels.demo --toy` prints)."""
+    from dtp_kernels.demo import fig2_toy
+
+    _step, mask, loss, _scores = fig2_toy(steps=300, iters=iters, backend=any_backend)[-1]
+    torch.testing.assert_close(torch.tensor(mask), torch.tensor([0.0, 1.0, 0.0]), atol=1e-3, rtol=0)
+    assert abs(loss - 1.0) < 1e-3
+
+
+@pytest.mark.parametrize("backend,steps", [("cpu", 100_000), ("torch", 10_000)])
+@pytest.mark.slow
+def test_fp32_stays_finite_for_long_runs(backend, steps):
+    """Scores up to |s| = 1e3 for 1e5 steps: the fp32 state and masks stay finite."""
+
+    if backend not in FAST_CPU_BACKENDS:
+        pytest.skip(f"backend {backend} is not built here")
+    sizes = [1, 2, 7, 64]
+    keep = torch.tensor([1.0, 1.0, 3.5, 16.0])
+    state = TransportState(sizes)
+    gen = torch.Generator().manual_seed(5)
+    scores = (torch.rand(sum(sizes), generator=gen) * 2 - 1) * 1e3
+    scores[:3] = torch.tensor([1e3, -1e3, 1e3])
+    for step in range(steps):
+        if step % 1000 == 0:  # new extreme scores now and then, fixed in between
+            scores = (torch.rand(sum(sizes), generator=gen) * 2 - 1) * 1e3
+        mask = transport_mask(scores, keep, state, backend=backend)
+        state.commit()
+    assert torch.isfinite(state.log_odds).all() and torch.isfinite(state.shift).all()
+    assert torch.isfinite(mask).all()
+    sums = torch.stack([m.double().sum() for m in mask.split(sizes)])
+    torch.testing.assert_close(sums, keep.double(), rtol=1e-4, atol=1e-4)
+    assert int(state.steps) == steps
+
+
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_segment_keeps_its_state(any_backend, bad_value):
+    sizes = [4, 6, 5]
+    keep = [2.0, 3.0, 1.5]
+    state = TransportState(sizes)
+    scores = torch.randn(15, generator=torch.Generator().manual_seed(6))
+    transport_mask(scores, keep, state, backend=any_backend)
+    state.commit()
+    before_d, before_shift = state.log_odds.clone(), state.shift.clone()
+    poisoned = scores.clone()
+    poisoned[5] = bad_value  # segment 1
+    mask = transport_mask(poisoned, keep, state, backend=any_backend)
+    state.commit()
+    if bad_value != bad_value:  # NaN propagates (default "propagate"), into its segment only
+        assert torch.isnan(mask[4:10]).all()
+    assert torch.isfinite(mask[:4]).all() and torch.isfinite(mask[10:]).all()
+    assert state.skipped_steps.tolist() == [0, 1, 0] and int(state.steps) == 2
+    assert torch.equal(state.log_odds[4:10], before_d[4:10])
+    assert state.shift[1] == before_shift[1]
+    assert not torch.equal(state.log_odds[:4], before_d[:4])  # the others advance
+    assert not torch.equal(state.log_odds[10:], before_d[10:])
+    assert state.shift[0] != before_shift[0] and state.shift[2] != before_shift[2]
+    # finite again: the segment trains on from where it stood
+    mask = transport_mask(scores, keep, state, backend=any_backend)
+    state.commit()
+    assert torch.isfinite(mask).all() and not torch.equal(state.log_odds[4:10], before_d[4:10])
+
+
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), -float("inf")])
+def test_neutral_nonfinite_reads_bad_scores_as_half(any_backend, bad_value):
+    """nonfinite="neutral": the mask and gradients of the scores with the bad entry set to
+    0.5 (the reference), no gradient for that entry, and its segment held and flagged."""
+    sizes, keep = [4, 6, 5], [2.0, 3.0, 1.5]
+    gen = torch.Generator().manual_seed(8)
+    scores = torch.randn(15, generator=gen, dtype=torch.float64)
+    weights = torch.randn(15, generator=gen, dtype=torch.float64)
+    state = TransportState(sizes, dtype=torch.float64)
+    transport_mask(scores, keep, state, backend=any_backend)
+    state.commit()
+    ref_state = copy.deepcopy(state)
+    poisoned = scores.clone()
+    poisoned[5] = bad_value  # segment 1
+    s = poisoned.clone().requires_grad_(True)
+    mask = transport_mask(s, keep, state, backend=any_backend, nonfinite="neutral")
+    (weights * mask).sum().backward()
+    substituted = poisoned.clone()
+    substituted[5] = 0.5
+    s_ref = substituted.clone().requires_grad_(True)
+    want = transport_mask(s_ref, keep, ref_state, backend="reference")
+    (weights * want).sum().backward()
+    torch.testing.assert_close(mask, want, rtol=1e-9, atol=1e-12)
+    grad_want = s_ref.grad.clone()
+    grad_want[5] = 0.0
+    torch.testing.assert_close(s.grad, grad_want, rtol=1e-9, atol=1e-12)
+    assert s.grad[5] == 0
+    held = state.log_odds.clone(), state.shift.clone()
+    state.commit()
+    ref_state.commit()
+    assert torch.equal(state.log_odds[4:10], held[0][4:10]) and state.shift[1] == held[1][1]
+    torch.testing.assert_close(state.log_odds[:4], ref_state.log_odds[:4])
+    torch.testing.assert_close(state.log_odds[10:], ref_state.log_odds[10:])
+    assert state.skipped_steps.tolist() == [0, 1, 0]
+
+
+@pytest.mark.parametrize("bad_first", [True, False])
+def test_last_forward_before_a_commit_decides_the_hold(fast_backend, bad_first):
+    """Two forwards before one commit (gradient accumulation): the state and the skipped
+    count both come from the last one."""
+    sizes, keep = [4, 6, 5], [2.0, 3.0, 1.5]
+    scores = torch.randn(15, generator=torch.Generator().manual_seed(10))
+    poisoned = scores.clone()
+    poisoned[5] = float("nan")
+    state = TransportState(sizes)
+    for s in (poisoned, scores) if bad_first else (scores, poisoned):
+        transport_mask(s, keep, state, backend=fast_backend, nonfinite="neutral")
+    state.commit()
+    assert state.skipped_steps.tolist() == ([0, 0, 0] if bad_first else [0, 1, 0])
+    assert torch.equal(state.log_odds[4:10], torch.zeros(6)) != bad_first
+
+
+def test_neutral_nonfinite_gradcheck(fast_backend):
+    """float64 gradcheck through the neutral mode with a NaN and an Inf score."""
+    sizes, keep = [4, 6, 5], [2.0, 3.0, 1.5]
+    gen = torch.Generator().manual_seed(9)
+    state = TransportState(sizes, dtype=torch.float64)
+    state.log_odds.copy_(torch.randn(15, generator=gen, dtype=torch.float64))
+    scores = torch.randn(15, generator=gen, dtype=torch.float64)
+    scores[1], scores[12] = float("nan"), float("inf")
+    scores.requires_grad_(True)
+
+    def f(s):
+        return transport_mask(
+            s, keep, state, backend=fast_backend, update=False, nonfinite="neutral"
+        )
+
+    assert torch.isfinite(f(scores)).all()
+    assert torch.autograd.gradcheck(f, (scores,), eps=1e-6, atol=1e-6)
+
+
+def test_overflowing_log_odds_hold_and_flag_the_segment(fast_backend):
+    """Finite scores whose log-odds overflow fp32 (s / eps > 3.4e38) hold their segment
+    and count a skipped step in both modes (the float64 reference does not overflow)."""
+    sizes, keep = [3, 4], [1.0, 2.0]
+    for mode in ("propagate", "neutral"):
+        state = TransportState(sizes)
+        scores = torch.tensor([0.1, 0.9, 0.3, 0.2, 3e38, 0.4, 0.8])
+        transport_mask(scores, keep, state, eps=0.1, backend=fast_backend, nonfinite=mode)
+        state.commit()
+        assert state.skipped_steps.tolist() == [0, 1], mode
+        assert torch.equal(state.log_odds[3:], torch.zeros(4))
+        assert not torch.equal(state.log_odds[:3], torch.zeros(3))
+
+
+def test_autocast_returns_scores_dtype(any_backend):
+    """Under autocast the op keeps the scores' dtype and agrees with the fp32 reference."""
+    sizes = [5, 17]
+    scores = torch.rand(22, generator=torch.Generator().manual_seed(7))
+    want = transport_mask(scores.double(), [2.0, 8.5], TransportState(sizes), backend="reference")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got32 = transport_mask(scores, [2.0, 8.5], TransportState(sizes), backend=any_backend)
+        got16 = transport_mask(
+            scores.bfloat16(), [2.0, 8.5], TransportState(sizes), backend=any_backend
+        )
+    assert got32.dtype == torch.float32 and got16.dtype == torch.bfloat16
+    torch.testing.assert_close(got32.double(), want, rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(got16.double(), want, rtol=2e-2, atol=1e-2)
+
+
+# -- bad input -----------------------------------------------------------------------
+
+SIZES = [3, 5]
+
+
+@pytest.fixture
+def state():
+    s = TransportState(SIZES)
+    transport_mask(torch.randn(8), [1.0, 2.0], s)
+    s.commit()
+    transport_mask(torch.randn(8), [1.0, 2.0], s)  # a pending step exists
+    return s
+
+
+def snapshot(state):
+    return {k: v.clone() for k, v in state.state_dict().items()}
+
+
+CASES = [
+    # (kwargs, error type, message pattern)
+    (dict(scores=torch.randn(8, 1)), ValueError, r"scores must be 1-D, got shape \(8, 1\)"),
+    (dict(scores=torch.randn(9)), ValueError, r"scores has 9 entries.*expects 8"),
+    (dict(scores=[torch.randn(3)]), ValueError, r"scores has 1 segments.*has 2"),
+    (
+        dict(scores=[torch.randn(3), torch.randn(4)]),
+        ValueError,
+        r"scores\[1\] \(segment 1\) has 4 entries.*n = 5",
+    ),
+    (
+        dict(scores=[torch.randn(3), torch.randn(5, 1)]),
+        ValueError,
+        r"scores\[1\] \(segment 1\) must be 1-D",
+    ),
+    (dict(scores=torch.arange(8)), TypeError, r"scores has dtype torch.int64; allowed: float16"),
+    (
+        dict(scores=torch.randn(8, dtype=torch.complex64)),
+        TypeError,
+        r"scores has dtype torch.complex64",
+    ),
+    (dict(scores="abc"), TypeError, r"scores must be a 1-D tensor"),
+    (
+        dict(keep=[1.0, 6.0]),
+        ValueError,
+        r"keep\[1\] \(segment 1\) = 6.0 is outside the allowed range \[0, 5\]",
+    ),
+    (
+        dict(keep=[-0.5, 2.0]),
+        ValueError,
+        r"keep\[0\] \(segment 0\) = -0.5 is outside the allowed range \[0, 3\]",
+    ),
+    (
+        dict(keep=torch.tensor([float("nan"), 2.0])),
+        ValueError,
+        r"keep\[0\] \(segment 0\) = nan is outside",
+    ),
+    (dict(keep=[1.0]), ValueError, r"keep has 1 entries, one per segment is needed \(2\)"),
+    (dict(keep=torch.tensor([1, 2])), TypeError, r"keep has dtype torch.int64"),
+    (dict(keep=[1.0, "2"]), TypeError, r"keep\[1\] \(segment 1\) = '2' is not a real number"),
+    (dict(eps=0.0), ValueError, r"eps\[0\] \(segment 0\) = 0.0; eps must be finite and > 0"),
+    (
+        dict(eps=[1.0, -2.0]),
+        ValueError,
+        r"eps\[1\] \(segment 1\) = -2.0; eps must be finite and > 0",
+    ),
+    (dict(eps=float("inf")), ValueError, r"eps\[0\] \(segment 0\) = inf"),
+    (dict(eps=[1.0, 1.0, 1.0]), ValueError, r"eps has 3 entries, the state has 2 segments"),
+    (dict(iters=0), ValueError, r"iters = 0; it must be an int >= 1"),
+    (dict(iters=1.5), ValueError, r"iters = 1.5; it must be an int >= 1"),
+    (dict(update="yes"), TypeError, r"update must be a bool"),
+    (
+        dict(nonfinite="zero"),
+        ValueError,
+        r"nonfinite = 'zero'; allowed: \['propagate', 'neutral'\]",
+    ),
+    (
+        dict(backend="fast"),
+        ValueError,
+        r"backend = 'fast'; allowed: \['auto', 'reference', 'torch', 'cpu'",
+    ),
+    (dict(state=object()), TypeError, r"state must be a TransportState"),
+]
+
+
+@pytest.mark.parametrize("kwargs,error,pattern", CASES, ids=[c[2][:40] for c in CASES])
+def test_bad_input_raises_and_leaves_state(state, kwargs, error, pattern):
+    args = dict(scores=torch.randn(8), keep=[1.0, 2.0], state=state, eps=1.0, iters=1)
+    args.update(kwargs)
+    before = snapshot(state)
+    with pytest.raises(error, match=pattern):
+        transport_mask(**args)
+    after = snapshot(state)
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+
+
+def test_scores_on_another_device_than_state(state):
+    meta_scores = torch.randn(8, device="meta")
+    before = snapshot(state)
+    with pytest.raises(ValueError, match=r"scores is on meta but the transport state is on cpu"):
+        transport_mask(meta_scores, [1.0, 2.0], state)
+    assert all(torch.equal(v, snapshot(state)[k]) for k, v in before.items())
+
+
+def test_eps_requiring_grad_is_refused(state):
+    with pytest.raises(ValueError, match="eps must not require grad"):
+        transport_mask(torch.randn(8), [1.0, 2.0], state, eps=torch.ones(2, requires_grad=True))
+
+
+def test_compiled_op_checks_its_own_inputs():
+    """Calling torch.ops.dtp directly still gets range checks, not undefined behaviour."""
+    pytest.importorskip("dtp_kernels._C")
+    offsets = torch.tensor([0, 3, 8])
+    scores, d, shift = torch.randn(8), torch.zeros(8), torch.zeros(2)
+    eps = torch.ones(2, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"keep\[1\] = 6 is outside \[0, 5\]"):
+        torch.ops.dtp.transport_mask(scores, offsets, torch.tensor([1.0, 6.0]), eps, d, shift, 1)
+    with pytest.raises(
+        RuntimeError, match=r"offsets must start at 0 and end at scores.numel\(\) = 8"
+    ):
+        torch.ops.dtp.transport_mask(
+            scores, torch.tensor([0, 3, 7]), torch.tensor([1.0, 2.0]), eps, d, shift, 1
+        )
+    with pytest.raises(RuntimeError, match=r"iters must be >= 1"):
+        torch.ops.dtp.transport_mask(scores, offsets, torch.tensor([1.0, 2.0]), eps, d, shift, 0)

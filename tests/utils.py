@@ -1,0 +1,97 @@
+"""Helpers the tests share: the backends that run here, the ragged segment layout, the
+training loop that compares a backend with the literal reference, and the low-precision
+check. Imported after conftest.py has set TRITON_INTERPRET (pyproject's pythonpath puts
+tests/ on sys.path, so every test folder imports it as `utils`)."""
+
+import torch
+
+import dtp_kernels
+from dtp_kernels import TransportState, transport_mask
+
+# Backends that run on CPU tensors here, besides the reference oracle.
+FAST_CPU_BACKENDS = [b for b in dtp_kernels.available_backends("cpu") if b != "reference"]
+ALL_CPU_BACKENDS = dtp_kernels.available_backends("cpu")
+
+# (n, k) per segment: ragged sizes, k from 0 to n with both ends, fractional k.
+RAGGED_LAYOUT = [
+    (1, 0.0),
+    (1, 1.0),
+    (2, 0.0),
+    (2, 1.0),
+    (2, 2.0),
+    (3, 1.5),
+    (3, 3.0),
+    (17, 0.0),
+    (17, 5.0),
+    (17, 17.0),
+    (1023, 511.5),
+    (1025, 1.0),
+    (4096, 1000.0),
+    (4096, 4096.0),
+]
+
+
+# Tolerances of a backend computing in `dtype` against the float64 reference. In float32
+# the carried log-odds grow with the step count (about |2s - 1| / eps per step), so their
+# rounding error grows too: after 200 steps masks and score gradients differ by up to 2e-4
+# with eager torch and 2e-5 with the C++ kernels (the README states these figures).
+TOLERANCES = {torch.float64: (1e-9, 1e-10), torch.float32: (1e-3, 3e-4)}
+
+
+def run_loop(backend, dtype, iters, steps, layout=RAGGED_LAYOUT, lr=0.05, seed=0, device="cpu"):
+    """Train scores on a fixed linear loss; compare each step with the reference.
+
+    Both paths see the same scores every step (updated with the reference gradient), so
+    a difference is the backend's alone; the two states evolve independently.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [n for n, _ in layout]
+    keep = torch.tensor([k for _, k in layout], dtype=torch.float64)
+    total = sum(sizes)
+    scores = torch.rand(total, generator=gen, dtype=torch.float64)
+    weights = torch.randn(total, generator=gen, dtype=torch.float64)
+    ref_state = TransportState(sizes, dtype=torch.float64)
+    state = TransportState(sizes, dtype=dtype, device=device)
+    rtol, atol = TOLERANCES[dtype]
+    for step in range(steps):
+        s_ref = scores.clone().requires_grad_(True)
+        k_ref = keep.clone().requires_grad_(True)
+        m_ref = transport_mask(s_ref, k_ref, ref_state, iters=iters, backend="reference")
+        (weights * m_ref).sum().backward()
+
+        s = scores.to(device, dtype).clone().requires_grad_(True)
+        k = keep.to(device, dtype).clone().requires_grad_(True)
+        m = transport_mask(s, k, state, iters=iters, backend=backend)
+        (weights.to(device, dtype) * m).sum().backward()
+
+        msg = f"{backend} step {step}"
+        got = (m.detach(), s.grad, k.grad)
+        want = (m_ref.detach(), s_ref.grad, k_ref.grad)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a.double().cpu(), b, rtol=rtol, atol=atol, msg=msg)
+        ref_state.commit()
+        state.commit()
+        scores = scores - lr * s_ref.grad
+    torch.testing.assert_close(state.shift.double().cpu(), ref_state.shift, rtol=rtol, atol=atol)
+    return state, ref_state
+
+
+def check_low_precision(backend, dtype, device="cpu"):
+    """fp16/bf16 scores: math in fp32; the result only carries the output rounding."""
+    tolerance = {
+        torch.float16: (2e-3, 1e-3),
+        torch.bfloat16: (1.6e-2, 8e-3),
+        torch.float32: (2e-5, 2e-6),
+    }
+    rtol, atol = tolerance[dtype]
+    sizes = [n for n, _ in RAGGED_LAYOUT]
+    keep = [k for _, k in RAGGED_LAYOUT]
+    gen = torch.Generator().manual_seed(2)
+    scores = torch.rand(sum(sizes), generator=gen).to(dtype)
+    ref = transport_mask(scores.double(), keep, TransportState(sizes), backend="reference")
+    s = scores.to(device).requires_grad_(True)
+    mask = transport_mask(s, keep, TransportState(sizes, device=device), backend=backend)
+    assert mask.dtype == dtype
+    torch.testing.assert_close(mask.double().cpu(), ref, rtol=rtol, atol=atol)
+    mask.float().pow(2).sum().backward()
+    assert s.grad.dtype == dtype and torch.isfinite(s.grad.float()).all()
