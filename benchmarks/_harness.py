@@ -20,9 +20,20 @@ from dtp_kernels.benchmarking import interleaved, summarize, sync  # noqa: F401 
 
 RESULTS = Path(__file__).parent / "results"
 CSV_FIELDS = [
-    "op", "provider", "mode", "shape", "dtype", "median_us", "p20_us", "p80_us",
-    "device", "threads", "torch", "triton", "date",
-]  # fmt: skip
+    "op",
+    "provider",
+    "mode",
+    "shape",
+    "dtype",
+    "median_us",
+    "p20_us",
+    "p80_us",
+    "device",
+    "threads",
+    "torch",
+    "triton",
+    "date",
+]
 
 
 def cpu_name() -> str:
@@ -92,8 +103,17 @@ def run_sweep(sweep: Sweep, device: torch.device, rounds: int, save: bool, name:
     for point in sweep.points:
         samples = interleaved(sweep.setup(point, device), rounds, device, sweep.warmup)
         for (provider, mode), times in samples.items():
-            rows.append(dict(op=sweep.op, provider=provider, mode=mode, shape=point["shape"],
-                             dtype=point["dtype"], **summarize(times), **env))  # fmt: skip
+            rows.append(
+                dict(
+                    op=sweep.op,
+                    provider=provider,
+                    mode=mode,
+                    shape=point["shape"],
+                    dtype=point["dtype"],
+                    **summarize(times),
+                    **env,
+                )
+            )
     report = markdown(sweep, rows, env)
     print(report)
     if save:
@@ -101,8 +121,11 @@ def run_sweep(sweep: Sweep, device: torch.device, rounds: int, save: bool, name:
         (RESULTS / f"{name}_{device.type}.md").write_text(report)
         from plot_results import plot_rows
 
-        plot_rows(rows, RESULTS / f"{name}_{device.type}.png", f"{sweep.title}\n{env['device']}, "
-                  f"torch {env['torch']}, {env['date']}")  # fmt: skip
+        plot_rows(
+            rows,
+            RESULTS / f"{name}_{device.type}.png",
+            f"{sweep.title}\n{env['device']}, torch {env['torch']}, {env['date']}",
+        )
     return rows
 
 
@@ -114,10 +137,15 @@ def markdown(sweep: Sweep, rows: list[dict], env: dict) -> str:
         modes.setdefault((r["shape"], r["dtype"], r["provider"]), []).append(r["mode"])
     head = "| shape | dtype | mode | provider | median us | p20 us | p80 us |"
     head += "".join(f" x vs {b} |" for b in sweep.baselines)
-    lines = [f"# {sweep.title}", "",
-             f"device: {env['device']}; threads: {env['threads']}; torch {env['torch']}; "
-             f"triton {env['triton']}; date {env['date']}", "", head,
-             "| --- | --- | --- | --- |" + " ---: |" * (3 + len(sweep.baselines))]  # fmt: skip
+    lines = [
+        f"# {sweep.title}",
+        "",
+        f"device: {env['device']}; threads: {env['threads']}; torch {env['torch']}; "
+        f"triton {env['triton']}; date {env['date']}",
+        "",
+        head,
+        "| --- | --- | --- | --- |" + " ---: |" * (3 + len(sweep.baselines)),
+    ]
     for r in rows:
         ratios = []
         for base in sweep.baselines:
@@ -125,8 +153,9 @@ def markdown(sweep: Sweep, rows: list[dict], env: dict) -> str:
             mode = r["mode"] if r["mode"] in own else (own[0] if len(own) == 1 else None)
             time = by_key.get((r["shape"], r["dtype"], base, mode))
             ratios.append(f" {time / r['median_us']:.2f} |" if time else " - |")
-        lines.append(f"| {r['shape']} | {r['dtype']} | {r['mode']} | {r['provider']} | "
-                     f"{r['median_us']:.1f} | {r['p20_us']:.1f} | {r['p80_us']:.1f} |"
-                     + "".join(ratios))  # fmt: skip
+        lines.append(
+            f"| {r['shape']} | {r['dtype']} | {r['mode']} | {r['provider']} | "
+            f"{r['median_us']:.1f} | {r['p20_us']:.1f} | {r['p80_us']:.1f} |" + "".join(ratios)
+        )
     note = f"\n`x vs P`: P's median over this row's (> 1: faster than P). {sweep.note}\n"
     return "\n".join(lines) + "\n" + note

@@ -53,15 +53,30 @@ def main() -> None:
                 inner = max(1, 20 // iters) if sum(sizes) < 100_000 else 1
                 cases[(backend, iters)] = (mask_step(backend, sizes, device, iters=iters), inner)
         samples = interleaved(cases, args.rounds, device, warmup=1)
-        lines += [f"## {label}", "", "| backend | iters | median us | x vs iters=1 |",
-                  "| --- | ---: | ---: | ---: |"]  # fmt: skip
+        lines += [
+            f"## {label}",
+            "",
+            "| backend | iters | median us | x vs iters=1 |",
+            "| --- | ---: | ---: | ---: |",
+        ]
         for (backend, iters), values in samples.items():
             stats = summarize(values)
             one = summarize(samples[(backend, 1)])["median_us"]
-            rows.append(dict(op="transport_mask_iters", provider=backend, mode=f"iters={iters}",
-                             shape=label, dtype="float32", **stats, **env))  # fmt: skip
-            lines.append(f"| {backend} | {iters} | {stats['median_us']:.1f} | "
-                         f"{stats['median_us'] / one:.1f} |")  # fmt: skip
+            rows.append(
+                dict(
+                    op="transport_mask_iters",
+                    provider=backend,
+                    mode=f"iters={iters}",
+                    shape=label,
+                    dtype="float32",
+                    **stats,
+                    **env,
+                )
+            )
+            lines.append(
+                f"| {backend} | {iters} | {stats['median_us']:.1f} | "
+                f"{stats['median_us'] / one:.1f} |"
+            )
         lines.append("")
     header = [
         "# transport_mask fwd + bwd against the number of Sinkhorn iterations",

@@ -43,13 +43,33 @@ from dtp_kernels.pipeline.train import RunOptions, make_optimizer
 def workloads(device: torch.device, images: int | None) -> list[dict]:
     if device.type == "cuda":
         return [
-            dict(name="resnet56", data="cifar10", images=images or 50_000, batch=256,
-                 amp=None, channels_last=False),
-            dict(name="torchvision.resnet50", data="imagefolder", images=images or 6_400,
-                 batch=64, amp="bf16", channels_last=True),
-        ]  # fmt: skip
-    return [dict(name="resnet56", data="cifar10", images=images or 2_048, batch=256, amp=None,
-                 channels_last=False)]  # fmt: skip
+            dict(
+                name="resnet56",
+                data="cifar10",
+                images=images or 50_000,
+                batch=256,
+                amp=None,
+                channels_last=False,
+            ),
+            dict(
+                name="torchvision.resnet50",
+                data="imagefolder",
+                images=images or 6_400,
+                batch=64,
+                amp="bf16",
+                channels_last=True,
+            ),
+        ]
+    return [
+        dict(
+            name="resnet56",
+            data="cifar10",
+            images=images or 2_048,
+            batch=256,
+            amp=None,
+            channels_last=False,
+        )
+    ]
 
 
 def make_loader(work: dict, root: Path, workers: int | None, pin: bool):
@@ -58,8 +78,9 @@ def make_loader(work: dict, root: Path, workers: int | None, pin: bool):
         train, test = data.cifar(folder, "cifar10")
     else:
         classes = 100
-        synthetic.write_image_folder(root, classes=classes, per_class=work["images"] // classes,
-                                     size=256, val_per_class=1)  # fmt: skip
+        synthetic.write_image_folder(
+            root, classes=classes, per_class=work["images"] // classes, size=256, val_per_class=1
+        )
         train, test = data.image_folder(root)
     loader, _ = data.loaders(train, test, work["batch"], num_workers=workers, pin_memory=pin)
     return loader
@@ -84,11 +105,18 @@ def run_epoch(case: dict, loader, options: RunOptions, epoch: int) -> dict:
             break
         waited += time.perf_counter() - before
         if cuda:
-            events.append((torch.cuda.Event(enable_timing=True),
-                           torch.cuda.Event(enable_timing=True)))  # fmt: skip
+            events.append(
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            )
             events[-1][0].record()
-        training_step(model, optimizer, options.images(images), options.labels(labels), pruner,
-                      amp=options.amp_dtype)  # fmt: skip
+        training_step(
+            model,
+            optimizer,
+            options.images(images),
+            options.labels(labels),
+            pruner,
+            amp=options.amp_dtype,
+        )
         if cuda:
             events[-1][1].record()
         count += len(labels)
@@ -125,9 +153,13 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     env = environment(device)
-    lines = [f"# Training epochs with the data loader, {env['device']}", "",
-             f"torch {env['torch']}, triton {env['triton']}, {env['threads']} threads, "
-             f"{env['date']}; {args.rounds} interleaved rounds (median, p20-p80).", ""]  # fmt: skip
+    lines = [
+        f"# Training epochs with the data loader, {env['device']}",
+        "",
+        f"torch {env['torch']}, triton {env['triton']}, {env['threads']} threads, "
+        f"{env['date']}; {args.rounds} interleaved rounds (median, p20-p80).",
+        "",
+    ]
     rows = []
     for work in workloads(device, args.images):
         options = RunOptions(work["amp"], work["channels_last"], device=device)
@@ -135,8 +167,10 @@ def main() -> None:
             loader = make_loader(work, Path(root), args.workers, device.type == "cuda")
             torch.manual_seed(0)
             dense = get_model(work["name"], 10 if work["data"] == "cifar10" else 1000)
-            cases = {"dense": make_case(work, dense, options, False),
-                     "dtp": make_case(work, dense, options, True)}  # fmt: skip
+            cases = {
+                "dense": make_case(work, dense, options, False),
+                "dtp": make_case(work, dense, options, True),
+            }
             for case in cases.values():  # warm-up: workers, cuDNN, allocator
                 run_epoch(case, loader, options, epoch=0)
             results: dict[str, list[dict]] = {name: [] for name in cases}
@@ -144,10 +178,13 @@ def main() -> None:
                 for name, case in cases.items():
                     results[name].append(run_epoch(case, loader, options, epoch=index + 1))
         workers = loader.num_workers
-        lines += [f"## {work['name']}, {work['data']} ({work['images']} images, batch "
-                  f"{work['batch']}, {work['amp'] or 'fp32'}, {workers} loader workers)", "",
-                  "| epoch | images/s | p20-p80 | waiting for data | GPU in steps |",
-                  "| --- | --- | --- | --- | --- |"]  # fmt: skip
+        lines += [
+            f"## {work['name']}, {work['data']} ({work['images']} images, batch "
+            f"{work['batch']}, {work['amp'] or 'fp32'}, {workers} loader workers)",
+            "",
+            "| epoch | images/s | p20-p80 | waiting for data | GPU in steps |",
+            "| --- | --- | --- | --- | --- |",
+        ]
         medians = {}
         for name, epochs in results.items():
             rates = [e["images"] / e["wall"] for e in epochs]
@@ -157,15 +194,24 @@ def main() -> None:
             waited = statistics.median(e["waited"] / e["wall"] for e in epochs)
             busy = statistics.median(e["busy"] / e["wall"] for e in epochs)
             busy_text = f"{busy:.1%}" if device.type == "cuda" else "-"
-            lines.append(f"| {name} | {medians[name]:.1f} | {low:.1f}-{high:.1f} | "
-                         f"{waited:.1%} | {busy_text} |")  # fmt: skip
-            rows.append({"op": "pipeline-epoch", "provider": name, "mode": "train",
-                         "shape": f"{work['name']} {work['data']} n{work['images']} "
-                                  f"b{work['batch']} w{workers}",
-                         "dtype": work["amp"] or "fp32",
-                         "median_us": statistics.median(walls) * 1e6,
-                         "p20_us": np.percentile(walls, 20) * 1e6,
-                         "p80_us": np.percentile(walls, 80) * 1e6, **env})  # fmt: skip
+            lines.append(
+                f"| {name} | {medians[name]:.1f} | {low:.1f}-{high:.1f} | "
+                f"{waited:.1%} | {busy_text} |"
+            )
+            rows.append(
+                {
+                    "op": "pipeline-epoch",
+                    "provider": name,
+                    "mode": "train",
+                    "shape": f"{work['name']} {work['data']} n{work['images']} "
+                    f"b{work['batch']} w{workers}",
+                    "dtype": work["amp"] or "fp32",
+                    "median_us": statistics.median(walls) * 1e6,
+                    "p20_us": np.percentile(walls, 20) * 1e6,
+                    "p80_us": np.percentile(walls, 80) * 1e6,
+                    **env,
+                }
+            )
         ratio = medians["dtp"] / medians["dense"]
         lines += ["", f"DTP epoch throughput: {ratio:.1%} of dense.", ""]
         print("\n".join(lines[-len(results) - 6 :]))

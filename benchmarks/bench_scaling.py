@@ -89,11 +89,18 @@ def main() -> None:
             stats = summarize(values)
             memory = allocated_bytes(cases[name][0], device)
             bandwidth_vs_copy = (copy_us / 8) / (stats["median_us"] / BYTES_PER_ELEMENT)
-            rows.append(dict(op="transport_mask_scaling", provider=backend, mode="full",
-                             shape=f"numel={numel} segments={nseg}", dtype="float32",
-                             **stats, **env))  # fmt: skip
-            table.append((numel, int(nseg), backend, stats["median_us"], memory,
-                          bandwidth_vs_copy))  # fmt: skip
+            rows.append(
+                dict(
+                    op="transport_mask_scaling",
+                    provider=backend,
+                    mode="full",
+                    shape=f"numel={numel} segments={nseg}",
+                    dtype="float32",
+                    **stats,
+                    **env,
+                )
+            )
+            table.append((numel, int(nseg), backend, stats["median_us"], memory, bandwidth_vs_copy))
             print(
                 f"{numel:>9} {nseg:>4} {backend:>7} {stats['median_us']:10.1f} us "
                 f"{memory / 2**20:8.2f} MiB  {100 * bandwidth_vs_copy:5.1f}% of copy"
@@ -111,8 +118,10 @@ def main() -> None:
         "| ---: | ---: | --- | ---: | ---: | ---: |",
     ]
     for numel, nseg, backend, median, memory, bw in table:
-        lines.append(f"| {numel:,} | {nseg} | {backend} | {median:.1f} | "
-                     f"{memory / 2**20:.2f} | {100 * bw:.1f} |")  # fmt: skip
+        lines.append(
+            f"| {numel:,} | {nseg} | {backend} | {median:.1f} | "
+            f"{memory / 2**20:.2f} | {100 * bw:.1f} |"
+        )
     report = "\n".join(lines) + "\n"
     print(report)
     if not args.no_save:

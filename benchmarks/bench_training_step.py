@@ -39,20 +39,40 @@ from dtp_kernels.pipeline.step import training_step
 from dtp_kernels.pipeline.train import make_optimizer
 
 # strategy -> (mask_at, epilogue backend: None = the mask-step backend's own)
-STRATEGIES = {"fold": ("parameters", None), "epilogue": ("activation", None),
-              "eager-act": ("activation", "torch")}  # fmt: skip
+STRATEGIES = {
+    "fold": ("parameters", None),
+    "epilogue": ("activation", None),
+    "eager-act": ("activation", "torch"),
+}
 
 
 def workloads(device: torch.device) -> list[dict]:
     if device.type == "cuda":
-        return [dict(model="torchvision.resnet50", batch=64, size=224, classes=1000,
-                     amp=torch.bfloat16, channels_last=True, inner=5)]  # fmt: skip
+        return [
+            dict(
+                model="torchvision.resnet50",
+                batch=64,
+                size=224,
+                classes=1000,
+                amp=torch.bfloat16,
+                channels_last=True,
+                inner=5,
+            )
+        ]
     return [
-        dict(model="resnet56", batch=64, size=32, classes=10, amp=None, channels_last=False,
-             inner=1),
-        dict(model="digits_cnn", batch=64, size=8, classes=10, amp=None, channels_last=False,
-             inner=20),
-    ]  # fmt: skip
+        dict(
+            model="resnet56", batch=64, size=32, classes=10, amp=None, channels_last=False, inner=1
+        ),
+        dict(
+            model="digits_cnn",
+            batch=64,
+            size=8,
+            classes=10,
+            amp=None,
+            channels_last=False,
+            inner=20,
+        ),
+    ]
 
 
 def make_case(
@@ -73,8 +93,9 @@ def make_case(
     if strategy is not None:
         mask_at, epilogue = STRATEGIES[strategy]
         epilogue = epilogue or (backend if backend != "torch" else "torch")
-        pruner = DTPPruner(model, images[:1], 0.5, mask_at=mask_at, backend=backend,
-                           epilogue_backend=epilogue)  # fmt: skip
+        pruner = DTPPruner(
+            model, images[:1], 0.5, mask_at=mask_at, backend=backend, epilogue_backend=epilogue
+        )
     optimizer = make_optimizer(model, {"lr": 0.01}, pruner)
     if pruner is not None:
         pruner.attach(optimizer)
@@ -128,8 +149,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--rounds", type=int, default=None, help="default: 15 CPU, 20 CUDA")
     parser.add_argument("--no-save", action="store_true", help="print only")
-    parser.add_argument("--graph", action="store_true",
-                        help="CUDA: time steps captured in CUDA graphs")  # fmt: skip
+    parser.add_argument(
+        "--graph", action="store_true", help="CUDA: time steps captured in CUDA graphs"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     rounds = args.rounds or (20 if device.type == "cuda" else 15)
@@ -157,19 +179,33 @@ def main() -> None:
         samples = interleaved(cases, rounds, device, warmup=2)
         host = host_overhead(cases, device) if device.type == "cuda" and not args.graph else {}
         dense = summarize(samples["dense"])["median_us"]
-        shape = (f"{work['model']} batch {work['batch']} {work['size']}x{work['size']}"
-                 + (" bf16 channels_last" if work["amp"] else "")
-                 + (" CUDA graph" if args.graph else ""))  # fmt: skip
-        lines += [f"## {shape}", "",
-                  "| provider | median ms | p20 ms | p80 ms | overhead vs dense | host ms |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+        shape = (
+            f"{work['model']} batch {work['batch']} {work['size']}x{work['size']}"
+            + (" bf16 channels_last" if work["amp"] else "")
+            + (" CUDA graph" if args.graph else "")
+        )
+        lines += [
+            f"## {shape}",
+            "",
+            "| provider | median ms | p20 ms | p80 ms | overhead vs dense | host ms |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
         for name, values in samples.items():
             stats = summarize(values)
             overhead = 100 * (stats["median_us"] / dense - 1)
             dtype = "bfloat16" if work["amp"] else "float32"
             mode = "graph-step" if args.graph else "step"
-            rows.append(dict(op="training_step", provider=name, mode=mode, shape=shape,
-                             dtype=dtype, **stats, **env))  # fmt: skip
+            rows.append(
+                dict(
+                    op="training_step",
+                    provider=name,
+                    mode=mode,
+                    shape=shape,
+                    dtype=dtype,
+                    **stats,
+                    **env,
+                )
+            )
             issued = f"{host[name] * 1e3:.2f}" if name in host else "-"
             lines.append(
                 f"| {name} | {stats['median_us'] / 1e3:.2f} | {stats['p20_us'] / 1e3:.2f} "

@@ -65,8 +65,9 @@ def main() -> None:
     parser.add_argument("--time", action="store_true", help="also time the steps")
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--label", default="", help="what code was measured, for --save")
-    parser.add_argument("--save", action="store_true",
-                        help="append the lines to benchmarks/results/step_ops_cpu.md")  # fmt: skip
+    parser.add_argument(
+        "--save", action="store_true", help="append the lines to benchmarks/results/step_ops_cpu.md"
+    )
     args = parser.parse_args()
     lines: list[str] = []
     torch.manual_seed(0)
@@ -79,8 +80,9 @@ def main() -> None:
         model = copy.deepcopy(base)
         pruner = None
         if mask_at is not None:
-            pruner = DTPPruner(model, images[:1], 0.5, mask_at=mask_at, backend="cpu",
-                               epilogue_backend="cpu")  # fmt: skip
+            pruner = DTPPruner(
+                model, images[:1], 0.5, mask_at=mask_at, backend="cpu", epilogue_backend="cpu"
+            )
         optimizer = make_optimizer(model, {"lr": 0.01}, pruner)
         for group in optimizer.param_groups:
             group["foreach"] = True
@@ -93,8 +95,10 @@ def main() -> None:
         allocations = mode.allocations
         dense = dense or (total, allocations)
         more_ops, more_allocations = total / dense[0] - 1, allocations / dense[1] - 1
-        lines.append(f"{name:>10}: {total} ops ({100 * more_ops:+.1f}%), "
-                     f"{allocations} allocations ({100 * more_allocations:+.1f}%)")  # fmt: skip
+        lines.append(
+            f"{name:>10}: {total} ops ({100 * more_ops:+.1f}%), "
+            f"{allocations} allocations ({100 * more_allocations:+.1f}%)"
+        )
         steps[name] = (
             lambda m=model, o=optimizer, p=pruner: training_step(m, o, images, labels, p),
             1,
@@ -108,10 +112,12 @@ def main() -> None:
     print("\n".join(lines))
     if args.save:
         env = environment(torch.device("cpu"))
-        header = (f"## {args.label + ': ' if args.label else ''}{args.model}, batch 2, "
-                  f"{args.size}x{args.size}"
-                  f"{f', {args.rounds} interleaved steps' if args.time else ''}\n\n"
-                  f"{env['device']}; torch {env['torch']}; {env['date']}\n")  # fmt: skip
+        header = (
+            f"## {args.label + ': ' if args.label else ''}{args.model}, batch 2, "
+            f"{args.size}x{args.size}"
+            f"{f', {args.rounds} interleaved steps' if args.time else ''}\n\n"
+            f"{env['device']}; torch {env['torch']}; {env['date']}\n"
+        )
         with (RESULTS / "step_ops_cpu.md").open("a") as f:
             f.write(header + "\n```\n" + "\n".join(lines) + "\n```\n\n")
 

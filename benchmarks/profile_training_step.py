@@ -76,8 +76,9 @@ def main() -> None:
     parser.add_argument("--backend", default="cuda")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--device", default="cuda", help="cpu: a dry run on the CPU workload")
-    parser.add_argument("--python", action="store_true",
-                        help="also print cProfile top functions of both")  # fmt: skip
+    parser.add_argument(
+        "--python", action="store_true", help="also print cProfile top functions of both"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     env = environment(device)
@@ -118,8 +119,12 @@ def main() -> None:
     lines += added(profiles, "Kernels the masked step adds (device us per step, launches):", "us")
     if device.type == "cuda":  # where the host's extra time goes
         host = {name: kernel_times(step, 5, device, host=True) for name, step in steps.items()}
-        lines += added(host, "Operators the masked step adds on the host (self us per step, "
-                       "profiler overhead included):", "host us")  # fmt: skip
+        lines += added(
+            host,
+            "Operators the masked step adds on the host (self us per step, "
+            "profiler overhead included):",
+            "host us",
+        )
     if args.python:
         import cProfile
         import pstats

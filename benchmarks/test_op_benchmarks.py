@@ -19,8 +19,11 @@ from dtp_kernels import masked_channel_epilogue
 from dtp_kernels.benchmarking import RESNET50_GROUPS, mask_step, sync
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-BACKENDS = [b for b in dtp_kernels.available_backends(DEVICE)
-            if b != "reference" and not (DEVICE.type == "cpu" and b == "triton")]  # fmt: skip
+BACKENDS = [
+    b
+    for b in dtp_kernels.available_backends(DEVICE)
+    if b != "reference" and not (DEVICE.type == "cpu" and b == "triton")
+]
 
 
 def timed(fn):

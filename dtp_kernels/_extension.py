@@ -23,16 +23,12 @@ BUILD_HINT = (
 
 BACKENDS = ("auto", "reference", "torch", "cpu", "triton", "cuda")
 
-# Which fused backend "auto" picks on a CUDA device, by a substring of the device name,
-# from measured results. NVIDIA H100 80GB HBM3, torch 2.11, Triton 3.6, 2026-11-26
-# (benchmarks/results/{transport,epilogue,scaling}_cuda.md): CUDA was faster than Triton
-# in every case measured, e.g. the mask step of ResNet-50's 32 groups fwd + bwd 268 us vs
-# 528 us, the epilogue fwd 0.08 ms vs 0.22 ms, one 1e7-element segment 1.2 ms vs 137 ms.
-# NVIDIA H200, same versions (results/{transport,epilogue}_cuda_h200.md): CUDA faster in
-# every case again, the mask step fwd + bwd 269 us vs 701 us, the epilogue fwd 2.9-3.2x.
-# A GPU not listed gets AUTO_ON_CUDA_DEFAULT, the winner on every GPU measured so far.
-AUTO_ON_CUDA: dict[str, str] = {"H100": "cuda", "H200": "cuda"}
-AUTO_ON_CUDA_DEFAULT = "cuda"
+# "auto" on a CUDA device picks the CUDA kernels when they are built, Triton otherwise:
+# CUDA was faster in every case measured. NVIDIA H100 80GB HBM3, torch 2.11, Triton 3.6,
+# 2026-11-26 (benchmarks/results/{transport,epilogue,scaling}_cuda.md): the mask step of
+# ResNet-50's 32 groups fwd + bwd 268 us vs 528 us, the epilogue fwd 0.08 ms vs 0.22 ms,
+# one 1e7-element segment 1.2 ms vs 137 ms. NVIDIA H200, same versions
+# (results/{transport,epilogue}_cuda_h200.md): 269 us vs 701 us, the epilogue fwd 2.9-3.2x.
 
 
 class BackendUnavailableError(RuntimeError):
@@ -69,37 +65,22 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
 
     CPU: reference, torch, triton (interpreted, only with TRITON_INTERPRET=1), cpu.
     CUDA: reference, torch, then cuda and triton (when built / installed), ordered so the
-    last is the one AUTO_ON_CUDA names for this GPU (Triton when it names none).
+    last is the CUDA kernels' when they are built, else Triton's.
     """
     device = torch.device(device)
     backends = ["reference", "torch"]
     if device.type == "cuda":
         fused = []
-        if cuda_compiled():
-            fused.append("cuda")
         if triton_installed():
             fused.append("triton")
-        preferred = _preferred_on_cuda(device)
-        fused.sort(key=lambda b: b == preferred)  # stable: the preferred one goes last
+        if cuda_compiled():
+            fused.append("cuda")  # last: what "auto" picks (see the measurements above)
         return backends + fused
     if device.type == "cpu" and triton_installed() and triton_interpreted():
         backends.append("triton")
     if device.type == "cpu" and compiled():
         backends.append("cpu")
     return backends
-
-
-_PREFERRED_ON_CUDA: dict[int, str] = {}  # device index -> backend, looked up once
-
-
-def _preferred_on_cuda(device: torch.device) -> str:
-    index = device.index if device.index is not None else 0
-    if index not in _PREFERRED_ON_CUDA:
-        name = torch.cuda.get_device_name(index) if torch.cuda.is_available() else ""
-        _PREFERRED_ON_CUDA[index] = next(
-            (b for key, b in AUTO_ON_CUDA.items() if key in name), AUTO_ON_CUDA_DEFAULT
-        )
-    return _PREFERRED_ON_CUDA[index]
 
 
 def require_backend(backend: str, device: torch.device) -> None:

@@ -101,8 +101,16 @@ def bench_mask_step(device: str | torch.device = "cpu", rounds: int = 20) -> lis
     backends = available_backends(device)
     if device.type == "cpu":
         backends = [b for b in backends if b != "triton"]  # interpreted: not a CPU path
-    cases = {b: (mask_step(b, RESNET50_GROUPS, device), 2 if b == "reference" else 20)
-             for b in backends}  # fmt: skip
+    cases = {
+        b: (mask_step(b, RESNET50_GROUPS, device), 2 if b == "reference" else 20) for b in backends
+    }
     medians = {b: summarize(s)["median_us"] for b, s in interleaved(cases, rounds, device).items()}
-    return [{"backend": b, "median_us": m, "x_vs_reference": medians["reference"] / m,
-             "x_vs_torch": medians["torch"] / m} for b, m in medians.items()]  # fmt: skip
+    return [
+        {
+            "backend": b,
+            "median_us": m,
+            "x_vs_reference": medians["reference"] / m,
+            "x_vs_torch": medians["torch"] / m,
+        }
+        for b, m in medians.items()
+    ]

@@ -22,8 +22,9 @@ def check() -> int:
 
     sizes, keep = [1, 3, 17, 1025], [1.0, 1.5, 5.0, 100.0]
     scores = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(0))
-    want = transport_mask(scores.double(), keep, TransportState(sizes, dtype=torch.float64),
-                          backend="reference")  # fmt: skip
+    want = transport_mask(
+        scores.double(), keep, TransportState(sizes, dtype=torch.float64), backend="reference"
+    )
     worst = 0.0
     for backend in available_backends("cpu"):
         got = transport_mask(scores, keep, TransportState(sizes), backend=backend)
@@ -43,12 +44,16 @@ def bench_command(device: str, rounds: int) -> int:
         raise SystemExit(f"--rounds = {rounds}; it must be at least 2")
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available here")
-    print(f"mask step fwd + bwd, ResNet-50's 32 groups (7552 channels), {device}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}")  # fmt: skip
+    print(
+        f"mask step fwd + bwd, ResNet-50's 32 groups (7552 channels), {device}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
     print(f"{'backend':>10} {'median us':>10} {'x vs reference':>15} {'x vs torch':>11}")
     for row in bench_mask_step(device, rounds):
-        print(f"{row['backend']:>10} {row['median_us']:10.1f} {row['x_vs_reference']:15.1f} "
-              f"{row['x_vs_torch']:11.2f}")  # fmt: skip
+        print(
+            f"{row['backend']:>10} {row['median_us']:10.1f} {row['x_vs_reference']:15.1f} "
+            f"{row['x_vs_torch']:11.2f}"
+        )
     return 0
 
 
@@ -73,22 +78,36 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     prune = sub.add_parser("prune", help="run a pruning recipe")
     prune.add_argument("--config", help="YAML recipe (configs/*.yaml)")
-    prune.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a recipe field, e.g. prune.ratios=0.9")  # fmt: skip
+    prune.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe field, e.g. prune.ratios=0.9",
+    )
     prune.add_argument("--out", default=None, help="output directory")
-    prune.add_argument("--resume", action="store_true",
-                       help="continue from the checkpoints in --out/checkpoints")  # fmt: skip
-    prune.add_argument("--amp", choices=["bf16", "fp16"], default=None,
-                       help="mixed precision (torch.autocast); = --set run.amp=...")  # fmt: skip
-    prune.add_argument("--channels-last", action="store_true",
-                       help="channels_last memory format")  # fmt: skip
+    prune.add_argument(
+        "--resume", action="store_true", help="continue from the checkpoints in --out/checkpoints"
+    )
+    prune.add_argument(
+        "--amp",
+        choices=["bf16", "fp16"],
+        default=None,
+        help="mixed precision (torch.autocast); = --set run.amp=...",
+    )
+    prune.add_argument("--channels-last", action="store_true", help="channels_last memory format")
     prune.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     paper = sub.add_parser("paper", help="run a paper experiment's rows over seeds")
     paper.add_argument("experiment", nargs="?", help="its name; none: list them")
     paper.add_argument("--seeds", type=int, nargs="+", default=[0])
     paper.add_argument("--rows", nargs="+", default=None, help="row labels (default: all)")
-    paper.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a field of every row's recipe")  # fmt: skip
+    paper.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field of every row's recipe",
+    )
     paper.add_argument("--out", default=None, help="output directory (runs/paper/<name>)")
     sub.add_parser("check", help="compare every backend with the reference")
     bench = sub.add_parser("bench", help="time the mask step of every backend present")

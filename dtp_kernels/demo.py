@@ -74,8 +74,14 @@ def digits_comparison(
     log = MetricsLog()
     start = time.perf_counter()
     train(dense, train_loader, test_loader, recipe["pretrain"], log, "pretrain")
-    rows = [{"method": "dense", "ratio": 0.0, "accuracy": evaluate(dense, test_loader),
-             "seconds": {"pretrain": time.perf_counter() - start}}]  # fmt: skip
+    rows = [
+        {
+            "method": "dense",
+            "ratio": 0.0,
+            "accuracy": evaluate(dense, test_loader),
+            "seconds": {"pretrain": time.perf_counter() - start},
+        }
+    ]
     for variant in variants or DEFAULT_VARIANTS:
         torch.manual_seed(seed)
         run = copy.deepcopy(recipe)
@@ -86,8 +92,9 @@ def digits_comparison(
     from .pruning.cost import count_flops, count_params
 
     example = next(iter(test_loader))[0][:1]
-    dense_row.update(params=count_params(dense), flops=count_flops(dense, example),
-                     sparsity=0.0, speedup=1.0)  # fmt: skip
+    dense_row.update(
+        params=count_params(dense), flops=count_flops(dense, example), sparsity=0.0, speedup=1.0
+    )
     return rows
 
 

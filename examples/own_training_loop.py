@@ -21,10 +21,16 @@ from dtp_kernels import DTPPruner
 def my_model() -> nn.Module:
     """Stands for your network: any model Torch-Pruning can trace."""
     return nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
-        nn.Conv2d(32, 64, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10),
-    )  # fmt: skip
+        nn.Conv2d(3, 32, 3, padding=1, bias=False),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.Conv2d(32, 64, 3, stride=2, padding=1, bias=False),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(64, 10),
+    )
 
 
 def my_batches(steps: int, device: torch.device):
@@ -51,10 +57,11 @@ def main(argv: list[str] | None = None) -> dict:
     pruner = DTPPruner(model, torch.randn(1, 3, 16, 16, device=device), args.ratio, eps=1.0)
     # 2. The optimizer trains the model's weights and the pruner's scores (no decay on them).
     optimizer = torch.optim.SGD(
-        [{"params": model.parameters()},
-         {"params": pruner.parameters(), "weight_decay": 0.0}],
-        lr=0.05, momentum=0.9, weight_decay=5e-4,
-    )  # fmt: skip
+        [{"params": model.parameters()}, {"params": pruner.parameters(), "weight_decay": 0.0}],
+        lr=0.05,
+        momentum=0.9,
+        weight_decay=5e-4,
+    )
     # 3. Commit the transport state after every optimizer step.
     pruner.attach(optimizer)
 
@@ -73,10 +80,12 @@ def main(argv: list[str] | None = None) -> dict:
     with torch.no_grad():
         pruned.eval()
         accuracy = (pruned(images).argmax(1) == labels).float().mean().item()
-    print(f"kept filters per layer: {[g['k'] for g in report['groups']]} of "
-          f"{[g['n'] for g in report['groups']]}; params {report['params_before']} -> "
-          f"{report['params_after']}; FLOPs speed-up {report['speedup']:.2f}x; "
-          f"accuracy of the pruned model before fine-tuning {accuracy:.0%}")  # fmt: skip
+    print(
+        f"kept filters per layer: {[g['k'] for g in report['groups']]} of "
+        f"{[g['n'] for g in report['groups']]}; params {report['params_before']} -> "
+        f"{report['params_after']}; FLOPs speed-up {report['speedup']:.2f}x; "
+        f"accuracy of the pruned model before fine-tuning {accuracy:.0%}"
+    )
     return {"report": report, "model": pruned, "accuracy": accuracy}
 
 

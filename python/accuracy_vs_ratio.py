@@ -25,13 +25,17 @@ def main() -> None:
     ratios = [float(r) for r in args.ratios.split(",")]
     variants = [{"method": m, "ratios": r} for r in ratios for m in ("dtp", "l1")]
     rows = digits_comparison(args.epochs, variants=variants)
-    table = [{"method": r["method"], "ratio": float(r["ratio"]), "accuracy": r["accuracy"]}
-             for r in rows]  # fmt: skip
+    table = [
+        {"method": r["method"], "ratio": float(r["ratio"]), "accuracy": r["accuracy"]} for r in rows
+    ]
     for row in table:
         print(f"{row['method']:>6} {row['ratio']:>5.0%} {row['accuracy']:>8.2%}")
     (out / "accuracy_vs_ratio.json").write_text(json.dumps(table, indent=2))
-    accuracy_vs_ratio([r for r in table if r["method"] != "dense"],
-                      out / "accuracy_vs_ratio.png", "digits CNN: DTP against L1")  # fmt: skip
+    accuracy_vs_ratio(
+        [r for r in table if r["method"] != "dense"],
+        out / "accuracy_vs_ratio.png",
+        "digits CNN: DTP against L1",
+    )
     print(f"plot: {out / 'accuracy_vs_ratio.png'}")
 
 

@@ -21,10 +21,16 @@ def main() -> None:
     parser.add_argument("--budget", default="layer", choices=["layer", "global", "flops"])
     parser.add_argument("--out", default="runs/fig3_mask_evolution")
     args = parser.parse_args()
-    recipe = recipes.load("configs/digits.yaml", [
-        f"prune.ratios={args.ratio}", f"prune.epochs={args.epochs}",
-        f"prune.budget={args.budget}", "finetune.epochs=2", "run.progress=false",
-    ])  # fmt: skip
+    recipe = recipes.load(
+        "configs/digits.yaml",
+        [
+            f"prune.ratios={args.ratio}",
+            f"prune.epochs={args.epochs}",
+            f"prune.budget={args.budget}",
+            "finetune.epochs=2",
+            "run.progress=false",
+        ],
+    )
     if args.budget == "flops":
         recipe["prune"]["flops_target"] = 1 - args.ratio
     summary = run(recipe, args.out)

@@ -26,8 +26,10 @@ def main() -> None:
     iters = [int(i) for i in args.iters.split(",")]
     variants = [{"method": "dtp", "ratios": args.ratio, "iters": i} for i in iters]
     rows = digits_comparison(args.epochs, variants=variants)[1:]
-    table = [{"iters": r["iters"], "accuracy": r["accuracy"],
-              "prune_seconds": r["seconds"]["prune"]} for r in rows]  # fmt: skip
+    table = [
+        {"iters": r["iters"], "accuracy": r["accuracy"], "prune_seconds": r["seconds"]["prune"]}
+        for r in rows
+    ]
     print(f"{'iters':>6} {'accuracy':>9} {'DTP stage s':>12}")
     for row in table:
         print(f"{row['iters']:>6} {row['accuracy']:>9.2%} {row['prune_seconds']:>12.1f}")

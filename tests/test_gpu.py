@@ -143,9 +143,13 @@ def test_epilogue_on_gpu(backend, layout, dtype):
     y.requires_grad_(True)
     out = masked_channel_epilogue(y, mask, bias, "relu", channel_dim, backend=backend)
     want = masked_channel_epilogue(
-        y.detach().double().cpu().requires_grad_(True), mask.detach().double().cpu(),
-        bias.detach().double().cpu(), "relu", channel_dim, backend="torch",
-    )  # fmt: skip
+        y.detach().double().cpu().requires_grad_(True),
+        mask.detach().double().cpu(),
+        bias.detach().double().cpu(),
+        "relu",
+        channel_dim,
+        backend="torch",
+    )
     tol = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(out.double().cpu(), want, rtol=tol, atol=tol)
     grad = torch.randn(shape, generator=gen).to(CUDA, dtype)
@@ -229,8 +233,11 @@ def test_compute_sanitizer_memcheck_clean():
     env = {**os.environ, "PYTHONPATH": path}
     result = subprocess.run(
         [tool, "--tool", "memcheck", "--error-exitcode", "1", sys.executable, "-c", SANITIZED],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "ERROR SUMMARY: 0 errors" in result.stdout + result.stderr
 
@@ -273,9 +280,14 @@ def dtp_training_setup(
         images = images.to(memory_format=torch.channels_last)
     epilogue = backend if backend in ("cuda", "triton", "torch") else "auto"
     pruner = DTPPruner(
-        model, images[:1], 0.5, budget=budget, mask_at=mask_at, backend=backend,
+        model,
+        images[:1],
+        0.5,
+        budget=budget,
+        mask_at=mask_at,
+        backend=backend,
         epilogue_backend=epilogue,
-    )  # fmt: skip
+    )
     optimizer = make_optimizer(model, {"lr": 0.05}, pruner)
     pruner.attach(optimizer)
     return model, pruner, optimizer, images, labels
@@ -333,10 +345,12 @@ def test_training_step_in_cuda_graph_matches_eager(backend, amp):
                 training_step(model, optimizer, images, labels, pruner, amp=amp)
         torch.cuda.synchronize()
         runs[mode] = (
-            pruner.scores.detach().clone(), pruner.state.log_odds.clone(),
-            pruner.state.shift.clone(), pruner.state.steps.clone(),
+            pruner.scores.detach().clone(),
+            pruner.state.log_odds.clone(),
+            pruner.state.shift.clone(),
+            pruner.state.steps.clone(),
             torch.cat([p.detach().flatten() for p in model.parameters()]),
-        )  # fmt: skip
+        )
     for a, b in zip(runs["eager"], runs["graph"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert int(runs["graph"][3]) == 8

@@ -22,9 +22,18 @@ CHANNELS = 64  # channels per program in the channels-last backward and the fina
 
 @triton.jit
 def _epilogue_fwd_kernel(
-    y_ptr, mask_ptr, bias_ptr, out_ptr, numel, channels, inner,
-    HAS_BIAS: tl.constexpr, RELU: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    y_ptr,
+    mask_ptr,
+    bias_ptr,
+    out_ptr,
+    numel,
+    channels,
+    inner,
+    HAS_BIAS: tl.constexpr,
+    RELU: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = idx < numel
     c = (idx // inner) % channels
@@ -39,9 +48,20 @@ def _epilogue_fwd_kernel(
 
 @triton.jit
 def _epilogue_bwd_planes_kernel(
-    grad_ptr, y_ptr, mask_ptr, bias_ptr, dy_ptr, part_gy_ptr, part_g_ptr, channels, inner,
-    HAS_BIAS: tl.constexpr, RELU: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    grad_ptr,
+    y_ptr,
+    mask_ptr,
+    bias_ptr,
+    dy_ptr,
+    part_gy_ptr,
+    part_g_ptr,
+    channels,
+    inner,
+    HAS_BIAS: tl.constexpr,
+    RELU: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     plane = tl.program_id(0).to(tl.int64)  # = outer index * channels + channel
     c = plane % channels
     m = tl.load(mask_ptr + c).to(ACC)
@@ -65,10 +85,21 @@ def _epilogue_bwd_planes_kernel(
 
 @triton.jit
 def _epilogue_bwd_rows_kernel(
-    grad_ptr, y_ptr, mask_ptr, bias_ptr, dy_ptr, part_gy_ptr, part_g_ptr, rows, channels,
-    HAS_BIAS: tl.constexpr, RELU: tl.constexpr, ACC: tl.constexpr,
-    ROWS: tl.constexpr, CHANNELS: tl.constexpr,
-):  # fmt: skip
+    grad_ptr,
+    y_ptr,
+    mask_ptr,
+    bias_ptr,
+    dy_ptr,
+    part_gy_ptr,
+    part_g_ptr,
+    rows,
+    channels,
+    HAS_BIAS: tl.constexpr,
+    RELU: tl.constexpr,
+    ACC: tl.constexpr,
+    ROWS: tl.constexpr,
+    CHANNELS: tl.constexpr,
+):
     block = tl.program_id(0)
     r = block.to(tl.int64) * ROWS + tl.arange(0, ROWS)
     c = tl.program_id(1) * CHANNELS + tl.arange(0, CHANNELS)
@@ -88,9 +119,16 @@ def _epilogue_bwd_rows_kernel(
 
 @triton.jit
 def _sum_partials_kernel(
-    part_gy_ptr, part_g_ptr, mask_ptr, grad_mask_ptr, grad_bias_ptr, parts, channels,
-    ACC: tl.constexpr, CHANNELS: tl.constexpr,
-):  # fmt: skip
+    part_gy_ptr,
+    part_g_ptr,
+    mask_ptr,
+    grad_mask_ptr,
+    grad_bias_ptr,
+    parts,
+    channels,
+    ACC: tl.constexpr,
+    CHANNELS: tl.constexpr,
+):
     c = tl.program_id(0) * CHANNELS + tl.arange(0, CHANNELS)
     valid = c < channels
     sum_gy = tl.zeros((CHANNELS,), ACC)
@@ -124,9 +162,18 @@ def epilogue_forward(launch, y, mask, bias, relu: bool, dim: int):
     out = torch.empty_like(y)
     numel = y.numel()
     launch(_epilogue_fwd_kernel)[(triton.cdiv(numel, BLOCK),)](
-        y, mask, mask if bias is None else bias, out, numel, channels, inner,
-        HAS_BIAS=bias is not None, RELU=relu, ACC=_acc(y), BLOCK=BLOCK,
-    )  # fmt: skip
+        y,
+        mask,
+        mask if bias is None else bias,
+        out,
+        numel,
+        channels,
+        inner,
+        HAS_BIAS=bias is not None,
+        RELU=relu,
+        ACC=_acc(y),
+        BLOCK=BLOCK,
+    )
     return out
 
 
@@ -142,21 +189,47 @@ def epilogue_backward(launch, grad, y, mask, bias, relu: bool, dim: int):
         part_gy = torch.empty((outer, channels), dtype=acc, device=y.device)
         part_g = torch.empty_like(part_gy)
         launch(_epilogue_bwd_planes_kernel)[(outer * channels,)](
-            grad, y, mask, bias_arg, dy, part_gy, part_g, channels, inner,
-            BLOCK=BLOCK, **common,
-        )  # fmt: skip
+            grad,
+            y,
+            mask,
+            bias_arg,
+            dy,
+            part_gy,
+            part_g,
+            channels,
+            inner,
+            BLOCK=BLOCK,
+            **common,
+        )
     else:
         parts = triton.cdiv(outer, ROWS)
         part_gy = torch.empty((parts, channels), dtype=acc, device=y.device)
         part_g = torch.empty_like(part_gy)
         launch(_epilogue_bwd_rows_kernel)[(parts, triton.cdiv(channels, CHANNELS))](
-            grad, y, mask, bias_arg, dy, part_gy, part_g, outer, channels,
-            ROWS=ROWS, CHANNELS=CHANNELS, **common,
-        )  # fmt: skip
+            grad,
+            y,
+            mask,
+            bias_arg,
+            dy,
+            part_gy,
+            part_g,
+            outer,
+            channels,
+            ROWS=ROWS,
+            CHANNELS=CHANNELS,
+            **common,
+        )
     grad_mask = torch.empty_like(mask)
     grad_bias = torch.empty_like(mask if bias is None else bias)
     launch(_sum_partials_kernel)[(triton.cdiv(channels, CHANNELS),)](
-        part_gy, part_g, mask, grad_mask, grad_bias, parts, channels,
-        ACC=_acc(y), CHANNELS=CHANNELS,
-    )  # fmt: skip
+        part_gy,
+        part_g,
+        mask,
+        grad_mask,
+        grad_bias,
+        parts,
+        channels,
+        ACC=_acc(y),
+        CHANNELS=CHANNELS,
+    )
     return dy, grad_mask, grad_bias

@@ -35,10 +35,21 @@ def _load_scores(scores_ptr, idx, valid, ACC: tl.constexpr, NEUTRAL: tl.constexp
 
 @triton.jit
 def _transport_mask_fwd_kernel(
-    scores_ptr, offsets_ptr, keep_ptr, eps_ptr, log_odds_ptr, shift_ptr,
-    mask_ptr, new_log_odds_ptr, new_shift_ptr, stats_ptr, nonfinite_ptr,
-    ACC: tl.constexpr, BLOCK: tl.constexpr, NEUTRAL: tl.constexpr,
-):  # fmt: skip
+    scores_ptr,
+    offsets_ptr,
+    keep_ptr,
+    eps_ptr,
+    log_odds_ptr,
+    shift_ptr,
+    mask_ptr,
+    new_log_odds_ptr,
+    new_shift_ptr,
+    stats_ptr,
+    nonfinite_ptr,
+    ACC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NEUTRAL: tl.constexpr,
+):
     seg = tl.program_id(0)
     start = tl.load(offsets_ptr + seg)
     end = tl.load(offsets_ptr + seg + 1)
@@ -107,10 +118,19 @@ def _transport_mask_fwd_kernel(
 
 @triton.jit
 def _transport_mask_bwd_kernel(
-    grad_mask_ptr, scores_ptr, offsets_ptr, keep_ptr, eps_ptr, log_odds_ptr, stats_ptr,
-    grad_scores_ptr, grad_keep_ptr,
-    ACC: tl.constexpr, BLOCK: tl.constexpr, NEUTRAL: tl.constexpr,
-):  # fmt: skip
+    grad_mask_ptr,
+    scores_ptr,
+    offsets_ptr,
+    keep_ptr,
+    eps_ptr,
+    log_odds_ptr,
+    stats_ptr,
+    grad_scores_ptr,
+    grad_keep_ptr,
+    ACC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NEUTRAL: tl.constexpr,
+):
     seg = tl.program_id(0)
     start = tl.load(offsets_ptr + seg)
     end = tl.load(offsets_ptr + seg + 1)
@@ -167,9 +187,21 @@ def transport_mask_forward(launch, scores, offsets, keep, eps, log_odds, shift, 
     stats = torch.empty((nseg, 1, 3), dtype=log_odds.dtype, device=scores.device)
     nonfinite = torch.empty((nseg,), dtype=torch.bool, device=scores.device)
     launch(_transport_mask_fwd_kernel)[(nseg,)](
-        scores, offsets, keep, eps, log_odds, shift, mask, new_log_odds, new_shift, stats,
-        nonfinite, ACC=_acc(scores), BLOCK=BLOCK, NEUTRAL=neutral,
-    )  # fmt: skip
+        scores,
+        offsets,
+        keep,
+        eps,
+        log_odds,
+        shift,
+        mask,
+        new_log_odds,
+        new_shift,
+        stats,
+        nonfinite,
+        ACC=_acc(scores),
+        BLOCK=BLOCK,
+        NEUTRAL=neutral,
+    )
     return mask, new_log_odds, new_shift, stats, nonfinite
 
 
@@ -180,7 +212,17 @@ def transport_mask_backward(
     grad_scores = torch.empty_like(scores)
     grad_keep = torch.empty_like(keep)
     launch(_transport_mask_bwd_kernel)[(nseg,)](
-        grad_mask.contiguous(), scores, offsets, keep, eps, log_odds, stats, grad_scores,
-        grad_keep, ACC=_acc(scores), BLOCK=BLOCK, NEUTRAL=neutral,
-    )  # fmt: skip
+        grad_mask.contiguous(),
+        scores,
+        offsets,
+        keep,
+        eps,
+        log_odds,
+        stats,
+        grad_scores,
+        grad_keep,
+        ACC=_acc(scores),
+        BLOCK=BLOCK,
+        NEUTRAL=neutral,
+    )
     return grad_scores, grad_keep

@@ -7,8 +7,15 @@ import torch
 from torch import nn
 
 # expansion t, channels c, repeats n, stride s (ImageNet strides, CIFAR-adjusted below)
-SETTINGS = [(1, 16, 1, 1), (6, 24, 2, 1), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
-            (6, 160, 3, 2), (6, 320, 1, 1)]  # fmt: skip
+SETTINGS = [
+    (1, 16, 1, 1),
+    (6, 24, 2, 1),
+    (6, 32, 3, 2),
+    (6, 64, 4, 2),
+    (6, 96, 3, 1),
+    (6, 160, 3, 2),
+    (6, 320, 1, 1),
+]
 
 
 def conv_bn(cin: int, cout: int, kernel: int, stride: int, groups: int = 1) -> nn.Sequential:

@@ -5,8 +5,28 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-CONFIG_19 = [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M",
-             512, 512, 512, 512, "M", 512, 512, 512, 512]  # fmt: skip
+CONFIG_19 = [
+    64,
+    64,
+    "M",
+    128,
+    128,
+    "M",
+    256,
+    256,
+    256,
+    256,
+    "M",
+    512,
+    512,
+    512,
+    512,
+    "M",
+    512,
+    512,
+    512,
+    512,
+]
 
 
 class CifarVGG(nn.Module):

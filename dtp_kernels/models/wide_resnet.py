@@ -36,8 +36,9 @@ class WideResNet(nn.Module):
         self.conv1 = nn.Conv2d(3, widths[0], 3, 1, 1, bias=False)
         stages, cin = [], widths[0]
         for cout, stride in zip(widths[1:], (1, 2, 2), strict=True):
-            blocks = [WideBlock(cin if i == 0 else cout, cout, stride if i == 0 else 1)
-                      for i in range(n)]  # fmt: skip
+            blocks = [
+                WideBlock(cin if i == 0 else cout, cout, stride if i == 0 else 1) for i in range(n)
+            ]
             stages.append(nn.Sequential(*blocks))
             cin = cout
         self.layer1, self.layer2, self.layer3 = stages

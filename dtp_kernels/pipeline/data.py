@@ -254,9 +254,12 @@ def loaders(
     # Own generators: creating an iterator draws the workers' base seed from the global
     # RNG otherwise, and a resumed run would then draw it once more than the original.
     training = DataLoader(
-        SeededSamples(train), batch_size=batch_size, sampler=sampler,
-        generator=torch.Generator().manual_seed(seed), **extra,
-    )  # fmt: skip
+        SeededSamples(train),
+        batch_size=batch_size,
+        sampler=sampler,
+        generator=torch.Generator().manual_seed(seed),
+        **extra,
+    )
     evaluation = DataLoader(
         test, batch_size=eval_batch_size, generator=torch.Generator().manual_seed(seed), **extra
     )

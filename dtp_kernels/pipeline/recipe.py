@@ -13,27 +13,69 @@ DEFAULTS = {
     # augment: the paper's training augmentation (CIFAR: random crop 32 with padding 4 and
     # flip; ImageFolder: RandomResizedCrop and flip). num_workers null: data.default_workers.
     # pin_memory null: on when the run's device is CUDA.
-    "data": {"name": "digits", "root": None, "batch_size": 64, "eval_batch_size": 512,
-             "augment": True, "image_size": 224, "num_workers": None, "pin_memory": None,
-             "persistent_workers": True, "prefetch_factor": None},
+    "data": {
+        "name": "digits",
+        "root": None,
+        "batch_size": 64,
+        "eval_batch_size": 512,
+        "augment": True,
+        "image_size": 224,
+        "num_workers": None,
+        "pin_memory": None,
+        "persistent_workers": True,
+        "prefetch_factor": None,
+    },
     # source: builtin | torchvision | python (entry "package.module:function" + kwargs);
     # weights: the dense model's state_dict file, or "random" to prune a random network.
-    "model": {"name": "digits_cnn", "num_classes": 10, "source": "builtin", "entry": None,
-              "kwargs": {}, "weights": None, "input_shape": None},
+    "model": {
+        "name": "digits_cnn",
+        "num_classes": 10,
+        "source": "builtin",
+        "entry": None,
+        "kwargs": {},
+        "weights": None,
+        "input_shape": None,
+    },
     "pretrain": {"epochs": 0, "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4},
     # skip: module names (globs) never pruned; penalty_weight: of the FLOPs penalty.
-    "prune": {"method": "dtp", "ratios": 0.5, "budget": "layer", "granularity": "filter",
-              "eps": 1.0, "iters": 1, "skip": [], "epochs": 10, "lr": 0.1, "momentum": 0.9,
-              "weight_decay": 5e-4, "schedule": "cosine", "flops_target": None,
-              "penalty_weight": 10.0},
-    "finetune": {"epochs": 10, "lr": 0.01, "momentum": 0.9, "weight_decay": 5e-4,
-                 "schedule": "step", "milestones": [], "gamma": 0.1},
+    "prune": {
+        "method": "dtp",
+        "ratios": 0.5,
+        "budget": "layer",
+        "granularity": "filter",
+        "eps": 1.0,
+        "iters": 1,
+        "skip": [],
+        "epochs": 10,
+        "lr": 0.1,
+        "momentum": 0.9,
+        "weight_decay": 5e-4,
+        "schedule": "cosine",
+        "flops_target": None,
+        "penalty_weight": 10.0,
+    },
+    "finetune": {
+        "epochs": 10,
+        "lr": 0.01,
+        "momentum": 0.9,
+        "weight_decay": 5e-4,
+        "schedule": "step",
+        "milestones": [],
+        "gamma": 0.1,
+    },
     # device: auto (CUDA when available) | cpu | cuda | cuda:N; under torchrun each rank
     # takes cuda:LOCAL_RANK. amp: null, "bf16" or "fp16" (torch.autocast; fp16 with a
     # GradScaler). compile: torch.compile the training step (default mode).
-    "run": {"device": "auto", "amp": None, "channels_last": False, "compile": False,
-            "progress": True, "tensorboard": True, "plots": True},
-}  # fmt: skip
+    "run": {
+        "device": "auto",
+        "amp": None,
+        "channels_last": False,
+        "compile": False,
+        "progress": True,
+        "tensorboard": True,
+        "plots": True,
+    },
+}
 FREE_FORM = ("model.kwargs",)  # dict fields whose keys are the user's, replaced whole
 
 

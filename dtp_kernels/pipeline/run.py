@@ -44,11 +44,16 @@ def build_data(recipe: dict, device: torch.device | None = None):
         )
     pin = spec["pin_memory"] if spec["pin_memory"] is not None else device.type == "cuda"
     return datasets.loaders(
-        train_set, test_set, spec["batch_size"], recipe["seed"],
-        eval_batch_size=spec["eval_batch_size"], num_workers=spec["num_workers"],
-        pin_memory=pin, persistent_workers=spec["persistent_workers"],
+        train_set,
+        test_set,
+        spec["batch_size"],
+        recipe["seed"],
+        eval_batch_size=spec["eval_batch_size"],
+        num_workers=spec["num_workers"],
+        pin_memory=pin,
+        persistent_workers=spec["persistent_workers"],
         prefetch_factor=spec["prefetch_factor"],
-    )  # fmt: skip
+    )
 
 
 def check_starting_point(recipe: dict) -> None:
@@ -77,8 +82,10 @@ def skipped_modules(model: nn.Module, patterns: list[str]) -> list[nn.Module]:
     for pattern in patterns:
         hits = [name for name in names if fnmatch.fnmatchcase(name, pattern)]
         if not hits:
-            raise ValueError(f"prune.skip names {pattern!r}, which matches no module of the "
-                             f"model; modules include {names[:8]}")  # fmt: skip
+            raise ValueError(
+                f"prune.skip names {pattern!r}, which matches no module of the "
+                f"model; modules include {names[:8]}"
+            )
         chosen += hits
     modules = dict(model.named_modules())
     return [modules[name] for name in dict.fromkeys(chosen)]
@@ -92,9 +99,13 @@ def stage_checkpoint(
         return None
     prune = recipe["prune"]
     meta = {
-        "stage": stage, "model": recipe["model"]["name"], "method": prune["method"],
-        "ratios": str(prune["ratios"]), "budget": prune["budget"], "seed": recipe["seed"],
-    }  # fmt: skip
+        "stage": stage,
+        "model": recipe["model"]["name"],
+        "method": prune["method"],
+        "ratios": str(prune["ratios"]),
+        "budget": prune["budget"],
+        "seed": recipe["seed"],
+    }
     return Checkpointing(checkpoints / f"{stage}.pt", meta, resume)
 
 
@@ -124,25 +135,44 @@ def prune_and_finetune(
     times = {}
     start = time.perf_counter()
     if method == "dtp":
-        pruner = DTPPruner(model, example, settings["ratios"], budget=settings["budget"],
-                           granularity=settings["granularity"], eps=settings["eps"],
-                           iters=settings["iters"], ignored_layers=skip)  # fmt: skip
+        pruner = DTPPruner(
+            model,
+            example,
+            settings["ratios"],
+            budget=settings["budget"],
+            granularity=settings["granularity"],
+            eps=settings["eps"],
+            iters=settings["iters"],
+            ignored_layers=skip,
+        )
 
         def trace(epoch: int) -> None:  # soft masks of sample filters, for the Fig. 3a plot
             log.write(stage="mask-trace", epoch=epoch, masks=sample_masks(pruner))
 
         trace(-1)
-        result = train(model, train_loader, test_loader, settings, log, f"dtp-{settings['ratios']}",
-                       pruner=pruner, flops_target=settings["flops_target"],
-                       checkpoint=stage_checkpoint(checkpoints, recipe, "dtp", resume),
-                       options=options, on_epoch=trace)  # fmt: skip
+        result = train(
+            model,
+            train_loader,
+            test_loader,
+            settings,
+            log,
+            f"dtp-{settings['ratios']}",
+            pruner=pruner,
+            flops_target=settings["flops_target"],
+            checkpoint=stage_checkpoint(checkpoints, recipe, "dtp", resume),
+            options=options,
+            on_epoch=trace,
+        )
     else:
         if settings["granularity"] != "filter":
-            raise ValueError(f"prune.granularity = {settings['granularity']!r} needs "
-                             "prune.method=dtp; l1 and random prune filters")  # fmt: skip
+            raise ValueError(
+                f"prune.granularity = {settings['granularity']!r} needs "
+                "prune.method=dtp; l1 and random prune filters"
+            )
         cls = L1Pruner if method == "l1" else RandomPruner
-        pruner = cls(model, example, settings["ratios"], budget=settings["budget"],
-                     ignored_layers=skip)  # fmt: skip
+        pruner = cls(
+            model, example, settings["ratios"], budget=settings["budget"], ignored_layers=skip
+        )
     times["prune"] = time.perf_counter() - start
     groups = pruner.report()["groups"]
     start = time.perf_counter()
@@ -151,9 +181,17 @@ def prune_and_finetune(
     before_finetune = evaluate(pruned, test_loader, options)  # the paper's star point
     zeros = zero_pattern(pruned) if settings["granularity"] == "weight" else None
     saving = stage_checkpoint(checkpoints, recipe, "finetune", resume)
-    result = train(pruned, train_loader, test_loader, recipe["finetune"], log,
-                   f"finetune-{method}-{settings['ratios']}", checkpoint=saving,
-                   options=options, keep_zero=zeros)  # fmt: skip
+    result = train(
+        pruned,
+        train_loader,
+        test_loader,
+        recipe["finetune"],
+        log,
+        f"finetune-{method}-{settings['ratios']}",
+        checkpoint=saving,
+        options=options,
+        keep_zero=zeros,
+    )
     times["finetune"] = result["seconds"]
     base_params, base_flops = count_params(dense), count_flops(dense, example)
     params, flops = count_params(pruned), count_flops(pruned, example)
@@ -177,8 +215,11 @@ def prune_and_finetune(
 def zero_pattern(model: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
     """The kept entries (weight != 0) of every conv and linear weight of an exported
     unstructured model, which fine-tuning keeps at zero where they are pruned."""
-    return {m.weight: m.weight.detach() != 0 for m in model.modules()
-            if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Linear))}  # fmt: skip
+    return {
+        m.weight: m.weight.detach() != 0
+        for m in model.modules()
+        if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Linear))
+    }
 
 
 def saved_architecture(recipe: dict) -> dict | None:
@@ -202,8 +243,10 @@ SAMPLE_GROUPS, SAMPLE_FILTERS = 6, 4
 def sample_masks(pruner: DTPPruner) -> dict[str, list[float]]:
     """The current soft masks of the first filters of the first groups."""
     masks = pruner.channel_scores().float().cpu().split(pruner.sizes)
-    return {group.name: [round(float(v), 6) for v in mask[:SAMPLE_FILTERS]]
-            for group, mask in zip(pruner.groups[:SAMPLE_GROUPS], masks, strict=False)}  # fmt: skip
+    return {
+        group.name: [round(float(v), 6) for v in mask[:SAMPLE_FILTERS]]
+        for group, mask in zip(pruner.groups[:SAMPLE_GROUPS], masks, strict=False)
+    }
 
 
 def write_plots(summary: dict, rows: list[dict], where: Path, recipe: dict) -> list[Path]:
@@ -215,11 +258,13 @@ def write_plots(summary: dict, rows: list[dict], where: Path, recipe: dict) -> l
     traces = [r for r in rows if r["stage"] == "mask-trace"]
     if traces:
         by_group = {name: [r["masks"][name] for r in traces] for name in traces[0]["masks"]}
-        plots.mask_evolution(by_group, where / "mask_evolution.png",
-                             f"soft masks of sample filters, {label}")  # fmt: skip
+        plots.mask_evolution(
+            by_group, where / "mask_evolution.png", f"soft masks of sample filters, {label}"
+        )
         written.append(where / "mask_evolution.png")
-    plots.learned_sparsity(summary["groups"], where / "sparsity.png",
-                           f"kept fraction per group, {label}")  # fmt: skip
+    plots.learned_sparsity(
+        summary["groups"], where / "sparsity.png", f"kept fraction per group, {label}"
+    )
     written.append(where / "sparsity.png")
     return written
 
@@ -232,8 +277,13 @@ def run(recipe: dict, out_dir: str | Path | None = None, resume: bool = False) -
     the current step with a checkpoint (raises preemption.Preempted)."""
     settings = recipe["run"]
     device = resolve_device(settings["device"])
-    options = RunOptions(settings["amp"], settings["channels_last"], settings["progress"],
-                         device, settings["compile"])  # fmt: skip
+    options = RunOptions(
+        settings["amp"],
+        settings["channels_last"],
+        settings["progress"],
+        device,
+        settings["compile"],
+    )
     check_starting_point(recipe)
     out = Path(out_dir) if out_dir is not None else None
     if resume and out is None:
@@ -256,12 +306,21 @@ def run(recipe: dict, out_dir: str | Path | None = None, resume: bool = False) -
         example = example_input(recipe["model"], sample)
         if recipe["pretrain"]["epochs"]:
             saving = stage_checkpoint(checkpoints, recipe, "pretrain", resume)
-            dense = train(model, train_loader, test_loader, recipe["pretrain"], log, "pretrain",
-                          checkpoint=saving, options=options)  # fmt: skip
+            dense = train(
+                model,
+                train_loader,
+                test_loader,
+                recipe["pretrain"],
+                log,
+                "pretrain",
+                checkpoint=saving,
+                options=options,
+            )
         else:
             dense = {"seconds": 0.0, "accuracy": evaluate(model, test_loader, options)}
-        summary = prune_and_finetune(model, recipe, train_loader, test_loader, log,
-                                     checkpoints, resume, options, example)  # fmt: skip
+        summary = prune_and_finetune(
+            model, recipe, train_loader, test_loader, log, checkpoints, resume, options, example
+        )
     summary["dense_accuracy"] = dense["accuracy"]
     summary["device"] = str(device)
     summary["seconds"]["pretrain"] = dense["seconds"]

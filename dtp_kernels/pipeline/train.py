@@ -189,8 +189,13 @@ def train(
         loss_sum = saved["loss_sum"].to(options.device)
     start = time.perf_counter() - seconds
     model.train()
-    bar = tqdm(total=epochs * steps, initial=first_epoch * steps + first_step, desc=stage,
-               disable=not options.progress, leave=False)  # fmt: skip
+    bar = tqdm(
+        total=epochs * steps,
+        initial=first_epoch * steps + first_step,
+        desc=stage,
+        disable=not options.progress,
+        leave=False,
+    )
     net = distributed.wrap(model)
     if options.compile:  # default mode: the pruner's hooks and ops trace without breaks
         net = torch.compile(net)
@@ -202,17 +207,24 @@ def train(
             return
         save_atomic(
             make_payload(
-                checkpoint.meta, epoch=epoch, step=step, done=done, result=result,
-                seconds=time.perf_counter() - start, loss_sum=loss_sum.cpu(),
-                model=model.state_dict(), optimizer=optimizer.state_dict(),
+                checkpoint.meta,
+                epoch=epoch,
+                step=step,
+                done=done,
+                result=result,
+                seconds=time.perf_counter() - start,
+                loss_sum=loss_sum.cpu(),
+                model=model.state_dict(),
+                optimizer=optimizer.state_dict(),
                 scheduler=schedule.state_dict(),
                 pruner=pruner.state_dict() if pruner is not None else None,
-                rng=torch.get_rng_state(), cuda_rng=_cuda_rng(options.device),
+                rng=torch.get_rng_state(),
+                cuda_rng=_cuda_rng(options.device),
                 scaler=scaler.state_dict() if scaler is not None else None,
                 log_rows=log.rows,
             ),
             checkpoint.path,
-        )  # fmt: skip
+        )
 
     batch = train_loader.batch_size
     for epoch in range(first_epoch, epochs):
@@ -220,9 +232,16 @@ def train(
         train_loader.sampler.set_epoch(epoch, start=begin * batch)
         for step, (images, labels) in enumerate(train_loader, start=begin):
             loss = training_step(
-                net, optimizer, options.images(images), options.labels(labels), pruner,
-                flops_target, settings.get("penalty_weight", 10.0), options.amp_dtype, scaler,
-            )  # fmt: skip
+                net,
+                optimizer,
+                options.images(images),
+                options.labels(labels),
+                pruner,
+                flops_target,
+                settings.get("penalty_weight", 10.0),
+                options.amp_dtype,
+                scaler,
+            )
             bar.update()
             schedule.step()
             loss_sum += loss.float()

@@ -59,8 +59,13 @@ def trace_layers(model: nn.Module, example_inputs: torch.Tensor | tuple) -> list
 
     def hook(module: nn.Module, _inputs, output: torch.Tensor) -> None:
         if isinstance(module, nn.Conv2d):
-            layers.append(Layer(module, math.prod(module.kernel_size),
-                                output.shape[0] * math.prod(output.shape[2:])))  # fmt: skip
+            layers.append(
+                Layer(
+                    module,
+                    math.prod(module.kernel_size),
+                    output.shape[0] * math.prod(output.shape[2:]),
+                )
+            )
         else:
             layers.append(Layer(module, 1, output.numel() // max(module.out_features, 1)))
 

@@ -233,9 +233,15 @@ class DTPPruner(ChannelPruner):
     def _transport(self, update: bool) -> torch.Tensor:
         """The soft masks of all groups, NaN/Inf scores read as the neutral 0.5."""
         return transport_mask(
-            self.scores, self.current_keep(), self.state, eps=self.eps, iters=self.iters,
-            update=update, backend=self.backend, nonfinite="neutral",
-        )  # fmt: skip
+            self.scores,
+            self.current_keep(),
+            self.state,
+            eps=self.eps,
+            iters=self.iters,
+            update=update,
+            backend=self.backend,
+            nonfinite="neutral",
+        )
 
     def channel_scores(self) -> torch.Tensor:
         """The current soft masks (update=False): the top-k of each group is kept."""
@@ -298,8 +304,9 @@ class DTPPruner(ChannelPruner):
         hard = torch.cat(self.hard_masks())
         for row, skipped in zip(result["groups"], self.skipped_steps(), strict=True):
             row["skipped_steps"] = skipped
-        for row, s, h in zip(result["groups"], soft.split(self.sizes), hard.split(self.sizes),
-                             strict=True):  # fmt: skip
+        for row, s, h in zip(
+            result["groups"], soft.split(self.sizes), hard.split(self.sizes), strict=True
+        ):
             row["mass_in_top_k"] = float((s * h).sum() / h.sum().clamp(min=1))
             row["distance_to_hard"] = float(((s - h) ** 2).mean())
         return result

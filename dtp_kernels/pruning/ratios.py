@@ -35,8 +35,10 @@ def stage_of(name: str) -> int:
 
 def parse_stage_list(text: str) -> list[float]:
     body = text.strip()[1:-1]
-    return [check_ratio(float(item), f"ratios {text!r}, stage {i}")
-            for i, item in enumerate(body.split(","))]  # fmt: skip
+    return [
+        check_ratio(float(item), f"ratios {text!r}, stage {i}")
+        for i, item in enumerate(body.split(","))
+    ]
 
 
 def parse_layer_map(text: str) -> dict[int, float]:

@@ -44,8 +44,16 @@ def save_pruned(
     if set(architecture) != {"name", "num_classes"}:
         raise ValueError(f"architecture needs exactly name and num_classes, got {architecture}")
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    torch.save({"format": FORMAT, "version": VERSION, "architecture": dict(architecture),
-                "metadata": dict(metadata or {}), "state_dict": state}, path)  # fmt: skip
+    torch.save(
+        {
+            "format": FORMAT,
+            "version": VERSION,
+            "architecture": dict(architecture),
+            "metadata": dict(metadata or {}),
+            "state_dict": state,
+        },
+        path,
+    )
 
 
 def load_pruned(
@@ -109,8 +117,12 @@ def _shrink_to(model: nn.Module, state: dict, path) -> None:
             f"{path} does not fit this architecture (missing {missing}, unexpected {extra}): "
             "it was saved from another model"
         )
-    bad = [k for k in own if state[k].dim() != own[k].dim()
-           or any(s > o for s, o in zip(state[k].shape, own[k].shape, strict=True))]  # fmt: skip
+    bad = [
+        k
+        for k in own
+        if state[k].dim() != own[k].dim()
+        or any(s > o for s, o in zip(state[k].shape, own[k].shape, strict=True))
+    ]
     if bad:
         raise ValueError(f"{path}: saved shapes do not fit this architecture ({bad[:3]})")
     for name, module in model.named_modules():

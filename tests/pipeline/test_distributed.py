@@ -29,8 +29,7 @@ def free_port() -> int:
 
 def worker(rank: int, port: int, out: str, sync_pruner: bool) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)  # fmt: skip
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         from dtp_kernels import DTPPruner
         from dtp_kernels.models import digits_cnn
@@ -46,11 +45,18 @@ def worker(rank: int, port: int, out: str, sync_pruner: bool) -> None:
         model = digits_cnn()
         pruner = DTPPruner(model, next(iter(test_loader))[0][:1], 0.5)
         first = next(iter(train_loader))[0]
-        train(model, train_loader, test_loader, settings["prune"], MetricsLog(), "dtp",
-              pruner=pruner)  # fmt: skip
-        torch.save({"pruner": pruner.state_dict(), "masks": pruner.channel_scores(),
-                    "params": [p.detach() for p in model.parameters()], "first": first},
-                   f"{out}/rank{rank}.pt")  # fmt: skip
+        train(
+            model, train_loader, test_loader, settings["prune"], MetricsLog(), "dtp", pruner=pruner
+        )
+        torch.save(
+            {
+                "pruner": pruner.state_dict(),
+                "masks": pruner.channel_scores(),
+                "params": [p.detach() for p in model.parameters()],
+                "first": first,
+            },
+            f"{out}/rank{rank}.pt",
+        )
     finally:
         dist.destroy_process_group()
 
@@ -80,13 +86,25 @@ def test_without_the_pruner_gradient_average_ranks_drift_apart(tmp_path):
 def test_torchrun_runs_the_cli_on_two_processes(tmp_path):
     out = tmp_path / "run"
     sets = ["pretrain.epochs=1", "prune.epochs=1", "finetune.epochs=1"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", "2", "-m", "dtp_kernels", "prune", "--config",
-               str(ROOT / "configs" / "digits.yaml"), "--out", str(out), "--no-progress",
-               *[a for s in sets for a in ("--set", s)]]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "dtp_kernels",
+        "prune",
+        "--config",
+        str(ROOT / "configs" / "digits.yaml"),
+        "--out",
+        str(out),
+        "--no-progress",
+        *[a for s in sets for a in ("--set", s)],
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=600)  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (out / "summary.json").exists() and (out / "checkpoints" / "dtp.pt").exists()
     assert result.stdout.count('"accuracy"') == 1  # rank 0 alone reports

@@ -48,8 +48,13 @@ def test_every_paper_experiment_has_a_table_script():
 
 @pytest.mark.parametrize("script", sorted(TABLES))
 def test_table_scripts_say_what_they_need_and_print_their_commands(script):
-    result = subprocess.run([sys.executable, str(ROOT / "python" / script)], cwd=ROOT,
-                            capture_output=True, text=True, check=True)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "python" / script)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "data.root = data/" in result.stdout and "model.weights = weights/" in result.stdout
     commands = [line for line in result.stdout.splitlines() if line.startswith("python -m")]
     assert [c.split()[4] for c in commands] == TABLES[script]

@@ -51,10 +51,25 @@ def test_cifar_python_format_is_read(tmp_path):
 @pytest.mark.parametrize("method", ["dtp", "l1"])
 def test_prune_command_end_to_end(tmp_path, method, capsys):
     out = tmp_path / "run"
-    code = main(["prune", "--config", str(CONFIGS / "digits.yaml"), "--out", str(out),
-                 "--set", "pretrain.epochs=1", "--set", "prune.epochs=1",
-                 "--set", "finetune.epochs=1", "--set", f"prune.method={method}",
-                 "--set", "prune.ratios=0.5"])  # fmt: skip
+    code = main(
+        [
+            "prune",
+            "--config",
+            str(CONFIGS / "digits.yaml"),
+            "--out",
+            str(out),
+            "--set",
+            "pretrain.epochs=1",
+            "--set",
+            "prune.epochs=1",
+            "--set",
+            "finetune.epochs=1",
+            "--set",
+            f"prune.method={method}",
+            "--set",
+            "prune.ratios=0.5",
+        ]
+    )
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["method"] == method and 0 < summary["sparsity"] < 1 and summary["speedup"] > 1
@@ -74,9 +89,23 @@ def test_check_command(capsys):
 
 def test_run_writes_plots_tensorboard_and_progress(tmp_path, capsys):
     out = tmp_path / "run"
-    code = main(["prune", "--config", "configs/digits.yaml", "--out", str(out),
-                 "--set", "pretrain.epochs=1", "--set", "prune.epochs=3",
-                 "--set", "finetune.epochs=1", "--set", "prune.budget=global"])  # fmt: skip
+    code = main(
+        [
+            "prune",
+            "--config",
+            "configs/digits.yaml",
+            "--out",
+            str(out),
+            "--set",
+            "pretrain.epochs=1",
+            "--set",
+            "prune.epochs=3",
+            "--set",
+            "finetune.epochs=1",
+            "--set",
+            "prune.budget=global",
+        ]
+    )
     assert code == 0
     for name in ("mask_evolution.png", "sparsity.png"):
         png = (out / "plots" / name).read_bytes()
@@ -95,24 +124,73 @@ def test_run_writes_plots_tensorboard_and_progress(tmp_path, capsys):
 @pytest.mark.slow
 def test_amp_bf16_and_channels_last_run(tmp_path):
     out = tmp_path / "run"
-    code = main(["prune", "--config", "configs/digits.yaml", "--out", str(out), "--amp", "bf16",
-                 "--channels-last", "--no-progress", "--set", "pretrain.epochs=1",
-                 "--set", "prune.epochs=1", "--set", "finetune.epochs=1",
-                 "--set", "run.plots=false", "--set", "run.tensorboard=false"])  # fmt: skip
+    code = main(
+        [
+            "prune",
+            "--config",
+            "configs/digits.yaml",
+            "--out",
+            str(out),
+            "--amp",
+            "bf16",
+            "--channels-last",
+            "--no-progress",
+            "--set",
+            "pretrain.epochs=1",
+            "--set",
+            "prune.epochs=1",
+            "--set",
+            "finetune.epochs=1",
+            "--set",
+            "run.plots=false",
+            "--set",
+            "run.tensorboard=false",
+        ]
+    )
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
     assert 0 < summary["accuracy"] <= 1 and not (out / "plots").exists()
     fp16 = tmp_path / "fp16"
-    assert main(["prune", "--config", "configs/digits.yaml", "--out", str(fp16), "--amp", "fp16",
-                 "--no-progress", "--set", "pretrain.epochs=1", "--set", "prune.epochs=1",
-                 "--set", "finetune.epochs=1"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "prune",
+                "--config",
+                "configs/digits.yaml",
+                "--out",
+                str(fp16),
+                "--amp",
+                "fp16",
+                "--no-progress",
+                "--set",
+                "pretrain.epochs=1",
+                "--set",
+                "prune.epochs=1",
+                "--set",
+                "finetune.epochs=1",
+            ]
+        )
+        == 0
+    )
     assert json.loads((fp16 / "summary.json").read_text())["accuracy"] > 0
     saved = torch.load(fp16 / "checkpoints" / "dtp.pt", weights_only=True)
     assert saved["scaler"]["scale"] > 0  # resumable: the GradScaler state is saved
     with pytest.raises(ValueError, match=r"run.amp = 'fp8'"):
-        main(["prune", "--config", "configs/digits.yaml", "--set", "run.amp=fp8",
-              "--set", "pretrain.epochs=0", "--set", "prune.epochs=1",
-              "--set", "finetune.epochs=1"])  # fmt: skip
+        main(
+            [
+                "prune",
+                "--config",
+                "configs/digits.yaml",
+                "--set",
+                "run.amp=fp8",
+                "--set",
+                "pretrain.epochs=0",
+                "--set",
+                "prune.epochs=1",
+                "--set",
+                "finetune.epochs=1",
+            ]
+        )
 
 
 def test_bench_command(capsys):
@@ -160,10 +238,26 @@ def test_compiled_training_step_matches_eager(tmp_path):
     rows = {}
     for compiled in ("false", "true"):
         out = tmp_path / compiled
-        args = ["prune", "--config", "configs/digits.yaml", "--out", str(out), "--no-progress",
-                "--set", "model.weights=random", "--set", "pretrain.epochs=0",
-                "--set", "prune.epochs=1", "--set", "finetune.epochs=1",
-                "--set", f"run.compile={compiled}", "--set", "run.plots=false"]  # fmt: skip
+        args = [
+            "prune",
+            "--config",
+            "configs/digits.yaml",
+            "--out",
+            str(out),
+            "--no-progress",
+            "--set",
+            "model.weights=random",
+            "--set",
+            "pretrain.epochs=0",
+            "--set",
+            "prune.epochs=1",
+            "--set",
+            "finetune.epochs=1",
+            "--set",
+            f"run.compile={compiled}",
+            "--set",
+            "run.plots=false",
+        ]
         assert main(args) == 0
         lines = (out / "metrics.jsonl").read_text().splitlines()
         rows[compiled] = [json.loads(line) for line in lines if '"loss"' in line]

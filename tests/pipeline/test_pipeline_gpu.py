@@ -26,11 +26,26 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def recipe_args(data: Path, out: Path, *extra: str) -> list[str]:
-    sets = ["data.name=cifar10", f"data.root={data}", "data.batch_size=32", "model.name=resnet20",
-            "pretrain.epochs=1", "prune.epochs=1", "finetune.epochs=1", "prune.ratios=0.5",
-            "run.progress=false", *extra]  # fmt: skip
-    return ["prune", "--config", str(ROOT / "configs" / "digits.yaml"), "--out", str(out),
-            *[a for s in sets for a in ("--set", s)]]  # fmt: skip
+    sets = [
+        "data.name=cifar10",
+        f"data.root={data}",
+        "data.batch_size=32",
+        "model.name=resnet20",
+        "pretrain.epochs=1",
+        "prune.epochs=1",
+        "finetune.epochs=1",
+        "prune.ratios=0.5",
+        "run.progress=false",
+        *extra,
+    ]
+    return [
+        "prune",
+        "--config",
+        str(ROOT / "configs" / "digits.yaml"),
+        "--out",
+        str(out),
+        *[a for s in sets for a in ("--set", s)],
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +68,12 @@ def test_prune_end_to_end_on_cuda(tmp_path, cifar, amp, compiled):
 def test_checkpoint_written_on_cpu_resumes_on_cuda(tmp_path, cifar):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "dtp_kernels",
-               *recipe_args(cifar, out, "run.device=cpu", "prune.epochs=3")]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "dtp_kernels",
+        *recipe_args(cifar, out, "run.device=cpu", "prune.epochs=3"),
+    ]
     process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
     while not (out / "checkpoints" / "dtp.pt").exists() and process.poll() is None:
         time.sleep(0.01)
@@ -68,8 +87,15 @@ def test_checkpoint_written_on_cpu_resumes_on_cuda(tmp_path, cifar):
 def test_torchrun_with_nccl(tmp_path, cifar):
     ranks = min(2, torch.cuda.device_count())
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
-               "-m", "dtp_kernels", *recipe_args(cifar, out, "run.device=cuda")]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={ranks}",
+        "-m",
+        "dtp_kernels",
+        *recipe_args(cifar, out, "run.device=cuda"),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

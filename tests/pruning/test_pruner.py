@@ -161,9 +161,13 @@ def test_save_and_load_pruned_weights_only(tmp_path):
 
 def test_pruned_file_from_another_architecture_or_newer_version_is_refused(tmp_path):
     _, pruner = build(resnet20, 0.5)
-    payload = {"format": "dtp-kernels/pruned-model", "version": 2,
-               "architecture": {"name": "resnet56", "num_classes": 10}, "metadata": {},
-               "state_dict": pruner.export().state_dict()}  # fmt: skip
+    payload = {
+        "format": "dtp-kernels/pruned-model",
+        "version": 2,
+        "architecture": {"name": "resnet56", "num_classes": 10},
+        "metadata": {},
+        "state_dict": pruner.export().state_dict(),
+    }
     torch.save(payload, tmp_path / "wrong.pt")  # resnet20 weights labelled resnet56
     with pytest.raises(ValueError, match="saved from another model"):
         load_pruned(tmp_path / "wrong.pt")
@@ -215,9 +219,15 @@ def test_bad_input_leaves_model_untouched(kwargs, error, pattern):
 
 
 MODELS = [
-    ("resnet20", 32), ("resnet56", 32), ("vgg19_bn", 32), ("mobilenet_v2", 32), ("wrn26", 32),
-    ("torchvision.resnet34", 64), ("torchvision.resnet50", 64), ("torchvision.mobilenet_v2", 64),
-]  # fmt: skip
+    ("resnet20", 32),
+    ("resnet56", 32),
+    ("vgg19_bn", 32),
+    ("mobilenet_v2", 32),
+    ("wrn26", 32),
+    ("torchvision.resnet34", 64),
+    ("torchvision.resnet50", 64),
+    ("torchvision.mobilenet_v2", 64),
+]
 
 
 @pytest.mark.parametrize("name,size", MODELS)
@@ -376,8 +386,11 @@ def test_fold_masks_gradcheck(groups, sizes):
     gen = torch.Generator().manual_seed(0)
     plan = FoldPlan.build(groups, sizes, torch.device("cpu"))
     mask = torch.rand(sum(sizes), generator=gen, dtype=torch.float64, requires_grad=True)
-    params = [torch.randn(sizes[g], generator=gen, dtype=torch.float64, requires_grad=True)
-              for g in groups for _ in (0, 1)]  # fmt: skip
+    params = [
+        torch.randn(sizes[g], generator=gen, dtype=torch.float64, requires_grad=True)
+        for g in groups
+        for _ in (0, 1)
+    ]
     fold = lambda m, *p: tuple(folded_products(m, plan, list(p)))  # noqa: E731
     assert torch.autograd.gradcheck(fold, (mask, *params))
 

@@ -38,8 +38,9 @@ def test_same_seed_gives_bitwise_identical_runs(tmp_path):
     for key in a:
         assert torch.equal(a[key], b[key]), key
     assert first["accuracy"] == second["accuracy"]
-    other = run(recipes.load(str(ROOT / "configs" / "digits.yaml"), [*SMALL, "seed=1"]),
-                tmp_path / "c")  # fmt: skip
+    other = run(
+        recipes.load(str(ROOT / "configs" / "digits.yaml"), [*SMALL, "seed=1"]), tmp_path / "c"
+    )
     c = tensors_of(tmp_path / "c")
     assert not torch.equal(a["dtp/pruner/scores"], c["dtp/pruner/scores"])  # the seed matters
     assert other["accuracy"] > 0

@@ -73,9 +73,14 @@ def test_dtp_training_step_reads_nothing_back(budget, mask_at, backend):
     model = resnet20()
     images, labels = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
     pruner = DTPPruner(
-        model, images[:1], 0.5, budget=budget, mask_at=mask_at, backend=backend,
+        model,
+        images[:1],
+        0.5,
+        budget=budget,
+        mask_at=mask_at,
+        backend=backend,
         epilogue_backend=backend,
-    )  # fmt: skip
+    )
     optimizer = make_optimizer(model, {"lr": 0.05}, pruner)
     pruner.attach(optimizer)
     target = 0.5 if budget == "flops" else None

@@ -23,8 +23,13 @@ import torch
 pytestmark = pytest.mark.slow  # end to end or long: `make test-fast` leaves it out
 
 ROOT = Path(__file__).resolve().parents[2]
-OVERRIDES = ["pretrain.epochs=2", "prune.epochs=3", "finetune.epochs=2", "run.progress=false",
-             "model.kwargs={dropout: 0.3}"]  # fmt: skip
+OVERRIDES = [
+    "pretrain.epochs=2",
+    "prune.epochs=3",
+    "finetune.epochs=2",
+    "run.progress=false",
+    "model.kwargs={dropout: 0.3}",
+]
 STOPS = [(signal.SIGTERM, "pretrain"), (signal.SIGINT, "dtp"), (signal.SIGUSR1, "finetune")]
 
 
@@ -71,8 +76,9 @@ def test_signal_checkpoints_mid_epoch_and_resume_is_bitwise_equal(
     tmp_path, uninterrupted, signum, stage
 ):
     out = tmp_path / "run"
-    process = subprocess.Popen(command(out), env=environment(), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    process = subprocess.Popen(
+        command(out), env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     first_epoch = out / "checkpoints" / f"{stage}.pt"
     while not first_epoch.exists() and process.poll() is None:
         time.sleep(0.002)

@@ -25,15 +25,17 @@ BACKENDS = [b for b in ALL_CPU_BACKENDS if b != "reference"]
 def problems(draw):
     nseg = draw(st.integers(1, 64))
     # Mostly small segments, some large: the total stays test-sized.
-    sizes = draw(st.lists(st.one_of(st.integers(1, 40), st.integers(41, 5000)),
-                          min_size=nseg, max_size=nseg))  # fmt: skip
+    sizes = draw(
+        st.lists(st.one_of(st.integers(1, 40), st.integers(41, 5000)), min_size=nseg, max_size=nseg)
+    )
     if sum(sizes) > 40_000:
         sizes = [min(n, 40) for n in sizes]
     # k = 0 or n exactly, or at least 1e-9 away from both: a k of 1e-300 keeps no channel
     # representably (the mask underflows to 0) and is left out (README, "Guarantees").
-    keep = [draw(st.one_of(st.sampled_from([0.0, float(n)]),
-                           st.floats(1e-9, max(1e-9, n - 1e-9))))
-            for n in sizes]  # fmt: skip
+    keep = [
+        draw(st.one_of(st.sampled_from([0.0, float(n)]), st.floats(1e-9, max(1e-9, n - 1e-9))))
+        for n in sizes
+    ]
     magnitude = draw(st.sampled_from([1e-3, 1.0, 1e2, 1e4]))
     eps = draw(st.floats(1e-3, 1e2))
     seed = draw(st.integers(0, 2**31 - 1))
@@ -45,14 +47,21 @@ def problems(draw):
 EXPLORE = os.environ.get("HYPOTHESIS_EXPLORE") == "1"
 
 
-@settings(max_examples=40, deadline=None, derandomize=not EXPLORE, database=None,
-          suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+@settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=not EXPLORE,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(problems())
 def test_every_backend_equals_the_reference_on_random_problems(problem):
     sizes, keep, magnitude, eps, seed = problem
     gen = torch.Generator().manual_seed(seed)
-    scores = [(torch.rand(sum(sizes), generator=gen, dtype=torch.float64) * 2 - 1) * magnitude
-              for _ in range(2)]  # two steps  # fmt: skip
+    scores = [
+        (torch.rand(sum(sizes), generator=gen, dtype=torch.float64) * 2 - 1) * magnitude
+        for _ in range(2)
+    ]  # two steps
     keep_t = torch.tensor(keep, dtype=torch.float64)
     states = {b: TransportState(sizes, dtype=torch.float64) for b in ["reference", *BACKENDS]}
     for step_scores in scores:
@@ -73,10 +82,21 @@ def test_every_backend_equals_the_reference_on_random_problems(problem):
         spread = max(1.0, (2 * magnitude + 1) / eps / 1e4) * 2
         rtol = 1e-7 * spread
         for backend in BACKENDS:
-            torch.testing.assert_close(masks[backend], masks["reference"], rtol=rtol,
-                                       atol=1e-9 * spread, msg=f"{backend} vs ref")  # fmt: skip
-            torch.testing.assert_close(masks[backend], masks[BACKENDS[0]], rtol=1e-9,
-                                       atol=1e-12, msg=f"{backend} vs {BACKENDS[0]}")  # fmt: skip
+            torch.testing.assert_close(
+                masks[backend],
+                masks["reference"],
+                rtol=rtol,
+                atol=1e-9 * spread,
+                msg=f"{backend} vs ref",
+            )
+            torch.testing.assert_close(
+                masks[backend],
+                masks[BACKENDS[0]],
+                rtol=1e-9,
+                atol=1e-12,
+                msg=f"{backend} vs {BACKENDS[0]}",
+            )
     for backend in BACKENDS:
-        torch.testing.assert_close(states[backend].shift, states["reference"].shift,
-                                   rtol=rtol, atol=1e-7 * spread)  # fmt: skip
+        torch.testing.assert_close(
+            states[backend].shift, states["reference"].shift, rtol=rtol, atol=1e-7 * spread
+        )

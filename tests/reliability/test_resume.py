@@ -25,8 +25,18 @@ OVERRIDES = ["pretrain.epochs=3", "prune.epochs=4", "finetune.epochs=3"]
 
 def command(out: Path, *extra: str) -> list[str]:
     sets = [arg for s in OVERRIDES for arg in ("--set", s)]
-    return [sys.executable, "-m", "dtp_kernels", "prune", "--config",
-            str(ROOT / "configs" / "digits.yaml"), *sets, "--out", str(out), *extra]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "dtp_kernels",
+        "prune",
+        "--config",
+        str(ROOT / "configs" / "digits.yaml"),
+        *sets,
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def environment() -> dict:
@@ -71,8 +81,9 @@ def test_sigkill_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
     process.wait()
     stages = sorted(p.name for p in (run / "checkpoints").glob("*.pt"))
     assert stages, "killed before the first checkpoint"
-    resumed = subprocess.run(command(run, "--resume"), env=environment(), capture_output=True,
-                             text=True)  # fmt: skip
+    resumed = subprocess.run(
+        command(run, "--resume"), env=environment(), capture_output=True, text=True
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     want, got = final_state(reference), final_state(run)
     assert want.keys() == got.keys()
@@ -98,11 +109,27 @@ def test_a_crash_while_writing_keeps_the_previous_checkpoint(tmp_path, monkeypat
 
 def run_pretrain_checkpoint(tmp_path: Path, *overrides: str) -> Path:
     out = tmp_path / "run"
-    sets = [a for s in ("pretrain.epochs=1", "prune.epochs=1", "finetune.epochs=1", *overrides)
-            for a in ("--set", s)]  # fmt: skip
-    subprocess.run([sys.executable, "-m", "dtp_kernels", "prune", "--config",
-                    str(ROOT / "configs" / "digits.yaml"), *sets, "--out", str(out)],
-                   env=environment(), check=True, capture_output=True)  # fmt: skip
+    sets = [
+        a
+        for s in ("pretrain.epochs=1", "prune.epochs=1", "finetune.epochs=1", *overrides)
+        for a in ("--set", s)
+    ]
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dtp_kernels",
+            "prune",
+            "--config",
+            str(ROOT / "configs" / "digits.yaml"),
+            *sets,
+            "--out",
+            str(out),
+        ],
+        env=environment(),
+        check=True,
+        capture_output=True,
+    )
     return out
 
 
@@ -177,16 +204,25 @@ def test_every_piece_of_run_state_is_restored(tmp_path):
 
     model, pruner, _, _ = objects(0)
     log = train.MetricsLog()
-    train.train(model, loader, test_loader, {**settings, "epochs": 1}, log, "dtp",
-                pruner=pruner, checkpoint=checkpoint)  # fmt: skip
+    train.train(
+        model,
+        loader,
+        test_loader,
+        {**settings, "epochs": 1},
+        log,
+        "dtp",
+        pruner=pruner,
+        checkpoint=checkpoint,
+    )
     saved = torch.load(checkpoint.path, weights_only=True)
     model, pruner, optimizer, schedule = objects(1)  # other weights, scores, state
     torch.rand(100)  # and another RNG position
     perturbed_log = train.MetricsLog()
     perturbed_log.write(stage="other", epoch=9, loss=1.0)
     checkpoint.resume = True
-    train._restore(checkpoint, model, optimizer, schedule, pruner, perturbed_log,
-                   train.RunOptions())  # fmt: skip
+    train._restore(
+        checkpoint, model, optimizer, schedule, pruner, perturbed_log, train.RunOptions()
+    )
 
     def same(a, b, what):
         if isinstance(a, torch.Tensor):
