@@ -2,7 +2,7 @@
 # Everything a lent GPU is for, in one run: build the extension against that machine's
 # torch, run the GPU test suite, then the GPU benchmarks. Logs and results go to $OUT.
 #
-#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh [tests|bench|train|scale|all]...
+#   OUT=/tmp/gpu bash tools/gpu_session.sh [tests|bench|train|pipeline|scale|all]...
 #
 # tests: tests/test_gpu.py; bench: the kernel benchmarks; train: the training step (eager,
 # profiled, CUDA graph); scale: mask-step scaling and iterations; pipeline: `dtp prune` on
