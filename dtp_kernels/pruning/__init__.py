@@ -3,7 +3,15 @@ are applied, the DTP pruner, export, baselines."""
 
 from .base import ChannelPruner
 from .baselines import L1Pruner, RandomPruner
-from .pruner import DTPPruner
+from .pruner import DTPPruner, ExportMismatchError
 from .saving import load_pruned, save_pruned
 
-__all__ = ["ChannelPruner", "DTPPruner", "L1Pruner", "RandomPruner", "load_pruned", "save_pruned"]
+__all__ = [
+    "ChannelPruner",
+    "DTPPruner",
+    "ExportMismatchError",
+    "L1Pruner",
+    "RandomPruner",
+    "load_pruned",
+    "save_pruned",
+]

@@ -64,6 +64,21 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             ratios, [g.name for g in all_groups], {n: i for i, n in enumerate(convs)}, len(convs)
         )
         self.groups = [g for g in all_groups if per_group[g.name] > 0]
+        refused = [g for g in self.groups if getattr(g, "norms", None)]
+        if refused:
+            names = {m: n for n, m in model.named_modules()}
+            feeds = {
+                g.name: ", ".join(f"{type(m).__name__} {names[m]!r}" for m in g.norms)
+                for g in refused
+            }
+            details = "; ".join(f"layer {name!r} feeds {norms}" for name, norms in feeds.items())
+            raise ValueError(
+                f"cannot prune these groups so that the exported model equals the masked one: "
+                f"{details}. A mask on the layer's output channels is undone by a "
+                "normalization over channels (GroupNorm, LayerNorm) or meets its bias "
+                "(InstanceNorm); leave these layers whole with ignored_layers=[...] or a "
+                "ratio of 0 for them"
+            )
         if not self.groups:
             raise ValueError("the ratios prune nothing of this model")
         self.ratios = {g.name: per_group[g.name] for g in self.groups}

@@ -25,6 +25,17 @@ class ChannelGroup:
     size: int
     kept_out: list[nn.Module] = field(default_factory=list)  # modules losing output channels
     kept_in: list[nn.Module] = field(default_factory=list)  # modules losing input channels
+    # normalizations other than BatchNorm that the group's channels pass through: they mix
+    # channels (GroupNorm, LayerNorm) or add a bias to masked ones (InstanceNorm), so the
+    # masked model and the exported one would differ (the pruner refuses such a group)
+    norms: list[nn.Module] = field(default_factory=list)
+
+
+CHANNEL_MIXING_NORMS = (
+    tp.prune_groupnorm_out_channels,
+    tp.prune_layernorm_out_channels,
+    tp.prune_instancenorm_out_channels,
+)
 
 
 def _is_depthwise(module: nn.Module) -> bool:
@@ -48,7 +59,7 @@ def find_groups(
     ignored_all = list(ignored) + [m for m in model.modules() if isinstance(m, nn.Linear)]
     found = {}
     for group in graph.get_all_groups(ignored_layers=ignored_all, root_module_types=[nn.Conv2d]):
-        out_convs, bns, outs, ins = [], [], [], []
+        out_convs, bns, outs, ins, norms = [], [], [], [], []
         for dep, _idxs in group:
             module, handler = dep.target.module, dep.handler
             if handler in (tp.prune_conv_out_channels, tp.prune_depthwise_conv_out_channels):
@@ -58,6 +69,8 @@ def find_groups(
             elif handler == tp.prune_batchnorm_out_channels:
                 bns.append(module)
                 outs.append(module)
+            elif handler in CHANNEL_MIXING_NORMS:
+                norms.append(module)
             elif handler in (
                 tp.prune_conv_in_channels,
                 tp.prune_depthwise_conv_in_channels,
@@ -70,5 +83,5 @@ def find_groups(
         # Mask at the last affine op before the nonlinearity that ends the group: a
         # depthwise conv + BN after the root would otherwise add its BN bias back.
         bn = max(bns, key=lambda b: order[b], default=None)
-        found[conv] = ChannelGroup(names[conv], conv, bn, conv.out_channels, outs, ins)
+        found[conv] = ChannelGroup(names[conv], conv, bn, conv.out_channels, outs, ins, norms)
     return [found[m] for m in model.modules() if m in found]

@@ -49,6 +49,22 @@ class LayerWeights:
     size: int
 
 
+def _tensors(output) -> list[torch.Tensor]:
+    """The tensors of a model's output (a tensor, or tuples, lists and dicts of them, as
+    Hugging Face's ModelOutput), in order."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _tensors(item)]
+    return []
+
+
+class ExportMismatchError(ValueError):
+    """export() produced a model that does not compute what the hard-masked one does."""
+
+
 class DTPPruner(ChannelPruner):
     """Prune `model` to exact sizes with DTP. See the module docstring and README.
 
@@ -320,16 +336,57 @@ class DTPPruner(ChannelPruner):
 
     def export(self) -> nn.Module:
         """Filter granularity: the physically smaller network (see ChannelPruner.export).
-        Weight granularity: a copy whose pruned weights are zero (same shapes)."""
+        Weight granularity: a copy whose pruned weights are zero (same shapes).
+
+        Before it returns, the exported model is run on the example inputs against the
+        model under its hard masks (both in eval mode); if they differ, ExportMismatchError
+        says by how much instead of handing back a model that is silently wrong."""
         if self.granularity == "filter":
-            return super().export()
-        pruned = self._unmasked_copy()
-        modules = dict(pruned.named_modules())
-        with torch.no_grad():
-            for group, mask in zip(self.groups, self.hard_masks(), strict=True):
-                weight = modules[group.name].weight
-                weight.mul_(mask.to(weight.device, weight.dtype).view_as(weight))
+            pruned = super().export()
+        else:
+            pruned = self._unmasked_copy()
+            modules = dict(pruned.named_modules())
+            with torch.no_grad():
+                for group, mask in zip(self.groups, self.hard_masks(), strict=True):
+                    weight = modules[group.name].weight
+                    weight.mul_(mask.to(weight.device, weight.dtype).view_as(weight))
+        self._check_export(pruned)
         return pruned
+
+    EXPORT_RTOL, EXPORT_ATOL = 1e-4, 1e-5  # fp32: sums over fewer (zero) terms round apart
+
+    @torch.no_grad()
+    def _check_export(self, pruned: nn.Module) -> None:
+        """Raise ExportMismatchError unless `pruned` computes what the hard-masked model does."""
+        was_training, pruned_training = self.model.training, pruned.training
+        self.model.eval()
+        pruned.eval()
+        try:
+            with self.hard_masked():
+                want = _tensors(self.model(*self.example_inputs))
+            got = _tensors(pruned(*self.example_inputs))
+        finally:
+            self.model.train(was_training)
+            pruned.train(pruned_training)
+        if len(got) != len(want):
+            raise ExportMismatchError(
+                f"the exported model returns {len(got)} tensors, the masked one {len(want)}"
+            )
+        for g, w in zip(got, want, strict=True):
+            g, w = g.double(), w.double()
+            scale = max(1.0, float(w.abs().max())) if w.numel() else 1.0
+            if g.shape != w.shape or not torch.allclose(
+                g, w, rtol=self.EXPORT_RTOL, atol=self.EXPORT_ATOL * scale
+            ):
+                error = float((g - w).abs().max()) if g.shape == w.shape else float("inf")
+                raise ExportMismatchError(
+                    f"the exported model's output differs from the hard-masked model's by "
+                    f"{error:.3g} (allowed {self.EXPORT_RTOL} relative, {self.EXPORT_ATOL} "
+                    f"absolute); some layer after the pruned groups "
+                    f"{[g.name for g in self.groups][:8]} changes what removing channels does "
+                    "(a normalization over channels, a reshape, a custom op): leave the "
+                    "groups that reach it whole with ignored_layers=[...]"
+                )
 
     def _unmasked_copy(self) -> nn.Module:
         """A deep copy of the model without this pruner's masks, hooks and state."""

@@ -409,3 +409,65 @@ def test_folded_bn_weight_read_after_a_step_is_current():
         bn.parametrizations.weight.original.add_(1.0)
     mask = pruner._source.masks[0]
     torch.testing.assert_close(bn.weight, bn.parametrizations.weight.original * mask)
+
+
+class _ConvGroupNorm(torch.nn.Module):
+    """conv -> GroupNorm -> ReLU, then conv -> BN -> ReLU: a mask on the first conv's rows
+    would be renormalized away by the GroupNorm."""
+
+    def __init__(self, norm: str = "group") -> None:
+        super().__init__()
+        self.c1 = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = (
+            torch.nn.GroupNorm(2, 8) if norm == "group" else torch.nn.InstanceNorm2d(8, affine=True)
+        )
+        self.c2, self.bn = torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.norm(self.c1(x)))
+        x = torch.relu(self.bn(self.c2(x)))
+        return self.head(x.mean((2, 3)))
+
+
+@pytest.mark.parametrize("norm", ["group", "instance"])
+def test_groups_through_a_channel_norm_are_refused_by_name(norm):
+    """The hard-masked and the exported model would differ: refused before any mask goes
+    on; leaving the layer whole prunes the rest."""
+    model = _ConvGroupNorm(norm)
+    with pytest.raises(
+        ValueError, match=r"layer 'c1' feeds (GroupNorm|InstanceNorm2d) 'norm'.*ignored_layers"
+    ):
+        DTPPruner(model, X1, 0.5)
+    assert not any(parametrize.is_parametrized(m) for m in model.modules())
+    pruner = DTPPruner(model, X1, 0.5, ignored_layers=[model.c1])
+    assert [g.name for g in pruner.groups] == ["c2"]
+    pruner.export()  # checked against the hard-masked model: equal
+
+
+class _Centered(torch.nn.Module):
+    """conv -> BN -> (subtract the mean over channels) -> ReLU: an op Torch-Pruning sees
+    as elementwise, but removing a channel changes the mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.b1 = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+        self.c2 = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.b1(self.c1(x))
+        x = torch.relu(self.c2(torch.relu(x - x.mean(dim=1, keepdim=True))))
+        return self.head(x.mean((2, 3)))
+
+
+def test_export_that_would_differ_from_the_masked_model_raises():
+    from dtp_kernels.pruning import ExportMismatchError
+
+    torch.manual_seed(0)
+    model = _Centered()
+    with torch.no_grad():
+        model.b1.bias.uniform_(-1, 1)
+    pruner = DTPPruner(model, X1, 0.5)
+    with pytest.raises(ExportMismatchError, match=r"differs from the hard-masked model's by"):
+        pruner.export()
