@@ -193,8 +193,13 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         for group, mask in zip(self.groups, masks, strict=True):
             drop = (mask == 0).nonzero().flatten().tolist()
             if drop:
-                conv = names[group.name]
-                graph.get_pruning_group(conv, tp.prune_conv_out_channels, drop).prune()
+                layer = names[group.name]
+                handler = (
+                    tp.prune_linear_out_channels
+                    if isinstance(layer, nn.Linear)
+                    else tp.prune_conv_out_channels
+                )
+                graph.get_pruning_group(layer, handler, drop).prune()
         return pruned
 
     def _unmasked_copy(self) -> nn.Module:

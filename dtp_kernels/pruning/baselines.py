@@ -12,7 +12,7 @@ class L1Pruner(ChannelPruner):
     """Keep the k filters of largest L1 norm in each group (one shot)."""
 
     def channel_scores(self) -> torch.Tensor:
-        return torch.cat([g.conv.weight.detach().flatten(1).abs().sum(1) for g in self.groups])
+        return torch.cat([g.layer.weight.detach().flatten(1).abs().sum(1) for g in self.groups])
 
 
 class RandomPruner(ChannelPruner):

@@ -1,12 +1,12 @@
 """Prunable channel groups, found with Torch-Pruning's DependencyGraph.
 
-A group is the output channels of one convolution together with everything coupled to
-them (its BN, the next layers' input channels, depthwise convolutions in between). Groups
-whose channels meet a residual add or a concatenation involve several convolutions'
-outputs; following the paper (for ResNets: the last convolution of a residual block is
-not pruned), those are left alone, so a basic block prunes its first convolution and a
-bottleneck its first two. Linear layers are never group roots (the classifier keeps its
-outputs).
+A group is the output channels of one convolution, or the output features of one linear
+layer (an MLP's hidden neurons), together with everything coupled to them (its BN, the
+next layers' input channels, depthwise convolutions in between). Groups whose channels
+meet a residual add or a concatenation involve several layers' outputs; following the
+paper (for ResNets: the last convolution of a residual block is not pruned), those are
+left alone, so a basic block prunes its first convolution and a bottleneck its first two.
+A layer whose outputs no layer consumes (the classifier, any model output) keeps them.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from torch import nn
 
 @dataclass
 class ChannelGroup:
-    name: str  # the root convolution's module name
-    conv: nn.Conv2d
+    name: str  # the root layer's module name
+    layer: nn.Conv2d | nn.Linear  # the root: its output channels (features) are the group
     bn: nn.BatchNorm2d | None  # the group's last BN (after a depthwise conv, if any)
     size: int
     kept_out: list[nn.Module] = field(default_factory=list)  # modules losing output channels
@@ -56,16 +56,20 @@ def find_groups(
     """All prunable groups, in model order."""
     names = {module: name for name, module in model.named_modules()}
     order = {module: index for index, module in enumerate(model.modules())}
-    ignored_all = list(ignored) + [m for m in model.modules() if isinstance(m, nn.Linear)]
+    ignored_all = list(ignored)
     found = {}
-    for group in graph.get_all_groups(ignored_layers=ignored_all, root_module_types=[nn.Conv2d]):
-        out_convs, bns, outs, ins, norms = [], [], [], [], []
+    roots = [nn.Conv2d, nn.Linear]
+    for group in graph.get_all_groups(ignored_layers=ignored_all, root_module_types=roots):
+        out_layers, bns, outs, ins, norms = [], [], [], [], []
         for dep, _idxs in group:
             module, handler = dep.target.module, dep.handler
             if handler in (tp.prune_conv_out_channels, tp.prune_depthwise_conv_out_channels):
                 outs.append(module)
                 if not _is_depthwise(module):
-                    out_convs.append(module)
+                    out_layers.append(module)
+            elif handler == tp.prune_linear_out_channels:
+                outs.append(module)
+                out_layers.append(module)
             elif handler == tp.prune_batchnorm_out_channels:
                 bns.append(module)
                 outs.append(module)
@@ -77,11 +81,12 @@ def find_groups(
                 tp.prune_linear_in_channels,
             ):
                 ins.append(module)
-        if len(out_convs) != 1 or out_convs[0] in ignored:
-            continue  # coupled through a residual add or a concatenation, or ignored
-        conv = out_convs[0]
+        if len(out_layers) != 1 or out_layers[0] in ignored or not ins:
+            continue  # coupled through a residual add or a concatenation, ignored, or an output
+        layer = out_layers[0]
         # Mask at the last affine op before the nonlinearity that ends the group: a
         # depthwise conv + BN after the root would otherwise add its BN bias back.
         bn = max(bns, key=lambda b: order[b], default=None)
-        found[conv] = ChannelGroup(names[conv], conv, bn, conv.out_channels, outs, ins, norms)
+        size = layer.out_channels if isinstance(layer, nn.Conv2d) else layer.out_features
+        found[layer] = ChannelGroup(names[layer], layer, bn, size, outs, ins, norms)
     return [found[m] for m in model.modules() if m in found]

@@ -129,7 +129,7 @@ class DTPPruner(ChannelPruner):
             self.theta = nn.Parameter(torch.logit(alpha.clamp(1e-4, 1 - 1e-4)).to(device))
             self._flops = FlopsRatio(self._layers, self.groups)
         if granularity == "filter":  # L2 norms of the filters (paper, Sec. 4)
-            initial = [g.conv.weight.detach().flatten(1).norm(dim=1) for g in self.groups]
+            initial = [g.layer.weight.detach().flatten(1).norm(dim=1) for g in self.groups]
         else:  # |w| of every weight
             initial = [g.module.weight.detach().abs().flatten() for g in self.groups]
         self.scores = nn.Parameter(torch.cat(initial).float().to(device))
@@ -173,18 +173,19 @@ class DTPPruner(ChannelPruner):
                 read_folded_first(group.bn, name, self._source, slot)
                 self._fold.append((index, group.bn.parametrizations[name].original))
         elif self.mask_at != "activation" and group.bn is None:
-            for name in ("weight", "bias") if group.conv.bias is not None else ("weight",):
+            for name in ("weight", "bias") if group.layer.bias is not None else ("weight",):
                 parametrize.register_parametrization(
-                    group.conv, name, ScaleRows(self._source, index)
+                    group.layer, name, ScaleRows(self._source, index)
                 )
         else:  # on the activations, with the fused epilogue
-            target = group.bn if group.bn is not None else group.conv
+            target = group.bn if group.bn is not None else group.layer
+            features_last = isinstance(group.layer, nn.Linear)  # (..., features)
 
             def hook(_module, _inputs, output, index=index):
-                mask = self._source.get(index)
-                return masked_channel_epilogue(
-                    output, mask.to(output.dtype), backend=self.epilogue_backend
-                )
+                mask = self._source.get(index).to(output.dtype)
+                if features_last:
+                    return output * mask
+                return masked_channel_epilogue(output, mask, backend=self.epilogue_backend)
 
             self._handles.append(target.register_forward_hook(hook))
 

@@ -139,7 +139,7 @@ def test_baselines_same_interface(cls):
     assert count_params(exported) == pruner.report()["params_after"]
     if cls is L1Pruner:
         group, mask = pruner.groups[0], masks[0]
-        l1 = group.conv.weight.detach().flatten(1).abs().sum(1)
+        l1 = group.layer.weight.detach().flatten(1).abs().sum(1)
         assert l1[mask == 1].min() >= l1[mask == 0].max()
 
 
@@ -471,3 +471,71 @@ def test_export_that_would_differ_from_the_masked_model_raises():
     pruner = DTPPruner(model, X1, 0.5)
     with pytest.raises(ExportMismatchError, match=r"differs from the hard-masked model's by"):
         pruner.export()
+
+
+def _mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Flatten(),
+        torch.nn.Linear(48, 32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 24),
+        torch.nn.GELU(),
+        torch.nn.Linear(24, 5),
+    )
+
+
+@pytest.mark.parametrize("mask_at", ["auto", "activation"])
+def test_mlp_hidden_neurons_are_groups(mask_at):
+    """Linear-rooted groups: the hidden neurons of an MLP, the classifier's outputs never;
+    exact counts, a gradient on every score, export equal to the hard-masked model."""
+    torch.manual_seed(0)
+    model = _mlp()
+    x = torch.randn(8, 3, 4, 4)
+    pruner = DTPPruner(model, x[:1], 0.5, mask_at=mask_at)
+    assert [(g.name, g.size) for g in pruner.groups] == [("1", 32), ("3", 24)]
+    assert pruner.kept_counts() == [16, 12]
+    model.train()
+    model(x).square().sum().backward()
+    assert torch.all(pruner.scores.grad != 0)
+    exported = pruner.export()  # checked against the hard-masked model inside
+    assert [m.out_features for m in exported.modules() if isinstance(m, torch.nn.Linear)] == [
+        16,
+        12,
+        5,
+    ]
+    assert count_params(exported) == pruner.report()["params_after"]
+
+
+def test_vision_transformer_mlp_neurons_prune_and_export():
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.VisionTransformer(
+        image_size=32,
+        patch_size=8,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=32,
+        mlp_dim=64,
+        num_classes=10,
+    )
+    torch.nn.init.normal_(model.heads.head.weight, std=0.1)  # torchvision zero-inits it
+    x = torch.randn(4, 3, 32, 32)
+    pruner = DTPPruner(model, x[:1], 0.5)
+    assert [g.name for g in pruner.groups] == [
+        f"encoder.layers.encoder_layer_{i}.mlp.0" for i in (0, 1)
+    ]
+    model.train()
+    model(x).square().mean().backward()
+    assert torch.all(pruner.scores.grad != 0)
+    exported = pruner.export()
+    hidden = [m.out_features for n, m in exported.named_modules() if n.endswith("mlp.0")]
+    assert hidden == [32, 32] and count_params(exported) == pruner.report()["params_after"]
+
+
+def test_linear_group_through_layer_norm_is_refused():
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.ReLU(), torch.nn.Linear(16, 3)
+    )
+    with pytest.raises(ValueError, match=r"layer '0' feeds LayerNorm '1'"):
+        DTPPruner(model, torch.randn(1, 8), 0.5)
