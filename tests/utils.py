@@ -3,6 +3,10 @@ training loop that compares a backend with the literal reference, and the low-pr
 check. Imported after conftest.py has set TRITON_INTERPRET (pyproject's pythonpath puts
 tests/ on sys.path, so every test folder imports it as `utils`)."""
 
+import os
+import sys
+from pathlib import Path
+
 import torch
 
 import dtp_kernels
@@ -95,3 +99,44 @@ def check_low_precision(backend, dtype, device="cpu"):
     torch.testing.assert_close(mask.double().cpu(), ref, rtol=rtol, atol=atol)
     mask.float().pow(2).sum().backward()
     assert s.grad.dtype == dtype and torch.isfinite(s.grad.float()).all()
+
+
+# -- running `dtp prune` in a subprocess, as the resume and preemption tests do ----------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def prune_command(out: Path, overrides: list[str], *extra: str) -> list[str]:
+    """`python -m dtp_kernels prune` on the digits recipe with `overrides`, into `out`."""
+    sets = [arg for s in overrides for arg in ("--set", s)]
+    config = str(ROOT / "configs" / "digits.yaml")
+    return [
+        sys.executable,
+        "-m",
+        "dtp_kernels",
+        "prune",
+        "--config",
+        config,
+        *sets,
+        "--out",
+        str(out),
+        *extra,
+    ]
+
+
+def subprocess_environment() -> dict:
+    """This environment with the checkout importable and two threads (bitwise runs)."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+
+
+def final_state(out: Path) -> dict[str, torch.Tensor]:
+    """Every tensor a finished run ends with: each stage's model, and the DTP stage's
+    pruner (scores, transport state)."""
+    tensors = {}
+    for stage in ("pretrain", "dtp", "finetune"):
+        payload = torch.load(out / "checkpoints" / f"{stage}.pt", weights_only=True)
+        assert payload["done"], f"{stage} did not finish"
+        for part in ("model", "pruner"):
+            for key, value in (payload[part] or {}).items():
+                tensors[f"{stage}/{part}/{key}"] = value
+    return tensors

@@ -10,19 +10,18 @@ did not restore the RNG state would train differently."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from utils import final_state, prune_command, subprocess_environment
+
 pytestmark = pytest.mark.slow  # end to end or long: `make test-fast` leaves it out
 
-ROOT = Path(__file__).resolve().parents[2]
 OVERRIDES = [
     "pretrain.epochs=2",
     "prune.epochs=3",
@@ -34,40 +33,13 @@ STOPS = [(signal.SIGTERM, "pretrain"), (signal.SIGINT, "dtp"), (signal.SIGUSR1, 
 
 
 def command(out: Path, *extra: str) -> list[str]:
-    sets = [arg for s in OVERRIDES for arg in ("--set", s)]
-    return [
-        sys.executable,
-        "-m",
-        "dtp_kernels",
-        "prune",
-        "--config",
-        str(ROOT / "configs" / "digits.yaml"),
-        *sets,
-        "--out",
-        str(out),
-        *extra,
-    ]
-
-
-def environment() -> dict:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
-
-
-def final_state(out: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for stage in ("pretrain", "dtp", "finetune"):
-        payload = torch.load(out / "checkpoints" / f"{stage}.pt", weights_only=True)
-        assert payload["done"]
-        for part in ("model", "pruner"):
-            for key, value in (payload[part] or {}).items():
-                tensors[f"{stage}/{part}/{key}"] = value
-    return tensors
+    return prune_command(out, OVERRIDES, *extra)
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("uninterrupted") / "run"
-    subprocess.run(command(out), env=environment(), check=True, capture_output=True)
+    subprocess.run(command(out), env=subprocess_environment(), check=True, capture_output=True)
     return out
 
 
@@ -77,7 +49,11 @@ def test_signal_checkpoints_mid_epoch_and_resume_is_bitwise_equal(
 ):
     out = tmp_path / "run"
     process = subprocess.Popen(
-        command(out), env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        command(out),
+        env=subprocess_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     first_epoch = out / "checkpoints" / f"{stage}.pt"
     while not first_epoch.exists() and process.poll() is None:
@@ -92,7 +68,7 @@ def test_signal_checkpoints_mid_epoch_and_resume_is_bitwise_equal(
     assert not saved["done"] and saved["step"] >= 1  # after the step in flight
     assert not (out / "summary.json").exists()
     resumed = subprocess.run(
-        command(out, "--resume"), env=environment(), capture_output=True, text=True
+        command(out, "--resume"), env=subprocess_environment(), capture_output=True, text=True
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     want, got = final_state(uninterrupted), final_state(out)

@@ -6,7 +6,6 @@ with a clear error before anything is loaded."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
@@ -18,42 +17,14 @@ import pytest
 import torch
 
 from dtp_kernels.pipeline import checkpoint as ckpt
+from utils import final_state, prune_command, subprocess_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERRIDES = ["pretrain.epochs=3", "prune.epochs=4", "finetune.epochs=3"]
 
 
 def command(out: Path, *extra: str) -> list[str]:
-    sets = [arg for s in OVERRIDES for arg in ("--set", s)]
-    return [
-        sys.executable,
-        "-m",
-        "dtp_kernels",
-        "prune",
-        "--config",
-        str(ROOT / "configs" / "digits.yaml"),
-        *sets,
-        "--out",
-        str(out),
-        *extra,
-    ]
-
-
-def environment() -> dict:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
-
-
-def final_state(out: Path) -> dict[str, torch.Tensor]:
-    """Every tensor the run ends with: the DTP stage's pruner (scores, transport state)
-    and model, and the fine-tuned model."""
-    tensors = {}
-    for stage in ("pretrain", "dtp", "finetune"):
-        payload = torch.load(out / "checkpoints" / f"{stage}.pt", weights_only=True)
-        assert payload["done"]
-        for part in ("model", "pruner"):
-            for key, value in (payload[part] or {}).items():
-                tensors[f"{stage}/{part}/{key}"] = value
-    return tensors
+    return prune_command(out, OVERRIDES, *extra)
 
 
 def metrics(out: Path) -> list[dict]:
@@ -63,13 +34,15 @@ def metrics(out: Path) -> list[dict]:
 @pytest.mark.slow
 def test_sigkill_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
     reference = tmp_path / "uninterrupted"
-    subprocess.run(command(reference), env=environment(), check=True, capture_output=True)
+    subprocess.run(
+        command(reference), env=subprocess_environment(), check=True, capture_output=True
+    )
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     for attempt in range(4):
         run = tmp_path / f"killed{attempt}"
         quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-        process = subprocess.Popen(command(run), env=environment(), **quiet)
+        process = subprocess.Popen(command(run), env=subprocess_environment(), **quiet)
         while not (run / "checkpoints").exists() and process.poll() is None:
             time.sleep(0.01)
         time.sleep(rng.uniform(0.0, 1.5) / (attempt + 1))  # a random epoch, mid-step
@@ -82,7 +55,7 @@ def test_sigkill_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
     stages = sorted(p.name for p in (run / "checkpoints").glob("*.pt"))
     assert stages, "killed before the first checkpoint"
     resumed = subprocess.run(
-        command(run, "--resume"), env=environment(), capture_output=True, text=True
+        command(run, "--resume"), env=subprocess_environment(), capture_output=True, text=True
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     want, got = final_state(reference), final_state(run)
@@ -126,7 +99,7 @@ def run_pretrain_checkpoint(tmp_path: Path, *overrides: str) -> Path:
             "--out",
             str(out),
         ],
-        env=environment(),
+        env=subprocess_environment(),
         check=True,
         capture_output=True,
     )
