@@ -60,8 +60,17 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         all_groups = self._find_groups(model, inputs, list(ignored_layers))
         model.train(was_training)  # Torch-Pruning's tracing leaves the model in eval mode
         convs = [name for name, m in model.named_modules() if isinstance(m, nn.Conv2d)]
+        kinds = {
+            g.name: "mlp" if isinstance(g.layer, nn.Linear) else "channels"
+            for g in all_groups
+            if hasattr(g, "layer")
+        }
         per_group = ratio_rules.resolve(
-            ratios, [g.name for g in all_groups], {n: i for i, n in enumerate(convs)}, len(convs)
+            ratios,
+            [g.name for g in all_groups],
+            {n: i for i, n in enumerate(convs)},
+            len(convs),
+            kinds,
         )
         self.groups = [g for g in all_groups if per_group[g.name] > 0]
         refused = [g for g in self.groups if getattr(g, "norms", None)]

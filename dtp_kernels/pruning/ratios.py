@@ -1,5 +1,5 @@
-"""Pruning ratios: a float, a dict from module name to ratio, a list (one per stage), or
-the paper's strings.
+"""Pruning ratios: a float, a dict (module names, name patterns or kinds of group to
+ratios), a list (one per stage), or the paper's strings.
 
 "[0, 0.5, 0.5, 0.5]" gives one ratio per ResNet stage (first entry: the stem, then
 layer1, layer2, ...); "[0:0, 1-15:0.5]" gives ratios per convolution index (the i-th
@@ -9,6 +9,7 @@ appendix. A ratio p prunes ceil(n p) of a group's n channels and keeps at least 
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import re
 from collections.abc import Mapping
@@ -56,24 +57,49 @@ def parse_layer_map(text: str) -> dict[int, float]:
     return out
 
 
+KINDS = ("channels", "mlp")  # conv output channels; linear layers' output features
+
+
+def _key_for(name: str, ratios: Mapping, matched: dict, kind: str | None) -> str | None:
+    """The dict key that gives group `name` its ratio: its name, else the first pattern
+    matching it, else its kind; None when none does."""
+    if name in ratios:
+        return name
+    for key in ratios:
+        if key not in KINDS and name in matched[key]:
+            return key
+    return kind if kind in ratios else None
+
+
 def resolve(
     ratios: float | Mapping[str, float] | str,
     names: list[str],
     conv_index: dict[str, int],
     all_convs: int,
+    kinds: dict[str, str] | None = None,
 ) -> dict[str, float]:
-    """Ratio of every group root (by module name); groups absent from a dict get 0."""
+    """Ratio of every group root (by module name); groups a dict does not reach get 0.
+
+    A dict's keys are module names, fnmatch patterns over them ("layer3.*"), or a kind
+    of group ("channels": convolutions, "mlp": linear layers); a name beats a pattern,
+    a pattern beats a kind. `kinds` maps each group name to its kind."""
     if isinstance(ratios, (int, float)) and not isinstance(ratios, bool):
         ratio = check_ratio(ratios, "ratios")
         return {name: ratio for name in names}
     if isinstance(ratios, Mapping):
-        unknown = sorted(set(ratios) - set(names))
+        kinds = kinds or {}
+        matched = {key: [n for n in names if fnmatch.fnmatchcase(n, key)] for key in ratios}
+        unknown = sorted(k for k in ratios if not matched[k] and k not in KINDS)
         if unknown:
             raise ValueError(
-                f"ratios names {unknown}, which are not prunable layers of this model; "
-                f"prunable: {names}"
+                f"ratios names {unknown}, which match no prunable layer of this model; "
+                f"prunable: {names}; kinds: {list(KINDS)}"
             )
-        return {name: check_ratio(ratios.get(name, 0.0), f"ratios[{name!r}]") for name in names}
+        out = {}
+        for name in names:
+            key = _key_for(name, ratios, matched, kinds.get(name))
+            out[name] = check_ratio(ratios[key], f"ratios[{key!r}]") if key else 0.0
+        return out
     if isinstance(ratios, (list, tuple)):  # [0, 0.5, 0.5, 0.5]: the per-stage form
         ratios = (
             "[" + ", ".join(str(check_ratio(r, f"ratios {list(ratios)!r}")) for r in ratios) + "]"

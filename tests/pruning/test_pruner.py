@@ -192,7 +192,7 @@ BAD = [
     (dict(ratios=-0.1), ValueError, r"outside \[0, 1\)"),
     (dict(ratios="[0, 0.5, 0.5]"), ValueError, r"gives 3 stages, the model has 4"),
     (dict(ratios="[0:0, 1-25:0.5]"), ValueError, r"indices \[19, 20, .*the model has 19"),
-    (dict(ratios={"layer9.conv1": 0.5}), ValueError, r"not prunable layers of this model"),
+    (dict(ratios={"layer9.conv1": 0.5}), ValueError, r"match no prunable layer of this model"),
     (dict(example_inputs=torch.randn(1, 5, 32, 32)), ValueError, r"do not run through"),
     (dict(budget="flops2"), ValueError, r"budget = 'flops2'"),
     (
@@ -539,3 +539,30 @@ def test_linear_group_through_layer_norm_is_refused():
     )
     with pytest.raises(ValueError, match=r"layer '0' feeds LayerNorm '1'"):
         DTPPruner(model, torch.randn(1, 8), 0.5)
+
+
+def test_ratios_by_kind_pattern_and_name():
+    """A dict of ratios takes module names, fnmatch patterns and kinds of group; a name
+    beats a pattern, a pattern beats a kind."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8, 16),
+        torch.nn.ReLU(),
+        torch.nn.Linear(16, 3),
+    )
+    pruner = DTPPruner(model, X1, {"channels": 0.5, "mlp": 0.25, "2": 0.75})
+    assert dict(zip([g.name for g in pruner.groups], pruner.kept, strict=True)) == {
+        "0": 4,
+        "2": 2,
+        "6": 12,
+    }
+    pruner = DTPPruner(_mlp(), torch.randn(1, 3, 4, 4), {"[13]": 0.5})  # a pattern
+    assert pruner.kept == [16, 12]
+    with pytest.raises(ValueError, match=r"match no prunable layer.*kinds: \['channels', 'mlp'\]"):
+        DTPPruner(_mlp(), torch.randn(1, 3, 4, 4), {"attention": 0.5})
