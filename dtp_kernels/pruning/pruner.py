@@ -179,13 +179,14 @@ class DTPPruner(ChannelPruner):
                 )
         else:  # on the activations, with the fused epilogue
             target = group.bn if group.bn is not None else group.layer
-            features_last = isinstance(group.layer, nn.Linear)  # (..., features)
+            # a linear layer's features are the last dim (batch, tokens, features)
+            channel_dim = -1 if isinstance(group.layer, nn.Linear) else 1
 
-            def hook(_module, _inputs, output, index=index):
+            def hook(_module, _inputs, output, index=index, channel_dim=channel_dim):
                 mask = self._source.get(index).to(output.dtype)
-                if features_last:
-                    return output * mask
-                return masked_channel_epilogue(output, mask, backend=self.epilogue_backend)
+                return masked_channel_epilogue(
+                    output, mask, channel_dim=channel_dim, backend=self.epilogue_backend
+                )
 
             self._handles.append(target.register_forward_hook(hook))
 

@@ -506,7 +506,9 @@ def test_mlp_hidden_neurons_are_groups(mask_at):
     assert count_params(exported) == pruner.report()["params_after"]
 
 
-def test_vision_transformer_mlp_neurons_prune_and_export():
+@pytest.mark.parametrize("mask_at", ["auto", "activation"])
+def test_vision_transformer_mlp_neurons_prune_and_export(mask_at):
+    """(batch, tokens, features) activations: the fused epilogue on the last dim."""
     import torchvision
 
     torch.manual_seed(0)
@@ -521,7 +523,7 @@ def test_vision_transformer_mlp_neurons_prune_and_export():
     )
     torch.nn.init.normal_(model.heads.head.weight, std=0.1)  # torchvision zero-inits it
     x = torch.randn(4, 3, 32, 32)
-    pruner = DTPPruner(model, x[:1], 0.5)
+    pruner = DTPPruner(model, x[:1], 0.5, mask_at=mask_at)
     assert [g.name for g in pruner.groups] == [
         f"encoder.layers.encoder_layer_{i}.mlp.0" for i in (0, 1)
     ]
