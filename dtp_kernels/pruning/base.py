@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from . import ratios as ratio_rules
-from .cost import count_params, flops_after, params_after, trace_layers
+from .cost import COSTED, count_params, flops_after, params_after, trace_layers
 from .groups import build_graph, find_groups
 
 
@@ -166,7 +166,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         lost = self._kept_channels(masks)
         params = 0
         for module in self.model.modules():
-            if isinstance(module, (nn.Conv2d, nn.Linear, nn.modules.batchnorm._BatchNorm)):
+            if isinstance(module, (*COSTED, nn.modules.batchnorm._BatchNorm)):
                 params += params_after(module, *lost.get(module, (0, 0)))
             elif not isinstance(module, parametrize.ParametrizationList):  # owner counts it
                 params += sum(p.numel() for p in module.parameters(recurse=False))

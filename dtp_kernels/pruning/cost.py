@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-COSTED = (nn.Conv2d, nn.Linear)  # the layers whose FLOPs are counted
+CONV = (nn.Conv1d, nn.Conv2d)
+COSTED = (*CONV, nn.Linear)  # the layers whose FLOPs are counted
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class Layer:
     @property
     def depthwise(self) -> bool:
         m = self.module
-        return isinstance(m, nn.Conv2d) and m.groups > 1 and m.groups == m.in_channels
+        return isinstance(m, CONV) and m.groups > 1 and m.groups == m.in_channels
 
     def channels(self, out_lost: int = 0, in_lost: int = 0) -> tuple[int, int, int]:
         """(out, in, groups) after losing channels; depthwise loses both together."""
@@ -58,7 +59,7 @@ def trace_layers(model: nn.Module, example_inputs: torch.Tensor | tuple) -> list
     layers: list[Layer] = []
 
     def hook(module: nn.Module, _inputs, output: torch.Tensor) -> None:
-        if isinstance(module, nn.Conv2d):
+        if isinstance(module, CONV):
             layers.append(
                 Layer(
                     module,
@@ -96,7 +97,7 @@ def params_after(module: nn.Module, out_lost: int, in_lost: int) -> int:
     """Parameters of a conv, linear or BN layer after losing channels."""
     if isinstance(module, COSTED):
         out_c, in_c, groups = Layer(module, 0, 0).channels(out_lost, in_lost)
-        kernel = math.prod(module.kernel_size) if isinstance(module, nn.Conv2d) else 1
+        kernel = math.prod(module.kernel_size) if isinstance(module, CONV) else 1
         return out_c * (in_c // groups) * kernel + (out_c if module.bias is not None else 0)
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         return 2 * (module.num_features - out_lost) if module.affine else 0

@@ -20,8 +20,8 @@ from torch import nn
 @dataclass
 class ChannelGroup:
     name: str  # the root layer's module name
-    layer: nn.Conv2d | nn.Linear  # the root: its output channels (features) are the group
-    bn: nn.BatchNorm2d | None  # the group's last BN (after a depthwise conv, if any)
+    layer: nn.Conv1d | nn.Conv2d | nn.Linear  # the root: its output channels (features)
+    bn: nn.modules.batchnorm._BatchNorm | None  # the group's last affine op, when a BN
     size: int
     kept_out: list[nn.Module] = field(default_factory=list)  # modules losing output channels
     kept_in: list[nn.Module] = field(default_factory=list)  # modules losing input channels
@@ -29,6 +29,13 @@ class ChannelGroup:
     # channels (GroupNorm, LayerNorm) or add a bias to masked ones (InstanceNorm), so the
     # masked model and the exported one would differ (the pruner refuses such a group)
     norms: list[nn.Module] = field(default_factory=list)
+    # where a parameter mask goes when `bn` is None: the rows of the root, or of the
+    # depthwise conv after it whose bias would otherwise be added to masked channels
+    rows: nn.Module | None = None
+
+    def __post_init__(self) -> None:
+        if self.rows is None:
+            self.rows = self.layer
 
 
 CHANNEL_MIXING_NORMS = (
@@ -40,7 +47,7 @@ CHANNEL_MIXING_NORMS = (
 
 def _is_depthwise(module: nn.Module) -> bool:
     return (
-        isinstance(module, nn.Conv2d)
+        isinstance(module, (nn.Conv1d, nn.Conv2d))
         and module.groups > 1
         and (module.groups == module.in_channels == module.out_channels)
     )
@@ -58,15 +65,17 @@ def find_groups(
     order = {module: index for index, module in enumerate(model.modules())}
     ignored_all = list(ignored)
     found = {}
-    roots = [nn.Conv2d, nn.Linear]
+    roots = [nn.Conv1d, nn.Conv2d, nn.Linear]
     for group in graph.get_all_groups(ignored_layers=ignored_all, root_module_types=roots):
-        out_layers, bns, outs, ins, norms = [], [], [], [], []
+        out_layers, bns, outs, ins, norms, depthwise = [], [], [], [], [], []
         for dep, _idxs in group:
             module, handler = dep.target.module, dep.handler
             if handler in (tp.prune_conv_out_channels, tp.prune_depthwise_conv_out_channels):
                 outs.append(module)
                 if not _is_depthwise(module):
                     out_layers.append(module)
+                elif module.bias is not None:
+                    depthwise.append(module)
             elif handler == tp.prune_linear_out_channels:
                 outs.append(module)
                 out_layers.append(module)
@@ -85,8 +94,11 @@ def find_groups(
             continue  # coupled through a residual add or a concatenation, ignored, or an output
         layer = out_layers[0]
         # Mask at the last affine op before the nonlinearity that ends the group: a
-        # depthwise conv + BN after the root would otherwise add its BN bias back.
-        bn = max(bns, key=lambda b: order[b], default=None)
-        size = layer.out_channels if isinstance(layer, nn.Conv2d) else layer.out_features
-        found[layer] = ChannelGroup(names[layer], layer, bn, size, outs, ins, norms)
+        # depthwise conv (with a bias) or its BN after the root would otherwise add its
+        # bias back to the masked channels.
+        last = max([*bns, *depthwise], key=lambda m: order[m], default=None)
+        bn = last if last in bns else None
+        rows = last if last in depthwise else layer
+        size = layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
+        found[layer] = ChannelGroup(names[layer], layer, bn, size, outs, ins, norms, rows)
     return [found[m] for m in model.modules() if m in found]

@@ -24,7 +24,7 @@ from ..masked_channel_epilogue import masked_channel_epilogue
 from ..transport_mask import transport_mask
 from ..transport_state import TransportState
 from .base import ChannelPruner
-from .cost import FlopsRatio
+from .cost import COSTED, FlopsRatio
 from .masking import (
     FoldPlan,
     HardMasks,
@@ -156,7 +156,7 @@ class DTPPruner(ChannelPruner):
         return [
             LayerWeights(name, module, module.weight.numel())
             for name, module in model.named_modules()
-            if isinstance(module, (nn.Conv2d, nn.Linear)) and module not in ignored
+            if isinstance(module, COSTED) and module not in ignored
         ]
 
     def _attach_mask(self, index: int, group) -> None:
@@ -173,12 +173,12 @@ class DTPPruner(ChannelPruner):
                 read_folded_first(group.bn, name, self._source, slot)
                 self._fold.append((index, group.bn.parametrizations[name].original))
         elif self.mask_at != "activation" and group.bn is None:
-            for name in ("weight", "bias") if group.layer.bias is not None else ("weight",):
+            for name in ("weight", "bias") if group.rows.bias is not None else ("weight",):
                 parametrize.register_parametrization(
-                    group.layer, name, ScaleRows(self._source, index)
+                    group.rows, name, ScaleRows(self._source, index)
                 )
         else:  # on the activations, with the fused epilogue
-            target = group.bn if group.bn is not None else group.layer
+            target = group.bn if group.bn is not None else group.rows
             # a linear layer's features are the last dim (batch, tokens, features)
             channel_dim = -1 if isinstance(group.layer, nn.Linear) else 1
 

@@ -568,3 +568,40 @@ def test_ratios_by_kind_pattern_and_name():
     assert pruner.kept == [16, 12]
     with pytest.raises(ValueError, match=r"match no prunable layer.*kinds: \['channels', 'mlp'\]"):
         DTPPruner(_mlp(), torch.randn(1, 3, 4, 4), {"attention": 0.5})
+
+
+class _Conv1dNet(torch.nn.Module):
+    """Sequence model: Conv1d -> BN1d -> ReLU, twice, then a pooled classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.b1 = torch.nn.Conv1d(4, 16, 5, padding=2), torch.nn.BatchNorm1d(16)
+        self.c2, self.b2 = torch.nn.Conv1d(16, 12, 3, padding=1), torch.nn.BatchNorm1d(12)
+        self.c3 = torch.nn.Conv1d(12, 12, 3, padding=1, groups=12)  # depthwise, no BN
+        self.head = torch.nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.b1(self.c1(x)))
+        x = torch.relu(self.c3(torch.relu(self.b2(self.c2(x)))))
+        return self.head(x.mean(2))
+
+
+@pytest.mark.parametrize("mask_at", ["auto", "activation"])
+def test_conv1d_groups(mask_at):
+    torch.manual_seed(0)
+    model = _Conv1dNet()
+    with torch.no_grad():
+        for bn in (model.b1, model.b2):
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(6, 4, 20)
+    pruner = DTPPruner(model, x[:1], 0.5, mask_at=mask_at)
+    assert [(g.name, g.size) for g in pruner.groups] == [("c1", 16), ("c2", 12)]
+    model.train()
+    model(x).square().sum().backward()
+    assert torch.all(pruner.scores.grad != 0)
+    exported = pruner.export()  # checked against the hard-masked model inside
+    assert [exported.c1.out_channels, exported.c2.out_channels, exported.c3.groups] == [8, 6, 6]
+    report = pruner.report()
+    assert count_params(exported) == report["params_after"]
+    assert count_flops(exported, x[:1]) == report["flops_after"] < report["flops_before"]
