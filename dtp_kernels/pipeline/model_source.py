@@ -119,8 +119,10 @@ def example_input(spec: Mapping, dataset_sample: torch.Tensor | None) -> torch.T
     """One example input (batch 1) for tracing: model.input_shape, else a data sample."""
     shape = spec.get("input_shape")
     if shape is not None:
-        positive = all(isinstance(d, int) and d > 0 for d in shape or [None])
-        if not (isinstance(shape, list) and positive):
+        dims = shape if isinstance(shape, list) else []
+        if not dims or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims
+        ):
             raise ValueError(
                 f"model.input_shape = {shape!r}; a list of positive ints, "
                 "without the batch dimension, e.g. [3, 224, 224]"

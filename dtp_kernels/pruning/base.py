@@ -61,9 +61,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         model.train(was_training)  # Torch-Pruning's tracing leaves the model in eval mode
         convs = [name for name, m in model.named_modules() if isinstance(m, nn.Conv2d)]
         kinds = {
-            g.name: "mlp" if isinstance(g.layer, nn.Linear) else "channels"
-            for g in all_groups
-            if hasattr(g, "layer")
+            g.name: "mlp" if isinstance(g.layer, nn.Linear) else "channels" for g in all_groups
         }
         per_group = ratio_rules.resolve(
             ratios,
@@ -73,7 +71,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             kinds,
         )
         self.groups = [g for g in all_groups if per_group[g.name] > 0]
-        refused = [g for g in self.groups if getattr(g, "norms", None)]
+        refused = [g for g in self.groups if g.norms]
         if refused:
             names = {m: n for n, m in model.named_modules()}
             feeds = {

@@ -45,8 +45,10 @@ class LayerWeights:
     """An unstructured segment: every weight of one conv or linear layer."""
 
     name: str
-    module: nn.Module
+    layer: nn.Module
     size: int
+    # zeroed weights export exactly as they were masked, whatever follows the layer
+    norms: tuple = ()
 
 
 def _tensors(output) -> list[torch.Tensor]:
@@ -131,7 +133,7 @@ class DTPPruner(ChannelPruner):
         if granularity == "filter":  # L2 norms of the filters (paper, Sec. 4)
             initial = [g.layer.weight.detach().flatten(1).norm(dim=1) for g in self.groups]
         else:  # |w| of every weight
-            initial = [g.module.weight.detach().abs().flatten() for g in self.groups]
+            initial = [g.layer.weight.detach().abs().flatten() for g in self.groups]
         self.scores = nn.Parameter(torch.cat(initial).float().to(device))
         segments = [sum(self.sizes)] if budget == "global" else self.sizes
         self.state = TransportState(segments, device=device)
@@ -162,7 +164,7 @@ class DTPPruner(ChannelPruner):
     def _attach_mask(self, index: int, group) -> None:
         if self.granularity == "weight":
             parametrize.register_parametrization(
-                group.module, "weight", ScaleEach(self._source, index)
+                group.layer, "weight", ScaleEach(self._source, index)
             )
             return
         if self.mask_at != "activation" and group.bn is not None and group.bn.affine:

@@ -4,6 +4,7 @@ started from the user's weights file; errors name the field and what is wrong.""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -85,8 +86,9 @@ def test_weights_that_do_not_fit_are_listed_and_nothing_loads(tmp_path):
 def test_input_shape_or_a_data_sample():
     assert model_source.example_input(spec(input_shape=[3, 8, 8]), None).shape == (1, 3, 8, 8)
     assert model_source.example_input(spec(), torch.zeros(4, 1, 8, 8)).shape == (1, 1, 8, 8)
-    with pytest.raises(ValueError, match=r"model.input_shape = \[3, -1\]"):
-        model_source.example_input(spec(input_shape=[3, -1]), None)
+    for bad in ([3, -1], 3, [], [3, True]):
+        with pytest.raises(ValueError, match=rf"model.input_shape = {re.escape(repr(bad))};"):
+            model_source.example_input(spec(input_shape=bad), None)
 
 
 def test_pruning_a_network_nobody_trained_is_refused_before_any_work(tmp_path):

@@ -235,9 +235,12 @@ def test_device_field_is_checked_before_any_work(tmp_path):
 def test_compiled_training_step_matches_eager(tmp_path):
     """run.compile: the DTP and fine-tuning stages under torch.compile (inductor on the
     CPU here) give the eager run's losses and accuracies."""
-    rows = {}
+    from torch._dynamo.utils import counters
+
+    rows, graphs = {}, {}
     for compiled in ("false", "true"):
         out = tmp_path / compiled
+        before = counters["stats"]["unique_graphs"]
         args = [
             "prune",
             "--config",
@@ -259,8 +262,10 @@ def test_compiled_training_step_matches_eager(tmp_path):
             "run.plots=false",
         ]
         assert main(args) == 0
+        graphs[compiled] = counters["stats"]["unique_graphs"] - before
         lines = (out / "metrics.jsonl").read_text().splitlines()
         rows[compiled] = [json.loads(line) for line in lines if '"loss"' in line]
+    assert graphs["false"] == 0 and graphs["true"] >= 2  # each stage's step was compiled
     assert len(rows["true"]) == len(rows["false"]) == 2
     for eager, compiled in zip(rows["false"], rows["true"], strict=True):
         assert compiled["loss"] == pytest.approx(eager["loss"], rel=1e-3)
