@@ -34,14 +34,17 @@ class PreemptionGuard:
     """While active, the signals above set a flag instead of killing the process.
 
     `requested()` is read after every training step; under torch.distributed every rank
-    agrees on it (a max over the ranks on a CPU gloo group, so the GPUs are not synced),
-    so all ranks stop after the same step. Outside the main thread (where Python cannot
+    agrees on it: each step starts a max over the ranks of the flag on a CPU gloo group
+    (the GPUs are not synced) and the next step reads it, so the exchange overlaps a
+    step instead of adding a round trip to it and all ranks stop after the same step,
+    one after the one that saw the signal. Outside the main thread (where Python cannot
     install signal handlers) the guard does nothing."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
         self._group = None
+        self._exchange: tuple[torch.Tensor, object] | None = None  # (flag, pending work)
 
     def __enter__(self) -> PreemptionGuard:
         if threading.current_thread() is threading.main_thread():
@@ -51,7 +54,12 @@ class PreemptionGuard:
             self._group = dist.new_group(backend="gloo")
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *_) -> None:
+        # Every rank finishes the last exchange on a normal end or a preemption (all ranks
+        # are there); after another error the other ranks may never join it.
+        if self._exchange is not None and (exc_type is None or issubclass(exc_type, Preempted)):
+            self._exchange[1].wait()
+        self._exchange = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
@@ -62,9 +70,15 @@ class PreemptionGuard:
         self.signum = signum
 
     def requested(self) -> int | None:
-        """The signal to stop at (0 or None: keep going), the same on every rank."""
+        """The signal to stop at (None: keep going), the same on every rank."""
         if self._group is None:
             return self.signum
+        agreed = None
+        if self._exchange is not None:
+            flag, work = self._exchange
+            work.wait()  # started a step ago: done by now
+            agreed = int(flag) or None
         flag = torch.tensor([self.signum or 0], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return int(flag) or None
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        self._exchange = (flag, work)
+        return agreed

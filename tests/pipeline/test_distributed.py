@@ -6,9 +6,11 @@ they drift apart (the control)."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -108,3 +110,69 @@ def test_torchrun_runs_the_cli_on_two_processes(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert (out / "summary.json").exists() and (out / "checkpoints" / "dtp.pt").exists()
     assert result.stdout.count('"accuracy"') == 1  # rank 0 alone reports
+
+
+def torchrun_prune(out: Path, *extra: str) -> list[str]:
+    sets = ["pretrain.epochs=1", "prune.epochs=3", "finetune.epochs=1"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "dtp_kernels",
+        "prune",
+        "--config",
+        str(ROOT / "configs" / "digits.yaml"),
+        "--out",
+        str(out),
+        "--no-progress",
+        *[a for s in sets for a in ("--set", s)],
+        *extra,
+    ]
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_sigterm_under_torchrun_stops_every_rank_after_one_step_and_resumes(tmp_path):
+    """torchrun forwards SIGTERM to its ranks; they agree on the step to stop after,
+    rank 0 checkpoints it, and --resume ends where an uninterrupted run ends."""
+    from utils import final_state
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    reference = tmp_path / "uninterrupted"
+    subprocess.run(
+        torchrun_prune(reference), cwd=ROOT, env=env, check=True, capture_output=True, timeout=600
+    )
+    out = tmp_path / "run"
+    process = subprocess.Popen(
+        torchrun_prune(out),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    first_epoch = out / "checkpoints" / "dtp.pt"
+    while not first_epoch.exists() and process.poll() is None:
+        time.sleep(0.005)
+    assert process.poll() is None, "the run ended before the DTP stage checkpointed"
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode != 0
+    assert "stopped by SIGTERM in stage dtp" in stderr, stderr[-3000:]
+    saved = torch.load(first_epoch, weights_only=True)
+    assert not saved["done"] and saved["step"] >= 1
+    resumed = subprocess.run(
+        torchrun_prune(out, "--resume"),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    want, got = final_state(reference), final_state(out)
+    for key in want:
+        assert torch.equal(want[key], got[key]), f"{key} differs"
