@@ -1,10 +1,6 @@
 """Paper Table 1: ResNet-56 on CIFAR-10 and VGG-19 on CIFAR-100, five ratios each.
 
-Runs every row over --seeds (default 0 1 2) with the appendix's recipes in
-configs/paper/ and writes results.md (mean ± std after and before fine-tuning, the
-paper's figure beside it) under --out. Until the data set and the dense weights are
-where the recipes say (or --set points at them), it prints what it needs and the
-commands. Each run takes the paper's full schedule: GPU work (see the README).
+Runs its rows over --seeds with configs/paper/; what it needs: python/README.md.
 """
 
 import sys

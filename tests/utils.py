@@ -106,22 +106,16 @@ def check_low_precision(backend, dtype, device="cpu"):
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def prune_command(out: Path, overrides: list[str], *extra: str) -> list[str]:
-    """`python -m dtp_kernels prune` on the digits recipe with `overrides`, into `out`."""
+def prune_argv(out: Path, overrides: list[str], *extra: str) -> list[str]:
+    """The `dtp prune` arguments for the digits recipe with `overrides`, into `out`."""
     sets = [arg for s in overrides for arg in ("--set", s)]
     config = str(ROOT / "configs" / "digits.yaml")
-    return [
-        sys.executable,
-        "-m",
-        "dtp_kernels",
-        "prune",
-        "--config",
-        config,
-        *sets,
-        "--out",
-        str(out),
-        *extra,
-    ]
+    return ["prune", "--config", config, *sets, "--out", str(out), *extra]
+
+
+def prune_command(out: Path, overrides: list[str], *extra: str) -> list[str]:
+    """`python -m dtp_kernels prune` in a subprocess (see prune_argv)."""
+    return [sys.executable, "-m", "dtp_kernels", *prune_argv(out, overrides, *extra)]
 
 
 def subprocess_environment() -> dict:

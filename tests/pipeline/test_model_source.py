@@ -13,6 +13,7 @@ import torch
 from dtp_kernels.cli import main
 from dtp_kernels.models import resnet20
 from dtp_kernels.pipeline import model_source, recipe, run
+from utils import prune_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -110,32 +111,17 @@ def test_prune_the_users_own_model_from_its_weights(tmp_path):
     torch.manual_seed(0)
     torch.save({"state_dict": digits_cnn().state_dict()}, tmp_path / "dense.pt")
     out = tmp_path / "run"
-    code = main(
-        [
-            "prune",
-            "--config",
-            str(ROOT / "configs" / "digits.yaml"),
-            "--out",
-            str(out),
-            "--no-progress",
-            "--set",
-            "model.source=python",
-            "--set",
-            "model.entry=dtp_kernels.models.digits_cnn:digits_cnn",
-            "--set",
-            "model.kwargs={num_classes: 10}",
-            "--set",
-            "model.input_shape=[1, 8, 8]",
-            "--set",
-            f"model.weights={tmp_path / 'dense.pt'}",
-            "--set",
-            "pretrain.epochs=0",
-            "--set",
-            "prune.epochs=1",
-            "--set",
-            "finetune.epochs=1",
-        ]
-    )
+    overrides = [
+        "model.source=python",
+        "model.entry=dtp_kernels.models.digits_cnn:digits_cnn",
+        "model.kwargs={num_classes: 10}",
+        "model.input_shape=[1, 8, 8]",
+        f"model.weights={tmp_path / 'dense.pt'}",
+        "pretrain.epochs=0",
+        "prune.epochs=1",
+        "finetune.epochs=1",
+    ]
+    code = main(prune_argv(out, overrides, "--no-progress"))
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
     model = load_pruned(out / "pruned.pt", trusted=True)

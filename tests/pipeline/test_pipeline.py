@@ -9,6 +9,7 @@ import torch
 
 from dtp_kernels.cli import main
 from dtp_kernels.pipeline import data, recipe, synthetic
+from utils import prune_argv
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -241,26 +242,15 @@ def test_compiled_training_step_matches_eager(tmp_path):
     for compiled in ("false", "true"):
         out = tmp_path / compiled
         before = counters["stats"]["unique_graphs"]
-        args = [
-            "prune",
-            "--config",
-            "configs/digits.yaml",
-            "--out",
-            str(out),
-            "--no-progress",
-            "--set",
+        overrides = [
             "model.weights=random",
-            "--set",
             "pretrain.epochs=0",
-            "--set",
             "prune.epochs=1",
-            "--set",
             "finetune.epochs=1",
-            "--set",
             f"run.compile={compiled}",
-            "--set",
             "run.plots=false",
         ]
+        args = prune_argv(out, overrides, "--no-progress")
         assert main(args) == 0
         graphs[compiled] = counters["stats"]["unique_graphs"] - before
         lines = (out / "metrics.jsonl").read_text().splitlines()
