@@ -42,7 +42,9 @@ RAGGED_LAYOUT = [
 TOLERANCES = {torch.float64: (1e-9, 1e-10), torch.float32: (1e-3, 3e-4)}
 
 
-def run_loop(backend, dtype, iters, steps, layout=RAGGED_LAYOUT, lr=0.05, seed=0, device="cpu"):
+def run_loop(
+    backend, dtype, iters, steps, layout=RAGGED_LAYOUT, lr=0.05, seed=0, device="cpu", worst=None
+):
     """Train scores on a fixed linear loss; compare each step with the reference.
 
     Both paths see the same scores every step (updated with the reference gradient), so
@@ -71,8 +73,10 @@ def run_loop(backend, dtype, iters, steps, layout=RAGGED_LAYOUT, lr=0.05, seed=0
         msg = f"{backend} step {step}"
         got = (m.detach(), s.grad, k.grad)
         want = (m_ref.detach(), s_ref.grad, k_ref.grad)
-        for a, b in zip(got, want, strict=True):
+        for index, (a, b) in enumerate(zip(got, want, strict=True)):
             torch.testing.assert_close(a.double().cpu(), b, rtol=rtol, atol=atol, msg=msg)
+            if worst is not None:  # the largest error of mask, score and keep gradients
+                worst[index] = max(worst[index], float((a.double().cpu() - b).abs().max()))
         ref_state.commit()
         state.commit()
         scores = scores - lr * s_ref.grad
