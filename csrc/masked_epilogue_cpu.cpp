@@ -10,70 +10,28 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <string>
 #include <vector>
+
+#include "common.h"
 
 namespace dtp {
 namespace {
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define DTP_EPILOGUE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define DTP_EPILOGUE_CLONES
-#endif
-#define DTP_EPILOGUE_INLINE inline __attribute__((always_inline))
-
 constexpr int64_t kGrainElements = 32768;  // elements per parallel task, at least
 constexpr int64_t kRowBlock = 64;          // rows per partial-sum block (channels-last)
 
-struct Layout {
-  int64_t outer, channels, inner;
-};
+using Layout = EpilogueLayout;
 
-bool parse_activation(const std::string& activation) {
-  TORCH_CHECK(activation == "none" || activation == "relu",
-              "dtp::masked_channel_epilogue: activation must be 'none' or 'relu', got '",
-              activation, "'");
-  return activation == "relu";
-}
-
-// y in a layout the kernels read directly, and its [outer][C][inner] shape.
-std::pair<at::Tensor, Layout> as_kernel_layout(const at::Tensor& y, int64_t channel_dim) {
-  TORCH_CHECK(y.dim() >= 2, "dtp::masked_channel_epilogue: y must have at least 2 dims, got ",
-              y.dim());
-  const int64_t cd = channel_dim < 0 ? channel_dim + y.dim() : channel_dim;
-  TORCH_CHECK(cd >= 0 && cd < y.dim(), "dtp::masked_channel_epilogue: channel_dim ", channel_dim,
-              " is out of range for a ", y.dim(), "-D tensor");
-  const int64_t channels = y.size(cd);
-  if (cd == 1 &&
-      ((y.dim() == 4 && y.is_contiguous(at::MemoryFormat::ChannelsLast)) ||
-       (y.dim() == 5 && y.is_contiguous(at::MemoryFormat::ChannelsLast3d))) &&
-      !y.is_contiguous()) {
-    return {y, Layout{channels == 0 ? 0 : y.numel() / channels, channels, 1}};
-  }
-  auto yc = y.contiguous();
-  int64_t outer = 1, inner = 1;
-  for (int64_t d = 0; d < cd; ++d) outer *= y.size(d);
-  for (int64_t d = cd + 1; d < y.dim(); ++d) inner *= y.size(d);
-  return {yc, Layout{outer, channels, inner}};
-}
-
-// A per-channel vector (mask or bias) in acc_t.
+// A per-channel vector (mask or bias) in acc_t, on the CPU.
 template <class acc_t>
-std::vector<acc_t> channel_vector(const at::Tensor& t, int64_t channels, const char* name) {
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == channels && t.is_floating_point(),
-              "dtp::masked_channel_epilogue: ", name, " must be a 1-D floating tensor of ",
-              channels, " channels, got shape ", t.sizes());
-  const auto c = t.to(at::kCPU, c10::CppTypeToScalarType<acc_t>::value).contiguous();
-  const acc_t* p = c.template data_ptr<acc_t>();
-  return std::vector<acc_t>(p, p + channels);
+at::Tensor channel_values(const at::Tensor& t, int64_t channels, const char* name) {
+  return channel_vector(t, channels, c10::CppTypeToScalarType<acc_t>::value, name).cpu();
 }
 
 // ---- loops ----
 
 template <bool kRelu, class scalar_t, class acc_t>
-DTP_EPILOGUE_INLINE void forward_plane(const scalar_t* y, int64_t n, acc_t b, acc_t m,
-                                       scalar_t* out) {
+DTP_INLINE void forward_plane(const scalar_t* y, int64_t n, acc_t b, acc_t m, scalar_t* out) {
   for (int64_t i = 0; i < n; ++i) {
     acc_t v = (static_cast<acc_t>(y[i]) + b) * m;
     if constexpr (kRelu) v = v > acc_t(0) ? v : acc_t(0);
@@ -82,8 +40,8 @@ DTP_EPILOGUE_INLINE void forward_plane(const scalar_t* y, int64_t n, acc_t b, ac
 }
 
 template <bool kRelu, class scalar_t, class acc_t>
-DTP_EPILOGUE_INLINE void forward_row(const scalar_t* y, int64_t n, const acc_t* b, const acc_t* m,
-                                     scalar_t* out) {
+DTP_INLINE void forward_row(const scalar_t* y, int64_t n, const acc_t* b, const acc_t* m,
+                            scalar_t* out) {
   for (int64_t i = 0; i < n; ++i) {
     acc_t v = (static_cast<acc_t>(y[i]) + b[i]) * m[i];
     if constexpr (kRelu) v = v > acc_t(0) ? v : acc_t(0);
@@ -93,9 +51,8 @@ DTP_EPILOGUE_INLINE void forward_row(const scalar_t* y, int64_t n, const acc_t* 
 
 // dy = g m with g = dout (masked by the ReLU); returns sum g (y + b) and sum g.
 template <bool kRelu, class scalar_t, class acc_t>
-DTP_EPILOGUE_INLINE std::pair<acc_t, acc_t> backward_plane(const scalar_t* go, const scalar_t* y,
-                                                           int64_t n, acc_t b, acc_t m,
-                                                           scalar_t* dy) {
+DTP_INLINE std::pair<acc_t, acc_t> backward_plane(const scalar_t* go, const scalar_t* y, int64_t n,
+                                                  acc_t b, acc_t m, scalar_t* dy) {
   constexpr int64_t kLanes = 16;
   acc_t sgy[kLanes] = {}, sg[kLanes] = {};
   for (int64_t base = 0; base < n; base += kLanes) {
@@ -119,9 +76,8 @@ DTP_EPILOGUE_INLINE std::pair<acc_t, acc_t> backward_plane(const scalar_t* go, c
 }
 
 template <bool kRelu, class scalar_t, class acc_t>
-DTP_EPILOGUE_INLINE void backward_row(const scalar_t* go, const scalar_t* y, int64_t n,
-                                      const acc_t* b, const acc_t* m, scalar_t* dy, acc_t* sgy,
-                                      acc_t* sg) {
+DTP_INLINE void backward_row(const scalar_t* go, const scalar_t* y, int64_t n, const acc_t* b,
+                             const acc_t* m, scalar_t* dy, acc_t* sgy, acc_t* sg) {
   for (int64_t i = 0; i < n; ++i) {
     const acc_t yb = static_cast<acc_t>(y[i]) + b[i];
     acc_t g = static_cast<acc_t>(go[i]);
@@ -134,33 +90,30 @@ DTP_EPILOGUE_INLINE void backward_row(const scalar_t* go, const scalar_t* y, int
 
 // Entry points with vector-ISA clones (the loops above inline into each clone).
 template <bool kRelu, class scalar_t, class acc_t>
-DTP_EPILOGUE_CLONES void forward_plane_k(const scalar_t* y, int64_t n, acc_t b, acc_t m,
-                                         scalar_t* out) {
+DTP_CLONES void forward_plane_k(const scalar_t* y, int64_t n, acc_t b, acc_t m, scalar_t* out) {
   forward_plane<kRelu>(y, n, b, m, out);
 }
 template <bool kRelu, class scalar_t, class acc_t>
-DTP_EPILOGUE_CLONES void forward_row_k(const scalar_t* y, int64_t n, const acc_t* b, const acc_t* m,
-                                       scalar_t* out) {
+DTP_CLONES void forward_row_k(const scalar_t* y, int64_t n, const acc_t* b, const acc_t* m,
+                              scalar_t* out) {
   forward_row<kRelu>(y, n, b, m, out);
 }
 template <bool kRelu, class scalar_t, class acc_t>
-DTP_EPILOGUE_CLONES std::pair<acc_t, acc_t> backward_plane_k(const scalar_t* go, const scalar_t* y,
-                                                             int64_t n, acc_t b, acc_t m,
-                                                             scalar_t* dy) {
+DTP_CLONES std::pair<acc_t, acc_t> backward_plane_k(const scalar_t* go, const scalar_t* y,
+                                                    int64_t n, acc_t b, acc_t m, scalar_t* dy) {
   return backward_plane<kRelu>(go, y, n, b, m, dy);
 }
 template <bool kRelu, class scalar_t, class acc_t>
-DTP_EPILOGUE_CLONES void backward_row_k(const scalar_t* go, const scalar_t* y, int64_t n,
-                                        const acc_t* b, const acc_t* m, scalar_t* dy, acc_t* sgy,
-                                        acc_t* sg) {
+DTP_CLONES void backward_row_k(const scalar_t* go, const scalar_t* y, int64_t n, const acc_t* b,
+                               const acc_t* m, scalar_t* dy, acc_t* sgy, acc_t* sg) {
   backward_row<kRelu>(go, y, n, b, m, dy, sgy, sg);
 }
 
 // ---- host side ----
 
 template <bool kRelu, class scalar_t, class acc_t>
-void forward_impl(const at::Tensor& y, const Layout& L, const std::vector<acc_t>& m,
-                  const std::vector<acc_t>& b, at::Tensor& out) {
+void forward_impl(const at::Tensor& y, const Layout& L, const acc_t* m, const acc_t* b,
+                  at::Tensor& out) {
   const scalar_t* yp = y.data_ptr<scalar_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   if (L.inner > 1) {
@@ -176,17 +129,16 @@ void forward_impl(const at::Tensor& y, const Layout& L, const std::vector<acc_t>
     const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(L.channels, 1));
     at::parallel_for(0, L.outer, grain, [&](int64_t lo, int64_t hi) {
       for (int64_t r = lo; r < hi; ++r) {
-        forward_row_k<kRelu>(yp + r * L.channels, L.channels, b.data(), m.data(),
-                             op + r * L.channels);
+        forward_row_k<kRelu>(yp + r * L.channels, L.channels, b, m, op + r * L.channels);
       }
     });
   }
 }
 
 template <bool kRelu, class scalar_t, class acc_t>
-void backward_impl(const at::Tensor& go, const at::Tensor& y, const Layout& L,
-                   const std::vector<acc_t>& m, const std::vector<acc_t>& b, at::Tensor& dy,
-                   std::vector<double>& sum_gy, std::vector<double>& sum_g) {
+void backward_impl(const at::Tensor& go, const at::Tensor& y, const Layout& L, const acc_t* m,
+                   const acc_t* b, at::Tensor& dy, std::vector<double>& sum_gy,
+                   std::vector<double>& sum_g) {
   const scalar_t* gp = go.data_ptr<scalar_t>();
   const scalar_t* yp = y.data_ptr<scalar_t>();
   scalar_t* dp = dy.data_ptr<scalar_t>();
@@ -220,8 +172,8 @@ void backward_impl(const at::Tensor& go, const at::Tensor& y, const Layout& L,
       for (int64_t k = lo; k < hi; ++k) {
         const int64_t end = std::min(L.outer, (k + 1) * kRowBlock);
         for (int64_t r = k * kRowBlock; r < end; ++r) {
-          backward_row_k<kRelu>(gp + r * C, yp + r * C, C, b.data(), m.data(), dp + r * C,
-                                pgy.data() + k * C, pg.data() + k * C);
+          backward_row_k<kRelu>(gp + r * C, yp + r * C, C, b, m, dp + r * C, pgy.data() + k * C,
+                                pg.data() + k * C);
         }
       }
     });
@@ -248,14 +200,16 @@ at::Tensor masked_channel_epilogue_cpu(const at::Tensor& y_in, const at::Tensor&
                                        const c10::optional<at::Tensor>& bias,
                                        c10::string_view activation, int64_t channel_dim) {
   check_inputs(y_in, mask, bias);
-  const bool relu = parse_activation(std::string(activation));
-  auto [y, L] = as_kernel_layout(y_in, channel_dim);
+  const bool relu = parse_activation(activation);
+  const Layout L = epilogue_layout(y_in, channel_dim);
+  const at::Tensor& y = L.y;
   auto out = at::empty_like(y);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "epilogue_fwd", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    const auto m = channel_vector<acc_t>(mask, L.channels, "mask");
-    const auto b = bias ? channel_vector<acc_t>(*bias, L.channels, "bias")
-                        : std::vector<acc_t>(L.channels, acc_t(0));
+    const auto m_t = channel_values<acc_t>(mask, L.channels, "mask");
+    const auto b_t = bias ? channel_values<acc_t>(*bias, L.channels, "bias") : at::zeros_like(m_t);
+    const acc_t* m = m_t.template data_ptr<acc_t>();
+    const acc_t* b = b_t.template data_ptr<acc_t>();
     if (relu) {
       forward_impl<true, scalar_t, acc_t>(y, L, m, b, out);
     } else {
@@ -272,8 +226,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_channel_epilogue_backward_
   TORCH_CHECK(grad_out.sizes() == y_in.sizes(),
               "dtp::masked_channel_epilogue_backward: grad_out has shape ", grad_out.sizes(),
               ", y has ", y_in.sizes());
-  const bool relu = parse_activation(std::string(activation));
-  auto [y, L] = as_kernel_layout(y_in, channel_dim);
+  const bool relu = parse_activation(activation);
+  const Layout L = epilogue_layout(y_in, channel_dim);
+  const at::Tensor& y = L.y;
   // grad_out in exactly y's layout and dtype.
   at::Tensor go = grad_out;
   if (go.strides() != y.strides() || go.scalar_type() != y.scalar_type()) {
@@ -284,9 +239,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_channel_epilogue_backward_
   std::vector<double> mask_d(L.channels);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "epilogue_bwd", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    const auto m = channel_vector<acc_t>(mask, L.channels, "mask");
-    const auto b = bias ? channel_vector<acc_t>(*bias, L.channels, "bias")
-                        : std::vector<acc_t>(L.channels, acc_t(0));
+    const auto m_t = channel_values<acc_t>(mask, L.channels, "mask");
+    const auto b_t = bias ? channel_values<acc_t>(*bias, L.channels, "bias") : at::zeros_like(m_t);
+    const acc_t* m = m_t.template data_ptr<acc_t>();
+    const acc_t* b = b_t.template data_ptr<acc_t>();
     for (int64_t c = 0; c < L.channels; ++c) mask_d[c] = static_cast<double>(m[c]);
     if (relu) {
       backward_impl<true, scalar_t, acc_t>(go, y, L, m, b, dy, sum_gy, sum_g);

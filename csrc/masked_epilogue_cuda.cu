@@ -10,9 +10,9 @@
 #include <torch/library.h>
 
 #include <cub/block/block_reduce.cuh>
-#include <string>
 
 #include "block_sums.cuh"
+#include "common.h"
 
 namespace dtp {
 namespace {
@@ -149,42 +149,7 @@ int64_t rows_per_block(int64_t rows) {
   return (rows + blocks - 1) / blocks;
 }
 
-struct Layout {
-  at::Tensor y;
-  int64_t outer, channels, inner;
-};
-
-Layout kernel_layout(const at::Tensor& y, int64_t channel_dim) {
-  TORCH_CHECK(y.dim() >= 2, "dtp::masked_channel_epilogue: y must have at least 2 dims");
-  const int64_t cd = channel_dim < 0 ? channel_dim + y.dim() : channel_dim;
-  TORCH_CHECK(cd >= 0 && cd < y.dim(), "dtp::masked_channel_epilogue: channel_dim ", channel_dim,
-              " is out of range for a ", y.dim(), "-D tensor");
-  const int64_t channels = y.size(cd);
-  if (cd == 1 && !y.is_contiguous() &&
-      ((y.dim() == 4 && y.is_contiguous(at::MemoryFormat::ChannelsLast)) ||
-       (y.dim() == 5 && y.is_contiguous(at::MemoryFormat::ChannelsLast3d)))) {
-    return {y, channels == 0 ? 0 : y.numel() / channels, channels, 1};
-  }
-  int64_t outer = 1, inner = 1;
-  for (int64_t d = 0; d < cd; ++d) outer *= y.size(d);
-  for (int64_t d = cd + 1; d < y.dim(); ++d) inner *= y.size(d);
-  return {y.contiguous(), outer, channels, inner};
-}
-
-at::Tensor channel_vector(const at::Tensor& t, int64_t channels, at::ScalarType acc,
-                          const char* name) {
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == channels && t.is_floating_point(),
-              "dtp::masked_channel_epilogue: ", name, " must be a 1-D floating tensor of ",
-              channels, " channels, got shape ", t.sizes());
-  return t.to(acc).contiguous();
-}
-
-bool parse_activation(c10::string_view activation) {
-  TORCH_CHECK(activation == "none" || activation == "relu",
-              "dtp::masked_channel_epilogue: activation must be 'none' or 'relu', got '",
-              std::string(activation), "'");
-  return activation == "relu";
-}
+using Layout = EpilogueLayout;
 
 }  // namespace
 
@@ -193,8 +158,8 @@ at::Tensor masked_channel_epilogue_cuda(const at::Tensor& y_in, const at::Tensor
                                         c10::string_view activation, int64_t channel_dim) {
   const bool relu = parse_activation(activation);
   const c10::cuda::CUDAGuard guard(y_in.device());
-  const Layout L = kernel_layout(y_in, channel_dim);
-  const auto acc = L.y.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const Layout L = epilogue_layout(y_in, channel_dim);
+  const auto acc = acc_type(L.y);
   const auto m = channel_vector(mask, L.channels, acc, "mask");
   const auto b = bias ? channel_vector(*bias, L.channels, acc, "bias") : at::zeros_like(m);
   auto out = at::empty_like(L.y);
@@ -241,8 +206,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_channel_epilogue_backward_
               ", y has ", y_in.sizes());
   const bool relu = parse_activation(activation);
   const c10::cuda::CUDAGuard guard(y_in.device());
-  const Layout L = kernel_layout(y_in, channel_dim);
-  const auto acc = L.y.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const Layout L = epilogue_layout(y_in, channel_dim);
+  const auto acc = acc_type(L.y);
   const auto m = channel_vector(mask, L.channels, acc, "mask");
   const auto b = bias ? channel_vector(*bias, L.channels, acc, "bias") : at::zeros_like(m);
   at::Tensor go = grad_out;

@@ -17,15 +17,17 @@ TORCH_LIBRARY(dtp, m) {
   // column log-sum-exps (float64, which the backward needs), and per segment whether its
   // scores or next state were not finite (bool; such a segment keeps its state).
   // neutral_nonfinite: NaN/Inf scores enter as 0.5 with zero gradient, so the mask stays
-  // finite; otherwise they propagate into their segment's mask.
+  // finite; otherwise they propagate into their segment's mask. blocks_per_segment: the
+  // CUDA schedule (1 = one block per segment, B > 1 = B blocks per segment, 0 = chosen
+  // by size); every schedule gives the same result up to rounding, and the CPU ignores it.
   m.def(
       "transport_mask(Tensor scores, Tensor offsets, Tensor keep, Tensor eps, "
-      "Tensor log_odds, Tensor shift, int iters, bool neutral_nonfinite=False) -> "
-      "(Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "Tensor log_odds, Tensor shift, int iters, bool neutral_nonfinite=False, "
+      "int blocks_per_segment=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "transport_mask_backward(Tensor grad_mask, Tensor scores, Tensor offsets, Tensor keep, "
-      "Tensor eps, Tensor log_odds, Tensor stats, bool neutral_nonfinite=False) -> "
-      "(Tensor, Tensor)");
+      "Tensor eps, Tensor log_odds, Tensor stats, bool neutral_nonfinite=False, "
+      "int blocks_per_segment=0) -> (Tensor, Tensor)");
   // out = act((y + bias[c]) * mask[c]), activation "none" or "relu".
   m.def(
       "masked_channel_epilogue(Tensor y, Tensor mask, Tensor? bias, str activation, "

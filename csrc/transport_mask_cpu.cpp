@@ -9,6 +9,7 @@
 #include <cmath>
 #include <vector>
 
+#include "common.h"
 #include "transport_math.h"
 
 namespace dtp {
@@ -17,13 +18,6 @@ namespace {
 constexpr int64_t kChunk = 4096;
 // Below this many elements the whole call runs on the calling thread.
 constexpr int64_t kSerialElements = 32768;
-
-// Hot loops get AVX-512 and AVX2 clones picked at load time; plain builds elsewhere.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define DTP_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define DTP_CLONES
-#endif
 
 struct Chunk {
   int64_t seg;
@@ -58,8 +52,6 @@ void for_each_chunk(const std::vector<Chunk>& chunks, int64_t numel, const F& f)
 
 constexpr int64_t kLanes = 16;
 
-#define DTP_INLINE inline __attribute__((always_inline))
-
 template <class acc_t>
 DTP_INLINE acc_t add_lanes(const acc_t* lanes) {
   acc_t total = 0;
@@ -76,8 +68,8 @@ struct Extremes {
 // x_i = d_i + (2 s_i - 1) / eps, with the chunk's min, max and whether all s and x are
 // finite. `neutral`: a non-finite s_i enters as 0.5 (x_i = d_i).
 template <class scalar_t, class acc_t>
-DTP_INLINE Extremes<acc_t> log_odds_loop(const scalar_t* s, const acc_t* d, acc_t inv_eps,
-                                         int64_t n, bool neutral, acc_t* x) {
+DTP_INLINE Extremes<acc_t> log_odds_chunk_loop(const scalar_t* s, const acc_t* d, acc_t inv_eps,
+                                               int64_t n, bool neutral, acc_t* x) {
   acc_t lo[kLanes], hi[kLanes], bad[kLanes];
   for (int64_t j = 0; j < kLanes; ++j) {
     lo[j] = INFINITY;
@@ -202,40 +194,18 @@ DTP_INLINE GradSums<acc_t> grad_sums_loop(const acc_t* x, const acc_t* g, int64_
   return {add_lanes(gp), add_lanes(gq), add_lanes(qs), add_lanes(gs)};
 }
 
-// The float versions get AVX-512/AVX2 clones; double runs the plain build.
-template <class scalar_t>
-DTP_CLONES Extremes<float> log_odds_chunk(const scalar_t* s, const float* d, float inv_eps,
-                                          int64_t n, bool neutral, float* x) {
-  return log_odds_loop(s, d, inv_eps, n, neutral, x);
-}
-template <class scalar_t>
-Extremes<double> log_odds_chunk(const scalar_t* s, const double* d, double inv_eps, int64_t n,
-                                bool neutral, double* x) {
-  return log_odds_loop(s, d, inv_eps, n, neutral, x);
-}
-DTP_CLONES ColumnSums<float> column_sums(const float* x, int64_t n, float delta, float m1,
-                                         float m0) {
-  return column_sums_loop(x, n, delta, m1, m0);
-}
-ColumnSums<double> column_sums(const double* x, int64_t n, double delta, double m1, double m0) {
-  return column_sums_loop(x, n, delta, m1, m0);
-}
-DTP_CLONES void mask_and_state(const float* x, int64_t n, float delta, float l1, float k,
-                               float delta_new, float* mask, float* new_d) {
-  mask_and_state_loop(x, n, delta, l1, k, delta_new, mask, new_d);
-}
-void mask_and_state(const double* x, int64_t n, double delta, double l1, double k, double delta_new,
-                    double* mask, double* new_d) {
-  mask_and_state_loop(x, n, delta, l1, k, delta_new, mask, new_d);
-}
-DTP_CLONES GradSums<float> grad_sums(const float* x, const float* g, int64_t n, float delta,
-                                     float l1, float* q_out) {
-  return grad_sums_loop(x, g, n, delta, l1, q_out);
-}
-GradSums<double> grad_sums(const double* x, const double* g, int64_t n, double delta, double l1,
-                           double* q_out) {
-  return grad_sums_loop(x, g, n, delta, l1, q_out);
-}
+// Entry points: float with AVX-512/AVX2 clones, double plain (the loops inline into each).
+DTP_FLOAT_CLONED(template <class scalar_t>, Extremes<T>, log_odds_chunk,
+                 (const scalar_t* s, const T* d, T inv_eps, int64_t n, bool neutral, T* x),
+                 (s, d, inv_eps, n, neutral, x))
+DTP_FLOAT_CLONED(, ColumnSums<T>, column_sums, (const T* x, int64_t n, T delta, T m1, T m0),
+                 (x, n, delta, m1, m0))
+DTP_FLOAT_CLONED(, void, mask_and_state,
+                 (const T* x, int64_t n, T delta, T l1, T k, T delta_new, T* mask, T* new_d),
+                 (x, n, delta, l1, k, delta_new, mask, new_d))
+DTP_FLOAT_CLONED(, GradSums<T>, grad_sums,
+                 (const T* x, const T* g, int64_t n, T delta, T l1, T* q_out),
+                 (x, g, n, delta, l1, q_out))
 
 // w_i = -d(L1 - L0)/dz_i of an earlier pass: sigmoid(z) sigmoid(-z) (1/S1 + 1/S0).
 template <class acc_t>
@@ -268,21 +238,12 @@ DTP_INLINE void grad_scores_loop(const acc_t* x, const acc_t* g, int64_t n, acc_
   for (int64_t i = 0; i < n; ++i) grad[i] *= scale;
 }
 
-DTP_CLONES float pass_weight_sum(const float* x, int64_t n, float delta, float l1, float l0) {
-  return pass_weight_sum_loop(x, n, delta, l1, l0);
-}
-double pass_weight_sum(const double* x, int64_t n, double delta, double l1, double l0) {
-  return pass_weight_sum_loop(x, n, delta, l1, l0);
-}
-DTP_CLONES void grad_scores(const float* x, const float* g, int64_t n, float k, float gp,
-                            float scale, const double* rows, const double* coef, int64_t npass,
-                            float* grad) {
-  grad_scores_loop(x, g, n, k, gp, scale, rows, coef, npass, grad);
-}
-void grad_scores(const double* x, const double* g, int64_t n, double k, double gp, double scale,
-                 const double* rows, const double* coef, int64_t npass, double* grad) {
-  grad_scores_loop(x, g, n, k, gp, scale, rows, coef, npass, grad);
-}
+DTP_FLOAT_CLONED(, T, pass_weight_sum, (const T* x, int64_t n, T delta, T l1, T l0),
+                 (x, n, delta, l1, l0))
+DTP_FLOAT_CLONED(, void, grad_scores,
+                 (const T* x, const T* g, int64_t n, T k, T gp, T scale, const double* rows,
+                  const double* coef, int64_t npass, T* grad),
+                 (x, g, n, k, gp, scale, rows, coef, npass, grad))
 
 // ---- host side ----
 
@@ -308,12 +269,10 @@ std::vector<double> to_doubles(const at::Tensor& t, const char* name) {
   return out;
 }
 
+// The segment layout and the host copies of keep and eps, with every value checked.
+// The caller has run check_transport_args.
 Segments read_segments(const at::Tensor& scores, const at::Tensor& offsets, const at::Tensor& keep,
                        const at::Tensor& eps) {
-  TORCH_CHECK(scores.dim() == 1, "dtp::transport_mask: scores must be 1-D, got ", scores.dim(),
-              "-D");
-  TORCH_CHECK(offsets.dim() == 1 && offsets.scalar_type() == at::kLong && offsets.numel() >= 2,
-              "dtp::transport_mask: offsets must be a 1-D int64 tensor with at least 2 entries");
   Segments sg;
   sg.nseg = offsets.numel() - 1;
   sg.numel = scores.numel();
@@ -326,8 +285,6 @@ Segments read_segments(const at::Tensor& scores, const at::Tensor& offsets, cons
     TORCH_CHECK(sg.offsets[s + 1] > sg.offsets[s], "dtp::transport_mask: segment ", s,
                 " is empty; every segment needs n >= 1");
   }
-  TORCH_CHECK(keep.numel() == sg.nseg && eps.numel() == sg.nseg,
-              "dtp::transport_mask: keep and eps need one entry per segment (", sg.nseg, ")");
   sg.keep = to_doubles(keep, "keep");
   sg.eps = to_doubles(eps, "eps");
   for (int64_t s = 0; s < sg.nseg; ++s) {
@@ -537,19 +494,10 @@ void zero_at_nonfinite(const Segments& sg, const at::Tensor& scores, acc_t* grad
   });
 }
 
-at::ScalarType acc_type(const at::Tensor& scores) {
-  return scores.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
-void check_state(const at::Tensor& scores, const at::Tensor& log_odds, const at::Tensor& shift,
-                 int64_t nseg) {
-  const auto acc = acc_type(scores);
-  TORCH_CHECK(scores.is_floating_point(), "dtp::transport_mask: scores must be floating point");
-  TORCH_CHECK(log_odds.scalar_type() == acc && shift.scalar_type() == acc,
-              "dtp::transport_mask: log_odds and shift must be ", acc, " for ",
-              scores.scalar_type(), " scores");
-  TORCH_CHECK(log_odds.numel() == scores.numel() && shift.numel() == nseg,
-              "dtp::transport_mask: state sizes do not match scores and offsets");
+void check_shift(const at::Tensor& scores, const at::Tensor& shift, int64_t nseg) {
+  TORCH_CHECK(shift.scalar_type() == acc_type(scores) && shift.numel() == nseg,
+              "dtp::transport_mask: shift must be ", acc_type(scores),
+              " with one entry per segment (", nseg, ")");
 }
 
 }  // namespace
@@ -557,10 +505,13 @@ void check_state(const at::Tensor& scores, const at::Tensor& log_odds, const at:
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport_mask_cpu(
     const at::Tensor& scores_in, const at::Tensor& offsets, const at::Tensor& keep,
     const at::Tensor& eps, const at::Tensor& log_odds_in, const at::Tensor& shift_in, int64_t iters,
-    bool neutral_nonfinite) {
+    bool neutral_nonfinite, int64_t blocks_per_segment) {
+  // blocks_per_segment picks a CUDA schedule; the CPU chunking does not depend on it.
+  check_blocks_per_segment(blocks_per_segment);
   TORCH_CHECK(iters >= 1, "dtp::transport_mask: iters must be >= 1, got ", iters);
+  check_transport_args(scores_in, offsets, keep, eps, log_odds_in);
   const Segments sg = read_segments(scores_in, offsets, keep, eps);
-  check_state(scores_in, log_odds_in, shift_in, sg.nseg);
+  check_shift(scores_in, shift_in, sg.nseg);
   const auto scores = scores_in.contiguous();
   const auto log_odds = log_odds_in.contiguous();
   const auto shift = shift_in.contiguous();
@@ -588,11 +539,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport
 std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cpu(
     const at::Tensor& grad_mask, const at::Tensor& scores_in, const at::Tensor& offsets,
     const at::Tensor& keep, const at::Tensor& eps, const at::Tensor& log_odds_in,
-    const at::Tensor& stats_in, bool neutral_nonfinite) {
+    const at::Tensor& stats_in, bool neutral_nonfinite, int64_t blocks_per_segment) {
+  check_blocks_per_segment(blocks_per_segment);
+  check_transport_args(scores_in, offsets, keep, eps, log_odds_in);
   const Segments sg = read_segments(scores_in, offsets, keep, eps);
-  TORCH_CHECK(stats_in.dim() == 3 && stats_in.size(0) == sg.nseg && stats_in.size(2) == 3 &&
-                  stats_in.scalar_type() == at::kDouble,
-              "dtp::transport_mask_backward: stats must be float64 of shape (segments, iters, 3)");
+  check_stats(stats_in, sg.nseg);
   TORCH_CHECK(grad_mask.numel() == sg.numel, "dtp::transport_mask_backward: grad_mask has ",
               grad_mask.numel(), " elements, expected ", sg.numel);
   const int64_t iters = stats_in.size(1);
@@ -600,9 +551,6 @@ std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cpu(
   const auto log_odds = log_odds_in.contiguous();
   const auto stats = stats_in.contiguous();
   const auto acc = acc_type(scores);
-  TORCH_CHECK(log_odds.scalar_type() == acc && log_odds.numel() == sg.numel,
-              "dtp::transport_mask_backward: log_odds must be ", acc, " with ", sg.numel,
-              " elements");
   const auto g = grad_mask.to(acc).contiguous();
   auto x_t = at::empty({sg.numel}, log_odds.options());
   auto grad_x = at::empty({sg.numel}, log_odds.options());

@@ -166,9 +166,20 @@ def _check_eps(eps, state: TransportState) -> torch.Tensor:
     return result
 
 
-def _check_options(iters, update, backend, nonfinite, device: torch.device) -> str:
+def _check_options(
+    iters, update, backend, nonfinite, blocks_per_segment, device: torch.device
+) -> str:
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
         raise ValueError(f"iters = {iters!r}; it must be an int >= 1")
+    if (
+        isinstance(blocks_per_segment, bool)
+        or not isinstance(blocks_per_segment, int)
+        or blocks_per_segment < 0
+    ):
+        raise ValueError(
+            f"blocks_per_segment = {blocks_per_segment!r}; it must be an int >= 0 "
+            "(0 = chosen by size)"
+        )
     if not isinstance(update, bool):
         raise TypeError(f"update must be a bool, got {type(update).__name__}")
     if nonfinite not in NONFINITE_MODES:
@@ -176,8 +187,14 @@ def _check_options(iters, update, backend, nonfinite, device: torch.device) -> s
     if backend not in BACKENDS:
         raise ValueError(f"backend = {backend!r}; allowed: {list(BACKENDS)}")
     if backend == "auto":
-        return available_backends(device)[-1]
-    require_backend(backend, device)
+        backend = available_backends(device)[-1]
+    else:
+        require_backend(backend, device)
+    if blocks_per_segment != 0 and backend != "cuda":
+        raise ValueError(
+            f"blocks_per_segment = {blocks_per_segment} picks a schedule of the cuda backend; "
+            f"backend {backend!r} takes only 0"
+        )
     return backend
 
 
@@ -247,7 +264,15 @@ def _transport_mask_torch(
 
 
 def _transport_mask_fake(
-    scores, offsets, keep, eps, log_odds, shift, iters, neutral_nonfinite=False
+    scores,
+    offsets,
+    keep,
+    eps,
+    log_odds,
+    shift,
+    iters,
+    neutral_nonfinite=False,
+    blocks_per_segment=0,
 ):
     nseg = offsets.shape[0] - 1
     return (
@@ -260,7 +285,15 @@ def _transport_mask_fake(
 
 
 def _transport_mask_backward_fake(
-    grad_mask, scores, offsets, keep, eps, log_odds, stats, neutral_nonfinite=False
+    grad_mask,
+    scores,
+    offsets,
+    keep,
+    eps,
+    log_odds,
+    stats,
+    neutral_nonfinite=False,
+    blocks_per_segment=0,
 ):
     return torch.empty_like(scores), torch.empty_like(keep)
 
@@ -290,10 +323,11 @@ def _transport_mask_compiled(
     state: TransportState,
     iters: int,
     neutral: bool = False,
+    blocks_per_segment: int = 0,
 ) -> Step:
     offsets, log_odds, shift = _state_tensors(state, scores)
     mask, new_d, new_shift, _stats, nonfinite = torch.ops.dtp.transport_mask(
-        scores, offsets, keep, eps, log_odds, shift, iters, neutral
+        scores, offsets, keep, eps, log_odds, shift, iters, neutral, blocks_per_segment
     )
     return mask, new_d, new_shift, nonfinite
 
@@ -435,6 +469,7 @@ def transport_mask(
     update: bool = True,
     backend: str = "auto",
     nonfinite: str = "propagate",
+    blocks_per_segment: int = 0,
 ) -> torch.Tensor | list[torch.Tensor]:
     """Soft masks of every segment from one warm-started entropic transport step.
 
@@ -457,6 +492,9 @@ def transport_mask(
             the mask stays finite; DTPPruner uses it). Either way the segment keeps its
             state, decided in the kernel, and ``update`` flags the step for
             ``state.skipped_steps``; so does a next state that is not finite.
+        blocks_per_segment: the cuda backend's schedule: 0 chooses by size, 1 runs one
+            block per segment, B > 1 splits every segment over B blocks. All give the same
+            result up to rounding; other backends take only 0.
 
     Returns:
         The mask in the layout and dtype of ``scores``: ``mask[i] = n P_new[i, 1]``; each
@@ -465,9 +503,10 @@ def transport_mask(
     flat, is_list = _check_scores(scores, _checked_state(state))
     keep_t = _check_keep(keep, state)
     eps_t = _check_eps(eps, state)
-    backend = _check_options(iters, update, backend, nonfinite, flat.device)
+    backend = _check_options(iters, update, backend, nonfinite, blocks_per_segment, flat.device)
+    schedule = (blocks_per_segment,) if backend == "cuda" else ()
     mask, new_d, new_shift, flags = _IMPLEMENTATIONS[backend](
-        flat, keep_t, eps_t, state, iters, nonfinite == "neutral"
+        flat, keep_t, eps_t, state, iters, nonfinite == "neutral", *schedule
     )
     if update:
         state.write_pending(new_d, new_shift, nonfinite=flags)

@@ -159,8 +159,6 @@ class TransportState(nn.Module):
                 f"TransportState: the saved segment offsets {state_dict[key].tolist()} do not "
                 f"match this state's {self.offsets.tolist()}"
             )
-        for name in ("pending_nonfinite", "skipped_steps"):  # absent before version 0.2
-            state_dict.setdefault(prefix + name, getattr(self, name).clone())
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:

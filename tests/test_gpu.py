@@ -34,19 +34,18 @@ def test_200_steps_match_reference_on_gpu(backend, dtype, iters):
     run_loop(backend, dtype, iters, steps=200, device=CUDA)
 
 
-@pytest.mark.parametrize("blocks", ["2", "7"])
+@pytest.mark.parametrize("blocks", [2, 7])
 @pytest.mark.parametrize("iters", [1, 5])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_split_schedule_matches_reference(monkeypatch, blocks, dtype, iters):
+def test_split_schedule_matches_reference(blocks, dtype, iters):
     """CUDA's several-blocks-per-segment schedule, forced on the ragged layout."""
     if "cuda" not in gpu_backends():
         pytest.skip("the CUDA kernels are not built")
-    monkeypatch.setenv("DTP_CUDA_BLOCKS_PER_SEGMENT", blocks)
-    run_loop("cuda", dtype, iters, steps=50, device=CUDA)
+    run_loop("cuda", dtype, iters, steps=50, device=CUDA, blocks_per_segment=blocks)
 
 
 @pytest.mark.parametrize("iters", [1, 3])
-def test_large_segments_take_split_schedule_and_match(monkeypatch, iters):
+def test_large_segments_take_split_schedule_and_match(iters):
     """Above 65536 elements CUDA splits segments; it agrees with the fused schedule."""
     if "cuda" not in gpu_backends():
         pytest.skip("the CUDA kernels are not built")
@@ -54,33 +53,31 @@ def test_large_segments_take_split_schedule_and_match(monkeypatch, iters):
     scores = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(2)).to(CUDA)
     weights = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(3)).to(CUDA)
     out = {}
-    for blocks in ("", "1"):  # "" = the size-based choice (split here), "1" = fused
-        monkeypatch.setenv("DTP_CUDA_BLOCKS_PER_SEGMENT", blocks)
+    for blocks in (0, 1):  # 0 = the size-based choice (split here), 1 = fused
         s = scores.clone().requires_grad_(True)
         k = torch.tensor(keep, device=CUDA, requires_grad=True)
         state = TransportState(sizes, device=CUDA)
-        mask = transport_mask(s, k, state, iters=iters, backend="cuda")
+        mask = transport_mask(s, k, state, iters=iters, backend="cuda", blocks_per_segment=blocks)
         (weights * mask).sum().backward()
         out[blocks] = (mask.detach(), s.grad, k.grad, state.pending_log_odds, state.pending_shift)
     ref_state = TransportState(sizes, dtype=torch.float64)
     s = scores.double().cpu().requires_grad_(True)
     mask = transport_mask(s, keep, ref_state, iters=iters, backend="reference")
-    for a, b in zip(out[""], out["1"], strict=True):
+    for a, b in zip(out[0], out[1], strict=True):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
-    torch.testing.assert_close(out[""][0].double().cpu(), mask.detach(), rtol=2e-5, atol=1e-6)
-    assert torch.allclose(out[""][0].sum(0).double().cpu(), torch.tensor(sum(keep)).double())
+    torch.testing.assert_close(out[0][0].double().cpu(), mask.detach(), rtol=2e-5, atol=1e-6)
+    assert torch.allclose(out[0][0].sum(0).double().cpu(), torch.tensor(sum(keep)).double())
 
 
-# "" = each backend's own schedule; "3" = CUDA's split schedule (Triton has none)
-SCHEDULES = [(b, "") for b in gpu_backends()] + [(b, "3") for b in gpu_backends() if b == "cuda"]
+# 0 = each backend's own schedule; 3 = CUDA's split schedule (Triton has none)
+SCHEDULES = [(b, 0) for b in gpu_backends()] + [(b, 3) for b in gpu_backends() if b == "cuda"]
 
 
 @pytest.mark.parametrize("backend,blocks", SCHEDULES)
 @pytest.mark.parametrize("mode", ["neutral", "propagate"])
-def test_nonfinite_scores_on_gpu(monkeypatch, backend, blocks, mode):
+def test_nonfinite_scores_on_gpu(backend, blocks, mode):
     """NaN/Inf scores: the GPU kernels (CUDA's fused and split schedules) give the eager
     backend's mask, gradients, held state and per-segment flags."""
-    monkeypatch.setenv("DTP_CUDA_BLOCKS_PER_SEGMENT", blocks)
     sizes, keep = [4, 600, 5, 1], [2.0, 300.5, 1.5, 1.0]
     gen = torch.Generator().manual_seed(4)
     scores = torch.randn(sum(sizes), generator=gen)
@@ -90,7 +87,8 @@ def test_nonfinite_scores_on_gpu(monkeypatch, backend, blocks, mode):
     for device, name in ((CUDA, backend), (torch.device("cpu"), "torch")):
         state = TransportState(sizes, device=device)
         s = scores.to(device).requires_grad_(True)
-        mask = transport_mask(s, keep, state, backend=name, nonfinite=mode)
+        schedule = {"blocks_per_segment": blocks} if name == "cuda" else {}
+        mask = transport_mask(s, keep, state, backend=name, nonfinite=mode, **schedule)
         (weights.to(device) * mask.nan_to_num(0.0)).sum().backward()
         state.commit()
         out[name] = [t.detach().cpu() for t in (mask, s.grad, state.log_odds, state.shift)]

@@ -43,9 +43,19 @@ TOLERANCES = {torch.float64: (1e-9, 1e-10), torch.float32: (1e-3, 3e-4)}
 
 
 def run_loop(
-    backend, dtype, iters, steps, layout=RAGGED_LAYOUT, lr=0.05, seed=0, device="cpu", worst=None
+    backend,
+    dtype,
+    iters,
+    steps,
+    layout=RAGGED_LAYOUT,
+    lr=0.05,
+    seed=0,
+    device="cpu",
+    worst=None,
+    **options,
 ):
     """Train scores on a fixed linear loss; compare each step with the reference.
+    ``options`` go to the backend's transport_mask call (e.g. blocks_per_segment).
 
     Both paths see the same scores every step (updated with the reference gradient), so
     a difference is the backend's alone; the two states evolve independently.
@@ -67,7 +77,7 @@ def run_loop(
 
         s = scores.to(device, dtype).clone().requires_grad_(True)
         k = keep.to(device, dtype).clone().requires_grad_(True)
-        m = transport_mask(s, k, state, iters=iters, backend=backend)
+        m = transport_mask(s, k, state, iters=iters, backend=backend, **options)
         (weights.to(device, dtype) * m).sum().backward()
 
         msg = f"{backend} step {step}"

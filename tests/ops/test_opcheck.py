@@ -28,6 +28,8 @@ def sample_inputs(dtype, iters, requires_grad):
 def test_opcheck_transport_mask(dtype, iters, requires_grad):
     args = sample_inputs(dtype, iters, requires_grad)
     torch.library.opcheck(torch.ops.dtp.transport_mask.default, args)
+    # the schedule argument passes through autograd and the fake kernel too
+    torch.library.opcheck(torch.ops.dtp.transport_mask.default, (*args, False, 3))
 
 
 @pytest.mark.parametrize("iters", [1, 3])
@@ -52,6 +54,10 @@ def test_opcheck_transport_mask_backward():
         torch.library.opcheck(
             torch.ops.dtp.transport_mask_backward.default,
             (grad, scores, offsets, keep, eps, log_odds, stats, neutral),
+        )
+        torch.library.opcheck(
+            torch.ops.dtp.transport_mask_backward.default,
+            (grad, scores, offsets, keep, eps, log_odds, stats, neutral, 2),
         )
 
 

@@ -436,3 +436,27 @@ def test_compiled_op_checks_its_own_inputs():
         )
     with pytest.raises(RuntimeError, match=r"iters must be >= 1"):
         torch.ops.dtp.transport_mask(scores, offsets, torch.tensor([1.0, 2.0]), eps, d, shift, 0)
+    with pytest.raises(RuntimeError, match=r"blocks_per_segment must be >= 0"):
+        torch.ops.dtp.transport_mask(
+            scores, offsets, torch.tensor([1.0, 2.0]), eps, d, shift, 1, False, -1
+        )
+    with pytest.raises(RuntimeError, match=r"shift must be Float with one entry per segment"):
+        torch.ops.dtp.transport_mask(
+            scores, offsets, torch.tensor([1.0, 2.0]), eps, d, shift.double(), 1
+        )
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "cpu"])
+def test_blocks_per_segment_belongs_to_the_cuda_backend(state, backend):
+    """The schedule argument is the cuda backend's; others refuse a non-zero value by name,
+    and a bad value is refused on every backend before the state changes."""
+    if backend == "cpu":
+        pytest.importorskip("dtp_kernels._C")
+    before = snapshot(state)
+    with pytest.raises(ValueError, match=r"blocks_per_segment = 2 picks a schedule of the cuda"):
+        transport_mask(torch.randn(8), [1.0, 2.0], state, backend=backend, blocks_per_segment=2)
+    with pytest.raises(ValueError, match=r"blocks_per_segment = -1; it must be an int >= 0"):
+        transport_mask(torch.randn(8), [1.0, 2.0], state, backend=backend, blocks_per_segment=-1)
+    assert all(torch.equal(v, snapshot(state)[k]) for k, v in before.items())
+    # 0 is every backend's default
+    transport_mask(torch.randn(8), [1.0, 2.0], state, backend=backend, blocks_per_segment=0)
