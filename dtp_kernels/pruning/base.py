@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import copy
 import gc
+import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -17,8 +18,78 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from . import ratios as ratio_rules
-from .cost import COSTED, count_params, flops_after, params_after, trace_layers
-from .groups import build_graph, find_groups
+from .cost import COSTED, PER_CHANNEL_AFFINE, count_params, flops_after, params_after, trace_layers
+from .groups import ChannelGroup, build_graph, find_groups
+from .heads import HeadGroup, find_head_groups, prune_heads
+
+
+def _kind(group) -> str:
+    """The group's kind for ratio dicts: "heads", "mlp" (linear features), "channels"."""
+    if isinstance(group, HeadGroup):
+        return "heads"
+    return "mlp" if isinstance(group.layer, nn.Linear) else "channels"
+
+
+def update_config(model: nn.Module, groups: list, masks: list[torch.Tensor]) -> None:
+    """Write the exported sizes into a Hugging Face model's config (heads, key/value heads,
+    head_dim, intermediate_size) so save_pretrained/from_pretrained rebuild the pruned
+    model. A config holds one size per kind for all layers: a kind pruned to different
+    sizes in different layers cannot be written, and export refuses that model's config
+    (the pruned model itself is right; save it with dtp_kernels.save_pruned)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "num_attention_heads"):
+        return
+    heads = [(g, int(m.sum())) for g, m in zip(groups, masks, strict=True) if _kind(g) == "heads"]
+    mlps = [
+        (g, int(m.sum()))
+        for g, m in zip(groups, masks, strict=True)
+        if isinstance(g, ChannelGroup) and g.gated
+    ]
+    stale = []
+    if heads:
+        kept = {k for _, k in heads}
+        per_unit = {g.query_heads_per_unit for g, _ in heads}
+        fields = {}
+        if len(kept) == 1 and len(per_unit) == 1 and len(heads) == config.num_hidden_layers:
+            k = kept.pop()
+            fields = {"head_dim": heads[0][0].head_dim, "num_attention_heads": k * per_unit.pop()}
+            if hasattr(config, "num_key_value_heads"):
+                fields["num_key_value_heads"] = k
+        if not _set_fields(config, fields):
+            stale.append("num_attention_heads")
+    if mlps and hasattr(config, "intermediate_size"):
+        kept = {k for _, k in mlps}
+        fields = {}
+        if len(kept) == 1 and len(mlps) == config.num_hidden_layers:
+            fields = {"intermediate_size": kept.pop()}
+        if not _set_fields(config, fields):
+            stale.append("intermediate_size")
+    if stale:
+        warnings.warn(
+            f"the exported model's config cannot hold {stale}: the layers were pruned to "
+            "different sizes (a config has one size for all of them), or the config's own "
+            "checks refuse the new size. The model is right; save it with "
+            "dtp_kernels.pruning.save_pruned, not save_pretrained",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _set_fields(config, fields: dict) -> bool:
+    """Set `fields` on `config` if its own validation accepts them; else change nothing."""
+    if not fields:
+        return False
+    before = {name: getattr(config, name, None) for name in fields}
+    for name, value in fields.items():
+        setattr(config, name, value)
+    try:
+        if hasattr(config, "validate"):
+            config.validate()
+    except Exception:
+        for name, value in before.items():
+            setattr(config, name, value)
+        return False
+    return True
 
 
 def _as_tuple(example_inputs) -> tuple:
@@ -60,9 +131,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         all_groups = self._find_groups(model, inputs, list(ignored_layers))
         model.train(was_training)  # Torch-Pruning's tracing leaves the model in eval mode
         convs = [name for name, m in model.named_modules() if isinstance(m, nn.Conv2d)]
-        kinds = {
-            g.name: "mlp" if isinstance(g.layer, nn.Linear) else "channels" for g in all_groups
-        }
+        kinds = {g.name: _kind(g) for g in all_groups}
         per_group = ratio_rules.resolve(
             ratios,
             [g.name for g in all_groups],
@@ -81,9 +150,9 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             details = "; ".join(f"layer {name!r} feeds {norms}" for name, norms in feeds.items())
             raise ValueError(
                 f"cannot prune these groups so that the exported model equals the masked one: "
-                f"{details}. A mask on the layer's output channels is undone by a "
-                "normalization over channels (GroupNorm, LayerNorm) or meets its bias "
-                "(InstanceNorm); leave these layers whole with ignored_layers=[...] or a "
+                f"{details}. A normalization over all channels (LayerNorm, RMSNorm, a second "
+                "GroupNorm) computes every channel from all the others, so removing any "
+                "changes the rest; leave these layers whole with ignored_layers=[...] or a "
                 "ratio of 0 for them"
             )
         if not self.groups:
@@ -102,8 +171,12 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         self._base_flops = flops_after(self._layers, {})
 
     def _find_groups(self, model: nn.Module, inputs: tuple, ignored: list) -> list:
-        """The prunable groups: channel groups (filter pruning)."""
-        groups = find_groups(model, build_graph(model, inputs), ignored)
+        """The prunable groups: attention heads, then channel groups (filter pruning)."""
+        heads = find_head_groups(model, ignored)
+        projections = [layer for g in heads for layer in (*g.kept_out, g.layer)]
+        channels = find_groups(model, build_graph(model, inputs), ignored + projections)
+        order = {name: index for index, (name, _) in enumerate(model.named_modules())}
+        groups = sorted([*heads, *channels], key=lambda g: order[g.name])
         # The traced graph holds autograd nodes (the parameters' AccumulateGrad among them)
         # in reference cycles; left to the garbage collector they outlive this call on the
         # stream they were made on, and a later CUDA-graph capture of a training step
@@ -151,10 +224,11 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         lost: dict[nn.Module, list[int]] = {}
         for group, mask in zip(self.groups, masks, strict=True):
             pruned = int(mask.numel() - mask.sum())
+            width = getattr(group, "width", {})  # channels per unit (heads); else 1
             for module in group.kept_out:
-                lost.setdefault(module, [0, 0])[0] += pruned
+                lost.setdefault(module, [0, 0])[0] += pruned * width.get(module, 1)
             for module in group.kept_in:
-                lost.setdefault(module, [0, 0])[1] += pruned
+                lost.setdefault(module, [0, 0])[1] += pruned * width.get(module, 1)
         return {m: (a, b) for m, (a, b) in lost.items()}
 
     @torch.no_grad()
@@ -164,7 +238,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         lost = self._kept_channels(masks)
         params = 0
         for module in self.model.modules():
-            if isinstance(module, (*COSTED, nn.modules.batchnorm._BatchNorm)):
+            if isinstance(module, (*COSTED, *PER_CHANNEL_AFFINE)):
                 params += params_after(module, *lost.get(module, (0, 0)))
             elif not isinstance(module, parametrize.ParametrizationList):  # owner counts it
                 params += sum(p.numel() for p in module.parameters(recurse=False))
@@ -197,16 +271,26 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         pruned = self._unmasked_copy()
         graph = build_graph(pruned, self.example_inputs)
         names = dict(pruned.named_modules())
+        original_names = {module: name for name, module in self.model.named_modules()}
         for group, mask in zip(self.groups, masks, strict=True):
-            drop = (mask == 0).nonzero().flatten().tolist()
-            if drop:
-                layer = names[group.name]
-                handler = (
-                    tp.prune_linear_out_channels
-                    if isinstance(layer, nn.Linear)
-                    else tp.prune_conv_out_channels
-                )
-                graph.get_pruning_group(layer, handler, drop).prune()
+            if isinstance(group, HeadGroup):
+                prune_heads(group, names[group.name], mask)
+                continue
+            dropped_units = (mask == 0).nonzero().flatten()
+            if not len(dropped_units):
+                continue
+            layer = names[group.name]
+            handler = (
+                tp.prune_linear_out_channels
+                if isinstance(layer, nn.Linear)
+                else tp.prune_conv_out_channels
+            )
+            drop = group.channels(dropped_units).tolist()
+            graph.get_pruning_group(layer, handler, drop).prune()
+            if group.group_norm is not None:  # whole groups went: as many fewer groups
+                norm = names[original_names[group.group_norm]]
+                norm.num_groups -= len(dropped_units)
+        update_config(pruned, self.groups, masks)
         return pruned
 
     def _unmasked_copy(self) -> nn.Module:

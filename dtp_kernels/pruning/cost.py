@@ -93,14 +93,23 @@ def flops_after(layers: list[Layer], lost: dict[nn.Module, tuple[int, int]]) -> 
     return sum(layer.flops(*lost.get(layer.module, (0, 0))) for layer in layers)
 
 
+# norms with one weight and one bias per channel
+PER_CHANNEL_AFFINE = (
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    nn.GroupNorm,
+)
+
+
 def params_after(module: nn.Module, out_lost: int, in_lost: int) -> int:
     """Parameters of a conv, linear or BN layer after losing channels."""
     if isinstance(module, COSTED):
         out_c, in_c, groups = Layer(module, 0, 0).channels(out_lost, in_lost)
         kernel = math.prod(module.kernel_size) if isinstance(module, CONV) else 1
         return out_c * (in_c // groups) * kernel + (out_c if module.bias is not None else 0)
-    if isinstance(module, nn.modules.batchnorm._BatchNorm):
-        return 2 * (module.num_features - out_lost) if module.affine else 0
+    if isinstance(module, PER_CHANNEL_AFFINE):
+        channels = module.num_channels if isinstance(module, nn.GroupNorm) else module.num_features
+        return 2 * (channels - out_lost) if module.affine else 0
     raise TypeError(f"no parameter formula for {type(module).__name__}")
 
 

@@ -6,13 +6,20 @@ next layers' input channels, depthwise convolutions in between). Groups whose ch
 meet a residual add or a concatenation involve several layers' outputs; following the
 paper (for ResNets: the last convolution of a residual block is not pruned), those are
 left alone, so a basic block prunes its first convolution and a bottleneck its first two.
+Several linear layers whose outputs are multiplied (a gated MLP: act(gate(x)) * up(x))
+form one group whose mask goes on the consuming layer's input columns. InstanceNorm
+works per channel, as BatchNorm does; through a GroupNorm the unit is one of its groups.
+LayerNorm and RMSNorm over the channels normalize each channel by all the others, so no
+mask there survives export, and such groups are refused.
 A layer whose outputs no layer consumes (the classifier, any model output) keeps them.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
+import torch
 import torch_pruning as tp
 from torch import nn
 
@@ -21,28 +28,56 @@ from torch import nn
 class ChannelGroup:
     name: str  # the root layer's module name
     layer: nn.Conv1d | nn.Conv2d | nn.Linear  # the root: its output channels (features)
-    bn: nn.modules.batchnorm._BatchNorm | None  # the group's last affine op, when a BN
-    size: int
+    # the group's last per-channel affine op (BatchNorm, InstanceNorm), when there is one
+    bn: nn.Module | None
+    size: int  # units: channels, or the groups of a GroupNorm (see `channels_per_unit`)
     kept_out: list[nn.Module] = field(default_factory=list)  # modules losing output channels
     kept_in: list[nn.Module] = field(default_factory=list)  # modules losing input channels
-    # normalizations other than BatchNorm that the group's channels pass through: they mix
-    # channels (GroupNorm, LayerNorm) or add a bias to masked ones (InstanceNorm), so the
-    # masked model and the exported one would differ (the pruner refuses such a group)
+    # normalizations over all channels that the group passes through (LayerNorm, RMSNorm,
+    # several GroupNorms): removing any channel changes what they compute for the others,
+    # so the masked model and the exported one would differ (the pruner refuses these)
     norms: list[nn.Module] = field(default_factory=list)
     # where a parameter mask goes when `bn` is None: the rows of the root, or of the
     # depthwise conv after it whose bias would otherwise be added to masked channels
     rows: nn.Module | None = None
+    # a gated group (several outputs multiplied): the mask goes on the input columns of
+    # the consuming linear layers instead, the one place where it is exact
+    gated: bool = False
+    # a GroupNorm the channels pass through: the unit is one of its groups (removing a
+    # whole group leaves the others' statistics as they were); masked after it
+    group_norm: nn.GroupNorm | None = None
 
     def __post_init__(self) -> None:
         if self.rows is None:
             self.rows = self.layer
 
+    @property
+    def channels_per_unit(self) -> int:
+        if self.group_norm is None:
+            return 1
+        return self.group_norm.num_channels // self.group_norm.num_groups
 
-CHANNEL_MIXING_NORMS = (
-    tp.prune_groupnorm_out_channels,
-    tp.prune_layernorm_out_channels,
-    tp.prune_instancenorm_out_channels,
-)
+    @property
+    def width(self) -> dict[nn.Module, int]:
+        """Channels each module loses per unit removed (the cost model counts channels)."""
+        per_unit = self.channels_per_unit
+        return {} if per_unit == 1 else dict.fromkeys([*self.kept_out, *self.kept_in], per_unit)
+
+    def channels(self, units: torch.Tensor) -> torch.Tensor:
+        """The channel indices of `units`."""
+        per_unit = self.channels_per_unit
+        return (units[:, None] * per_unit + torch.arange(per_unit)).flatten()
+
+
+# how Torch-Pruning names the autograd nodes that merge several layers' outputs
+MERGING_OPS = ("AddBackward", "SubBackward", "CatBackward", "StackBackward")
+
+
+def _op_name(module) -> str:
+    return str(getattr(module, "_grad_fn", "")) if isinstance(module, tp.ops._ElementWiseOp) else ""
+
+
+PER_CHANNEL_NORMS = (tp.prune_batchnorm_out_channels, tp.prune_instancenorm_out_channels)
 
 
 def _is_depthwise(module: nn.Module) -> bool:
@@ -53,8 +88,44 @@ def _is_depthwise(module: nn.Module) -> bool:
     )
 
 
+def output_tensors(output) -> list[torch.Tensor]:
+    """The tensors of a model's output (a tensor, or tuples, lists and dicts of them, as
+    Hugging Face's ModelOutput), in order."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in output_tensors(item)]
+    return []
+
+
+def _traced_outputs(output) -> list[torch.Tensor]:
+    return [t for t in output_tensors(output) if t.grad_fn is not None]
+
+
 def build_graph(model: nn.Module, example_inputs) -> tp.DependencyGraph:
-    return tp.DependencyGraph().build_dependency(model, example_inputs=example_inputs)
+    with warnings.catch_warnings():
+        # norms that are not nn.LayerNorm (RMSNorm) are "unwrapped parameters" to it;
+        # groups through them are refused or left alone here, never pruned
+        warnings.filterwarnings("ignore", message="Unwrapped parameters detected")
+        return tp.DependencyGraph().build_dependency(
+            model, example_inputs=example_inputs, output_transform=_traced_outputs
+        )
+
+
+def _parameter_owners(model: nn.Module) -> dict[int, nn.Module]:
+    return {
+        id(parameter): module
+        for module in model.modules()
+        for parameter in module.parameters(recurse=False)
+    }
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """A normalization layer Torch-Pruning has no handler for (RMSNorm, LayerNorm2d and
+    model-specific norms), known by its class name."""
+    return "norm" in type(module).__name__.lower()
 
 
 def find_groups(
@@ -62,14 +133,17 @@ def find_groups(
 ) -> list[ChannelGroup]:
     """All prunable groups, in model order."""
     names = {module: name for name, module in model.named_modules()}
+    owners = _parameter_owners(model)
     order = {module: index for index, module in enumerate(model.modules())}
     ignored_all = list(ignored)
     found = {}
     roots = [nn.Conv1d, nn.Conv2d, nn.Linear]
     for group in graph.get_all_groups(ignored_layers=ignored_all, root_module_types=roots):
-        out_layers, bns, outs, ins, norms, depthwise = [], [], [], [], [], []
+        out_layers, bns, outs, ins, norms, depthwise, ops = [], [], [], [], [], [], []
+        group_norms = []
         for dep, _idxs in group:
             module, handler = dep.target.module, dep.handler
+            ops.append(_op_name(module))
             if handler in (tp.prune_conv_out_channels, tp.prune_depthwise_conv_out_channels):
                 outs.append(module)
                 if not _is_depthwise(module):
@@ -79,20 +153,34 @@ def find_groups(
             elif handler == tp.prune_linear_out_channels:
                 outs.append(module)
                 out_layers.append(module)
-            elif handler == tp.prune_batchnorm_out_channels:
+            elif handler in PER_CHANNEL_NORMS:
                 bns.append(module)
                 outs.append(module)
-            elif handler in CHANNEL_MIXING_NORMS:
+            elif handler == tp.prune_groupnorm_out_channels:
+                group_norms.append(module)
+                outs.append(module)
+            elif handler == tp.prune_layernorm_out_channels:
                 norms.append(module)
+            elif handler == tp.prune_parameter_out_channels:
+                owner = owners.get(id(module))
+                if owner is not None and _is_norm(owner) and owner not in norms:
+                    norms.append(owner)
             elif handler in (
                 tp.prune_conv_in_channels,
                 tp.prune_depthwise_conv_in_channels,
                 tp.prune_linear_in_channels,
             ):
                 ins.append(module)
-        if len(out_layers) != 1 or out_layers[0] in ignored or not ins:
+        gated = (
+            len(out_layers) > 1
+            and all(isinstance(m, nn.Linear) for m in [*out_layers, *ins])
+            and any(op.startswith("MulBackward") for op in ops)
+            and not any(op.startswith(MERGING_OPS) for op in ops)
+            and not bns + norms + depthwise + group_norms
+        )
+        if (len(out_layers) != 1 and not gated) or not ins or set(out_layers) & set(ignored):
             continue  # coupled through a residual add or a concatenation, ignored, or an output
-        layer = out_layers[0]
+        layer = min(out_layers, key=lambda m: order[m])
         # Mask at the last affine op before the nonlinearity that ends the group: a
         # depthwise conv (with a bias) or its BN after the root would otherwise add its
         # bias back to the masked channels.
@@ -100,5 +188,13 @@ def find_groups(
         bn = last if last in bns else None
         rows = last if last in depthwise else layer
         size = layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
-        found[layer] = ChannelGroup(names[layer], layer, bn, size, outs, ins, norms, rows)
+        group_norm = None
+        if len(group_norms) == 1 and not bns + depthwise:
+            group_norm = group_norms[0]  # masked after it, per group of channels
+            size, rows = group_norm.num_groups, group_norm
+        else:
+            norms.extend(group_norms)
+        found[layer] = ChannelGroup(
+            names[layer], layer, bn, size, outs, ins, norms, rows, gated, group_norm
+        )
     return [found[m] for m in model.modules() if m in found]

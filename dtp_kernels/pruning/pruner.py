@@ -25,10 +25,13 @@ from ..transport_mask import transport_mask
 from ..transport_state import TransportState
 from .base import ChannelPruner
 from .cost import COSTED, FlopsRatio
+from .groups import output_tensors
+from .heads import HeadGroup
 from .masking import (
     FoldPlan,
     HardMasks,
     MaskSource,
+    ScaleColumns,
     ScaleEach,
     ScaleRows,
     folded_products,
@@ -51,16 +54,11 @@ class LayerWeights:
     norms: tuple = ()
 
 
-def _tensors(output) -> list[torch.Tensor]:
-    """The tensors of a model's output (a tensor, or tuples, lists and dicts of them, as
-    Hugging Face's ModelOutput), in order."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, dict):
-        output = list(output.values())
-    if isinstance(output, (list, tuple)):
-        return [t for item in output for t in _tensors(item)]
-    return []
+def _filter_norms(group) -> torch.Tensor:
+    """The initial scores: the L2 norm of each unit's filter (paper, Sec. 4)."""
+    if isinstance(group, HeadGroup):
+        return group.initial_scores()
+    return group.layer.weight.detach().reshape(group.size, -1).norm(dim=1)
 
 
 class ExportMismatchError(ValueError):
@@ -131,7 +129,7 @@ class DTPPruner(ChannelPruner):
             self.theta = nn.Parameter(torch.logit(alpha.clamp(1e-4, 1 - 1e-4)).to(device))
             self._flops = FlopsRatio(self._layers, self.groups)
         if granularity == "filter":  # L2 norms of the filters (paper, Sec. 4)
-            initial = [g.layer.weight.detach().flatten(1).norm(dim=1) for g in self.groups]
+            initial = [_filter_norms(g) for g in self.groups]
         else:  # |w| of every weight
             initial = [g.layer.weight.detach().abs().flatten() for g in self.groups]
         self.scores = nn.Parameter(torch.cat(initial).float().to(device))
@@ -167,6 +165,15 @@ class DTPPruner(ChannelPruner):
                 group.layer, "weight", ScaleEach(self._source, index)
             )
             return
+        if isinstance(group, HeadGroup):  # the output projection's columns, per unit
+            scale = ScaleColumns(self._source, index, group.out.per_unit)
+            parametrize.register_parametrization(group.layer, "weight", scale)
+            return
+        if group.gated:  # the consumer's input columns: exact whatever the gate computes
+            for consumer in group.kept_in:
+                scale = ScaleColumns(self._source, index)
+                parametrize.register_parametrization(consumer, "weight", scale)
+            return
         if self.mask_at != "activation" and group.bn is not None and group.bn.affine:
             for name in ("weight", "bias"):
                 slot = len(self._fold)
@@ -174,18 +181,26 @@ class DTPPruner(ChannelPruner):
                 parametrize.register_parametrization(group.bn, name, scale)
                 read_folded_first(group.bn, name, self._source, slot)
                 self._fold.append((index, group.bn.parametrizations[name].original))
-        elif self.mask_at != "activation" and group.bn is None:
+        elif (
+            self.mask_at != "activation"
+            and group.bn is None
+            and getattr(group.rows, "weight", None) is not None
+        ):
+            per_unit = group.channels_per_unit
             for name in ("weight", "bias") if group.rows.bias is not None else ("weight",):
                 parametrize.register_parametrization(
-                    group.rows, name, ScaleRows(self._source, index)
+                    group.rows, name, ScaleRows(self._source, index, per_unit)
                 )
         else:  # on the activations, with the fused epilogue
             target = group.bn if group.bn is not None else group.rows
             # a linear layer's features are the last dim (batch, tokens, features)
             channel_dim = -1 if isinstance(group.layer, nn.Linear) else 1
+            per_unit = group.channels_per_unit
 
             def hook(_module, _inputs, output, index=index, channel_dim=channel_dim):
                 mask = self._source.get(index).to(output.dtype)
+                if per_unit > 1:
+                    mask = mask.repeat_interleave(per_unit)
                 return masked_channel_epilogue(
                     output, mask, channel_dim=channel_dim, backend=self.epilogue_backend
                 )
@@ -367,8 +382,8 @@ class DTPPruner(ChannelPruner):
         pruned.eval()
         try:
             with self.hard_masked():
-                want = _tensors(self.model(*self.example_inputs))
-            got = _tensors(pruned(*self.example_inputs))
+                want = output_tensors(self.model(*self.example_inputs))
+            got = output_tensors(pruned(*self.example_inputs))
         finally:
             self.model.train(was_training)
             pruned.train(pruned_training)

@@ -57,7 +57,8 @@ def parse_layer_map(text: str) -> dict[int, float]:
     return out
 
 
-KINDS = ("channels", "mlp")  # conv output channels; linear layers' output features
+# conv output channels; linear layers' output features; attention heads
+KINDS = ("channels", "mlp", "heads")
 
 
 def _key_for(name: str, ratios: Mapping, matched: dict, kind: str | None) -> str | None:

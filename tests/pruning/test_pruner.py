@@ -412,8 +412,8 @@ def test_folded_bn_weight_read_after_a_step_is_current():
 
 
 class _ConvGroupNorm(torch.nn.Module):
-    """conv -> GroupNorm -> ReLU, then conv -> BN -> ReLU: a mask on the first conv's rows
-    would be renormalized away by the GroupNorm."""
+    """conv -> norm -> ReLU, then conv -> BN -> ReLU: a mask on the first conv's rows
+    would be renormalized away by a GroupNorm (or meet an InstanceNorm's bias)."""
 
     def __init__(self, norm: str = "group") -> None:
         super().__init__()
@@ -430,19 +430,37 @@ class _ConvGroupNorm(torch.nn.Module):
         return self.head(x.mean((2, 3)))
 
 
+def _randomize_norms(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for module in model.modules():
+            if "Norm" in type(module).__name__ and getattr(module, "weight", None) is not None:
+                module.weight.uniform_(0.5, 1.5)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.uniform_(-0.5, 0.5)
+
+
+@pytest.mark.parametrize("mask_at", ["auto", "activation"])
 @pytest.mark.parametrize("norm", ["group", "instance"])
-def test_groups_through_a_channel_norm_are_refused_by_name(norm):
-    """The hard-masked and the exported model would differ: refused before any mask goes
-    on; leaving the layer whole prunes the rest."""
+def test_groups_through_group_and_instance_norms_export_exactly(norm, mask_at):
+    """InstanceNorm works per channel (masked at its rows, as a BN); through a GroupNorm
+    the unit is one of its groups, so the other groups' statistics stay as they were.
+    Export equals the hard-masked model with the kept counts asked for, and the norm
+    parameters are not left at their defaults (they would hide a wrong placement)."""
+    torch.manual_seed(0)
     model = _ConvGroupNorm(norm)
-    with pytest.raises(
-        ValueError, match=r"layer 'c1' feeds (GroupNorm|InstanceNorm2d) 'norm'.*ignored_layers"
-    ):
-        DTPPruner(model, X1, 0.5)
-    assert not any(parametrize.is_parametrized(m) for m in model.modules())
-    pruner = DTPPruner(model, X1, 0.5, ignored_layers=[model.c1])
-    assert [g.name for g in pruner.groups] == ["c2"]
-    pruner.export()  # checked against the hard-masked model: equal
+    _randomize_norms(model)
+    pruner = DTPPruner(model, X1, 0.5, mask_at=mask_at)
+    first = pruner.groups[0]
+    assert first.name == "c1" and first.size == (2 if norm == "group" else 8)
+    assert pruner.kept[0] == first.size // 2
+    model.train()
+    model(XB).square().mean().backward()
+    assert torch.all(pruner.scores.grad != 0)
+    exported = pruner.export()  # checked against the hard-masked model
+    assert exported.c1.out_channels == 4 and exported.c2.in_channels == 4
+    if norm == "group":
+        assert (exported.norm.num_groups, exported.norm.num_channels) == (1, 4)
+    assert count_params(exported) == pruner.report()["params_after"]
 
 
 class _Centered(torch.nn.Module):
@@ -535,12 +553,18 @@ def test_vision_transformer_mlp_neurons_prune_and_export(mask_at):
     assert hidden == [32, 32] and count_params(exported) == pruner.report()["params_after"]
 
 
-def test_linear_group_through_layer_norm_is_refused():
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_linear_group_through_a_token_norm_is_refused(norm):
+    """LayerNorm and RMSNorm normalize each feature by all the others: refused by name,
+    before any mask goes on."""
+    norm_layer = torch.nn.LayerNorm(16) if norm == "layer" else torch.nn.RMSNorm(16)
     model = torch.nn.Sequential(
-        torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.ReLU(), torch.nn.Linear(16, 3)
+        torch.nn.Linear(8, 16), norm_layer, torch.nn.ReLU(), torch.nn.Linear(16, 3)
     )
-    with pytest.raises(ValueError, match=r"layer '0' feeds LayerNorm '1'"):
-        DTPPruner(model, torch.randn(1, 8), 0.5)
+    name = type(norm_layer).__name__
+    with pytest.raises(ValueError, match=rf"layer '0' feeds {name} '1'"):
+        DTPPruner(model, torch.randn(1, 5, 8), 0.5)
+    assert not any(parametrize.is_parametrized(m) for m in model.modules())
 
 
 def test_ratios_by_kind_pattern_and_name():
@@ -566,7 +590,8 @@ def test_ratios_by_kind_pattern_and_name():
     }
     pruner = DTPPruner(_mlp(), torch.randn(1, 3, 4, 4), {"[13]": 0.5})  # a pattern
     assert pruner.kept == [16, 12]
-    with pytest.raises(ValueError, match=r"match no prunable layer.*kinds: \['channels', 'mlp'\]"):
+    kinds = r"kinds: \['channels', 'mlp', 'heads'\]"
+    with pytest.raises(ValueError, match=r"match no prunable layer.*" + kinds):
         DTPPruner(_mlp(), torch.randn(1, 3, 4, 4), {"attention": 0.5})
 
 

@@ -1,0 +1,182 @@
+"""Attention-head groups: one segment over the heads of an attention layer.
+
+Two forms of attention layer are recognised by their structure (Torch-Pruning's graph
+does not follow the per-head reshapes):
+
+- separate projections, as Hugging Face's Llama, Mistral and Qwen families write them:
+  ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` and ``head_dim``;
+- one fused ``qkv`` projection and ``proj``, with ``num_heads`` and ``head_dim``, as
+  timm's ViT and DeiT write them.
+
+The unit is a key/value head together with the query heads that share it (grouped-query
+attention; one query head per unit without it). Removing a unit removes its query, key
+and value rows and the output projection's input columns of its query heads; the heads
+left attend exactly as before, so masking those output columns per unit is exactly what
+removing the unit does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Projection:
+    """A linear layer whose rows (or, for the output projection, columns) are `blocks`
+    blocks of the units in order, `per_unit` rows each (timm's fused qkv: 3 blocks)."""
+
+    layer: nn.Linear
+    blocks: int
+    per_unit: int
+
+    def kept(self, units: int, kept_units: torch.Tensor) -> torch.Tensor:
+        """Indices of the rows (columns) that `kept_units` keep."""
+        within = (kept_units[:, None] * self.per_unit + torch.arange(self.per_unit)).flatten()
+        return torch.cat([b * units * self.per_unit + within for b in range(self.blocks)])
+
+
+@dataclass
+class HeadGroup:
+    name: str  # the attention module's name
+    module: nn.Module
+    rows: list[Projection]  # query, key, value (fused or separate)
+    out: Projection  # the output projection, by its input columns
+    units: int  # key/value heads
+    query_heads_per_unit: int
+    head_dim: int
+    norms: tuple = ()  # nothing between the heads and the output projection re-normalizes
+    kept_out: list[nn.Module] = field(init=False)
+    kept_in: list[nn.Module] = field(init=False)
+    # channels a module loses per unit removed: the cost model counts channels
+    width: dict[nn.Module, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.kept_out = [p.layer for p in self.rows]
+        self.kept_in = [self.out.layer]
+        self.width = {p.layer: p.blocks * p.per_unit for p in [*self.rows, self.out]}
+
+    @property
+    def size(self) -> int:
+        return self.units
+
+    @property
+    def layer(self) -> nn.Linear:
+        return self.out.layer
+
+    def initial_scores(self) -> torch.Tensor:
+        """L2 norm per unit of the output projection's columns (the unit's filter)."""
+        weight = self.out.layer.weight.detach()
+        return weight.view(weight.shape[0], self.units, -1).norm(dim=(0, 2))
+
+
+def _linear(module: nn.Module, name: str) -> nn.Linear | None:
+    child = getattr(module, name, None)
+    return child if isinstance(child, nn.Linear) else None
+
+
+def _separate(name: str, module: nn.Module) -> HeadGroup | None:
+    """q_proj, k_proj, v_proj, o_proj and head_dim (Hugging Face)."""
+    layers = [_linear(module, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    head_dim = getattr(module, "head_dim", None)
+    if any(layer is None for layer in layers) or not isinstance(head_dim, int):
+        return None
+    q, k, v, o = layers
+    if not (
+        q.out_features % head_dim == 0
+        and k.out_features % head_dim == 0
+        and k.out_features == v.out_features
+        and o.in_features == q.out_features
+    ):
+        raise ValueError(
+            f"attention layer {name!r}: q_proj ({q.out_features}), k_proj ({k.out_features}), "
+            f"v_proj ({v.out_features}) outputs and o_proj ({o.in_features}) inputs do not "
+            f"split into heads of head_dim {head_dim}"
+        )
+    heads, units = q.out_features // head_dim, k.out_features // head_dim
+    if heads % units:
+        raise ValueError(
+            f"attention layer {name!r}: {heads} query heads do not share {units} key/value "
+            "heads evenly"
+        )
+    per_unit = heads // units
+    rows = [
+        Projection(q, 1, per_unit * head_dim),
+        Projection(k, 1, head_dim),
+        Projection(v, 1, head_dim),
+    ]
+    out = Projection(o, 1, per_unit * head_dim)
+    return HeadGroup(name, module, rows, out, units, per_unit, head_dim)
+
+
+def _fused(name: str, module: nn.Module) -> HeadGroup | None:
+    """qkv, proj, num_heads and head_dim (timm)."""
+    qkv, proj = _linear(module, "qkv"), _linear(module, "proj")
+    heads, head_dim = getattr(module, "num_heads", None), getattr(module, "head_dim", None)
+    if qkv is None or proj is None or not isinstance(heads, int) or not isinstance(head_dim, int):
+        return None
+    if qkv.out_features != 3 * heads * head_dim or proj.in_features != heads * head_dim:
+        raise ValueError(
+            f"attention layer {name!r}: qkv ({qkv.out_features} outputs) and proj "
+            f"({proj.in_features} inputs) are not {heads} heads of head_dim {head_dim}"
+        )
+    for part in ("norm", "gate"):  # a norm over all heads, or a gate: not per head
+        child = getattr(module, part, None)
+        if child is not None and not isinstance(child, nn.Identity):
+            raise ValueError(
+                f"attention layer {name!r}: its {part} ({type(child).__name__}) acts on all "
+                "heads together, so removing heads would change what it computes; leave "
+                "the layer whole with ignored_layers=[...]"
+            )
+    rows = [Projection(qkv, 3, head_dim)]
+    return HeadGroup(name, module, rows, Projection(proj, 1, head_dim), heads, 1, head_dim)
+
+
+def find_head_groups(model: nn.Module, ignored: list[nn.Module]) -> list[HeadGroup]:
+    """Every attention layer of either form, in model order; an error names one whose
+    projections do not split into whole heads."""
+    groups = []
+    for name, module in model.named_modules():
+        if module in ignored:
+            continue
+        group = _separate(name, module) or _fused(name, module)
+        if group is None or any(layer in ignored for layer in [*group.kept_out, group.layer]):
+            continue
+        groups.append(group)
+    return groups
+
+
+def _keep_rows(layer: nn.Linear, rows: torch.Tensor) -> None:
+    rows = rows.to(layer.weight.device)
+    layer.weight = nn.Parameter(layer.weight.detach()[rows].clone())
+    if layer.bias is not None:
+        layer.bias = nn.Parameter(layer.bias.detach()[rows].clone())
+    layer.out_features = len(rows)
+
+
+def _keep_columns(layer: nn.Linear, columns: torch.Tensor) -> None:
+    columns = columns.to(layer.weight.device)
+    layer.weight = nn.Parameter(layer.weight.detach()[:, columns].clone())
+    layer.in_features = len(columns)
+
+
+def prune_heads(group: HeadGroup, module: nn.Module, unit_mask: torch.Tensor) -> None:
+    """Remove the units whose mask is 0 from `module` (the group's attention module in a
+    copy of the model), in place."""
+    kept = unit_mask.nonzero().flatten().cpu()
+    layers = dict(module.named_modules())
+    names = {layer: name for name, layer in group.module.named_modules()}
+    for projection in group.rows:
+        _keep_rows(layers[names[projection.layer]], projection.kept(group.units, kept))
+    _keep_columns(layers[names[group.out.layer]], group.out.kept(group.units, kept))
+    # the attributes implementations read (the others reshape with -1)
+    heads = len(kept) * group.query_heads_per_unit
+    for attr, value in (
+        ("num_heads", heads),
+        ("num_key_value_heads", len(kept)),
+        ("attn_dim", heads * group.head_dim),
+    ):
+        if isinstance(getattr(module, attr, None), int):
+            setattr(module, attr, value)

@@ -1,0 +1,174 @@
+"""DTP on Hugging Face Llama models (tiny configurations built here, nothing downloaded):
+attention heads with grouped-query attention, gated MLPs, the export invariant, exact
+counts, gradients, training steps, the exported config, save/load and generate()."""
+
+import pytest
+import torch
+
+from dtp_kernels.pruning import DTPPruner
+from dtp_kernels.pruning.heads import HeadGroup
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 61
+
+
+def tiny_llama(heads=4, kv_heads=2, layers=2, seed=0):
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=8 * heads,  # head_dim 8
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config)
+
+
+def tokens(batch=2, length=9, seed=1):
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_groups_are_heads_and_gated_mlps():
+    model = tiny_llama()
+    pruner = DTPPruner(model, (tokens(),), {"heads": 0.5, "mlp": 0.25})
+    kinds = [(g.name, type(g).__name__, g.size) for g in pruner.groups]
+    assert kinds == [
+        ("model.layers.0.self_attn", "HeadGroup", 2),  # units: key/value heads
+        ("model.layers.0.mlp.gate_proj", "ChannelGroup", 48),
+        ("model.layers.1.self_attn", "HeadGroup", 2),
+        ("model.layers.1.mlp.gate_proj", "ChannelGroup", 48),
+    ]
+    assert pruner.kept == [1, 36, 1, 36]
+    mlp = pruner.groups[1]
+    assert mlp.gated and {m for m in mlp.kept_out} == {
+        model.model.layers[0].mlp.gate_proj,
+        model.model.layers[0].mlp.up_proj,
+    }
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (6, 2)])
+def test_export_equals_hard_masked_with_exact_counts(heads, kv_heads):
+    model = tiny_llama(heads, kv_heads)
+    ids = tokens()
+    pruner = DTPPruner(model, (ids,), {"heads": 0.5, "mlp": 0.5})
+    with torch.no_grad():  # scores away from their initial order
+        pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
+    exported = pruner.export()  # checks the invariant itself; asserted here too
+    model.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(ids).logits
+    got = exported.eval()(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    kept_units = kv_heads // 2
+    per_unit = heads // kv_heads
+    for layer in exported.model.layers:
+        attn = layer.self_attn
+        assert attn.q_proj.out_features == kept_units * per_unit * 8
+        assert attn.k_proj.out_features == attn.v_proj.out_features == kept_units * 8
+        assert attn.o_proj.in_features == kept_units * per_unit * 8
+        assert layer.mlp.gate_proj.out_features == layer.mlp.up_proj.out_features == 24
+        assert layer.mlp.down_proj.in_features == 24
+    params, _ = pruner.predicted_counts()
+    assert params == sum(p.numel() for p in exported.parameters())
+
+
+def test_exported_config_round_trips_and_generates(tmp_path):
+    model = tiny_llama()
+    ids = tokens()
+    exported = DTPPruner(model, (ids,), {"heads": 0.5, "mlp": 0.5}).export()
+    config = exported.config
+    assert (config.num_attention_heads, config.num_key_value_heads) == (2, 1)
+    assert (config.head_dim, config.intermediate_size) == (8, 24)
+    exported.save_pretrained(tmp_path)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, exported.eval()(ids).logits)
+    generated = loaded.generate(ids[:1], max_new_tokens=4, do_sample=False)
+    assert generated.shape == (1, ids.shape[1] + 4)
+
+
+def test_a_config_its_own_checks_refuse_is_left_with_a_warning():
+    """Llama's config wants hidden_size divisible by the heads: 3 of 4 kept is refused."""
+    model = tiny_llama(heads=4, kv_heads=4)
+    pruner = DTPPruner(model, (tokens(),), {"heads": 0.25})
+    with pytest.warns(UserWarning, match=r"config cannot hold \['num_attention_heads'\]"):
+        exported = pruner.export()
+    assert exported.config.num_attention_heads == 4  # unchanged, never half-written
+    assert exported.model.layers[0].self_attn.q_proj.out_features == 24
+
+
+def test_uneven_layers_warn_that_the_config_cannot_hold_them():
+    model = tiny_llama()
+    ratios = {"model.layers.0.self_attn": 0.5, "mlp": 0.5}  # layer 1 keeps its heads
+    pruner = DTPPruner(model, (tokens(),), ratios)
+    with pytest.warns(UserWarning, match=r"config cannot hold \['num_attention_heads'\]"):
+        pruner.export()
+
+
+def test_every_score_gets_the_gradient_of_the_other_backend():
+    """Head and gated-MLP scores receive gradients; the compiled and the eager backends
+    agree on them."""
+    grads = {}
+    for backend in ("torch", "cpu"):
+        model = tiny_llama()
+        pruner = DTPPruner(model, (tokens(),), {"heads": 0.5, "mlp": 0.5}, backend=backend)
+        model.train()
+        loss = torch.nn.functional.cross_entropy(
+            model(tokens(seed=3)).logits.flatten(0, 1), tokens(seed=4).flatten()
+        )
+        loss.backward()
+        grads[backend] = pruner.scores.grad.clone()
+    for part in grads["cpu"].split([2, 48, 2, 48]):
+        assert part.abs().max() > 0
+    torch.testing.assert_close(grads["cpu"], grads["torch"], rtol=1e-4, atol=1e-7)
+
+
+def test_training_steps_move_the_scores_and_lower_the_loss():
+    model = tiny_llama()
+    ids = tokens(batch=4, length=12, seed=5)
+    pruner = DTPPruner(model, (ids,), {"heads": 0.5, "mlp": 0.5})
+    optimizer = torch.optim.Adam([*model.parameters(), pruner.scores], lr=1e-2)
+    pruner.attach(optimizer)
+    start = pruner.scores.detach().clone()
+    losses = []
+    model.train()
+    for _ in range(8):
+        logits = model(ids[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert not torch.equal(start, pruner.scores.detach())
+    assert int(pruner.state.steps) == 8
+    exported = pruner.export()
+    assert exported.config.num_attention_heads == 2
+
+
+def test_heads_ratio_kind_prunes_heads_only():
+    pruner = DTPPruner(tiny_llama(), (tokens(),), {"heads": 0.5})
+    assert all(isinstance(g, HeadGroup) for g in pruner.groups)
+    assert len(pruner.groups) == 2
+
+
+class OddAttention(torch.nn.Module):
+    """Has the q/k/v/o form, but its 12 channels are not whole heads of head_dim 5."""
+
+    def __init__(self):
+        super().__init__()
+        self.head_dim = 5
+        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(8, 12) for _ in range(3))
+        self.o_proj = torch.nn.Linear(12, 8)
+
+    def forward(self, x):
+        return self.o_proj(self.q_proj(x) * self.k_proj(x) + self.v_proj(x))
+
+
+def test_heads_that_do_not_split_are_refused_by_name():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), OddAttention())
+    with pytest.raises(ValueError, match=r"attention layer '1'.*head_dim 5"):
+        DTPPruner(model, (torch.randn(2, 8),), {"heads": 0.5})

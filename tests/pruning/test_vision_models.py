@@ -1,0 +1,137 @@
+"""DTP on the vision models people train, in small configurations built here: torchvision
+ConvNeXt, timm DeiT (ViT) and timm ConvNeXt. For each: the groups found, exact kept
+counts, the exported model equal to the hard-masked one, predicted parameters equal to
+the exported ones, a gradient on every score (the same from two backends), and a few
+training steps with the transport state committed."""
+
+import pytest
+import torch
+
+from dtp_kernels.pruning import DTPPruner
+from dtp_kernels.pruning.cost import count_params
+from dtp_kernels.pruning.heads import HeadGroup
+
+timm = pytest.importorskip("timm")
+
+
+def deit():
+    from timm.models.vision_transformer import VisionTransformer
+
+    model = VisionTransformer(
+        img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=4, num_classes=5
+    )
+    return model, torch.randn(4, 3, 16, 16)
+
+
+def timm_convnext():
+    from timm.models.convnext import ConvNeXt
+
+    # layer scale 1 (the default 1e-6 is an untrained network's: scores would barely move)
+    model = ConvNeXt(depths=(1, 1, 1, 1), dims=(8, 16, 24, 32), num_classes=5, ls_init_value=1.0)
+    return model, torch.randn(4, 3, 32, 32)
+
+
+def torchvision_convnext():
+    from torchvision.models.convnext import CNBlockConfig, ConvNeXt
+
+    settings = [CNBlockConfig(16, 32, 1), CNBlockConfig(32, None, 1)]
+    return ConvNeXt(settings, layer_scale=1.0, num_classes=5), torch.randn(4, 3, 32, 32)
+
+
+MODELS = {
+    # name: (builder, expected groups as (name, kind, units))
+    "timm_deit": (
+        deit,
+        [
+            ("blocks.0.attn", "heads", 4),
+            ("blocks.0.mlp.fc1", "mlp", 128),
+            ("blocks.1.attn", "heads", 4),
+            ("blocks.1.mlp.fc1", "mlp", 128),
+        ],
+    ),
+    "timm_convnext": (
+        timm_convnext,
+        [(f"stages.{i}.blocks.0.mlp.fc1", "mlp", 4 * d) for i, d in enumerate((8, 16, 24, 32))],
+    ),
+    "torchvision_convnext": (
+        torchvision_convnext,
+        [("features.1.0.block.3", "mlp", 64), ("features.3.0.block.3", "mlp", 128)],
+    ),
+}
+
+
+def build(name):
+    torch.manual_seed(0)
+    model, x = MODELS[name][0]()
+    return model, x
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_groups_counts_and_export_equal_hard_masked(name):
+    model, x = build(name)
+    pruner = DTPPruner(model, (x[:1],), {"heads": 0.5, "mlp": 0.5})
+    found = [
+        (g.name, "heads" if isinstance(g, HeadGroup) else "mlp", g.size) for g in pruner.groups
+    ]
+    assert found == MODELS[name][1]
+    assert pruner.kept == [n // 2 for _, _, n in found]
+    with torch.no_grad():  # a random order, not the initial norms
+        pruner.scores.uniform_(0, 1, generator=torch.Generator().manual_seed(1))
+    exported = pruner.export()
+    model.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(x)
+    torch.testing.assert_close(exported.eval()(x), want, rtol=1e-5, atol=1e-5)
+    assert count_params(exported) == pruner.report()["params_after"]
+    if name == "timm_deit":
+        for block in exported.blocks:
+            assert (block.attn.num_heads, block.attn.attn_dim) == (2, 16)
+            assert block.attn.qkv.out_features == 48 and block.attn.proj.in_features == 16
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_score_gets_the_gradient_of_the_other_backend(name):
+    grads = []
+    for backend in ("torch", "cpu"):
+        model, x = build(name)
+        pruner = DTPPruner(model, (x[:1],), 0.5, backend=backend)
+        model.train()
+        model(x).square().mean().backward()
+        grads.append(pruner.scores.grad.clone())
+    assert torch.all(grads[1] != 0)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-8)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_training_steps(name):
+    model, x = build(name)
+    target = torch.randint(0, 5, (x.shape[0],), generator=torch.Generator().manual_seed(2))
+    pruner = DTPPruner(model, (x[:1],), 0.5)
+    optimizer = torch.optim.SGD([*model.parameters(), pruner.scores], lr=0.05, momentum=0.9)
+    pruner.attach(optimizer)
+    start = pruner.scores.detach().clone()
+    model.train()
+    losses = []
+    for _ in range(5):
+        loss = torch.nn.functional.cross_entropy(model(x), target)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0]
+    assert not torch.equal(start, pruner.scores.detach())
+    assert int(pruner.state.steps) == 5
+    pruner.export()
+
+
+def test_a_norm_over_all_heads_is_refused_by_name():
+    """timm's scale_norm normalizes the heads' outputs together: refused."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    model = VisionTransformer(
+        img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=4, num_classes=5
+    )
+    model.blocks[0].attn.norm = torch.nn.LayerNorm(32)
+    with pytest.raises(ValueError, match=r"attention layer 'blocks.0.attn': its norm"):
+        DTPPruner(model, (torch.randn(1, 3, 16, 16),), {"heads": 0.5})
