@@ -85,8 +85,10 @@ class MaskSource:
 
 
 class ScaleRows(nn.Module):
-    """Parametrization w -> w * mask, broadcast over the first (output-channel) dim, each
-    mask entry repeated over `per_unit` consecutive rows (a GroupNorm's group)."""
+    """Parametrization w -> w * mask over the output rows (dim 0), each mask entry
+    repeated over `per_unit` consecutive rows (a GroupNorm's group; 1 for a channel)."""
+
+    DIM = 0
 
     def __init__(self, source: MaskSource, index: int, per_unit: int = 1) -> None:
         super().__init__()
@@ -96,23 +98,16 @@ class ScaleRows(nn.Module):
         mask = self.source.get(self.index).to(weight.dtype)
         if self.per_unit > 1:
             mask = mask.repeat_interleave(self.per_unit)
-        return weight * mask.view(-1, *([1] * (weight.dim() - 1)))
+        shape = [1] * weight.dim()
+        shape[self.DIM] = -1
+        return weight * mask.view(shape)
 
 
-class ScaleColumns(nn.Module):
-    """Parametrization w -> w * mask over a linear layer's input columns, each mask entry
-    repeated over `per_unit` consecutive columns (an attention unit's columns; 1 for the
-    features of a gated MLP)."""
+class ScaleColumns(ScaleRows):
+    """The same over a linear layer's input columns (dim 1): an attention unit's columns,
+    or the features of a gated MLP."""
 
-    def __init__(self, source: MaskSource, index: int, per_unit: int = 1) -> None:
-        super().__init__()
-        self.source, self.index, self.per_unit = source, index, per_unit
-
-    def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        mask = self.source.get(self.index).to(weight.dtype)
-        if self.per_unit > 1:
-            mask = mask.repeat_interleave(self.per_unit)
-        return weight * mask.view(1, -1)
+    DIM = 1
 
 
 def read_folded_first(module: nn.Module, name: str, source: MaskSource, slot: int) -> None:
