@@ -1,13 +1,14 @@
 """dtp_kernels: Differentiable Transportation Pruning (Li et al., ICCV 2023) for PyTorch.
 
 Public API: :func:`transport_mask`, :class:`TransportState`,
-:func:`masked_channel_epilogue`, :func:`available_backends`, :func:`build_info`.
+:func:`masked_channel_epilogue`, :func:`available_backends`, :func:`build_info`;
+pruning: :class:`DTPPruner`, :func:`prepare`, :func:`save_pruned`, :func:`load_pruned`.
 The literal reference is :mod:`dtp_kernels.reference`.
 """
 
 from ._extension import BackendUnavailableError, available_backends, build_info
 from .masked_channel_epilogue import masked_channel_epilogue
-from .pruning import DTPPruner, L1Pruner, RandomPruner, load_pruned, save_pruned
+from .pruning import DTPPruner, L1Pruner, RandomPruner, load_pruned, prepare, save_pruned
 from .transport_mask import transport_mask
 from .transport_state import TransportState
 
@@ -21,6 +22,7 @@ __all__ = [
     "build_info",
     "load_pruned",
     "masked_channel_epilogue",
+    "prepare",
     "save_pruned",
     "transport_mask",
 ]

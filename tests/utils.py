@@ -148,3 +148,19 @@ def final_state(out: Path) -> dict[str, torch.Tensor]:
             for key, value in (payload[part] or {}).items():
                 tensors[f"{stage}/{part}/{key}"] = value
     return tensors
+
+
+def group_norm_net(width: int = 8, classes: int = 4) -> torch.nn.Module:
+    """conv -> GroupNorm -> ReLU -> conv -> BN -> ReLU -> pool -> linear: a model a user's
+    function builds (save_pruned's builder entry point "utils:group_norm_net")."""
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, width, 3, padding=1),
+        torch.nn.GroupNorm(width // 4, width),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(width, width, 3, padding=1),
+        torch.nn.BatchNorm2d(width),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(width, classes),
+    )

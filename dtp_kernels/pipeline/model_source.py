@@ -11,7 +11,6 @@ own (any `package.module:function`), with the user's pretrained weights.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 from torch import nn
 
 from ..models import get_model
+from ..pruning.built_model import build
 
 SOURCES = ("builtin", "torchvision", "python")
 RANDOM = "random"  # model.weights: start from the architecture's random initialisation
@@ -43,21 +43,7 @@ def build_model(spec: Mapping) -> nn.Module:
             raise ValueError(f"model.name = {name!r} is not a torchvision model") from error
         kwargs.setdefault("num_classes", spec["num_classes"])
         return builder(weights=None, **kwargs)
-    entry = spec.get("entry")
-    if not isinstance(entry, str) or entry.count(":") != 1:
-        raise ValueError(
-            f"model.entry = {entry!r}; with model.source: python it must be "
-            "'package.module:function' (a callable that returns the nn.Module)"
-        )
-    module_name, attribute = entry.split(":")
-    try:
-        builder = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"model.entry = {entry!r} cannot be imported: {error}") from error
-    model = builder(**kwargs)
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model.entry = {entry!r} returned {type(model).__name__}, not a Module")
-    return model
+    return build(spec.get("entry"), kwargs, field="model.entry")
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:

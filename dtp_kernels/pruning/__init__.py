@@ -3,6 +3,7 @@ are applied, the DTP pruner, export, baselines."""
 
 from .base import ChannelPruner
 from .baselines import L1Pruner, RandomPruner
+from .prepare import prepare
 from .pruner import DTPPruner, ExportMismatchError
 from .saving import load_pruned, save_pruned
 
@@ -13,5 +14,6 @@ __all__ = [
     "L1Pruner",
     "RandomPruner",
     "load_pruned",
+    "prepare",
     "save_pruned",
 ]

@@ -1,7 +1,10 @@
 """Saving and loading an exported (physically pruned) model.
 
-Two formats, both tagged and versioned:
+Three formats, all tagged and versioned:
 
+- builder + safetensors (version 3), for any model a function builds: the entry point
+  "package.module:function" and its keyword arguments, the attributes export changed and
+  the weights as safetensors (built_model.py). Loading never unpickles anything.
 - weights only (version 2), when the model is one `dtp_kernels.models.get_model` builds:
   the architecture's name, the pruning metadata and the state dict. Loading uses
   ``torch.load(weights_only=True)``: it builds the dense architecture, shrinks every conv,
@@ -14,10 +17,13 @@ Two formats, both tagged and versioned:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from . import built_model
 
 FORMAT = "dtp-kernels/pruned-model"
 VERSION = 2  # the newest format this module writes and reads
@@ -29,15 +35,31 @@ def save_pruned(
     model: nn.Module,
     architecture: dict | None = None,
     metadata: dict | None = None,
+    *,
+    builder: str | None = None,
+    builder_kwargs: dict | None = None,
 ) -> None:
     """Write `model` (e.g. ``pruner.export()``) to `path`.
 
+    builder: an entry point "package.module:function" that, called with `builder_kwargs`
+        (JSON values), builds the dense model; the file is then safetensors with the
+        builder in its header, loaded without pickle.
     architecture: ``{"name": ..., "num_classes": ...}`` as for ``get_model``; with it the
-        file is weights only. metadata: plain values (e.g. method, ratios) stored with it
-        and checked by ``load_pruned(expect=...)``.
+        file is weights only (torch format). metadata: plain values (e.g. method, ratios)
+        stored with it and checked by ``load_pruned(expect=...)``.
+    Neither: the module is pickled (loading needs ``trusted=True``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if builder is not None:
+        if architecture is not None:
+            raise ValueError("give builder or architecture, not both")
+        header = {"format": FORMAT}
+        kwargs = dict(builder_kwargs or {})
+        built_model.save_built(path, model, builder, kwargs, dict(metadata or {}), header)
+        return
+    if builder_kwargs is not None:
+        raise ValueError("builder_kwargs needs builder")
     if architecture is None:
         torch.save({"format": FORMAT, "version": PICKLED, "model": model}, path)
         return
@@ -68,6 +90,18 @@ def load_pruned(
         ``{"name": "resnet56", "ratios": "0.5"}``; a mismatch raises ValueError.
     trusted: allow the pickled-module format (it runs pickle: load only files you trust).
     """
+    if built_model.is_safetensors(path):
+        fields, shapes = built_model.read_header(path)
+        if fields.get("format") != FORMAT or fields.get("version") != built_model.VERSION:
+            raise ValueError(
+                f"{path} is a safetensors file but not a pruned model saved by "
+                f"dtp_kernels.save_pruned with a builder (format {fields.get('format')!r}, "
+                f"version {fields.get('version')!r})"
+            )
+        known = {**json.loads(fields["metadata"]), "builder": fields["builder"]}
+        _check_expected(path, known, expect)
+        model = built_model.load_built(path, fields, shapes)
+        return model.to(map_location) if map_location is not None else model
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # a pickled module, or not a torch file at all
@@ -91,12 +125,7 @@ def load_pruned(
             f"{path} has pruned-model format version {version!r}; this dtp_kernels reads "
             f"versions {PICKLED} and {VERSION}: upgrade dtp_kernels"
         )
-    known = {**payload["metadata"], **payload["architecture"]}
-    for key, value in (expect or {}).items():
-        if known.get(key) != value:
-            raise ValueError(
-                f"{path} holds a model with {key} = {known.get(key)!r}, expected {value!r}"
-            )
+    _check_expected(path, {**payload["metadata"], **payload["architecture"]}, expect)
     from ..models import get_model
 
     arch = payload["architecture"]
@@ -105,6 +134,14 @@ def load_pruned(
     _shrink_to(model, state, path)
     model.load_state_dict(state)
     return model.to(map_location) if map_location is not None else model
+
+
+def _check_expected(path, known: dict, expect: dict | None) -> None:
+    for key, value in (expect or {}).items():
+        if known.get(key) != value:
+            raise ValueError(
+                f"{path} holds a model with {key} = {known.get(key)!r}, expected {value!r}"
+            )
 
 
 def _shrink_to(model: nn.Module, state: dict, path) -> None:

@@ -1,0 +1,157 @@
+"""A pruned model saved as its builder plus safetensors weights, loaded without pickle.
+
+The file is a safetensors file. Its header names the builder, an entry point
+"package.module:function" (or "package.module:Class", or "...:Class.method") and the
+keyword arguments that build the dense model, as JSON; the integer attributes that
+export changed (channel counts, ``num_heads``, a GroupNorm's ``num_groups``, ...), per
+module; and the caller's metadata. Loading imports and calls the builder, checks that every
+saved tensor belongs to the model and is no larger than the dense one, gives each module
+its saved attributes and shapes, and only then reads the weights.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+VERSION = "3"  # pruned-model format version of a builder + safetensors file
+ATTRIBUTE_TYPES = (int, tuple)  # what export changes: counts and shapes
+
+
+def build(builder: str, kwargs: dict, field: str = "builder") -> nn.Module:
+    """Import the entry point `builder` and call it with `kwargs`; errors name `field`."""
+    if not isinstance(builder, str) or builder.count(":") != 1:
+        raise ValueError(
+            f"{field} = {builder!r}; it must be an entry point 'package.module:function' "
+            "(or 'package.module:Class' or 'package.module:Class.method') that returns the "
+            "nn.Module"
+        )
+    if not isinstance(kwargs, dict):
+        raise TypeError(f"the keyword arguments of {field} must be a dict, got {type(kwargs)}")
+    module_name, attribute = builder.split(":")
+    try:
+        target = importlib.import_module(module_name)
+        for part in attribute.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"{field} = {builder!r} cannot be imported: {error}") from error
+    model = target(**kwargs)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{field} = {builder!r} returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _attributes(model: nn.Module) -> dict[str, dict]:
+    return {
+        name: {
+            key: value
+            for key, value in vars(module).items()
+            if not key.startswith("_")
+            and isinstance(value, ATTRIBUTE_TYPES)
+            and not isinstance(value, bool)
+            and all(isinstance(v, int) for v in (value if isinstance(value, tuple) else ()))
+        }
+        for name, module in model.named_modules()
+    }
+
+
+def changed_attributes(dense: nn.Module, pruned: nn.Module, path) -> dict[str, dict]:
+    """Per module name, the integer attributes `pruned` has that `dense` does not."""
+    before, after = _attributes(dense), _attributes(pruned)
+    if set(before) != set(after):
+        extra = sorted(set(after) - set(before))[:3]
+        raise ValueError(
+            f"{path}: the builder's model does not have the modules of the model saved "
+            f"(for example {extra}): builder or builder_kwargs do not build this model"
+        )
+    return {
+        name: {key: list(value) if isinstance(value, tuple) else value for key, value in diff}
+        for name in after
+        if (diff := [(k, v) for k, v in after[name].items() if before[name].get(k) != v])
+    }
+
+
+def save_built(
+    path: str | Path, model: nn.Module, builder: str, kwargs: dict, metadata: dict, header: dict
+) -> None:
+    """Write `model` with its builder to `path` (safetensors)."""
+    from safetensors.torch import save_model
+
+    dense = build(builder, kwargs)
+    fields = {
+        **header,
+        "version": VERSION,
+        "builder": builder,
+        "builder_kwargs": json.dumps(kwargs),
+        "attributes": json.dumps(changed_attributes(dense, model, path)),
+        "metadata": json.dumps(metadata),
+    }
+    save_model(model, str(path), metadata=fields)
+
+
+def is_safetensors(path: str | Path) -> bool:
+    """Whether `path` starts with a safetensors header (8-byte length, then JSON)."""
+    with open(path, "rb") as file:
+        head = file.read(9)
+    return len(head) == 9 and head[8:9] == b"{"
+
+
+def read_header(path: str | Path) -> tuple[dict, dict[str, tuple]]:
+    """The header fields and the saved tensors' shapes."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as file:
+        fields = file.metadata() or {}
+        names = list(file.keys())  # a safe_open handle is not iterable
+        shapes = {key: tuple(file.get_slice(key).get_shape()) for key in names}
+    return fields, shapes
+
+
+def load_built(path: str | Path, fields: dict, shapes: dict[str, tuple]) -> nn.Module:
+    """Build the dense model, shrink it to the saved attributes and shapes, read weights."""
+    from safetensors.torch import load_model
+
+    model = build(fields["builder"], json.loads(fields["builder_kwargs"]))
+    own = model.state_dict()
+    unknown = sorted(set(shapes) - set(own))
+    if unknown:
+        raise ValueError(
+            f"{path} does not fit the model its builder makes (unexpected {unknown[:3]}): "
+            "it was saved from another model"
+        )
+    grown = [
+        key
+        for key, shape in shapes.items()
+        if len(shape) != own[key].dim()
+        or any(s > o for s, o in zip(shape, own[key].shape, strict=True))
+    ]
+    if grown:
+        raise ValueError(f"{path}: saved shapes do not fit the builder's model ({grown[:3]})")
+    modules = dict(model.named_modules())
+    for name, attributes in json.loads(fields["attributes"]).items():
+        if name not in modules:
+            raise ValueError(f"{path}: module {name!r} is not in the builder's model")
+        for key, value in attributes.items():
+            setattr(modules[name], key, tuple(value) if isinstance(value, list) else value)
+    for name, module in modules.items():
+        prefix = f"{name}." if name else ""
+        for key, tensor in list(module.named_parameters(recurse=False)):
+            shape = shapes.get(prefix + key)
+            if shape is not None and shape != tuple(tensor.shape):
+                setattr(module, key, nn.Parameter(tensor.new_empty(shape)))
+        for key, tensor in list(module.named_buffers(recurse=False)):
+            shape = shapes.get(prefix + key)
+            if tensor is not None and shape is not None and shape != tuple(tensor.shape):
+                module._buffers[key] = tensor.new_empty(shape)
+    with torch.no_grad():
+        missing, unexpected = load_model(model, str(path), strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"{path}: the weights do not cover the builder's model (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]})"
+        )
+    return model

@@ -1,0 +1,116 @@
+"""DTP in training code that already exists: one call adds the pruner to a model and its
+optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from .pruner import DTPPruner
+
+
+def unwrap_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside a wrapper (Accelerate's and Lightning's keep it in
+    ``.optimizer``); step hooks fire on it, not on the wrapper."""
+    inner = optimizer
+    while not type(inner).__module__.startswith("torch.optim") and hasattr(inner, "optimizer"):
+        inner = inner.optimizer
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    return inner
+
+
+# learning-rate schedulers that keep one entry per parameter group in these lists
+PER_GROUP_LISTS = ("base_lrs", "_last_lr")
+# schedulers whose per-group settings live in the groups themselves: no default for a new one
+PER_GROUP_SETTINGS = (torch.optim.lr_scheduler.OneCycleLR, torch.optim.lr_scheduler.CyclicLR)
+
+
+def _schedulers(scheduler) -> list:
+    """The torch schedulers inside `scheduler` (wrappers keep one in ``.scheduler``;
+    SequentialLR and ChainedScheduler hold several; a list is several)."""
+    if isinstance(scheduler, (list, tuple)):
+        return [s for part in scheduler for s in _schedulers(part)]
+    while hasattr(scheduler, "scheduler") and not isinstance(
+        scheduler, torch.optim.lr_scheduler.LRScheduler
+    ):
+        scheduler = scheduler.scheduler
+    inner = getattr(scheduler, "_schedulers", None)
+    return [s for part in inner for s in _schedulers(part)] if inner else [scheduler]
+
+
+def _check_scheduler(scheduler) -> None:
+    for part in _schedulers(scheduler):
+        if isinstance(part, PER_GROUP_SETTINGS):
+            raise ValueError(
+                f"scheduler {type(part).__name__} keeps per-group settings that a new group of "
+                "scores would lack; create it after prepare() instead of passing it"
+            )
+        if not isinstance(part, torch.optim.lr_scheduler.LRScheduler):
+            raise TypeError(f"scheduler must be a torch LR scheduler, got {type(part).__name__}")
+
+
+def _extend_scheduler(scheduler, lr: float) -> None:
+    """Give the scores' new group the first group's schedule, scaled to `lr`."""
+    for part in _schedulers(scheduler):
+        for name in PER_GROUP_LISTS:
+            values = getattr(part, name, None)
+            if isinstance(values, list):
+                values.append(lr)
+        lambdas = getattr(part, "lr_lambdas", None)
+        if isinstance(lambdas, list):
+            lambdas.append(lambdas[0])
+
+
+def prepare(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    example_inputs: torch.Tensor | tuple,
+    ratios: float | Mapping[str, float] | str,
+    *,
+    score_lr: float | None = None,
+    score_weight_decay: float = 0.0,
+    scheduler=None,
+    **pruner_kwargs,
+) -> DTPPruner:
+    """Prune `model` with DTP inside an existing training loop.
+
+    Builds a :class:`DTPPruner` (``pruner_kwargs`` go to it), adds its scores (and, under
+    ``budget="flops"``, its learned ratios) to `optimizer` as a parameter group of their
+    own, and commits the transport state after every ``optimizer.step()``. Nothing else
+    changes in the loop; ``pruner.export()`` gives the smaller model at the end.
+
+    Args:
+        score_lr: learning rate of the scores; default: that of the optimizer's first group.
+            A learning-rate scheduler created before this call leaves it constant.
+        score_weight_decay: weight decay of the scores (default 0: their size is what
+            ranks the channels).
+        scheduler: the learning-rate scheduler (or a list of them) made on `optimizer`
+            before this call; the
+            scores' group then follows the first group's schedule (a scheduler made after
+            this call covers every group itself).
+    """
+    inner = unwrap_optimizer(optimizer)
+    if score_lr is not None and not (isinstance(score_lr, (int, float)) and score_lr > 0):
+        raise ValueError(f"score_lr = {score_lr!r}; it must be a number > 0")
+    if not (isinstance(score_weight_decay, (int, float)) and score_weight_decay >= 0):
+        raise ValueError(f"score_weight_decay = {score_weight_decay!r}; it must be >= 0")
+    if scheduler is not None:
+        _check_scheduler(scheduler)
+    pruner = DTPPruner(model, example_inputs, ratios, **pruner_kwargs)
+    params = [pruner.scores] + ([pruner.theta] if pruner.budget == "flops" else [])
+    first = inner.param_groups[0]
+    lr = float(score_lr) if score_lr is not None else first.get("initial_lr", first["lr"])
+    group = {"params": params, "lr": lr, "weight_decay": score_weight_decay}
+    if "initial_lr" in first:  # set by a scheduler: the new group starts where it would
+        group["initial_lr"] = lr
+        group["lr"] = lr * first["lr"] / first["initial_lr"] if first["initial_lr"] else lr
+    inner.add_param_group(group)
+    if scheduler is not None:
+        _extend_scheduler(scheduler, lr)
+    pruner.attach(inner)
+    return pruner

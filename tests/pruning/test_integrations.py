@@ -1,0 +1,172 @@
+"""DTP in existing training code: prepare() on a plain loop, the Hugging Face Trainer
+callback on a tiny Llama and the Lightning callback on a small module, each with a few
+real training steps of the framework itself."""
+
+import pytest
+import torch
+
+from dtp_kernels import prepare
+from dtp_kernels.pruning.cost import count_params
+
+
+def small_net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 3),
+    )
+
+
+def test_prepare_adds_the_scores_and_the_commit_hook():
+    model = small_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+    pruner = prepare(model, optimizer, torch.randn(1, 8), 0.5, score_lr=0.01)
+    group = optimizer.param_groups[-1]
+    assert group["params"] == [pruner.scores] and group["lr"] == 0.01
+    assert group["weight_decay"] == 0.0
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    start = pruner.scores.detach().clone()
+    for _ in range(3):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert int(pruner.state.steps) == 3 and not torch.equal(start, pruner.scores.detach())
+    assert [m.out_features for m in pruner.export() if isinstance(m, torch.nn.Linear)] == [
+        16,
+        16,
+        3,
+    ]
+
+
+def test_prepare_checks_its_arguments_before_changing_the_model():
+    model = small_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"score_lr = -1; it must be a number > 0"):
+        prepare(model, optimizer, torch.randn(1, 8), 0.5, score_lr=-1)
+    with pytest.raises(TypeError, match=r"optimizer must be a torch.optim.Optimizer, got list"):
+        prepare(model, [], torch.randn(1, 8), 0.5)
+    assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
+    assert len(optimizer.param_groups) == 1
+
+
+def test_prepare_puts_the_scores_on_the_existing_schedule():
+    """A scheduler made before prepare(): the scores' group follows the first group's
+    schedule, scaled to score_lr (LambdaLR warm-up, then StepLR, in a SequentialLR)."""
+    model = small_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler
+    warmup = sched.LambdaLR(optimizer, lambda step: (step + 1) / 2)
+    decay = sched.StepLR(optimizer, step_size=1, gamma=0.5)
+    schedule = sched.SequentialLR(optimizer, [warmup, decay], milestones=[2])
+    pruner = prepare(model, optimizer, torch.randn(1, 8), 0.5, score_lr=0.01, scheduler=schedule)
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    for _ in range(4):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        schedule.step()
+        model_lr, score_lr = (g["lr"] for g in optimizer.param_groups)
+        assert score_lr == pytest.approx(model_lr / 10)
+    assert int(pruner.state.steps) == 4
+
+
+def test_a_scheduler_with_per_group_settings_is_refused_first():
+    model = small_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cycle = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=10)
+    with pytest.raises(ValueError, match=r"scheduler OneCycleLR keeps per-group settings"):
+        prepare(model, optimizer, torch.randn(1, 8), 0.5, scheduler=cycle)
+    assert len(optimizer.param_groups) == 1
+    assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
+
+
+def test_prepare_learns_the_flops_ratios_too():
+    model = small_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    pruner = prepare(model, optimizer, torch.randn(1, 8), 0.5, budget="flops")
+    assert optimizer.param_groups[-1]["params"] == [pruner.scores, pruner.theta]
+
+
+def test_hugging_face_trainer_callback_prunes_a_llama(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from dtp_kernels.integrations.huggingface import DTPTrainerCallback
+
+    config = transformers.LlamaConfig(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 61, (8, 12), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    callback = DTPTrainerCallback(ids[:1], {"heads": 0.5, "mlp": 0.5}, score_lr=0.05)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=4,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    trainer.train()
+    pruner = callback.pruner
+    assert int(pruner.state.steps) == 4  # committed after each of the Trainer's steps
+    exported = pruner.export()
+    assert (exported.config.num_attention_heads, exported.config.intermediate_size) == (2, 24)
+    exported.save_pretrained(tmp_path / "pruned")
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "pruned")
+    assert count_params(loaded) == count_params(exported)
+
+
+def test_lightning_callback_prunes_a_module():
+    lightning = pytest.importorskip("lightning")
+    from dtp_kernels.integrations.lightning import DTPCallback
+
+    class Module(lightning.pytorch.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = small_net()
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, _index):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    callback = DTPCallback(torch.randn(1, 8), 0.5)
+    module = Module()
+    trainer = lightning.pytorch.Trainer(
+        max_steps=4,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+    start = module.net[0].weight.detach().norm(dim=1)  # the scores' initial values
+    trainer.fit(module, loader)
+    pruner = callback.pruner
+    assert int(pruner.state.steps) == 4
+    assert not torch.allclose(pruner.scores.detach()[:32], start)
+    exported = pruner.export()
+    assert exported.net[0].out_features == 16
