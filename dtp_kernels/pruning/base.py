@@ -10,7 +10,6 @@ from __future__ import annotations
 import abc
 import copy
 import gc
-import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -19,8 +18,9 @@ from torch.nn.utils import parametrize
 
 from . import ratios as ratio_rules
 from .cost import COSTED, PER_CHANNEL_AFFINE, count_params, flops_after, params_after, trace_layers
-from .groups import ChannelGroup, build_graph, find_groups
+from .groups import build_graph, find_groups
 from .heads import HeadGroup, find_head_groups, prune_heads
+from .hf_config import update_config
 
 
 def _kind(group) -> str:
@@ -28,68 +28,6 @@ def _kind(group) -> str:
     if isinstance(group, HeadGroup):
         return "heads"
     return "mlp" if isinstance(group.layer, nn.Linear) else "channels"
-
-
-def update_config(model: nn.Module, groups: list, masks: list[torch.Tensor]) -> None:
-    """Write the exported sizes into a Hugging Face model's config (heads, key/value heads,
-    head_dim, intermediate_size) so save_pretrained/from_pretrained rebuild the pruned
-    model. A config holds one size per kind for all layers: a kind pruned to different
-    sizes in different layers cannot be written, and export refuses that model's config
-    (the pruned model itself is right; save it with dtp_kernels.save_pruned)."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "num_attention_heads"):
-        return
-    heads = [(g, int(m.sum())) for g, m in zip(groups, masks, strict=True) if _kind(g) == "heads"]
-    mlps = [
-        (g, int(m.sum()))
-        for g, m in zip(groups, masks, strict=True)
-        if isinstance(g, ChannelGroup) and g.gated
-    ]
-    stale = []
-    if heads:
-        kept = {k for _, k in heads}
-        per_unit = {g.query_heads_per_unit for g, _ in heads}
-        fields = {}
-        if len(kept) == 1 and len(per_unit) == 1 and len(heads) == config.num_hidden_layers:
-            k = kept.pop()
-            fields = {"head_dim": heads[0][0].head_dim, "num_attention_heads": k * per_unit.pop()}
-            if hasattr(config, "num_key_value_heads"):
-                fields["num_key_value_heads"] = k
-        if not _set_fields(config, fields):
-            stale.append("num_attention_heads")
-    if mlps and hasattr(config, "intermediate_size"):
-        kept = {k for _, k in mlps}
-        fields = {}
-        if len(kept) == 1 and len(mlps) == config.num_hidden_layers:
-            fields = {"intermediate_size": kept.pop()}
-        if not _set_fields(config, fields):
-            stale.append("intermediate_size")
-    if stale:
-        warnings.warn(
-            f"the exported model's config cannot hold {stale}: the layers were pruned to "
-            "different sizes (a config has one size for all of them), or the config's own "
-            "checks refuse the new size. The model is right; save it with "
-            "dtp_kernels.pruning.save_pruned, not save_pretrained",
-            UserWarning,
-            stacklevel=3,
-        )
-
-
-def _set_fields(config, fields: dict) -> bool:
-    """Set `fields` on `config` if its own validation accepts them; else change nothing."""
-    if not fields:
-        return False
-    before = {name: getattr(config, name, None) for name in fields}
-    for name, value in fields.items():
-        setattr(config, name, value)
-    try:
-        if hasattr(config, "validate"):
-            config.validate()
-    except Exception:
-        for name, value in before.items():
-            setattr(config, name, value)
-        return False
-    return True
 
 
 def _as_tuple(example_inputs) -> tuple:
@@ -274,7 +212,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         original_names = {module: name for name, module in self.model.named_modules()}
         for group, mask in zip(self.groups, masks, strict=True):
             if isinstance(group, HeadGroup):
-                prune_heads(group, names[group.name], mask)
+                prune_heads(group, names, original_names, mask)
                 continue
             dropped_units = (mask == 0).nonzero().flatten()
             if not len(dropped_units):
@@ -290,7 +228,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             if group.group_norm is not None:  # whole groups went: as many fewer groups
                 norm = names[original_names[group.group_norm]]
                 norm.num_groups -= len(dropped_units)
-        update_config(pruned, self.groups, masks)
+        update_config(pruned, [(_kind(g), g) for g in self.groups], masks)
         return pruned
 
     def _unmasked_copy(self) -> nn.Module:

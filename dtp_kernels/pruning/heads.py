@@ -6,7 +6,9 @@ does not follow the per-head reshapes):
 - separate projections, as Hugging Face's Llama, Mistral and Qwen families write them:
   ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` and ``head_dim``;
 - one fused ``qkv`` projection and ``proj``, with ``num_heads`` and ``head_dim``, as
-  timm's ViT and DeiT write them.
+  timm's ViT and DeiT write them;
+- ``query``, ``key``, ``value`` with ``num_attention_heads`` and ``attention_head_size``,
+  the output projection being the ``output.dense`` beside it (Hugging Face's BERT).
 
 The unit is a key/value head together with the query heads that share it (grouped-query
 attention; one query head per unit without it). Removing a unit removes its query, key
@@ -134,14 +136,36 @@ def _fused(name: str, module: nn.Module) -> HeadGroup | None:
     return HeadGroup(name, module, rows, Projection(proj, 1, head_dim), heads, 1, head_dim)
 
 
+def _bert(name: str, module: nn.Module) -> HeadGroup | None:
+    """A parent holding ``self`` (query, key, value) and ``output.dense`` (BERT)."""
+    inner, output = getattr(module, "self", None), getattr(module, "output", None)
+    layers = [_linear(inner, p) for p in ("query", "key", "value")] if inner else [None]
+    out = _linear(output, "dense") if output is not None else None
+    heads = getattr(inner, "num_attention_heads", None)
+    head_dim = getattr(inner, "attention_head_size", None)
+    if any(x is None for x in layers) or out is None or not isinstance(heads, int):
+        return None
+    if (
+        not isinstance(head_dim, int)
+        or any(x.out_features != heads * head_dim for x in layers)
+        or out.in_features != heads * head_dim
+    ):
+        raise ValueError(
+            f"attention layer {name!r}: query/key/value and output.dense are not {heads} "
+            f"heads of attention_head_size {head_dim}"
+        )
+    rows = [Projection(x, 1, head_dim) for x in layers]
+    return HeadGroup(f"{name}.self", inner, rows, Projection(out, 1, head_dim), heads, 1, head_dim)
+
+
 def find_head_groups(model: nn.Module, ignored: list[nn.Module]) -> list[HeadGroup]:
-    """Every attention layer of either form, in model order; an error names one whose
+    """Every attention layer of these forms, in model order; an error names one whose
     projections do not split into whole heads."""
     groups = []
     for name, module in model.named_modules():
         if module in ignored:
             continue
-        group = _separate(name, module) or _fused(name, module)
+        group = _separate(name, module) or _fused(name, module) or _bert(name, module)
         if group is None or any(layer in ignored for layer in [*group.kept_out, group.layer]):
             continue
         groups.append(group)
@@ -162,21 +186,24 @@ def _keep_columns(layer: nn.Linear, columns: torch.Tensor) -> None:
     layer.in_features = len(columns)
 
 
-def prune_heads(group: HeadGroup, module: nn.Module, unit_mask: torch.Tensor) -> None:
-    """Remove the units whose mask is 0 from `module` (the group's attention module in a
-    copy of the model), in place."""
-    kept = unit_mask.nonzero().flatten().cpu()
-    layers = dict(module.named_modules())
-    names = {layer: name for name, layer in group.module.named_modules()}
+def prune_heads(
+    group: HeadGroup, copy: dict[str, nn.Module], names: dict[nn.Module, str], mask: torch.Tensor
+) -> None:
+    """Remove the units whose mask is 0 from a copy of the model, in place. `copy` maps the
+    copy's module names to its modules; `names` the original modules to their names."""
+    kept = mask.nonzero().flatten().cpu()
     for projection in group.rows:
-        _keep_rows(layers[names[projection.layer]], projection.kept(group.units, kept))
-    _keep_columns(layers[names[group.out.layer]], group.out.kept(group.units, kept))
+        _keep_rows(copy[names[projection.layer]], projection.kept(group.units, kept))
+    _keep_columns(copy[names[group.out.layer]], group.out.kept(group.units, kept))
     # the attributes implementations read (the others reshape with -1)
     heads = len(kept) * group.query_heads_per_unit
+    module = copy[names[group.module]]
     for attr, value in (
         ("num_heads", heads),
+        ("num_attention_heads", heads),
         ("num_key_value_heads", len(kept)),
         ("attn_dim", heads * group.head_dim),
+        ("all_head_size", heads * group.head_dim),
     ):
         if isinstance(getattr(module, attr, None), int):
             setattr(module, attr, value)

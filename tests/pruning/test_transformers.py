@@ -94,7 +94,7 @@ def test_a_config_its_own_checks_refuse_is_left_with_a_warning():
     """Llama's config wants hidden_size divisible by the heads: 3 of 4 kept is refused."""
     model = tiny_llama(heads=4, kv_heads=4)
     pruner = DTPPruner(model, (tokens(),), {"heads": 0.25})
-    with pytest.warns(UserWarning, match=r"config cannot hold \['num_attention_heads'\]"):
+    with pytest.warns(UserWarning, match=r"config cannot describe its sizes"):
         exported = pruner.export()
     assert exported.config.num_attention_heads == 4  # unchanged, never half-written
     assert exported.model.layers[0].self_attn.q_proj.out_features == 24
@@ -104,7 +104,7 @@ def test_uneven_layers_warn_that_the_config_cannot_hold_them():
     model = tiny_llama()
     ratios = {"model.layers.0.self_attn": 0.5, "mlp": 0.5}  # layer 1 keeps its heads
     pruner = DTPPruner(model, (tokens(),), ratios)
-    with pytest.warns(UserWarning, match=r"config cannot hold \['num_attention_heads'\]"):
+    with pytest.warns(UserWarning, match=r"config cannot describe its sizes"):
         pruner.export()
 
 
@@ -172,3 +172,54 @@ def test_heads_that_do_not_split_are_refused_by_name():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), OddAttention())
     with pytest.raises(ValueError, match=r"attention layer '1'.*head_dim 5"):
         DTPPruner(model, (torch.randn(2, 8),), {"heads": 0.5})
+
+
+def test_hugging_face_vit_heads_and_mlp_round_trip(tmp_path):
+    config = transformers.ViTConfig(
+        image_size=16,
+        patch_size=4,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        num_labels=5,
+    )
+    torch.manual_seed(0)
+    model = transformers.ViTForImageClassification(config)
+    x = torch.randn(2, 3, 16, 16)
+    pruner = DTPPruner(model, (x[:1],), {"heads": 0.5, "mlp": 0.5})
+    assert [g.size for g in pruner.groups] == [4, 64, 4, 64] and pruner.kept == [2, 32, 2, 32]
+    exported = pruner.export().eval()
+    assert (exported.config.num_attention_heads, exported.config.intermediate_size) == (2, 32)
+    exported.save_pretrained(tmp_path)
+    loaded = transformers.ViTForImageClassification.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, exported(x).logits)
+
+
+def test_bert_heads_export_and_a_config_that_cannot_say_so_is_kept():
+    """BERT derives its head size from hidden_size / heads, so no config describes fewer
+    heads of the same size: the model is exported right and the config left unchanged,
+    with a warning (a model rebuilt from a changed config would differ)."""
+    config = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+    )
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config)
+    ids = tokens()
+    pruner = DTPPruner(model, (ids,), {"heads": 0.5, "*.intermediate.dense": 0.5})
+    assert [type(g).__name__ for g in pruner.groups] == ["HeadGroup", "ChannelGroup"] * 2
+    with pytest.warns(UserWarning, match=r"config cannot describe its sizes"):
+        exported = pruner.export()
+    attention = exported.bert.encoder.layer[0].attention
+    assert (attention.self.num_attention_heads, attention.self.all_head_size) == (2, 16)
+    assert attention.output.dense.in_features == 16
+    assert (exported.config.num_attention_heads, exported.config.intermediate_size) == (4, 64)
+    model.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(ids).logits
+    torch.testing.assert_close(exported.eval()(ids).logits, want, rtol=1e-5, atol=1e-5)

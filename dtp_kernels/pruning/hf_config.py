@@ -1,0 +1,93 @@
+"""The exported sizes written into a Hugging Face model's config, so that
+``save_pretrained`` / ``from_pretrained`` rebuild the pruned model.
+
+A config holds one size per kind for all layers (heads, key/value heads, head_dim,
+intermediate_size). The new values are kept only when a model built from the updated
+config (on the meta device: no memory) has exactly the exported model's shapes;
+otherwise the config is left as it was, with a warning (the exported model itself is
+right; dtp_kernels.save_pruned saves it).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+from torch import nn
+
+
+def _uniform(kept: list[int]) -> int | None:
+    return kept[0] if kept and len(set(kept)) == 1 else None
+
+
+def config_fields(config, groups: list[tuple[str, object]], masks: list) -> dict | None:
+    """The config fields the exported sizes need; None when one size per kind cannot
+    describe them (layers pruned to different sizes)."""
+    layers = getattr(config, "num_hidden_layers", None)
+    heads = [
+        (g, int(m.sum())) for (kind, g), m in zip(groups, masks, strict=True) if kind == "heads"
+    ]
+    mlps = [
+        int(m.sum())
+        for (kind, g), m in zip(groups, masks, strict=True)
+        if kind == "mlp" and g.size == getattr(config, "intermediate_size", None)
+    ]
+    fields = {}
+    if heads:
+        units = _uniform([k for _, k in heads])
+        per_unit = _uniform([g.query_heads_per_unit for g, _ in heads])
+        if units is None or per_unit is None or len(heads) != layers:
+            return None
+        fields["num_attention_heads"] = units * per_unit
+        fields["head_dim"] = heads[0][0].head_dim
+        if hasattr(config, "num_key_value_heads"):
+            fields["num_key_value_heads"] = units
+    if mlps:
+        size = _uniform(mlps)
+        if size is None or len(mlps) != layers:
+            return None
+        fields["intermediate_size"] = size
+    return fields
+
+
+def _shapes(model: nn.Module) -> dict[str, tuple]:
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def _rebuilds(model: nn.Module, config) -> bool:
+    """Whether a model built from `config` has `model`'s parameter and buffer shapes."""
+    try:
+        if hasattr(config, "validate"):
+            config.validate()
+        with torch.device("meta"):
+            fresh = type(model)(copy.deepcopy(config))
+    except Exception:
+        return False
+    return _shapes(fresh) == _shapes(model)
+
+
+def update_config(model: nn.Module, groups: list[tuple[str, object]], masks: list) -> None:
+    """Write the exported sizes into `model.config` when a model built from it matches."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "num_attention_heads"):
+        return
+    fields = config_fields(config, groups, masks)
+    if fields == {}:
+        return
+    before = {name: getattr(config, name, None) for name in fields or {}}
+    if fields is not None:
+        for name, value in fields.items():
+            setattr(config, name, value)
+        if _rebuilds(model, config):
+            return
+        for name, value in before.items():
+            setattr(config, name, value)
+    warnings.warn(
+        "the exported model's config cannot describe its sizes (layers pruned to different "
+        f"sizes, or a model built from the updated config {fields} would not have the "
+        "exported shapes); the config is unchanged. The model is right; save it with "
+        "dtp_kernels.save_pruned, not save_pretrained",
+        UserWarning,
+        stacklevel=3,
+    )
