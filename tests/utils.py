@@ -164,3 +164,23 @@ def group_norm_net(width: int = 8, classes: int = 4) -> torch.nn.Module:
         torch.nn.Flatten(),
         torch.nn.Linear(width, classes),
     )
+
+
+LLAMA_VOCAB = 61
+
+
+def tiny_llama(heads=4, kv_heads=2, layers=2, seed=0):
+    """A Llama of head_dim 8, hidden MLP 48 (Hugging Face transformers, built here)."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=LLAMA_VOCAB,
+        hidden_size=8 * heads,  # head_dim 8
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config)

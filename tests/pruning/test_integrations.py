@@ -7,6 +7,7 @@ import torch
 
 from dtp_kernels import prepare
 from dtp_kernels.pruning.cost import count_params
+from utils import tiny_llama
 
 
 def small_net():
@@ -95,17 +96,7 @@ def test_hugging_face_trainer_callback_prunes_a_llama(tmp_path):
     transformers = pytest.importorskip("transformers")
     from dtp_kernels.integrations.huggingface import DTPTrainerCallback
 
-    config = transformers.LlamaConfig(
-        vocab_size=61,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    model = tiny_llama()
     ids = torch.randint(0, 61, (8, 12), generator=torch.Generator().manual_seed(1))
     data = [{"input_ids": row, "labels": row} for row in ids]
     callback = DTPTrainerCallback(ids[:1], {"heads": 0.5, "mlp": 0.5}, score_lr=0.05)

@@ -7,24 +7,10 @@ import torch
 
 from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.heads import HeadGroup
+from utils import LLAMA_VOCAB as VOCAB
+from utils import tiny_llama
 
 transformers = pytest.importorskip("transformers")
-
-VOCAB = 61
-
-
-def tiny_llama(heads=4, kv_heads=2, layers=2, seed=0):
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=8 * heads,  # head_dim 8
-        intermediate_size=48,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config)
 
 
 def tokens(batch=2, length=9, seed=1):
