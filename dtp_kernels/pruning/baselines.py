@@ -9,10 +9,10 @@ from .base import ChannelPruner
 
 
 class L1Pruner(ChannelPruner):
-    """Keep the k filters of largest L1 norm in each group (one shot)."""
+    """Keep the k filters (heads, neurons) of largest L1 norm in each group (one shot)."""
 
     def channel_scores(self) -> torch.Tensor:
-        return torch.cat([g.layer.weight.detach().flatten(1).abs().sum(1) for g in self.groups])
+        return torch.cat([g.unit_weights().abs().sum(1) for g in self.groups])
 
 
 class RandomPruner(ChannelPruner):

@@ -63,6 +63,10 @@ class ChannelGroup:
         per_unit = self.channels_per_unit
         return {} if per_unit == 1 else dict.fromkeys([*self.kept_out, *self.kept_in], per_unit)
 
+    def unit_weights(self) -> torch.Tensor:
+        """The root's weights, one row per unit (its filter, or a GroupNorm group's)."""
+        return self.layer.weight.detach().reshape(self.size, -1)
+
     def channels(self, units: torch.Tensor) -> torch.Tensor:
         """The channel indices of `units`."""
         per_unit = self.channels_per_unit

@@ -68,10 +68,10 @@ class HeadGroup:
     def layer(self) -> nn.Linear:
         return self.out.layer
 
-    def initial_scores(self) -> torch.Tensor:
-        """L2 norm per unit of the output projection's columns (the unit's filter)."""
+    def unit_weights(self) -> torch.Tensor:
+        """The output projection's columns, one row per unit (the unit's filter)."""
         weight = self.out.layer.weight.detach()
-        return weight.view(weight.shape[0], self.units, -1).norm(dim=(0, 2))
+        return weight.view(weight.shape[0], self.units, -1).transpose(0, 1).reshape(self.units, -1)
 
 
 def _linear(module: nn.Module, name: str) -> nn.Linear | None:

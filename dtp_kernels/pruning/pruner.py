@@ -54,13 +54,6 @@ class LayerWeights:
     norms: tuple = ()
 
 
-def _filter_norms(group) -> torch.Tensor:
-    """The initial scores: the L2 norm of each unit's filter (paper, Sec. 4)."""
-    if isinstance(group, HeadGroup):
-        return group.initial_scores()
-    return group.layer.weight.detach().reshape(group.size, -1).norm(dim=1)
-
-
 class ExportMismatchError(ValueError):
     """export() produced a model that does not compute what the hard-masked one does."""
 
@@ -129,7 +122,7 @@ class DTPPruner(ChannelPruner):
             self.theta = nn.Parameter(torch.logit(alpha.clamp(1e-4, 1 - 1e-4)).to(device))
             self._flops = FlopsRatio(self._layers, self.groups)
         if granularity == "filter":  # L2 norms of the filters (paper, Sec. 4)
-            initial = [_filter_norms(g) for g in self.groups]
+            initial = [g.unit_weights().norm(dim=1) for g in self.groups]
         else:  # |w| of every weight
             initial = [g.layer.weight.detach().abs().flatten() for g in self.groups]
         self.scores = nn.Parameter(torch.cat(initial).float().to(device))

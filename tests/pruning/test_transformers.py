@@ -209,3 +209,16 @@ def test_bert_heads_export_and_a_config_that_cannot_say_so_is_kept():
     with torch.no_grad(), pruner.hard_masked():
         want = model(ids).logits
     torch.testing.assert_close(exported.eval()(ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_magnitude_baseline_keeps_the_heads_of_largest_l1():
+    from dtp_kernels import L1Pruner
+
+    model = tiny_llama(heads=4, kv_heads=4)
+    pruner = L1Pruner(model, (tokens(),), {"heads": 0.5})
+    for group, mask in zip(pruner.groups, pruner.hard_masks(), strict=True):
+        columns = group.layer.weight.detach().abs()  # o_proj: (hidden, heads * 8)
+        l1 = torch.stack([columns[:, 8 * h : 8 * (h + 1)].sum() for h in range(4)])
+        assert mask.tolist() == [float(h in l1.topk(2).indices) for h in range(4)]
+    exported = pruner.export()
+    assert exported.config.num_attention_heads == 2
