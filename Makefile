@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 CSRC := $(wildcard csrc/*.h csrc/*.cuh csrc/*.cpp csrc/*.cu)
 
-.PHONY: all venv build test test-fast demo lint format bench clean
+.PHONY: all venv build test test-fast demo demo-transformers lint format bench clean
 
 all: test
 
@@ -30,6 +30,10 @@ test-fast: build
 
 demo: build
 	$(PY) -m dtp_kernels.demo
+
+# DTP on a small ViT (digits) and a small Llama (stdlib source), against L1; offline
+demo-transformers: build
+	$(PY) -m dtp_kernels.transformer_demo
 
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .
