@@ -6,7 +6,7 @@ import pytest
 pytest.importorskip("timm")
 pytest.importorskip("transformers")
 
-from dtp_kernels import transformer_demo  # noqa: E402
+from dtp_kernels import transformer_demo
 
 
 def test_vit_digits_rows():
