@@ -1,4 +1,5 @@
-"""DTPPruner: learned, exact-size filter pruning with Differentiable Transportation Pruning.
+"""DTPPruner: learned, exact-size pruning of filters, neurons and attention heads with
+Differentiable Transportation Pruning.
 
 All scores live in one flat Parameter (views per group), initialised to the L2 norms of
 the filters (paper, Sec. 4). In training mode every forward of the model first computes
@@ -6,7 +7,8 @@ all masks with one `transport_mask` call; `attach(optimizer)` commits the transp
 after every optimizer step. Masks go where they cost nothing (DESIGN.md section 2): on
 the affine weight and bias of the group's BN, or on a conv's output rows and bias when no
 BN follows; `mask_at="activation"` multiplies the activations with the fused epilogue
-instead.
+instead. Attention heads and gated MLPs take theirs on the consuming projection's input
+columns, GroupNorm groups on the norm's rows.
 """
 
 from __future__ import annotations
@@ -64,8 +66,9 @@ class DTPPruner(ChannelPruner):
     Args:
         model: the network; the pruner attaches masks to it (parametrizations/hooks).
         example_inputs: a tensor or tuple that runs through the model (batch 1 is enough).
-        ratios: a float, {module name: ratio}, "[0, 0.5, 0.5, 0.5]" (per ResNet stage) or
-            "[0:0, 1-15:0.5]" (per convolution index); each in [0, 1).
+        ratios: a float; a dict of module names, fnmatch patterns or kinds of group
+            ("channels", "mlp", "heads") to ratios; "[0, 0.5, 0.5, 0.5]" (per ResNet
+            stage) or "[0:0, 1-15:0.5]" (per convolution index); each in [0, 1).
         budget: "layer" (one transport segment per group), "global" (one over all), or
             "flops": learned kept ratios sigmoid(theta) per group (started at 1 - ratio),
             the kept count k = n sigmoid(theta) differentiable through `keep`; add
@@ -77,7 +80,8 @@ class DTPPruner(ChannelPruner):
         mask_at: "auto" (parameters where possible), "parameters" or "activation".
         epilogue_backend: backend of `masked_channel_epilogue` for activation masks
             ("auto", "torch" for eager masking, "cpu", "triton", "cuda").
-        ignored_layers: convolutions never to prune.
+        ignored_layers: layers (convolutions, linear layers, attention modules) never to
+            prune.
     """
 
     BUDGETS = ("layer", "global", "flops")
