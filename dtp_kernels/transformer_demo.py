@@ -116,9 +116,15 @@ def vit_digits(seed: int = 0, epochs: tuple[int, int, int] = (40, 10, 10)) -> li
     torch.manual_seed(seed)
     x, y, x_test, y_test = digits_data(seed)
     model = VisionTransformer(
-        img_size=8, patch_size=2, in_chans=1, num_classes=10, embed_dim=64, depth=4,
-        num_heads=4, mlp_ratio=2.0,
-    )  # fmt: skip
+        img_size=8,
+        patch_size=2,
+        in_chans=1,
+        num_classes=10,
+        embed_dim=64,
+        depth=4,
+        num_heads=4,
+        mlp_ratio=2.0,
+    )
     generator = torch.Generator().manual_seed(seed)
 
     def train_epochs(net: nn.Module, optimizer, epochs: int) -> None:
@@ -149,9 +155,14 @@ def llama_stdlib(seed: int = 0, steps: tuple[int, int, int] = (600, 150, 150)) -
     torch.manual_seed(seed)
     train, held_out = stdlib_bytes(1_500_000)
     config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-    )  # fmt: skip
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     model = transformers.LlamaForCausalLM(config)
     generator = torch.Generator().manual_seed(seed)
     evaluation = windows(held_out, 64, 256, torch.Generator().manual_seed(seed + 1))

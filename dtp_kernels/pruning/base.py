@@ -27,6 +27,8 @@ def _kind(group) -> str:
     """The group's kind for ratio dicts: "heads", "mlp" (linear features), "channels"."""
     if isinstance(group, HeadGroup):
         return "heads"
+    if group.producers:
+        return "coupled"
     return "mlp" if isinstance(group.layer, nn.Linear) else "channels"
 
 
@@ -47,8 +49,12 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         *,
         budget: str = "layer",
         ignored_layers: Sequence[nn.Module] = (),
+        prune_coupled: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(prune_coupled, bool):
+            raise TypeError(f"prune_coupled must be a bool, got {type(prune_coupled).__name__}")
+        self.prune_coupled = prune_coupled
         if budget not in self.BUDGETS:
             raise ValueError(f"budget = {budget!r}; allowed: {list(self.BUDGETS)}")
         inputs = _as_tuple(example_inputs)
@@ -112,7 +118,8 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         """The prunable groups: attention heads, then channel groups (filter pruning)."""
         heads = find_head_groups(model, ignored)
         projections = [layer for g in heads for layer in (*g.kept_out, g.layer)]
-        channels = find_groups(model, build_graph(model, inputs), ignored + projections)
+        graph = build_graph(model, inputs)
+        channels = find_groups(model, graph, ignored + projections, self.prune_coupled)
         order = {name: index for index, (name, _) in enumerate(model.named_modules())}
         groups = sorted([*heads, *channels], key=lambda g: order[g.name])
         # The traced graph holds autograd nodes (the parameters' AccumulateGrad among them)

@@ -46,6 +46,9 @@ class ChannelGroup:
     # a GroupNorm the channels pass through: the unit is one of its groups (removing a
     # whole group leaves the others' statistics as they were); masked after it
     group_norm: nn.GroupNorm | None = None
+    # residual-coupled channels (prune_coupled=True): every layer that writes into the
+    # shared width, each with the module whose rows take the mask (its BN, or itself)
+    producers: list[tuple[nn.Module, nn.Module]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.rows is None:
@@ -64,8 +67,10 @@ class ChannelGroup:
         return {} if per_unit == 1 else dict.fromkeys([*self.kept_out, *self.kept_in], per_unit)
 
     def unit_weights(self) -> torch.Tensor:
-        """The root's weights, one row per unit (its filter, or a GroupNorm group's)."""
-        return self.layer.weight.detach().reshape(self.size, -1)
+        """The root's weights, one row per unit (its filter, or a GroupNorm group's); of
+        a coupled group, every producer's filters of the channel side by side."""
+        layers = [layer for layer, _ in self.producers] or [self.layer]
+        return torch.cat([m.weight.detach().reshape(self.size, -1) for m in layers], dim=1)
 
     def channels(self, units: torch.Tensor) -> torch.Tensor:
         """The channel indices of `units`."""
@@ -132,10 +137,37 @@ def _is_norm(module: nn.Module) -> bool:
     return "norm" in type(module).__name__.lower()
 
 
+def _coupled_producers(
+    graph: tp.DependencyGraph, out_layers: list, bns: list
+) -> list[tuple[nn.Module, nn.Module]]:
+    """Each layer writing into a residual-coupled width, with the BN right after it (whose
+    rows take the mask) or itself when none follows."""
+    producers = []
+    for layer in out_layers:
+        after = [n.module for n in graph.module2node[layer].outputs if n.module in bns]
+        producers.append((layer, after[0] if after else layer))
+    return producers
+
+
+def _coupling_problem(ops: list[str], norms: list, params: list, bns: list, rest: list) -> str:
+    """Why a residual-coupled group cannot be masked exactly, or ""."""
+    merging = [op for op in ops if op.startswith(MERGING_OPS)]
+    if any(not op.startswith(("AddBackward", "SubBackward")) for op in merging):
+        return "its width meets a concatenation"
+    if norms:
+        return "a normalization over all channels reads the shared width"
+    if params:
+        return "a parameter (a position embedding, a class token) is added to it"
+    if rest or any(not getattr(bn, "affine", False) for bn in bns):
+        return "a depthwise conv, a GroupNorm or a BN without affine parameters is in it"
+    return ""
+
+
 def find_groups(
-    model: nn.Module, graph: tp.DependencyGraph, ignored: list[nn.Module]
+    model: nn.Module, graph: tp.DependencyGraph, ignored: list[nn.Module], coupled: bool = False
 ) -> list[ChannelGroup]:
-    """All prunable groups, in model order."""
+    """All prunable groups, in model order. `coupled`: also the residual-coupled widths
+    that can be masked exactly (each producer masked at its BN)."""
     names = {module: name for name, module in model.named_modules()}
     owners = _parameter_owners(model)
     order = {module: index for index, module in enumerate(model.modules())}
@@ -144,7 +176,7 @@ def find_groups(
     roots = [nn.Conv1d, nn.Conv2d, nn.Linear]
     for group in graph.get_all_groups(ignored_layers=ignored_all, root_module_types=roots):
         out_layers, bns, outs, ins, norms, depthwise, ops = [], [], [], [], [], [], []
-        group_norms = []
+        group_norms, params = [], []
         for dep, _idxs in group:
             module, handler = dep.target.module, dep.handler
             ops.append(_op_name(module))
@@ -167,8 +199,11 @@ def find_groups(
                 norms.append(module)
             elif handler == tp.prune_parameter_out_channels:
                 owner = owners.get(id(module))
-                if owner is not None and _is_norm(owner) and owner not in norms:
-                    norms.append(owner)
+                if owner is not None and _is_norm(owner):
+                    if owner not in norms:
+                        norms.append(owner)
+                else:
+                    params.append(module)
             elif handler in (
                 tp.prune_conv_in_channels,
                 tp.prune_depthwise_conv_in_channels,
@@ -182,8 +217,18 @@ def find_groups(
             and not any(op.startswith(MERGING_OPS) for op in ops)
             and not bns + norms + depthwise + group_norms
         )
-        if (len(out_layers) != 1 and not gated) or not ins or set(out_layers) & set(ignored):
-            continue  # coupled through a residual add or a concatenation, ignored, or an output
+        residual = (
+            coupled
+            and len(out_layers) > 1
+            and not gated
+            and all(not isinstance(m, nn.Linear) for m in out_layers)
+            and not _coupling_problem(ops, norms, params, bns, depthwise + group_norms)
+            and len({m.out_channels for m in out_layers}) == 1  # no padded shortcut between
+        )
+        if (len(out_layers) != 1 and not gated and not residual) or not ins:
+            continue  # coupled through a residual add or a concatenation, or an output
+        if set(out_layers) & set(ignored):
+            continue
         layer = min(out_layers, key=lambda m: order[m])
         # Mask at the last affine op before the nonlinearity that ends the group: a
         # depthwise conv (with a bias) or its BN after the root would otherwise add its
@@ -192,6 +237,19 @@ def find_groups(
         bn = last if last in bns else None
         rows = last if last in depthwise else layer
         size = layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
+        if residual:
+            found[layer] = ChannelGroup(
+                names[layer],
+                layer,
+                None,
+                size,
+                outs,
+                ins,
+                [],
+                layer,
+                producers=_coupled_producers(graph, out_layers, bns),
+            )
+            continue
         group_norm = None
         if len(group_norms) == 1 and not bns + depthwise:
             group_norm = group_norms[0]  # masked after it, per group of channels

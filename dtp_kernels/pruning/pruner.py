@@ -82,6 +82,10 @@ class DTPPruner(ChannelPruner):
             ("auto", "torch" for eager masking, "cpu", "triton", "cuda").
         ignored_layers: layers (convolutions, linear layers, attention modules) never to
             prune.
+        prune_coupled: also prune the channel widths that residual adds couple (kind
+            "coupled"), one segment per width, masked at every producer's BN (or its
+            rows); widths that meet a concatenation, a LayerNorm, an added parameter or a
+            depthwise conv are left whole.
     """
 
     BUDGETS = ("layer", "global", "flops")
@@ -101,6 +105,7 @@ class DTPPruner(ChannelPruner):
         ignored_layers: Sequence[nn.Module] = (),
         backend: str = "auto",
         epilogue_backend: str = "auto",
+        prune_coupled: bool = False,
     ) -> None:
         if granularity not in ("filter", "weight"):
             raise ValueError(f"granularity = {granularity!r}; allowed: ['filter', 'weight']")
@@ -117,7 +122,12 @@ class DTPPruner(ChannelPruner):
         if not (isinstance(eps, (int, float)) and eps > 0):
             raise ValueError(f"eps = {eps!r}; it must be a number > 0")
         super().__init__(
-            model, example_inputs, ratios, budget=budget, ignored_layers=ignored_layers
+            model,
+            example_inputs,
+            ratios,
+            budget=budget,
+            ignored_layers=ignored_layers,
+            prune_coupled=prune_coupled,
         )
         self.eps, self.iters, self.backend, self.mask_at = float(eps), iters, backend, mask_at
         device = next(model.parameters()).device
@@ -165,6 +175,13 @@ class DTPPruner(ChannelPruner):
         if isinstance(group, HeadGroup):  # the output projection's columns, per unit
             scale = ScaleColumns(self._source, index, group.out.per_unit)
             parametrize.register_parametrization(group.layer, "weight", scale)
+            return
+        if group.producers:  # a residual width: every producer's last affine rows
+            for _layer, target in group.producers:
+                names = ("weight", "bias") if target.bias is not None else ("weight",)
+                for name in names:
+                    scale = ScaleRows(self._source, index)
+                    parametrize.register_parametrization(target, name, scale)
             return
         if group.gated:  # the consumer's input columns: exact whatever the gate computes
             for consumer in group.kept_in:

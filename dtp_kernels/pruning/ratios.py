@@ -57,8 +57,8 @@ def parse_layer_map(text: str) -> dict[int, float]:
     return out
 
 
-# conv output channels; linear layers' output features; attention heads
-KINDS = ("channels", "mlp", "heads")
+# conv output channels; linear layers' output features; attention heads; residual widths
+KINDS = ("channels", "mlp", "heads", "coupled")
 
 
 def _key_for(name: str, ratios: Mapping, matched: dict, kind: str | None) -> str | None:
