@@ -27,7 +27,7 @@ def _kind(group) -> str:
     """The group's kind for ratio dicts: "heads", "mlp" (linear features), "channels"."""
     if isinstance(group, HeadGroup):
         return "heads"
-    if group.producers:
+    if getattr(group, "producers", None):
         return "coupled"
     return "mlp" if isinstance(group.layer, nn.Linear) else "channels"
 
