@@ -2,17 +2,19 @@
 # Everything a lent GPU is for, in one run: build the extension against that machine's
 # torch, run the GPU test suite, then the GPU benchmarks. Logs and results go to $OUT.
 #
-#   OUT=/tmp/gpu bash tools/gpu_session.sh [tests|bench|train|pipeline|scale|all]...
+#   OUT=/tmp/gpu bash tools/gpu_session.sh [tests|bench|train|vit|pipeline|scale|all]...
 #
 # tests: tests/test_gpu.py; bench: the kernel benchmarks; train: the training step (eager,
-# profiled, CUDA graph); scale: mask-step scaling and iterations; pipeline: `dtp prune` on
-# the GPU (tests/pipeline/test_pipeline_gpu.py) and whole epochs with the data loader
+# profiled, CUDA graph); vit: a ViT step with head and neuron masks (bench_vit_step.py);
+# scale: mask-step scaling and iterations; pipeline: `dtp prune` on the GPU
+# (tests/pipeline/test_pipeline_gpu.py) and whole epochs with the data loader
 # (bench_pipeline.py); all: every one.
 #
 # The GPU machine has torch, Triton and nvcc but no package index: wheels it lacks travel
 # in .whl/ and are installed to /tmp/site first. Fetch them here with
 #   pip download --no-deps -d .whl torch-pruning==1.6.1 pyyaml==6.0.4 tqdm==4.70.1 \
-#       scikit-learn==1.9.1 (and torchvision, pillow, if that machine lacks them)
+#       scikit-learn==1.9.1 (and torchvision, pillow, if that machine lacks them; timm,
+#       safetensors and huggingface-hub for `vit`)
 set -u -o pipefail
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
@@ -61,11 +63,15 @@ for step in $steps; do
     run profile_training_step 90 $PY benchmarks/profile_training_step.py --python
     run bench_training_graph 150 $PY -X faulthandler benchmarks/bench_training_step.py --device cuda --graph
     ;;&
+  vit | all)
+    run bench_vit_step 200 $PY benchmarks/bench_vit_step.py --device cuda --rounds 50 --save
+    ;;&
   pipeline | all)
     run test_pipeline_gpu 400 $PY -m pytest -q -rs --tb=short -p no:cacheprovider tests/pipeline/test_pipeline_gpu.py
     run bench_pipeline 400 $PY benchmarks/bench_pipeline.py --device cuda --rounds 3
     ;;&
-  scale | all) 120 $PY benchmarks/bench_scaling.py --device cuda --rounds 5
+  scale | all)
+    run bench_scaling 120 $PY benchmarks/bench_scaling.py --device cuda --rounds 5
     run bench_iterations 90 $PY benchmarks/bench_iterations.py --device cuda --rounds 5
     ;;
   esac
