@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 CSRC := $(wildcard csrc/*.h csrc/*.cuh csrc/*.cpp csrc/*.cu)
 
-.PHONY: all venv build test test-fast demo demo-transformers lint format bench clean
+.PHONY: all venv build test test-fast check-wheel demo demo-transformers lint format bench clean
 
 all: test
 
@@ -21,12 +21,17 @@ venv: $(INSTALLED)
 build: $(INSTALLED)
 	$(PY) setup.py --quiet build_ext --inplace
 
+# pytest-xdist: one worker per core (two on CI)
 test: build
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n auto tests
 
 # The inner loop: everything but the end-to-end, subprocess and interpreted-Triton tests.
 test-fast: build
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -n auto -m "not slow" tests
+
+# the wheel, compiled and pure Python, installed and run from outside the checkout
+check-wheel: build
+	bash tools/check_wheel.sh
 
 demo: build
 	$(PY) -m dtp_kernels.demo

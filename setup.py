@@ -2,15 +2,20 @@
 
 CUDA sources (csrc/*.cu) are compiled when torch is a CUDA build and nvcc is found, or
 when DTP_BUILD_CUDA=1; DTP_BUILD_CUDA=0 turns them off. TORCH_CUDA_ARCH_LIST defaults to
-"8.0;9.0". Build in place with `python setup.py build_ext --inplace` (what `make` does)
-or install with `pip install --no-build-isolation -e .`.
+"8.0;9.0". Without a C++ compiler, or with DTP_BUILD_EXTENSION=0, the package is pure
+Python: the reference, torch and (on CUDA) triton backends, without the compiled ones.
+Build in place with `python setup.py build_ext --inplace` (what `make` does), make a
+wheel with `pip wheel --no-build-isolation --no-deps .`, or install with
+`pip install --no-build-isolation .`.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
+import sysconfig
 
 import torch
 from setuptools import find_packages, setup
@@ -63,7 +68,26 @@ def cuda_library_headers() -> list[str]:
     return found
 
 
+def want_extension() -> bool:
+    """Whether to compile dtp_kernels._C: DTP_BUILD_EXTENSION=0|1, else when a C++
+    compiler is found."""
+    forced = os.environ.get("DTP_BUILD_EXTENSION")
+    if forced not in (None, "", "0", "1"):
+        raise SystemExit(f"DTP_BUILD_EXTENSION must be 0 or 1, got {forced!r}")
+    if forced == "0":
+        return False
+    compiler = os.environ.get("CXX") or (sysconfig.get_config_var("CXX") or "c++").split()[0]
+    if shutil.which(compiler) is None:
+        if forced == "1":
+            raise SystemExit(f"DTP_BUILD_EXTENSION=1 but no C++ compiler ({compiler!r})")
+        print(f"dtp-kernels: no C++ compiler ({compiler!r}): building the pure-Python package")
+        return False
+    return True
+
+
 def extensions() -> list:
+    if not want_extension():
+        return []
     cpp_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     cuda_sources = sorted(glob.glob(os.path.join("csrc", "*.cu")))
     # -fno-trapping-math and -fno-math-errno let the loops with floor() and selects
@@ -109,13 +133,37 @@ def extensions() -> list:
     ]
 
 
+def read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def version() -> str:
+    return re.search(r'__version__ = "([^"]+)"', read("dtp_kernels/_version.py")).group(1)
+
+
+EXTRAS = {
+    # the command line and its data, training, logs and plots
+    "pipeline": ["pyyaml", "tqdm", "tensorboard", "matplotlib", "scikit-learn", "torchvision"],
+    # transformers, timm models, Trainer and Lightning callbacks, builder files
+    "transformers": ["transformers", "timm", "safetensors", "accelerate"],
+    "lightning": ["lightning"],
+    "dev": ["pytest", "pytest-benchmark", "hypothesis", "ruff", "clang-format"],
+}
+EXTRAS["all"] = sorted({p for ps in EXTRAS.values() for p in ps})
+
 setup(
     name="dtp-kernels",
-    version="0.1.0",
+    version=version(),
     description="Differentiable Transportation Pruning: fused kernels, reference and pruner",
+    long_description=read("README.md"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
     packages=find_packages(include=["dtp_kernels", "dtp_kernels.*"]),
+    package_data={"dtp_kernels": ["configs/*.yaml", "configs/paper/*.yaml"]},
     python_requires=">=3.11",
-    install_requires=["torch>=2.11", "torch-pruning", "pyyaml", "scikit-learn"],
+    install_requires=["torch>=2.11", "torch-pruning", "numpy"],
+    extras_require=EXTRAS,
     entry_points={"console_scripts": ["dtp = dtp_kernels.cli:main"]},
     ext_modules=extensions(),
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

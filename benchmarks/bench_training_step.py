@@ -6,7 +6,7 @@ commit) with DTP masks against the same model without masks, interleaved in one 
 CPU: CIFAR ResNet-56 (batch 64, 32x32) and the digits CNN (batch 64, 8x8).
 CUDA: torchvision ResNet-50 (batch 64, 224x224, bf16 autocast, channels_last).
 
-Masking strategies (DESIGN.md section 2): "fold" puts the masks on the BN affine
+Masking strategies (docs/design.md section 2): "fold" puts the masks on the BN affine
 parameters (mask_at="parameters"); "epilogue" multiplies the activations with the fused
 masked-channel epilogue; "eager-act" does the same with eager torch ops. Each runs with
 every mask-step backend present. The overhead is median(masked) / median(dense) - 1.

@@ -1,6 +1,6 @@
 // Per-element math of the DTP transport-mask step, shared by the C++ CPU kernels and
 // the CUDA kernels. Everything here is inline and free of ATen so both compilers see
-// the same formulas (DESIGN.md section 1).
+// the same formulas (docs/design.md section 1).
 //
 // Notation: z = x + delta is the log-odds of the Gibbs kernel's two columns, and
 //   log sigmoid(z)  = min(z, 0)  + log r,   r = 1 / (1 + exp(-|z|)),

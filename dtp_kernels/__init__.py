@@ -7,6 +7,7 @@ The literal reference is :mod:`dtp_kernels.reference`.
 """
 
 from ._extension import BackendUnavailableError, available_backends, build_info
+from ._version import __version__
 from .masked_channel_epilogue import masked_channel_epilogue
 from .pruning import DTPPruner, L1Pruner, RandomPruner, load_pruned, prepare, save_pruned
 from .transport_mask import transport_mask
@@ -18,6 +19,7 @@ __all__ = [
     "L1Pruner",
     "RandomPruner",
     "TransportState",
+    "__version__",
     "available_backends",
     "build_info",
     "load_pruned",
@@ -26,4 +28,3 @@ __all__ = [
     "save_pruned",
     "transport_mask",
 ]
-__version__ = "0.1.0"

@@ -1,6 +1,6 @@
 """Command line: `python -m dtp_kernels prune|check|demo` (also the `dtp` console script).
 
-dtp prune --config configs/digits.yaml --set prune.ratios=0.9 --out runs/digits
+dtp prune --config dtp_kernels/configs/digits.yaml --set prune.ratios=0.9 --out runs/digits
 dtp paper table1-resnet56 --seeds 0 1 2 --set data.root=DIR --set model.weights=FILE
 dtp check            # every backend present against the literal reference
 dtp bench            # the mask step of every backend present, timed interleaved
@@ -64,7 +64,8 @@ def paper_command(args: argparse.Namespace) -> int:
     if args.experiment is None:
         for name, experiment in EXPERIMENTS.items():
             labels = ", ".join(row.label for row in experiment.rows)
-            print(f"{name:<30} {experiment.source} (configs/paper/{experiment.config}): {labels}")
+            recipe = f"dtp_kernels/configs/paper/{experiment.config}"
+            print(f"{name:<30} {experiment.source} ({recipe}): {labels}")
         return 0
     out = args.out or f"runs/paper/{args.experiment}"
     results = run_experiment(args.experiment, args.seeds, out, args.set, args.rows)
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dtp", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     prune = sub.add_parser("prune", help="run a pruning recipe")
-    prune.add_argument("--config", help="YAML recipe (configs/*.yaml)")
+    prune.add_argument("--config", help="YAML recipe (e.g. dtp_kernels/configs/*.yaml)")
     prune.add_argument(
         "--set",
         action="append",

@@ -2,7 +2,7 @@
 
 Where a group's mask cannot be folded into an affine layer's parameters (frozen or
 quantized weights, a producer that is not affine), it is applied to the activations
-(DESIGN.md section 2). Masks are non-negative, so the mask commutes with ReLU.
+(docs/design.md section 2). Masks are non-negative, so the mask commutes with ReLU.
 Backends: "torch" (eager), "cpu" and "cuda" (kernels in csrc/), "triton", "auto".
 """
 

@@ -1,7 +1,7 @@
 """The DTP transport-mask op: validation, backend dispatch, the eager closed form, and
 the torch.library registration (fake tensor and autograd) of the compiled kernels.
 
-Math: DESIGN.md section 1. State semantics: DESIGN.md section 4 and TransportState.
+Math: docs/design.md section 1. State semantics: docs/design.md section 4 and TransportState.
 """
 
 from __future__ import annotations

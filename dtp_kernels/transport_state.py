@@ -9,7 +9,7 @@ from torch import nn
 
 
 class TransportState(nn.Module):
-    """Per-segment state of DTP's one-step entropic transport (DESIGN.md sections 1 and 4).
+    """Per-segment state of DTP's one-step entropic transport (docs/design.md sections 1 and 4).
 
     For a segment of n channels the plan P (n x 2) enters the next step only through the
     row log-odds ``log_odds[i] = log P[i, 1] - log P[i, 0]`` and the dual shift

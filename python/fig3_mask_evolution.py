@@ -22,7 +22,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/fig3_mask_evolution")
     args = parser.parse_args()
     recipe = recipes.load(
-        "configs/digits.yaml",
+        "dtp_kernels/configs/digits.yaml",
         [
             f"prune.ratios={args.ratio}",
             f"prune.epochs={args.epochs}",

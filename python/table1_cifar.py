@@ -1,6 +1,6 @@
 """Paper Table 1: ResNet-56 on CIFAR-10 and VGG-19 on CIFAR-100, five ratios each.
 
-Runs its rows over --seeds with configs/paper/; what it needs: python/README.md.
+Runs its rows over --seeds with dtp_kernels/configs/paper/; what it needs: python/README.md.
 """
 
 import sys

@@ -1,6 +1,6 @@
 """Paper Table 2: unstructured ResNet-50 on ImageNet at 82.7% of the weights.
 
-Runs its rows over --seeds with configs/paper/; what it needs: python/README.md.
+Runs its rows over --seeds with dtp_kernels/configs/paper/; what it needs: python/README.md.
 """
 
 import sys

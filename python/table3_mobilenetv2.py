@@ -1,6 +1,6 @@
 """Paper Table 3: MobileNetV2 on CIFAR-10/100 with a global budget at 60% and 80%.
 
-Runs its rows over --seeds with configs/paper/; what it needs: python/README.md.
+Runs its rows over --seeds with dtp_kernels/configs/paper/; what it needs: python/README.md.
 """
 
 import sys

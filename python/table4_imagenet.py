@@ -1,6 +1,6 @@
 """Paper Table 4: ResNet-34 (1.32x) and ResNet-50 (2.31x, 2.56x, 3.06x) on ImageNet.
 
-Runs its rows over --seeds with configs/paper/; what it needs: python/README.md.
+Runs its rows over --seeds with dtp_kernels/configs/paper/; what it needs: python/README.md.
 """
 
 import sys

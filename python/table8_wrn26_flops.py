@@ -1,6 +1,6 @@
 """Paper Table 8: WRN-26 on CIFAR-100 under FLOPs budgets of 40% and 20%.
 
-Runs its rows over --seeds with configs/paper/; what it needs: python/README.md.
+Runs its rows over --seeds with dtp_kernels/configs/paper/; what it needs: python/README.md.
 """
 
 import sys

@@ -5,6 +5,7 @@ import torch
 
 import dtp_kernels
 from dtp_kernels import _extension
+from utils import CUDA
 
 
 def test_build_info_keys():
@@ -116,3 +117,9 @@ def test_auto_on_cuda_prefers_the_cuda_kernels():
         assert backends[-1] == "cuda"
     elif _extension.triton_installed():
         assert backends[-1] == "triton"
+
+
+@pytest.mark.cuda
+def test_triton_is_available_and_auto_on_cuda():
+    assert "triton" in dtp_kernels.available_backends(CUDA)
+    assert dtp_kernels.available_backends(CUDA)[-1] in ("triton", "cuda")

@@ -15,6 +15,23 @@ from dtp_kernels import TransportState, transport_mask
 # Backends that run on CPU tensors here, besides the reference oracle.
 FAST_CPU_BACKENDS = [b for b in dtp_kernels.available_backends("cpu") if b != "reference"]
 ALL_CPU_BACKENDS = dtp_kernels.available_backends("cpu")
+CUDA = torch.device("cuda")
+
+
+def cuda_backends() -> list[str]:
+    """The GPU backends present: triton, and cuda when the CUDA kernels are built."""
+    if not torch.cuda.is_available():
+        return []
+    return [b for b in dtp_kernels.available_backends(CUDA) if b in ("triton", "cuda")]
+
+
+def require_backend(backend: str, device) -> None:
+    """Skip the calling test unless `backend` runs on `device` here."""
+    import pytest
+
+    if backend not in dtp_kernels.available_backends(device):
+        pytest.skip(f"backend {backend!r} is not available on {device}")
+
 
 # (n, k) per segment: ragged sizes, k from 0 to n with both ends, fractional k.
 RAGGED_LAYOUT = [
@@ -118,12 +135,13 @@ def check_low_precision(backend, dtype, device="cpu"):
 # -- running `dtp prune` in a subprocess, as the resume and preemption tests do ----------
 
 ROOT = Path(__file__).resolve().parents[1]
+DIGITS_RECIPE = ROOT / "dtp_kernels" / "configs" / "digits.yaml"
 
 
 def prune_argv(out: Path, overrides: list[str], *extra: str) -> list[str]:
     """The `dtp prune` arguments for the digits recipe with `overrides`, into `out`."""
     sets = [arg for s in overrides for arg in ("--set", s)]
-    config = str(ROOT / "configs" / "digits.yaml")
+    config = str(DIGITS_RECIPE)
     return ["prune", "--config", config, *sets, "--out", str(out), *extra]
 
 

@@ -4,7 +4,7 @@
 #
 #   OUT=/tmp/gpu bash tools/gpu_session.sh [tests|bench|train|vit|pipeline|scale|all]...
 #
-# tests: tests/test_gpu.py; bench: the kernel benchmarks; train: the training step (eager,
+# tests: every test marked cuda but not slow; bench: the kernel benchmarks; train: the training step (eager,
 # profiled, CUDA graph); vit: a ViT step with head and neuron masks (bench_vit_step.py);
 # scale: mask-step scaling and iterations; pipeline: `dtp prune` on the GPU
 # (tests/pipeline/test_pipeline_gpu.py) and whole epochs with the data loader
@@ -52,7 +52,7 @@ run() {  # name, seconds, command...
 for step in $steps; do
   case $step in
   tests | all)
-    run test_gpu 300 $PY -m pytest -q -rs --tb=short -p no:cacheprovider tests/test_gpu.py
+    run test_gpu 300 $PY -m pytest -q -rs --tb=short -p no:cacheprovider -m "cuda and not slow" tests
     ;;&
   bench | all)
     run bench_transport 120 $PY benchmarks/bench_transport.py --device cuda

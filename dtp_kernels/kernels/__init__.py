@@ -1,4 +1,4 @@
-"""Triton kernels (layer 1 of DESIGN.md section 6): no autograd, no nn.Module.
+"""Triton kernels (layer 1 of docs/design.md section 5): no autograd, no nn.Module.
 
 Importing this package needs triton; dtp_kernels imports it only when a Triton backend
 is used. On CPU tensors the kernels run under TRITON_INTERPRET=1.

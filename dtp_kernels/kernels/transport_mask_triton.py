@@ -4,7 +4,7 @@ Forward and backward are one launch each. Program p handles segment p: a first l
 over BLOCK-sized chunks builds the per-chunk max and sum-exp of both columns and merges
 them in chunk order (online log-sum-exp; no atomics, so results are bitwise
 reproducible), a second loop writes the mask and the next state. The math follows
-DESIGN.md section 1 and csrc/transport_math.h; it runs in fp32 (fp64 for fp64 scores).
+docs/design.md section 1 and csrc/transport_math.h; it runs in fp32 (fp64 for fp64 scores).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def _transport_mask_fwd_kernel(
     lse1 = m1 + tl.log(s1)
     lse0 = m0 + tl.log(s0)
 
-    # k = 0 or k = n: one feasible plan, mask k/n, state kept (DESIGN.md; reference.py).
+    # k = 0 or k = n: one feasible plan, mask k/n, state kept (docs/design.md; reference.py).
     degenerate = (k <= 0.0) | (k >= n)
     k_safe = tl.where(degenerate, n * 0.5, k)
     new_delta = tl.log(k_safe) - tl.log(n - k_safe) + delta - lse1 + lse0

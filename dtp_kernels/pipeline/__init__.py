@@ -1,1 +1,1 @@
-"""The pipeline (layer 4 of DESIGN.md section 6): data, training stages, recipes, CLI."""
+"""The pipeline (layer 4 of docs/design.md section 5): data, training stages, recipes, CLI."""

@@ -1,4 +1,4 @@
-"""The paper's experiments as recipes (configs/paper/) and the rows of its tables, and a
+"""The paper's experiments as recipes (dtp_kernels/configs/paper/) and the rows of its tables, and a
 runner that repeats every row over seeds and reports the mean and standard deviation of
 the accuracy after fine-tuning and before it (the paper's star point, Fig. 3b).
 
@@ -13,7 +13,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "paper"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "paper"
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class Row:
 class Experiment:
     name: str
     source: str  # where in the paper
-    config: str  # file name in configs/paper/
+    config: str  # file name in dtp_kernels/configs/paper/
     rows: tuple[Row, ...]
 
     @property

@@ -1,4 +1,4 @@
-"""Recipes: YAML files in configs/ with the paper's training settings; any field can be
+"""Recipes: YAML files in dtp_kernels/configs/ with the paper's training settings; any field can be
 overridden as `section.key=value` (the value is read as YAML)."""
 
 from __future__ import annotations

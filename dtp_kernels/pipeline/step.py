@@ -3,7 +3,7 @@
 The pruner's forward pre-hook computes every mask in one `transport_mask` call and the
 hook `pruner.attach(optimizer)` installs commits the transport state after the optimizer
 step, so the same function serves the dense and the masked model. Nothing in it reads a
-device value back to the host (tests/reliability/test_no_host_sync.py, tests/test_gpu.py).
+device value back to the host (tests/reliability/test_no_host_sync.py, on the CPU and on CUDA).
 """
 
 from __future__ import annotations

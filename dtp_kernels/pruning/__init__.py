@@ -1,4 +1,4 @@
-"""Pruning (layer 3 of DESIGN.md section 6): channel groups, ratios, budgets, where masks
+"""Pruning (layer 3 of docs/design.md section 5): channel groups, ratios, budgets, where masks
 are applied, the DTP pruner, export, baselines."""
 
 from .base import ChannelPruner

@@ -4,7 +4,7 @@ Differentiable Transportation Pruning.
 All scores live in one flat Parameter (views per group), initialised to the L2 norms of
 the filters (paper, Sec. 4). In training mode every forward of the model first computes
 all masks with one `transport_mask` call; `attach(optimizer)` commits the transport state
-after every optimizer step. Masks go where they cost nothing (DESIGN.md section 2): on
+after every optimizer step. Masks go where they cost nothing (docs/design.md section 2): on
 the affine weight and bias of the group's BN, or on a conv's output rows and bias when no
 BN follows; `mask_at="activation"` multiplies the activations with the fused epilogue
 instead. Attention heads and gated MLPs take theirs on the consuming projection's input

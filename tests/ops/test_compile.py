@@ -1,6 +1,6 @@
 """A model using both ops runs under torch.compile(fullgraph=True) with eager's values and
 gradients. On CPU the C++ ops go through inductor. The Triton ops are traced only on a
-GPU (tests/test_gpu.py): under TRITON_INTERPRET=1, torch's wrap_triton hands back the raw
+GPU (the tests marked cuda): under TRITON_INTERPRET=1, torch's wrap_triton hands back the raw
 interpreted kernel, which fake tensors cannot run."""
 
 import pytest
@@ -9,6 +9,7 @@ from torch import nn
 
 import dtp_kernels
 from dtp_kernels import TransportState, masked_channel_epilogue, transport_mask
+from utils import CUDA, cuda_backends
 
 BACKENDS = [b for b in dtp_kernels.available_backends("cpu") if b == "cpu"]
 
@@ -95,3 +96,21 @@ def test_pruned_model_compiles_without_recompiles():
     torch._dynamo.reset()
     for eager, compiled, atol in zip(*runs, (1e-3, 1e-3, 5e-3), strict=True):
         torch.testing.assert_close(compiled, eager, rtol=1e-3, atol=atol)
+
+
+@pytest.mark.parametrize("backend", cuda_backends())
+@pytest.mark.cuda
+def test_compile_fullgraph_on_cuda(backend):
+    torch.manual_seed(0)
+    eager = MaskedNet(backend).to(CUDA)
+    compiled_model = MaskedNet(backend).to(CUDA)
+    compiled_model.load_state_dict(eager.state_dict())
+    compiled = torch.compile(compiled_model, fullgraph=True)
+    x = torch.randn(2, 3, 6, 6, device=CUDA)
+    for model, fn in ((eager, eager), (compiled_model, compiled)):
+        fn(x).square().sum().backward()
+        model.state.commit()
+    torch.testing.assert_close(compiled_model.scores.grad, eager.scores.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        compiled_model.conv.weight.grad, eager.conv.weight.grad, rtol=1e-5, atol=1e-6
+    )

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import dtp_kernels
+from utils import CUDA, cuda_backends
 
 pytestmark = pytest.mark.skipif(
     "cpu" not in dtp_kernels.available_backends("cpu"), reason="dtp_kernels._C is not built"
@@ -83,3 +84,23 @@ def test_deterministic_and_thread_independent():
     for other in results[1:]:
         for a, b in zip(results[0], other, strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+def test_opcheck_cuda_kernels():
+    if "cuda" not in cuda_backends():
+        pytest.skip("the CUDA kernels are not built")
+    scores = torch.randn(26, device=CUDA, requires_grad=True)
+    offsets = torch.tensor([0, 1, 4, 21, 26], device=CUDA)
+    keep = torch.tensor([1.0, 1.5, 4.0, 0.0], device=CUDA, requires_grad=True)
+    eps = torch.full((4,), 0.5, dtype=torch.float64, device=CUDA)
+    log_odds, shift = torch.randn(26, device=CUDA), torch.randn(4, device=CUDA)
+    for iters in (1, 3):
+        for neutral in (False, True):
+            torch.library.opcheck(
+                torch.ops.dtp.transport_mask.default,
+                (scores, offsets, keep, eps, log_odds, shift, iters, neutral),
+            )
+    y = torch.randn(2, 4, 3, 3, device=CUDA, requires_grad=True)
+    mask = torch.rand(4, device=CUDA, requires_grad=True)
+    torch.library.opcheck(torch.ops.dtp.masked_channel_epilogue.default, (y, mask, None, "relu", 1))

@@ -1,4 +1,4 @@
-"""State semantics (DESIGN.md section 4): pending vs committed, update=False, state_dict."""
+"""State semantics (docs/design.md section 4): pending vs committed, update=False, state_dict."""
 
 import io
 

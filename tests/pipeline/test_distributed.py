@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from utils import DIGITS_RECIPE
+
 pytestmark = pytest.mark.slow  # end to end or long: `make test-fast` leaves it out
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,7 +101,7 @@ def test_torchrun_runs_the_cli_on_two_processes(tmp_path):
         "dtp_kernels",
         "prune",
         "--config",
-        str(ROOT / "configs" / "digits.yaml"),
+        str(DIGITS_RECIPE),
         "--out",
         str(out),
         "--no-progress",
@@ -125,7 +127,7 @@ def torchrun_prune(out: Path, *extra: str) -> list[str]:
         "dtp_kernels",
         "prune",
         "--config",
-        str(ROOT / "configs" / "digits.yaml"),
+        str(DIGITS_RECIPE),
         "--out",
         str(out),
         "--no-progress",

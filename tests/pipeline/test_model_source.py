@@ -13,7 +13,7 @@ import torch
 from dtp_kernels.cli import main
 from dtp_kernels.models import resnet20
 from dtp_kernels.pipeline import model_source, recipe, run
-from utils import prune_argv
+from utils import DIGITS_RECIPE, prune_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -93,11 +93,11 @@ def test_input_shape_or_a_data_sample():
 
 
 def test_pruning_a_network_nobody_trained_is_refused_before_any_work(tmp_path):
-    base = recipe.load(ROOT / "configs" / "digits.yaml", ["pretrain.epochs=0"])
+    base = recipe.load(DIGITS_RECIPE, ["pretrain.epochs=0"])
     with pytest.raises(ValueError, match=r"model.weights is not set.*pretrain.epochs=N.*random"):
         run.run(base, tmp_path / "out")
     assert not (tmp_path / "out").exists()
-    missing = recipe.load(ROOT / "configs" / "digits.yaml", ["model.weights=nowhere.pt"])
+    missing = recipe.load(DIGITS_RECIPE, ["model.weights=nowhere.pt"])
     with pytest.raises(FileNotFoundError, match=r"model.weights = 'nowhere.pt': no such file"):
         run.run(missing, tmp_path / "out")
 

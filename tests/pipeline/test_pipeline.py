@@ -11,7 +11,7 @@ from dtp_kernels.cli import main
 from dtp_kernels.pipeline import data, recipe, synthetic
 from utils import prune_argv
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "dtp_kernels" / "configs"
 
 
 @pytest.mark.parametrize(
@@ -94,7 +94,7 @@ def test_run_writes_plots_tensorboard_and_progress(tmp_path, capsys):
         [
             "prune",
             "--config",
-            "configs/digits.yaml",
+            "dtp_kernels/configs/digits.yaml",
             "--out",
             str(out),
             "--set",
@@ -129,7 +129,7 @@ def test_amp_bf16_and_channels_last_run(tmp_path):
         [
             "prune",
             "--config",
-            "configs/digits.yaml",
+            "dtp_kernels/configs/digits.yaml",
             "--out",
             str(out),
             "--amp",
@@ -157,7 +157,7 @@ def test_amp_bf16_and_channels_last_run(tmp_path):
             [
                 "prune",
                 "--config",
-                "configs/digits.yaml",
+                "dtp_kernels/configs/digits.yaml",
                 "--out",
                 str(fp16),
                 "--amp",
@@ -181,7 +181,7 @@ def test_amp_bf16_and_channels_last_run(tmp_path):
             [
                 "prune",
                 "--config",
-                "configs/digits.yaml",
+                "dtp_kernels/configs/digits.yaml",
                 "--set",
                 "run.amp=fp8",
                 "--set",

@@ -17,11 +17,9 @@ import torch
 
 from dtp_kernels.cli import main
 from dtp_kernels.pipeline import synthetic
+from utils import DIGITS_RECIPE
 
-pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.slow,
-]
+pytestmark = [pytest.mark.cuda, pytest.mark.slow]  # skipped without a GPU (conftest.py)
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -41,7 +39,7 @@ def recipe_args(data: Path, out: Path, *extra: str) -> list[str]:
     return [
         "prune",
         "--config",
-        str(ROOT / "configs" / "digits.yaml"),
+        str(DIGITS_RECIPE),
         "--out",
         str(out),
         *[a for s in sets for a in ("--set", s)],

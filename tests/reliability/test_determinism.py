@@ -1,6 +1,6 @@
 """Determinism (issue 8): two runs of the pipeline with the same seed end with bitwise
 identical scores, masks, transport state and weights on CPU. (On a GPU:
-tests/test_gpu.py::test_bitwise_identical_runs, passed on an H100, see
+tests/ops/test_transport_mask.py::test_bitwise_identical_runs_on_cuda, passed on an H100, see
 benchmarks/results/gpu_tests_cuda.md.)"""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 
 from dtp_kernels.pipeline import recipe as recipes
 from dtp_kernels.pipeline.run import run
+from utils import DIGITS_RECIPE
 
 pytestmark = pytest.mark.slow  # end to end or long: `make test-fast` leaves it out
 
@@ -30,7 +31,7 @@ def tensors_of(out: Path) -> dict[str, torch.Tensor]:
 
 
 def test_same_seed_gives_bitwise_identical_runs(tmp_path):
-    recipe = recipes.load(str(ROOT / "configs" / "digits.yaml"), SMALL)
+    recipe = recipes.load(str(DIGITS_RECIPE), SMALL)
     first = run(recipe, tmp_path / "a")
     second = run(recipe, tmp_path / "b")
     a, b = tensors_of(tmp_path / "a"), tensors_of(tmp_path / "b")
@@ -38,9 +39,7 @@ def test_same_seed_gives_bitwise_identical_runs(tmp_path):
     for key in a:
         assert torch.equal(a[key], b[key]), key
     assert first["accuracy"] == second["accuracy"]
-    other = run(
-        recipes.load(str(ROOT / "configs" / "digits.yaml"), [*SMALL, "seed=1"]), tmp_path / "c"
-    )
+    other = run(recipes.load(str(DIGITS_RECIPE), [*SMALL, "seed=1"]), tmp_path / "c")
     c = tensors_of(tmp_path / "c")
     assert not torch.equal(a["dtp/pruner/scores"], c["dtp/pruner/scores"])  # the seed matters
     assert other["accuracy"] > 0

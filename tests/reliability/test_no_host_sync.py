@@ -4,8 +4,8 @@ On a GPU the host waits for the device whenever it reads a device value: .item()
 .tolist(), .cpu(), .numpy(), bool()/float()/int() of a tensor, or .to() a CPU device.
 These tests count exactly those calls, through patched Tensor methods, over steady-state
 DTP training steps on CPU tensors, which run the same Python code as on a GPU.
-tests/test_gpu.py checks the same steps with torch.cuda.set_sync_debug_mode("error") and
-a CUDA graph.
+On a GPU the tests marked cuda check the same steps with
+torch.cuda.set_sync_debug_mode("error") and inside a captured CUDA graph.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dtp_kernels import DTPPruner
 from dtp_kernels.models import resnet20
 from dtp_kernels.pipeline.step import training_step
 from dtp_kernels.pipeline.train import make_optimizer
+from utils import CUDA, cuda_backends
 
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
 
@@ -65,13 +66,25 @@ def test_the_counter_sees_host_reads():
     assert torch.Tensor.item is torch._C.TensorBase.item  # restored
 
 
-@pytest.mark.parametrize("budget", ["layer", "global", "flops"])
-@pytest.mark.parametrize("mask_at", ["parameters", "activation"])
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_dtp_training_step_reads_nothing_back(budget, mask_at, backend):
+def dtp_training_setup(
+    backend: str,
+    mask_at: str = "parameters",
+    budget: str = "layer",
+    channels_last: bool = False,
+    device: torch.device = CUDA,
+    batch: int = 16,
+):
+    """resnet20 with DTP masks on `device`, its optimizer (state committed after each
+    step) and one batch."""
     torch.manual_seed(0)
-    model = resnet20()
-    images, labels = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    model = resnet20().to(device)
+    gen = torch.Generator().manual_seed(1)
+    images = torch.randn(batch, 3, 32, 32, generator=gen).to(device)
+    labels = torch.randint(0, 10, (batch,), generator=gen).to(device)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+        images = images.to(memory_format=torch.channels_last)
+    epilogue = backend if backend in ("cuda", "triton", "torch") else "auto"
     pruner = DTPPruner(
         model,
         images[:1],
@@ -79,10 +92,20 @@ def test_dtp_training_step_reads_nothing_back(budget, mask_at, backend):
         budget=budget,
         mask_at=mask_at,
         backend=backend,
-        epilogue_backend=backend,
+        epilogue_backend=epilogue,
     )
     optimizer = make_optimizer(model, {"lr": 0.05}, pruner)
     pruner.attach(optimizer)
+    return model, pruner, optimizer, images, labels
+
+
+@pytest.mark.parametrize("budget", ["layer", "global", "flops"])
+@pytest.mark.parametrize("mask_at", ["parameters", "activation"])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_dtp_training_step_reads_nothing_back(budget, mask_at, backend):
+    model, pruner, optimizer, images, labels = dtp_training_setup(
+        backend, mask_at, budget, device=torch.device("cpu"), batch=4
+    )
     target = 0.5 if budget == "flops" else None
     for _ in range(2):  # first steps fill the per-state caches (checked keep, eps, sizes)
         training_step(model, optimizer, images, labels, pruner, target)
@@ -93,3 +116,71 @@ def test_dtp_training_step_reads_nothing_back(budget, mask_at, backend):
     assert counts == Counter(), f"host reads in a DTP training step: {dict(counts)}"
     assert int(pruner.state.steps) == steps_before + 2  # the state did advance
     assert torch.isfinite(loss)
+
+
+# -- on CUDA ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", ["layer", "flops"])
+@pytest.mark.parametrize("mask_at", ["parameters", "activation"])
+@pytest.mark.parametrize("backend", [*cuda_backends(), "torch"])
+@pytest.mark.cuda
+def test_training_step_has_no_host_sync_on_cuda(backend, mask_at, budget):
+    from dtp_kernels.pipeline.step import training_step
+
+    model, pruner, optimizer, images, labels = dtp_training_setup(backend, mask_at, budget)
+    target = 0.5 if budget == "flops" else None
+    for _ in range(2):  # warm-up: per-state caches, Triton compilation
+        training_step(model, optimizer, images, labels, pruner, target)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            training_step(model, optimizer, images, labels, pruner, target)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert int(pruner.state.steps) == 4
+
+
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "bf16-channels-last"])
+@pytest.mark.parametrize("backend", cuda_backends())
+@pytest.mark.cuda
+def test_training_step_in_cuda_graph_matches_eager(backend, amp):
+    """A whole DTP training step (forward, backward, SGD step, state commit) captured in a
+    CUDA graph and replayed gives what the same steps give eagerly; also under bf16
+    autocast with channels_last (the GPU benchmark's setting)."""
+    from dtp_kernels.pipeline.step import training_step
+
+    runs = {}
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    for mode in ("eager", "graph"):
+        model, pruner, optimizer, images, labels = dtp_training_setup(
+            backend, channels_last=amp is not None
+        )
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up on a side stream, as capture requires
+            for _ in range(3):
+                training_step(model, optimizer, images, labels, pruner, amp=amp)
+        torch.cuda.current_stream().wait_stream(side)
+        if mode == "graph":
+            graph = torch.cuda.CUDAGraph()
+            optimizer.zero_grad(set_to_none=True)
+            with torch.cuda.graph(graph):
+                training_step(model, optimizer, images, labels, pruner, amp=amp)
+            for _ in range(5):
+                graph.replay()
+        else:
+            for _ in range(5):
+                training_step(model, optimizer, images, labels, pruner, amp=amp)
+        torch.cuda.synchronize()
+        runs[mode] = (
+            pruner.scores.detach().clone(),
+            pruner.state.log_odds.clone(),
+            pruner.state.shift.clone(),
+            pruner.state.steps.clone(),
+            torch.cat([p.detach().flatten() for p in model.parameters()]),
+        )
+    for a, b in zip(runs["eager"], runs["graph"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert int(runs["graph"][3]) == 8

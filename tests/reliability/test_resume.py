@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dtp_kernels.pipeline import checkpoint as ckpt
-from utils import final_state, prune_command, subprocess_environment
+from utils import DIGITS_RECIPE, final_state, prune_command, subprocess_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERRIDES = ["pretrain.epochs=3", "prune.epochs=4", "finetune.epochs=3"]
@@ -94,7 +94,7 @@ def run_pretrain_checkpoint(tmp_path: Path, *overrides: str) -> Path:
             "dtp_kernels",
             "prune",
             "--config",
-            str(ROOT / "configs" / "digits.yaml"),
+            str(DIGITS_RECIPE),
             *sets,
             "--out",
             str(out),
@@ -115,7 +115,7 @@ def test_resume_with_another_ratio_or_model_is_refused(tmp_path):
     before = {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()}
     base = ["pretrain.epochs=1", "prune.epochs=1", "finetune.epochs=1"]
     for change, message in (("prune.ratios=0.7", "ratios"), ("prune.budget=global", "budget")):
-        recipe = recipes.load(str(ROOT / "configs" / "digits.yaml"), [*base, change])
+        recipe = recipes.load(str(DIGITS_RECIPE), [*base, change])
         with pytest.raises(ckpt.CheckpointError, match=message):
             run(recipe, out, resume=True)
     after = {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()}
