@@ -24,7 +24,7 @@ from .hf_config import update_config
 
 
 def _kind(group) -> str:
-    """The group's kind for ratio dicts: "heads", "mlp" (linear features), "channels"."""
+    """The group's kind for ratio dicts: "heads", "coupled", "mlp", "channels"."""
     if isinstance(group, HeadGroup):
         return "heads"
     if getattr(group, "producers", None):
@@ -183,7 +183,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         lost = self._kept_channels(masks)
         params = 0
         for module in self.model.modules():
-            if isinstance(module, (*COSTED, *PER_CHANNEL_AFFINE)):
+            if isinstance(module, (*COSTED, *PER_CHANNEL_AFFINE, nn.MultiheadAttention)):
                 params += params_after(module, *lost.get(module, (0, 0)))
             elif not isinstance(module, parametrize.ParametrizationList):  # owner counts it
                 params += sum(p.numel() for p in module.parameters(recurse=False))

@@ -102,11 +102,15 @@ PER_CHANNEL_AFFINE = (
 
 
 def params_after(module: nn.Module, out_lost: int, in_lost: int) -> int:
-    """Parameters of a conv, linear or BN layer after losing channels."""
+    """Parameters of a conv, linear, norm layer or nn.MultiheadAttention's input
+    projection (rows lost) after losing channels."""
     if isinstance(module, COSTED):
         out_c, in_c, groups = Layer(module, 0, 0).channels(out_lost, in_lost)
         kernel = math.prod(module.kernel_size) if isinstance(module, CONV) else 1
         return out_c * (in_c // groups) * kernel + (out_c if module.bias is not None else 0)
+    if isinstance(module, nn.MultiheadAttention):  # its packed input projection
+        rows = 3 * module.embed_dim - out_lost
+        return rows * module.embed_dim + (rows if module.in_proj_bias is not None else 0)
     if isinstance(module, PER_CHANNEL_AFFINE):
         channels = module.num_channels if isinstance(module, nn.GroupNorm) else module.num_features
         return 2 * (channels - out_lost) if module.affine else 0

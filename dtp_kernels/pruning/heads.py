@@ -8,7 +8,10 @@ does not follow the per-head reshapes):
 - one fused ``qkv`` projection and ``proj``, with ``num_heads`` and ``head_dim``, as
   timm's ViT and DeiT write them;
 - ``query``, ``key``, ``value`` with ``num_attention_heads`` and ``attention_head_size``,
-  the output projection being the ``output.dense`` beside it (Hugging Face's BERT).
+  the output projection being the ``output.dense`` beside it (Hugging Face's BERT);
+- torch's ``nn.MultiheadAttention`` (torchvision's ViT). Its inner width is tied to the
+  embedding width, so export replaces it with :class:`PrunedMultiheadAttention`, the same
+  computation with fewer heads.
 
 The unit is a key/value head together with the query heads that share it (grouped-query
 attention; one query head per unit without it). Removing a unit removes its query, key
@@ -28,9 +31,10 @@ from torch import nn
 @dataclass
 class Projection:
     """A linear layer whose rows (or, for the output projection, columns) are `blocks`
-    blocks of the units in order, `per_unit` rows each (timm's fused qkv: 3 blocks)."""
+    blocks of the units in order, `per_unit` rows each (timm's fused qkv: 3 blocks; the
+    `nn.MultiheadAttention` itself for its packed input projection)."""
 
-    layer: nn.Linear
+    layer: nn.Module
     blocks: int
     per_unit: int
 
@@ -158,6 +162,115 @@ def _bert(name: str, module: nn.Module) -> HeadGroup | None:
     return HeadGroup(f"{name}.self", inner, rows, Projection(out, 1, head_dim), heads, 1, head_dim)
 
 
+def _torch_mha(name: str, module: nn.Module) -> HeadGroup | None:
+    """torch's nn.MultiheadAttention with one packed input projection."""
+    if not isinstance(module, nn.MultiheadAttention):
+        return None
+    if not module._qkv_same_embed_dim or module.bias_k is not None or module.add_zero_attn:
+        raise ValueError(
+            f"attention layer {name!r}: nn.MultiheadAttention with separate kdim/vdim, "
+            "add_bias_kv or add_zero_attn is not pruned by heads; leave it whole with "
+            "ignored_layers=[...]"
+        )
+    heads, head_dim = module.num_heads, module.head_dim
+    rows = [Projection(module, 3, head_dim)]
+    return HeadGroup(
+        name, module, rows, Projection(module.out_proj, 1, head_dim), heads, 1, head_dim
+    )
+
+
+class PrunedMultiheadAttention(nn.Module):
+    """nn.MultiheadAttention's computation with `num_heads` heads of `head_dim` whose
+    inner width (num_heads * head_dim) need not equal `embed_dim`: what a pruned
+    nn.MultiheadAttention exports to. Same forward signature and outputs."""
+
+    def __init__(self, source: nn.MultiheadAttention, kept_rows: torch.Tensor) -> None:
+        super().__init__()
+        self.embed_dim, self.head_dim = source.embed_dim, source.head_dim
+        self.num_heads = len(kept_rows) // (3 * source.head_dim)
+        self.batch_first, self.dropout = source.batch_first, source.dropout
+        weight = source.in_proj_weight.detach()[kept_rows.to(source.in_proj_weight.device)]
+        self.in_proj_weight = nn.Parameter(weight.clone())
+        bias = source.in_proj_bias
+        self.in_proj_bias = None if bias is None else nn.Parameter(bias.detach()[kept_rows].clone())
+        self.out_proj = source.out_proj  # its columns are cut by the caller
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batched = query.dim() == 3
+        if not batched:
+            query, key, value = (
+                t.unsqueeze(0 if self.batch_first else 1) for t in (query, key, value)
+            )
+        if not self.batch_first:
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        batch, length, source = query.shape[0], query.shape[1], key.shape[1]
+        inner = self.num_heads * self.head_dim
+        w, b = self.in_proj_weight, self.in_proj_bias
+        parts = [
+            nn.functional.linear(
+                x,
+                w[i * inner : (i + 1) * inner],
+                None if b is None else b[i * inner : (i + 1) * inner],
+            )
+            for i, x in enumerate((query, key, value))
+        ]
+        q, k, v = (p.view(batch, -1, self.num_heads, self.head_dim).transpose(1, 2) for p in parts)
+        mask = _additive_mask(
+            attn_mask, key_padding_mask, batch, self.num_heads, length, source, q.dtype
+        )
+        if is_causal and mask is None:
+            mask = torch.full((length, source), float("-inf"), device=q.device, dtype=q.dtype).triu(
+                1
+            )
+        scores = (q * self.head_dim**-0.5) @ k.transpose(-2, -1)
+        if mask is not None:
+            scores = scores + mask
+        attention = scores.softmax(dim=-1)
+        weights = attention
+        if self.training and self.dropout > 0:
+            attention = nn.functional.dropout(attention, self.dropout)
+        out = (attention @ v).transpose(1, 2).reshape(batch, length, inner)
+        out = self.out_proj(out)
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        if not batched:
+            out = out.squeeze(0 if self.batch_first else 1)
+        if not need_weights:
+            return out, None
+        weights = weights.mean(dim=1) if average_attn_weights else weights
+        return out, (weights if batched else weights.squeeze(0))
+
+
+def _additive_mask(attn_mask, key_padding_mask, batch, heads, length, source, dtype):
+    """nn.MultiheadAttention's attn_mask ((L, S) or (B * heads, L, S), bool or float) and
+    key_padding_mask ((B, S), bool or float) as one additive (B, heads, L, S) mask."""
+    total = None
+    for mask, shape in ((attn_mask, None), (key_padding_mask, (batch, 1, 1, source))):
+        if mask is None:
+            continue
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+                mask, float("-inf")
+            )
+        mask = mask.to(dtype)
+        if shape is not None:
+            mask = mask.view(shape)
+        elif mask.dim() == 3:
+            mask = mask.view(batch, heads, length, source)
+        total = mask if total is None else total + mask
+    return total
+
+
 def find_head_groups(model: nn.Module, ignored: list[nn.Module]) -> list[HeadGroup]:
     """Every attention layer of these forms, in model order; an error names one whose
     projections do not split into whole heads."""
@@ -165,7 +278,12 @@ def find_head_groups(model: nn.Module, ignored: list[nn.Module]) -> list[HeadGro
     for name, module in model.named_modules():
         if module in ignored:
             continue
-        group = _separate(name, module) or _fused(name, module) or _bert(name, module)
+        group = (
+            _separate(name, module)
+            or _fused(name, module)
+            or _bert(name, module)
+            or _torch_mha(name, module)
+        )
         if group is None or any(layer in ignored for layer in [*group.kept_out, group.layer]):
             continue
         groups.append(group)
@@ -192,6 +310,13 @@ def prune_heads(
     """Remove the units whose mask is 0 from a copy of the model, in place. `copy` maps the
     copy's module names to its modules; `names` the original modules to their names."""
     kept = mask.nonzero().flatten().cpu()
+    if isinstance(group.module, nn.MultiheadAttention):  # replaced: its width is fixed
+        parent, _, attr = names[group.module].rpartition(".")
+        source = copy[names[group.module]]
+        rows = group.rows[0].kept(group.units, kept)
+        _keep_columns(source.out_proj, group.out.kept(group.units, kept))
+        setattr(copy[parent], attr, PrunedMultiheadAttention(source, rows))
+        return
     for projection in group.rows:
         _keep_rows(copy[names[projection.layer]], projection.kept(group.units, kept))
     _keep_columns(copy[names[group.out.layer]], group.out.kept(group.units, kept))

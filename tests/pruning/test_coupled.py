@@ -100,8 +100,9 @@ def test_widths_that_cannot_be_masked_exactly_are_left_whole():
     )
     pruner = DTPPruner(vit, torch.randn(1, 3, 32, 32), 0.5, prune_coupled=True)
     assert [g.name for g in pruner.groups] == [
-        "encoder.layers.encoder_layer_0.mlp.0",
-        "encoder.layers.encoder_layer_1.mlp.0",
+        f"encoder.layers.encoder_layer_{i}.{part}"
+        for i in (0, 1)
+        for part in ("self_attention", "mlp.0")
     ]
     with pytest.raises(TypeError, match=r"prune_coupled must be a bool, got str"):
         DTPPruner(resnet, torch.randn(1, 3, 32, 32), 0.5, prune_coupled="yes")

@@ -541,7 +541,7 @@ def test_vision_transformer_mlp_neurons_prune_and_export(mask_at):
     )
     torch.nn.init.normal_(model.heads.head.weight, std=0.1)  # torchvision zero-inits it
     x = torch.randn(4, 3, 32, 32)
-    pruner = DTPPruner(model, x[:1], 0.5, mask_at=mask_at)
+    pruner = DTPPruner(model, x[:1], {"mlp": 0.5}, mask_at=mask_at)
     assert [g.name for g in pruner.groups] == [
         f"encoder.layers.encoder_layer_{i}.mlp.0" for i in (0, 1)
     ]

@@ -135,3 +135,66 @@ def test_a_norm_over_all_heads_is_refused_by_name():
     model.blocks[0].attn.norm = torch.nn.LayerNorm(32)
     with pytest.raises(ValueError, match=r"attention layer 'blocks.0.attn': its norm"):
         DTPPruner(model, (torch.randn(1, 3, 16, 16),), {"heads": 0.5})
+
+
+def test_torchvision_vit_heads_export_to_fewer_heads():
+    """torch's nn.MultiheadAttention ties its inner width to the embedding width: export
+    replaces it with PrunedMultiheadAttention, equal to the hard-masked model."""
+    import torchvision
+
+    from dtp_kernels.pruning.heads import PrunedMultiheadAttention
+
+    torch.manual_seed(0)
+    vit = torchvision.models.VisionTransformer(
+        image_size=32, patch_size=8, num_layers=2, num_heads=4, hidden_dim=32, mlp_dim=64
+    )
+    torch.nn.init.normal_(vit.heads.head.weight, std=0.1)  # torchvision starts it at zero
+    x = torch.randn(3, 3, 32, 32)
+    pruner = DTPPruner(vit, (x[:1],), {"heads": 0.5, "mlp": 0.5})
+    assert [g.size for g in pruner.groups] == [4, 64, 4, 64] and pruner.kept == [2, 32, 2, 32]
+    vit.train()
+    vit(x).square().mean().backward()
+    assert torch.all(pruner.scores.grad != 0)
+    with torch.no_grad():
+        pruner.scores.uniform_(0, 1, generator=torch.Generator().manual_seed(1))
+    exported = pruner.export().eval()
+    vit.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = vit(x)
+    torch.testing.assert_close(exported(x), want, rtol=1e-5, atol=1e-5)
+    attention = exported.encoder.layers[0].self_attention
+    assert isinstance(attention, PrunedMultiheadAttention) and attention.num_heads == 2
+    assert count_params(exported) == pruner.report()["params_after"]
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_pruned_multihead_attention_keeping_every_head_is_nn_multihead_attention(batch_first):
+    """With all heads kept the replacement computes what nn.MultiheadAttention does:
+    outputs and weights, with an attention mask and a key padding mask, batched or not."""
+    from dtp_kernels.pruning.heads import PrunedMultiheadAttention
+
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(16, 4, batch_first=batch_first).eval()
+    pruned = PrunedMultiheadAttention(mha, torch.arange(48)).eval()
+    q, kv = torch.randn(2, 5, 16), torch.randn(2, 7, 16)
+    if not batch_first:
+        q, kv = q.transpose(0, 1), kv.transpose(0, 1)
+    attn_mask = torch.rand(5, 7) > 0.7
+    attn_mask[:, 0] = False  # every query sees a key
+    padding = torch.zeros(2, 7, dtype=torch.bool)
+    padding[1, -2:] = True
+    for kwargs in (
+        {},
+        {"attn_mask": attn_mask},
+        {"key_padding_mask": padding, "average_attn_weights": False},
+    ):
+        want = mha(q, kv, kv, **kwargs)
+        got = pruned(q, kv, kv, **kwargs)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    single = q[0] if batch_first else q[:, 0]
+    single_kv = kv[0] if batch_first else kv[:, 0]
+    for a, b in zip(
+        pruned(single, single_kv, single_kv), mha(single, single_kv, single_kv), strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
