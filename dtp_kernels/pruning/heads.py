@@ -189,10 +189,10 @@ class PrunedMultiheadAttention(nn.Module):
         self.embed_dim, self.head_dim = source.embed_dim, source.head_dim
         self.num_heads = len(kept_rows) // (3 * source.head_dim)
         self.batch_first, self.dropout = source.batch_first, source.dropout
-        weight = source.in_proj_weight.detach()[kept_rows.to(source.in_proj_weight.device)]
-        self.in_proj_weight = nn.Parameter(weight.clone())
+        rows = kept_rows.to(source.in_proj_weight.device)
+        self.in_proj_weight = nn.Parameter(source.in_proj_weight.detach()[rows].clone())
         bias = source.in_proj_bias
-        self.in_proj_bias = None if bias is None else nn.Parameter(bias.detach()[kept_rows].clone())
+        self.in_proj_bias = None if bias is None else nn.Parameter(bias.detach()[rows].clone())
         self.out_proj = source.out_proj  # its columns are cut by the caller
 
     def forward(
@@ -228,10 +228,9 @@ class PrunedMultiheadAttention(nn.Module):
         mask = _additive_mask(
             attn_mask, key_padding_mask, batch, self.num_heads, length, source, q.dtype
         )
-        if is_causal and mask is None:
-            mask = torch.full((length, source), float("-inf"), device=q.device, dtype=q.dtype).triu(
-                1
-            )
+        if is_causal and mask is None:  # a key after the query is never attended to
+            causal = torch.ones(length, source, dtype=torch.bool, device=q.device).triu(1)
+            mask = _additive_mask(causal, None, batch, self.num_heads, length, source, q.dtype)
         scores = (q * self.head_dim**-0.5) @ k.transpose(-2, -1)
         if mask is not None:
             scores = scores + mask

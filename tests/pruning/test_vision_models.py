@@ -192,6 +192,11 @@ def test_pruned_multihead_attention_keeping_every_head_is_nn_multihead_attention
         got = pruned(q, kv, kv, **kwargs)
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    causal = torch.ones(5, 7, dtype=torch.bool).triu(1)  # is_causal without a mask
+    for a, b in zip(
+        pruned(q, kv, kv, is_causal=True), mha(q, kv, kv, attn_mask=causal), strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     single = q[0] if batch_first else q[:, 0]
     single_kv = kv[0] if batch_first else kv[:, 0]
     for a, b in zip(
