@@ -16,9 +16,20 @@ from pathlib import Path
 import torch
 
 import dtp_kernels
-from dtp_kernels.benchmarking import interleaved, summarize, sync  # noqa: F401 - re-exported
+from dtp_kernels.benchmarking import (  # noqa: F401 - interleaved, summarize, sync re-exported
+    RESNET50_GROUPS,
+    interleaved,
+    summarize,
+    sync,
+)
 
 RESULTS = Path(__file__).parent / "results"
+# the mask step's usual sweep point: all 32 prunable groups of ResNet-50
+RESNET50_POINT = dict(
+    shape=f"resnet50 {len(RESNET50_GROUPS)} groups, {sum(RESNET50_GROUPS)} channels",
+    dtype="float32",
+    sizes=RESNET50_GROUPS,
+)
 CSV_FIELDS = [
     "op",
     "provider",
@@ -93,6 +104,18 @@ class Sweep:
     baselines: list[str] = field(default_factory=list)
     warmup: int = 3
     note: str = ""
+
+
+def main(sweep: Sweep, name: str, description: str, rounds: int = 30) -> list[dict]:
+    """The command line every sweep script shares: --device, --rounds, --no-save."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--no-save", action="store_true", help="print only")
+    args = parser.parse_args()
+    return run_sweep(sweep, torch.device(args.device), args.rounds, not args.no_save, name)
 
 
 def run_sweep(sweep: Sweep, device: torch.device, rounds: int, save: bool, name: str) -> list[dict]:

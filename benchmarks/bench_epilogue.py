@@ -11,7 +11,6 @@ plot to results/epilogue_<device>.png.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _harness import Cases, Sweep, run_sweep
+from _harness import Cases, Sweep, main
 
 import dtp_kernels
 from dtp_kernels import masked_channel_epilogue
@@ -91,14 +90,5 @@ SWEEP = Sweep(
 )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--no-save", action="store_true", help="print only")
-    args = parser.parse_args()
-    run_sweep(SWEEP, torch.device(args.device), args.rounds, not args.no_save, "epilogue")
-
-
 if __name__ == "__main__":
-    main()
+    main(SWEEP, "epilogue", __doc__.splitlines()[0], rounds=10)

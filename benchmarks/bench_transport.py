@@ -11,7 +11,6 @@ to results/transport_<device>.md, the plot to results/transport_<device>.png.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -20,10 +19,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _harness import Cases, Sweep, run_sweep
+from _harness import RESNET50_POINT, Cases, Sweep, main
 
 import dtp_kernels
-from dtp_kernels.benchmarking import RESNET50_GROUPS, mask_step
+from dtp_kernels.benchmarking import mask_step
 
 RATIO = 0.6
 
@@ -55,26 +54,11 @@ def setup(point: dict, device: torch.device) -> Cases:
 SWEEP = Sweep(
     op="transport_mask",
     title="transport_mask, ResNet-50's 32 groups (ratio 0.6)",
-    points=[
-        dict(
-            shape=f"resnet50 {len(RESNET50_GROUPS)} groups, {sum(RESNET50_GROUPS)} channels",
-            dtype="float32",
-            sizes=RESNET50_GROUPS,
-        )
-    ],
+    points=[RESNET50_POINT],
     setup=setup,
     baselines=["reference", "torch"],
 )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--no-save", action="store_true", help="print only")
-    args = parser.parse_args()
-    run_sweep(SWEEP, torch.device(args.device), args.rounds, not args.no_save, "transport")
-
-
 if __name__ == "__main__":
-    main()
+    main(SWEEP, "transport", __doc__.splitlines()[0], rounds=30)

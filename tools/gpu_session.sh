@@ -57,6 +57,7 @@ for step in $steps; do
   bench | all)
     run bench_transport 120 $PY benchmarks/bench_transport.py --device cuda
     run bench_epilogue 120 $PY benchmarks/bench_epilogue.py --device cuda
+    run bench_host_cost 120 $PY benchmarks/bench_host_cost.py --device cuda
     ;;&
   train | all)
     run bench_training_step 150 $PY benchmarks/bench_training_step.py --device cuda

@@ -1,0 +1,64 @@
+"""The mask step's wall time against its floor: forward + backward of the DTP mask step
+over ResNet-50's 32 groups (7,552 channels) per backend, against one elementwise op and
+its backward on a tensor of the same size (`floor`), interleaved in one run. On a GPU,
+and for groups this small on a CPU, the step is bound by host work (Python checks, the
+dispatcher, autograd bookkeeping, allocations): the ratio to the floor is what is left
+to remove.
+
+    python benchmarks/bench_host_cost.py [--device cpu|cuda] [--rounds N] [--no-save]
+
+Rows go to results/host_cost.csv, the table to results/host_cost_<device>.md.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _harness import RESNET50_POINT, Cases, Sweep, main
+
+import dtp_kernels
+from dtp_kernels.benchmarking import mask_step
+
+
+def floor_step(numel: int, device: torch.device):
+    """One elementwise op and its backward on `numel` floats: the least a step can cost."""
+    x = torch.randn(numel, device=device, requires_grad=True)
+    grad = torch.randn(numel, device=device)
+
+    def step() -> None:
+        (x * 2.0).backward(grad)
+        x.grad = None
+
+    return step
+
+
+def setup(point: dict, device: torch.device) -> Cases:
+    backends = [
+        b
+        for b in dtp_kernels.available_backends(device)
+        if b != "reference" and not (device.type == "cpu" and b == "triton")
+    ]
+    cases = {("floor", "full"): (floor_step(sum(point["sizes"]), device), 50)}
+    for backend in backends:
+        cases[(backend, "full")] = (mask_step(backend, point["sizes"], device, 0.6), 50)
+    return cases
+
+
+SWEEP = Sweep(
+    op="transport_mask_host_cost",
+    title="transport_mask fwd + bwd against one elementwise op and its backward",
+    points=[RESNET50_POINT],
+    setup=setup,
+    baselines=["floor"],
+    note="The step's cost in floors is 1 / (x vs floor).",
+)
+
+
+if __name__ == "__main__":
+    main(SWEEP, "host_cost", __doc__.splitlines()[0], rounds=30)
