@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from utils import DIGITS_RECIPE
+from utils import prune_argv
 
 pytestmark = pytest.mark.slow  # end to end or long: `make test-fast` leaves it out
 
@@ -89,24 +89,7 @@ def test_without_the_pruner_gradient_average_ranks_drift_apart(tmp_path):
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_torchrun_runs_the_cli_on_two_processes(tmp_path):
     out = tmp_path / "run"
-    sets = ["pretrain.epochs=1", "prune.epochs=1", "finetune.epochs=1"]
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "dtp_kernels",
-        "prune",
-        "--config",
-        str(DIGITS_RECIPE),
-        "--out",
-        str(out),
-        "--no-progress",
-        *[a for s in sets for a in ("--set", s)],
-    ]
+    command = torchrun_prune(out, epochs=1)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -114,25 +97,16 @@ def test_torchrun_runs_the_cli_on_two_processes(tmp_path):
     assert result.stdout.count('"accuracy"') == 1  # rank 0 alone reports
 
 
-def torchrun_prune(out: Path, *extra: str) -> list[str]:
-    sets = ["pretrain.epochs=1", "prune.epochs=3", "finetune.epochs=1"]
+def torchrun_prune(out: Path, *extra: str, epochs: int = 3) -> list[str]:
+    """`dtp prune` on the digits recipe under torchrun with 2 processes (`epochs` of DTP)."""
+    sets = ["pretrain.epochs=1", f"prune.epochs={epochs}", "finetune.epochs=1"]
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     return [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
+        *torchrun,
         "-m",
         "dtp_kernels",
-        "prune",
-        "--config",
-        str(DIGITS_RECIPE),
-        "--out",
-        str(out),
-        "--no-progress",
-        *[a for s in sets for a in ("--set", s)],
-        *extra,
+        *prune_argv(out, sets, "--no-progress", *extra),
     ]
 
 

@@ -90,23 +90,8 @@ def test_check_command(capsys):
 
 def test_run_writes_plots_tensorboard_and_progress(tmp_path, capsys):
     out = tmp_path / "run"
-    code = main(
-        [
-            "prune",
-            "--config",
-            "dtp_kernels/configs/digits.yaml",
-            "--out",
-            str(out),
-            "--set",
-            "pretrain.epochs=1",
-            "--set",
-            "prune.epochs=3",
-            "--set",
-            "finetune.epochs=1",
-            "--set",
-            "prune.budget=global",
-        ]
-    )
+    sets = ["pretrain.epochs=1", "prune.epochs=3", "finetune.epochs=1", "prune.budget=global"]
+    code = main(prune_argv(out, sets))
     assert code == 0
     for name in ("mask_evolution.png", "sparsity.png"):
         png = (out / "plots" / name).read_bytes()
@@ -125,73 +110,21 @@ def test_run_writes_plots_tensorboard_and_progress(tmp_path, capsys):
 @pytest.mark.slow
 def test_amp_bf16_and_channels_last_run(tmp_path):
     out = tmp_path / "run"
+    epochs = ["pretrain.epochs=1", "prune.epochs=1", "finetune.epochs=1"]
+    quiet = ["run.plots=false", "run.tensorboard=false"]
     code = main(
-        [
-            "prune",
-            "--config",
-            "dtp_kernels/configs/digits.yaml",
-            "--out",
-            str(out),
-            "--amp",
-            "bf16",
-            "--channels-last",
-            "--no-progress",
-            "--set",
-            "pretrain.epochs=1",
-            "--set",
-            "prune.epochs=1",
-            "--set",
-            "finetune.epochs=1",
-            "--set",
-            "run.plots=false",
-            "--set",
-            "run.tensorboard=false",
-        ]
+        prune_argv(out, [*epochs, *quiet], "--amp", "bf16", "--channels-last", "--no-progress")
     )
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
     assert 0 < summary["accuracy"] <= 1 and not (out / "plots").exists()
     fp16 = tmp_path / "fp16"
-    assert (
-        main(
-            [
-                "prune",
-                "--config",
-                "dtp_kernels/configs/digits.yaml",
-                "--out",
-                str(fp16),
-                "--amp",
-                "fp16",
-                "--no-progress",
-                "--set",
-                "pretrain.epochs=1",
-                "--set",
-                "prune.epochs=1",
-                "--set",
-                "finetune.epochs=1",
-            ]
-        )
-        == 0
-    )
+    assert main(prune_argv(fp16, epochs, "--amp", "fp16", "--no-progress")) == 0
     assert json.loads((fp16 / "summary.json").read_text())["accuracy"] > 0
     saved = torch.load(fp16 / "checkpoints" / "dtp.pt", weights_only=True)
     assert saved["scaler"]["scale"] > 0  # resumable: the GradScaler state is saved
     with pytest.raises(ValueError, match=r"run.amp = 'fp8'"):
-        main(
-            [
-                "prune",
-                "--config",
-                "dtp_kernels/configs/digits.yaml",
-                "--set",
-                "run.amp=fp8",
-                "--set",
-                "pretrain.epochs=0",
-                "--set",
-                "prune.epochs=1",
-                "--set",
-                "finetune.epochs=1",
-            ]
-        )
+        main(prune_argv(tmp_path / "fp8", ["run.amp=fp8", "pretrain.epochs=0", *epochs[1:]]))
 
 
 def test_bench_command(capsys):
