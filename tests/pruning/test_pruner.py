@@ -630,3 +630,35 @@ def test_conv1d_groups(mask_at):
     report = pruner.report()
     assert count_params(exported) == report["params_after"]
     assert count_flops(exported, x[:1]) == report["flops_after"] < report["flops_before"]
+
+
+class _SigmoidGatedMLP(torch.nn.Module):
+    """down(sigmoid(gate(x)) * up(x)): the gate's value at 0 is 0.5, so a mask on the
+    gate's rows would leave a removed neuron's output at up(x) / 2; the mask must go on
+    the down projection's columns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.up = torch.nn.Linear(8, 24), torch.nn.Linear(8, 24)
+        self.down = torch.nn.Linear(24, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.sigmoid(self.gate(x)) * self.up(x))
+
+
+def test_gated_mlp_is_masked_on_the_consumer_columns():
+    torch.manual_seed(0)
+    model = _SigmoidGatedMLP()
+    x = torch.randn(4, 5, 8)
+    pruner = DTPPruner(model, x[:1], 0.5)
+    (group,) = pruner.groups
+    assert group.gated and pruner.kept == [12]
+    assert parametrize.is_parametrized(model.down, "weight")
+    assert not parametrize.is_parametrized(model.gate) and not parametrize.is_parametrized(model.up)
+    model(x).square().mean().backward()
+    assert torch.all(pruner.scores.grad != 0)
+    with torch.no_grad():
+        pruner.scores.uniform_(0, 1, generator=torch.Generator().manual_seed(1))
+    exported = pruner.export()  # raises unless equal to the hard-masked model
+    assert (exported.gate.out_features, exported.up.out_features) == (12, 12)
+    assert exported.down.in_features == 12
