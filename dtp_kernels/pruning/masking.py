@@ -96,11 +96,12 @@ class ScaleRows(nn.Module):
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         mask = self.source.get(self.index).to(weight.dtype)
-        if self.per_unit > 1:
-            mask = mask.repeat_interleave(self.per_unit)
-        shape = [1] * weight.dim()
+        # view dim DIM as (units, per_unit) and broadcast the mask over it: no repeated copy
+        lead, rest = weight.shape[: self.DIM], weight.shape[self.DIM + 1 :]
+        grouped = weight.view(*lead, -1, self.per_unit, *rest)
+        shape = [1] * grouped.dim()
         shape[self.DIM] = -1
-        return weight * mask.view(shape)
+        return (grouped * mask.view(shape)).view_as(weight)
 
 
 class ScaleColumns(ScaleRows):
