@@ -5,6 +5,8 @@
 
 #include <string>
 
+#include "transport_step.h"
+
 #ifndef DTP_TORCH_VERSION
 #define DTP_TORCH_VERSION "unknown"
 #endif
@@ -68,4 +70,6 @@ pybind11::dict build_info() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Compiled kernels of dtp_kernels; the ops live in torch.ops.dtp.";
   m.def("build_info", &build_info, "How this module was compiled.");
+  m.def("transport_mask_step", &dtp::transport_mask_step,
+        "dtp::transport_mask with its next state written to the pending buffers (eager).");
 }

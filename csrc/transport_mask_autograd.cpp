@@ -38,6 +38,9 @@ class TransportMaskFunction : public torch::autograd::Function<TransportMaskFunc
     ctx->saved_data["neutral_nonfinite"] = neutral_nonfinite;
     ctx->saved_data["blocks_per_segment"] = blocks_per_segment;
     ctx->mark_non_differentiable({new_log_odds, new_shift, stats, nonfinite});
+    // Only the mask has a gradient: without this the engine would fill a zero tensor for
+    // each of the four other outputs on every backward.
+    ctx->set_materialize_grads(false);
     return {mask, new_log_odds, new_shift, stats, nonfinite};
   }
 

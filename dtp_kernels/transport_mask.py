@@ -12,11 +12,13 @@ from collections.abc import Sequence
 import torch
 
 from ._extension import (
+    _C,
     BACKENDS,
     available_backends,
     compiled,
     require_backend,
     triton_installed,
+    triton_interpreted,
 )
 from .transport_state import TransportState
 
@@ -166,7 +168,44 @@ def _check_eps(eps, state: TransportState) -> torch.Tensor:
     return result
 
 
+# Options already accepted, keyed by everything the check reads (whether _C loaded and
+# TRITON_INTERPRET included, as they decide which backends exist): the per-step call then
+# costs a dict lookup instead of resolving "auto" (~10 us). Only exact int/bool/str values
+# are cached, so True never passes for an iters of 1.
+_ACCEPTED_OPTIONS: dict[tuple, str] = {}
+
+
 def _check_options(
+    iters, update, backend, nonfinite, blocks_per_segment, device: torch.device
+) -> str:
+    exact = (
+        type(iters) is int
+        and type(blocks_per_segment) is int
+        and type(update) is bool
+        and type(backend) is str
+        and type(nonfinite) is str
+    )
+    if exact:
+        key = (
+            iters,
+            update,
+            backend,
+            nonfinite,
+            blocks_per_segment,
+            device,
+            compiled(),
+            triton_interpreted(),
+        )
+        accepted = _ACCEPTED_OPTIONS.get(key)
+        if accepted is not None:
+            return accepted
+    resolved = _resolve_options(iters, update, backend, nonfinite, blocks_per_segment, device)
+    if exact:
+        _ACCEPTED_OPTIONS[key] = resolved
+    return resolved
+
+
+def _resolve_options(
     iters, update, backend, nonfinite, blocks_per_segment, device: torch.device
 ) -> str:
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
@@ -451,6 +490,40 @@ def _transport_mask_reference(
     return torch.cat(masks).to(scores.dtype), new_d, new_shift, nonfinite
 
 
+_COMPILED_BACKENDS = ("cpu", "cuda")
+
+
+def _compiled_step(
+    scores: torch.Tensor,
+    keep: torch.Tensor,
+    eps: torch.Tensor,
+    state: TransportState,
+    iters: int,
+    neutral: bool,
+    blocks_per_segment: int,
+) -> torch.Tensor:
+    """The eager training step on the compiled backends: the op and the pending-state
+    write in one C++ call (csrc/transport_step.cpp), the same as
+    ``_transport_mask_compiled`` followed by ``state.write_pending``."""
+    offsets, log_odds, shift = _state_tensors(state, scores)
+    buffers = state._buffers
+    return _C.transport_mask_step(
+        scores,
+        offsets,
+        keep,
+        eps,
+        log_odds,
+        shift,
+        iters,
+        neutral,
+        blocks_per_segment,
+        buffers["pending_log_odds"],
+        buffers["pending_shift"],
+        buffers["pending_nonfinite"],
+        buffers["has_pending"],
+    )
+
+
 _IMPLEMENTATIONS = {
     "reference": _transport_mask_reference,
     "torch": _transport_mask_torch,
@@ -504,12 +577,16 @@ def transport_mask(
     keep_t = _check_keep(keep, state)
     eps_t = _check_eps(eps, state)
     backend = _check_options(iters, update, backend, nonfinite, blocks_per_segment, flat.device)
-    schedule = (blocks_per_segment,) if backend == "cuda" else ()
-    mask, new_d, new_shift, flags = _IMPLEMENTATIONS[backend](
-        flat, keep_t, eps_t, state, iters, nonfinite == "neutral", *schedule
-    )
-    if update:
-        state.write_pending(new_d, new_shift, nonfinite=flags)
+    neutral = nonfinite == "neutral"
+    if update and backend in _COMPILED_BACKENDS and not torch.compiler.is_compiling():
+        mask = _compiled_step(flat, keep_t, eps_t, state, iters, neutral, blocks_per_segment)
+    else:
+        schedule = (blocks_per_segment,) if backend == "cuda" else ()
+        mask, new_d, new_shift, flags = _IMPLEMENTATIONS[backend](
+            flat, keep_t, eps_t, state, iters, neutral, *schedule
+        )
+        if update:
+            state.write_pending(new_d, new_shift, nonfinite=flags)
     return list(mask.split(list(state.sizes))) if is_list else mask
 
 

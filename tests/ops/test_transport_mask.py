@@ -19,6 +19,7 @@ from utils import (
     RAGGED_LAYOUT,
     check_low_precision,
     cuda_backends,
+    require_backend,
     run_loop,
 )
 
@@ -119,6 +120,76 @@ def test_degenerate_segments_have_constant_masks(any_backend):
     state.commit()
     assert torch.all(state.log_odds[:7] == 0) and torch.all(state.shift[:2] == 0)
     assert torch.any(state.log_odds[7:] != 0)
+
+
+COMPILED_DEVICE_BACKENDS = [
+    ("cpu", "cpu"),
+    pytest.param(("cuda", "cuda"), marks=pytest.mark.cuda),
+]
+
+
+@pytest.mark.parametrize("device_and_backend", COMPILED_DEVICE_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("nonfinite", ["propagate", "neutral"])
+def test_eager_step_entry_equals_the_op_and_write_pending(
+    monkeypatch, device_and_backend, dtype, nonfinite
+):
+    """The eager training step of the compiled backends is one C++ call (op + pending
+    write). It must give the mask, gradient and pending state of the functional op followed
+    by write_pending, bitwise, a non-finite segment and float64 scores on a float32 state
+    included; and it must be the path taken (the counter fails if the entry is bypassed)."""
+    import importlib
+
+    module = importlib.import_module("dtp_kernels.transport_mask")
+    device, backend = device_and_backend
+    require_backend(backend, device)
+    sizes = [5, 9, 300]
+    gen = torch.Generator().manual_seed(3)
+    scores = (torch.randn(sum(sizes), generator=gen) * 2).to(device, dtype)
+    scores[7] = float("nan")  # segment 1 keeps its state and is flagged
+    keep = torch.tensor([2.0, 4.5, 120.0], device=device)
+    grad = torch.randn(sum(sizes), generator=gen).to(device, dtype)
+    calls = []
+    entry = module._compiled_step
+    monkeypatch.setattr(module, "_compiled_step", lambda *args: calls.append(1) or entry(*args))
+    results = []
+    for eager_entry in (True, False):
+        state = TransportState(sizes, device=device)
+        leaf = scores.clone().requires_grad_(True)
+        if eager_entry:
+            mask = transport_mask(leaf, keep, state, backend=backend, nonfinite=nonfinite)
+        else:
+            mask, new_d, new_shift, flags = module._transport_mask_compiled(
+                leaf,
+                keep,
+                torch.ones(3, dtype=torch.float64, device=device),
+                state,
+                1,
+                nonfinite == "neutral",
+            )
+            state.write_pending(new_d, new_shift, nonfinite=flags)
+        torch.nan_to_num(mask).backward(grad)
+        results.append((mask, leaf.grad, {k: v.clone() for k, v in state.state_dict().items()}))
+    assert calls == [1]
+    (mask_a, grad_a, state_a), (mask_b, grad_b, state_b) = results
+    assert torch.equal(mask_a.nan_to_num(7.0), mask_b.nan_to_num(7.0))
+    assert torch.equal(grad_a.nan_to_num(7.0), grad_b.nan_to_num(7.0))
+    assert state_a.keys() == state_b.keys()
+    for key in state_a:
+        assert torch.equal(state_a[key], state_b[key]), key
+    assert bool(state_a["has_pending"]) and state_a["pending_nonfinite"].tolist() == [
+        False,
+        True,
+        False,
+    ]
+
+
+def test_compiled_backend_without_update_leaves_pending_state_alone():
+    state = TransportState([4, 6])
+    before = {k: v.clone() for k, v in state.state_dict().items()}
+    transport_mask(torch.randn(10), [2, 3], state, backend="cpu", update=False)
+    for key, value in state.state_dict().items():
+        assert torch.equal(value, before[key]), key
 
 
 # -- what the mask does --------------------------------------------------------------

@@ -1,0 +1,17 @@
+// The eager per-step entry of transport_mask (csrc/transport_step.cpp), bound in ops.cpp.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace dtp {
+
+// dtp::transport_mask, then the next log-odds, shift and non-finite flags copied into the
+// pending buffers and has_pending set. Returns the mask.
+at::Tensor transport_mask_step(const at::Tensor& scores, const at::Tensor& offsets,
+                               const at::Tensor& keep, const at::Tensor& eps,
+                               const at::Tensor& log_odds, const at::Tensor& shift, int64_t iters,
+                               bool neutral_nonfinite, int64_t blocks_per_segment,
+                               at::Tensor pending_log_odds, at::Tensor pending_shift,
+                               at::Tensor pending_nonfinite, at::Tensor has_pending);
+
+}  // namespace dtp
