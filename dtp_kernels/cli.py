@@ -91,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
         "--resume", action="store_true", help="continue from the checkpoints in --out/checkpoints"
     )
     prune.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run already in --out (deletes its checkpoints, metrics and outputs)",
+    )
+    prune.add_argument(
         "--amp",
         choices=["bf16", "fp16"],
         default=None,
@@ -116,6 +121,29 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--rounds", type=int, default=20)
     sub.add_parser("demo", help="DTP vs L1 on digits")
     args = parser.parse_args(argv)
+    from .pipeline.errors import RunError, UsageError
+
+    try:
+        return _dispatch(args, argv)
+    except (UsageError, FileNotFoundError) as error:  # a mistake in the input: no traceback
+        print(f"error: {_one_line(error)}", file=sys.stderr)
+        return 2
+    except RunError as error:
+        print(f"error: {_one_line(error)}", file=sys.stderr)
+        return 1
+
+
+def _one_line(error: Exception) -> str:
+    """The error's message; for one raised in a DataLoader worker, which torch re-raises
+    with the worker's traceback in the message, the original message (its last line)."""
+    text = str(error).strip()
+    if "Original Traceback" in text:
+        last = text.splitlines()[-1]
+        return last.split(": ", 1)[1] if ": " in last else last
+    return text
+
+
+def _dispatch(args: argparse.Namespace, argv: list[str] | None) -> int:
     if args.command == "check":
         return check()
     if args.command == "bench":
@@ -141,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     from .pipeline.preemption import Preempted
 
     try:
-        summary = run(recipes.load(args.config, overrides), args.out, resume=args.resume)
+        recipe = recipes.load(args.config, overrides)
+        summary = run(recipe, args.out, resume=args.resume, overwrite=args.overwrite)
     except Preempted as stop:
         if distributed.is_main():
             again = " ".join(["dtp", *(argv if argv is not None else sys.argv[1:])])

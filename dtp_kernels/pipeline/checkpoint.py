@@ -20,11 +20,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .errors import RunError, UsageError
+
 FORMAT = "dtp-kernels/checkpoint"
-VERSION = 2  # 2: mid-epoch steps, data order drawn from (seed, epoch)
+VERSION = 3  # 2: mid-epoch steps, data order from (seed, epoch); 3: per-stage recipe fields
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UsageError):
     """A checkpoint that does not belong to this run, or cannot be read."""
 
 
@@ -33,10 +35,15 @@ def save_atomic(payload: dict, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as error:  # a full disk, a quota, an I/O error
+        tmp.unlink(missing_ok=True)
+        kept = "the previous checkpoint there is kept" if path.exists() else "none was written"
+        raise RunError(f"could not write the checkpoint {path} ({error}); {kept}") from error
     os.replace(tmp, path)
     directory = os.open(path.parent, os.O_RDONLY)
     try:
@@ -50,8 +57,9 @@ def make_payload(meta: dict, **fields) -> dict:
 
 
 def load_checkpoint(path: str | Path, meta: dict) -> dict:
-    """Read a checkpoint and check that it was written by a run with the same `meta`
-    (stage, model, method, ratios, budget, seed). Raises CheckpointError otherwise."""
+    """Read a checkpoint and check that it was written by a run with the same `meta` (the
+    recipe fields its stage depends on, run.stage_fields). Raises CheckpointError naming
+    the first field that differs, with both values."""
     path = Path(path)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
@@ -72,12 +80,12 @@ def load_checkpoint(path: str | Path, meta: dict) -> dict:
             f"{VERSION}: start the run again in a new output directory"
         )
     saved = payload.get("meta", {})
-    for key, value in meta.items():
-        if saved.get(key) != value:
+    for key in sorted(set(meta) | set(saved)):
+        if saved.get(key) != meta.get(key):
             raise CheckpointError(
                 f"{path} was written for {key} = {saved.get(key)!r}, but this run has "
-                f"{key} = {value!r}; resume with the recipe that wrote it, or start "
-                "without --resume in a new output directory"
+                f"{key} = {meta.get(key)!r}; resume with the recipe that wrote it, or start "
+                "again with --overwrite (or in a new output directory)"
             )
     return payload
 

@@ -17,13 +17,17 @@ number of loader workers, sees the same batches as an uninterrupted one.
 from __future__ import annotations
 
 import os
-import pickle
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 from torchvision import datasets
+
+from .errors import UsageError
+from .safe_pickle import load_data_pickle
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -65,19 +69,22 @@ def cifar_transforms(augment: bool) -> tuple[Callable, Callable]:
 
 
 class _PresenceChecked:
-    """torchvision's CIFAR reader on the folder given, with the md5 check of torchvision's
-    own archive replaced by the presence check of `cifar` (done before construction)."""
+    """torchvision's CIFAR data set on the folder given, its batch files read with the
+    restricted unpickler (safe_pickle) instead of pickle, and torchvision's md5 check of
+    its own archive replaced by the presence check of `cifar` (done before construction)."""
 
-    def __init__(self, folder: Path, **kwargs) -> None:
+    def __init__(self, folder: Path, train: bool = True, transform=None) -> None:
+        datasets.VisionDataset.__init__(self, str(folder.parent), transform=transform)
         self.base_folder = folder.name
-        super().__init__(str(folder.parent), **kwargs)
-
-    def _check_integrity(self) -> bool:
-        return True
-
-    def _load_meta(self) -> None:
-        with open(Path(self.root) / self.base_folder / self.meta["filename"], "rb") as f:
-            self.classes = pickle.load(f, encoding="latin1")[self.meta["key"]]
+        self.train = train
+        images, self.targets = [], []
+        for file_name, _md5 in self.train_list if train else self.test_list:
+            entry = load_data_pickle(folder / file_name)
+            images.append(entry["data"])
+            self.targets.extend(entry["labels"] if "labels" in entry else entry["fine_labels"])
+        self.data = np.vstack(images).reshape(-1, 3, 32, 32).transpose((0, 2, 3, 1))
+        meta = load_data_pickle(folder / self.meta["filename"])
+        self.classes = meta[self.meta["key"]]
         self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
 
 
@@ -119,23 +126,76 @@ def cifar(root: str | Path, name: str = "cifar10", augment: bool = True) -> tupl
     for train, transform in ((True, train_transform), (False, test_transform)):
         try:
             sets.append(cls(where, train=train, transform=transform))
-        except (KeyError, ValueError, pickle.UnpicklingError, EOFError, TypeError) as error:
-            raise ValueError(
+        except UsageError:  # refused by the restricted unpickler: its own message
+            raise
+        except (KeyError, ValueError, EOFError, TypeError, AttributeError) as error:
+            raise UsageError(
                 f"{where} is not a {name} directory: a batch file does not hold the "
                 f"python-format arrays ({type(error).__name__}: {error})"
             ) from error
     for dataset in sets:
         if dataset.data.shape[1:] != (32, 32, 3) or len(dataset.data) != len(dataset.targets):
-            raise ValueError(f"{where} is not a {name} batch set: images of {dataset.data.shape}")
+            raise UsageError(f"{where} is not a {name} batch set: images of {dataset.data.shape}")
     return sets[0], sets[1]
 
 
+class CheckedImageFolder(datasets.ImageFolder):
+    """torchvision's ImageFolder whose unreadable image (truncated, not an image) is an
+    error naming the file, or with `skip_bad_files` is replaced by the next readable
+    sample of the folder and recorded: `bad_files()` lists them, from every loader
+    worker (they append to a file, since workers are separate processes)."""
+
+    def __init__(self, root: Path, transform, skip_bad_files: bool = False) -> None:
+        super().__init__(str(root), transform)
+        self.skip_bad_files = skip_bad_files
+        self.record: str | None = None
+        if skip_bad_files:
+            handle, self.record = tempfile.mkstemp(prefix="dtp-bad-files-", suffix=".txt")
+            os.close(handle)
+
+    def __getitem__(self, index: int):
+        for offset in range(len(self.samples)):
+            where = (index + offset) % len(self.samples)
+            try:
+                return super().__getitem__(where)
+            except OSError as error:  # PIL: truncated file, or not an image at all
+                path = self.samples[where][0]
+                if not self.skip_bad_files:
+                    raise UsageError(
+                        f"{path}: the image cannot be read ({error}); fix or remove it, or set "
+                        "data.skip_bad_files=true to leave unreadable files out"
+                    ) from None
+                with open(self.record, "a") as f:
+                    f.write(path + "\n")
+        raise UsageError(f"{self.root}: no image in it can be read")
+
+    def bad_files(self) -> list[str]:
+        """The unreadable files met so far (each once), in the order first met."""
+        if self.record is None or not os.path.exists(self.record):
+            return []
+        with open(self.record) as f:
+            return list(dict.fromkeys(line.rstrip("\n") for line in f if line.strip()))
+
+
+def skipped_files(*loaders: DataLoader) -> list[str]:
+    """The unreadable image files the loaders' data sets left out (skip_bad_files)."""
+    found: list[str] = []
+    for loader in loaders:
+        dataset = loader.dataset
+        dataset = dataset.dataset if isinstance(dataset, SeededSamples) else dataset
+        if isinstance(dataset, CheckedImageFolder):
+            found += dataset.bad_files()
+    return list(dict.fromkeys(found))
+
+
 def image_folder(
-    root: str | Path, size: int = 224, augment: bool = True
+    root: str | Path, size: int = 224, augment: bool = True, skip_bad_files: bool = False
 ) -> tuple[Dataset, Dataset]:
     """ImageNet-style train/ and val/ class folders under `root` (torchvision ImageFolder):
     RandomResizedCrop(size) + horizontal flip for training (a center crop without
-    `augment`), Resize(size * 8 / 7) + CenterCrop(size) for evaluation (256 / 224)."""
+    `augment`), Resize(size * 8 / 7) + CenterCrop(size) for evaluation (256 / 224). An
+    unreadable image stops the run naming the file, or with `skip_bad_files` is left out
+    and counted (CheckedImageFolder)."""
     from torchvision import transforms
 
     root = Path(root)
@@ -151,7 +211,10 @@ def image_folder(
     finish = [transforms.ToTensor(), normalize]
     train = transforms.Compose((random if augment else center) + finish)
     val = transforms.Compose(center + finish)
-    return datasets.ImageFolder(root / "train", train), datasets.ImageFolder(root / "val", val)
+    return (
+        CheckedImageFolder(root / "train", train, skip_bad_files),
+        CheckedImageFolder(root / "val", val, skip_bad_files),
+    )
 
 
 class EpochSampler(Sampler):
@@ -164,7 +227,7 @@ class EpochSampler(Sampler):
         self, length: int, seed: int = 0, shuffle: bool = True, rank: int = 0, world: int = 1
     ) -> None:
         if not 0 <= rank < world:
-            raise ValueError(f"rank = {rank}; it must be in [0, {world})")
+            raise UsageError(f"rank = {rank}; it must be in [0, {world})")
         self.length, self.seed, self.shuffle = length, seed, shuffle
         self.rank, self.world = rank, world
         self.epoch, self.start = 0, 0

@@ -7,6 +7,8 @@ import re
 
 import torch
 
+from .errors import UsageError
+
 ALLOWED = "auto, cpu, cuda or cuda:N"
 
 
@@ -14,11 +16,11 @@ def resolve_device(name: str) -> torch.device:
     """The run's device. `auto` is CUDA when a GPU is visible, else the CPU. Under torchrun
     (WORLD_SIZE > 1) `auto` and `cuda` give each rank cuda:LOCAL_RANK."""
     if not isinstance(name, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):
-        raise ValueError(f"run.device = {name!r}; allowed: {ALLOWED}")
+        raise UsageError(f"run.device = {name!r}; allowed: {ALLOWED}")
     if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError(
+        raise UsageError(
             f"run.device = {name!r}, but no CUDA device is available here; "
             "use run.device=cpu (or auto)"
         )
@@ -29,7 +31,7 @@ def resolve_device(name: str) -> torch.device:
     else:
         index = int(name.split(":")[1])
     if index >= torch.cuda.device_count():
-        raise ValueError(
+        raise UsageError(
             f"run.device = {name!r} needs GPU {index}, but only "
             f"{torch.cuda.device_count()} are visible"
         )

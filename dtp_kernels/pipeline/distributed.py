@@ -26,15 +26,36 @@ def init_from_env(device: torch.device) -> int:
     on the CPU); returns this process's rank."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        if backend == "nccl":
-            dist.init_process_group(backend, device_id=device)
-        else:
-            dist.init_process_group(backend)
+        extra = {"device_id": device} if backend == "nccl" else {}
+        store = _attempt_store()
+        if store is not None:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            extra.update(store=store, rank=rank, world_size=world)
+        dist.init_process_group(backend, **extra)
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _attempt_store() -> dist.Store | None:
+    """After torchrun restarted its workers, the store its agent keeps across attempts
+    still holds the failed attempt's connection keys, and gloo would wait for peers that
+    are gone; the keys of each attempt get their own prefix. None: the default store."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False
+    )
+    return dist.PrefixStore(f"dtp-kernels/attempt_{attempt}", agent)
 
 
 def is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing when not distributed)."""
+    if active():
+        dist.barrier()
 
 
 def wrap(model: nn.Module) -> nn.Module:

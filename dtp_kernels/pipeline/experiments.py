@@ -13,6 +13,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import UsageError
+
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "paper"
 
 
@@ -155,16 +157,17 @@ def run_experiment(
     with checkpoints resumes. Writes out/results.json and out/results.md; returns the
     per-row aggregates."""
     from . import recipe as recipes
+    from .out_dir import has_checkpoints
     from .run import run
 
     if name not in EXPERIMENTS:
-        raise ValueError(f"experiment {name!r}; known: {sorted(EXPERIMENTS)}")
+        raise UsageError(f"experiment {name!r}; known: {sorted(EXPERIMENTS)}")
     if not seeds:
-        raise ValueError("--seeds: give at least one seed")
+        raise UsageError("--seeds: give at least one seed")
     experiment = EXPERIMENTS[name]
     chosen = [r for r in experiment.rows if rows is None or r.label in rows]
     if rows is not None and len(chosen) != len(rows):
-        raise ValueError(
+        raise UsageError(
             f"--rows {rows}: the rows of {name} are {[r.label for r in experiment.rows]}"
         )
     out = Path(out)
@@ -176,7 +179,9 @@ def run_experiment(
             done = where / "summary.json"
             if not done.exists():
                 recipe = recipes.load(experiment.path, [*row.overrides, f"seed={seed}", *overrides])
-                run(recipe, where, resume=(where / "checkpoints").exists())
+                # The row's own folder: resume what it checkpointed, else start it over.
+                resume = has_checkpoints(where)
+                run(recipe, where, resume=resume, overwrite=not resume and where.exists())
             summaries.append(json.loads(done.read_text()) if done.exists() else None)
         summaries = [s for s in summaries if s is not None]  # rank 0 writes them
         if not summaries:

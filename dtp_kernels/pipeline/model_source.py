@@ -19,6 +19,7 @@ from torch import nn
 
 from ..models import get_model
 from ..pruning.built_model import build
+from .errors import UsageError
 
 SOURCES = ("builtin", "torchvision", "python")
 RANDOM = "random"  # model.weights: start from the architecture's random initialisation
@@ -30,7 +31,7 @@ def build_model(spec: Mapping) -> nn.Module:
     source = spec.get("source", "builtin")
     kwargs = dict(spec.get("kwargs") or {})
     if source not in SOURCES:
-        raise ValueError(f"model.source = {source!r}; allowed: {list(SOURCES)}")
+        raise UsageError(f"model.source = {source!r}; allowed: {list(SOURCES)}")
     if source == "builtin":
         return get_model(spec["name"], spec["num_classes"], **kwargs)
     if source == "torchvision":
@@ -40,7 +41,7 @@ def build_model(spec: Mapping) -> nn.Module:
         try:
             builder = torchvision.models.get_model_builder(name)
         except ValueError as error:
-            raise ValueError(f"model.name = {name!r} is not a torchvision model") from error
+            raise UsageError(f"model.name = {name!r} is not a torchvision model") from error
         kwargs.setdefault("num_classes", spec["num_classes"])
         return builder(weights=None, **kwargs)
     return build(spec.get("entry"), kwargs, field="model.entry")
@@ -56,7 +57,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
-        raise ValueError(
+        raise UsageError(
             f"model.weights = {str(path)!r} is not a readable weights file: {error}"
         ) from error
     if isinstance(payload, Mapping):
@@ -67,7 +68,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     if not isinstance(payload, Mapping) or not all(
         isinstance(v, torch.Tensor) for v in payload.values()
     ):
-        raise ValueError(
+        raise UsageError(
             f"model.weights = {str(path)!r} holds no state_dict (a dict of tensors, at the "
             f"top level or under {list(WEIGHT_KEYS)})"
         )
@@ -94,7 +95,7 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
             f"unexpected keys {unexpected}" if unexpected else "",
             f"shape mismatches {shapes}" if shapes else "",
         ]
-        raise ValueError(
+        raise UsageError(
             f"model.weights = {str(path)!r} does not fit the model: "
             + "; ".join(p for p in parts if p)
         )
@@ -109,11 +110,11 @@ def example_input(spec: Mapping, dataset_sample: torch.Tensor | None) -> torch.T
         if not dims or not all(
             isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims
         ):
-            raise ValueError(
+            raise UsageError(
                 f"model.input_shape = {shape!r}; a list of positive ints, "
                 "without the batch dimension, e.g. [3, 224, 224]"
             )
         return torch.randn(1, *shape)
     if dataset_sample is None:
-        raise ValueError("model.input_shape is needed: no data sample to trace the model with")
+        raise UsageError("model.input_shape is needed: no data sample to trace the model with")
     return dataset_sample[:1]

@@ -1,5 +1,6 @@
 """Recipes: YAML files in dtp_kernels/configs/ with the paper's training settings; any field can be
-overridden as `section.key=value` (the value is read as YAML)."""
+overridden as `section.key=value` (the value is read as YAML). `load` checks the whole
+recipe against schema.FIELDS before returning it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import copy
 from pathlib import Path
 
 import yaml
+
+from . import schema
+from .errors import RecipeError
 
 DEFAULTS = {
     "seed": 0,
@@ -24,6 +28,9 @@ DEFAULTS = {
         "pin_memory": None,
         "persistent_workers": True,
         "prefetch_factor": None,
+        # skip_bad_files: an unreadable image file is counted and left out instead of
+        # stopping the run (ImageFolder); the summary gives the count.
+        "skip_bad_files": False,
     },
     # source: builtin | torchvision | python (entry "package.module:function" + kwargs);
     # weights: the dense model's state_dict file, or "random" to prune a random network.
@@ -66,6 +73,8 @@ DEFAULTS = {
     # device: auto (CUDA when available) | cpu | cuda | cuda:N; under torchrun each rank
     # takes cuda:LOCAL_RANK. amp: null, "bf16" or "fp16" (torch.autocast; fp16 with a
     # GradScaler). compile: torch.compile the training step (default mode).
+    # checkpoint_minutes / checkpoint_steps: a mid-epoch checkpoint at least this often
+    # (either may be null; both null: only at the end of every epoch and at a signal).
     "run": {
         "device": "auto",
         "amp": None,
@@ -74,6 +83,8 @@ DEFAULTS = {
         "progress": True,
         "tensorboard": True,
         "plots": True,
+        "checkpoint_minutes": 10.0,
+        "checkpoint_steps": None,
     },
 }
 FREE_FORM = ("model.kwargs",)  # dict fields whose keys are the user's, replaced whole
@@ -81,38 +92,65 @@ FREE_FORM = ("model.kwargs",)  # dict fields whose keys are the user's, replaced
 
 def merge(base: dict, update: dict, where: str = "") -> dict:
     out = copy.deepcopy(base)
+    if not isinstance(update, dict):
+        raise RecipeError(f"the recipe must be a mapping of sections, got {update!r}")
     for key, value in update.items():
         if key not in out:
-            raise ValueError(f"unknown recipe field '{where}{key}'; known: {sorted(out)}")
+            raise RecipeError(f"unknown recipe field '{where}{key}'; known: {sorted(out)}")
         nested = isinstance(out[key], dict) and f"{where}{key}" not in FREE_FORM
         if nested and isinstance(value, dict):
             out[key] = merge(out[key], value, f"{where}{key}.")
+        elif nested:
+            raise RecipeError(
+                f"recipe field '{where}{key}' is a section, got {value!r}; set its fields "
+                f"as {where}{key}.KEY=VALUE (known: {sorted(out[key])})"
+            )
         else:
             out[key] = value
     return out
 
 
-def override(recipe: dict, assignment: str) -> dict:
-    """Apply one `a.b=value` override."""
-    if "=" not in assignment:
-        raise ValueError(f"override {assignment!r} is not of the form section.key=value")
+def _parse(assignment: str) -> dict:
+    """{"a": {"b": value}} of one `a.b=value` override."""
+    if not isinstance(assignment, str) or "=" not in assignment:
+        raise RecipeError(f"override {assignment!r} is not of the form section.key=value")
     path, raw = assignment.split("=", 1)
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as error:
+        raise RecipeError(f"override {assignment!r}: the value is not YAML ({error})") from None
     update: dict = {}
     node = update
     keys = path.strip().split(".")
     for key in keys[:-1]:
         node = node.setdefault(key, {})
-    node[keys[-1]] = yaml.safe_load(raw)
-    return merge(recipe, update)
+    node[keys[-1]] = value
+    return update
+
+
+def override(recipe: dict, assignment: str) -> dict:
+    """Apply one `a.b=value` override."""
+    return merge(recipe, _parse(assignment))
 
 
 def load(path: str | Path | None, overrides: list[str] = ()) -> dict:
+    """The defaults, updated by the file at `path` and then by each override, checked
+    whole: a RecipeError names the first bad field, its value and where it was set."""
     recipe = copy.deepcopy(DEFAULTS)
+    sources: dict[str, str] = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"recipe {path} does not exist")
-        recipe = merge(recipe, yaml.safe_load(path.read_text()) or {})
+            raise RecipeError(f"--config {path}: no such recipe file")
+        try:
+            content = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as error:
+            raise RecipeError(f"recipe {path} is not valid YAML: {error}") from None
+        recipe = merge(recipe, content)
+        sources.update(dict.fromkeys(schema.flatten(content), f"recipe {path}"))
     for assignment in overrides:
-        recipe = override(recipe, assignment)
+        update = _parse(assignment)
+        recipe = merge(recipe, update)
+        sources.update(dict.fromkeys(schema.flatten(update), f"--set {assignment}"))
+    schema.validate(recipe, sources)
     return recipe

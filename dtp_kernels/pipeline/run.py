@@ -3,9 +3,11 @@ one-shot baseline), export, fine-tuning and evaluation, from a recipe."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fnmatch
 import json
+import os
 import time
 from pathlib import Path
 
@@ -16,8 +18,10 @@ from ..models import CIFAR_MODELS, TORCHVISION_MODELS
 from ..pruning import DTPPruner, L1Pruner, RandomPruner, save_pruned
 from ..pruning.cost import count_flops, count_params
 from . import data as datasets
-from . import distributed, plots
+from . import distributed, plots, schema
+from . import out_dir as out_dir_rules
 from .device import resolve_device
+from .errors import DivergedError, UsageError
 from .model_source import RANDOM, build_model, example_input, load_weights
 from .preemption import PreemptionGuard
 from .train import Checkpointing, MetricsLog, RunOptions, evaluate, train
@@ -36,10 +40,10 @@ def build_data(recipe: dict, device: torch.device | None = None):
         train_set, test_set = datasets.cifar(spec["root"], spec["name"], spec["augment"])
     elif spec["name"] == "imagefolder":
         train_set, test_set = datasets.image_folder(
-            spec["root"], spec["image_size"], spec["augment"]
+            spec["root"], spec["image_size"], spec["augment"], spec["skip_bad_files"]
         )
     else:
-        raise ValueError(
+        raise UsageError(
             f"data.name = {spec['name']!r}; allowed: digits, cifar10, cifar100, imagefolder"
         )
     pin = spec["pin_memory"] if spec["pin_memory"] is not None else device.type == "cuda"
@@ -60,7 +64,7 @@ def check_starting_point(recipe: dict) -> None:
     """Refuse, before any work, a run that would prune a network nobody trained."""
     weights = recipe["model"]["weights"]
     if weights is None and not recipe["pretrain"]["epochs"]:
-        raise ValueError(
+        raise UsageError(
             "model.weights is not set and pretrain.epochs is 0: the run would prune a "
             "randomly initialised network. Give the dense model's weights (--set "
             "model.weights=PATH, a state_dict file such as torchvision's "
@@ -82,7 +86,7 @@ def skipped_modules(model: nn.Module, patterns: list[str]) -> list[nn.Module]:
     for pattern in patterns:
         hits = [name for name in names if fnmatch.fnmatchcase(name, pattern)]
         if not hits:
-            raise ValueError(
+            raise UsageError(
                 f"prune.skip names {pattern!r}, which matches no module of the "
                 f"model; modules include {names[:8]}"
             )
@@ -91,22 +95,57 @@ def skipped_modules(model: nn.Module, patterns: list[str]) -> list[nn.Module]:
     return [modules[name] for name in dict.fromkeys(chosen)]
 
 
+def check_pruning_plan(model: nn.Module, settings: dict, example: torch.Tensor) -> None:
+    """prune.ratios and prune.skip against the model before any training: the groups are
+    found and the ratios resolved as the pruner will do after pretraining (nothing of the
+    model changes), so a ratio naming no layer, a stage count that does not fit or a layer
+    that cannot be exported exactly is a UsageError now, not hours later."""
+    skip = skipped_modules(model, settings["skip"])
+    if settings["granularity"] != "filter":
+        return  # unstructured: every weight is a candidate, nothing to resolve
+    budget = "layer" if settings["budget"] == "flops" else settings["budget"]
+    try:
+        L1Pruner(model, example, settings["ratios"], budget=budget, ignored_layers=skip)
+    except (TypeError, ValueError) as error:
+        raise UsageError(
+            f"prune.ratios = {settings['ratios']!r} does not fit the model: {error}"
+        ) from None
+
+
+# The recipe sections each stage's result depends on: a checkpoint of that stage resumes
+# only a run that agrees on all of their fields (data.* minus how the data is loaded).
+STAGE_SECTIONS = {
+    "pretrain": ("seed", "data", "model", "pretrain", "run.amp"),
+    "dtp": ("seed", "data", "model", "pretrain", "prune", "run.amp"),
+    "finetune": ("seed", "data", "model", "pretrain", "prune", "finetune", "run.amp"),
+}
+LOADING_FIELDS = (
+    "data.eval_batch_size",
+    "data.num_workers",
+    "data.pin_memory",
+    "data.persistent_workers",
+    "data.prefetch_factor",
+)
+
+
+def stage_fields(recipe: dict, stage: str) -> dict:
+    """{"section.key": value} of the recipe fields stage `stage` depends on."""
+    sections = STAGE_SECTIONS[stage]
+    return {
+        name: value
+        for name, value in schema.flatten(recipe).items()
+        if any(name == s or name.startswith(s + ".") for s in sections)
+        and name not in LOADING_FIELDS
+    }
+
+
 def stage_checkpoint(
     checkpoints: Path | None, recipe: dict, stage: str, resume: bool
 ) -> Checkpointing | None:
-    """Checkpoint settings of one stage: its file, and what a resumed file must match."""
+    """Checkpoint settings of one stage: its file, and the fields a resumed file must match."""
     if checkpoints is None:
         return None
-    prune = recipe["prune"]
-    meta = {
-        "stage": stage,
-        "model": recipe["model"]["name"],
-        "method": prune["method"],
-        "ratios": str(prune["ratios"]),
-        "budget": prune["budget"],
-        "seed": recipe["seed"],
-    }
-    return Checkpointing(checkpoints / f"{stage}.pt", meta, resume)
+    return Checkpointing(checkpoints / f"{stage}.pt", stage_fields(recipe, stage), resume)
 
 
 def prune_and_finetune(
@@ -125,7 +164,7 @@ def prune_and_finetune(
     settings = recipe["prune"]
     method = settings["method"]
     if method not in METHODS:
-        raise ValueError(f"prune.method = {method!r}; allowed: {list(METHODS)}")
+        raise UsageError(f"prune.method = {method!r}; allowed: {list(METHODS)}")
     options = options or RunOptions()
     model = copy.deepcopy(dense)
     if example is None:
@@ -163,9 +202,10 @@ def prune_and_finetune(
             options=options,
             on_epoch=trace,
         )
+        times["prune"] = result["seconds"]  # the whole stage's, across resumes
     else:
         if settings["granularity"] != "filter":
-            raise ValueError(
+            raise UsageError(
                 f"prune.granularity = {settings['granularity']!r} needs "
                 "prune.method=dtp; l1 and random prune filters"
             )
@@ -173,7 +213,7 @@ def prune_and_finetune(
         pruner = cls(
             model, example, settings["ratios"], budget=settings["budget"], ignored_layers=skip
         )
-    times["prune"] = time.perf_counter() - start
+        times["prune"] = time.perf_counter() - start
     groups = pruner.report()["groups"]
     start = time.perf_counter()
     pruned = pruner.export()
@@ -269,12 +309,25 @@ def write_plots(summary: dict, rows: list[dict], where: Path, recipe: dict) -> l
     return written
 
 
-def run(recipe: dict, out_dir: str | Path | None = None, resume: bool = False) -> dict:
+def run(
+    recipe: dict,
+    out_dir: str | Path | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+) -> dict:
     """The whole pipeline; writes metrics.jsonl, summary.json and pruned.pt to out_dir,
-    and a checkpoint per stage to out_dir/checkpoints after every epoch. resume=True
-    continues from those checkpoints (finished stages are restored, not rerun) and ends
-    bitwise where an uninterrupted run ends. SIGTERM, SIGINT or SIGUSR1 stop the run after
-    the current step with a checkpoint (raises preemption.Preempted)."""
+    and a checkpoint per stage to out_dir/checkpoints after every epoch (and within long
+    epochs, run.checkpoint_minutes / run.checkpoint_steps). resume=True continues from
+    those checkpoints (finished stages are restored, not rerun) and ends bitwise where an
+    uninterrupted run ends. SIGTERM, SIGINT or SIGUSR1 stop the run after the current step
+    with a checkpoint (raises preemption.Preempted).
+
+    out_dir is refused when it already holds a run, unless `resume` or `overwrite` (which
+    deletes that run's files first); it is locked while the run goes (out_dir.RunLock).
+    Under torchrun a restarted worker group (TORCHELASTIC_RESTART_COUNT > 0) resumes from
+    the checkpoints the failed attempt left. A recipe field that is not allowed raises
+    RecipeError before any work; a training loss that is not finite, DivergedError."""
+    schema.validate(recipe)
     settings = recipe["run"]
     device = resolve_device(settings["device"])
     options = RunOptions(
@@ -283,18 +336,40 @@ def run(recipe: dict, out_dir: str | Path | None = None, resume: bool = False) -
         settings["progress"],
         device,
         settings["compile"],
+        checkpoint_minutes=settings["checkpoint_minutes"],
+        checkpoint_steps=settings["checkpoint_steps"],
     )
     check_starting_point(recipe)
     out = Path(out_dir) if out_dir is not None else None
-    if resume and out is None:
-        raise ValueError("resume needs the output directory of the run to resume (--out)")
+    if (resume or overwrite) and out is None:
+        raise UsageError("--resume and --overwrite need the run's output directory (--out)")
+    if out is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        # torchrun restarted the workers with the same command line: go on from what the
+        # failed attempt left (its own files, so replacing them is safe when none is a
+        # checkpoint yet).
+        resume = out_dir_rules.has_checkpoints(out)
+        overwrite = not resume
     distributed.init_from_env(device)  # under torchrun: one process per GPU (or CPU rank)
+    main = distributed.is_main()
+    lock = out_dir_rules.RunLock(out) if out is not None and main else contextlib.nullcontext()
+    with lock:
+        if out is not None:
+            out_dir_rules.check(out, resume, overwrite)
+            if overwrite and main:
+                out_dir_rules.clear(out)
+            distributed.barrier()  # no rank writes before rank 0 has cleared
+        return _run(recipe, out, resume, options, main)
+
+
+def _run(recipe: dict, out: Path | None, resume: bool, options: RunOptions, main: bool) -> dict:
+    settings = recipe["run"]
+    device = options.device
     torch.manual_seed(recipe["seed"])
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     checkpoints = out / "checkpoints" if out is not None else None
     with PreemptionGuard() as options.preemption:
-        writes = out is not None and distributed.is_main()  # rank 0 writes the files
+        writes = out is not None and main  # rank 0 writes the files
         tensorboard = out / "tensorboard" if writes and settings["tensorboard"] else None
         log = MetricsLog(out / "metrics.jsonl" if writes else None, tensorboard)
         train_loader, test_loader = build_data(recipe, device)
@@ -304,6 +379,7 @@ def run(recipe: dict, out_dir: str | Path | None = None, resume: bool = False) -
         model.to(device)
         sample = None if recipe["model"]["input_shape"] else next(iter(test_loader))[0]
         example = example_input(recipe["model"], sample)
+        check_pruning_plan(model, recipe["prune"], example.to(device))
         if recipe["pretrain"]["epochs"]:
             saving = stage_checkpoint(checkpoints, recipe, "pretrain", resume)
             dense = train(
@@ -324,11 +400,22 @@ def run(recipe: dict, out_dir: str | Path | None = None, resume: bool = False) -
     summary["dense_accuracy"] = dense["accuracy"]
     summary["device"] = str(device)
     summary["seconds"]["pretrain"] = dense["seconds"]
+    summary["skipped_files"] = datasets.skipped_files(train_loader, test_loader)
+    check_finite(summary["model"])
     if writes:
         metadata = {"method": summary["method"], "ratios": str(summary["ratios"])}
         save_pruned(out / "pruned.pt", summary["model"], saved_architecture(recipe), metadata)
         if settings["plots"]:
             write_plots(summary, log.rows, out / "plots", recipe)
         printable = {k: v for k, v in summary.items() if k != "model"}
-        (out / "summary.json").write_text(json.dumps(printable, indent=2))
+        (out / "summary.json").write_text(json.dumps(printable, indent=2, allow_nan=False))
     return summary
+
+
+def check_finite(model: nn.Module) -> None:
+    """Refuse to export a model with a NaN or Inf parameter or buffer, naming it."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise DivergedError(
+                f"the pruned model's {name} holds NaN or Inf values; nothing was exported"
+            )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from .checkpoint import (
     make_payload,
     save_atomic,
 )
+from .errors import DivergedError, UsageError
 from .preemption import Preempted, PreemptionGuard
 from .step import training_step
 
@@ -40,10 +42,11 @@ class MetricsLog:
             self.writer = SummaryWriter(str(tensorboard_dir))
 
     def write(self, **row) -> None:
+        row = _finite_or_null(row)  # NaN and Inf are not JSON: they are written as null
         self.rows.append(row)
         if self.path is not None:
             with self.path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+                f.write(json.dumps(row, allow_nan=False) + "\n")
         if self.writer is not None:
             for key, value in row.items():
                 if isinstance(value, (int, float)) and key != "epoch":
@@ -60,11 +63,22 @@ class MetricsLog:
             os.replace(tmp, self.path)
 
 
+def _finite_or_null(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite_or_null(v) for v in value]
+    return value
+
+
 @dataclass
 class RunOptions:
     """How stages run: the device, mixed precision ("bf16", "fp16" or None),
     channels_last memory format, torch.compile of the training step, tqdm progress bars,
-    and the guard that stops a stage at a preemption signal."""
+    how often a checkpoint is written within an epoch (minutes and/or steps; None: not
+    within epochs), and the guard that stops a stage at a preemption signal."""
 
     amp: str | None = None
     channels_last: bool = False
@@ -72,10 +86,12 @@ class RunOptions:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     compile: bool = False
     preemption: PreemptionGuard | None = None
+    checkpoint_minutes: float | None = None
+    checkpoint_steps: int | None = None
 
     def __post_init__(self) -> None:
         if self.amp not in (None, "bf16", "fp16"):
-            raise ValueError(f"run.amp = {self.amp!r}; allowed: null, 'bf16', 'fp16'")
+            raise UsageError(f"run.amp = {self.amp!r}; allowed: null, 'bf16', 'fp16'")
         self.device = torch.device(self.device)
 
     @property
@@ -178,7 +194,9 @@ def train(
             lambda *_: torch._foreach_mul_([p.data for p in params], masks)
         )
     first_epoch, first_step, seconds = 0, 0, 0.0
-    loss_sum = torch.zeros((), device=options.device)  # summed on the device: no host sync
+    # The epoch's losses, one per step, kept on the device (no host sync per step): their
+    # mean is the logged loss, and a NaN or Inf among them stops the stage.
+    losses = torch.zeros(steps, device=options.device)
     if checkpoint is not None and checkpoint.resume and checkpoint.path.exists():
         saved = _restore(checkpoint, model, optimizer, schedule, pruner, log, options)
         if scaler is not None and saved.get("scaler") is not None:
@@ -186,7 +204,7 @@ def train(
         if saved["done"]:
             return saved["result"]
         first_epoch, first_step, seconds = saved["epoch"], saved["step"], saved["seconds"]
-        loss_sum = saved["loss_sum"].to(options.device)
+        losses = saved["losses"].to(options.device)
     start = time.perf_counter() - seconds
     model.train()
     bar = tqdm(
@@ -202,7 +220,23 @@ def train(
     guard = options.preemption
     result = {}
 
+    def check_losses(epoch: int, upto: int) -> None:
+        """DivergedError if a loss of this epoch's steps [0, upto) is NaN or Inf."""
+        bad = ~torch.isfinite(losses[:upto])
+        if bool(bad.any()):
+            step = int(bad.nonzero()[0])
+            kept = (
+                f"its last checkpoint {checkpoint.path} is kept" if checkpoint else "nothing saved"
+            )
+            raise DivergedError(
+                f"{stage}: the training loss is {float(losses[step])} at epoch {epoch}, step "
+                f"{step} of {steps}; the stage stopped ({kept}). Lower {_section(stage)}.lr, "
+                "or check the data and the model's weights"
+            )
+
     def save(epoch: int, step: int, done: bool) -> None:
+        nonlocal last_save
+        last_save = (time.monotonic(), epoch * steps + step)
         if checkpoint is None or not distributed.is_main():
             return
         save_atomic(
@@ -213,7 +247,7 @@ def train(
                 done=done,
                 result=result,
                 seconds=time.perf_counter() - start,
-                loss_sum=loss_sum.cpu(),
+                losses=losses.cpu(),
                 model=model.state_dict(),
                 optimizer=optimizer.state_dict(),
                 scheduler=schedule.state_dict(),
@@ -226,6 +260,17 @@ def train(
             checkpoint.path,
         )
 
+    def due(epoch: int, step: int) -> bool:
+        """A mid-epoch checkpoint is due (run.checkpoint_minutes / checkpoint_steps)."""
+        if checkpoint is None:
+            return False
+        minutes, every = options.checkpoint_minutes, options.checkpoint_steps
+        elapsed = time.monotonic() - last_save[0]
+        return (every is not None and epoch * steps + step - last_save[1] >= every) or (
+            minutes is not None and elapsed >= 60 * minutes
+        )
+
+    last_save = (time.monotonic(), first_epoch * steps + first_step)
     batch = train_loader.batch_size
     for epoch in range(first_epoch, epochs):
         begin = first_step if epoch == first_epoch else 0
@@ -244,16 +289,21 @@ def train(
             )
             bar.update()
             schedule.step()
-            loss_sum += loss.float()
+            losses[step] = loss.detach().float()
             signum = guard.requested() if guard is not None else None
             if signum:
+                check_losses(epoch, step + 1)
                 save(epoch, step + 1, False)
                 bar.close()
                 where = checkpoint.path if checkpoint is not None else None
                 raise Preempted(signum, stage, epoch, step + 1, where)
+            if step + 1 < steps and due(epoch, step + 1):
+                check_losses(epoch, step + 1)
+                save(epoch, step + 1, False)
+        check_losses(epoch, steps)
         accuracy = evaluate(model, test_loader, options)
-        log.write(stage=stage, epoch=epoch, loss=loss_sum.item() / steps, accuracy=accuracy)
-        loss_sum = torch.zeros((), device=options.device)
+        log.write(stage=stage, epoch=epoch, loss=losses.sum().item() / steps, accuracy=accuracy)
+        losses = torch.zeros(steps, device=options.device)
         if on_epoch is not None:
             on_epoch(epoch)
         result = {"seconds": time.perf_counter() - start, "accuracy": accuracy}
@@ -265,6 +315,12 @@ def train(
         "seconds": time.perf_counter() - start,
         "accuracy": evaluate(model, test_loader, options),
     }
+
+
+def _section(stage: str) -> str:
+    """The recipe section of a stage label ("dtp-0.5" -> "prune")."""
+    head = stage.split("-")[0]
+    return {"dtp": "prune"}.get(head, head)
 
 
 def _cuda_rng(device: torch.device) -> torch.Tensor | None:

@@ -34,10 +34,17 @@ def stage_of(name: str) -> int:
     return int(match.group(1)) if match else 0
 
 
+def _number(item: str, text: str, what: str) -> float:
+    try:
+        return float(item)
+    except ValueError:
+        raise ValueError(f"ratios {text!r}: {item.strip()!r} is not {what}") from None
+
+
 def parse_stage_list(text: str) -> list[float]:
     body = text.strip()[1:-1]
     return [
-        check_ratio(float(item), f"ratios {text!r}, stage {i}")
+        check_ratio(_number(item, text, "a number"), f"ratios {text!r}, stage {i}")
         for i, item in enumerate(body.split(","))
     ]
 
@@ -45,16 +52,42 @@ def parse_stage_list(text: str) -> list[float]:
 def parse_layer_map(text: str) -> dict[int, float]:
     out: dict[int, float] = {}
     for item in text.strip()[1:-1].split(","):
-        if ":" not in item:
-            raise ValueError(
-                f"ratios {text!r}: {item.strip()!r} is not 'index:ratio' or 'a-b:ratio'"
-            )
-        span, value = item.split(":")
-        ratio = check_ratio(float(value), f"ratios {text!r}, entry {item.strip()!r}")
+        span, colon, value = item.partition(":")
         lo, _, hi = span.strip().partition("-")
+        if not colon or not re.fullmatch(r"\d+", lo) or not re.fullmatch(r"\d*", hi):
+            raise ValueError(
+                f"ratios {text!r}: {item.strip()!r} is not 'index:ratio' or 'a-b:ratio' "
+                "(indices are integers >= 0)"
+            )
+        ratio = check_ratio(
+            _number(value, text, "a ratio"), f"ratios {text!r}, entry {item.strip()!r}"
+        )
         for index in range(int(lo), int(hi or lo) + 1):
             out[index] = ratio
     return out
+
+
+def check_ratio_syntax(ratios: object) -> None:
+    """Raise TypeError/ValueError unless `ratios` is one of the accepted forms, with every
+    ratio in [0, 1); what needs the model (names, stage and layer counts) is checked when
+    the pruner resolves them."""
+    if isinstance(ratios, Mapping):
+        for key, value in ratios.items():
+            if not isinstance(key, str):
+                raise TypeError(f"ratios: key {key!r} is not a layer name, pattern or kind")
+            check_ratio(value, f"ratios[{key!r}]")
+    elif isinstance(ratios, (list, tuple)):
+        if not ratios:
+            raise ValueError("ratios: an empty per-stage list")
+        for i, value in enumerate(ratios):
+            check_ratio(value, f"ratios {list(ratios)!r}, stage {i}")
+    elif isinstance(ratios, str):
+        body = ratios.strip()
+        if not (body.startswith("[") and body.endswith("]")):
+            raise ValueError(f"ratios {ratios!r} is not '[p0, p1, ...]' or '[i:p, a-b:p]'")
+        (parse_layer_map if ":" in body else parse_stage_list)(body)
+    else:
+        check_ratio(ratios, "ratios")
 
 
 # conv output channels; linear layers' output features; attention heads; residual widths
@@ -119,9 +152,10 @@ def resolve(
         # the model's stages, counted over every convolution (skipped ones included)
         present = max((stage_of(n) for n in [*names, *conv_index]), default=0)
         if len(stages) != present + 1:
+            parts = "the stem" if present == 0 else f"the stem and layer1..layer{present}"
             raise ValueError(
                 f"ratios {ratios!r} gives {len(stages)} stages, the model has {present + 1} "
-                "(the stem and layer1..layer%d)" % present
+                f"({parts})"
             )
         return {name: stages[stage_of(name)] for name in names}
     raise TypeError(

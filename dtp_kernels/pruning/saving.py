@@ -18,6 +18,7 @@ Three formats, all tagged and versioned:
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import torch
@@ -78,6 +79,12 @@ def save_pruned(
     )
 
 
+def _blocked_by_weights_only(error: pickle.UnpicklingError) -> bool:
+    """Whether torch.load refused a global (a class or function the file asks for), as
+    opposed to a file that is not a pickle at all."""
+    return "unsupported global" in str(error).lower()
+
+
 def load_pruned(
     path: str | Path,
     map_location: str | torch.device | None = None,
@@ -90,6 +97,8 @@ def load_pruned(
         ``{"name": "resnet56", "ratios": "0.5"}``; a mismatch raises ValueError.
     trusted: allow the pickled-module format (it runs pickle: load only files you trust).
     """
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"load_pruned: {path} does not exist")
     if built_model.is_safetensors(path):
         fields, shapes = built_model.read_header(path)
         if fields.get("format") != FORMAT or fields.get("version") != built_model.VERSION:
@@ -104,15 +113,18 @@ def load_pruned(
         return model.to(map_location) if map_location is not None else model
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # a pickled module, or not a torch file at all
-        payload = None
+    except pickle.UnpicklingError as error:
+        if not _blocked_by_weights_only(error):
+            raise ValueError(f"{path} is truncated or not a torch file ({error})") from error
         if not trusted:
             raise ValueError(
-                f"{path} cannot be read with weights_only=True ({type(error).__name__}); if it "
-                "is a pickled-module file from save_pruned (a model get_model does not build) "
-                "and you trust it, pass trusted=True"
+                f"{path} holds objects that weights_only=True does not load (a class or "
+                "function: a pickled module); if it is a pickled-module file from save_pruned "
+                "(a model get_model does not build) and you trust it, pass trusted=True"
             ) from error
         payload = torch.load(path, map_location=map_location, weights_only=False)
+    except (RuntimeError, EOFError, ValueError, OSError) as error:
+        raise ValueError(f"{path} is truncated or not a torch file ({error})") from error
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError(f"{path} is not a pruned model saved by dtp_kernels.save_pruned")
     version = payload.get("version")

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from dtp_kernels.pipeline import checkpoint as ckpt
+from dtp_kernels.pipeline.errors import RunError
 from utils import DIGITS_RECIPE, final_state, prune_command, subprocess_environment
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,9 +76,10 @@ def test_a_crash_while_writing_keeps_the_previous_checkpoint(tmp_path, monkeypat
         raise OSError("killed while writing")
 
     monkeypatch.setattr(torch, "save", torn_save)
-    with pytest.raises(OSError):
+    with pytest.raises(RunError, match=f"{path}.*killed while writing.*previous checkpoint"):
         ckpt.save_atomic(ckpt.make_payload({"stage": "x"}, epoch=2, done=False), path)
     assert ckpt.load_checkpoint(path, {"stage": "x"})["epoch"] == 1
+    assert not path.with_name(path.name + ".tmp").exists()
 
 
 def run_pretrain_checkpoint(tmp_path: Path, *overrides: str) -> Path:
@@ -114,7 +116,16 @@ def test_resume_with_another_ratio_or_model_is_refused(tmp_path):
     out = run_pretrain_checkpoint(tmp_path)
     before = {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()}
     base = ["pretrain.epochs=1", "prune.epochs=1", "finetune.epochs=1"]
-    for change, message in (("prune.ratios=0.7", "ratios"), ("prune.budget=global", "budget")):
+    cases = (
+        (
+            "prune.ratios=0.7",
+            r"dtp.pt was written for prune.ratios = 0.5.*this run has prune.ratios = 0.7",
+        ),
+        ("prune.budget=global", r"prune.budget = 'layer'.*prune.budget = 'global'"),
+        ("pretrain.lr=0.05", r"pretrain.pt was written for pretrain.lr = 0.1.*pretrain.lr = 0.05"),
+        ("finetune.epochs=2", r"finetune.pt was written for finetune.epochs = 1.*= 2"),
+    )
+    for change, message in cases:
         recipe = recipes.load(str(DIGITS_RECIPE), [*base, change])
         with pytest.raises(ckpt.CheckpointError, match=message):
             run(recipe, out, resume=True)

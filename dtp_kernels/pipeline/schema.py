@@ -1,0 +1,246 @@
+"""The recipe's types, ranges and allowed values, checked whole before any work.
+
+Every field of recipe.DEFAULTS has a check here. `validate` reports the first field
+that fails, naming it, its value, where the value came from (the recipe file, a --set
+override or the defaults) and what is allowed, as a RecipeError.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from ..pruning.ratios import check_ratio_syntax
+from .errors import RecipeError
+
+
+@dataclass(frozen=True)
+class Check:
+    """One field's rule: `accepts(value)` and the words that say what is allowed."""
+
+    accepts: Callable[[object], bool]
+    allowed: str
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def integer(low: int, high: int | None = None, optional: bool = False) -> Check:
+    span = f">= {low}" if high is None else f"in [{low}, {high}]"
+    return Check(
+        lambda v: (
+            (optional and v is None) or (_is_int(v) and v >= low and (high is None or v <= high))
+        ),
+        f"an integer {span}" + (" or null" if optional else ""),
+    )
+
+
+def number(
+    low: float,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    optional: bool = False,
+) -> Check:
+    left, right = "(" if low_open else "[", ")" if high_open else "]"
+    span = (
+        f"{left}{low}, {high}{right}" if high is not None else f"{'>' if low_open else '>='} {low}"
+    )
+
+    def accepts(v: object) -> bool:
+        if optional and v is None:
+            return True
+        if not _is_number(v) or not math.isfinite(v):
+            return False
+        above = v > low if low_open else v >= low
+        below = high is None or (v < high if high_open else v <= high)
+        return above and below
+
+    return Check(accepts, f"a finite number {span}" + (" or null" if optional else ""))
+
+
+def choice(*values: object) -> Check:
+    return Check(
+        lambda v: any(v == c and type(v) is type(c) for c in values), f"one of {list(values)}"
+    )
+
+
+def boolean(optional: bool = False) -> Check:
+    return Check(
+        lambda v: isinstance(v, bool) or (optional and v is None),
+        "true or false" + (" or null" if optional else ""),
+    )
+
+
+def text(optional: bool = False, pattern: str | None = None, describe: str = "a string") -> Check:
+    def accepts(v: object) -> bool:
+        if optional and v is None:
+            return True
+        return isinstance(v, str) and bool(v) and (pattern is None or re.fullmatch(pattern, v))
+
+    return Check(accepts, describe + (" or null" if optional else ""))
+
+
+def list_of(item: Check, what: str, optional: bool = False) -> Check:
+    return Check(
+        lambda v: (
+            (optional and v is None) or (isinstance(v, list) and all(item.accepts(x) for x in v))
+        ),
+        f"a list of {what}" + (" or null" if optional else ""),
+    )
+
+
+def mapping() -> Check:
+    return Check(lambda v: isinstance(v, Mapping), "a mapping of keyword arguments")
+
+
+RATIO_FORMS = (
+    "a ratio in [0, 1), a per-stage list such as [0, 0.5, 0.5, 0.5] (or the string "
+    "'[0, 0.5, 0.5, 0.5]'), a layer map such as '[0:0, 1-15:0.5]', or a mapping from "
+    "layer names, patterns or kinds to ratios"
+)
+
+
+def _ratio_problem(value: object) -> str | None:
+    try:
+        check_ratio_syntax(value)
+    except (TypeError, ValueError) as error:
+        return str(error)
+    return None
+
+
+def ratios() -> Check:
+    return Check(lambda v: _ratio_problem(v) is None, RATIO_FORMS)
+
+
+SCHEDULE = choice("cosine", "step")
+LR = number(0, low_open=True)
+MOMENTUM = number(0, 1, high_open=True)
+DECAY = number(0)
+MILESTONES = list_of(integer(1), "epochs >= 1, increasing")
+
+FIELDS: dict[str, Check] = {
+    "seed": integer(0),
+    "data.name": choice("digits", "cifar10", "cifar100", "imagefolder"),
+    "data.root": text(optional=True, describe="a directory"),
+    "data.batch_size": integer(1),
+    "data.eval_batch_size": integer(1),
+    "data.augment": boolean(),
+    "data.image_size": integer(1),
+    "data.num_workers": integer(0, optional=True),
+    "data.pin_memory": boolean(optional=True),
+    "data.persistent_workers": boolean(),
+    "data.prefetch_factor": integer(1, optional=True),
+    "data.skip_bad_files": boolean(),
+    "model.name": text(describe="a model name"),
+    "model.num_classes": integer(1),
+    "model.source": choice("builtin", "torchvision", "python"),
+    "model.entry": text(
+        optional=True, pattern=r"[\w.]+:[\w.]+", describe="'package.module:function'"
+    ),
+    "model.kwargs": mapping(),
+    "model.weights": text(optional=True, describe="a file, or 'random'"),
+    "model.input_shape": list_of(integer(1), "sizes >= 1", optional=True),
+    "pretrain.epochs": integer(0),
+    "pretrain.lr": LR,
+    "pretrain.momentum": MOMENTUM,
+    "pretrain.weight_decay": DECAY,
+    "prune.method": choice("dtp", "l1", "random"),
+    "prune.ratios": ratios(),
+    "prune.budget": choice("layer", "global", "flops"),
+    "prune.granularity": choice("filter", "weight"),
+    "prune.eps": number(0, low_open=True),
+    "prune.iters": integer(1),
+    "prune.skip": list_of(text(), "module names or globs"),
+    "prune.epochs": integer(0),
+    "prune.lr": LR,
+    "prune.momentum": MOMENTUM,
+    "prune.weight_decay": DECAY,
+    "prune.schedule": SCHEDULE,
+    "prune.flops_target": number(0, 1, low_open=True, optional=True),
+    "prune.penalty_weight": number(0),
+    "finetune.epochs": integer(0),
+    "finetune.lr": LR,
+    "finetune.momentum": MOMENTUM,
+    "finetune.weight_decay": DECAY,
+    "finetune.schedule": SCHEDULE,
+    "finetune.milestones": MILESTONES,
+    "finetune.gamma": number(0, 1, low_open=True),
+    "run.device": text(pattern=r"auto|cpu|cuda(:\d+)?", describe="auto, cpu, cuda or cuda:N"),
+    "run.amp": choice(None, "bf16", "fp16"),
+    "run.channels_last": boolean(),
+    "run.compile": boolean(),
+    "run.progress": boolean(),
+    "run.tensorboard": boolean(),
+    "run.plots": boolean(),
+    "run.checkpoint_minutes": number(0, low_open=True, optional=True),
+    "run.checkpoint_steps": integer(1, optional=True),
+}
+
+
+def flatten(recipe: Mapping, prefix: str = "") -> dict[str, object]:
+    """{"section.key": value} of every field that has a check (model.kwargs stays whole)."""
+    out = {}
+    for key, value in recipe.items():
+        name = prefix + key
+        if isinstance(value, Mapping) and name not in FIELDS:
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def _source(name: str, sources: Mapping[str, str] | None) -> str:
+    return "the recipe" if sources is None else sources.get(name, "the defaults")
+
+
+def _fail(name: str, value: object, sources: Mapping[str, str] | None, allowed: str) -> RecipeError:
+    where = _source(name, sources)
+    reason = _ratio_problem(value) if name == "prune.ratios" else None
+    because = f" ({reason})" if reason else ""
+    return RecipeError(
+        f"{name} = {value!r} (from {where}) is not allowed{because}: it must be {allowed}"
+    )
+
+
+def validate(recipe: Mapping, sources: Mapping[str, str] | None = None) -> None:
+    """Raise RecipeError for the first field whose type, range or value is not allowed,
+    then for combinations that cannot run. `sources` maps a field to where it was set."""
+    values = flatten(recipe)
+    for name, check in FIELDS.items():
+        if name not in values:
+            raise RecipeError(f"the recipe has no field {name}")
+        if not check.accepts(values[name]):
+            raise _fail(name, values[name], sources, check.allowed)
+    unknown = sorted(set(values) - set(FIELDS))
+    if unknown:
+        raise RecipeError(f"unknown recipe fields {unknown}; known: {sorted(FIELDS)}")
+    milestones = values["finetune.milestones"]
+    if milestones != sorted(set(milestones)):
+        raise _fail("finetune.milestones", milestones, sources, "strictly increasing")
+    if values["prune.budget"] == "flops" and values["prune.flops_target"] is None:
+        raise RecipeError(
+            f"prune.budget = 'flops' (from {_source('prune.budget', sources)}) "
+            "needs prune.flops_target, the fraction of dense FLOPs to keep, in (0, 1]"
+        )
+    if values["prune.flops_target"] is not None and values["prune.budget"] != "flops":
+        raise RecipeError(
+            f"prune.flops_target = {values['prune.flops_target']!r} is only used with "
+            f"prune.budget = 'flops', but the budget is {values['prune.budget']!r}"
+        )
+    if values["prune.method"] == "dtp" and values["prune.epochs"] < 1:
+        raise RecipeError(
+            f"prune.epochs = {values['prune.epochs']} (from "
+            f"{_source('prune.epochs', sources)}) with prune.method = 'dtp': DTP "
+            "learns its masks while training, so it needs prune.epochs >= 1 (or use "
+            "prune.method=l1 or random for one-shot pruning)"
+        )
+    if values["model.source"] == "python" and values["model.entry"] is None:
+        raise RecipeError("model.source = 'python' needs model.entry = 'package.module:function'")
