@@ -329,7 +329,8 @@ def test_a_crash_mid_epoch_resumes_from_the_last_step_checkpoint_bitwise(tmp_pat
     saved = torch.load(out / "checkpoints" / "pretrain.pt", weights_only=True)
     # 22 steps an epoch, a checkpoint every 5: the last before step 30 is at step 27
     assert (saved["epoch"], saved["step"], saved["done"]) == (1, 5, False)
-    run(recipe, out, resume=True)
+    summary = run(recipe, out, resume=True)
+    assert summary["seconds"]["pretrain"] > saved["seconds"]  # the whole stage's time
     want, got = final_state(tmp_path / "reference"), final_state(out)
     for key in want:
         assert torch.equal(want[key], got[key]), f"{key} differs"
@@ -425,6 +426,27 @@ def test_an_unreadable_image_is_named_or_skipped_and_counted(tmp_path):
     loader = DataLoader(train, batch_size=2, num_workers=2)  # workers are other processes
     assert sum(len(labels) for _, labels in loader) == len(train)
     assert data.skipped_files(loader) == [str(bad)]
+
+
+def test_the_summary_lists_the_skipped_images(tmp_path):
+    from dtp_kernels.pipeline import synthetic
+
+    root = synthetic.write_image_folder(tmp_path / "images", classes=2, per_class=4, size=40)
+    bad = root / "val" / "class0001" / "0.jpg"
+    bad.write_bytes(b"not an image")
+    sets = [
+        f"data.root={root}",
+        "data.name=imagefolder",
+        "data.image_size=32",
+        "data.batch_size=4",
+        "data.num_workers=0",
+        "data.skip_bad_files=true",
+        "model.name=resnet20",
+        "model.num_classes=2",
+    ]
+    out = tmp_path / "run"
+    assert prune(out, *sets) == 0
+    assert json.loads((out / "summary.json").read_text())["skipped_files"] == [str(bad)]
 
 
 # -- 8. what determinism holds over -----------------------------------------------------
