@@ -104,9 +104,11 @@ struct ColumnSums {
 };
 
 // sum_i exp(log sigmoid(z_i) - m1) and sum_i exp(log sigmoid(-z_i) - m0), z = x + delta.
+// With `terms`, each exp(log sigmoid(z_i) - m1) is stored there too: the last pass's
+// terms divided by their sum are the mask over k (mask_i = k t_i / sum_j t_j).
 template <class acc_t>
 DTP_INLINE ColumnSums<acc_t> column_sums_loop(const acc_t* x, int64_t n, acc_t delta, acc_t m1,
-                                              acc_t m0) {
+                                              acc_t m0, acc_t* terms) {
   acc_t s1[kLanes] = {}, s0[kLanes] = {};
   if (m1 >= acc_t(kMinScaledShift) && m0 >= acc_t(kMinScaledShift)) {
     const acc_t c1 = exp_fast(-m1), c0 = exp_fast(-m0);
@@ -115,7 +117,9 @@ DTP_INLINE ColumnSums<acc_t> column_sums_loop(const acc_t* x, int64_t n, acc_t d
       for (int64_t j = 0; j < m; ++j) {
         const acc_t z = x[b + j] + delta;
         const auto p = sigmoid_parts(z);
-        s1[j] += scaled_sigmoid(z, p, c1);
+        const acc_t t = scaled_sigmoid(z, p, c1);
+        if (terms != nullptr) terms[b + j] = t;
+        s1[j] += t;
         s0[j] += scaled_sigmoid_neg(z, p, c0);
       }
     }
@@ -125,7 +129,9 @@ DTP_INLINE ColumnSums<acc_t> column_sums_loop(const acc_t* x, int64_t n, acc_t d
       for (int64_t j = 0; j < m; ++j) {
         const acc_t z = x[b + j] + delta;
         const acc_t r = sigmoid_abs(z);
-        s1[j] += exp_log_sigmoid(z, m1, r);
+        const acc_t t = exp_log_sigmoid(z, m1, r);
+        if (terms != nullptr) terms[b + j] = t;
+        s1[j] += t;
         s0[j] += exp_log_sigmoid(-z, m0, r);
       }
     }
@@ -133,23 +139,13 @@ DTP_INLINE ColumnSums<acc_t> column_sums_loop(const acc_t* x, int64_t n, acc_t d
   return {add_lanes(s1), add_lanes(s0)};
 }
 
-// mask_i = k exp(log sigmoid(z_i) - L1); new log-odds x_i + delta_new.
+// mask_i = scale t_i (in place over the stored terms); new log-odds x_i + delta_new.
 template <class acc_t>
-DTP_INLINE void mask_and_state_loop(const acc_t* x, int64_t n, acc_t delta, acc_t l1, acc_t k,
-                                    acc_t delta_new, acc_t* mask, acc_t* new_d) {
-  if (l1 >= acc_t(kMinScaledShift)) {
-    const acc_t c = k * exp_fast(-l1);
-    for (int64_t i = 0; i < n; ++i) {
-      const acc_t z = x[i] + delta;
-      mask[i] = scaled_sigmoid(z, sigmoid_parts(z), c);
-      new_d[i] = x[i] + delta_new;
-    }
-  } else {
-    for (int64_t i = 0; i < n; ++i) {
-      const acc_t z = x[i] + delta;
-      mask[i] = k * exp_log_sigmoid(z, l1, sigmoid_abs(z));
-      new_d[i] = x[i] + delta_new;
-    }
+DTP_INLINE void mask_and_state_loop(const acc_t* x, int64_t n, acc_t scale, acc_t delta_new,
+                                    acc_t* mask, acc_t* new_d) {
+  for (int64_t i = 0; i < n; ++i) {
+    mask[i] *= scale;
+    new_d[i] = x[i] + delta_new;
   }
 }
 
@@ -198,11 +194,12 @@ DTP_INLINE GradSums<acc_t> grad_sums_loop(const acc_t* x, const acc_t* g, int64_
 DTP_FLOAT_CLONED(template <class scalar_t>, Extremes<T>, log_odds_chunk,
                  (const scalar_t* s, const T* d, T inv_eps, int64_t n, bool neutral, T* x),
                  (s, d, inv_eps, n, neutral, x))
-DTP_FLOAT_CLONED(, ColumnSums<T>, column_sums, (const T* x, int64_t n, T delta, T m1, T m0),
-                 (x, n, delta, m1, m0))
+DTP_FLOAT_CLONED(, ColumnSums<T>, column_sums,
+                 (const T* x, int64_t n, T delta, T m1, T m0, T* terms),
+                 (x, n, delta, m1, m0, terms))
 DTP_FLOAT_CLONED(, void, mask_and_state,
-                 (const T* x, int64_t n, T delta, T l1, T k, T delta_new, T* mask, T* new_d),
-                 (x, n, delta, l1, k, delta_new, mask, new_d))
+                 (const T* x, int64_t n, T scale, T delta_new, T* mask, T* new_d),
+                 (x, n, scale, delta_new, mask, new_d))
 DTP_FLOAT_CLONED(, GradSums<T>, grad_sums,
                  (const T* x, const T* g, int64_t n, T delta, T l1, T* q_out),
                  (x, g, n, delta, l1, q_out))
@@ -345,7 +342,8 @@ void forward_impl(const Segments& sg, const at::Tensor& scores, const at::Tensor
     bias[s] = degenerate[s] ? 0.0 : log_ratio(sg.keep[s], n);
   }
   double* st = stats.data_ptr<double>();
-  std::vector<double> ps1(nch), ps0(nch), m1(nseg), m0(nseg);
+  acc_t* mask_p = mask.data_ptr<acc_t>();
+  std::vector<double> ps1(nch), ps0(nch), m1(nseg), m0(nseg), s1(nseg), s0(nseg);
   for (int64_t t = 0; t < iters; ++t) {
     for (int64_t s = 0; s < nseg; ++s) {
       m1[s] = log_sigmoid(xmax[s] + delta[s]);
@@ -353,14 +351,17 @@ void forward_impl(const Segments& sg, const at::Tensor& scores, const at::Tensor
       if (!std::isfinite(m1[s])) m1[s] = 0.0;  // non-finite segment: its state is kept
       if (!std::isfinite(m0[s])) m0[s] = 0.0;
     }
+    acc_t* terms = t == iters - 1 ? mask_p : nullptr;  // the last pass keeps its terms
     for_each_chunk(sg.chunks, sg.numel, [&](int64_t c, const Chunk& ch) {
       const int64_t s = ch.seg;
       const auto sums = column_sums(x + ch.begin, ch.end - ch.begin, static_cast<acc_t>(delta[s]),
-                                    static_cast<acc_t>(m1[s]), static_cast<acc_t>(m0[s]));
+                                    static_cast<acc_t>(m1[s]), static_cast<acc_t>(m0[s]),
+                                    terms == nullptr ? nullptr : terms + ch.begin);
       ps1[c] = sums.s1;
       ps0[c] = sums.s0;
     });
-    std::vector<double> s1(nseg, 0.0), s0(nseg, 0.0);
+    std::fill(s1.begin(), s1.end(), 0.0);
+    std::fill(s0.begin(), s0.end(), 0.0);
     for (int64_t c = 0; c < nch; ++c) {
       s1[sg.chunks[c].seg] += ps1[c];
       s0[sg.chunks[c].seg] += ps0[c];
@@ -387,18 +388,15 @@ void forward_impl(const Segments& sg, const at::Tensor& scores, const at::Tensor
     advance[s] = !degenerate[s] && !nonfinite_p[s];
     new_shift_p[s] = advance[s] ? static_cast<acc_t>(delta[s]) : shift_in[s];
   }
-  acc_t* mask_p = mask.data_ptr<acc_t>();
   acc_t* new_d_p = new_d.data_ptr<acc_t>();
   for_each_chunk(sg.chunks, sg.numel, [&](int64_t c, const Chunk& ch) {
     const int64_t s = ch.seg, len = ch.end - ch.begin;
     const int64_t n = sg.offsets[s + 1] - sg.offsets[s];
     if (degenerate[s]) {
       std::fill(mask_p + ch.begin, mask_p + ch.end, static_cast<acc_t>(sg.keep[s] / n));
-    } else {
-      const double* last = st + (s * iters + iters - 1) * 3;
-      mask_and_state(x + ch.begin, len, static_cast<acc_t>(last[0]), static_cast<acc_t>(last[1]),
-                     static_cast<acc_t>(sg.keep[s]), static_cast<acc_t>(delta[s]),
-                     mask_p + ch.begin, new_d_p + ch.begin);
+    } else {  // mask_i = k P[i, 1] = k exp(log sigmoid(z_i) - L1) = k t_i / sum_j t_j
+      mask_and_state(x + ch.begin, len, static_cast<acc_t>(sg.keep[s] / s1[s]),
+                     static_cast<acc_t>(delta[s]), mask_p + ch.begin, new_d_p + ch.begin);
     }
     if (!advance[s]) std::copy(d + ch.begin, d + ch.end, new_d_p + ch.begin);
   });
