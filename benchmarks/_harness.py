@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 
 import dtp_kernels
-from dtp_kernels.benchmarking import (  # noqa: F401 - interleaved, summarize, sync re-exported
+from dtp_kernels.benchmarking import (  # noqa: F401 - re-exported for the scripts
     RESNET50_GROUPS,
     interleaved,
+    paired_overhead,
     summarize,
     sync,
 )

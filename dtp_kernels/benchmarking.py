@@ -56,6 +56,23 @@ def summarize(samples: list[float]) -> dict[str, float]:
     }
 
 
+def paired_overhead(
+    case: list[float], base: list[float], resamples: int = 2000, seed: int = 0
+) -> tuple[float, float, float]:
+    """The overhead of `case` over `base` in percent from samples taken in the same rounds
+    (interleaved): the median of the per-round ratios, and a 95% bootstrap interval of
+    that median. Pairing by round removes the machine's drift between rounds."""
+    import random
+
+    ratios = [c / b - 1 for c, b in zip(case, base, strict=True)]
+    rng = random.Random(seed)
+    medians = sorted(
+        statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples)
+    )
+    low, high = medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+    return 100 * statistics.median(ratios), 100 * low, 100 * high
+
+
 def mask_step(
     backend: str,
     sizes: list[int],
