@@ -1,0 +1,29 @@
+"""The timing helpers the benchmarks share (dtp_kernels/benchmarking.py)."""
+
+import random
+
+import pytest
+
+from dtp_kernels.benchmarking import paired_overhead
+
+
+def test_paired_overhead_removes_drift_between_rounds():
+    rng = random.Random(0)
+    drift = [1 + 0.3 * rng.random() for _ in range(60)]  # the machine's speed per round
+    base = [100 * d for d in drift]
+    case = [102 * d * (1 + rng.uniform(-0.002, 0.002)) for d in drift]
+    median, low, high = paired_overhead(case, base)
+    assert median == pytest.approx(2.0, abs=0.2)
+    assert low <= median <= high and high - low < 0.5  # drift of 30% does not widen it
+    unpaired = sorted(case)[30] / sorted(base)[30] - 1  # medians alone keep the drift's noise
+    assert abs(100 * unpaired - 2.0) > abs(median - 2.0)
+
+
+def test_paired_overhead_interval_covers_noise():
+    rng = random.Random(1)
+    base = [100.0] * 40
+    case = [100.0 * (1 + rng.gauss(0, 0.05)) for _ in range(40)]
+    _, low, high = paired_overhead(case, base)
+    assert low < 0 < high  # no overhead in truth: the interval must include zero
+    with pytest.raises(ValueError):
+        paired_overhead([1.0, 2.0], [1.0])
