@@ -113,13 +113,15 @@ def check_pruning_plan(model: nn.Module, settings: dict, example: torch.Tensor) 
 
 
 # The recipe sections each stage's result depends on: a checkpoint of that stage resumes
-# only a run that agrees on all of their fields (data.* minus how the data is loaded).
+# only a run that agrees on all of their fields, except where the data lives and how it
+# is loaded (a job restarted on another node may read the same data from another path).
 STAGE_SECTIONS = {
     "pretrain": ("seed", "data", "model", "pretrain", "run.amp"),
     "dtp": ("seed", "data", "model", "pretrain", "prune", "run.amp"),
     "finetune": ("seed", "data", "model", "pretrain", "prune", "finetune", "run.amp"),
 }
 LOADING_FIELDS = (
+    "data.root",
     "data.eval_batch_size",
     "data.num_workers",
     "data.pin_memory",
