@@ -182,6 +182,7 @@ def prune_and_finetune(
             settings["ratios"],
             budget=settings["budget"],
             granularity=settings["granularity"],
+            nm=tuple(settings["nm"]),
             eps=settings["eps"],
             iters=settings["iters"],
             ignored_layers=skip,
@@ -221,7 +222,7 @@ def prune_and_finetune(
     pruned = pruner.export()
     times["export"] = time.perf_counter() - start
     before_finetune = evaluate(pruned, test_loader, options)  # the paper's star point
-    zeros = zero_pattern(pruned) if settings["granularity"] == "weight" else None
+    zeros = zero_pattern(pruned) if settings["granularity"] != "filter" else None
     saving = stage_checkpoint(checkpoints, recipe, "finetune", resume)
     result = train(
         pruned,

@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from ..pruning.nm import check_nm
 from ..pruning.ratios import check_ratio_syntax
 from .errors import RecipeError
 
@@ -116,6 +117,14 @@ def _ratio_problem(value: object) -> str | None:
     return None
 
 
+def _nm_problem(value: object) -> str | None:
+    try:
+        check_nm(value)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def ratios() -> Check:
     return Check(lambda v: _ratio_problem(v) is None, RATIO_FORMS)
 
@@ -155,7 +164,11 @@ FIELDS: dict[str, Check] = {
     "prune.method": choice("dtp", "l1", "random"),
     "prune.ratios": ratios(),
     "prune.budget": choice("layer", "global", "flops"),
-    "prune.granularity": choice("filter", "weight"),
+    "prune.granularity": choice("filter", "weight", "n:m"),
+    "prune.nm": Check(
+        lambda v: isinstance(v, list) and _nm_problem(v) is None,
+        "[N, M] with 1 <= N < M and M in [4, 8, 16]",
+    ),
     "prune.eps": number(0, low_open=True),
     "prune.iters": integer(1),
     "prune.skip": list_of(text(), "module names or globs"),

@@ -132,14 +132,19 @@ def read_folded_first(module: nn.Module, name: str, source: MaskSource, slot: in
 
 
 class ScaleEach(nn.Module):
-    """Parametrization w -> w * mask, one mask entry per weight (unstructured)."""
+    """Parametrization w -> w * mask, one mask entry per weight (unstructured); with
+    `blocked` the mask is in N:M block order (the weight's input dimension last)."""
 
-    def __init__(self, source: MaskSource, index: int) -> None:
+    def __init__(self, source: MaskSource, index: int, blocked: bool = False) -> None:
         super().__init__()
-        self.source, self.index = source, index
+        self.source, self.index, self.blocked = source, index, blocked
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight * self.source.get(self.index).to(weight.dtype).view_as(weight)
+        mask = self.source.get(self.index).to(weight.dtype)
+        if self.blocked:
+            lead = weight.movedim(1, -1).shape
+            return weight * mask.view(lead).movedim(-1, 1)
+        return weight * mask.view_as(weight)
 
 
 def strip_parametrizations(module: nn.Module) -> None:

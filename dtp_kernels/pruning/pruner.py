@@ -25,6 +25,7 @@ from torch.nn.utils import parametrize
 from ..masked_channel_epilogue import masked_channel_epilogue
 from ..transport_mask import transport_mask
 from ..transport_state import TransportState
+from . import nm as nm_rules
 from .base import ChannelPruner
 from .cost import COSTED, FlopsRatio
 from .groups import output_tensors
@@ -42,6 +43,7 @@ from .masking import (
 )
 
 MASK_AT = ("auto", "parameters", "activation")
+GRANULARITIES = ("filter", "weight", "n:m")
 EPILOGUE_BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
 
 
@@ -73,9 +75,13 @@ class DTPPruner(ChannelPruner):
             "flops": learned kept ratios sigmoid(theta) per group (started at 1 - ratio),
             the kept count k = n sigmoid(theta) differentiable through `keep`; add
             `pruner.penalty(target)` to the loss.
-        granularity: "filter" (structured: channels, exported physically smaller) or
+        granularity: "filter" (structured: channels, exported physically smaller),
             "weight" (unstructured: one segment per conv/linear weight, scores |w|, the
-            mask on the weights; exported with the pruned weights set to zero).
+            mask on the weights; exported with the pruned weights set to zero) or "n:m"
+            (every block of M consecutive weights along a layer's input dimension keeps
+            exactly N, one segment per block; scores |w|; exported with zeros). Under
+            "n:m" each pruned layer's ratio must be 1 - N/M (or 0 to leave it whole).
+        nm: (N, M) of granularity="n:m", 1 <= N < M, M in (4, 8, 16); default (2, 4).
         eps, iters, backend: passed to `transport_mask`.
         mask_at: "auto" (parameters where possible), "parameters" or "activation".
         epilogue_backend: backend of `masked_channel_epilogue` for activation masks
@@ -99,6 +105,7 @@ class DTPPruner(ChannelPruner):
         *,
         budget: str = "layer",
         granularity: str = "filter",
+        nm: tuple[int, int] = (2, 4),
         eps: float = 1.0,
         iters: int = 1,
         mask_at: str = "auto",
@@ -107,11 +114,17 @@ class DTPPruner(ChannelPruner):
         epilogue_backend: str = "auto",
         prune_coupled: bool = False,
     ) -> None:
-        if granularity not in ("filter", "weight"):
-            raise ValueError(f"granularity = {granularity!r}; allowed: ['filter', 'weight']")
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity = {granularity!r}; allowed: {list(GRANULARITIES)}")
         if granularity == "weight" and budget == "flops":
             raise ValueError("budget='flops' needs granularity='filter'")
+        if granularity == "n:m" and budget != "layer":
+            raise ValueError(
+                "granularity='n:m' keeps N of every block of M: budget must be 'layer', "
+                f"got {budget!r}"
+            )
         self.granularity = granularity
+        self.nm = nm_rules.check_nm(nm) if granularity == "n:m" else None
         if mask_at not in MASK_AT:
             raise ValueError(f"mask_at = {mask_at!r}; allowed: {list(MASK_AT)}")
         if epilogue_backend not in EPILOGUE_BACKENDS:
@@ -130,6 +143,8 @@ class DTPPruner(ChannelPruner):
             prune_coupled=prune_coupled,
         )
         self.eps, self.iters, self.backend, self.mask_at = float(eps), iters, backend, mask_at
+        if self.nm is not None:
+            self._check_nm_groups()
         device = next(model.parameters()).device
         if budget == "flops":  # learned kept ratios, started at the ratios' kept fractions
             alpha = torch.tensor([k / n for k, n in zip(self.kept, self.sizes, strict=True)])
@@ -137,13 +152,20 @@ class DTPPruner(ChannelPruner):
             self._flops = FlopsRatio(self._layers, self.groups)
         if granularity == "filter":  # L2 norms of the filters (paper, Sec. 4)
             initial = [g.unit_weights().norm(dim=1) for g in self.groups]
+        elif granularity == "n:m":  # |w| of every weight, block by block
+            initial = [nm_rules.to_blocks(g.layer.weight.detach().abs()) for g in self.groups]
         else:  # |w| of every weight
             initial = [g.layer.weight.detach().abs().flatten() for g in self.groups]
         self.scores = nn.Parameter(torch.cat(initial).float().to(device))
-        segments = [sum(self.sizes)] if budget == "global" else self.sizes
+        if self.nm is not None:  # one segment per block of M, keeping N
+            n, m = self.nm
+            segments, kept = [m] * (sum(self.sizes) // m), [float(n)] * (sum(self.sizes) // m)
+        else:
+            segments = [sum(self.sizes)] if budget == "global" else self.sizes
+            kept = self.kept
         self.state = TransportState(segments, device=device)
-        self._steps_since_check, self._skipped_seen = 0, [0] * len(segments)
-        self.register_buffer("keep", torch.tensor(self.kept, dtype=torch.float32, device=device))
+        self._steps_since_check, self._skipped_seen = 0, [0] * len(self.groups)
+        self.register_buffer("keep", torch.tensor(kept, dtype=torch.float32, device=device))
         self.register_buffer("_sizes", torch.tensor(self.sizes, dtype=torch.float32, device=device))
         self._source = MaskSource(self.sizes)
         self._fold: list[tuple[int, nn.Parameter]] = []  # (group, BN parameter) per slot
@@ -157,6 +179,18 @@ class DTPPruner(ChannelPruner):
         for index, group in enumerate(self.groups):
             self._attach_mask(index, group)
 
+    def _check_nm_groups(self) -> None:
+        """Every layer N:M prunes has an input dimension divisible by M and the ratio
+        1 - N/M (N:M fixes it); else ValueError naming the layers, before any mask."""
+        n, m = self.nm
+        nm_rules.check_layers({g.name: g.layer for g in self.groups}, m)
+        wrong = {name: r for name, r in self.ratios.items() if abs(r - (1 - n / m)) > 1e-9}
+        if wrong:
+            raise ValueError(
+                f"granularity='n:m' with nm = {(n, m)} prunes {1 - n / m} of every layer; "
+                f"these layers have other ratios: {wrong}; give 0 (whole) or {1 - n / m}"
+            )
+
     def _find_groups(self, model: nn.Module, inputs: tuple, ignored: list) -> list:
         if self.granularity == "filter":
             return super()._find_groups(model, inputs, ignored)
@@ -167,10 +201,9 @@ class DTPPruner(ChannelPruner):
         ]
 
     def _attach_mask(self, index: int, group) -> None:
-        if self.granularity == "weight":
-            parametrize.register_parametrization(
-                group.layer, "weight", ScaleEach(self._source, index)
-            )
+        if self.granularity != "filter":
+            scale = ScaleEach(self._source, index, blocked=self.nm is not None)
+            parametrize.register_parametrization(group.layer, "weight", scale)
             return
         if isinstance(group, HeadGroup):  # the output projection's columns, per unit
             scale = ScaleColumns(self._source, index, group.out.per_unit)
@@ -319,11 +352,13 @@ class DTPPruner(ChannelPruner):
         return optimizer.register_step_post_hook(after_step)
 
     def _warn_skipped(self) -> None:
-        counts = self.state.skipped_steps.tolist()
+        counts = self.skipped_steps()
         new = [c - last for c, last in zip(counts, self._skipped_seen, strict=True)]
         self._skipped_seen = counts
         if any(new):
             groups = [(name, n) for name, n in zip(self._segment_names(), new, strict=True) if n]
+            if self.budget == "global":
+                groups = groups[:1]
             warnings.warn(
                 "DTP: non-finite (NaN/Inf) scores made these groups skip steps since the last "
                 f"check (their transport state was kept): {groups}; pruner.report() has the "
@@ -333,12 +368,30 @@ class DTPPruner(ChannelPruner):
             )
 
     def _segment_names(self) -> list[str]:
-        return ["all groups (global)"] if self.budget == "global" else [g.name for g in self.groups]
+        if self.budget == "global":
+            return ["all groups (global)"] * len(self.groups)
+        return [g.name for g in self.groups]
 
     def skipped_steps(self) -> list[int]:
-        """Per group: committed steps its transport state skipped for NaN/Inf scores."""
-        counts = self.state.skipped_steps.tolist()
-        return [counts[0]] * len(self.groups) if self.budget == "global" else counts
+        """Per group: committed steps its transport state skipped for NaN/Inf scores
+        (under N:M, summed over the group's blocks)."""
+        counts = self.state.skipped_steps
+        if self.budget == "global":
+            return [int(counts[0])] * len(self.groups)
+        if self.nm is not None:
+            blocks = [size // self.nm[1] for size in self.sizes]
+            return [int(part.sum()) for part in counts.split(blocks)]
+        return counts.tolist()
+
+    @torch.no_grad()
+    def hard_masks(self) -> list[torch.Tensor]:
+        """0/1 mask per group (see ChannelPruner.hard_masks); under N:M, the N highest
+        soft masks of every block of M, in block order."""
+        if self.nm is None:
+            return super().hard_masks()
+        values = self.channel_scores().detach().float().cpu()
+        n, m = self.nm
+        return [nm_rules.hard_mask(part, n, m) for part in values.split(self.sizes)]
 
     def hard_masked(self) -> HardMasks:
         """Context manager: inside it the model runs with the hard 0/1 masks."""
@@ -382,7 +435,9 @@ class DTPPruner(ChannelPruner):
             with torch.no_grad():
                 for group, mask in zip(self.groups, self.hard_masks(), strict=True):
                     weight = modules[group.name].weight
-                    weight.mul_(mask.to(weight.device, weight.dtype).view_as(weight))
+                    mask = mask.to(weight.device, weight.dtype)
+                    shaped = nm_rules.to_weight(mask, weight) if self.nm else mask.view_as(weight)
+                    weight.mul_(shaped)
         self._check_export(pruned)
         return pruned
 

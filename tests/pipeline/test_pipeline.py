@@ -195,3 +195,18 @@ def test_compiled_training_step_matches_eager(tmp_path):
     for eager, compiled in zip(rows["false"], rows["true"], strict=True):
         assert compiled["loss"] == pytest.approx(eager["loss"], rel=1e-3)
         assert abs(compiled["accuracy"] - eager["accuracy"]) <= 0.01
+
+
+def test_n_m_run_keeps_the_pattern_through_fine_tuning(tmp_path):
+    from dtp_kernels import load_pruned
+
+    out = tmp_path / "run"
+    sets = ["pretrain.epochs=1", "prune.epochs=1", "finetune.epochs=2", "run.plots=false"]
+    sets += ["prune.granularity=n:m", "prune.nm=[2, 4]", "prune.skip=[features.0]"]
+    assert main(prune_argv(out, sets, "--no-progress")) == 0
+    model = load_pruned(out / "pruned.pt")
+    for name in ("features.3", "features.7", "classifier"):
+        weight = dict(model.named_modules())[name].weight.detach()
+        per_block = (weight.movedim(1, -1).reshape(-1, 4) != 0).sum(1)
+        assert torch.equal(per_block.unique(), torch.tensor([2])), name
+    assert (model.features[0].weight != 0).all()  # skipped: dense
