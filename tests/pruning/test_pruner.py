@@ -198,7 +198,7 @@ BAD = [
     (
         dict(granularity="kernel"),
         ValueError,
-        r"granularity = 'kernel'; allowed: \['filter', 'weight'\]",
+        r"granularity = 'kernel'; allowed: \['filter', 'weight', 'n:m'\]",
     ),
     (dict(mask_at="weights"), ValueError, r"mask_at = 'weights'"),
 ]
