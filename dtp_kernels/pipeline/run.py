@@ -206,12 +206,25 @@ def prune_and_finetune(
             on_epoch=trace,
         )
         times["prune"] = result["seconds"]  # the whole stage's, across resumes
-    else:
-        if settings["granularity"] != "filter":
+    elif settings["granularity"] != "filter":
+        if method != "l1":
             raise UsageError(
-                f"prune.granularity = {settings['granularity']!r} needs "
-                "prune.method=dtp; l1 and random prune filters"
+                f"prune.granularity = {settings['granularity']!r} needs prune.method dtp "
+                "or l1 (one-shot magnitude); random prunes filters"
             )
+        # One-shot magnitude pruning at the same pattern: an untrained DTP pruner, whose
+        # scores start at |w|, so its hard masks keep the largest weights (of each block).
+        pruner = DTPPruner(
+            model,
+            example,
+            settings["ratios"],
+            budget=settings["budget"],
+            granularity=settings["granularity"],
+            nm=tuple(settings["nm"]),
+            ignored_layers=skip,
+        )
+        times["prune"] = time.perf_counter() - start
+    else:
         cls = L1Pruner if method == "l1" else RandomPruner
         pruner = cls(
             model, example, settings["ratios"], budget=settings["budget"], ignored_layers=skip

@@ -255,5 +255,10 @@ def validate(recipe: Mapping, sources: Mapping[str, str] | None = None) -> None:
             "learns its masks while training, so it needs prune.epochs >= 1 (or use "
             "prune.method=l1 or random for one-shot pruning)"
         )
+    if values["prune.granularity"] != "filter" and values["prune.method"] == "random":
+        raise RecipeError(
+            f"prune.granularity = {values['prune.granularity']!r} needs prune.method dtp or "
+            "l1 (one-shot magnitude); random prunes filters"
+        )
     if values["model.source"] == "python" and values["model.entry"] is None:
         raise RecipeError("model.source = 'python' needs model.entry = 'package.module:function'")

@@ -210,3 +210,17 @@ def test_n_m_run_keeps_the_pattern_through_fine_tuning(tmp_path):
         per_block = (weight.movedim(1, -1).reshape(-1, 4) != 0).sum(1)
         assert torch.equal(per_block.unique(), torch.tensor([2])), name
     assert (model.features[0].weight != 0).all()  # skipped: dense
+
+
+def test_l1_at_n_m_is_one_shot_magnitude_n_m(tmp_path, capsys):
+    out = tmp_path / "run"
+    sets = ["pretrain.epochs=1", "finetune.epochs=1", "run.plots=false", "prune.method=l1"]
+    sets += ["prune.granularity=n:m", "prune.skip=[features.0]"]
+    assert main(prune_argv(out, sets, "--no-progress")) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["method"] == "l1" and summary["sparsity"] > 0.4
+    capsys.readouterr()
+    sets[3] = "prune.method=random"
+    assert main(prune_argv(tmp_path / "random", sets, "--no-progress")) == 2
+    assert "random prunes filters" in capsys.readouterr().err
+    assert not (tmp_path / "random").exists()  # refused before any work
