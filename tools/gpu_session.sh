@@ -74,6 +74,7 @@ for step in $steps; do
   scale | all)
     run bench_scaling 120 $PY benchmarks/bench_scaling.py --device cuda --rounds 5
     run bench_iterations 90 $PY benchmarks/bench_iterations.py --device cuda --rounds 5
+    run bench_nm_step 120 $PY benchmarks/bench_nm_step.py --device cuda --rounds 5
     ;;
   esac
 done
