@@ -33,13 +33,10 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def integer(low: int, high: int | None = None, optional: bool = False) -> Check:
-    span = f">= {low}" if high is None else f"in [{low}, {high}]"
+def integer(low: int, optional: bool = False) -> Check:
     return Check(
-        lambda v: (
-            (optional and v is None) or (_is_int(v) and v >= low and (high is None or v <= high))
-        ),
-        f"an integer {span}" + (" or null" if optional else ""),
+        lambda v: (optional and v is None) or (_is_int(v) and v >= low),
+        f"an integer >= {low}" + (" or null" if optional else ""),
     )
 
 
