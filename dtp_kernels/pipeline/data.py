@@ -16,8 +16,10 @@ number of loader workers, sees the same batches as an uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -152,6 +154,9 @@ class CheckedImageFolder(datasets.ImageFolder):
         if skip_bad_files:
             handle, self.record = tempfile.mkstemp(prefix="dtp-bad-files-", suffix=".txt")
             os.close(handle)
+            # removed with this data set, by the process that made it (forked loader
+            # workers share the object, not the ownership)
+            weakref.finalize(self, _remove, self.record, os.getpid())
 
     def __getitem__(self, index: int):
         for offset in range(len(self.samples)):
@@ -175,6 +180,12 @@ class CheckedImageFolder(datasets.ImageFolder):
             return []
         with open(self.record) as f:
             return list(dict.fromkeys(line.rstrip("\n") for line in f if line.strip()))
+
+
+def _remove(path: str, owner: int) -> None:
+    if os.getpid() == owner:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def skipped_files(*loaders: DataLoader) -> list[str]:
