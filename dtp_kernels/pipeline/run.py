@@ -175,7 +175,14 @@ def prune_and_finetune(
     skip = skipped_modules(model, settings["skip"])
     times = {}
     start = time.perf_counter()
-    if method == "dtp":
+    if method == "dtp" or settings["granularity"] != "filter":
+        if method == "random":
+            raise UsageError(
+                f"prune.granularity = {settings['granularity']!r} needs prune.method dtp "
+                "or l1 (one-shot magnitude); random prunes filters"
+            )
+        # Under weight or n:m granularity l1 is one-shot magnitude pruning at the same
+        # pattern: this pruner untrained, whose scores start at |w|.
         pruner = DTPPruner(
             model,
             example,
@@ -187,6 +194,12 @@ def prune_and_finetune(
             iters=settings["iters"],
             ignored_layers=skip,
         )
+    else:
+        cls = L1Pruner if method == "l1" else RandomPruner
+        pruner = cls(
+            model, example, settings["ratios"], budget=settings["budget"], ignored_layers=skip
+        )
+    if method == "dtp":
 
         def trace(epoch: int) -> None:  # soft masks of sample filters, for the Fig. 3a plot
             log.write(stage="mask-trace", epoch=epoch, masks=sample_masks(pruner))
@@ -206,29 +219,7 @@ def prune_and_finetune(
             on_epoch=trace,
         )
         times["prune"] = result["seconds"]  # the whole stage's, across resumes
-    elif settings["granularity"] != "filter":
-        if method != "l1":
-            raise UsageError(
-                f"prune.granularity = {settings['granularity']!r} needs prune.method dtp "
-                "or l1 (one-shot magnitude); random prunes filters"
-            )
-        # One-shot magnitude pruning at the same pattern: an untrained DTP pruner, whose
-        # scores start at |w|, so its hard masks keep the largest weights (of each block).
-        pruner = DTPPruner(
-            model,
-            example,
-            settings["ratios"],
-            budget=settings["budget"],
-            granularity=settings["granularity"],
-            nm=tuple(settings["nm"]),
-            ignored_layers=skip,
-        )
-        times["prune"] = time.perf_counter() - start
     else:
-        cls = L1Pruner if method == "l1" else RandomPruner
-        pruner = cls(
-            model, example, settings["ratios"], budget=settings["budget"], ignored_layers=skip
-        )
         times["prune"] = time.perf_counter() - start
     groups = pruner.report()["groups"]
     start = time.perf_counter()
