@@ -127,3 +127,15 @@ def test_a_layer_whose_inputs_are_not_blocks_of_m_is_named():
         model, torch.randn(1, 3, 5, 5), 0.5, granularity="n:m", ignored_layers=[model[0]]
     )
     assert [g.name for g in pruner.groups] == ["3"]
+
+
+def test_conv1d_layers_keep_n_of_every_block_and_export_exactly():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(8, 12, 3, padding=1), nn.ReLU(), nn.Conv1d(12, 4, 1))
+    x = torch.randn(2, 8, 7)
+    pruner = DTPPruner(model, x[:1], 0.5, granularity="n:m", nm=(2, 4))
+    exported = pruner.export()  # raises ExportMismatchError unless it equals the hard masks
+    for layer in (exported[0], exported[2]):
+        assert torch.equal(nonzeros_per_block(layer.weight, 4).unique(), torch.tensor([2]))
+    with pruner.hard_masked():
+        torch.testing.assert_close(exported.eval()(x), model.eval()(x))
