@@ -21,6 +21,7 @@ import sys
 import sysconfig
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -148,8 +149,21 @@ def vit_digits(seed: int = 0, epochs: tuple[int, int, int] = (40, 10, 10)) -> li
     return compare(model, (x[:1],), train_epochs, adam, accuracy, epochs[1], epochs[2])
 
 
-def llama_stdlib(seed: int = 0, steps: tuple[int, int, int] = (600, 150, 150)) -> list[dict]:
-    """Pretrain a small byte-level Llama on stdlib source, then compare (perplexity)."""
+@dataclass
+class LlamaTask:
+    """A small byte-level Llama on stdlib source with its training and evaluation."""
+
+    model: nn.Module
+    train_steps: Callable[[nn.Module, torch.optim.Optimizer, int], None]
+    perplexity: Callable[[nn.Module], float]
+    new_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+    example: tuple
+    generator: torch.Generator  # draws the training windows; its state can be reset
+
+
+def llama_task(seed: int = 0) -> LlamaTask:
+    """The Llama (2 layers, 4 query / 2 key-value heads, hidden 64) from random weights,
+    its training on 32 windows of 64 bytes per step and its held-out perplexity."""
     import transformers
 
     torch.manual_seed(seed)
@@ -185,9 +199,22 @@ def llama_stdlib(seed: int = 0, steps: tuple[int, int, int] = (600, 150, 150)) -
     def adam(net: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.AdamW(net.parameters(), lr=3e-3, weight_decay=0.0)
 
-    train_steps(model, adam(model), steps[0])
-    example = (evaluation[:1],)
-    return compare(model, example, train_steps, adam, perplexity, steps[1], steps[2])
+    return LlamaTask(model, train_steps, perplexity, adam, (evaluation[:1],), generator)
+
+
+def llama_stdlib(seed: int = 0, steps: tuple[int, int, int] = (600, 150, 150)) -> list[dict]:
+    """Pretrain the small Llama (llama_task), then compare DTP and L1 (perplexity)."""
+    task = llama_task(seed)
+    task.train_steps(task.model, task.new_optimizer(task.model), steps[0])
+    return compare(
+        task.model,
+        task.example,
+        task.train_steps,
+        task.new_optimizer,
+        task.perplexity,
+        steps[1],
+        steps[2],
+    )
 
 
 def summarize(runs: list[list[dict]]) -> list[dict]:

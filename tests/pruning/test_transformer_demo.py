@@ -31,3 +31,19 @@ def test_stdlib_text_is_split_by_file():
     train, held_out = transformer_demo.stdlib_bytes(200_000)
     assert len(train) >= 200_000 and len(held_out) >= 20_000
     assert int(train.max()) < 256
+
+
+def test_nm_vs_magnitude_llama_rows(monkeypatch):
+    """The N:M comparison on the Llama runs both methods from one pre-trained model."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import nm_vs_magnitude
+
+    monkeypatch.setattr(nm_vs_magnitude, "LLAMA_STEPS", (3, 2, 2))
+    runs = nm_vs_magnitude.llama_runs("2:4", [0])
+    assert set(runs) == {"l1", "dtp"}
+    assert runs["l1"][0]["dense"] == runs["dtp"][0]["dense"]
+    for (row,) in runs.values():
+        assert all(1.0 < value < 300.0 for value in row.values())
