@@ -71,6 +71,19 @@ inline void check_blocks_per_segment(int64_t blocks_per_segment) {
               blocks_per_segment);
 }
 
+// segment_size is 0 (segments from offsets) or 4, 8, 16 with scores.numel() equal to that
+// many per segment; anything else is refused.
+inline void check_segment_size(int64_t segment_size, const at::Tensor& scores,
+                               const at::Tensor& offsets) {
+  TORCH_CHECK(segment_size == 0 || segment_size == 4 || segment_size == 8 || segment_size == 16,
+              "dtp::transport_mask: segment_size must be 0 (sizes from offsets), 4, 8 or 16, got ",
+              segment_size);
+  const int64_t nseg = offsets.numel() - 1;
+  TORCH_CHECK(segment_size == 0 || scores.numel() == nseg * segment_size,
+              "dtp::transport_mask: segment_size ", segment_size, " with ", nseg,
+              " segments needs ", nseg * segment_size, " scores, got ", scores.numel());
+}
+
 // The epilogue views y as [outer][channels][inner]: NCHW-contiguous has inner = H*W
 // ("planes"); channels-last, or channels as the last dim, has inner = 1 ("rows").
 struct EpilogueLayout {

@@ -22,14 +22,18 @@ TORCH_LIBRARY(dtp, m) {
   // finite; otherwise they propagate into their segment's mask. blocks_per_segment: the
   // CUDA schedule (1 = one block per segment, B > 1 = B blocks per segment, 0 = chosen
   // by size); every schedule gives the same result up to rounding, and the CPU ignores it.
+  // segment_size: 0 reads the segments from offsets; 4, 8 or 16 declares that every
+  // segment has that many elements (the blocks of N:M sparsity), which kernels for tiny
+  // segments run without reading offsets (only their count is checked).
   m.def(
       "transport_mask(Tensor scores, Tensor offsets, Tensor keep, Tensor eps, "
       "Tensor log_odds, Tensor shift, int iters, bool neutral_nonfinite=False, "
-      "int blocks_per_segment=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "int blocks_per_segment=0, int segment_size=0) -> (Tensor, Tensor, Tensor, Tensor, "
+      "Tensor)");
   m.def(
       "transport_mask_backward(Tensor grad_mask, Tensor scores, Tensor offsets, Tensor keep, "
       "Tensor eps, Tensor log_odds, Tensor stats, bool neutral_nonfinite=False, "
-      "int blocks_per_segment=0) -> (Tensor, Tensor)");
+      "int blocks_per_segment=0, int segment_size=0) -> (Tensor, Tensor)");
   // out = act((y + bias[c]) * mask[c]), activation "none" or "relu".
   m.def(
       "masked_channel_epilogue(Tensor y, Tensor mask, Tensor? bias, str activation, "

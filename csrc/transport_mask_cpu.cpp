@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common.h"
+#include "transport_blocks.h"
 #include "transport_math.h"
 
 namespace dtp {
@@ -503,11 +504,17 @@ void check_shift(const at::Tensor& scores, const at::Tensor& shift, int64_t nseg
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport_mask_cpu(
     const at::Tensor& scores_in, const at::Tensor& offsets, const at::Tensor& keep,
     const at::Tensor& eps, const at::Tensor& log_odds_in, const at::Tensor& shift_in, int64_t iters,
-    bool neutral_nonfinite, int64_t blocks_per_segment) {
+    bool neutral_nonfinite, int64_t blocks_per_segment, int64_t segment_size) {
   // blocks_per_segment picks a CUDA schedule; the CPU chunking does not depend on it.
   check_blocks_per_segment(blocks_per_segment);
   TORCH_CHECK(iters >= 1, "dtp::transport_mask: iters must be >= 1, got ", iters);
   check_transport_args(scores_in, offsets, keep, eps, log_odds_in);
+  check_segment_size(segment_size, scores_in, offsets);
+  if (segment_size > 0) {
+    check_shift(scores_in, shift_in, offsets.numel() - 1);
+    return transport_mask_blocks_cpu(scores_in, keep, eps, log_odds_in, shift_in, iters,
+                                     neutral_nonfinite, segment_size);
+  }
   const Segments sg = read_segments(scores_in, offsets, keep, eps);
   check_shift(scores_in, shift_in, sg.nseg);
   const auto scores = scores_in.contiguous();
@@ -537,9 +544,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport
 std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cpu(
     const at::Tensor& grad_mask, const at::Tensor& scores_in, const at::Tensor& offsets,
     const at::Tensor& keep, const at::Tensor& eps, const at::Tensor& log_odds_in,
-    const at::Tensor& stats_in, bool neutral_nonfinite, int64_t blocks_per_segment) {
+    const at::Tensor& stats_in, bool neutral_nonfinite, int64_t blocks_per_segment,
+    int64_t segment_size) {
   check_blocks_per_segment(blocks_per_segment);
   check_transport_args(scores_in, offsets, keep, eps, log_odds_in);
+  check_segment_size(segment_size, scores_in, offsets);
+  if (segment_size > 0) {
+    check_stats(stats_in, offsets.numel() - 1);
+    TORCH_CHECK(grad_mask.numel() == scores_in.numel(),
+                "dtp::transport_mask_backward: grad_mask has ", grad_mask.numel(),
+                " elements, expected ", scores_in.numel());
+    return transport_mask_blocks_backward_cpu(grad_mask, scores_in, keep, eps, log_odds_in,
+                                              stats_in, neutral_nonfinite, segment_size);
+  }
   const Segments sg = read_segments(scores_in, offsets, keep, eps);
   check_stats(stats_in, sg.nseg);
   TORCH_CHECK(grad_mask.numel() == sg.numel, "dtp::transport_mask_backward: grad_mask has ",

@@ -653,8 +653,10 @@ void launch_backward(BwdParams<scalar_t, acc_t>& p, const at::Tensor& like) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport_mask_cuda(
     const at::Tensor& scores, const at::Tensor& offsets, const at::Tensor& keep,
     const at::Tensor& eps, const at::Tensor& log_odds, const at::Tensor& shift_in, int64_t iters,
-    bool neutral, int64_t blocks_per_segment) {
+    bool neutral, int64_t blocks_per_segment, int64_t segment_size) {
   TORCH_CHECK(iters >= 1, "dtp::transport_mask: iters must be >= 1, got ", iters);
+  // The general kernels serve every segment_size: they read the sizes from offsets.
+  check_segment_size(segment_size, scores, offsets);
   const InputTensors in = input_tensors(scores, offsets, keep, eps, log_odds, blocks_per_segment);
   check_devices(scores, {&shift_in});
   TORCH_CHECK(shift_in.scalar_type() == acc_type(scores) && shift_in.numel() == in.nseg,
@@ -686,7 +688,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport
 std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cuda(
     const at::Tensor& grad_mask, const at::Tensor& scores, const at::Tensor& offsets,
     const at::Tensor& keep, const at::Tensor& eps, const at::Tensor& log_odds,
-    const at::Tensor& stats_in, bool neutral, int64_t blocks_per_segment) {
+    const at::Tensor& stats_in, bool neutral, int64_t blocks_per_segment, int64_t segment_size) {
+  check_segment_size(segment_size, scores, offsets);
   const InputTensors in = input_tensors(scores, offsets, keep, eps, log_odds, blocks_per_segment);
   check_stats(stats_in, in.nseg);
   TORCH_CHECK(grad_mask.numel() == in.scores.numel(),

@@ -11,7 +11,8 @@ at::Tensor transport_mask_step(const at::Tensor& scores, const at::Tensor& offse
                                const at::Tensor& keep, const at::Tensor& eps,
                                const at::Tensor& log_odds, const at::Tensor& shift, int64_t iters,
                                bool neutral_nonfinite, int64_t blocks_per_segment,
-                               at::Tensor pending_log_odds, at::Tensor pending_shift,
-                               at::Tensor pending_nonfinite, at::Tensor has_pending);
+                               int64_t segment_size, at::Tensor pending_log_odds,
+                               at::Tensor pending_shift, at::Tensor pending_nonfinite,
+                               at::Tensor has_pending);
 
 }  // namespace dtp

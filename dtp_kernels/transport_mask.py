@@ -312,6 +312,7 @@ def _transport_mask_fake(
     iters,
     neutral_nonfinite=False,
     blocks_per_segment=0,
+    segment_size=0,
 ):
     nseg = offsets.shape[0] - 1
     return (
@@ -333,6 +334,7 @@ def _transport_mask_backward_fake(
     stats,
     neutral_nonfinite=False,
     blocks_per_segment=0,
+    segment_size=0,
 ):
     return torch.empty_like(scores), torch.empty_like(keep)
 
@@ -364,11 +366,27 @@ def _transport_mask_compiled(
     neutral: bool = False,
     blocks_per_segment: int = 0,
 ) -> Step:
-    offsets, log_odds, shift = _state_tensors(state, scores)
-    mask, new_d, new_shift, _stats, nonfinite = torch.ops.dtp.transport_mask(
-        scores, offsets, keep, eps, log_odds, shift, iters, neutral, blocks_per_segment
-    )
+    args = _op_args(scores, keep, eps, state, iters, neutral, blocks_per_segment)
+    mask, new_d, new_shift, _stats, nonfinite = torch.ops.dtp.transport_mask(*args)
     return mask, new_d, new_shift, nonfinite
+
+
+def _op_args(scores, keep, eps, state: TransportState, iters, neutral, blocks_per_segment) -> tuple:
+    """The arguments of dtp::transport_mask for a step on `state`: its segments (offsets,
+    and segment_size when all have one tiny size) and its state in the compute dtype."""
+    offsets, log_odds, shift = _state_tensors(state, scores)
+    return (
+        scores,
+        offsets,
+        keep,
+        eps,
+        log_odds,
+        shift,
+        iters,
+        neutral,
+        blocks_per_segment,
+        state.segment_size,
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -505,18 +523,9 @@ def _compiled_step(
     """The eager training step on the compiled backends: the op and the pending-state
     write in one C++ call (csrc/transport_step.cpp), the same as
     ``_transport_mask_compiled`` followed by ``state.write_pending``."""
-    offsets, log_odds, shift = _state_tensors(state, scores)
     buffers = state._buffers
     return _C.transport_mask_step(
-        scores,
-        offsets,
-        keep,
-        eps,
-        log_odds,
-        shift,
-        iters,
-        neutral,
-        blocks_per_segment,
+        *_op_args(scores, keep, eps, state, iters, neutral, blocks_per_segment),
         buffers["pending_log_odds"],
         buffers["pending_shift"],
         buffers["pending_nonfinite"],

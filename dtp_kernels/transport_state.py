@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+TINY_SEGMENT_SIZES = (4, 8, 16)  # sizes with kernels of their own (dtp::transport_mask)
+
 
 class TransportState(nn.Module):
     """Per-segment state of DTP's one-step entropic transport (docs/design.md sections 1 and 4).
@@ -52,6 +54,10 @@ class TransportState(nn.Module):
         if dtype not in (torch.float32, torch.float64):
             raise TypeError(f"TransportState: dtype must be float32 or float64, got {dtype}")
         self.sizes: tuple[int, ...] = tuple(sizes)
+        # Segments all of one size the tiny-segment kernels take (N:M blocks): that size,
+        # passed to the kernels as segment_size; 0 otherwise.
+        uniform = all(n == sizes[0] for n in sizes)
+        self.segment_size = sizes[0] if uniform and sizes[0] in TINY_SEGMENT_SIZES else 0
         total = self._numel = sum(sizes)
         offsets = torch.zeros(len(sizes) + 1, dtype=torch.int64)
         offsets[1:] = torch.tensor(sizes, dtype=torch.int64).cumsum(0)

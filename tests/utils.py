@@ -111,7 +111,7 @@ def run_loop(
     return state, ref_state
 
 
-def check_low_precision(backend, dtype, device="cpu"):
+def check_low_precision(backend, dtype, device="cpu", layout=RAGGED_LAYOUT):
     """fp16/bf16 scores: math in fp32; the result only carries the output rounding."""
     tolerance = {
         torch.float16: (2e-3, 1e-3),
@@ -119,8 +119,8 @@ def check_low_precision(backend, dtype, device="cpu"):
         torch.float32: (2e-5, 2e-6),
     }
     rtol, atol = tolerance[dtype]
-    sizes = [n for n, _ in RAGGED_LAYOUT]
-    keep = [k for _, k in RAGGED_LAYOUT]
+    sizes = [n for n, _ in layout]
+    keep = [k for _, k in layout]
     gen = torch.Generator().manual_seed(2)
     scores = torch.rand(sum(sizes), generator=gen).to(dtype)
     ref = transport_mask(scores.double(), keep, TransportState(sizes), backend="reference")

@@ -1,0 +1,504 @@
+// C++ CPU kernels of the DTP transport-mask step for segments that all have the same small
+// size M (4, 8 or 16): the blocks of N:M sparsity. The general kernels
+// (transport_mask_cpu.cpp) cut segments into chunks and keep host vectors per segment,
+// which costs more than the math when every segment has 4 elements. Here a segment is M
+// consecutive elements (no offsets are read), M is a compile-time constant, and each
+// segment's whole step (every pass, the mask, the next state; in the backward every sum
+// and the gradient) runs in registers. Segments are independent, so the result does not
+// depend on threading. The math is that of docs/design.md section 1, with one
+// difference in the stabilising shifts: the column maxima are taken as min(z_max, 0) and
+// min(-z_min, 0) (within log 2 of the exact log-sigmoids), which cancel in the result.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "common.h"
+#include "transport_blocks.h"
+#include "transport_math.h"
+
+namespace dtp {
+namespace {
+
+// Segments per parallel task, so that a task holds about 4,096 elements.
+constexpr int64_t kTaskElements = 4096;
+// Below this many elements the whole call runs on the calling thread.
+constexpr int64_t kSerialElements = 32768;
+
+// Segments are processed in tiles of kTile, each value held as an array over the tile's
+// segments ([element][segment]), so every loop below runs across segments and vectorises
+// whatever M is. A last, partial tile runs on padded copies (tail_forward, tail_backward).
+constexpr int kTile = 16;
+
+// f(first segment, end segment) over ranges of whole tiles: a tile covers the same
+// segments, and runs the same code, whatever the thread count, so results are bitwise
+// independent of it.
+template <class F>
+void for_each_segment_range(int64_t nseg, int64_t m, const F& f) {
+  const int64_t tiles = (nseg + kTile - 1) / kTile;
+  const int64_t per_task = std::max<int64_t>(kTaskElements / (m * kTile), 1);
+  const int64_t grain = nseg * m < kSerialElements ? std::max<int64_t>(tiles, 1) : per_task;
+  at::parallel_for(0, tiles, grain,
+                   [&](int64_t lo, int64_t hi) { f(lo * kTile, std::min(hi * kTile, nseg)); });
+}
+
+// A kept count and eps a segment accepts: 0 <= k <= M, eps finite and > 0 (false for NaN).
+DTP_INLINE bool valid_segment(double k, double eps, int64_t m) {
+  return k >= 0.0 && k <= static_cast<double>(m) && eps > 0.0 && eps < INFINITY;
+}
+
+struct BlocksForwardArgs {
+  const void* scores;
+  const void* keep;  // acc_t, one per segment
+  const double* eps;
+  const void* log_odds;
+  const void* shift;
+  void* mask;  // acc_t
+  void* new_log_odds;
+  void* new_shift;
+  double* stats;  // (segment, pass, 3): shift used, L1, L0
+  bool* nonfinite;
+  uint8_t* invalid;  // per segment: keep or eps out of range (checked after the loop)
+  int64_t iters;
+  bool neutral;
+};
+
+template <int M, class T>
+struct TileInputs {
+  T x[M][kTile];
+  T ok[M][kTile];  // 1 where the score is finite, else 0
+  T d[M][kTile];
+  T k[kTile], inv_eps[kTile];
+};
+
+// x_i = d_i + (2 s_i - 1) / eps for the tile of segments starting at seg0.
+template <int M, class scalar_t, class T>
+DTP_INLINE void load_tile(const scalar_t* scores, const T* log_odds, const T* keep,
+                          const double* eps, int64_t seg0, bool neutral, TileInputs<M, T>& in) {
+  for (int l = 0; l < kTile; ++l) {
+    in.k[l] = keep[seg0 + l];
+    in.inv_eps[l] = static_cast<T>(1.0 / eps[seg0 + l]);
+  }
+  for (int l = 0; l < kTile; ++l) {
+    for (int j = 0; j < M; ++j) {
+      const int64_t i = (seg0 + l) * M + j;
+      const T raw = static_cast<T>(scores[i]);
+      const bool ok = raw - raw == T(0);  // raw - raw is NaN for inf and NaN
+      const T si = (neutral && !ok) ? T(0.5) : raw;
+      in.ok[j][l] = ok ? T(1) : T(0);
+      in.d[j][l] = log_odds[i];
+      in.x[j][l] = log_odds[i] + (T(2) * si - T(1)) * in.inv_eps[l];
+    }
+  }
+}
+
+template <int M, class scalar_t, class T>
+DTP_INLINE void forward_tile(const BlocksForwardArgs& a, int64_t seg0) {
+  TileInputs<M, T> in;
+  const T* shift_in = static_cast<const T*>(a.shift) + seg0;
+  load_tile<M, scalar_t, T>(static_cast<const scalar_t*>(a.scores),
+                            static_cast<const T*>(a.log_odds), static_cast<const T*>(a.keep), a.eps,
+                            seg0, a.neutral, in);
+  T xmax[kTile], xmin[kTile], bad[kTile], bias[kTile], delta[kTile];
+  for (int l = 0; l < kTile; ++l) {
+    a.invalid[seg0 + l] = !valid_segment(static_cast<double>(in.k[l]), a.eps[seg0 + l], M);
+  }
+  for (int l = 0; l < kTile; ++l) {
+    const T k = in.k[l];
+    const bool degenerate = !(k > T(0) && k < T(M));
+    bias[l] = degenerate ? T(0) : log_fast(k) - log_fast(T(M) - k);
+    delta[l] = shift_in[l];
+    xmax[l] = -INFINITY;
+    xmin[l] = INFINITY;
+    bad[l] = 0;
+  }
+  for (int j = 0; j < M; ++j) {
+    for (int l = 0; l < kTile; ++l) {
+      const T v = in.x[j][l];
+      bad[l] += (in.ok[j][l] == T(1) && v - v == T(0)) ? T(0) : T(1);
+      xmax[l] = v > xmax[l] ? v : xmax[l];
+      xmin[l] = v < xmin[l] ? v : xmin[l];
+    }
+  }
+
+  T terms[M][kTile], s1[kTile];
+  for (int64_t t = 0; t < a.iters; ++t) {
+    T dl[kTile], m1[kTile], m0[kTile], s0[kTile];
+    T lowest = 0;
+    for (int l = 0; l < kTile; ++l) {
+      dl[l] = delta[l];
+      const T hi = min_zero(xmax[l] + dl[l]), lo = min_zero(-(xmin[l] + dl[l]));
+      m1[l] = hi - hi == T(0) ? hi : T(0);  // non-finite segment: its state is kept
+      m0[l] = lo - lo == T(0) ? lo : T(0);
+      lowest = std::min(lowest, std::min(m1[l], m0[l]));
+      s1[l] = 0;
+      s0[l] = 0;
+    }
+    if (lowest >= T(kMinScaledShift)) {  // one exp per element (transport_math.h)
+      T c1[kTile], c0[kTile];
+      for (int l = 0; l < kTile; ++l) {
+        c1[l] = exp_fast(-m1[l]);
+        c0[l] = exp_fast(-m0[l]);
+      }
+      for (int j = 0; j < M; ++j) {
+        for (int l = 0; l < kTile; ++l) {
+          const T z = in.x[j][l] + dl[l];
+          const auto parts = sigmoid_parts(z);
+          terms[j][l] = scaled_sigmoid(z, parts, c1[l]);
+          s1[l] += terms[j][l];
+          s0[l] += scaled_sigmoid_neg(z, parts, c0[l]);
+        }
+      }
+    } else {
+      for (int j = 0; j < M; ++j) {
+        for (int l = 0; l < kTile; ++l) {
+          const T z = in.x[j][l] + dl[l];
+          const T r = sigmoid_abs(z);
+          terms[j][l] = exp_log_sigmoid(z, m1[l], r);
+          s1[l] += terms[j][l];
+          s0[l] += exp_log_sigmoid(-z, m0[l], r);
+        }
+      }
+    }
+    T l1[kTile], l0[kTile];
+    for (int l = 0; l < kTile; ++l) {
+      l1[l] = m1[l] + log_fast(s1[l]);
+      l0[l] = m0[l] + log_fast(s0[l]);
+      delta[l] = bias[l] + dl[l] - l1[l] + l0[l];
+    }
+    for (int l = 0; l < kTile; ++l) {
+      double* row = a.stats + ((seg0 + l) * a.iters + t) * 3;
+      row[0] = static_cast<double>(dl[l]);
+      row[1] = static_cast<double>(l1[l]);
+      row[2] = static_cast<double>(l0[l]);
+    }
+  }
+
+  T scale[kTile], constant[kTile], next[kTile];
+  for (int l = 0; l < kTile; ++l) {
+    const T k = in.k[l];
+    const bool degenerate = !(k > T(0) && k < T(M));
+    const bool nonfinite = !(bad[l] == T(0) && delta[l] - delta[l] == T(0));
+    const bool advance = !degenerate && !nonfinite;
+    a.nonfinite[seg0 + l] = nonfinite;
+    static_cast<T*>(a.new_shift)[seg0 + l] = advance ? delta[l] : shift_in[l];
+    // mask_i = k P[i, 1] = k t_i / sum_j t_j, or the constant k / M of a degenerate one
+    scale[l] = k / s1[l];
+    constant[l] = degenerate ? k / T(M) : T(-1);  // -1: not degenerate (a mask is >= 0)
+    next[l] = advance ? T(1) : T(0);
+  }
+  T* mask = static_cast<T*>(a.mask) + seg0 * M;
+  T* new_d = static_cast<T*>(a.new_log_odds) + seg0 * M;
+  for (int l = 0; l < kTile; ++l) {
+    for (int j = 0; j < M; ++j) {
+      mask[l * M + j] = constant[l] >= T(0) ? constant[l] : terms[j][l] * scale[l];
+      new_d[l * M + j] = next[l] == T(1) ? in.x[j][l] + delta[l] : in.d[j][l];
+    }
+  }
+}
+
+// A tile of fewer than kTile segments: padded inputs (scores 0.5, k = M / 2, eps 1), the
+// tile run on them, the real segments' results copied out.
+template <int M, class scalar_t, class T>
+void tail_forward(const BlocksForwardArgs& a, int64_t seg0, int64_t count) {
+  scalar_t scores[kTile * M];
+  T log_odds[kTile * M] = {}, keep[kTile], shift[kTile] = {}, mask[kTile * M], new_d[kTile * M],
+                     new_shift[kTile];
+  double eps[kTile];
+  bool nonfinite[kTile];
+  uint8_t invalid[kTile];
+  std::vector<double> stats(kTile * a.iters * 3);
+  for (int i = 0; i < kTile * M; ++i) scores[i] = static_cast<scalar_t>(0.5f);
+  for (int l = 0; l < kTile; ++l) {
+    keep[l] = T(M / 2);
+    eps[l] = 1.0;
+  }
+  const int64_t n = count * M;
+  std::copy_n(static_cast<const scalar_t*>(a.scores) + seg0 * M, n, scores);
+  std::copy_n(static_cast<const T*>(a.log_odds) + seg0 * M, n, log_odds);
+  std::copy_n(static_cast<const T*>(a.keep) + seg0, count, keep);
+  std::copy_n(a.eps + seg0, count, eps);
+  std::copy_n(static_cast<const T*>(a.shift) + seg0, count, shift);
+  BlocksForwardArgs t{scores,    keep,         eps,       log_odds, shift,   mask,     new_d,
+                      new_shift, stats.data(), nonfinite, invalid,  a.iters, a.neutral};
+  forward_tile<M, scalar_t, T>(t, 0);
+  std::copy_n(mask, n, static_cast<T*>(a.mask) + seg0 * M);
+  std::copy_n(new_d, n, static_cast<T*>(a.new_log_odds) + seg0 * M);
+  std::copy_n(new_shift, count, static_cast<T*>(a.new_shift) + seg0);
+  std::copy_n(stats.data(), count * a.iters * 3, a.stats + seg0 * a.iters * 3);
+  std::copy_n(nonfinite, count, a.nonfinite + seg0);
+  std::copy_n(invalid, count, a.invalid + seg0);
+}
+
+template <int M, class scalar_t, class T>
+DTP_INLINE void tiles_loop(const BlocksForwardArgs& a, int64_t lo, int64_t hi) {
+  int64_t seg = lo;
+  for (; seg + kTile <= hi; seg += kTile) forward_tile<M, scalar_t, T>(a, seg);
+  if (seg < hi) tail_forward<M, scalar_t, T>(a, seg, hi - seg);
+}
+
+struct BlocksBackwardArgs {
+  const void* grad_mask;  // acc_t
+  const void* scores;
+  const void* keep;  // acc_t
+  const double* eps;
+  const void* log_odds;
+  const double* stats;
+  void* grad_scores;  // acc_t
+  double* grad_keep;
+  int64_t iters;
+  bool neutral;
+};
+
+// The tile's backward (docs/design.md section 2): the last pass gives
+// dL/dz = k q (g - sum g p); earlier passes add their terms through the shift.
+template <int M, class scalar_t, class T>
+DTP_INLINE void backward_tile(const BlocksBackwardArgs& a, int64_t seg0) {
+  TileInputs<M, T> in;
+  load_tile<M, scalar_t, T>(static_cast<const scalar_t*>(a.scores),
+                            static_cast<const T*>(a.log_odds), static_cast<const T*>(a.keep), a.eps,
+                            seg0, a.neutral, in);
+  const T* gm = static_cast<const T*>(a.grad_mask) + seg0 * M;
+  T g[M][kTile], rows[3][kTile];
+  for (int l = 0; l < kTile; ++l) {
+    for (int j = 0; j < M; ++j) g[j][l] = gm[l * M + j];
+  }
+  auto read_rows = [&](int64_t t) {
+    for (int l = 0; l < kTile; ++l) {
+      const double* row = a.stats + ((seg0 + l) * a.iters + t) * 3;
+      for (int c = 0; c < 3; ++c) rows[c][l] = static_cast<T>(row[c]);
+    }
+  };
+  read_rows(a.iters - 1);
+  T q[M][kTile], gp[kTile], gq[kTile], qs[kTile], gs[kTile];
+  T lowest = 0;  // (NaN rows fail the test below and take the general form)
+  for (int l = 0; l < kTile; ++l) {
+    gp[l] = gq[l] = qs[l] = gs[l] = 0;
+    lowest = rows[1][l] < lowest || rows[1][l] != rows[1][l] ? T(-INFINITY) : lowest;
+  }
+  if (lowest >= T(kMinScaledShift)) {  // one exp per element (transport_math.h)
+    T c[kTile];
+    for (int l = 0; l < kTile; ++l) c[l] = exp_fast(-rows[1][l]);
+    for (int j = 0; j < M; ++j) {
+      for (int l = 0; l < kTile; ++l) {
+        const T z = in.x[j][l] + rows[0][l];
+        const auto parts = sigmoid_parts(z);
+        const T p = scaled_sigmoid(z, parts, c[l]);
+        q[j][l] = scaled_sigmoid_pair(parts, c[l]);
+        gp[l] += g[j][l] * p;
+        gq[l] += g[j][l] * q[j][l];
+        qs[l] += q[j][l];
+        gs[l] += g[j][l];
+      }
+    }
+  } else {
+    for (int j = 0; j < M; ++j) {
+      for (int l = 0; l < kTile; ++l) {
+        const T z = in.x[j][l] + rows[0][l];
+        const T r = sigmoid_abs(z);
+        const T p = exp_log_sigmoid(z, rows[1][l], r);
+        q[j][l] = exp_log_sigmoid_pair(z, rows[1][l], r);
+        gp[l] += g[j][l] * p;
+        gq[l] += g[j][l] * q[j][l];
+        qs[l] += q[j][l];
+        gs[l] += g[j][l];
+      }
+    }
+  }
+  T grad[M][kTile], gdelta[kTile], grad_bias[kTile];
+  for (int j = 0; j < M; ++j) {
+    for (int l = 0; l < kTile; ++l) grad[j][l] = in.k[l] * q[j][l] * (g[j][l] - gp[l]);
+  }
+  for (int l = 0; l < kTile; ++l) {
+    gdelta[l] = in.k[l] * (gq[l] - gp[l] * qs[l]);
+    grad_bias[l] = 0;
+  }
+  // Earlier passes: d delta_t / d x_i = -w_i(t), d delta_t / d delta_{t-1} = 1 - W_t.
+  for (int64_t t = a.iters - 2; t >= 0; --t) {
+    read_rows(t);
+    T wsum[kTile] = {};
+    for (int j = 0; j < M; ++j) {
+      for (int l = 0; l < kTile; ++l) {
+        const T z = in.x[j][l] + rows[0][l];
+        const T r = sigmoid_abs(z);
+        const T w = exp_log_sigmoid_pair(z, rows[1][l], r) + exp_log_sigmoid_pair(z, rows[2][l], r);
+        grad[j][l] -= gdelta[l] * w;
+        wsum[l] += w;
+      }
+    }
+    for (int l = 0; l < kTile; ++l) {
+      grad_bias[l] += gdelta[l];
+      gdelta[l] *= T(1) - wsum[l];
+    }
+  }
+  T to_scores[kTile];
+  for (int l = 0; l < kTile; ++l) {
+    const T k = in.k[l];
+    const bool degenerate = !(k > T(0) && k < T(M));
+    to_scores[l] = degenerate ? T(-1) : T(2) * in.inv_eps[l];  // -1: degenerate, no gradient
+    a.grad_keep[seg0 + l] =
+        degenerate ? static_cast<double>(gs[l]) / M
+                   : static_cast<double>(gp[l] + grad_bias[l] * T(M) / (k * (T(M) - k)));
+  }
+  T* out = static_cast<T*>(a.grad_scores) + seg0 * M;
+  for (int l = 0; l < kTile; ++l) {
+    for (int j = 0; j < M; ++j) {
+      // a degenerate segment (mask = k / M) and scores read as the neutral 0.5: none
+      const bool zero = to_scores[l] < T(0) || (a.neutral && in.ok[j][l] == T(0));
+      out[l * M + j] = zero ? T(0) : grad[j][l] * to_scores[l];
+    }
+  }
+}
+
+// A tile of fewer than kTile segments, on padded copies as tail_forward.
+template <int M, class scalar_t, class T>
+void tail_backward(const BlocksBackwardArgs& a, int64_t seg0, int64_t count) {
+  scalar_t scores[kTile * M];
+  T grad_mask[kTile * M] = {}, log_odds[kTile * M] = {}, keep[kTile], grad[kTile * M];
+  double eps[kTile], grad_keep[kTile];
+  std::vector<double> stats(kTile * a.iters * 3, 0.0);
+  for (int i = 0; i < kTile * M; ++i) scores[i] = static_cast<scalar_t>(0.5f);
+  for (int l = 0; l < kTile; ++l) {
+    keep[l] = T(M / 2);
+    eps[l] = 1.0;
+  }
+  const int64_t n = count * M;
+  std::copy_n(static_cast<const T*>(a.grad_mask) + seg0 * M, n, grad_mask);
+  std::copy_n(static_cast<const scalar_t*>(a.scores) + seg0 * M, n, scores);
+  std::copy_n(static_cast<const T*>(a.log_odds) + seg0 * M, n, log_odds);
+  std::copy_n(static_cast<const T*>(a.keep) + seg0, count, keep);
+  std::copy_n(a.eps + seg0, count, eps);
+  std::copy_n(a.stats + seg0 * a.iters * 3, count * a.iters * 3, stats.data());
+  BlocksBackwardArgs t{grad_mask,    scores, keep,      eps,     log_odds,
+                       stats.data(), grad,   grad_keep, a.iters, a.neutral};
+  backward_tile<M, scalar_t, T>(t, 0);
+  std::copy_n(grad, n, static_cast<T*>(a.grad_scores) + seg0 * M);
+  std::copy_n(grad_keep, count, a.grad_keep + seg0);
+}
+
+template <int M, class scalar_t, class T>
+DTP_INLINE void tiles_loop(const BlocksBackwardArgs& a, int64_t lo, int64_t hi) {
+  int64_t seg = lo;
+  for (; seg + kTile <= hi; seg += kTile) backward_tile<M, scalar_t, T>(a, seg);
+  if (seg < hi) tail_backward<M, scalar_t, T>(a, seg, hi - seg);
+}
+
+// Entry points per (M, scores dtype, accumulate type), for the forward and the backward
+// (overloaded on their arguments): float accumulation gets AVX-512/AVX2 clones, double a
+// plain build.
+template <int M, class scalar_t, class Args>
+DTP_CLONES void tiles_f32(const Args& a, int64_t lo, int64_t hi) {
+  tiles_loop<M, scalar_t, float>(a, lo, hi);
+}
+template <int M, class scalar_t, class Args>
+void tiles_f64(const Args& a, int64_t lo, int64_t hi) {
+  tiles_loop<M, scalar_t, double>(a, lo, hi);
+}
+
+// Runs the tiles of all segments, M turned into a template constant in one place.
+template <class scalar_t, class Args>
+void run_tiles(const Args& a, int64_t nseg, int64_t m, bool is_double) {
+  for_each_segment_range(nseg, m, [&](int64_t lo, int64_t hi) {
+    auto run = [&](auto size) {
+      constexpr int kM = decltype(size)::value;
+      is_double ? tiles_f64<kM, scalar_t>(a, lo, hi) : tiles_f32<kM, scalar_t>(a, lo, hi);
+    };
+    if (m == 4) {
+      run(std::integral_constant<int, 4>{});
+    } else if (m == 8) {
+      run(std::integral_constant<int, 8>{});
+    } else {
+      run(std::integral_constant<int, 16>{});
+    }
+  });
+}
+
+// The first segment whose keep or eps is out of range, named with its value.
+void check_invalid(const at::Tensor& invalid, const at::Tensor& keep, const at::Tensor& eps,
+                   int64_t m) {
+  const uint8_t* flags = invalid.data_ptr<uint8_t>();
+  const int64_t nseg = invalid.numel();
+  for (int64_t s = 0; s < nseg; ++s) {
+    if (!flags[s]) continue;
+    const double k = keep[s].item<double>(), e = eps[s].item<double>();
+    TORCH_CHECK(k >= 0.0 && k <= static_cast<double>(m), "dtp::transport_mask: keep[", s, "] = ", k,
+                " is outside [0, ", m, "]");
+    TORCH_CHECK(false, "dtp::transport_mask: eps[", s, "] = ", e, " must be finite and > 0");
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport_mask_blocks_cpu(
+    const at::Tensor& scores_in, const at::Tensor& keep_in, const at::Tensor& eps_in,
+    const at::Tensor& log_odds_in, const at::Tensor& shift_in, int64_t iters,
+    bool neutral_nonfinite, int64_t m) {
+  const int64_t nseg = keep_in.numel();
+  const auto acc = acc_type(scores_in);
+  TORCH_CHECK(eps_in.device().is_cpu() && keep_in.device().is_cpu(),
+              "dtp::transport_mask: keep and eps must be CPU tensors");
+  const auto scores = scores_in.contiguous();
+  const auto keep = keep_in.to(acc).contiguous();
+  const auto eps = eps_in.to(at::kDouble).contiguous();
+  const auto log_odds = log_odds_in.contiguous();
+  const auto shift = shift_in.contiguous();
+  auto mask_acc = at::empty({scores.numel()}, log_odds.options());
+  auto new_d = at::empty_like(log_odds);
+  auto new_shift = at::empty_like(shift);
+  auto stats = at::empty({nseg, iters, 3}, log_odds.options().dtype(at::kDouble));
+  auto nonfinite = at::empty({nseg}, log_odds.options().dtype(at::kBool));
+  auto invalid = at::empty({nseg}, log_odds.options().dtype(at::kByte));
+  BlocksForwardArgs a{scores.data_ptr(),
+                      keep.data_ptr(),
+                      eps.data_ptr<double>(),
+                      log_odds.data_ptr(),
+                      shift.data_ptr(),
+                      mask_acc.data_ptr(),
+                      new_d.data_ptr(),
+                      new_shift.data_ptr(),
+                      stats.data_ptr<double>(),
+                      nonfinite.data_ptr<bool>(),
+                      invalid.data_ptr<uint8_t>(),
+                      iters,
+                      neutral_nonfinite};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scores.scalar_type(),
+                                  "transport_mask_blocks_cpu",
+                                  [&] { run_tiles<scalar_t>(a, nseg, m, acc == at::kDouble); });
+  check_invalid(invalid, keep_in, eps_in, m);
+  auto mask =
+      mask_acc.scalar_type() == scores.scalar_type() ? mask_acc : mask_acc.to(scores.scalar_type());
+  return {mask, new_d, new_shift, stats, nonfinite};
+}
+
+std::tuple<at::Tensor, at::Tensor> transport_mask_blocks_backward_cpu(
+    const at::Tensor& grad_mask, const at::Tensor& scores_in, const at::Tensor& keep_in,
+    const at::Tensor& eps_in, const at::Tensor& log_odds_in, const at::Tensor& stats_in,
+    bool neutral_nonfinite, int64_t m) {
+  const int64_t nseg = keep_in.numel();
+  const auto acc = acc_type(scores_in);
+  const auto scores = scores_in.contiguous();
+  const auto keep = keep_in.to(acc).contiguous();
+  const auto eps = eps_in.to(at::kDouble).contiguous();
+  const auto log_odds = log_odds_in.contiguous();
+  const auto stats = stats_in.contiguous();
+  const auto g = grad_mask.to(acc).contiguous();
+  auto grad_x = at::empty({scores.numel()}, log_odds.options());
+  auto grad_keep = at::empty({nseg}, keep_in.options().dtype(at::kDouble));
+  BlocksBackwardArgs a{g.data_ptr(),        scores.data_ptr(),
+                       keep.data_ptr(),     eps.data_ptr<double>(),
+                       log_odds.data_ptr(), stats.data_ptr<double>(),
+                       grad_x.data_ptr(),   grad_keep.data_ptr<double>(),
+                       stats.size(1),       neutral_nonfinite};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scores.scalar_type(),
+                                  "transport_mask_blocks_backward_cpu",
+                                  [&] { run_tiles<scalar_t>(a, nseg, m, acc == at::kDouble); });
+  auto grad_keep_out =
+      keep_in.scalar_type() == at::kDouble ? grad_keep : grad_keep.to(keep_in.scalar_type());
+  return {grad_x.to(scores.scalar_type()), grad_keep_out};
+}
+
+}  // namespace dtp

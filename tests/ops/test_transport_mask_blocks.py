@@ -1,0 +1,205 @@
+"""transport_mask on segments that all have one small size (4, 8 or 16: the blocks of
+N:M sparsity), which the compiled backends run with kernels of their own (no offsets,
+one tile of segments at a time): against the literal reference like every other path,
+and against the general kernels on the same inputs.
+"""
+
+import pytest
+import torch
+
+import dtp_kernels
+from dtp_kernels import TransportState, transport_mask
+from utils import check_low_precision, run_loop
+
+compiled = pytest.mark.skipif(
+    "cpu" not in dtp_kernels.available_backends("cpu"), reason="dtp_kernels._C is not built"
+)
+
+
+def blocks_layout(m: int, count: int) -> list[tuple[int, float]]:
+    """`count` segments of size m with k cycling through 0, N:M's counts, fractions and m."""
+    ks = [0.0, 1.0, m / 2, m - 1.0, float(m), 1.5, m / 4 + 0.25]
+    return [(m, ks[i % len(ks)]) for i in range(count)]
+
+
+def test_uniform_tiny_segments_choose_the_blocks_kernels():
+    assert TransportState([4] * 10).segment_size == 4
+    assert TransportState([8] * 3).segment_size == 8
+    assert TransportState([16]).segment_size == 16
+    assert TransportState([4, 8]).segment_size == 0  # not all alike
+    assert TransportState([3] * 5).segment_size == 0  # no kernel of its own
+    assert TransportState([32] * 5).segment_size == 0
+
+
+# 37 segments: two whole tiles of 16 and a partial one.
+@pytest.mark.parametrize("m", [4, 8, 16])
+@pytest.mark.parametrize("iters", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_blocks_match_reference_over_a_training_loop(device_backend, m, iters, dtype):
+    device, backend = device_backend
+    steps = 8 if (device, backend) == ("cpu", "triton") else 40
+    state, _ = run_loop(
+        backend, dtype, iters, steps=steps, layout=blocks_layout(m, 37), device=device
+    )
+    assert state.segment_size == m
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_blocks_low_precision_scores_match_reference(device_backend, dtype):
+    device, backend = device_backend
+    check_low_precision(backend, dtype, device, layout=blocks_layout(4, 21))
+
+
+@compiled
+@pytest.mark.parametrize("iters", [1, 3])
+@pytest.mark.parametrize("m", [4, 16])
+def test_blocks_gradcheck_float64(m, iters):
+    # interior k only: finite differences in k must stay inside [0, n]
+    layout = [(n, k) for n, k in blocks_layout(m, 24) if 0 < k < n][:19]
+    sizes, keep = [n for n, _ in layout], [k for _, k in layout]
+    state = TransportState(sizes, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(3)
+    state.log_odds.copy_(torch.randn(state.numel, generator=gen, dtype=torch.float64))
+    state.shift.copy_(torch.randn(len(sizes), generator=gen, dtype=torch.float64))
+    scores = torch.rand(state.numel, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.tensor(keep, dtype=torch.float64).requires_grad_(True)
+
+    def step(s, k):
+        return transport_mask(s, k, state, eps=0.7, iters=iters, update=False, backend="cpu")
+
+    assert torch.autograd.gradcheck(step, (scores, k), atol=1e-7)
+
+
+def general_twin(state: TransportState) -> TransportState:
+    """A copy of `state` that the compiled backends run with the general kernels."""
+    twin = TransportState(state.sizes, dtype=state.log_odds.dtype, device=state.device)
+    twin.load_state_dict(state.state_dict())
+    twin.segment_size = 0
+    return twin
+
+
+def step_both(state, twin, scores, keep, **options):
+    """One step with its gradient on the blocks kernels and on the general ones."""
+    results = []
+    for s in (state, twin):
+        x = scores.clone().requires_grad_(True)
+        k = keep.clone().requires_grad_(True)
+        mask = transport_mask(x, k, s, backend="cpu", **options)
+        mask.backward(torch.linspace(-1, 1, mask.numel(), dtype=mask.dtype))
+        results.append((mask.detach(), x.grad, k.grad))
+        s.commit()
+    return results
+
+
+@compiled
+@pytest.mark.parametrize("nonfinite", ["propagate", "neutral"])
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), -float("inf")])
+def test_blocks_nonfinite_scores_as_the_general_kernels(nonfinite, bad_value):
+    """A segment with a NaN/Inf score keeps its state and is counted as skipped; the mask
+    is NaN there (propagate) or finite with the score read as 0.5 (neutral)."""
+    layout = blocks_layout(4, 40)
+    state = TransportState([n for n, _ in layout])
+    twin = general_twin(state)
+    keep = torch.tensor([k for _, k in layout])
+    scores = torch.rand(state.numel, generator=torch.Generator().manual_seed(5))
+    scores[[1, 70, 159]] = bad_value  # segments 0, 17 (second tile) and 39 (partial tile)
+    for _ in range(3):
+        blocks, general = step_both(state, twin, scores, keep, nonfinite=nonfinite)
+        for a, b in zip(blocks, general, strict=True):
+            assert torch.equal(a.isnan(), b.isnan())
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
+    skipped = state.skipped_steps
+    assert torch.equal(skipped, twin.skipped_steps)
+    assert skipped[[0, 17, 39]].tolist() == [3, 3, 3] and int(skipped.sum()) == 9
+    if nonfinite == "neutral":
+        assert torch.isfinite(blocks[0]).all() and torch.isfinite(blocks[1]).all()
+
+
+@compiled
+def test_blocks_far_from_the_column_maxima_as_the_general_kernels():
+    """Log-odds so negative that every z < -60: the form with two exps per element."""
+    layout = blocks_layout(8, 20)
+    state = TransportState([n for n, _ in layout])
+    state.log_odds.fill_(-90.0)
+    state.log_odds[::3] = 500.0  # and some far above
+    twin = general_twin(state)
+    keep = torch.tensor([k for _, k in layout])
+    scores = torch.rand(state.numel, generator=torch.Generator().manual_seed(6))
+    for _ in range(3):
+        blocks, general = step_both(state, twin, scores, keep, iters=2)
+        for a, b in zip(blocks, general, strict=True):
+            assert torch.isfinite(a).all()
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(state.log_odds, twin.log_odds, rtol=1e-6, atol=1e-4)
+
+
+@compiled
+@pytest.mark.parametrize("m", [4, 16])
+def test_blocks_split_over_threads_are_bitwise_equal_and_match_the_general_kernels(m):
+    """Above 32,768 elements the segments are split over threads: the result does not
+    depend on the thread count, and equals the general kernels up to rounding."""
+    nseg = 90_003 // m  # a partial tile at the end
+    state = TransportState([m] * nseg)
+    gen = torch.Generator().manual_seed(7)
+    scores = torch.randn(state.numel, generator=gen)
+    keep = torch.full((nseg,), m / 2)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n_threads in (1, max(threads, 2), 1):
+            torch.set_num_threads(n_threads)
+            s = scores.clone().requires_grad_(True)
+            mask = transport_mask(s, keep, state, iters=2, backend="cpu")
+            mask.pow(2).sum().backward()
+            results.append((mask.detach(), s.grad, state.pending_log_odds.clone()))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert torch.equal(a, b)
+    twin = general_twin(state)
+    s = scores.clone().requires_grad_(True)
+    mask = transport_mask(s, keep, twin, iters=2, backend="cpu")
+    mask.pow(2).sum().backward()
+    torch.testing.assert_close(mask.detach(), results[0][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(s.grad, results[0][1], rtol=1e-4, atol=1e-6)
+
+
+@compiled
+def test_blocks_op_checks_its_arguments():
+    scores, offsets = torch.rand(12), torch.tensor([0, 4, 8, 12])
+    keep, eps = torch.tensor([2.0, 2.0, 2.0]), torch.ones(3, dtype=torch.float64)
+    log_odds, shift = torch.zeros(12), torch.zeros(3)
+    op = torch.ops.dtp.transport_mask
+    with pytest.raises(RuntimeError, match=r"segment_size must be 0 .* 4, 8 or 16, got 5"):
+        op(scores, offsets, keep, eps, log_odds, shift, 1, False, 0, 5)
+    with pytest.raises(RuntimeError, match="segment_size 8 with 3 segments needs 24 scores"):
+        op(scores, offsets, keep, eps, log_odds, shift, 1, False, 0, 8)
+    with pytest.raises(RuntimeError, match=r"keep\[1\] = 4.5 is outside \[0, 4\]"):
+        op(scores, offsets, torch.tensor([2.0, 4.5, 1.0]), eps, log_odds, shift, 1, False, 0, 4)
+    bad_eps = torch.tensor([1.0, 1.0, 0.0], dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"eps\[2\] = 0 must be finite and > 0"):
+        op(scores, offsets, keep, bad_eps, log_odds, shift, 1, False, 0, 4)
+    mask, *_ = op(scores, offsets, keep, eps, log_odds, shift, 1, False, 0, 4)
+    torch.testing.assert_close(mask.view(3, 4).sum(1), keep)
+
+
+@compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("iters", [1, 3])
+def test_opcheck_blocks(dtype, iters):
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    nseg = 19
+    args = (
+        torch.randn(nseg * 4).to(dtype).requires_grad_(True),
+        torch.arange(nseg + 1) * 4,
+        torch.full((nseg,), 2.0, dtype=acc, requires_grad=True),
+        torch.full((nseg,), 0.5, dtype=torch.float64),
+        torch.randn(nseg * 4, dtype=acc),
+        torch.randn(nseg, dtype=acc),
+        iters,
+        False,
+        0,
+        4,
+    )
+    torch.library.opcheck(torch.ops.dtp.transport_mask.default, args)
