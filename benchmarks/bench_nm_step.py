@@ -1,11 +1,12 @@
 """The mask step with N:M segments: forward + backward of DTP's transport step over
 `numel` weights cut into blocks of 4 keeping 2 (one segment per block, as
-granularity="n:m" runs it), against the same weights as one segment, interleaved.
+granularity="n:m" runs it) on the kernels for tiny equal segments and on the general
+kernels, against the same weights as one segment, interleaved.
 
     python benchmarks/bench_nm_step.py [--device cpu|cuda] [--rounds N] [--no-save]
 
 Rows go to results/nm_step.csv, the table to results/nm_step_<device>.md. The ratio is
-the cost of many tiny segments on kernels that treat every segment alike.
+the cost of many tiny segments against one segment of the same size.
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ import dtp_kernels
 from dtp_kernels import TransportState, transport_mask
 
 
-def step(sizes: list[int], keep: float, device: torch.device, backend: str):
-    """One fwd + bwd of the mask step over segments of `sizes`, keeping `keep` of each."""
+def step(sizes: list[int], keep: float, device: torch.device, backend: str, tiny: bool = True):
+    """One fwd + bwd of the mask step over segments of `sizes`, keeping `keep` of each;
+    `tiny=False` runs equal tiny segments on the general kernels (read from offsets)."""
     numel = sum(sizes)
     state = TransportState(sizes, device=device)
+    if not tiny:
+        state.segment_size = 0
     gen = torch.Generator().manual_seed(0)
     scores = torch.rand(numel, generator=gen).to(device).requires_grad_(True)
     grad = torch.randn(numel, generator=gen).to(device)
@@ -43,16 +47,20 @@ def step(sizes: list[int], keep: float, device: torch.device, backend: str):
 def setup(point: dict, device: torch.device) -> Cases:
     numel = point["numel"]
     backend = dtp_kernels.available_backends(device)[-1]
+    blocks = [4] * (numel // 4)
     return {
         ("one segment", "full"): (step([numel], 0.5, device, backend), 3),
-        ("2:4 segments", "full"): (step([4] * (numel // 4), 0.5, device, backend), 3),
+        ("2:4, tiny-segment kernels", "full"): (step(blocks, 0.5, device, backend), 3),
+        ("2:4, general kernels", "full"): (step(blocks, 0.5, device, backend, tiny=False), 3),
     }
 
 
 SWEEP = Sweep(
     op="transport_mask_nm",
     title="transport_mask fwd + bwd: 2:4 segments against one segment of the same size",
-    points=[{"shape": f"{n} weights", "dtype": "float32", "numel": n} for n in (2**16, 2**20)],
+    points=[
+        {"shape": f"{n} weights", "dtype": "float32", "numel": n} for n in (2**16, 2**20, 2**23)
+    ],
     setup=setup,
     baselines=["one segment"],
     note="`auto` backend. The 2:4 step's cost in one-segment steps is 1 / (x vs one segment).",

@@ -334,9 +334,11 @@ __device__ __forceinline__ void grad_output_phase(const BwdParams<scalar_t, acc_
       grad += static_cast<acc_t>(p.coef[g.index * npass + t]) *
               pass_weight(x, p.stats + (g.index * p.iters + t) * 3);
     }
-    // A score read as the neutral 0.5 gets no gradient.
+    // A score read as the neutral 0.5 gets no gradient, nor does a degenerate segment
+    // (its mask is constant), even where grad is NaN.
     const bool neutral_here = p.neutral && !is_finite(static_cast<acc_t>(p.scores[i]));
-    p.grad_scores[i] = static_cast<scalar_t>(neutral_here ? acc_t(0) : scale * grad);
+    const bool none = neutral_here || g.degenerate;
+    p.grad_scores[i] = static_cast<scalar_t>(none ? acc_t(0) : scale * grad);
   }
 }
 

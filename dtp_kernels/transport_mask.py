@@ -273,8 +273,11 @@ def _transport_mask_torch(
     degenerate = ~((k > 0) & (k < n))
     k_safe = torch.where(degenerate, n / 2, k)  # keeps the unused branch finite for autograd
     bias = torch.log(k_safe) - torch.log(n - k_safe)
+    # A degenerate segment's mask is constant: its x enters as 0, so a NaN score there
+    # cannot make a NaN gradient through the unused branch.
+    x_used = torch.where(degenerate[seg], 0.0, x)
     for _ in range(iters):
-        z = x + delta[seg]
+        z = x_used + delta[seg]
         log_sig = torch.nn.functional.logsigmoid(z)
         l1 = _segment_logsumexp(log_sig, seg, nseg)
         l0 = _segment_logsumexp(torch.nn.functional.logsigmoid(-z), seg, nseg)
@@ -410,9 +413,18 @@ if triton_installed():
         log_odds: Tensor,
         shift: Tensor,
         neutral_nonfinite: bool,
+        segment_size: int = 0,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         return _tk.transport_mask_forward(
-            wrap_triton, scores, offsets, keep, eps, log_odds, shift, neutral_nonfinite
+            wrap_triton,
+            scores,
+            offsets,
+            keep,
+            eps,
+            log_odds,
+            shift,
+            neutral_nonfinite,
+            segment_size,
         )
 
     @triton_op("dtp::transport_mask_triton_backward", mutates_args=())
@@ -425,16 +437,26 @@ if triton_installed():
         log_odds: Tensor,
         stats: Tensor,
         neutral_nonfinite: bool,
+        segment_size: int = 0,
     ) -> tuple[Tensor, Tensor]:
         return _tk.transport_mask_backward(
-            wrap_triton, grad_mask, scores, offsets, keep, eps, log_odds, stats, neutral_nonfinite
+            wrap_triton,
+            grad_mask,
+            scores,
+            offsets,
+            keep,
+            eps,
+            log_odds,
+            stats,
+            neutral_nonfinite,
+            segment_size,
         )
 
     def _triton_setup_context(ctx, inputs, output) -> None:
-        scores, offsets, keep, eps, log_odds, _shift, neutral = inputs
+        scores, offsets, keep, eps, log_odds, _shift, neutral, segment_size = inputs
         _mask, new_d, new_shift, stats, nonfinite = output
         ctx.save_for_backward(scores, offsets, keep, eps, log_odds, stats)
-        ctx.neutral = neutral
+        ctx.neutral, ctx.segment_size = neutral, segment_size
         ctx.mark_non_differentiable(new_d, new_shift, stats, nonfinite)
 
     def _triton_backward(ctx, grad_mask, _g_d, _g_shift, _g_stats, _g_nonfinite):
@@ -442,9 +464,9 @@ if triton_installed():
         if grad_mask is None:
             grad_mask = torch.zeros_like(scores)
         grad_scores, grad_keep = _transport_mask_triton_backward_op(
-            grad_mask, scores, offsets, keep, eps, log_odds, stats, ctx.neutral
+            grad_mask, scores, offsets, keep, eps, log_odds, stats, ctx.neutral, ctx.segment_size
         )
-        return grad_scores, None, grad_keep, None, None, None, None
+        return grad_scores, None, grad_keep, None, None, None, None, None
 
     _transport_mask_triton_op.register_autograd(
         _triton_backward, setup_context=_triton_setup_context
@@ -463,7 +485,14 @@ def _transport_mask_triton(
         return _transport_mask_torch(scores, keep, eps, state, iters, neutral)
     offsets, log_odds, shift = _state_tensors(state, scores)
     mask, new_d, new_shift, _stats, nonfinite = _transport_mask_triton_op(
-        scores.contiguous(), offsets, keep.contiguous(), eps, log_odds, shift, neutral
+        scores.contiguous(),
+        offsets,
+        keep.contiguous(),
+        eps,
+        log_odds,
+        shift,
+        neutral,
+        state.segment_size,
     )
     return mask, new_d, new_shift, nonfinite
 

@@ -81,14 +81,20 @@ class TransportState(nn.Module):
         self._keep_checked: tuple[torch.Tensor, int, torch.Tensor] | None = None
         self._sizes_cache: torch.Tensor | None = None
         self._eps_cache: tuple[float, torch.Tensor] | None = None
-        # Derived, not saved: segment index of every channel, for the eager backend.
-        self.register_buffer(
-            "segment_ids",
-            torch.repeat_interleave(
-                torch.arange(len(sizes)), torch.tensor(sizes, dtype=torch.int64)
-            ).to(device),
-            persistent=False,
-        )
+        # Derived, not saved, built on first use (see segment_ids).
+        self._segment_ids: torch.Tensor | None = None
+
+    @property
+    def segment_ids(self) -> torch.Tensor:
+        """Segment index of every channel (int64, on the state's device). Only the eager
+        ``torch`` backend and :meth:`hold` read it, so it is built on first use: the
+        compiled kernels never pay its 8 bytes per channel."""
+        ids = self._segment_ids
+        if ids is None or ids.device != self.device:
+            sizes = torch.tensor(self.sizes, dtype=torch.int64)
+            ids = torch.repeat_interleave(torch.arange(len(self.sizes)), sizes).to(self.device)
+            self._segment_ids = ids
+        return ids
 
     @property
     def num_segments(self) -> int:
@@ -127,7 +133,7 @@ class TransportState(nn.Module):
         pending step; on the device."""
         buffers = self._buffers
         pending_d, pending_s = buffers["pending_log_odds"], buffers["pending_shift"]
-        torch.where(segments[buffers["segment_ids"]], buffers["log_odds"], pending_d, out=pending_d)
+        torch.where(segments[self.segment_ids], buffers["log_odds"], pending_d, out=pending_d)
         torch.where(segments, buffers["shift"], pending_s, out=pending_s)
         buffers["pending_nonfinite"].logical_or_(segments & buffers["has_pending"])
 

@@ -6,7 +6,8 @@
 #
 # tests: every test marked cuda but not slow; bench: the kernel benchmarks; train: the training step (eager,
 # profiled, CUDA graph); vit: a ViT step with head and neuron masks (bench_vit_step.py);
-# scale: mask-step scaling and iterations; pipeline: `dtp prune` on the GPU
+# scale: mask-step scaling, iterations, N:M steps and 2:4 semi-structured layers;
+# pipeline: `dtp prune` on the GPU
 # (tests/pipeline/test_pipeline_gpu.py) and whole epochs with the data loader
 # (bench_pipeline.py); all: every one.
 #
@@ -75,6 +76,7 @@ for step in $steps; do
     run bench_scaling 120 $PY benchmarks/bench_scaling.py --device cuda --rounds 5
     run bench_iterations 90 $PY benchmarks/bench_iterations.py --device cuda --rounds 5
     run bench_nm_step 120 $PY benchmarks/bench_nm_step.py --device cuda --rounds 5
+    run bench_semi_structured 120 $PY benchmarks/bench_semi_structured.py --device cuda
     ;;
   esac
 done

@@ -1,9 +1,12 @@
 """Triton kernels of the DTP transport-mask step, one Sinkhorn iteration (iters = 1).
 
-Forward and backward are one launch each. Program p handles segment p: a first loop
+Forward and backward are one launch each. Segments of any size: program p handles
+segment p: a first loop
 over BLOCK-sized chunks builds the per-chunk max and sum-exp of both columns and merges
 them in chunk order (online log-sum-exp; no atomics, so results are bitwise
-reproducible), a second loop writes the mask and the next state. The math follows
+reproducible), a second loop writes the mask and the next state. Segments all of one
+tiny size (segment_size 4, 8 or 16, N:M blocks): a program takes a tile of them. The math
+follows
 docs/design.md section 1 and csrc/transport_math.h; it runs in fp32 (fp64 for fp64 scores).
 """
 
@@ -157,7 +160,7 @@ def _transport_mask_bwd_kernel(
         gs += tl.sum(g, axis=0)
 
     # Pass 2: d score_i = (2 / eps) k sigmoid(z) sigmoid(-z) / S1 (g_i - sum g p).
-    scale = tl.where(degenerate, 0.0, 2.0 * inv_eps * k)
+    scale = 2.0 * inv_eps * k
     for chunk in range(start, end, BLOCK):
         idx = chunk + lanes
         valid = idx < end
@@ -166,7 +169,7 @@ def _transport_mask_bwd_kernel(
         g = tl.load(grad_mask_ptr + idx, mask=valid, other=0.0).to(ACC)
         z = d + (2.0 * s - 1.0) * inv_eps + delta
         q = tl.exp(_log_sigmoid(z) + _log_sigmoid(-z) - lse1)
-        grad = scale * q * (g - gp)
+        grad = tl.where(degenerate, 0.0, scale * q * (g - gp))  # 0 even where q is NaN
         if NEUTRAL:
             grad = tl.where(s_ok, grad, 0.0)  # a score read as 0.5 gets no gradient
         tl.store(grad_scores_ptr + idx, grad.to(grad_scores_ptr.dtype.element_ty), mask=valid)
@@ -174,18 +177,156 @@ def _transport_mask_bwd_kernel(
     tl.store(grad_keep_ptr + seg, grad_keep.to(grad_keep_ptr.dtype.element_ty))
 
 
+# ---- segments all of one tiny size M (4, 8, 16; the blocks of N:M sparsity) ----------
+#
+# Program p handles BLOCK // M consecutive segments as a [segments, M] tile: no offsets
+# are read, every sum is a row reduction of the tile, each row in a fixed order.
+
+
+@triton.jit
+def _blocks_tile(
+    scores_ptr, log_odds_ptr, keep_ptr, eps_ptr, nseg, ACC, M, SEGS, NEUTRAL: tl.constexpr
+):
+    """The tile's (index, valid, scores, scores finite, log-odds, x, k, 1 / eps, segments)."""
+    seg = tl.program_id(0) * SEGS + tl.arange(0, SEGS)
+    idx = seg[:, None] * M + tl.arange(0, M)[None, :]
+    valid = (seg < nseg)[:, None] & (idx >= 0)
+    s, s_ok = _load_scores(scores_ptr, idx, valid, ACC, NEUTRAL)
+    d = tl.load(log_odds_ptr + idx, mask=valid, other=0.0).to(ACC)
+    k = tl.load(keep_ptr + seg, mask=seg < nseg, other=1.0).to(ACC)
+    inv_eps = 1.0 / tl.load(eps_ptr + seg, mask=seg < nseg, other=1.0).to(ACC)
+    x = d + (2.0 * s - 1.0) * inv_eps[:, None]
+    return idx, valid, s_ok, d, x, k, inv_eps, seg
+
+
+@triton.jit
+def _transport_mask_blocks_fwd_kernel(
+    scores_ptr,
+    keep_ptr,
+    eps_ptr,
+    log_odds_ptr,
+    shift_ptr,
+    mask_ptr,
+    new_log_odds_ptr,
+    new_shift_ptr,
+    stats_ptr,
+    nonfinite_ptr,
+    nseg,
+    ACC: tl.constexpr,
+    M: tl.constexpr,
+    SEGS: tl.constexpr,
+    NEUTRAL: tl.constexpr,
+):
+    idx, valid, s_ok, d, x, k, _inv_eps, seg = _blocks_tile(
+        scores_ptr, log_odds_ptr, keep_ptr, eps_ptr, nseg, ACC, M, SEGS, NEUTRAL
+    )
+    live = seg < nseg
+    delta = tl.load(shift_ptr + seg, mask=live, other=0.0).to(ACC)
+    bad = tl.sum(tl.where(valid & ((x - x != 0.0) | ~s_ok), 1, 0), axis=1)  # inf or NaN
+    z = x + delta[:, None]
+    l1 = _log_sigmoid(z)
+    l0 = _log_sigmoid(-z)
+    m1 = tl.max(l1, axis=1)
+    m0 = tl.max(l0, axis=1)
+    lse1 = m1 + tl.log(tl.sum(tl.exp(l1 - m1[:, None]), axis=1))
+    lse0 = m0 + tl.log(tl.sum(tl.exp(l0 - m0[:, None]), axis=1))
+
+    # k = 0 or k = M: one feasible plan, mask k/M, state kept (as the general kernel).
+    degenerate = (k <= 0.0) | (k >= M)
+    k_safe = tl.where(degenerate, M * 0.5, k)
+    new_delta = tl.log(k_safe) - tl.log(M - k_safe) + delta - lse1 + lse0
+    nonfinite = (bad != 0) | (new_delta - new_delta != 0.0)
+    advance = ~nonfinite & ~degenerate
+
+    mask = k[:, None] * tl.exp(l1 - lse1[:, None])
+    mask = tl.where(degenerate[:, None], (k / M)[:, None], mask)
+    tl.store(mask_ptr + idx, mask.to(mask_ptr.dtype.element_ty), mask=valid)
+    new_d = tl.where(advance[:, None], x + new_delta[:, None], d)
+    tl.store(new_log_odds_ptr + idx, new_d.to(new_log_odds_ptr.dtype.element_ty), mask=valid)
+    new_shift = tl.where(advance, new_delta, delta)
+    tl.store(new_shift_ptr + seg, new_shift.to(new_shift_ptr.dtype.element_ty), mask=live)
+    tl.store(stats_ptr + 3 * seg, delta.to(stats_ptr.dtype.element_ty), mask=live)
+    tl.store(stats_ptr + 3 * seg + 1, lse1.to(stats_ptr.dtype.element_ty), mask=live)
+    tl.store(stats_ptr + 3 * seg + 2, lse0.to(stats_ptr.dtype.element_ty), mask=live)
+    tl.store(nonfinite_ptr + seg, nonfinite, mask=live)
+
+
+@triton.jit
+def _transport_mask_blocks_bwd_kernel(
+    grad_mask_ptr,
+    scores_ptr,
+    keep_ptr,
+    eps_ptr,
+    log_odds_ptr,
+    stats_ptr,
+    grad_scores_ptr,
+    grad_keep_ptr,
+    nseg,
+    ACC: tl.constexpr,
+    M: tl.constexpr,
+    SEGS: tl.constexpr,
+    NEUTRAL: tl.constexpr,
+):
+    idx, valid, s_ok, _d, x, k, inv_eps, seg = _blocks_tile(
+        scores_ptr, log_odds_ptr, keep_ptr, eps_ptr, nseg, ACC, M, SEGS, NEUTRAL
+    )
+    live = seg < nseg
+    delta = tl.load(stats_ptr + 3 * seg, mask=live, other=0.0).to(ACC)
+    lse1 = tl.load(stats_ptr + 3 * seg + 1, mask=live, other=0.0).to(ACC)
+    g = tl.load(grad_mask_ptr + idx, mask=valid, other=0.0).to(ACC)
+    z = x + delta[:, None]
+    ls1 = _log_sigmoid(z)
+    p = tl.exp(ls1 - lse1[:, None])
+    gp = tl.sum(g * p, axis=1)
+    gs = tl.sum(g, axis=1)
+    # d score_i = (2 / eps) k sigmoid(z) sigmoid(-z) / S1 (g_i - sum g p)
+    degenerate = (k <= 0.0) | (k >= M)
+    scale = 2.0 * inv_eps * k
+    q = tl.exp(ls1 + _log_sigmoid(-z) - lse1[:, None])
+    grad = scale[:, None] * q * (g - gp[:, None])
+    grad = tl.where(degenerate[:, None], 0.0, grad)
+    if NEUTRAL:
+        grad = tl.where(s_ok, grad, 0.0)  # a score read as 0.5 gets no gradient
+    tl.store(grad_scores_ptr + idx, grad.to(grad_scores_ptr.dtype.element_ty), mask=valid)
+    grad_keep = tl.where(degenerate, gs / M, gp)
+    tl.store(grad_keep_ptr + seg, grad_keep.to(grad_keep_ptr.dtype.element_ty), mask=live)
+
+
 def _acc(scores: torch.Tensor):
     return tl.float64 if scores.dtype == torch.float64 else tl.float32
 
 
-def transport_mask_forward(launch, scores, offsets, keep, eps, log_odds, shift, neutral):
-    """Allocate outputs and launch the forward; `launch` wraps the kernel (wrap_triton)."""
+def transport_mask_forward(
+    launch, scores, offsets, keep, eps, log_odds, shift, neutral, segment_size=0
+):
+    """Allocate outputs and launch the forward; `launch` wraps the kernel (wrap_triton).
+    segment_size 4, 8 or 16: every segment has that size, the tile kernel runs."""
     nseg = offsets.shape[0] - 1
     mask = torch.empty_like(scores)
     new_log_odds = torch.empty_like(log_odds)
     new_shift = torch.empty_like(shift)
     stats = torch.empty((nseg, 1, 3), dtype=log_odds.dtype, device=scores.device)
     nonfinite = torch.empty((nseg,), dtype=torch.bool, device=scores.device)
+    if segment_size:
+        segs = BLOCK // segment_size
+        launch(_transport_mask_blocks_fwd_kernel)[(triton.cdiv(nseg, segs),)](
+            scores,
+            keep,
+            eps,
+            log_odds,
+            shift,
+            mask,
+            new_log_odds,
+            new_shift,
+            stats,
+            nonfinite,
+            nseg,
+            ACC=_acc(scores),
+            M=segment_size,
+            SEGS=segs,
+            NEUTRAL=neutral,
+        )
+        return mask, new_log_odds, new_shift, stats, nonfinite
     launch(_transport_mask_fwd_kernel)[(nseg,)](
         scores,
         offsets,
@@ -206,11 +347,29 @@ def transport_mask_forward(launch, scores, offsets, keep, eps, log_odds, shift, 
 
 
 def transport_mask_backward(
-    launch, grad_mask, scores, offsets, keep, eps, log_odds, stats, neutral
+    launch, grad_mask, scores, offsets, keep, eps, log_odds, stats, neutral, segment_size=0
 ):
     nseg = offsets.shape[0] - 1
     grad_scores = torch.empty_like(scores)
     grad_keep = torch.empty_like(keep)
+    if segment_size:
+        segs = BLOCK // segment_size
+        launch(_transport_mask_blocks_bwd_kernel)[(triton.cdiv(nseg, segs),)](
+            grad_mask.contiguous(),
+            scores,
+            keep,
+            eps,
+            log_odds,
+            stats,
+            grad_scores,
+            grad_keep,
+            nseg,
+            ACC=_acc(scores),
+            M=segment_size,
+            SEGS=segs,
+            NEUTRAL=neutral,
+        )
+        return grad_scores, grad_keep
     launch(_transport_mask_bwd_kernel)[(nseg,)](
         grad_mask.contiguous(),
         scores,

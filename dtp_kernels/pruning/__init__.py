@@ -6,6 +6,7 @@ from .baselines import L1Pruner, RandomPruner
 from .prepare import prepare
 from .pruner import DTPPruner, ExportMismatchError
 from .saving import load_pruned, save_pruned
+from .semi_structured import to_semi_structured
 
 __all__ = [
     "ChannelPruner",
@@ -16,4 +17,5 @@ __all__ = [
     "load_pruned",
     "prepare",
     "save_pruned",
+    "to_semi_structured",
 ]

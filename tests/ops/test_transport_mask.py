@@ -122,6 +122,28 @@ def test_degenerate_segments_have_constant_masks(any_backend):
     assert torch.any(state.log_odds[7:] != 0)
 
 
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("layout", [[4, 4, 4], [3, 5, 4]], ids=["blocks", "ragged"])
+def test_degenerate_segment_with_a_bad_score_has_zero_gradient(device_backend, bad_value, layout):
+    """The mask of k = 0 or k = n is constant whatever the scores: a NaN or Inf among them
+    gives no NaN gradient (the reference's), and the segment is still flagged."""
+    device, backend = device_backend
+    dtype = torch.float32 if backend == "triton" and device == "cuda" else torch.float64
+    state = TransportState(layout, dtype=dtype, device=device)
+    scores = torch.rand(12, dtype=dtype)
+    scores[[1, 5]] = bad_value
+    scores = scores.to(device).requires_grad_(True)
+    keep = [0.0, float(layout[1]), 2.0]
+    mask = transport_mask(scores, keep, state, backend=backend)
+    mask.backward(torch.linspace(-1, 1, 12, dtype=dtype, device=device))
+    grad = scores.grad.cpu()
+    assert torch.all(grad[:8] == 0) and torch.isfinite(grad[8:]).all()
+    assert state.pending_nonfinite.tolist() == [True, True, False]
+    ref = TransportState(layout, dtype=torch.float64)
+    transport_mask(scores.detach().cpu().double(), keep, ref, backend="reference")
+    assert ref.pending_nonfinite.tolist() == [True, True, False]
+
+
 COMPILED_DEVICE_BACKENDS = [
     ("cpu", "cpu"),
     pytest.param(("cuda", "cuda"), marks=pytest.mark.cuda),

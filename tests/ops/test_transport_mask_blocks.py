@@ -9,7 +9,7 @@ import torch
 
 import dtp_kernels
 from dtp_kernels import TransportState, transport_mask
-from utils import check_low_precision, run_loop
+from utils import check_low_precision, require_backend, run_loop
 
 compiled = pytest.mark.skipif(
     "cpu" not in dtp_kernels.available_backends("cpu"), reason="dtp_kernels._C is not built"
@@ -78,25 +78,26 @@ def general_twin(state: TransportState) -> TransportState:
     return twin
 
 
-def step_both(state, twin, scores, keep, **options):
+def step_both(state, twin, scores, keep, backend="cpu", **options):
     """One step with its gradient on the blocks kernels and on the general ones."""
     results = []
     for s in (state, twin):
         x = scores.clone().requires_grad_(True)
         k = keep.clone().requires_grad_(True)
-        mask = transport_mask(x, k, s, backend="cpu", **options)
+        mask = transport_mask(x, k, s, backend=backend, **options)
         mask.backward(torch.linspace(-1, 1, mask.numel(), dtype=mask.dtype))
         results.append((mask.detach(), x.grad, k.grad))
         s.commit()
     return results
 
 
-@compiled
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
 @pytest.mark.parametrize("nonfinite", ["propagate", "neutral"])
 @pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), -float("inf")])
-def test_blocks_nonfinite_scores_as_the_general_kernels(nonfinite, bad_value):
+def test_blocks_nonfinite_scores_as_the_general_kernels(backend, nonfinite, bad_value):
     """A segment with a NaN/Inf score keeps its state and is counted as skipped; the mask
     is NaN there (propagate) or finite with the score read as 0.5 (neutral)."""
+    require_backend(backend, "cpu")
     layout = blocks_layout(4, 40)
     state = TransportState([n for n, _ in layout])
     twin = general_twin(state)
@@ -104,7 +105,7 @@ def test_blocks_nonfinite_scores_as_the_general_kernels(nonfinite, bad_value):
     scores = torch.rand(state.numel, generator=torch.Generator().manual_seed(5))
     scores[[1, 70, 159]] = bad_value  # segments 0, 17 (second tile) and 39 (partial tile)
     for _ in range(3):
-        blocks, general = step_both(state, twin, scores, keep, nonfinite=nonfinite)
+        blocks, general = step_both(state, twin, scores, keep, backend, nonfinite=nonfinite)
         for a, b in zip(blocks, general, strict=True):
             assert torch.equal(a.isnan(), b.isnan())
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)

@@ -5,6 +5,7 @@ import io
 import pytest
 import torch
 
+import dtp_kernels
 from dtp_kernels import TransportState, transport_mask
 
 SIZES = [3, 17, 1, 64]
@@ -101,3 +102,31 @@ def test_reset_returns_to_uniform_start():
 def test_bad_sizes(bad):
     with pytest.raises(ValueError, match="size"):
         TransportState(bad)
+
+
+def test_segment_index_is_built_only_when_read():
+    """The compiled kernels never read the per-channel segment index (8 bytes a channel):
+    it is built on first use (eager torch backend, hold) and is then right."""
+    state = TransportState([2, 3, 1])
+    scores = torch.rand(6)
+    if "cpu" in dtp_kernels.available_backends("cpu"):
+        transport_mask(scores, [1.0, 1.0, 0.5], state, backend="cpu")
+        assert state._segment_ids is None
+    transport_mask(scores, [1.0, 1.0, 0.5], state, backend="torch")
+    assert state.segment_ids.tolist() == [0, 0, 1, 1, 1, 2]
+    assert "segment_ids" not in state.state_dict()
+
+
+def test_memory_benchmark_counts_every_part():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import dtp_memory
+
+    count, parts = dtp_memory.measure(3 * 32 * 32, "2:4", "Adam")
+    assert count == 3 * 32 * 32
+    assert parts["scores"] == parts["score gradient"] == 4 * count
+    assert parts["optimizer state"] >= 8 * count  # exp_avg and exp_avg_sq
+    assert parts["forward-to-backward"] == (count // 4) * 3 * 8
+    assert all(value > 0 for value in parts.values())

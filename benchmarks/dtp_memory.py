@@ -1,0 +1,102 @@
+"""Memory of DTP's whole state per pruned weight: scores, their gradient and optimizer
+state, the transport state (current and pending), the kept counts, and what a step keeps
+from its forward for its backward, for unstructured (one segment per layer) and N:M
+pruning of the same layers.
+
+    python benchmarks/dtp_memory.py [--weights N] [--no-save]
+
+Counts the bytes of the tensors themselves (nbytes), after one training step with SGD
+with momentum and with Adam; writes results/dtp_memory_cpu.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _harness import RESULTS, environment
+
+from dtp_kernels.pruning import DTPPruner
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def state_bytes(pruner: DTPPruner, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of each part of DTP's state, after a step (gradients and optimizer state
+    exist)."""
+    state = pruner.state
+    transport = [b for name, b in state.named_buffers() if not name.startswith("pending")]
+    pending = [b for name, b in state.named_buffers() if name.startswith("pending")]
+    optim = optimizer.state.get(pruner.scores, {})
+    return {
+        "scores": nbytes([pruner.scores]),
+        "score gradient": nbytes([pruner.scores.grad]),
+        "optimizer state": nbytes(v for v in optim.values() if isinstance(v, torch.Tensor)),
+        "transport state": nbytes(transport),
+        "pending state": nbytes(pending),
+        "kept counts": nbytes([pruner.keep]),
+        # the op's saved tensors besides the inputs: per (segment, pass) the shift and
+        # the two log-sum-exps, float64
+        "forward-to-backward": state.num_segments * pruner.iters * 3 * 8,
+    }
+
+
+def measure(weights: int, granularity: str, optimizer_name: str) -> tuple[int, dict[str, int]]:
+    width = max(16, int((weights / 3) ** 0.5) // 16 * 16)
+    layers = [nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Linear(width, width))
+    example = torch.randn(2, width)
+    options = {"granularity": "n:m"} if granularity == "2:4" else {"granularity": "weight"}
+    pruner = DTPPruner(model, example, 0.5, **options)
+    params = [*model.parameters(), pruner.scores]
+    optimizer = (
+        torch.optim.SGD(params, lr=0.01, momentum=0.9)
+        if optimizer_name == "SGD"
+        else torch.optim.Adam(params, lr=1e-3)
+    )
+    model(example).pow(2).mean().backward()
+    optimizer.step()
+    return pruner.scores.numel(), state_bytes(pruner, optimizer)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--weights", type=int, default=1 << 20)
+    parser.add_argument("--no-save", action="store_true")
+    args = parser.parse_args()
+    env = environment(torch.device("cpu"))
+    lines = [
+        "# Memory of DTP's state per pruned weight (`benchmarks/dtp_memory.py`)",
+        "",
+        f"torch {env['torch']}; {env['date']}; three Linear layers, float32 weights; "
+        "bytes per pruned weight after one step; iters = 1.",
+        "",
+    ]
+    header = None
+    for granularity in ("weight", "2:4"):
+        for optimizer_name in ("SGD", "Adam"):
+            count, parts = measure(args.weights, granularity, optimizer_name)
+            if header is None:
+                header = ["granularity", "optimizer", *parts, "total"]
+                lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+            cells = [f"{b / count:.2f}" for b in parts.values()]
+            total = sum(parts.values()) / count
+            row = [granularity, optimizer_name, *cells, f"{total:.2f}"]
+            lines.append("| " + " | ".join(row) + " |")
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if not args.no_save:
+        (RESULTS / "dtp_memory_cpu.md").write_text(report)
+
+
+if __name__ == "__main__":
+    main()
