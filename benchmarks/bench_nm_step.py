@@ -44,11 +44,27 @@ def step(sizes: list[int], keep: float, device: torch.device, backend: str, tiny
     return run
 
 
+# Bytes per weight a fwd + bwd step must move: the forward reads scores and log-odds and
+# writes the mask and next log-odds, the pending-state write reads and writes those
+# log-odds again, the backward reads the mask gradient, scores and log-odds and writes
+# the score gradient: 10 float32 accesses.
+STEP_FLOATS = 10
+
+
+def copy_of_step_bytes(numel: int, device: torch.device):
+    """A copy moving the bytes of one step (half read, half written): its time over a
+    step's is the fraction of copy bandwidth the step reaches."""
+    src = torch.rand(numel * STEP_FLOATS // 2, device=device)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
 def setup(point: dict, device: torch.device) -> Cases:
     numel = point["numel"]
     backend = dtp_kernels.available_backends(device)[-1]
     blocks = [4] * (numel // 4)
     return {
+        ("copy of the step's bytes", "full"): (copy_of_step_bytes(numel, device), 3),
         ("one segment", "full"): (step([numel], 0.5, device, backend), 3),
         ("2:4, tiny-segment kernels", "full"): (step(blocks, 0.5, device, backend), 3),
         ("2:4, general kernels", "full"): (step(blocks, 0.5, device, backend, tiny=False), 3),
@@ -62,8 +78,9 @@ SWEEP = Sweep(
         {"shape": f"{n} weights", "dtype": "float32", "numel": n} for n in (2**16, 2**20, 2**23)
     ],
     setup=setup,
-    baselines=["one segment"],
-    note="`auto` backend. The 2:4 step's cost in one-segment steps is 1 / (x vs one segment).",
+    baselines=["one segment", "copy of the step's bytes"],
+    note="`auto` backend. The 2:4 step's cost in one-segment steps is 1 / (x vs one segment); "
+    "x vs copy is the fraction of copy bandwidth a step reaches (40 bytes per weight moved).",
 )
 
 
