@@ -2,10 +2,11 @@
 // size M (4, 8 or 16): the blocks of N:M sparsity. The general kernels
 // (transport_mask_cpu.cpp) cut segments into chunks and keep host vectors per segment,
 // which costs more than the math when every segment has 4 elements. Here a segment is M
-// consecutive elements (no offsets are read), M is a compile-time constant, and each
-// segment's whole step (every pass, the mask, the next state; in the backward every sum
-// and the gradient) runs in registers. Segments are independent, so the result does not
-// depend on threading. The math is that of docs/design.md section 1, with one
+// consecutive elements (no offsets are read), M is a compile-time constant, and a tile of
+// 16 segments runs its whole step (every pass, the mask, the next state; in the backward
+// every sum and the gradient) in local arrays, its loops vectorised across the segments.
+// Segments are independent and tiles fixed, so the result does not depend on threading.
+// The math is that of docs/design.md section 1, with one
 // difference in the stabilising shifts: the column maxima are taken as min(z_max, 0) and
 // min(-z_min, 0) (within log 2 of the exact log-sigmoids), which cancel in the result.
 #include <ATen/ATen.h>

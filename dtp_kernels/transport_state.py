@@ -29,6 +29,10 @@ class TransportState(nn.Module):
     its next state were NaN/Inf, or :meth:`hold` kept it). All of it is updated on the
     device, with no host sync.
 
+    ``segment_size`` is the size every segment has when all have one size 4, 8 or 16
+    (the blocks of N:M sparsity), else 0; the compiled backends then run their kernels
+    for tiny equal segments (docs/ops.md). Setting it to 0 runs the general kernels.
+
     Args:
         sizes: channels per segment, each >= 1.
         dtype: float32 (default) or float64 for the carried state.
