@@ -5,6 +5,7 @@
 
 #include <string>
 
+#include "fold_products.h"
 #include "transport_step.h"
 
 #ifndef DTP_TORCH_VERSION
@@ -74,6 +75,8 @@ pybind11::dict build_info() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Compiled kernels of dtp_kernels; the ops live in torch.ops.dtp.";
   m.def("build_info", &build_info, "How this module was compiled.");
+  m.def("fold_products", &dtp::fold_products,
+        "DTPPruner's BN fold: every (weight, bias) pair times its mask, one autograd node.");
   m.def("transport_mask_step", &dtp::transport_mask_step,
         "dtp::transport_mask with its next state written to the pending buffers (eager).");
 }

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from .._extension import _C, compiled
 from ..masked_channel_epilogue import masked_channel_epilogue
 from ..transport_mask import transport_mask
 from ..transport_state import TransportState
@@ -296,7 +297,8 @@ class DTPPruner(ChannelPruner):
         """Multiply every masked BN weight and bias by its mask at once (folded_products)
         instead of one multiply per parameter per forward: ResNet-50 has 66 of them, and
         an eager GPU step pays host time per op and per allocation."""
-        if not self._fold:
+        # Under torch.compile the parameters are read through parametrize (read_folded_first)
+        if not self._fold or torch.compiler.is_compiling():
             return
         originals = [original for _, original in self._fold]
         flat = self._source.flat
@@ -306,7 +308,10 @@ class DTPPruner(ChannelPruner):
             self._fold_plan = FoldPlan.build(
                 [index for index, _ in self._fold[0::2]], self.sizes, flat.device
             )
-        products = folded_products(flat, self._fold_plan, originals)
+        if compiled():  # the same in one C++ autograd node (csrc/fold_products.cpp)
+            products = _C.fold_products(originals, flat, self._fold_plan.channels)
+        else:
+            products = folded_products(flat, self._fold_plan, originals)
         self._source.folded = {
             slot: (product, original, original._version)
             for slot, (product, original) in enumerate(zip(products, originals, strict=True))

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.nn.utils import parametrize
 
+import dtp_kernels
 from dtp_kernels import DTPPruner, L1Pruner, RandomPruner, load_pruned, save_pruned
 from dtp_kernels.models import resnet20, resnet56, vgg19_bn
 from dtp_kernels.pruning.cost import count_flops, count_params
@@ -377,10 +378,19 @@ def test_folded_masks_equal_the_per_parameter_product(budget, make):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
+def compiled_fold(mask, plan, params):
+    """The C++ fold node (dtp_kernels._C.fold_products), which DTPPruner uses when built."""
+    if "cpu" not in dtp_kernels.available_backends("cpu"):
+        pytest.skip("dtp_kernels._C is not built")
+    return dtp_kernels._C.fold_products(params, mask, plan.channels)
+
+
+@pytest.mark.parametrize("implementation", ["python", "c++"])
 @pytest.mark.parametrize("groups,sizes", [([0, 1], [2, 3]), ([1, 2], [4, 2, 3])])
-def test_fold_masks_gradcheck(groups, sizes):
-    """The folded product's gradients, float64: BN pairs covering every segment, and
-    pairs covering some (the mask gradient placed by channel)."""
+def test_fold_masks_gradcheck(groups, sizes, implementation):
+    """The folded product's values and gradients, float64: BN pairs covering every
+    segment, and pairs covering some (the mask gradient placed by channel); the C++ node
+    equals the Python ops, and takes outputs without a gradient."""
     from dtp_kernels.pruning.masking import FoldPlan, folded_products
 
     gen = torch.Generator().manual_seed(0)
@@ -391,8 +401,19 @@ def test_fold_masks_gradcheck(groups, sizes):
         for g in groups
         for _ in (0, 1)
     ]
-    fold = lambda m, *p: tuple(folded_products(m, plan, list(p)))  # noqa: E731
+    fold_impl = folded_products if implementation == "python" else compiled_fold
+    fold = lambda m, *p: tuple(fold_impl(m, plan, list(p)))  # noqa: E731
     assert torch.autograd.gradcheck(fold, (mask, *params))
+    expected = folded_products(mask, plan, params)
+    got = fold(mask, *params)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    (got[0].sum() + got[3].pow(2).sum()).backward()  # two products of four
+    want = [t.grad.clone() for t in (mask, *params)]
+    for t in (mask, *params):
+        t.grad = None
+    (expected[0].sum() + expected[3].pow(2).sum()).backward()
+    for a, t in zip(want, (mask, *params), strict=True):
+        torch.testing.assert_close(a, t.grad if t.grad is not None else torch.zeros_like(t))
 
 
 def test_folded_bn_weight_read_after_a_step_is_current():
