@@ -81,13 +81,21 @@ def test_every_backend_equals_the_reference_on_random_problems(problem):
         # backends agree with each other to 1e-9 regardless.
         spread = max(1.0, (2 * magnitude + 1) / eps / 1e4) * 2
         rtol = 1e-7 * spread
+        # A k within 1e-9 of 0 or n is ill-conditioned: the rounding of k alone (about
+        # 1e-16 n) moves log k - log(n - k) by 1e-16 n / min(k, n - k), 5e-4 at n = 5000,
+        # and the reference and the closed form round it differently.
+        condition = torch.tensor(
+            [n / min(k, n - k) if 0 < k < n else 1.0 for n, k in zip(sizes, keep, strict=True)],
+            dtype=torch.float64,
+        ).repeat_interleave(torch.tensor(sizes))
+        allowed = rtol + 1e-15 * condition
         for backend in BACKENDS:
-            torch.testing.assert_close(
-                masks[backend],
-                masks["reference"],
-                rtol=rtol,
-                atol=1e-9 * spread,
-                msg=f"{backend} vs ref",
+            error = (masks[backend] - masks["reference"]).abs()
+            bound = allowed * masks["reference"].abs() + 1e-9 * spread
+            worst = int((error - bound).argmax())
+            assert bool((error <= bound).all()), (
+                f"{backend} vs ref: element {worst} differs by {float(error[worst]):.3g}, "
+                f"allowed {float(bound[worst]):.3g}"
             )
             torch.testing.assert_close(
                 masks[backend],
@@ -97,6 +105,10 @@ def test_every_backend_equals_the_reference_on_random_problems(problem):
                 msg=f"{backend} vs {BACKENDS[0]}",
             )
     for backend in BACKENDS:
-        torch.testing.assert_close(
-            states[backend].shift, states["reference"].shift, rtol=rtol, atol=1e-7 * spread
+        seg_condition = torch.tensor(
+            [n / min(k, n - k) if 0 < k < n else 1.0 for n, k in zip(sizes, keep, strict=True)],
+            dtype=torch.float64,
         )
+        shift_error = (states[backend].shift - states["reference"].shift).abs()
+        shift_bound = (rtol + 1e-15 * seg_condition) * states["reference"].shift.abs()
+        assert bool((shift_error <= shift_bound + 1e-7 * spread).all()), f"{backend} shift"
