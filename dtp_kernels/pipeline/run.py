@@ -176,13 +176,9 @@ def prune_and_finetune(
     times = {}
     start = time.perf_counter()
     if method == "dtp" or settings["granularity"] != "filter":
-        if method == "random":
-            raise UsageError(
-                f"prune.granularity = {settings['granularity']!r} needs prune.method dtp "
-                "or l1 (one-shot magnitude); random prunes filters"
-            )
         # Under weight or n:m granularity l1 is one-shot magnitude pruning at the same
-        # pattern: this pruner untrained, whose scores start at |w|.
+        # pattern: this pruner untrained, whose scores start at |w| (schema.validate
+        # refuses random there).
         pruner = DTPPruner(
             model,
             example,
