@@ -24,7 +24,6 @@ import sys
 from pathlib import Path
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -33,6 +32,7 @@ from _harness import RESULTS, environment
 
 from dtp_kernels.pipeline import recipe as recipes
 from dtp_kernels.pipeline.run import run, zero_pattern
+from dtp_kernels.pipeline.train import hold_at_zero
 from dtp_kernels.pruning import DTPPruner, prepare
 from dtp_kernels.transformer_demo import llama_task
 
@@ -73,15 +73,6 @@ def digits_runs(pattern: str, seeds: list[int]) -> dict[str, list[dict]]:
     return runs
 
 
-def hold_zeros(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Keep the exported model's pruned weights at zero through fine-tuning."""
-    kept = zero_pattern(model)
-    params, masks = list(kept), [m.to(p.dtype) for p, m in kept.items()]
-    optimizer.register_step_post_hook(
-        lambda *_: torch._foreach_mul_([p.data for p in params], masks)
-    )
-
-
 def llama_runs(pattern: str, seeds: list[int]) -> dict[str, list[dict]]:
     """Per method, (dense, after export, after fine-tuning) perplexities of the small
     Llama per seed; both methods start from the same pre-trained model and draw the same
@@ -107,7 +98,7 @@ def llama_runs(pattern: str, seeds: list[int]) -> dict[str, list[dict]]:
                 steps = LLAMA_STEPS[1] + LLAMA_STEPS[2]
             after_export = task.perplexity(small)
             optimizer = task.new_optimizer(small)
-            hold_zeros(small, optimizer)
+            hold_at_zero(optimizer, zero_pattern(small))  # the pattern through fine-tuning
             task.train_steps(small, optimizer, steps)
             final = task.perplexity(small)
             runs[method].append({"dense": dense, "export": after_export, "final": final})

@@ -152,6 +152,15 @@ class Checkpointing:
     resume: bool = False
 
 
+def hold_at_zero(optimizer: torch.optim.Optimizer, kept: dict[nn.Parameter, torch.Tensor]):
+    """After every optimizer step, set the entries of each parameter that `kept` (boolean
+    masks of the kept entries) marks as pruned back to zero; returns the hook's handle."""
+    params, masks = list(kept), [m.to(p.dtype) for p, m in kept.items()]
+    return optimizer.register_step_post_hook(
+        lambda *_: torch._foreach_mul_([p.data for p in params], masks)
+    )
+
+
 def train(
     model: nn.Module,
     train_loader: DataLoader,
@@ -189,10 +198,7 @@ def train(
             optimizer.register_step_pre_hook(lambda *_: distributed.average_gradients(pruner))
         pruner.attach(optimizer)
     if keep_zero:
-        params, masks = list(keep_zero), [m.to(p.dtype) for p, m in keep_zero.items()]
-        optimizer.register_step_post_hook(
-            lambda *_: torch._foreach_mul_([p.data for p in params], masks)
-        )
+        hold_at_zero(optimizer, keep_zero)
     first_epoch, first_step, seconds = 0, 0, 0.0
     # The epoch's losses, one per step, kept on the device (no host sync per step): their
     # mean is the logged loss, and a NaN or Inf among them stops the stage.
