@@ -190,7 +190,7 @@ def _blocks_tile(
     """The tile's (index, valid, scores, scores finite, log-odds, x, k, 1 / eps, segments)."""
     seg = tl.program_id(0) * SEGS + tl.arange(0, SEGS)
     idx = seg[:, None] * M + tl.arange(0, M)[None, :]
-    valid = (seg < nseg)[:, None] & (idx >= 0)
+    valid = (seg < nseg)[:, None] & (idx >= 0)  # (idx >= 0: the tile's shape, always true)
     s, s_ok = _load_scores(scores_ptr, idx, valid, ACC, NEUTRAL)
     d = tl.load(log_odds_ptr + idx, mask=valid, other=0.0).to(ACC)
     k = tl.load(keep_ptr + seg, mask=seg < nseg, other=1.0).to(ACC)
