@@ -345,13 +345,20 @@ DTP_INLINE void backward_tile(const BlocksBackwardArgs& a, int64_t seg0) {
         degenerate ? static_cast<double>(gs[l]) / M
                    : static_cast<double>(gp[l] + grad_bias[l] * T(M) / (k * (T(M) - k)));
   }
-  T* out = static_cast<T*>(a.grad_scores) + seg0 * M;
-  for (int l = 0; l < kTile; ++l) {
-    for (int j = 0; j < M; ++j) {
-      // a degenerate segment (mask = k / M) and scores read as the neutral 0.5: none
-      const bool zero = to_scores[l] < T(0) || (a.neutral && in.ok[j][l] == T(0));
-      out[l * M + j] = zero ? T(0) : grad[j][l] * to_scores[l];
+  // A degenerate segment (mask = k / M) and scores read as the neutral 0.5 get none. The
+  // gradient is formed across segments ([element][segment], no branch: it vectorises),
+  // then stored in segment order.
+  const T neutral = a.neutral ? T(1) : T(0);
+  T out[M][kTile];
+  for (int j = 0; j < M; ++j) {
+    for (int l = 0; l < kTile; ++l) {
+      const bool zero = (to_scores[l] < T(0)) | (neutral * (T(1) - in.ok[j][l]) != T(0));
+      out[j][l] = zero ? T(0) : grad[j][l] * to_scores[l];
     }
+  }
+  T* grad_scores = static_cast<T*>(a.grad_scores) + seg0 * M;
+  for (int l = 0; l < kTile; ++l) {
+    for (int j = 0; j < M; ++j) grad_scores[l * M + j] = out[j][l];
   }
 }
 
