@@ -66,11 +66,31 @@ struct Extremes {
   bool finite;
 };
 
-// x_i = d_i + (2 s_i - 1) / eps, with the chunk's min, max and whether all s and x are
-// finite. `neutral`: a non-finite s_i enters as 0.5 (x_i = d_i).
+// x_i = d_i + (2 s_i - 1) / eps, computed from the scores and the carried log-odds by
+// every pass that reads it rather than stored: a step allocates and writes no x array,
+// and each pass reads 8 bytes per element where a stored x would cost a 4-byte write and
+// 4-byte reads. `neutral`: a non-finite s_i enters as 0.5 (x_i = d_i).
 template <class scalar_t, class acc_t>
-DTP_INLINE Extremes<acc_t> log_odds_chunk_loop(const scalar_t* s, const acc_t* d, acc_t inv_eps,
-                                               int64_t n, bool neutral, acc_t* x) {
+struct LogOdds {
+  const scalar_t* s;
+  const acc_t* d;
+  acc_t inv_eps;
+  bool neutral;
+
+  DTP_INLINE acc_t raw(int64_t i) const { return static_cast<acc_t>(s[i]); }
+  // raw - raw is NaN for inf and NaN
+  DTP_INLINE static bool finite(acc_t v) { return v - v == acc_t(0); }
+  DTP_INLINE acc_t operator[](int64_t i) const {
+    const acc_t r = raw(i);
+    const acc_t si = (neutral && !finite(r)) ? acc_t(0.5) : r;
+    return d[i] + (acc_t(2) * si - acc_t(1)) * inv_eps;
+  }
+  DTP_INLINE LogOdds operator+(int64_t b) const { return {s + b, d + b, inv_eps, neutral}; }
+};
+
+// The chunk's min and max of x and whether all s and x are finite.
+template <class scalar_t, class acc_t>
+DTP_INLINE Extremes<acc_t> log_odds_chunk_loop(LogOdds<scalar_t, acc_t> x, int64_t n) {
   acc_t lo[kLanes], hi[kLanes], bad[kLanes];
   for (int64_t j = 0; j < kLanes; ++j) {
     lo[j] = INFINITY;
@@ -80,11 +100,8 @@ DTP_INLINE Extremes<acc_t> log_odds_chunk_loop(const scalar_t* s, const acc_t* d
   for (int64_t b = 0; b < n; b += kLanes) {
     const int64_t m = std::min(kLanes, n - b);
     for (int64_t j = 0; j < m; ++j) {
-      const acc_t raw = static_cast<acc_t>(s[b + j]);
-      const bool raw_ok = raw - raw == acc_t(0);  // raw - raw is NaN for inf and NaN
-      const acc_t si = (neutral && !raw_ok) ? acc_t(0.5) : raw;
-      const acc_t v = d[b + j] + (acc_t(2) * si - acc_t(1)) * inv_eps;
-      x[b + j] = v;
+      const bool raw_ok = x.finite(x.raw(b + j));
+      const acc_t v = x[b + j];
       bad[j] += (raw_ok && v - v == acc_t(0)) ? acc_t(0) : acc_t(1);
       lo[j] = v < lo[j] ? v : lo[j];
       hi[j] = v > hi[j] ? v : hi[j];
@@ -107,9 +124,9 @@ struct ColumnSums {
 // sum_i exp(log sigmoid(z_i) - m1) and sum_i exp(log sigmoid(-z_i) - m0), z = x + delta.
 // With `terms`, each exp(log sigmoid(z_i) - m1) is stored there too: the last pass's
 // terms divided by their sum are the mask over k (mask_i = k t_i / sum_j t_j).
-template <class acc_t>
-DTP_INLINE ColumnSums<acc_t> column_sums_loop(const acc_t* x, int64_t n, acc_t delta, acc_t m1,
-                                              acc_t m0, acc_t* terms) {
+template <class scalar_t, class acc_t>
+DTP_INLINE ColumnSums<acc_t> column_sums_loop(LogOdds<scalar_t, acc_t> x, int64_t n, acc_t delta,
+                                              acc_t m1, acc_t m0, acc_t* terms) {
   acc_t s1[kLanes] = {}, s0[kLanes] = {};
   if (m1 >= acc_t(kMinScaledShift) && m0 >= acc_t(kMinScaledShift)) {
     const acc_t c1 = exp_fast(-m1), c0 = exp_fast(-m0);
@@ -141,9 +158,9 @@ DTP_INLINE ColumnSums<acc_t> column_sums_loop(const acc_t* x, int64_t n, acc_t d
 }
 
 // mask_i = scale t_i (in place over the stored terms); new log-odds x_i + delta_new.
-template <class acc_t>
-DTP_INLINE void mask_and_state_loop(const acc_t* x, int64_t n, acc_t scale, acc_t delta_new,
-                                    acc_t* mask, acc_t* new_d) {
+template <class scalar_t, class acc_t>
+DTP_INLINE void mask_and_state_loop(LogOdds<scalar_t, acc_t> x, int64_t n, acc_t scale,
+                                    acc_t delta_new, acc_t* mask, acc_t* new_d) {
   for (int64_t i = 0; i < n; ++i) {
     mask[i] *= scale;
     new_d[i] = x[i] + delta_new;
@@ -156,9 +173,9 @@ template <class acc_t>
 struct GradSums {
   acc_t gp, gq, q, g;
 };
-template <class acc_t>
-DTP_INLINE GradSums<acc_t> grad_sums_loop(const acc_t* x, const acc_t* g, int64_t n, acc_t delta,
-                                          acc_t l1, acc_t* q_out) {
+template <class scalar_t, class acc_t>
+DTP_INLINE GradSums<acc_t> grad_sums_loop(LogOdds<scalar_t, acc_t> x, const acc_t* g, int64_t n,
+                                          acc_t delta, acc_t l1, acc_t* q_out) {
   acc_t gp[kLanes] = {}, gq[kLanes] = {}, qs[kLanes] = {}, gs[kLanes] = {};
   auto accumulate = [&](int64_t i, int64_t j, acc_t p, acc_t q) {
     const acc_t gi = g[i];
@@ -193,16 +210,15 @@ DTP_INLINE GradSums<acc_t> grad_sums_loop(const acc_t* x, const acc_t* g, int64_
 
 // Entry points: float with AVX-512/AVX2 clones, double plain (the loops inline into each).
 DTP_FLOAT_CLONED(template <class scalar_t>, Extremes<T>, log_odds_chunk,
-                 (const scalar_t* s, const T* d, T inv_eps, int64_t n, bool neutral, T* x),
-                 (s, d, inv_eps, n, neutral, x))
-DTP_FLOAT_CLONED(, ColumnSums<T>, column_sums,
-                 (const T* x, int64_t n, T delta, T m1, T m0, T* terms),
+                 (LogOdds<scalar_t, T> x, int64_t n), (x, n))
+DTP_FLOAT_CLONED(template <class scalar_t>, ColumnSums<T>, column_sums,
+                 (LogOdds<scalar_t, T> x, int64_t n, T delta, T m1, T m0, T* terms),
                  (x, n, delta, m1, m0, terms))
-DTP_FLOAT_CLONED(, void, mask_and_state,
-                 (const T* x, int64_t n, T scale, T delta_new, T* mask, T* new_d),
+DTP_FLOAT_CLONED(template <class scalar_t>, void, mask_and_state,
+                 (LogOdds<scalar_t, T> x, int64_t n, T scale, T delta_new, T* mask, T* new_d),
                  (x, n, scale, delta_new, mask, new_d))
-DTP_FLOAT_CLONED(, GradSums<T>, grad_sums,
-                 (const T* x, const T* g, int64_t n, T delta, T l1, T* q_out),
+DTP_FLOAT_CLONED(template <class scalar_t>, GradSums<T>, grad_sums,
+                 (LogOdds<scalar_t, T> x, const T* g, int64_t n, T delta, T l1, T* q_out),
                  (x, g, n, delta, l1, q_out))
 
 // w_i = -d(L1 - L0)/dz_i of an earlier pass: sigmoid(z) sigmoid(-z) (1/S1 + 1/S0).
@@ -212,8 +228,9 @@ DTP_INLINE acc_t pass_weight(acc_t z, acc_t l1, acc_t l0) {
   return exp_log_sigmoid_pair(z, l1, r) + exp_log_sigmoid_pair(z, l0, r);
 }
 
-template <class acc_t>
-DTP_INLINE acc_t pass_weight_sum_loop(const acc_t* x, int64_t n, acc_t delta, acc_t l1, acc_t l0) {
+template <class scalar_t, class acc_t>
+DTP_INLINE acc_t pass_weight_sum_loop(LogOdds<scalar_t, acc_t> x, int64_t n, acc_t delta, acc_t l1,
+                                      acc_t l0) {
   acc_t w[kLanes] = {};
   for (int64_t b = 0; b < n; b += kLanes) {
     const int64_t m = std::min(kLanes, n - b);
@@ -222,25 +239,34 @@ DTP_INLINE acc_t pass_weight_sum_loop(const acc_t* x, int64_t n, acc_t delta, ac
   return add_lanes(w);
 }
 
-// grad_i = k q_i (g_i - gp) + sum_t coef_t w_i(pass t), then times 2 / eps.
-template <class acc_t>
-DTP_INLINE void grad_scores_loop(const acc_t* x, const acc_t* g, int64_t n, acc_t k, acc_t gp,
-                                 acc_t scale, const double* rows, const double* coef, int64_t npass,
-                                 acc_t* grad) {
+// grad_i = k q_i (g_i - gp) + sum_t coef_t w_i(pass t), then times 2 / eps; scores read
+// as the neutral 0.5 get none. grad holds q_i on entry. With one pass (the paper's step)
+// this is one loop over the chunk.
+template <class scalar_t, class acc_t>
+DTP_INLINE void grad_scores_loop(LogOdds<scalar_t, acc_t> x, const acc_t* g, int64_t n, acc_t k,
+                                 acc_t gp, acc_t scale, const double* rows, const double* coef,
+                                 int64_t npass, acc_t* grad) {
+  auto finish = [&](int64_t i, acc_t v) {
+    grad[i] = (x.neutral && !x.finite(x.raw(i))) ? acc_t(0) : v * scale;
+  };
+  if (npass == 0) {
+    for (int64_t i = 0; i < n; ++i) finish(i, k * grad[i] * (g[i] - gp));
+    return;
+  }
   for (int64_t i = 0; i < n; ++i) grad[i] = k * grad[i] * (g[i] - gp);
   for (int64_t t = 0; t < npass; ++t) {
     const acc_t dl = static_cast<acc_t>(rows[3 * t]), a1 = static_cast<acc_t>(rows[3 * t + 1]),
                 a0 = static_cast<acc_t>(rows[3 * t + 2]), a = static_cast<acc_t>(coef[t]);
     for (int64_t i = 0; i < n; ++i) grad[i] += a * pass_weight(x[i] + dl, a1, a0);
   }
-  for (int64_t i = 0; i < n; ++i) grad[i] *= scale;
+  for (int64_t i = 0; i < n; ++i) finish(i, grad[i]);
 }
 
-DTP_FLOAT_CLONED(, T, pass_weight_sum, (const T* x, int64_t n, T delta, T l1, T l0),
-                 (x, n, delta, l1, l0))
-DTP_FLOAT_CLONED(, void, grad_scores,
-                 (const T* x, const T* g, int64_t n, T k, T gp, T scale, const double* rows,
-                  const double* coef, int64_t npass, T* grad),
+DTP_FLOAT_CLONED(template <class scalar_t>, T, pass_weight_sum,
+                 (LogOdds<scalar_t, T> x, int64_t n, T delta, T l1, T l0), (x, n, delta, l1, l0))
+DTP_FLOAT_CLONED(template <class scalar_t>, void, grad_scores,
+                 (LogOdds<scalar_t, T> x, const T* g, int64_t n, T k, T gp, T scale,
+                  const double* rows, const double* coef, int64_t npass, T* grad),
                  (x, g, n, k, gp, scale, rows, coef, npass, grad))
 
 // ---- host side ----
@@ -296,16 +322,12 @@ Segments read_segments(const at::Tensor& scores, const at::Tensor& offsets, cons
   return sg;
 }
 
-// x_i = d_i + (2 s_i - 1) / eps over all chunks; optionally each chunk's extremes.
+// A chunk's x_i = d_i + (2 s_i - 1) / eps, read from the start of the chunk.
 template <class scalar_t, class acc_t>
-void compute_log_odds(const Segments& sg, const scalar_t* s, const acc_t* d, bool neutral, acc_t* x,
-                      Extremes<acc_t>* extremes) {
-  for_each_chunk(sg.chunks, sg.numel, [&](int64_t c, const Chunk& ch) {
-    const acc_t inv_eps = static_cast<acc_t>(1.0 / sg.eps[ch.seg]);
-    const auto e = log_odds_chunk<scalar_t>(s + ch.begin, d + ch.begin, inv_eps, ch.end - ch.begin,
-                                            neutral, x + ch.begin);
-    if (extremes != nullptr) extremes[c] = e;
-  });
+LogOdds<scalar_t, acc_t> chunk_log_odds(const Segments& sg, const scalar_t* s, const acc_t* d,
+                                        bool neutral, const Chunk& ch) {
+  const acc_t inv_eps = static_cast<acc_t>(1.0 / sg.eps[ch.seg]);
+  return LogOdds<scalar_t, acc_t>{s, d, inv_eps, neutral} + ch.begin;
 }
 
 double log_ratio(double k, int64_t n) { return std::log(k) - std::log(static_cast<double>(n) - k); }
@@ -318,11 +340,12 @@ void forward_impl(const Segments& sg, const at::Tensor& scores, const at::Tensor
   const int64_t nseg = sg.nseg, nch = static_cast<int64_t>(sg.chunks.size());
   const acc_t* d = log_odds.data_ptr<acc_t>();
   const acc_t* shift_in = shift.data_ptr<acc_t>();
-  auto x_t = at::empty({sg.numel}, log_odds.options());
-  acc_t* x = x_t.data_ptr<acc_t>();
+  const scalar_t* s_p = scores.data_ptr<scalar_t>();
+  auto x_of = [&](const Chunk& ch) { return chunk_log_odds(sg, s_p, d, neutral, ch); };
   std::vector<Extremes<acc_t>> extremes(nch);
-  compute_log_odds<scalar_t, acc_t>(sg, scores.data_ptr<scalar_t>(), d, neutral, x,
-                                    extremes.data());
+  for_each_chunk(sg.chunks, sg.numel, [&](int64_t c, const Chunk& ch) {
+    extremes[c] = log_odds_chunk(x_of(ch), ch.end - ch.begin);
+  });
 
   // Segment extremes of x: log sigmoid is monotone, so they give each column's max.
   std::vector<double> xmin(nseg, INFINITY), xmax(nseg, -INFINITY);
@@ -355,7 +378,7 @@ void forward_impl(const Segments& sg, const at::Tensor& scores, const at::Tensor
     acc_t* terms = t == iters - 1 ? mask_p : nullptr;  // the last pass keeps its terms
     for_each_chunk(sg.chunks, sg.numel, [&](int64_t c, const Chunk& ch) {
       const int64_t s = ch.seg;
-      const auto sums = column_sums(x + ch.begin, ch.end - ch.begin, static_cast<acc_t>(delta[s]),
+      const auto sums = column_sums(x_of(ch), ch.end - ch.begin, static_cast<acc_t>(delta[s]),
                                     static_cast<acc_t>(m1[s]), static_cast<acc_t>(m0[s]),
                                     terms == nullptr ? nullptr : terms + ch.begin);
       ps1[c] = sums.s1;
@@ -396,16 +419,18 @@ void forward_impl(const Segments& sg, const at::Tensor& scores, const at::Tensor
     if (degenerate[s]) {
       std::fill(mask_p + ch.begin, mask_p + ch.end, static_cast<acc_t>(sg.keep[s] / n));
     } else {  // mask_i = k P[i, 1] = k exp(log sigmoid(z_i) - L1) = k t_i / sum_j t_j
-      mask_and_state(x + ch.begin, len, static_cast<acc_t>(sg.keep[s] / s1[s]),
+      mask_and_state(x_of(ch), len, static_cast<acc_t>(sg.keep[s] / s1[s]),
                      static_cast<acc_t>(delta[s]), mask_p + ch.begin, new_d_p + ch.begin);
     }
     if (!advance[s]) std::copy(d + ch.begin, d + ch.end, new_d_p + ch.begin);
   });
 }
 
-template <class acc_t>
-void backward_impl(const Segments& sg, const acc_t* g, const acc_t* x, const double* st,
-                   int64_t iters, acc_t* grad_x, double* grad_keep) {
+template <class scalar_t, class acc_t>
+void backward_impl(const Segments& sg, const acc_t* g, const scalar_t* s_p, const acc_t* d,
+                   bool neutral, const double* st, int64_t iters, acc_t* grad_x,
+                   double* grad_keep) {
+  auto x_of = [&](const Chunk& ch) { return chunk_log_odds(sg, s_p, d, neutral, ch); };
   const int64_t nseg = sg.nseg, nch = static_cast<int64_t>(sg.chunks.size());
   auto seg_n = [&](int64_t s) { return sg.offsets[s + 1] - sg.offsets[s]; };
   auto row = [&](int64_t s, int64_t t) { return st + (s * iters + t) * 3; };
@@ -414,8 +439,8 @@ void backward_impl(const Segments& sg, const acc_t* g, const acc_t* x, const dou
   std::vector<GradSums<double>> part(nch);
   for_each_chunk(sg.chunks, sg.numel, [&](int64_t c, const Chunk& ch) {
     const double* r = row(ch.seg, iters - 1);
-    const auto p = grad_sums(x + ch.begin, g + ch.begin, ch.end - ch.begin,
-                             static_cast<acc_t>(r[0]), static_cast<acc_t>(r[1]), grad_x + ch.begin);
+    const auto p = grad_sums(x_of(ch), g + ch.begin, ch.end - ch.begin, static_cast<acc_t>(r[0]),
+                             static_cast<acc_t>(r[1]), grad_x + ch.begin);
     part[c] = {p.gp, p.gq, p.q, p.g};
   });
   std::vector<GradSums<double>> sums(nseg, GradSums<double>{0, 0, 0, 0});
@@ -437,7 +462,7 @@ void backward_impl(const Segments& sg, const acc_t* g, const acc_t* x, const dou
       for (int64_t t = 0; t < npass; ++t) {
         const double* r = row(ch.seg, t);
         wpart[c * npass + t] =
-            pass_weight_sum(x + ch.begin, ch.end - ch.begin, static_cast<acc_t>(r[0]),
+            pass_weight_sum(x_of(ch), ch.end - ch.begin, static_cast<acc_t>(r[0]),
                             static_cast<acc_t>(r[1]), static_cast<acc_t>(r[2]));
       }
     });
@@ -463,7 +488,7 @@ void backward_impl(const Segments& sg, const acc_t* g, const acc_t* x, const dou
       std::fill(grad_x + ch.begin, grad_x + ch.end, acc_t(0));
       return;
     }
-    grad_scores(x + ch.begin, g + ch.begin, ch.end - ch.begin, static_cast<acc_t>(sg.keep[s]),
+    grad_scores(x_of(ch), g + ch.begin, ch.end - ch.begin, static_cast<acc_t>(sg.keep[s]),
                 static_cast<acc_t>(sums[s].gp), static_cast<acc_t>(2.0 / sg.eps[s]), row(s, 0),
                 coef.data() + s * npass, npass, grad_x + ch.begin);
   });
@@ -477,20 +502,6 @@ void backward_impl(const Segments& sg, const acc_t* g, const acc_t* x, const dou
       grad_keep[s] = sums[s].gp + grad_bias[s] * n / (k * (static_cast<double>(n) - k));
     }
   }
-}
-
-// Scores read as the neutral 0.5 get no gradient.
-template <class acc_t>
-void zero_at_nonfinite(const Segments& sg, const at::Tensor& scores, acc_t* grad) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scores.scalar_type(), "zero", [&] {
-    const scalar_t* s = scores.data_ptr<scalar_t>();
-    for_each_chunk(sg.chunks, sg.numel, [&](int64_t, const Chunk& ch) {
-      for (int64_t i = ch.begin; i < ch.end; ++i) {
-        const acc_t v = static_cast<acc_t>(s[i]);
-        grad[i] = v - v == acc_t(0) ? grad[i] : acc_t(0);
-      }
-    });
-  });
 }
 
 void check_shift(const at::Tensor& scores, const at::Tensor& shift, int64_t nseg) {
@@ -567,27 +578,20 @@ std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cpu(
   const auto stats = stats_in.contiguous();
   const auto acc = acc_type(scores);
   const auto g = grad_mask.to(acc).contiguous();
-  auto x_t = at::empty({sg.numel}, log_odds.options());
   auto grad_x = at::empty({sg.numel}, log_odds.options());
   std::vector<double> grad_keep(sg.nseg);
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, scores.scalar_type(), "transport_mask_backward_cpu", [&] {
         if (acc == at::kDouble) {
-          compute_log_odds<scalar_t, double>(sg, scores.data_ptr<scalar_t>(),
-                                             log_odds.data_ptr<double>(), neutral_nonfinite,
-                                             x_t.data_ptr<double>(), nullptr);
-          backward_impl<double>(sg, g.data_ptr<double>(), x_t.data_ptr<double>(),
-                                stats.data_ptr<double>(), iters, grad_x.data_ptr<double>(),
-                                grad_keep.data());
-          if (neutral_nonfinite) zero_at_nonfinite(sg, scores, grad_x.data_ptr<double>());
+          backward_impl<scalar_t, double>(sg, g.data_ptr<double>(), scores.data_ptr<scalar_t>(),
+                                          log_odds.data_ptr<double>(), neutral_nonfinite,
+                                          stats.data_ptr<double>(), iters,
+                                          grad_x.data_ptr<double>(), grad_keep.data());
         } else {
-          compute_log_odds<scalar_t, float>(sg, scores.data_ptr<scalar_t>(),
-                                            log_odds.data_ptr<float>(), neutral_nonfinite,
-                                            x_t.data_ptr<float>(), nullptr);
-          backward_impl<float>(sg, g.data_ptr<float>(), x_t.data_ptr<float>(),
-                               stats.data_ptr<double>(), iters, grad_x.data_ptr<float>(),
-                               grad_keep.data());
-          if (neutral_nonfinite) zero_at_nonfinite(sg, scores, grad_x.data_ptr<float>());
+          backward_impl<scalar_t, float>(sg, g.data_ptr<float>(), scores.data_ptr<scalar_t>(),
+                                         log_odds.data_ptr<float>(), neutral_nonfinite,
+                                         stats.data_ptr<double>(), iters, grad_x.data_ptr<float>(),
+                                         grad_keep.data());
         }
       });
   auto grad_keep_t = at::empty({sg.nseg}, keep.options());
