@@ -115,8 +115,34 @@ def main(sweep: Sweep, name: str, description: str, rounds: int = 30) -> list[di
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--no-save", action="store_true", help="print only")
+    parser.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="have glibc's malloc keep freed memory for reuse (results/<name>_keep_memory_*)",
+    )
     args = parser.parse_args()
+    if args.keep_freed_memory:
+        keep_freed_memory()
+        name += "_keep_memory"
     return run_sweep(sweep, torch.device(args.device), args.rounds, not args.no_save, name)
+
+
+def keep_freed_memory() -> None:
+    """Make glibc's malloc serve every allocation from its heap and keep freed memory for
+    reuse, as jemalloc and tcmalloc do. By default each CPU tensor over 32 MiB is a fresh
+    mmap, so every step pays page faults on all of it (here several milliseconds per
+    tensor) that a copy into a reused buffer does not."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
+    if not (libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 2**31 - 1)):
+        raise RuntimeError("mallopt refused M_MMAP_MAX / M_TRIM_THRESHOLD")
+    ALLOCATOR_NOTES.append("malloc keeps freed memory (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD)")
+
+
+# What the run changed about the process, printed with the environment.
+ALLOCATOR_NOTES: list[str] = []
 
 
 def run_sweep(sweep: Sweep, device: torch.device, rounds: int, save: bool, name: str) -> list[dict]:
@@ -165,7 +191,8 @@ def markdown(sweep: Sweep, rows: list[dict], env: dict) -> str:
         f"# {sweep.title}",
         "",
         f"device: {env['device']}; threads: {env['threads']}; torch {env['torch']}; "
-        f"triton {env['triton']}; date {env['date']}",
+        f"triton {env['triton']}; date {env['date']}"
+        + "".join(f"; {note}" for note in ALLOCATOR_NOTES),
         "",
         head,
         "| --- | --- | --- | --- |" + " ---: |" * (3 + len(sweep.baselines)),

@@ -4,6 +4,7 @@ granularity="n:m" runs it) on the kernels for tiny equal segments and on the gen
 kernels, against the same weights as one segment, interleaved.
 
     python benchmarks/bench_nm_step.py [--device cpu|cuda] [--rounds N] [--no-save]
+        [--keep-freed-memory]
 
 Rows go to results/nm_step.csv, the table to results/nm_step_<device>.md. The ratio is
 the cost of many tiny segments against one segment of the same size.
@@ -75,7 +76,8 @@ SWEEP = Sweep(
     op="transport_mask_nm",
     title="transport_mask fwd + bwd: 2:4 segments against one segment of the same size",
     points=[
-        {"shape": f"{n} weights", "dtype": "float32", "numel": n} for n in (2**16, 2**20, 2**23)
+        {"shape": f"{n} weights", "dtype": "float32", "numel": n}
+        for n in (2**16, 2**20, 10_000_000)
     ],
     setup=setup,
     baselines=["one segment", "copy of the step's bytes"],
