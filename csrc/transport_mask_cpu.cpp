@@ -66,10 +66,10 @@ struct Extremes {
   bool finite;
 };
 
-// x_i = d_i + (2 s_i - 1) / eps, computed from the scores and the carried log-odds by
-// every pass that reads it rather than stored: a step allocates and writes no x array,
-// and each pass reads 8 bytes per element where a stored x would cost a 4-byte write and
-// 4-byte reads. `neutral`: a non-finite s_i enters as 0.5 (x_i = d_i).
+// x_i = d_i + (2 s_i - 1) / eps, formed from the scores and the carried log-odds by every
+// pass that reads it, never stored: a step allocates and writes no x array (for a large
+// segment the allocation's page faults cost more than the arithmetic), and the forward
+// and backward form it with the same code. `neutral`: a non-finite s_i enters as 0.5.
 template <class scalar_t, class acc_t>
 struct LogOdds {
   const scalar_t* s;
