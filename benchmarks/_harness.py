@@ -94,7 +94,8 @@ Cases = dict[tuple[str, str], tuple[Callable[[], object], int]]
 @dataclass
 class Sweep:
     """A benchmark: `setup(point, device)` builds the cases of one sweep point, a dict
-    with "shape" and "dtype" (and whatever else setup reads); `baselines` are the
+    with "shape" and "dtype" (and whatever else setup reads; "devices", a tuple of device
+    types, runs the point on those alone); `baselines` are the
     providers each row's ratio is taken against (their time over this row's, from the
     same point and mode, or from the baseline's only mode)."""
 
@@ -151,6 +152,8 @@ def run_sweep(sweep: Sweep, device: torch.device, rounds: int, save: bool, name:
     env = environment(device)
     rows = []
     for point in sweep.points:
+        if device.type not in point.get("devices", (device.type,)):
+            continue  # a point for other devices (e.g. too large for this one)
         samples = interleaved(sweep.setup(point, device), rounds, device, sweep.warmup)
         for (provider, mode), times in samples.items():
             rows.append(

@@ -1,7 +1,8 @@
 """The mask step with N:M segments: forward + backward of DTP's transport step over
 `numel` weights cut into blocks of 4 keeping 2 (one segment per block, as
 granularity="n:m" runs it) on the kernels for tiny equal segments and on the general
-kernels, against the same weights as one segment, interleaved.
+kernels, against the same weights as one segment, interleaved; on GPUs also on the Triton
+kernels, and at 1e8 weights.
 
     python benchmarks/bench_nm_step.py [--device cpu|cuda] [--rounds N] [--no-save]
         [--keep-freed-memory]
@@ -64,12 +65,21 @@ def setup(point: dict, device: torch.device) -> Cases:
     numel = point["numel"]
     backend = dtp_kernels.available_backends(device)[-1]
     blocks = [4] * (numel // 4)
-    return {
+    cases = {
         ("copy of the step's bytes", "full"): (copy_of_step_bytes(numel, device), 3),
         ("one segment", "full"): (step([numel], 0.5, device, backend), 3),
         ("2:4, tiny-segment kernels", "full"): (step(blocks, 0.5, device, backend), 3),
         ("2:4, general kernels", "full"): (step(blocks, 0.5, device, backend, tiny=False), 3),
     }
+    if (
+        device.type == "cuda"
+        and backend != "triton"
+        and "triton" in dtp_kernels.available_backends(device)
+    ):
+        # the same steps on the Triton kernels (split schedule for the one segment)
+        cases[("one segment, triton", "full")] = (step([numel], 0.5, device, "triton"), 3)
+        cases[("2:4, triton tile kernel", "full")] = (step(blocks, 0.5, device, "triton"), 3)
+    return cases
 
 
 SWEEP = Sweep(
@@ -78,11 +88,13 @@ SWEEP = Sweep(
     points=[
         {"shape": f"{n} weights", "dtype": "float32", "numel": n}
         for n in (2**16, 2**20, 10_000_000)
-    ],
+    ]
+    + [{"shape": "100000000 weights", "dtype": "float32", "numel": 10**8, "devices": ("cuda",)}],
     setup=setup,
     baselines=["one segment", "copy of the step's bytes"],
-    note="`auto` backend. The 2:4 step's cost in one-segment steps is 1 / (x vs one segment); "
-    "x vs copy is the fraction of copy bandwidth a step reaches (40 bytes per weight moved).",
+    note="`auto` backend unless a row names triton; 1e8 weights on GPUs only. The 2:4 "
+    "step's cost in one-segment steps is 1 / (x vs one segment); x vs copy is the "
+    "fraction of copy bandwidth a step reaches (40 bytes per weight moved).",
 )
 
 

@@ -229,10 +229,16 @@ def _resolve_options(
         backend = available_backends(device)[-1]
     else:
         require_backend(backend, device)
-    if blocks_per_segment != 0 and backend != "cuda":
+    if blocks_per_segment != 0 and backend not in ("cuda", "triton"):
         raise ValueError(
-            f"blocks_per_segment = {blocks_per_segment} picks a schedule of the cuda backend; "
-            f"backend {backend!r} takes only 0"
+            f"blocks_per_segment = {blocks_per_segment} picks a schedule of the cuda and "
+            f"triton backends; backend {backend!r} takes only 0"
+        )
+    if blocks_per_segment != 0 and backend == "triton" and iters > 1:
+        raise ValueError(
+            f"blocks_per_segment = {blocks_per_segment} picks a schedule of the triton "
+            f"kernels, which do iters = 1; iters = {iters} runs the eager closed form, so "
+            "blocks_per_segment must be 0"
         )
     return backend
 
@@ -393,7 +399,7 @@ def _op_args(scores, keep, eps, state: TransportState, iters, neutral, blocks_pe
 
 
 # ---------------------------------------------------------------------------------------
-# Backend "triton": torch.library.triton_op, so torch.compile sees the kernels. The fused
+# Backend "triton": torch.library.triton_op, so torch.compile sees the kernels. The
 # kernels do one Sinkhorn iteration; iters > 1 runs the eager closed form instead.
 # ---------------------------------------------------------------------------------------
 
@@ -414,6 +420,7 @@ if triton_installed():
         shift: Tensor,
         neutral_nonfinite: bool,
         segment_size: int = 0,
+        blocks_per_segment: int = 0,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         return _tk.transport_mask_forward(
             wrap_triton,
@@ -425,6 +432,7 @@ if triton_installed():
             shift,
             neutral_nonfinite,
             segment_size,
+            blocks_per_segment,
         )
 
     @triton_op("dtp::transport_mask_triton_backward", mutates_args=())
@@ -438,6 +446,7 @@ if triton_installed():
         stats: Tensor,
         neutral_nonfinite: bool,
         segment_size: int = 0,
+        blocks_per_segment: int = 0,
     ) -> tuple[Tensor, Tensor]:
         return _tk.transport_mask_backward(
             wrap_triton,
@@ -450,13 +459,14 @@ if triton_installed():
             stats,
             neutral_nonfinite,
             segment_size,
+            blocks_per_segment,
         )
 
     def _triton_setup_context(ctx, inputs, output) -> None:
-        scores, offsets, keep, eps, log_odds, _shift, neutral, segment_size = inputs
+        scores, offsets, keep, eps, log_odds, _shift, neutral, segment_size, blocks = inputs
         _mask, new_d, new_shift, stats, nonfinite = output
         ctx.save_for_backward(scores, offsets, keep, eps, log_odds, stats)
-        ctx.neutral, ctx.segment_size = neutral, segment_size
+        ctx.neutral, ctx.segment_size, ctx.blocks = neutral, segment_size, blocks
         ctx.mark_non_differentiable(new_d, new_shift, stats, nonfinite)
 
     def _triton_backward(ctx, grad_mask, _g_d, _g_shift, _g_stats, _g_nonfinite):
@@ -464,9 +474,18 @@ if triton_installed():
         if grad_mask is None:
             grad_mask = torch.zeros_like(scores)
         grad_scores, grad_keep = _transport_mask_triton_backward_op(
-            grad_mask, scores, offsets, keep, eps, log_odds, stats, ctx.neutral, ctx.segment_size
+            grad_mask,
+            scores,
+            offsets,
+            keep,
+            eps,
+            log_odds,
+            stats,
+            ctx.neutral,
+            ctx.segment_size,
+            ctx.blocks,
         )
-        return grad_scores, None, grad_keep, None, None, None, None, None
+        return grad_scores, None, grad_keep, None, None, None, None, None, None
 
     _transport_mask_triton_op.register_autograd(
         _triton_backward, setup_context=_triton_setup_context
@@ -480,6 +499,7 @@ def _transport_mask_triton(
     state: TransportState,
     iters: int,
     neutral: bool = False,
+    blocks_per_segment: int = 0,
 ) -> Step:
     if iters > 1:
         return _transport_mask_torch(scores, keep, eps, state, iters, neutral)
@@ -493,6 +513,7 @@ def _transport_mask_triton(
         shift,
         neutral,
         state.segment_size,
+        blocks_per_segment,
     )
     return mask, new_d, new_shift, nonfinite
 
@@ -603,9 +624,11 @@ def transport_mask(
             the mask stays finite; DTPPruner uses it). Either way the segment keeps its
             state, decided in the kernel, and ``update`` flags the step for
             ``state.skipped_steps``; so does a next state that is not finite.
-        blocks_per_segment: the cuda backend's schedule: 0 chooses by size, 1 runs one
-            block per segment, B > 1 splits every segment over B blocks. All give the same
-            result up to rounding; other backends take only 0.
+        blocks_per_segment: the schedule of the cuda and triton backends: 0 chooses by
+            size, 1 runs one block (Triton program) per segment, B > 1 splits every
+            segment over B of them. All give the same result up to rounding; a value > 0
+            also runs N:M segments on the general kernels; other backends, and triton
+            with iters > 1, take only 0.
 
     Returns:
         The mask in the layout and dtype of ``scores``: ``mask[i] = n P_new[i, 1]``; each
@@ -619,7 +642,7 @@ def transport_mask(
     if update and backend in _COMPILED_BACKENDS and not torch.compiler.is_compiling():
         mask = _compiled_step(flat, keep_t, eps_t, state, iters, neutral, blocks_per_segment)
     else:
-        schedule = (blocks_per_segment,) if backend == "cuda" else ()
+        schedule = (blocks_per_segment,) if backend in ("cuda", "triton") else ()
         mask, new_d, new_shift, flags = _IMPLEMENTATIONS[backend](
             flat, keep_t, eps_t, state, iters, neutral, *schedule
         )

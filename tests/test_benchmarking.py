@@ -27,3 +27,29 @@ def test_paired_overhead_interval_covers_noise():
     assert low < 0 < high  # no overhead in truth: the interval must include zero
     with pytest.raises(ValueError):
         paired_overhead([1.0, 2.0], [1.0])
+
+
+def test_sweep_points_for_other_devices_are_left_out(capsys):
+    """A point naming its devices (e.g. 1e8 weights, GPUs only) runs there alone."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from _harness import Sweep, run_sweep
+
+    seen = []
+
+    def setup(point, device):
+        seen.append(point["shape"])
+        return {("noop", "full"): (lambda: None, 1)}
+
+    points = [
+        {"shape": "small", "dtype": "float32"},
+        {"shape": "huge", "dtype": "float32", "devices": ("cuda",)},
+        {"shape": "both", "dtype": "float32", "devices": ("cpu", "cuda")},
+    ]
+    sweep = Sweep(op="noop", title="noop", points=points, setup=setup, warmup=0)
+    rows = run_sweep(sweep, torch.device("cpu"), rounds=1, save=False, name="noop")
+    assert seen == ["small", "both"] and [r["shape"] for r in rows] == ["small", "both"]

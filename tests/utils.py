@@ -111,8 +111,9 @@ def run_loop(
     return state, ref_state
 
 
-def check_low_precision(backend, dtype, device="cpu", layout=RAGGED_LAYOUT):
-    """fp16/bf16 scores: math in fp32; the result only carries the output rounding."""
+def check_low_precision(backend, dtype, device="cpu", layout=RAGGED_LAYOUT, **options):
+    """fp16/bf16 scores: math in fp32; the result only carries the output rounding.
+    ``options`` go to the backend's transport_mask call."""
     tolerance = {
         torch.float16: (2e-3, 1e-3),
         torch.bfloat16: (1.6e-2, 8e-3),
@@ -125,7 +126,8 @@ def check_low_precision(backend, dtype, device="cpu", layout=RAGGED_LAYOUT):
     scores = torch.rand(sum(sizes), generator=gen).to(dtype)
     ref = transport_mask(scores.double(), keep, TransportState(sizes), backend="reference")
     s = scores.to(device).requires_grad_(True)
-    mask = transport_mask(s, keep, TransportState(sizes, device=device), backend=backend)
+    state = TransportState(sizes, device=device)
+    mask = transport_mask(s, keep, state, backend=backend, **options)
     assert mask.dtype == dtype
     torch.testing.assert_close(mask.double().cpu(), ref, rtol=rtol, atol=atol)
     mask.float().pow(2).sum().backward()

@@ -415,7 +415,8 @@ def test_autocast_returns_scores_dtype(any_backend):
     torch.testing.assert_close(got16.double(), want, rtol=2e-2, atol=1e-2)
 
 
-# -- on CUDA: the split schedule, non-finite input, reproducibility -------------------
+# -- the split schedules (several blocks or programs per segment), non-finite input on
+# the GPU, reproducibility -----------------------------------------------------------
 
 
 @pytest.mark.parametrize("blocks", [2, 7])
@@ -427,6 +428,86 @@ def test_split_schedule_matches_reference(blocks, dtype, iters):
     if "cuda" not in cuda_backends():
         pytest.skip("the CUDA kernels are not built")
     run_loop("cuda", dtype, iters, steps=50, device=CUDA, blocks_per_segment=blocks)
+
+
+# Segments of one to five 1,024-element chunks of the Triton kernels: split over 2 or 3
+# programs, parts hold several chunks, one chunk or nothing; both degenerate k.
+TRITON_SPLIT_LAYOUT = [
+    (1, 1.0),
+    (3, 1.5),
+    (1025, 300.0),
+    (3000, 1000.5),
+    (5000, 0.0),
+    (4097, 4097.0),
+    (2049, 7.25),
+]
+TRITON_DEVICES = [
+    pytest.param("cpu", id="cpu", marks=pytest.mark.slow),  # interpreted
+    pytest.param("cuda", id="cuda", marks=pytest.mark.cuda),
+]
+
+
+@pytest.mark.parametrize("blocks", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_split_schedule_matches_reference(device, dtype, blocks):
+    """Triton's several-programs-per-segment schedule, forced: values, score and keep
+    gradients and the carried state against the reference over a training loop."""
+    require_backend("triton", device)
+    steps = 10 if device == "cpu" else 50  # interpreted on CPU: ~2 ms per program
+    run_loop(
+        "triton",
+        dtype,
+        1,
+        steps=steps,
+        layout=TRITON_SPLIT_LAYOUT,
+        device=device,
+        blocks_per_segment=blocks,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_split_schedule_low_precision(device, dtype):
+    require_backend("triton", device)
+    check_low_precision("triton", dtype, device, TRITON_SPLIT_LAYOUT, blocks_per_segment=3)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_split_schedule_gradcheck(device):
+    """float64 gradcheck of the split kernels, the second part of each segment empty."""
+    require_backend("triton", device)
+    layout = [(2, 0.5), (5, 4.0), (6, 2.5)]
+    sizes = [n for n, _ in layout]
+    state = TransportState(sizes, dtype=torch.float64, device=device)
+    scores = torch.rand(sum(sizes), generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for _ in range(3):  # off the uniform start
+        transport_mask(scores.to(device) * 3, [k for _, k in layout], state, eps=0.5)
+        state.commit()
+    keep = torch.tensor([k for _, k in layout], dtype=torch.float64, device=device)
+    inputs = (scores.to(device).requires_grad_(True), keep.requires_grad_(True))
+
+    def fn(s, k):
+        return transport_mask(
+            s, k, state, eps=0.5, update=False, backend="triton", blocks_per_segment=2
+        )
+
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_triton_programs_per_segment_by_size():
+    """Fused below 65,536 elements and off the GPU; above, one program per 16,384 elements
+    of the mean segment, at most 1,024; a forced count always wins."""
+    from dtp_kernels.kernels.transport_mask_triton import programs_per_segment
+
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    assert programs_per_segment(65_535, 1, 0, gpu) == 1
+    assert programs_per_segment(10_000_000, 1, 0, cpu) == 1
+    assert programs_per_segment(10_000_000, 1, 0, gpu) == 611
+    assert programs_per_segment(100_000_000, 1, 0, gpu) == 1024
+    assert programs_per_segment(25_000_000, 54, 0, gpu) == 29
+    assert programs_per_segment(1_000_000, 1000, 0, gpu) == 1
+    assert programs_per_segment(100, 3, 5, cpu) == 5
 
 
 @pytest.mark.parametrize("iters", [1, 3])
@@ -455,28 +536,37 @@ def test_large_segments_take_split_schedule_and_match(iters):
     assert torch.allclose(out[0][0].sum(0).double().cpu(), torch.tensor(sum(keep)).double())
 
 
-# 0 = each backend's own schedule; 3 = CUDA's split schedule (Triton has none)
-SCHEDULES = [(b, 0) for b in cuda_backends()] + [(b, 3) for b in cuda_backends() if b == "cuda"]
+# (device, backend, blocks per segment): 0 = the backend's own choice (fused at this
+# size), 3 = split; Triton on CPU runs interpreted
+SCHEDULES = [
+    pytest.param(device, backend, blocks, id=f"{device}-{backend}-{blocks}", marks=marks)
+    for device, backend, marks in (
+        ("cpu", "triton", ()),
+        ("cuda", "triton", pytest.mark.cuda),
+        ("cuda", "cuda", pytest.mark.cuda),
+    )
+    for blocks in (0, 3)
+]
 
 
-@pytest.mark.parametrize("backend,blocks", SCHEDULES)
+@pytest.mark.parametrize("device,backend,blocks", SCHEDULES)
 @pytest.mark.parametrize("mode", ["neutral", "propagate"])
-@pytest.mark.cuda
-def test_nonfinite_scores_on_cuda(backend, blocks, mode):
-    """NaN/Inf scores: the GPU kernels (CUDA's fused and split schedules) give the eager
+def test_nonfinite_scores_on_every_schedule(device, backend, blocks, mode):
+    """NaN/Inf scores: the GPU kernels' fused and split schedules give the eager
     backend's mask, gradients, held state and per-segment flags."""
-    sizes, keep = [4, 600, 5, 1], [2.0, 300.5, 1.5, 1.0]
+    require_backend(backend, device)
+    sizes, keep = [4, 2600, 5, 1], [2.0, 300.5, 1.5, 1.0]
     gen = torch.Generator().manual_seed(4)
     scores = torch.randn(sum(sizes), generator=gen)
     weights = torch.randn(sum(sizes), generator=gen)
-    scores[5], scores[606] = float("nan"), float("inf")  # segments 1 and 2
+    scores[2500], scores[2606] = float("nan"), float("inf")  # segment 1 (its 3rd chunk), 2
     out = {}
-    for device, name in ((CUDA, backend), (torch.device("cpu"), "torch")):
-        state = TransportState(sizes, device=device)
-        s = scores.to(device).requires_grad_(True)
-        schedule = {"blocks_per_segment": blocks} if name == "cuda" else {}
+    for where, name in ((torch.device(device), backend), (torch.device("cpu"), "torch")):
+        state = TransportState(sizes, device=where)
+        s = scores.to(where).requires_grad_(True)
+        schedule = {"blocks_per_segment": blocks} if name == backend else {}
         mask = transport_mask(s, keep, state, backend=name, nonfinite=mode, **schedule)
-        (weights.to(device) * mask.nan_to_num(0.0)).sum().backward()
+        (weights.to(where) * mask.nan_to_num(0.0)).sum().backward()
         state.commit()
         out[name] = [t.detach().cpu() for t in (mask, s.grad, state.log_odds, state.shift)]
         assert state.skipped_steps.tolist() == [0, 1, 1, 0]
@@ -485,7 +575,7 @@ def test_nonfinite_scores_on_cuda(backend, blocks, mode):
     for a, b in zip(out[backend], out["torch"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
     if mode == "neutral":
-        assert torch.isfinite(out[backend][0]).all() and out[backend][1][[5, 606]].eq(0).all()
+        assert torch.isfinite(out[backend][0]).all() and out[backend][1][[2500, 2606]].eq(0).all()
 
 
 @pytest.mark.parametrize("backend", cuda_backends())
@@ -660,9 +750,9 @@ def test_compiled_op_checks_its_own_inputs():
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch", "cpu"])
-def test_blocks_per_segment_belongs_to_the_cuda_backend(state, backend):
-    """The schedule argument is the cuda backend's; others refuse a non-zero value by name,
-    and a bad value is refused on every backend before the state changes."""
+def test_blocks_per_segment_belongs_to_the_gpu_backends(state, backend):
+    """The schedule argument is the cuda and triton backends'; others refuse a non-zero
+    value by name, and a bad value is refused on every backend before the state changes."""
     if backend == "cpu":
         pytest.importorskip("dtp_kernels._C")
     before = snapshot(state)
@@ -673,3 +763,15 @@ def test_blocks_per_segment_belongs_to_the_cuda_backend(state, backend):
     assert all(torch.equal(v, snapshot(state)[k]) for k, v in before.items())
     # 0 is every backend's default
     transport_mask(torch.randn(8), [1.0, 2.0], state, backend=backend, blocks_per_segment=0)
+
+
+def test_triton_schedule_needs_one_iteration(state):
+    """Triton's kernels do iters = 1; a forced schedule with iters > 1 (which runs the
+    eager closed form) is refused, before the state changes."""
+    require_backend("triton", "cpu")
+    before = snapshot(state)
+    with pytest.raises(ValueError, match=r"iters = 3 runs the eager closed form, so blocks_per"):
+        transport_mask(
+            torch.randn(8), [1.0, 2.0], state, iters=3, backend="triton", blocks_per_segment=2
+        )
+    assert all(torch.equal(v, snapshot(state)[k]) for k, v in before.items())

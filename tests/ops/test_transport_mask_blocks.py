@@ -204,3 +204,37 @@ def test_opcheck_blocks(dtype, iters):
         4,
     )
     torch.library.opcheck(torch.ops.dtp.transport_mask.default, args)
+
+
+@pytest.mark.parametrize("blocks", [1, 2])
+@pytest.mark.parametrize(
+    "device",
+    [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=pytest.mark.cuda)],
+)
+def test_forced_schedule_runs_tiny_segments_on_the_general_triton_kernels(
+    device, blocks, monkeypatch
+):
+    """blocks_per_segment > 0 runs N:M segments on Triton's general kernels (which choose
+    their schedule with programs_per_segment; the tile kernel does not): the same masks,
+    gradients and state as the tile kernel, up to rounding."""
+    require_backend("triton", device)
+    from dtp_kernels.kernels import transport_mask_triton as tk
+
+    chosen = []
+    choose = tk.programs_per_segment
+    monkeypatch.setattr(
+        tk, "programs_per_segment", lambda *args: chosen.append(args[2]) or choose(*args)
+    )
+    sizes = [4] * 37
+    keep = torch.tensor([k for _, k in blocks_layout(4, 37)], device=device)
+    scores = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(6)).to(device)
+    out = []
+    for schedule in (0, blocks):
+        state = TransportState(sizes, device=device)
+        s = scores.clone().requires_grad_(True)
+        mask = transport_mask(s, keep, state, backend="triton", blocks_per_segment=schedule)
+        mask.square().sum().backward()
+        out.append((mask.detach(), s.grad, state.pending_log_odds, state.pending_shift))
+    assert chosen == [blocks, blocks]  # forward and backward of the forced run only
+    for a, b in zip(*out, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
