@@ -157,6 +157,38 @@ DTP_INLINE ColumnSums<acc_t> column_sums_loop(LogOdds<scalar_t, acc_t> x, int64_
   return {add_lanes(s1), add_lanes(s0)};
 }
 
+// The one-pass step's column sums without a stabiliser: sigmoid(z) and sigmoid(-z) lie
+// in (0, 1], so their sums cannot overflow, and while the largest term of each column is
+// at least exp(kMinScaledShift) the terms that underflow do not matter (transport_math.h).
+// A column summing to n exp(kMinScaledShift) or more has such a term. The loop also
+// finds whether all s and x are finite, so a segment that passes needs no extremes pass;
+// one that does not is summed again with the stabilised loops. Each sigmoid(z_i) is
+// stored in `terms` (the mask's numerators).
+template <class acc_t>
+struct FirstSums {
+  acc_t s1, s0;
+  bool finite;
+};
+template <class scalar_t, class acc_t>
+DTP_INLINE FirstSums<acc_t> first_sums_loop(LogOdds<scalar_t, acc_t> x, int64_t n, acc_t delta,
+                                            acc_t* terms) {
+  acc_t s1[kLanes] = {}, s0[kLanes] = {}, bad[kLanes] = {};
+  for (int64_t b = 0; b < n; b += kLanes) {
+    const int64_t m = std::min(kLanes, n - b);
+    for (int64_t j = 0; j < m; ++j) {
+      const acc_t r = x.raw(b + j), v = x[b + j];
+      bad[j] += (r - r) + (v - v);  // 0, or NaN once an s or x is inf or NaN: no branch
+      const acc_t z = v + delta;
+      const auto p = sigmoid_parts(z);
+      const acc_t t1 = scaled_sigmoid(z, p, acc_t(1)), t0 = scaled_sigmoid_neg(z, p, acc_t(1));
+      terms[b + j] = t1;
+      s1[j] += t1;
+      s0[j] += t0;
+    }
+  }
+  return {add_lanes(s1), add_lanes(s0), add_lanes(bad) == acc_t(0)};
+}
+
 // mask_i = scale t_i (in place over the stored terms); new log-odds x_i + delta_new.
 template <class scalar_t, class acc_t>
 DTP_INLINE void mask_and_state_loop(LogOdds<scalar_t, acc_t> x, int64_t n, acc_t scale,
@@ -214,6 +246,8 @@ DTP_FLOAT_CLONED(template <class scalar_t>, Extremes<T>, log_odds_chunk,
 DTP_FLOAT_CLONED(template <class scalar_t>, ColumnSums<T>, column_sums,
                  (LogOdds<scalar_t, T> x, int64_t n, T delta, T m1, T m0, T* terms),
                  (x, n, delta, m1, m0, terms))
+DTP_FLOAT_CLONED(template <class scalar_t>, FirstSums<T>, first_sums,
+                 (LogOdds<scalar_t, T> x, int64_t n, T delta, T* terms), (x, n, delta, terms))
 DTP_FLOAT_CLONED(template <class scalar_t>, void, mask_and_state,
                  (LogOdds<scalar_t, T> x, int64_t n, T scale, T delta_new, T* mask, T* new_d),
                  (x, n, scale, delta_new, mask, new_d))
@@ -342,21 +376,6 @@ void forward_impl(const Segments& sg, const at::Tensor& scores, const at::Tensor
   const acc_t* shift_in = shift.data_ptr<acc_t>();
   const scalar_t* s_p = scores.data_ptr<scalar_t>();
   auto x_of = [&](const Chunk& ch) { return chunk_log_odds(sg, s_p, d, neutral, ch); };
-  std::vector<Extremes<acc_t>> extremes(nch);
-  for_each_chunk(sg.chunks, sg.numel, [&](int64_t c, const Chunk& ch) {
-    extremes[c] = log_odds_chunk(x_of(ch), ch.end - ch.begin);
-  });
-
-  // Segment extremes of x: log sigmoid is monotone, so they give each column's max.
-  std::vector<double> xmin(nseg, INFINITY), xmax(nseg, -INFINITY);
-  std::vector<uint8_t> finite(nseg, 1);
-  for (int64_t c = 0; c < nch; ++c) {
-    const int64_t s = sg.chunks[c].seg;
-    xmin[s] = std::min<double>(xmin[s], extremes[c].lo);
-    xmax[s] = std::max<double>(xmax[s], extremes[c].hi);
-    finite[s] = finite[s] && extremes[c].finite;
-  }
-
   std::vector<double> delta(nseg), l1(nseg), l0(nseg), bias(nseg);
   std::vector<uint8_t> degenerate(nseg);
   for (int64_t s = 0; s < nseg; ++s) {
@@ -367,28 +386,75 @@ void forward_impl(const Segments& sg, const at::Tensor& scores, const at::Tensor
   }
   double* st = stats.data_ptr<double>();
   acc_t* mask_p = mask.data_ptr<acc_t>();
-  std::vector<double> ps1(nch), ps0(nch), m1(nseg), m0(nseg), s1(nseg), s0(nseg);
-  for (int64_t t = 0; t < iters; ++t) {
-    for (int64_t s = 0; s < nseg; ++s) {
-      m1[s] = log_sigmoid(xmax[s] + delta[s]);
-      m0[s] = log_sigmoid(-(xmin[s] + delta[s]));
-      if (!std::isfinite(m1[s])) m1[s] = 0.0;  // non-finite segment: its state is kept
-      if (!std::isfinite(m0[s])) m0[s] = 0.0;
-    }
-    acc_t* terms = t == iters - 1 ? mask_p : nullptr;  // the last pass keeps its terms
+  // Column sums and their stabilisers (log of the scale the sums are taken at; 0: none).
+  std::vector<double> m1(nseg, 0.0), m0(nseg, 0.0), s1(nseg, 0.0), s0(nseg, 0.0);
+  std::vector<uint8_t> finite(nseg, 1), stabilise(nseg, 1);
+
+  // One pass (the paper's step): the sums without a stabiliser, two passes over the data
+  // in all; they stand for every segment whose largest terms allow it.
+  if (iters == 1) {
+    std::vector<FirstSums<acc_t>> first(nch);
     for_each_chunk(sg.chunks, sg.numel, [&](int64_t c, const Chunk& ch) {
-      const int64_t s = ch.seg;
-      const auto sums = column_sums(x_of(ch), ch.end - ch.begin, static_cast<acc_t>(delta[s]),
-                                    static_cast<acc_t>(m1[s]), static_cast<acc_t>(m0[s]),
-                                    terms == nullptr ? nullptr : terms + ch.begin);
-      ps1[c] = sums.s1;
-      ps0[c] = sums.s0;
+      first[c] = first_sums(x_of(ch), ch.end - ch.begin, static_cast<acc_t>(delta[ch.seg]),
+                            mask_p + ch.begin);
     });
-    std::fill(s1.begin(), s1.end(), 0.0);
-    std::fill(s0.begin(), s0.end(), 0.0);
     for (int64_t c = 0; c < nch; ++c) {
-      s1[sg.chunks[c].seg] += ps1[c];
-      s0[sg.chunks[c].seg] += ps0[c];
+      const int64_t s = sg.chunks[c].seg;
+      s1[s] += first[c].s1;
+      s0[s] += first[c].s0;
+      finite[s] = finite[s] && first[c].finite;
+    }
+    for (int64_t s = 0; s < nseg; ++s) {
+      const double least =
+          static_cast<double>(sg.offsets[s + 1] - sg.offsets[s]) * std::exp(kMinScaledShift);
+      stabilise[s] = !(finite[s] && s1[s] >= least && s0[s] >= least);
+    }
+  }
+
+  // The other segments (all of them for iters > 1): the extremes of x give each column's
+  // largest log-term (log sigmoid is monotone), by which every pass's sums are scaled.
+  std::vector<Chunk> rest;
+  for (const Chunk& ch : sg.chunks) {
+    if (stabilise[ch.seg]) rest.push_back(ch);
+  }
+  const int64_t nrest = static_cast<int64_t>(rest.size());
+  std::vector<double> xmin(nseg, INFINITY), xmax(nseg, -INFINITY);
+  if (nrest > 0) {
+    std::vector<Extremes<acc_t>> extremes(nrest);
+    for_each_chunk(rest, sg.numel, [&](int64_t c, const Chunk& ch) {
+      extremes[c] = log_odds_chunk(x_of(ch), ch.end - ch.begin);
+    });
+    for (int64_t c = 0; c < nrest; ++c) {
+      const int64_t s = rest[c].seg;
+      xmin[s] = std::min<double>(xmin[s], extremes[c].lo);
+      xmax[s] = std::max<double>(xmax[s], extremes[c].hi);
+      finite[s] = finite[s] && extremes[c].finite;
+    }
+  }
+  std::vector<double> ps1(nrest), ps0(nrest);
+  for (int64_t t = 0; t < iters; ++t) {
+    if (nrest > 0) {
+      for (int64_t s = 0; s < nseg; ++s) {
+        if (!stabilise[s]) continue;
+        m1[s] = log_sigmoid(xmax[s] + delta[s]);
+        m0[s] = log_sigmoid(-(xmin[s] + delta[s]));
+        if (!std::isfinite(m1[s])) m1[s] = 0.0;  // non-finite segment: its state is kept
+        if (!std::isfinite(m0[s])) m0[s] = 0.0;
+        s1[s] = s0[s] = 0.0;
+      }
+      acc_t* terms = t == iters - 1 ? mask_p : nullptr;  // the last pass keeps its terms
+      for_each_chunk(rest, sg.numel, [&](int64_t c, const Chunk& ch) {
+        const int64_t s = ch.seg;
+        const auto sums = column_sums(x_of(ch), ch.end - ch.begin, static_cast<acc_t>(delta[s]),
+                                      static_cast<acc_t>(m1[s]), static_cast<acc_t>(m0[s]),
+                                      terms == nullptr ? nullptr : terms + ch.begin);
+        ps1[c] = sums.s1;
+        ps0[c] = sums.s0;
+      });
+      for (int64_t c = 0; c < nrest; ++c) {
+        s1[rest[c].seg] += ps1[c];
+        s0[rest[c].seg] += ps0[c];
+      }
     }
     for (int64_t s = 0; s < nseg; ++s) {
       // The shift is rounded to acc_t exactly as the elementwise pass saw it.

@@ -400,6 +400,45 @@ def test_overflowing_log_odds_hold_and_flag_the_segment(fast_backend):
         assert not torch.equal(state.log_odds[:3], torch.zeros(3))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_segments_far_below_both_columns_match_reference(fast_backend, dtype):
+    """Every z of a segment near -100 (or +100): sigmoid underflows in float32, so sums
+    taken without a stabiliser would be 0; the kernels must scale them (against the
+    float64 reference, over several steps). Beside it, a segment with one z near 0 and
+    the rest far below, and a segment over one chunk."""
+    sizes, keep = [40, 40, 9, 5000], [10.0, 3.5, 2.0, 1200.0]
+    gen = torch.Generator().manual_seed(8)
+    parts = [
+        0.05 * torch.rand(40, generator=gen, dtype=torch.float64),  # x in [-100, -90]
+        1.0 - 0.05 * torch.rand(40, generator=gen, dtype=torch.float64),  # x in [90, 100]
+        torch.cat([torch.tensor([0.5], dtype=torch.float64), torch.zeros(8, dtype=torch.float64)]),
+        0.05 * torch.rand(5000, generator=gen, dtype=torch.float64),
+    ]
+    scores = torch.cat(parts)
+    weights = torch.randn(sum(sizes), generator=gen, dtype=torch.float64)
+    state, ref_state = (
+        TransportState(sizes, dtype=dtype),
+        TransportState(sizes, dtype=torch.float64),
+    )
+    for step in range(3):
+        s = scores.to(dtype, copy=True).requires_grad_(True)
+        s_ref = scores.clone().requires_grad_(True)
+        mask = transport_mask(s, keep, state, eps=0.01, backend=fast_backend)
+        ref = transport_mask(s_ref, keep, ref_state, eps=0.01, backend="reference")
+        (weights.to(dtype) * mask).sum().backward()
+        (weights * ref).sum().backward()
+        rtol, atol = (1e-9, 1e-10) if dtype == torch.float64 else (1e-4, 1e-5)
+        torch.testing.assert_close(mask.double(), ref.detach(), rtol=rtol, atol=atol)
+        # score gradients carry 2 / eps = 200: float32 is held to its rounding at that scale
+        scale = float(s_ref.grad.abs().max())
+        torch.testing.assert_close(
+            s.grad.double(), s_ref.grad, rtol=rtol, atol=atol * scale, msg=f"step {step}"
+        )
+        state.commit()
+        ref_state.commit()
+    assert state.skipped_steps.tolist() == [0, 0, 0, 0]
+
+
 def test_autocast_returns_scores_dtype(any_backend):
     """Under autocast the op keeps the scores' dtype and agrees with the fp32 reference."""
     sizes = [5, 17]
