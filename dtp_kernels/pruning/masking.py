@@ -60,11 +60,18 @@ class MaskSource:
         self.flat: torch.Tensor | None = None
         self._split: tuple[torch.Tensor, ...] | None = None
         self.hard: list[torch.Tensor] | None = None  # set: evaluate the hard-masked model
-        # slot -> (masked parameter, the original it was computed from, its version)
-        self.folded: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        # per slot: the masked parameter, the original it was computed from, its version
+        self.folded: list[torch.Tensor] | None = None
+        self.folded_from: list[torch.Tensor] = []
+        self.folded_versions: list[int] = []
 
     def set(self, flat: torch.Tensor) -> None:
         self.flat, self._split = flat, None
+
+    def set_folded(self, products: list[torch.Tensor], originals: list[torch.Tensor]) -> None:
+        """This forward's masked BN parameters, one per slot, and what they came from."""
+        self.folded, self.folded_from = products, originals
+        self.folded_versions = [original._version for original in originals]
 
     @property
     def masks(self) -> tuple[torch.Tensor, ...]:
@@ -81,7 +88,7 @@ class MaskSource:
         into the next step (stream mismatches under CUDA-graph capture)."""
         if self.flat is not None and self.flat.requires_grad:
             self.set(self.flat.detach())
-            self.folded = {}
+            self.folded = None
 
 
 class ScaleRows(nn.Module):
@@ -123,9 +130,13 @@ def read_folded_first(module: nn.Module, name: str, source: MaskSource, slot: in
 
     def get(self: nn.Module) -> torch.Tensor:
         if self is module and source.hard is None and not torch.compiler.is_compiling():
-            cached = source.folded.get(slot)
-            if cached is not None and cached[1]._version == cached[2]:
-                return cached[0]
+            # the fold's product while its original is unchanged (inline: 66 reads a step)
+            folded = source.folded
+            if (
+                folded is not None
+                and source.folded_from[slot]._version == source.folded_versions[slot]
+            ):
+                return folded[slot]
         return slow.fget(self)
 
     setattr(cls, name, property(get, slow.fset))

@@ -312,10 +312,7 @@ class DTPPruner(ChannelPruner):
             products = _C.fold_products(originals, flat, self._fold_plan.channels)
         else:
             products = folded_products(flat, self._fold_plan, originals)
-        self._source.folded = {
-            slot: (product, original, original._version)
-            for slot, (product, original) in enumerate(zip(products, originals, strict=True))
-        }
+        self._source.set_folded(products, originals)
 
     def _transport(self, update: bool) -> torch.Tensor:
         """The soft masks of all groups, NaN/Inf scores read as the neutral 0.5."""

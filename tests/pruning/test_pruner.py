@@ -430,6 +430,14 @@ def test_folded_bn_weight_read_after_a_step_is_current():
         bn.parametrizations.weight.original.add_(1.0)
     mask = pruner._source.masks[0]
     torch.testing.assert_close(bn.weight, bn.parametrizations.weight.original * mask)
+    # within a forward (after the pre-hook folded the masks), a weight changed in place
+    # since the fold is read through parametrize, not from the fold
+    pruner._compute_masks(model, ())
+    assert bn.weight is pruner._source.folded[0]  # the fold's product while unchanged
+    with torch.no_grad():
+        bn.parametrizations.weight.original.add_(1.0)
+    mask = pruner._source.masks[0]
+    torch.testing.assert_close(bn.weight, bn.parametrizations.weight.original * mask)
 
 
 class _ConvGroupNorm(torch.nn.Module):
