@@ -1,9 +1,10 @@
 """The pruner's own host work per training step on torchvision's ResNet-50: the forward
 pre-hook (mask step forward, BN fold) and the commit after the optimizer step, with the
 fold as one C++ autograd node (what DTPPruner runs when dtp_kernels._C is built) and as
-the Python ops, in one run. Medians of single calls on one thread, CPU tensors.
+the Python ops, in one run. Single calls on one thread, CPU tensors, the parts
+interleaved in rounds.
 
-    python benchmarks/bench_pruner_host.py [--calls N] [--no-save]
+    python benchmarks/bench_pruner_host.py [--rounds N] [--no-save]
 
 Writes results/pruner_host_cpu.md.
 """
@@ -28,20 +29,27 @@ from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.masking import folded_products
 
 
-def median_us(call, calls: int) -> float:
-    for _ in range(20):
-        call()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return 1e6 * statistics.median(times)
+def interleaved_medians(calls: dict, rounds: int, per_round: int = 50) -> dict:
+    """Each call's median time in us: rounds of `per_round` calls of each in turn, the
+    median of each round's median (the machine's speed drifts between rounds)."""
+    for call in calls.values():
+        for _ in range(20):
+            call()
+    medians = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            times = []
+            for _ in range(per_round):
+                start = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - start)
+            medians[name].append(statistics.median(times))
+    return {name: 1e6 * statistics.median(m) for name, m in medians.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--rounds", type=int, default=40, help="rounds of 50 calls of each")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
     if _C is None:
@@ -60,22 +68,23 @@ def main() -> None:
         pruner._compute_masks(model, ())
         pruner._source.release_graph()
 
-    rows = {
-        "forward pre-hook (mask step + fold)": median_us(pre_hook, args.calls),
-        "mask step forward": median_us(lambda: pruner._transport(update=True), args.calls),
-        "fold, C++ node": median_us(
-            lambda: _C.fold_products(originals, flat, plan.channels), args.calls
-        ),
-        "fold, Python ops": median_us(lambda: folded_products(flat, plan, originals), args.calls),
-        "commit (after the optimizer step)": median_us(pruner.state.commit, args.calls),
-    }
+    rows = interleaved_medians(
+        {
+            "forward pre-hook (mask step + fold)": pre_hook,
+            "mask step forward": lambda: pruner._transport(update=True),
+            "fold, C++ node": lambda: _C.fold_products(originals, flat, plan.channels),
+            "fold, Python ops": lambda: folded_products(flat, plan, originals),
+            "commit (after the optimizer step)": pruner.state.commit,
+        },
+        args.rounds,
+    )
     env = environment(torch.device("cpu"))
     lines = [
         "# The pruner's host work per step (`benchmarks/bench_pruner_host.py`)",
         "",
         f"{env['device']}, 1 thread; torch {env['torch']}; {env['date']}; torchvision "
         f"ResNet-50, {len(pruner.groups)} groups, {len(originals)} folded BN parameters; "
-        f"median of {args.calls} calls.",
+        f"{args.rounds} interleaved rounds of 50 calls, median of the rounds' medians.",
         "",
         "| part | us |",
         "| --- | ---: |",

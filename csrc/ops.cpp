@@ -79,4 +79,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "DTPPruner's BN fold: every (weight, bias) pair times its mask, one autograd node.");
   m.def("transport_mask_step", &dtp::transport_mask_step,
         "dtp::transport_mask with its next state written to the pending buffers (eager).");
+  m.def("transport_commit", &dtp::transport_commit,
+        "TransportState.commit: the pending state made current, the step counted.");
 }

@@ -8,6 +8,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 
+#include <cstring>
+
 namespace dtp {
 
 at::Tensor transport_mask_step(const at::Tensor& scores, const at::Tensor& offsets,
@@ -33,6 +35,50 @@ at::Tensor transport_mask_step(const at::Tensor& scores, const at::Tensor& offse
   pending_nonfinite.copy_(nonfinite);
   has_pending.fill_(true);
   return mask;
+}
+
+namespace {
+
+bool contiguous_cpu(const at::Tensor& t, at::ScalarType dtype) {
+  return t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == dtype;
+}
+
+}  // namespace
+
+void transport_commit(at::Tensor log_odds, at::Tensor shift, const at::Tensor& pending_log_odds,
+                      const at::Tensor& pending_shift, at::Tensor steps, at::Tensor skipped_steps,
+                      at::Tensor has_pending, at::Tensor pending_nonfinite) {
+  at::NoGradGuard no_grad;
+  const auto acc = log_odds.scalar_type();
+  const int64_t nseg = shift.numel();
+  const bool plain_cpu =
+      contiguous_cpu(log_odds, acc) && contiguous_cpu(pending_log_odds, acc) &&
+      contiguous_cpu(shift, acc) && contiguous_cpu(pending_shift, acc) &&
+      contiguous_cpu(steps, at::kLong) && contiguous_cpu(skipped_steps, at::kLong) &&
+      contiguous_cpu(has_pending, at::kBool) && contiguous_cpu(pending_nonfinite, at::kBool) &&
+      pending_log_odds.numel() == log_odds.numel() && pending_shift.numel() == nseg &&
+      skipped_steps.numel() == nseg && pending_nonfinite.numel() == nseg && steps.numel() == 1 &&
+      has_pending.numel() == 1;
+  if (!plain_cpu) {  // on a GPU, four launches and no host sync, as in Python
+    at::_foreach_copy_({log_odds, shift}, {pending_log_odds, pending_shift});
+    steps.add_(has_pending);
+    skipped_steps.add_(pending_nonfinite);
+    at::_foreach_zero_({has_pending, pending_nonfinite});
+    return;
+  }
+  // CPU: the same in plain loops (these are the state's own small buffers; the
+  // dispatcher's per-op cost would be most of the time)
+  std::memcpy(log_odds.data_ptr(), pending_log_odds.data_ptr(), log_odds.nbytes());
+  std::memcpy(shift.data_ptr(), pending_shift.data_ptr(), shift.nbytes());
+  bool* pending = has_pending.data_ptr<bool>();
+  bool* held = pending_nonfinite.data_ptr<bool>();
+  int64_t* skipped = skipped_steps.data_ptr<int64_t>();
+  *steps.data_ptr<int64_t>() += *pending ? 1 : 0;
+  for (int64_t s = 0; s < nseg; ++s) {
+    skipped[s] += held[s] ? 1 : 0;
+    held[s] = false;
+  }
+  *pending = false;
 }
 
 }  // namespace dtp

@@ -15,4 +15,10 @@ at::Tensor transport_mask_step(const at::Tensor& scores, const at::Tensor& offse
                                at::Tensor pending_shift, at::Tensor pending_nonfinite,
                                at::Tensor has_pending);
 
+// TransportState.commit: the pending log-odds and shift made current, the step counted
+// (and the held segments' skipped steps), the pending flags cleared.
+void transport_commit(at::Tensor log_odds, at::Tensor shift, const at::Tensor& pending_log_odds,
+                      const at::Tensor& pending_shift, at::Tensor steps, at::Tensor skipped_steps,
+                      at::Tensor has_pending, at::Tensor pending_nonfinite);
+
 }  // namespace dtp

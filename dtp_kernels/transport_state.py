@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ._extension import _C
+
 TINY_SEGMENT_SIZES = (4, 8, 16)  # sizes with kernels of their own (dtp::transport_mask)
 
 
@@ -145,11 +147,24 @@ class TransportState(nn.Module):
     def commit(self) -> None:
         """Make the pending state current and count a step, if a forward wrote one.
 
-        Runs on the device without a host sync, in four ops. Outside a pending step the
+        One C++ call when dtp_kernels._C is built (plain loops on CPU tensors, four ops on
+        a GPU), else four ops; on the device, without a host sync. Outside a pending step the
         pending buffers equal the current ones (every commit leaves them so), so copying
         is always right, and ``pending_nonfinite`` is only ever set with a pending step.
         """
         buffers = self._buffers
+        if _C is not None and not torch.compiler.is_compiling():  # one call from Python
+            _C.transport_commit(
+                buffers["log_odds"],
+                buffers["shift"],
+                buffers["pending_log_odds"],
+                buffers["pending_shift"],
+                buffers["steps"],
+                buffers["skipped_steps"],
+                buffers["has_pending"],
+                buffers["pending_nonfinite"],
+            )
+            return
         torch._foreach_copy_(
             [buffers["log_odds"], buffers["shift"]],
             [buffers["pending_log_odds"], buffers["pending_shift"]],

@@ -130,3 +130,53 @@ def test_memory_benchmark_counts_every_part():
     assert parts["optimizer state"] >= 8 * count  # exp_avg and exp_avg_sq
     assert parts["forward-to-backward"] == (count // 4) * 3 * 8
     assert all(value > 0 for value in parts.values())
+
+
+def _commit_with_torch_ops(b: dict) -> None:
+    """TransportState.commit as torch ops (what runs without dtp_kernels._C)."""
+    torch._foreach_copy_([b["log_odds"], b["shift"]], [b["pending_log_odds"], b["pending_shift"]])
+    b["steps"].add_(b["has_pending"])
+    b["skipped_steps"].add_(b["pending_nonfinite"])
+    torch._foreach_zero_([b["has_pending"], b["pending_nonfinite"]])
+
+
+BUFFER_ORDER = (
+    "log_odds",
+    "shift",
+    "pending_log_odds",
+    "pending_shift",
+    "steps",
+    "skipped_steps",
+    "has_pending",
+    "pending_nonfinite",
+)
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_compiled_commit_equals_the_torch_ops(device, dtype, strided):
+    """The one-call commit (plain loops for contiguous CPU buffers, torch ops otherwise)
+    leaves every buffer as the four torch ops do: with and without a pending step, with
+    held segments."""
+    if dtp_kernels._C is None:
+        pytest.skip("dtp_kernels._C is not built")
+    gen = torch.Generator().manual_seed(3)
+    state = TransportState([3, 1, 5], dtype=dtype, device=device)
+    for pending in (True, False):
+        raw = {k: v.clone() for k, v in state.state_dict().items() if k in BUFFER_ORDER}
+        raw["pending_log_odds"] = torch.randn(9, generator=gen, dtype=dtype).to(device)
+        raw["pending_shift"] = torch.randn(3, generator=gen, dtype=dtype).to(device)
+        raw["pending_nonfinite"] = torch.tensor([True, False, pending], device=device)
+        raw["has_pending"] = torch.tensor(pending, device=device)
+        raw["skipped_steps"] = torch.tensor([4, 0, 7], device=device)
+        raw["steps"] = torch.tensor(11, device=device)
+        if strided:  # views of every second element: the torch-ops path of the C++ call
+            raw = {k: torch.stack([v, torch.zeros_like(v)], -1)[..., 0] for k, v in raw.items()}
+            assert not raw["log_odds"].is_contiguous()
+        want = {k: v.clone() for k, v in raw.items()}
+        _commit_with_torch_ops(want)
+        dtp_kernels._C.transport_commit(*(raw[k] for k in BUFFER_ORDER))
+        for k in BUFFER_ORDER:
+            assert torch.equal(raw[k], want[k]), k
+        assert not raw["has_pending"] and not raw["pending_nonfinite"].any()
