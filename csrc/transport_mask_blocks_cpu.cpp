@@ -97,6 +97,46 @@ DTP_INLINE void load_tile(const scalar_t* scores, const T* log_odds, const T* ke
   }
 }
 
+// The one-iteration tile's column sums without a stabiliser (every term is a sigmoid in
+// (0, 1], so nothing overflows): the terms, s1 and the updated shift and stats row when
+// every segment of the tile is finite and no column sums below M e^-60; else false, and
+// the caller takes the stabilised sums. `bad` is 0 for every segment when it returns true.
+template <int M, class T>
+DTP_INLINE bool first_sums_tile(const BlocksForwardArgs& a, int64_t seg0,
+                                const TileInputs<M, T>& in, const T* bias, T* delta,
+                                T (&terms)[M][kTile], T* s1, T* bad) {
+  T s0[kTile], flaw[kTile];
+  for (int l = 0; l < kTile; ++l) {
+    s1[l] = 0;
+    s0[l] = 0;
+    flaw[l] = 0;
+  }
+  for (int j = 0; j < M; ++j) {
+    for (int l = 0; l < kTile; ++l) {
+      const T v = in.x[j][l], z = v + delta[l];
+      flaw[l] += (T(1) - in.ok[j][l]) + (v - v);  // 0, or not once an s or x is inf or NaN
+      const auto parts = sigmoid_parts(z);
+      terms[j][l] = scaled_sigmoid(z, parts, T(1));
+      s1[l] += terms[j][l];
+      s0[l] += scaled_sigmoid_neg(z, parts, T(1));
+    }
+  }
+  const T least = T(M) * T(std::exp(kMinScaledShift));
+  bool all = true;
+  for (int l = 0; l < kTile; ++l) all &= flaw[l] == T(0) && s1[l] >= least && s0[l] >= least;
+  if (!all) return false;
+  for (int l = 0; l < kTile; ++l) {
+    const T l1 = log_fast(s1[l]), l0 = log_fast(s0[l]);
+    double* row = a.stats + (seg0 + l) * 3;
+    row[0] = static_cast<double>(delta[l]);
+    row[1] = static_cast<double>(l1);
+    row[2] = static_cast<double>(l0);
+    delta[l] = bias[l] + delta[l] - l1 + l0;
+    bad[l] = 0;
+  }
+  return true;
+}
+
 template <int M, class scalar_t, class T>
 DTP_INLINE void forward_tile(const BlocksForwardArgs& a, int64_t seg0) {
   TileInputs<M, T> in;
@@ -117,65 +157,71 @@ DTP_INLINE void forward_tile(const BlocksForwardArgs& a, int64_t seg0) {
     xmin[l] = INFINITY;
     bad[l] = 0;
   }
-  for (int j = 0; j < M; ++j) {
-    for (int l = 0; l < kTile; ++l) {
-      const T v = in.x[j][l];
-      bad[l] += (in.ok[j][l] == T(1) && v - v == T(0)) ? T(0) : T(1);
-      xmax[l] = v > xmax[l] ? v : xmax[l];
-      xmin[l] = v < xmin[l] ? v : xmin[l];
-    }
-  }
-
   T terms[M][kTile], s1[kTile];
-  for (int64_t t = 0; t < a.iters; ++t) {
-    T dl[kTile], m1[kTile], m0[kTile], s0[kTile];
-    T lowest = 0;
-    for (int l = 0; l < kTile; ++l) {
-      dl[l] = delta[l];
-      const T hi = min_zero(xmax[l] + dl[l]), lo = min_zero(-(xmin[l] + dl[l]));
-      m1[l] = hi - hi == T(0) ? hi : T(0);  // non-finite segment: its state is kept
-      m0[l] = lo - lo == T(0) ? lo : T(0);
-      lowest = std::min(lowest, std::min(m1[l], m0[l]));
-      s1[l] = 0;
-      s0[l] = 0;
-    }
-    if (lowest >= T(kMinScaledShift)) {  // one exp per element (transport_math.h)
-      T c1[kTile], c0[kTile];
+  // One iteration (the paper's step): the column sums without a stabiliser, as the
+  // general kernels take them (transport_mask_cpu.cpp, first_sums_loop); they stand when
+  // every segment of the tile is finite and no column's mean term is below e^-60.
+  const bool first =
+      a.iters == 1 && first_sums_tile<M, T>(a, seg0, in, bias, delta, terms, s1, bad);
+  if (!first) {
+    for (int j = 0; j < M; ++j) {
       for (int l = 0; l < kTile; ++l) {
-        c1[l] = exp_fast(-m1[l]);
-        c0[l] = exp_fast(-m0[l]);
-      }
-      for (int j = 0; j < M; ++j) {
-        for (int l = 0; l < kTile; ++l) {
-          const T z = in.x[j][l] + dl[l];
-          const auto parts = sigmoid_parts(z);
-          terms[j][l] = scaled_sigmoid(z, parts, c1[l]);
-          s1[l] += terms[j][l];
-          s0[l] += scaled_sigmoid_neg(z, parts, c0[l]);
-        }
-      }
-    } else {
-      for (int j = 0; j < M; ++j) {
-        for (int l = 0; l < kTile; ++l) {
-          const T z = in.x[j][l] + dl[l];
-          const T r = sigmoid_abs(z);
-          terms[j][l] = exp_log_sigmoid(z, m1[l], r);
-          s1[l] += terms[j][l];
-          s0[l] += exp_log_sigmoid(-z, m0[l], r);
-        }
+        const T v = in.x[j][l];
+        bad[l] += (in.ok[j][l] == T(1) && v - v == T(0)) ? T(0) : T(1);
+        xmax[l] = v > xmax[l] ? v : xmax[l];
+        xmin[l] = v < xmin[l] ? v : xmin[l];
       }
     }
-    T l1[kTile], l0[kTile];
-    for (int l = 0; l < kTile; ++l) {
-      l1[l] = m1[l] + log_fast(s1[l]);
-      l0[l] = m0[l] + log_fast(s0[l]);
-      delta[l] = bias[l] + dl[l] - l1[l] + l0[l];
-    }
-    for (int l = 0; l < kTile; ++l) {
-      double* row = a.stats + ((seg0 + l) * a.iters + t) * 3;
-      row[0] = static_cast<double>(dl[l]);
-      row[1] = static_cast<double>(l1[l]);
-      row[2] = static_cast<double>(l0[l]);
+    for (int64_t t = 0; t < a.iters; ++t) {
+      T dl[kTile], m1[kTile], m0[kTile], s0[kTile];
+      T lowest = 0;
+      for (int l = 0; l < kTile; ++l) {
+        dl[l] = delta[l];
+        const T hi = min_zero(xmax[l] + dl[l]), lo = min_zero(-(xmin[l] + dl[l]));
+        m1[l] = hi - hi == T(0) ? hi : T(0);  // non-finite segment: its state is kept
+        m0[l] = lo - lo == T(0) ? lo : T(0);
+        lowest = std::min(lowest, std::min(m1[l], m0[l]));
+        s1[l] = 0;
+        s0[l] = 0;
+      }
+      if (lowest >= T(kMinScaledShift)) {  // one exp per element (transport_math.h)
+        T c1[kTile], c0[kTile];
+        for (int l = 0; l < kTile; ++l) {
+          c1[l] = exp_fast(-m1[l]);
+          c0[l] = exp_fast(-m0[l]);
+        }
+        for (int j = 0; j < M; ++j) {
+          for (int l = 0; l < kTile; ++l) {
+            const T z = in.x[j][l] + dl[l];
+            const auto parts = sigmoid_parts(z);
+            terms[j][l] = scaled_sigmoid(z, parts, c1[l]);
+            s1[l] += terms[j][l];
+            s0[l] += scaled_sigmoid_neg(z, parts, c0[l]);
+          }
+        }
+      } else {
+        for (int j = 0; j < M; ++j) {
+          for (int l = 0; l < kTile; ++l) {
+            const T z = in.x[j][l] + dl[l];
+            const T r = sigmoid_abs(z);
+            terms[j][l] = exp_log_sigmoid(z, m1[l], r);
+            s1[l] += terms[j][l];
+            s0[l] += exp_log_sigmoid(-z, m0[l], r);
+          }
+        }
+      }
+      T l1[kTile], l0[kTile];
+      for (int l = 0; l < kTile; ++l) {
+        l1[l] = m1[l] + log_fast(s1[l]);
+        l0[l] = m0[l] + log_fast(s0[l]);
+        delta[l] = bias[l] + dl[l] - l1[l] + l0[l];
+      }
+      for (int l = 0; l < kTile; ++l) {
+        double* row = a.stats + ((seg0 + l) * a.iters + t) * 3;
+        row[0] = static_cast<double>(dl[l]);
+        row[1] = static_cast<double>(l1[l]);
+        row[2] = static_cast<double>(l0[l]);
+      }
     }
   }
 

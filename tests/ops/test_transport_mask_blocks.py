@@ -238,3 +238,38 @@ def test_forced_schedule_runs_tiny_segments_on_the_general_triton_kernels(
     assert chosen == [blocks, blocks]  # forward and backward of the forced run only
     for a, b in zip(*out, strict=True):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_blocks_far_below_both_columns_match_reference(fast_backend, dtype):
+    """N:M segments whose every z is near -100 or +100 (sigmoid underflows in float32):
+    the tile kernels must scale the sums, against the float64 reference over 3 steps;
+    beside them segments in the usual range, in the same tiles."""
+    m, count = 4, 37
+    gen = torch.Generator().manual_seed(9)
+    far = torch.rand(count, 1, generator=gen, dtype=torch.float64) < 0.5
+    low = 0.05 * torch.rand(count, m, generator=gen, dtype=torch.float64)  # x near -100
+    usual = 0.4 + 0.2 * torch.rand(count, m, generator=gen, dtype=torch.float64)
+    scores = torch.where(far, low, usual)
+    scores[::5] = 1.0 - scores[::5] * 0.05 / 0.6  # some blocks near +100
+    scores = scores.flatten()
+    keep = [2.0] * count
+    weights = torch.randn(count * m, generator=gen, dtype=torch.float64)
+    state = TransportState([m] * count, dtype=dtype)
+    ref_state = TransportState([m] * count, dtype=torch.float64)
+    rtol, atol = (1e-9, 1e-10) if dtype == torch.float64 else (1e-4, 1e-5)
+    for step in range(3):
+        s = scores.to(dtype, copy=True).requires_grad_(True)
+        s_ref = scores.clone().requires_grad_(True)
+        mask = transport_mask(s, keep, state, eps=0.01, backend=fast_backend)
+        ref = transport_mask(s_ref, keep, ref_state, eps=0.01, backend="reference")
+        (weights.to(dtype) * mask).sum().backward()
+        (weights * ref).sum().backward()
+        torch.testing.assert_close(mask.double(), ref.detach(), rtol=rtol, atol=atol)
+        scale = float(s_ref.grad.abs().max())  # 2 / eps = 200 in the gradients
+        torch.testing.assert_close(
+            s.grad.double(), s_ref.grad, rtol=rtol, atol=atol * scale, msg=f"step {step}"
+        )
+        state.commit()
+        ref_state.commit()
+    assert state.segment_size == m
