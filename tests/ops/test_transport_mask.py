@@ -536,6 +536,7 @@ def test_triton_split_schedule_gradcheck(device):
 def test_triton_programs_per_segment_by_size():
     """Fused below 65,536 elements and off the GPU; above, one program per 16,384 elements
     of the mean segment, at most 1,024; a forced count always wins."""
+    pytest.importorskip("triton")
     from dtp_kernels.kernels.transport_mask_triton import programs_per_segment
 
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
