@@ -17,6 +17,7 @@ from utils import (
     CUDA,
     FAST_CPU_BACKENDS,
     RAGGED_LAYOUT,
+    check_fixed_scores_against_reference,
     check_low_precision,
     cuda_backends,
     require_backend,
@@ -415,27 +416,7 @@ def test_segments_far_below_both_columns_match_reference(fast_backend, dtype):
         0.05 * torch.rand(5000, generator=gen, dtype=torch.float64),
     ]
     scores = torch.cat(parts)
-    weights = torch.randn(sum(sizes), generator=gen, dtype=torch.float64)
-    state, ref_state = (
-        TransportState(sizes, dtype=dtype),
-        TransportState(sizes, dtype=torch.float64),
-    )
-    for step in range(3):
-        s = scores.to(dtype, copy=True).requires_grad_(True)
-        s_ref = scores.clone().requires_grad_(True)
-        mask = transport_mask(s, keep, state, eps=0.01, backend=fast_backend)
-        ref = transport_mask(s_ref, keep, ref_state, eps=0.01, backend="reference")
-        (weights.to(dtype) * mask).sum().backward()
-        (weights * ref).sum().backward()
-        rtol, atol = (1e-9, 1e-10) if dtype == torch.float64 else (1e-4, 1e-5)
-        torch.testing.assert_close(mask.double(), ref.detach(), rtol=rtol, atol=atol)
-        # score gradients carry 2 / eps = 200: float32 is held to its rounding at that scale
-        scale = float(s_ref.grad.abs().max())
-        torch.testing.assert_close(
-            s.grad.double(), s_ref.grad, rtol=rtol, atol=atol * scale, msg=f"step {step}"
-        )
-        state.commit()
-        ref_state.commit()
+    state = check_fixed_scores_against_reference(fast_backend, sizes, keep, scores, 0.01, dtype)
     assert state.skipped_steps.tolist() == [0, 0, 0, 0]
 
 

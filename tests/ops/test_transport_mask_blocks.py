@@ -9,7 +9,12 @@ import torch
 
 import dtp_kernels
 from dtp_kernels import TransportState, transport_mask
-from utils import check_low_precision, require_backend, run_loop
+from utils import (
+    check_fixed_scores_against_reference,
+    check_low_precision,
+    require_backend,
+    run_loop,
+)
 
 compiled = pytest.mark.skipif(
     "cpu" not in dtp_kernels.available_backends("cpu"), reason="dtp_kernels._C is not built"
@@ -253,23 +258,7 @@ def test_blocks_far_below_both_columns_match_reference(fast_backend, dtype):
     scores = torch.where(far, low, usual)
     scores[::5] = 1.0 - scores[::5] * 0.05 / 0.6  # some blocks near +100
     scores = scores.flatten()
-    keep = [2.0] * count
-    weights = torch.randn(count * m, generator=gen, dtype=torch.float64)
-    state = TransportState([m] * count, dtype=dtype)
-    ref_state = TransportState([m] * count, dtype=torch.float64)
-    rtol, atol = (1e-9, 1e-10) if dtype == torch.float64 else (1e-4, 1e-5)
-    for step in range(3):
-        s = scores.to(dtype, copy=True).requires_grad_(True)
-        s_ref = scores.clone().requires_grad_(True)
-        mask = transport_mask(s, keep, state, eps=0.01, backend=fast_backend)
-        ref = transport_mask(s_ref, keep, ref_state, eps=0.01, backend="reference")
-        (weights.to(dtype) * mask).sum().backward()
-        (weights * ref).sum().backward()
-        torch.testing.assert_close(mask.double(), ref.detach(), rtol=rtol, atol=atol)
-        scale = float(s_ref.grad.abs().max())  # 2 / eps = 200 in the gradients
-        torch.testing.assert_close(
-            s.grad.double(), s_ref.grad, rtol=rtol, atol=atol * scale, msg=f"step {step}"
-        )
-        state.commit()
-        ref_state.commit()
+    state = check_fixed_scores_against_reference(
+        fast_backend, [m] * count, [2.0] * count, scores, 0.01, dtype
+    )
     assert state.segment_size == m
