@@ -79,6 +79,13 @@ void transport_commit(at::Tensor log_odds, at::Tensor shift, const at::Tensor& p
     held[s] = false;
   }
   *pending = false;
+  // Raw writes skip the version counters that in-place ops bump, and autograd reads them:
+  // a backward after a commit must fail as it does after the torch ops ("modified by an
+  // inplace operation"), not run on the new state.
+  for (const at::Tensor* t :
+       {&log_odds, &shift, &steps, &skipped_steps, &has_pending, &pending_nonfinite}) {
+    t->unsafeGetTensorImpl()->bump_version();
+  }
 }
 
 }  // namespace dtp

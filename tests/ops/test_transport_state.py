@@ -180,3 +180,30 @@ def test_compiled_commit_equals_the_torch_ops(device, dtype, strided):
         for k in BUFFER_ORDER:
             assert torch.equal(raw[k], want[k]), k
         assert not raw["has_pending"] and not raw["pending_nonfinite"].any()
+
+
+def test_backward_after_a_commit_fails_or_uses_the_state_of_its_forward(any_backend):
+    """A commit between a forward and its backward changes the state the forward read.
+    Backends whose backward reads that state must refuse, as autograd refuses any tensor
+    changed in place after it was saved; the others must give the gradient of the state
+    their forward saw. Never the gradient of the new state (the C++ commit writes raw
+    memory, so it bumps the version counters itself)."""
+    gen = torch.Generator().manual_seed(5)
+    weights = torch.randn(sum(SIZES), generator=gen, dtype=torch.float64)
+    state = TransportState(SIZES, dtype=torch.float64)
+    for step in range(3):
+        scores = torch.randn(sum(SIZES), generator=gen, dtype=torch.float64) * 3
+        s_want = scores.clone().requires_grad_(True)
+        twin = TransportState(SIZES, dtype=torch.float64)
+        twin.load_state_dict(state.state_dict())
+        (weights * transport_mask(s_want, KEEP, twin, backend=any_backend)).sum().backward()
+
+        s = scores.clone().requires_grad_(True)
+        mask = transport_mask(s, KEEP, state, backend=any_backend)
+        state.commit()
+        try:
+            (weights * mask).sum().backward()
+        except RuntimeError as error:
+            assert "modified by an inplace operation" in str(error), error
+            continue
+        torch.testing.assert_close(s.grad, s_want.grad, rtol=1e-12, atol=1e-14, msg=f"step {step}")
