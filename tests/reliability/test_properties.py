@@ -72,7 +72,7 @@ def test_compiled_backends_equal_the_reference_on_random_problems(problem):
     check_against_reference(problem, COMPILED)
 
 
-@bounded(max_examples=16)
+@bounded(max_examples=10)
 @given(problems(max_segments=16))
 def test_triton_equals_the_reference_on_random_problems(problem):
     if "triton" not in ALL_CPU_BACKENDS:

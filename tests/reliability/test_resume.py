@@ -21,7 +21,7 @@ from dtp_kernels.pipeline.errors import RunError
 from utils import DIGITS_RECIPE, final_state, prune_command, subprocess_environment
 
 ROOT = Path(__file__).resolve().parents[2]
-OVERRIDES = ["pretrain.epochs=3", "prune.epochs=4", "finetune.epochs=3"]
+OVERRIDES = ["pretrain.epochs=2", "prune.epochs=3", "finetune.epochs=2"]
 
 
 def command(out: Path, *extra: str) -> list[str]:
