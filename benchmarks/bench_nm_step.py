@@ -27,9 +27,17 @@ import dtp_kernels
 from dtp_kernels import TransportState, transport_mask
 
 
-def step(sizes: list[int], keep: float, device: torch.device, backend: str, tiny: bool = True):
+def step(
+    sizes: list[int],
+    keep: float,
+    device: torch.device,
+    backend: str,
+    tiny: bool = True,
+    huge_pages: bool = True,
+):
     """One fwd + bwd of the mask step over segments of `sizes`, keeping `keep` of each;
-    `tiny=False` runs equal tiny segments on the general kernels (read from offsets)."""
+    `tiny=False` runs equal tiny segments on the general kernels (read from offsets),
+    `huge_pages=False` without the CPU kernels' huge-page advice for their outputs."""
     numel = sum(sizes)
     state = TransportState(sizes, device=device)
     if not tiny:
@@ -40,8 +48,10 @@ def step(sizes: list[int], keep: float, device: torch.device, backend: str, tiny
     kept = torch.tensor([keep * n for n in sizes], device=device)
 
     def run() -> None:
+        previous = dtp_kernels.set_cpu_huge_pages(huge_pages)
         transport_mask(scores, kept, state, backend=backend).backward(grad)
         scores.grad = None
+        dtp_kernels.set_cpu_huge_pages(previous)
 
     return run
 
@@ -71,6 +81,15 @@ def setup(point: dict, device: torch.device) -> Cases:
         ("2:4, tiny-segment kernels", "full"): (step(blocks, 0.5, device, backend), 3),
         ("2:4, general kernels", "full"): (step(blocks, 0.5, device, backend, tiny=False), 3),
     }
+    if device.type == "cpu":  # the same steps on 4 KiB pages (set_cpu_huge_pages(False))
+        cases[("one segment, 4 KiB pages", "full")] = (
+            step([numel], 0.5, device, backend, huge_pages=False),
+            3,
+        )
+        cases[("2:4, tiny-segment kernels, 4 KiB pages", "full")] = (
+            step(blocks, 0.5, device, backend, huge_pages=False),
+            3,
+        )
     if (
         device.type == "cuda"
         and backend != "triton"

@@ -5,6 +5,7 @@
 
 #include <string>
 
+#include "cpu_outputs.h"
 #include "fold_products.h"
 #include "transport_step.h"
 
@@ -81,4 +82,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "dtp::transport_mask with its next state written to the pending buffers (eager).");
   m.def("transport_commit", &dtp::transport_commit,
         "TransportState.commit: the pending state made current, the step counted.");
+  m.def(
+      "set_huge_page_outputs",
+      [](bool enabled) { return dtp::huge_page_outputs.exchange(enabled); },
+      "Whether the CPU kernels advise outputs of 4 MiB or more for huge pages; returns the "
+      "previous setting.");
 }

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common.h"
+#include "cpu_outputs.h"
 #include "transport_blocks.h"
 #include "transport_math.h"
 
@@ -500,8 +501,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport
   const auto eps = eps_in.to(at::kDouble).contiguous();
   const auto log_odds = log_odds_in.contiguous();
   const auto shift = shift_in.contiguous();
-  auto mask_acc = at::empty({scores.numel()}, log_odds.options());
-  auto new_d = at::empty_like(log_odds);
+  auto mask_acc = empty_output({scores.numel()}, log_odds.options());
+  auto new_d = empty_output({log_odds.numel()}, log_odds.options());
   auto new_shift = at::empty_like(shift);
   auto stats = at::empty({nseg, iters, 3}, log_odds.options().dtype(at::kDouble));
   auto nonfinite = at::empty({nseg}, log_odds.options().dtype(at::kBool));
@@ -540,7 +541,7 @@ std::tuple<at::Tensor, at::Tensor> transport_mask_blocks_backward_cpu(
   const auto log_odds = log_odds_in.contiguous();
   const auto stats = stats_in.contiguous();
   const auto g = grad_mask.to(acc).contiguous();
-  auto grad_x = at::empty({scores.numel()}, log_odds.options());
+  auto grad_x = empty_output({scores.numel()}, log_odds.options());
   auto grad_keep = at::empty({nseg}, keep_in.options().dtype(at::kDouble));
   BlocksBackwardArgs a{g.data_ptr(),        scores.data_ptr(),
                        keep.data_ptr(),     eps.data_ptr<double>(),

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common.h"
+#include "cpu_outputs.h"
 #include "transport_blocks.h"
 #include "transport_math.h"
 
@@ -598,8 +599,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport
   const auto log_odds = log_odds_in.contiguous();
   const auto shift = shift_in.contiguous();
   const auto acc = acc_type(scores);
-  auto mask_acc = at::empty({sg.numel}, log_odds.options());
-  auto new_d = at::empty_like(log_odds);
+  auto mask_acc = empty_output({sg.numel}, log_odds.options());
+  auto new_d = empty_output({sg.numel}, log_odds.options());
   auto new_shift = at::empty_like(shift);
   auto stats = at::empty({sg.nseg, iters, 3}, log_odds.options().dtype(at::kDouble));
   auto nonfinite = at::empty({sg.nseg}, log_odds.options().dtype(at::kBool));
@@ -644,7 +645,7 @@ std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cpu(
   const auto stats = stats_in.contiguous();
   const auto acc = acc_type(scores);
   const auto g = grad_mask.to(acc).contiguous();
-  auto grad_x = at::empty({sg.numel}, log_odds.options());
+  auto grad_x = empty_output({sg.numel}, log_odds.options());
   std::vector<double> grad_keep(sg.nseg);
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, scores.scalar_type(), "transport_mask_backward_cpu", [&] {

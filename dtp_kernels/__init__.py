@@ -1,12 +1,18 @@
 """dtp_kernels: Differentiable Transportation Pruning (Li et al., ICCV 2023) for PyTorch.
 
 Public API: :func:`transport_mask`, :class:`TransportState`,
-:func:`masked_channel_epilogue`, :func:`available_backends`, :func:`build_info`;
+:func:`masked_channel_epilogue`, :func:`available_backends`, :func:`build_info`,
+:func:`set_cpu_huge_pages`;
 pruning: :class:`DTPPruner`, :func:`prepare`, :func:`save_pruned`, :func:`load_pruned`.
 The literal reference is :mod:`dtp_kernels.reference`.
 """
 
-from ._extension import BackendUnavailableError, available_backends, build_info
+from ._extension import (
+    BackendUnavailableError,
+    available_backends,
+    build_info,
+    set_cpu_huge_pages,
+)
 from ._version import __version__
 from .masked_channel_epilogue import masked_channel_epilogue
 from .pruning import DTPPruner, L1Pruner, RandomPruner, load_pruned, prepare, save_pruned
@@ -26,5 +32,6 @@ __all__ = [
     "masked_channel_epilogue",
     "prepare",
     "save_pruned",
+    "set_cpu_huge_pages",
     "transport_mask",
 ]

@@ -149,3 +149,21 @@ def build_info() -> dict:
     if _C is not None:
         info.update(_C.build_info())
     return info
+
+
+def set_cpu_huge_pages(enabled: bool) -> bool:
+    """Whether the CPU kernels ask Linux for transparent huge pages (2 MiB) for outputs of
+    4 MiB or more; on by default. Returns the previous setting.
+
+    Fresh memory is mapped page by page as a kernel first writes it; with 4 KiB pages
+    that costs a mask step over 1e7 weights about as much as its arithmetic
+    (docs/benchmarks.md). The advice needs transparent huge pages in "madvise" or
+    "always" mode (/sys/kernel/mm/transparent_hugepage/enabled) and is a no-op
+    elsewhere; turn it off where THP compaction stalls a system. Without the compiled
+    module there is nothing to advise and this returns False.
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_cpu_huge_pages: enabled must be a bool, got {enabled!r}")
+    if _C is None:
+        return False
+    return _C.set_huge_page_outputs(enabled)
