@@ -600,10 +600,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport
   const auto shift = shift_in.contiguous();
   const auto acc = acc_type(scores);
   auto mask_acc = empty_output({sg.numel}, log_odds.options());
-  auto new_d = empty_output({sg.numel}, log_odds.options());
-  auto new_shift = at::empty_like(shift);
   auto stats = at::empty({sg.nseg, iters, 3}, log_odds.options().dtype(at::kDouble));
-  auto nonfinite = at::empty({sg.nseg}, log_odds.options().dtype(at::kBool));
+  // Every check is above: what follows cannot fail half-way through a lent buffer.
+  auto [new_d, new_shift, nonfinite] = take_state_outputs(scores, log_odds, shift);
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, scores.scalar_type(), "transport_mask_cpu", [&] {
         if (acc == at::kDouble) {

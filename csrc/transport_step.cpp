@@ -9,6 +9,9 @@
 #include <torch/extension.h>
 
 #include <cstring>
+#include <utility>
+
+#include "cpu_outputs.h"
 
 namespace dtp {
 
@@ -25,14 +28,28 @@ at::Tensor transport_mask_step(const at::Tensor& scores, const at::Tensor& offse
           .findSchemaOrThrow("dtp::transport_mask", "")
           .typed<Outputs(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const at::Tensor&, const at::Tensor&, int64_t, bool, int64_t, int64_t)>();
-  auto [mask, new_log_odds, new_shift, stats, nonfinite] =
-      op.call(scores, offsets, keep, eps, log_odds, shift, iters, neutral_nonfinite,
-              blocks_per_segment, segment_size);
+  // The CPU kernel writes the next state straight into the pending buffers when they fit
+  // (csrc/cpu_outputs.h); otherwise (CUDA, float64 scores on a float32 state, the tiny-
+  // segment kernels) the op returns new tensors and they are copied.
+  const StateOutputs lent{pending_log_odds, pending_shift, pending_nonfinite};
+  Outputs outputs;
+  {
+    LendStateOutputs lend(&lent);
+    outputs = op.call(scores, offsets, keep, eps, log_odds, shift, iters, neutral_nonfinite,
+                      blocks_per_segment, segment_size);
+  }
+  auto& [mask, new_log_odds, new_shift, stats, nonfinite] = outputs;
   // The state outputs carry no gradient; the copies are not part of the graph.
   at::NoGradGuard no_grad;
-  pending_log_odds.copy_(new_log_odds);  // copy_ converts float64 results for a float32 state
-  pending_shift.copy_(new_shift);
-  pending_nonfinite.copy_(nonfinite);
+  for (auto [target, result] :
+       {std::pair{&pending_log_odds, &new_log_odds}, std::pair{&pending_shift, &new_shift},
+        std::pair{&pending_nonfinite, &nonfinite}}) {
+    if (result->is_same(*target)) {
+      target->unsafeGetTensorImpl()->bump_version();  // written in place, as copy_ would
+    } else {
+      target->copy_(*result);  // copy_ converts float64 results for a float32 state
+    }
+  }
   has_pending.fill_(true);
   return mask;
 }

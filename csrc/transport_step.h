@@ -5,8 +5,9 @@
 
 namespace dtp {
 
-// dtp::transport_mask, then the next log-odds, shift and non-finite flags copied into the
-// pending buffers and has_pending set. Returns the mask.
+// dtp::transport_mask with the next log-odds, shift and non-finite flags in the pending
+// buffers (written there by the CPU kernel, else copied) and has_pending set. Returns the
+// mask.
 at::Tensor transport_mask_step(const at::Tensor& scores, const at::Tensor& offsets,
                                const at::Tensor& keep, const at::Tensor& eps,
                                const at::Tensor& log_odds, const at::Tensor& shift, int64_t iters,

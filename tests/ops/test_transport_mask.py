@@ -207,6 +207,32 @@ def test_eager_step_entry_equals_the_op_and_write_pending(
     ]
 
 
+@pytest.mark.parametrize("scores_dtype", [torch.float32, torch.float64], ids=["lent", "copied"])
+def test_cpu_step_writes_the_next_state_into_the_pending_buffers(scores_dtype):
+    """On CPU the eager step lends TransportState's pending buffers to the kernel, which
+    writes the next log-odds, shift and flags into them: no copies, and the same buffers
+    (bumped versions). float64 scores on a float32 state cannot be lent: three copies."""
+    require_backend("cpu", "cpu")
+    state = TransportState([300, 5])
+    buffers = [state.pending_log_odds, state.pending_shift, state.pending_nonfinite]
+    versions = [b._version for b in buffers]
+    scores = torch.rand(305, dtype=scores_dtype)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        transport_mask(scores, [100.0, 2.0], state, backend="cpu")
+    copies = sum(e.count for e in prof.key_averages() if e.key == "aten::copy_")
+    if scores_dtype == torch.float32:
+        assert copies == 0
+    else:  # the three state outputs at least (keep's conversion may add more)
+        assert copies >= 3
+    assert [state.pending_log_odds, state.pending_shift, state.pending_nonfinite] == buffers
+    assert all(b._version > v for b, v in zip(buffers, versions, strict=True))
+    ref = TransportState([300, 5], dtype=torch.float64)
+    transport_mask(scores.double(), [100.0, 2.0], ref, backend="reference")
+    torch.testing.assert_close(
+        state.pending_log_odds.double(), ref.pending_log_odds, rtol=1e-5, atol=1e-6
+    )
+
+
 def test_compiled_backend_without_update_leaves_pending_state_alone():
     state = TransportState([4, 6])
     before = {k: v.clone() for k, v in state.state_dict().items()}
