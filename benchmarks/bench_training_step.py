@@ -2,6 +2,7 @@
 commit) with DTP masks against the same model without masks, interleaved in one run.
 
     python benchmarks/bench_training_step.py [--device cpu|cuda] [--rounds N]
+        [--model NAME] [--provider NAME ...]
 
 CPU: CIFAR ResNet-56 (batch 64, 32x32) and the digits CNN (batch 64, 8x8).
 CUDA: torchvision ResNet-50 (batch 64, 224x224, bf16 autocast, channels_last).
@@ -14,8 +15,13 @@ every mask-step backend present. The overhead is median(masked) / median(dense) 
 On CUDA the table also gives the time the host spends issuing one step (`host ms`), and
 --graph times every step captured in a CUDA graph instead (replays: no dispatch cost).
 
+--model and --provider narrow the run to one workload and some providers (dense always
+runs): the rounds then go where the question is, e.g. `--model resnet56 --provider
+fold/cpu --rounds 300` for the CPU overhead of folded masks.
+
 Appends rows to benchmarks/results/training_step.csv and writes
-benchmarks/results/training_step_<device>.md (training_step_cuda_graph.md with --graph).
+benchmarks/results/training_step_<device>.md (training_step_cuda_graph.md with --graph;
+a narrowed run adds its model and providers to the name).
 """
 
 from __future__ import annotations
@@ -152,6 +158,13 @@ def main() -> None:
     parser.add_argument(
         "--graph", action="store_true", help="CUDA: time steps captured in CUDA graphs"
     )
+    parser.add_argument("--model", default=None, help="run this workload only")
+    parser.add_argument(
+        "--provider",
+        action="append",
+        default=None,
+        help="run this provider (strategy/backend) besides dense; repeat for more",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     rounds = args.rounds or (20 if device.type == "cuda" else 15)
@@ -163,7 +176,22 @@ def main() -> None:
         backends = [b for b in backends if b != "triton"]  # interpreted Triton: not a CPU path
     print(env)
     rows, lines = [], []
-    for work in workloads(device):
+    chosen = workloads(device)
+    if args.model is not None:
+        chosen = [w for w in chosen if w["model"] == args.model]
+        if not chosen:
+            names = [w["model"] for w in workloads(device)]
+            raise SystemExit(f"--model {args.model!r}: the workloads on {device} are {names}")
+    known = [
+        f"{strategy}/{backend}"
+        for strategy in STRATEGIES
+        for backend in backends
+        if strategy == "fold" or backend != "torch"
+    ]
+    unknown = sorted(set(args.provider or []) - set(known))
+    if unknown:
+        raise SystemExit(f"--provider {unknown}: the providers on {device} are {known}")
+    for work in chosen:
         torch.manual_seed(0)
         base = get_model(work["model"], num_classes=work["classes"])
         dense_step = make_case(work, base, device, None, None, args.graph)
@@ -173,6 +201,8 @@ def main() -> None:
                 if strategy != "fold" and backend == "torch":
                     continue  # activation strategies: one mask-step backend is enough
                 name = f"{strategy}/{backend}"
+                if args.provider is not None and name not in args.provider:
+                    continue
                 print(f"setting up {name}", flush=True)  # which case, should one crash
                 step = make_case(work, base, device, strategy, backend, args.graph)
                 cases[name] = (step, work["inner"])
@@ -234,6 +264,9 @@ def main() -> None:
     if not args.no_save:
         append_rows(RESULTS / "training_step.csv", rows)
         suffix = "_graph" if args.graph else ""
+        if args.model is not None or args.provider is not None:
+            parts = [args.model or "all", *(args.provider or [])]
+            suffix += "_" + "_".join(p.replace("/", "-") for p in parts)
         (RESULTS / f"training_step_{device.type}{suffix}.md").write_text(report)
 
 
