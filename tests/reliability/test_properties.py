@@ -45,7 +45,27 @@ def problems(draw, max_segments: int = 64):
     magnitude = draw(st.sampled_from([1e-3, 1.0, 1e2, 1e4]))
     eps = draw(st.floats(1e-3, 1e2))
     seed = draw(st.integers(0, 2**31 - 1))
-    return sizes, keep, magnitude, eps, seed
+    iters = draw(st.sampled_from([1, 3]))
+    return sizes, keep, magnitude, eps, seed, iters
+
+
+@st.composite
+def block_problems(draw):
+    """N:M-shaped problems: 1 to 256 segments all of one size 4, 8 or 16 (the tiny-segment
+    kernels' case), each k = 0, an integer N, M, or any k at least 1e-9 from 0 and M."""
+    m = draw(st.sampled_from([4, 8, 16]))
+    nseg = draw(st.integers(1, 256))
+    choice = st.one_of(
+        st.sampled_from([0.0, float(m)]),
+        st.integers(1, m - 1).map(float),
+        st.floats(1e-9, m - 1e-9),
+    )
+    keep = draw(st.lists(choice, min_size=nseg, max_size=nseg))
+    magnitude = draw(st.sampled_from([1e-3, 1.0, 1e2, 1e4]))
+    eps = draw(st.floats(1e-3, 1e2))
+    seed = draw(st.integers(0, 2**31 - 1))
+    iters = draw(st.sampled_from([1, 3]))
+    return [m] * nseg, keep, magnitude, eps, seed, iters
 
 
 EXPLORE = os.environ.get("HYPOTHESIS_EXPLORE") == "1"
@@ -72,6 +92,14 @@ def test_compiled_backends_equal_the_reference_on_random_problems(problem):
     check_against_reference(problem, COMPILED)
 
 
+@bounded(max_examples=30)
+@given(block_problems())
+def test_tiny_segment_kernels_equal_the_reference_on_random_blocks(problem):
+    state = TransportState(problem[0])
+    assert state.segment_size == problem[0][0]  # the tiny-segment kernels run
+    check_against_reference(problem, COMPILED)
+
+
 @bounded(max_examples=10)
 @given(problems(max_segments=16))
 def test_triton_equals_the_reference_on_random_problems(problem):
@@ -83,7 +111,7 @@ def test_triton_equals_the_reference_on_random_problems(problem):
 def check_against_reference(problem, backends: list[str]) -> None:
     """Two steps of every backend against the reference: masks, their sums, score and
     keep gradients (a fixed random cotangent), the carried shift."""
-    sizes, keep, magnitude, eps, seed = problem
+    sizes, keep, magnitude, eps, seed, iters = problem
     gen = torch.Generator().manual_seed(seed)
     scores = [
         (torch.rand(sum(sizes), generator=gen, dtype=torch.float64) * 2 - 1) * magnitude
@@ -117,7 +145,7 @@ def check_against_reference(problem, backends: list[str]) -> None:
         for backend, state in states.items():
             s = step_scores.clone().requires_grad_(True)
             k = keep_t.clone().requires_grad_(True)
-            mask = transport_mask(s, k, state, eps=eps, backend=backend)
+            mask = transport_mask(s, k, state, eps=eps, iters=iters, backend=backend)
             (cotangent * mask).sum().backward()
             state.commit()
             mask = mask.detach()
