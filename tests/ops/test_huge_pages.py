@@ -1,6 +1,6 @@
 """The CPU kernels ask for transparent huge pages for outputs of 4 MiB and more
-(csrc/cpu_outputs.h): fresh 4 KiB pages cost a large step as much as its arithmetic. The
-advice shows in the mapping's VmFlags ("hg") in /proc/self/smaps; the values are the
+(csrc/cpu_outputs.h): faults on fresh 4 KiB pages slow a large step down. The advice
+shows in the mapping's VmFlags ("hg") in /proc/self/smaps; the values are the
 same as on the usual pages."""
 
 from __future__ import annotations
