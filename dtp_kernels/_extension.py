@@ -156,10 +156,11 @@ def set_cpu_huge_pages(enabled: bool) -> bool:
     4 MiB or more; on by default. Returns the previous setting.
 
     Fresh memory is mapped page by page as a kernel first writes it; with 4 KiB pages a
-    mask step over 1e7 weights took 1.2x as long on a 2-core CPU (docs/benchmarks.md). The advice needs transparent huge pages in "madvise" or
-    "always" mode (/sys/kernel/mm/transparent_hugepage/enabled) and is a no-op
-    elsewhere; turn it off where THP compaction stalls a system. Without the compiled
-    module there is nothing to advise and this returns False.
+    mask step over 1e7 weights took 1.2x as long on a 2-core CPU (docs/benchmarks.md).
+    The advice needs transparent huge pages in "madvise" or "always" mode
+    (/sys/kernel/mm/transparent_hugepage/enabled) and is a no-op elsewhere; turn it off
+    where THP compaction stalls a system. Without the compiled module there is nothing
+    to advise and this returns False.
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"set_cpu_huge_pages: enabled must be a bool, got {enabled!r}")
