@@ -50,7 +50,15 @@ void for_each_segment_range(int64_t nseg, int64_t m, const F& f) {
 
 // A kept count and eps a segment accepts: 0 <= k <= M, eps finite and > 0 (false for NaN).
 DTP_INLINE bool valid_segment(double k, double eps, int64_t m) {
-  return k >= 0.0 && k <= static_cast<double>(m) && eps > 0.0 && eps < INFINITY;
+  return (k >= 0.0) & (k <= static_cast<double>(m)) & (eps > 0.0) & (eps < INFINITY);
+}
+
+// 1 where k is outside (0, M) (NaN included): the segment's mask is the constant k / M;
+// else 0. The tiles' per-segment tests are selects between T values, not bools joined by
+// && or ||, which GCC leaves as scalar branches: this way the loops vectorise.
+template <int M, class T>
+DTP_INLINE T degenerate_flag(T k) {
+  return k > T(0) ? (k < T(M) ? T(0) : T(1)) : T(1);
 }
 
 struct BlocksForwardArgs {
@@ -64,7 +72,6 @@ struct BlocksForwardArgs {
   void* new_shift;
   double* stats;  // (segment, pass, 3): shift used, L1, L0
   bool* nonfinite;
-  uint8_t* invalid;  // per segment: keep or eps out of range (checked after the loop)
   int64_t iters;
   bool neutral;
 };
@@ -123,9 +130,13 @@ DTP_INLINE bool first_sums_tile(const BlocksForwardArgs& a, int64_t seg0,
     }
   }
   const T least = T(M) * T(std::exp(kMinScaledShift));
-  bool all = true;
-  for (int l = 0; l < kTile; ++l) all &= flaw[l] == T(0) && s1[l] >= least && s0[l] >= least;
-  if (!all) return false;
+  int fails = 0;  // an integer: a float sum would not vectorise (order); NaN sums fail too
+  for (int l = 0; l < kTile; ++l) {
+    fails |= flaw[l] == T(0) ? 0 : 1;
+    fails |= s1[l] >= least ? 0 : 1;
+    fails |= s0[l] >= least ? 0 : 1;
+  }
+  if (fails != 0) return false;
   for (int l = 0; l < kTile; ++l) {
     const T l1 = log_fast(s1[l]), l0 = log_fast(s0[l]);
     double* row = a.stats + (seg0 + l) * 3;
@@ -147,12 +158,8 @@ DTP_INLINE void forward_tile(const BlocksForwardArgs& a, int64_t seg0) {
                             seg0, a.neutral, in);
   T xmax[kTile], xmin[kTile], bad[kTile], bias[kTile], delta[kTile];
   for (int l = 0; l < kTile; ++l) {
-    a.invalid[seg0 + l] = !valid_segment(static_cast<double>(in.k[l]), a.eps[seg0 + l], M);
-  }
-  for (int l = 0; l < kTile; ++l) {
     const T k = in.k[l];
-    const bool degenerate = !(k > T(0) && k < T(M));
-    bias[l] = degenerate ? T(0) : log_fast(k) - log_fast(T(M) - k);
+    bias[l] = degenerate_flag<M>(k) != T(0) ? T(0) : log_fast(k) - log_fast(T(M) - k);
     delta[l] = shift_in[l];
     xmax[l] = -INFINITY;
     xmin[l] = INFINITY;
@@ -226,26 +233,40 @@ DTP_INLINE void forward_tile(const BlocksForwardArgs& a, int64_t seg0) {
     }
   }
 
-  T scale[kTile], constant[kTile], next[kTile];
+  // Everything below is formed in local arrays first and stored in separate loops: the
+  // stores cannot then alias the loads, and every loop vectorises without branches.
+  T scale[kTile], constant[kTile], next[kTile], shift_out[kTile], flag[kTile];
   for (int l = 0; l < kTile; ++l) {
     const T k = in.k[l];
-    const bool degenerate = !(k > T(0) && k < T(M));
-    const bool nonfinite = !(bad[l] == T(0) && delta[l] - delta[l] == T(0));
-    const bool advance = !degenerate && !nonfinite;
-    a.nonfinite[seg0 + l] = nonfinite;
-    static_cast<T*>(a.new_shift)[seg0 + l] = advance ? delta[l] : shift_in[l];
+    const T degenerate = degenerate_flag<M>(k);
+    const T nonfinite = bad[l] == T(0) ? (delta[l] - delta[l] == T(0) ? T(0) : T(1)) : T(1);
+    const bool advance = degenerate + nonfinite == T(0);
+    const T previous = shift_in[l];  // loaded unconditionally: a select, not a branch
+    flag[l] = nonfinite;
+    shift_out[l] = advance ? delta[l] : previous;
     // mask_i = k P[i, 1] = k t_i / sum_j t_j, or the constant k / M of a degenerate one
     scale[l] = k / s1[l];
-    constant[l] = degenerate ? k / T(M) : T(-1);  // -1: not degenerate (a mask is >= 0)
+    constant[l] = degenerate != T(0) ? k / T(M) : T(-1);  // -1: not degenerate (mask >= 0)
     next[l] = advance ? T(1) : T(0);
+  }
+  T mask_t[M][kTile], d_t[M][kTile];
+  for (int j = 0; j < M; ++j) {
+    for (int l = 0; l < kTile; ++l) {
+      mask_t[j][l] = constant[l] >= T(0) ? constant[l] : terms[j][l] * scale[l];
+      d_t[j][l] = next[l] == T(1) ? in.x[j][l] + delta[l] : in.d[j][l];
+    }
+  }
+  for (int l = 0; l < kTile; ++l) {
+    a.nonfinite[seg0 + l] = flag[l] != T(0);
+    static_cast<T*>(a.new_shift)[seg0 + l] = shift_out[l];
   }
   T* mask = static_cast<T*>(a.mask) + seg0 * M;
   T* new_d = static_cast<T*>(a.new_log_odds) + seg0 * M;
   for (int l = 0; l < kTile; ++l) {
-    for (int j = 0; j < M; ++j) {
-      mask[l * M + j] = constant[l] >= T(0) ? constant[l] : terms[j][l] * scale[l];
-      new_d[l * M + j] = next[l] == T(1) ? in.x[j][l] + delta[l] : in.d[j][l];
-    }
+    for (int j = 0; j < M; ++j) mask[l * M + j] = mask_t[j][l];
+  }
+  for (int l = 0; l < kTile; ++l) {
+    for (int j = 0; j < M; ++j) new_d[l * M + j] = d_t[j][l];
   }
 }
 
@@ -258,7 +279,6 @@ void tail_forward(const BlocksForwardArgs& a, int64_t seg0, int64_t count) {
                      new_shift[kTile];
   double eps[kTile];
   bool nonfinite[kTile];
-  uint8_t invalid[kTile];
   std::vector<double> stats(kTile * a.iters * 3);
   for (int i = 0; i < kTile * M; ++i) scores[i] = static_cast<scalar_t>(0.5f);
   for (int l = 0; l < kTile; ++l) {
@@ -271,15 +291,14 @@ void tail_forward(const BlocksForwardArgs& a, int64_t seg0, int64_t count) {
   std::copy_n(static_cast<const T*>(a.keep) + seg0, count, keep);
   std::copy_n(a.eps + seg0, count, eps);
   std::copy_n(static_cast<const T*>(a.shift) + seg0, count, shift);
-  BlocksForwardArgs t{scores,    keep,         eps,       log_odds, shift,   mask,     new_d,
-                      new_shift, stats.data(), nonfinite, invalid,  a.iters, a.neutral};
+  BlocksForwardArgs t{scores, keep,      eps,          log_odds,  shift,   mask,
+                      new_d,  new_shift, stats.data(), nonfinite, a.iters, a.neutral};
   forward_tile<M, scalar_t, T>(t, 0);
   std::copy_n(mask, n, static_cast<T*>(a.mask) + seg0 * M);
   std::copy_n(new_d, n, static_cast<T*>(a.new_log_odds) + seg0 * M);
   std::copy_n(new_shift, count, static_cast<T*>(a.new_shift) + seg0);
   std::copy_n(stats.data(), count * a.iters * 3, a.stats + seg0 * a.iters * 3);
   std::copy_n(nonfinite, count, a.nonfinite + seg0);
-  std::copy_n(invalid, count, a.invalid + seg0);
 }
 
 template <int M, class scalar_t, class T>
@@ -297,7 +316,7 @@ struct BlocksBackwardArgs {
   const void* log_odds;
   const double* stats;
   void* grad_scores;  // acc_t
-  double* grad_keep;
+  void* grad_keep;    // acc_t: the sums are formed in it
   int64_t iters;
   bool neutral;
 };
@@ -386,11 +405,10 @@ DTP_INLINE void backward_tile(const BlocksBackwardArgs& a, int64_t seg0) {
   T to_scores[kTile];
   for (int l = 0; l < kTile; ++l) {
     const T k = in.k[l];
-    const bool degenerate = !(k > T(0) && k < T(M));
+    const bool degenerate = degenerate_flag<M>(k) != T(0);
     to_scores[l] = degenerate ? T(-1) : T(2) * in.inv_eps[l];  // -1: degenerate, no gradient
-    a.grad_keep[seg0 + l] =
-        degenerate ? static_cast<double>(gs[l]) / M
-                   : static_cast<double>(gp[l] + grad_bias[l] * T(M) / (k * (T(M) - k)));
+    static_cast<T*>(a.grad_keep)[seg0 + l] =
+        degenerate ? gs[l] / T(M) : gp[l] + grad_bias[l] * T(M) / (k * (T(M) - k));
   }
   // A degenerate segment (mask = k / M) and scores read as the neutral 0.5 get none. The
   // gradient is formed across segments ([element][segment], no branch: it vectorises),
@@ -399,8 +417,8 @@ DTP_INLINE void backward_tile(const BlocksBackwardArgs& a, int64_t seg0) {
   T out[M][kTile];
   for (int j = 0; j < M; ++j) {
     for (int l = 0; l < kTile; ++l) {
-      const bool zero = (to_scores[l] < T(0)) | (neutral * (T(1) - in.ok[j][l]) != T(0));
-      out[j][l] = zero ? T(0) : grad[j][l] * to_scores[l];
+      const T zero = to_scores[l] < T(0) ? T(1) : neutral * (T(1) - in.ok[j][l]);
+      out[j][l] = zero != T(0) ? T(0) : grad[j][l] * to_scores[l];
     }
   }
   T* grad_scores = static_cast<T*>(a.grad_scores) + seg0 * M;
@@ -414,7 +432,8 @@ template <int M, class scalar_t, class T>
 void tail_backward(const BlocksBackwardArgs& a, int64_t seg0, int64_t count) {
   scalar_t scores[kTile * M];
   T grad_mask[kTile * M] = {}, log_odds[kTile * M] = {}, keep[kTile], grad[kTile * M];
-  double eps[kTile], grad_keep[kTile];
+  T grad_keep[kTile];
+  double eps[kTile];
   std::vector<double> stats(kTile * a.iters * 3, 0.0);
   for (int i = 0; i < kTile * M; ++i) scores[i] = static_cast<scalar_t>(0.5f);
   for (int l = 0; l < kTile; ++l) {
@@ -432,7 +451,7 @@ void tail_backward(const BlocksBackwardArgs& a, int64_t seg0, int64_t count) {
                        stats.data(), grad,   grad_keep, a.iters, a.neutral};
   backward_tile<M, scalar_t, T>(t, 0);
   std::copy_n(grad, n, static_cast<T*>(a.grad_scores) + seg0 * M);
-  std::copy_n(grad_keep, count, a.grad_keep + seg0);
+  std::copy_n(grad_keep, count, static_cast<T*>(a.grad_keep) + seg0);
 }
 
 template <int M, class scalar_t, class T>
@@ -472,14 +491,19 @@ void run_tiles(const Args& a, int64_t nseg, int64_t m, bool is_double) {
   });
 }
 
-// The first segment whose keep or eps is out of range, named with its value.
-void check_invalid(const at::Tensor& invalid, const at::Tensor& keep, const at::Tensor& eps,
-                   int64_t m) {
-  const uint8_t* flags = invalid.data_ptr<uint8_t>();
-  const int64_t nseg = invalid.numel();
+// Every segment's keep in [0, M] and eps finite and > 0, checked before anything is written
+// (the next state may go straight into TransportState's pending buffers): a counting loop
+// that vectorises, and on a bad segment an error naming the first one and its value.
+template <class T>
+DTP_CLONES void check_segments(const T* keep, const double* eps, int64_t nseg, int64_t m) {
+  int64_t bad = 0;
   for (int64_t s = 0; s < nseg; ++s) {
-    if (!flags[s]) continue;
-    const double k = keep[s].item<double>(), e = eps[s].item<double>();
+    bad += valid_segment(static_cast<double>(keep[s]), eps[s], m) ? 0 : 1;
+  }
+  if (bad == 0) return;
+  for (int64_t s = 0; s < nseg; ++s) {
+    const double k = static_cast<double>(keep[s]), e = eps[s];
+    if (valid_segment(k, e, m)) continue;
     TORCH_CHECK(k >= 0.0 && k <= static_cast<double>(m), "dtp::transport_mask: keep[", s, "] = ", k,
                 " is outside [0, ", m, "]");
     TORCH_CHECK(false, "dtp::transport_mask: eps[", s, "] = ", e, " must be finite and > 0");
@@ -501,12 +525,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport
   const auto eps = eps_in.to(at::kDouble).contiguous();
   const auto log_odds = log_odds_in.contiguous();
   const auto shift = shift_in.contiguous();
+  if (acc == at::kDouble) {
+    check_segments(keep.data_ptr<double>(), eps.data_ptr<double>(), nseg, m);
+  } else {
+    check_segments(keep.data_ptr<float>(), eps.data_ptr<double>(), nseg, m);
+  }
   auto mask_acc = empty_output({scores.numel()}, log_odds.options());
-  auto new_d = empty_output({log_odds.numel()}, log_odds.options());
-  auto new_shift = at::empty_like(shift);
-  auto stats = at::empty({nseg, iters, 3}, log_odds.options().dtype(at::kDouble));
-  auto nonfinite = at::empty({nseg}, log_odds.options().dtype(at::kBool));
-  auto invalid = at::empty({nseg}, log_odds.options().dtype(at::kByte));
+  auto stats = empty_output({nseg, iters, 3}, log_odds.options().dtype(at::kDouble));
+  // Every check is above: what follows cannot fail half-way through a lent buffer.
+  auto [new_d, new_shift, nonfinite] = take_state_outputs(scores, log_odds, shift);
   BlocksForwardArgs a{scores.data_ptr(),
                       keep.data_ptr(),
                       eps.data_ptr<double>(),
@@ -517,13 +544,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport
                       new_shift.data_ptr(),
                       stats.data_ptr<double>(),
                       nonfinite.data_ptr<bool>(),
-                      invalid.data_ptr<uint8_t>(),
                       iters,
                       neutral_nonfinite};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scores.scalar_type(),
                                   "transport_mask_blocks_cpu",
                                   [&] { run_tiles<scalar_t>(a, nseg, m, acc == at::kDouble); });
-  check_invalid(invalid, keep_in, eps_in, m);
   auto mask =
       mask_acc.scalar_type() == scores.scalar_type() ? mask_acc : mask_acc.to(scores.scalar_type());
   return {mask, new_d, new_shift, stats, nonfinite};
@@ -542,17 +567,16 @@ std::tuple<at::Tensor, at::Tensor> transport_mask_blocks_backward_cpu(
   const auto stats = stats_in.contiguous();
   const auto g = grad_mask.to(acc).contiguous();
   auto grad_x = empty_output({scores.numel()}, log_odds.options());
-  auto grad_keep = at::empty({nseg}, keep_in.options().dtype(at::kDouble));
-  BlocksBackwardArgs a{g.data_ptr(),        scores.data_ptr(),
-                       keep.data_ptr(),     eps.data_ptr<double>(),
-                       log_odds.data_ptr(), stats.data_ptr<double>(),
-                       grad_x.data_ptr(),   grad_keep.data_ptr<double>(),
-                       stats.size(1),       neutral_nonfinite};
+  auto grad_keep = empty_output({nseg}, log_odds.options());
+  BlocksBackwardArgs a{g.data_ptr(),           scores.data_ptr(),    keep.data_ptr(),
+                       eps.data_ptr<double>(), log_odds.data_ptr(),  stats.data_ptr<double>(),
+                       grad_x.data_ptr(),      grad_keep.data_ptr(), stats.size(1),
+                       neutral_nonfinite};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scores.scalar_type(),
                                   "transport_mask_blocks_backward_cpu",
                                   [&] { run_tiles<scalar_t>(a, nseg, m, acc == at::kDouble); });
   auto grad_keep_out =
-      keep_in.scalar_type() == at::kDouble ? grad_keep : grad_keep.to(keep_in.scalar_type());
+      keep_in.scalar_type() == acc ? grad_keep : grad_keep.to(keep_in.scalar_type());
   return {grad_x.to(scores.scalar_type()), grad_keep_out};
 }
 

@@ -29,8 +29,8 @@ at::Tensor transport_mask_step(const at::Tensor& scores, const at::Tensor& offse
           .typed<Outputs(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const at::Tensor&, const at::Tensor&, int64_t, bool, int64_t, int64_t)>();
   // The CPU kernel writes the next state straight into the pending buffers when they fit
-  // (csrc/cpu_outputs.h); otherwise (CUDA, float64 scores on a float32 state, the tiny-
-  // segment kernels) the op returns new tensors and they are copied.
+  // (csrc/cpu_outputs.h); otherwise (CUDA, float64 scores on a float32 state) the op
+  // returns new tensors and they are copied.
   const StateOutputs lent{pending_log_odds, pending_shift, pending_nonfinite};
   Outputs outputs;
   {

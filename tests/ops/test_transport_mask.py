@@ -207,18 +207,25 @@ def test_eager_step_entry_equals_the_op_and_write_pending(
     ]
 
 
+# A general layout and one of tiny equal segments (the N:M kernels), with a partial tile.
+LENT_LAYOUTS = {"general": ([300, 5], [100.0, 2.0]), "tiny": ([4] * 37, [2.0] * 37)}
+
+
+@pytest.mark.parametrize("layout", sorted(LENT_LAYOUTS))
 @pytest.mark.parametrize("scores_dtype", [torch.float32, torch.float64], ids=["lent", "copied"])
-def test_cpu_step_writes_the_next_state_into_the_pending_buffers(scores_dtype):
+def test_cpu_step_writes_the_next_state_into_the_pending_buffers(scores_dtype, layout):
     """On CPU the eager step lends TransportState's pending buffers to the kernel, which
     writes the next log-odds, shift and flags into them: no copies, and the same buffers
     (bumped versions). float64 scores on a float32 state cannot be lent: three copies."""
     require_backend("cpu", "cpu")
-    state = TransportState([300, 5])
+    sizes, keep = LENT_LAYOUTS[layout]
+    state = TransportState(sizes)
+    assert state.segment_size == (4 if layout == "tiny" else 0)
     buffers = [state.pending_log_odds, state.pending_shift, state.pending_nonfinite]
     versions = [b._version for b in buffers]
-    scores = torch.rand(305, dtype=scores_dtype)
+    scores = torch.rand(sum(sizes), dtype=scores_dtype)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        transport_mask(scores, [100.0, 2.0], state, backend="cpu")
+        transport_mask(scores, keep, state, backend="cpu")
     copies = sum(e.count for e in prof.key_averages() if e.key == "aten::copy_")
     if scores_dtype == torch.float32:
         assert copies == 0
@@ -226,11 +233,48 @@ def test_cpu_step_writes_the_next_state_into_the_pending_buffers(scores_dtype):
         assert copies >= 3
     assert [state.pending_log_odds, state.pending_shift, state.pending_nonfinite] == buffers
     assert all(b._version > v for b, v in zip(buffers, versions, strict=True))
-    ref = TransportState([300, 5], dtype=torch.float64)
-    transport_mask(scores.double(), [100.0, 2.0], ref, backend="reference")
+    ref = TransportState(sizes, dtype=torch.float64)
+    transport_mask(scores.double(), keep, ref, backend="reference")
     torch.testing.assert_close(
         state.pending_log_odds.double(), ref.pending_log_odds, rtol=1e-5, atol=1e-6
     )
+    torch.testing.assert_close(
+        state.pending_shift.double(), ref.pending_shift, rtol=1e-5, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("layout", sorted(LENT_LAYOUTS))
+def test_cpu_step_checks_keep_before_writing_the_lent_buffers(layout):
+    """The C++ step entry, reached without the Python checks: a keep out of range in the
+    last segment fails and leaves the pending buffers as they were."""
+    require_backend("cpu", "cpu")
+    from dtp_kernels import _C
+
+    sizes, keep = LENT_LAYOUTS[layout]
+    state = TransportState(sizes)
+    transport_mask(torch.rand(sum(sizes)), keep, state, backend="cpu")  # a pending step
+    before = {k: v.clone() for k, v in state.state_dict().items()}
+    buffers = state._buffers
+    bad_keep = torch.tensor([*keep[:-1], sizes[-1] + 1.0])
+    with pytest.raises(RuntimeError, match=rf"keep\[{len(sizes) - 1}\] = {sizes[-1] + 1}"):
+        _C.transport_mask_step(
+            torch.rand(sum(sizes)),
+            state.offsets,
+            bad_keep,
+            torch.ones(len(sizes), dtype=torch.float64),
+            state.log_odds,
+            state.shift,
+            1,
+            False,
+            0,
+            state.segment_size,
+            buffers["pending_log_odds"],
+            buffers["pending_shift"],
+            buffers["pending_nonfinite"],
+            buffers["has_pending"],
+        )
+    for key, value in state.state_dict().items():
+        assert torch.equal(value, before[key]), key
 
 
 def test_compiled_backend_without_update_leaves_pending_state_alone():
