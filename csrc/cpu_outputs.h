@@ -1,7 +1,7 @@
 // Large outputs of the CPU kernels, backed by transparent huge pages where Linux offers
 // them. A fresh allocation of tens of MB is mapped page by page as the kernel first writes
-// it; with 4 KiB pages a mask step over 1e7 weights took 29.8 ms against 24.7 ms with
-// 2 MiB pages (docs/benchmarks.md). madvise(MADV_HUGEPAGE) before the first write asks
+// it, 512 times fewer faults with 2 MiB pages (what that saves varies with the machine:
+// docs/benchmarks.md). madvise(MADV_HUGEPAGE) before the first write asks
 // for 2 MiB pages, as torch does for all its allocations under THP_MEM_ALLOC_ENABLE=1.
 #pragma once
 
