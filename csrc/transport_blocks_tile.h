@@ -1,0 +1,365 @@
+// The transport-mask step for segments that all have one small size M (4, 8 or 16): the
+// blocks of N:M sparsity. A tile is L consecutive segments, each M consecutive elements
+// (no offsets are read), whose whole step (every pass, the mask, the next state; in the
+// backward every sum and the gradient) runs in local arrays laid out [element][segment].
+// Shared by the CPU kernels (transport_mask_blocks_cpu.cpp: L = 16, the loops vectorised
+// across the segments, and L = 1 for the last segments) and the CUDA kernels
+// (transport_mask_blocks_cuda.cu: L = 1, one thread per segment).
+// The math is that of docs/design.md section 1, with one difference in the stabilising
+// shifts: the column maxima are taken as min(z_max, 0) and min(-z_min, 0) (within log 2 of
+// the exact log-sigmoids), which cancel in the result. Which sums a tile takes (the
+// unstabilised first sums, the one-exp or the general form) is decided for the whole
+// tile, so a segment's result depends on L; for a fixed L it is bitwise reproducible.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "transport_math.h"
+
+namespace dtp {
+namespace blocks {
+
+// exp(kMinScaledShift) as a double (a literal: std::exp is not available on the device).
+constexpr double kMinScaledTerm = 8.75651076269652e-27;
+
+// 1 where k is outside (0, M) (NaN included): the segment's mask is the constant k / M;
+// else 0. The tiles' per-segment tests are selects between T values, not bools joined by
+// && or ||, which GCC leaves as scalar branches: this way the loops vectorise.
+template <int M, class T>
+DTP_HOST_DEVICE inline T degenerate_flag(T k) {
+  return k > T(0) ? (k < T(M) ? T(0) : T(1)) : T(1);
+}
+
+struct BlocksForwardArgs {
+  const void* scores;
+  const void* keep;  // acc_t, one per segment
+  const double* eps;
+  const void* log_odds;
+  const void* shift;
+  void* mask;  // acc_t
+  void* new_log_odds;
+  void* new_shift;
+  double* stats;  // (segment, pass, 3): shift used, L1, L0
+  bool* nonfinite;
+  int64_t iters;
+  bool neutral;
+};
+
+template <int M, int L, class T>
+struct TileInputs {
+  T x[M][L];
+  T ok[M][L];  // 1 where the score is finite, else 0
+  T d[M][L];
+  T k[L], inv_eps[L];
+};
+
+// x_i = d_i + (2 s_i - 1) / eps for the tile of segments starting at seg0.
+template <int M, int L, class scalar_t, class T>
+DTP_HOST_DEVICE inline void load_tile(const scalar_t* scores, const T* log_odds, const T* keep,
+                                      const double* eps, int64_t seg0, bool neutral,
+                                      TileInputs<M, L, T>& in) {
+  for (int l = 0; l < L; ++l) {
+    in.k[l] = keep[seg0 + l];
+    in.inv_eps[l] = static_cast<T>(1.0 / eps[seg0 + l]);
+  }
+  for (int l = 0; l < L; ++l) {
+    for (int j = 0; j < M; ++j) {
+      const int64_t i = (seg0 + l) * M + j;
+      const T raw = static_cast<T>(scores[i]);
+      const bool ok = raw - raw == T(0);  // raw - raw is NaN for inf and NaN
+      const T si = (neutral && !ok) ? T(0.5) : raw;
+      in.ok[j][l] = ok ? T(1) : T(0);
+      in.d[j][l] = log_odds[i];
+      in.x[j][l] = log_odds[i] + (T(2) * si - T(1)) * in.inv_eps[l];
+    }
+  }
+}
+
+// The one-iteration tile's column sums without a stabiliser (every term is a sigmoid in
+// (0, 1], so nothing overflows): the terms, s1 and the updated shift and stats row when
+// every segment of the tile is finite and no column sums below M e^-60; else false, and
+// the caller takes the stabilised sums. `bad` is 0 for every segment when it returns true.
+template <int M, int L, class T>
+DTP_HOST_DEVICE inline bool first_sums_tile(const BlocksForwardArgs& a, int64_t seg0,
+                                            const TileInputs<M, L, T>& in, const T* bias, T* delta,
+                                            T (&terms)[M][L], T* s1, T* bad) {
+  T s0[L], flaw[L];
+  for (int l = 0; l < L; ++l) {
+    s1[l] = 0;
+    s0[l] = 0;
+    flaw[l] = 0;
+  }
+  for (int j = 0; j < M; ++j) {
+    for (int l = 0; l < L; ++l) {
+      const T v = in.x[j][l], z = v + delta[l];
+      flaw[l] += (T(1) - in.ok[j][l]) + (v - v);  // 0, or not once an s or x is inf or NaN
+      const auto parts = sigmoid_parts(z);
+      terms[j][l] = scaled_sigmoid(z, parts, T(1));
+      s1[l] += terms[j][l];
+      s0[l] += scaled_sigmoid_neg(z, parts, T(1));
+    }
+  }
+  const T least = T(M) * T(kMinScaledTerm);
+  int fails = 0;  // an integer: a float sum would not vectorise (order); NaN sums fail too
+  for (int l = 0; l < L; ++l) {
+    fails |= flaw[l] == T(0) ? 0 : 1;
+    fails |= s1[l] >= least ? 0 : 1;
+    fails |= s0[l] >= least ? 0 : 1;
+  }
+  if (fails != 0) return false;
+  for (int l = 0; l < L; ++l) {
+    const T l1 = log_fast(s1[l]), l0 = log_fast(s0[l]);
+    double* row = a.stats + (seg0 + l) * 3;
+    row[0] = static_cast<double>(delta[l]);
+    row[1] = static_cast<double>(l1);
+    row[2] = static_cast<double>(l0);
+    delta[l] = bias[l] + delta[l] - l1 + l0;
+    bad[l] = 0;
+  }
+  return true;
+}
+
+template <int M, int L, class scalar_t, class T>
+DTP_HOST_DEVICE inline void forward_tile(const BlocksForwardArgs& a, int64_t seg0) {
+  TileInputs<M, L, T> in;
+  const T* shift_in = static_cast<const T*>(a.shift) + seg0;
+  load_tile<M, L, scalar_t, T>(static_cast<const scalar_t*>(a.scores),
+                               static_cast<const T*>(a.log_odds), static_cast<const T*>(a.keep),
+                               a.eps, seg0, a.neutral, in);
+  T xmax[L], xmin[L], bad[L], bias[L], delta[L];
+  for (int l = 0; l < L; ++l) {
+    const T k = in.k[l];
+    bias[l] = degenerate_flag<M>(k) != T(0) ? T(0) : log_fast(k) - log_fast(T(M) - k);
+    delta[l] = shift_in[l];
+    xmax[l] = -INFINITY;
+    xmin[l] = INFINITY;
+    bad[l] = 0;
+  }
+  T terms[M][L], s1[L] = {};  // (set by every path below; iters >= 1)
+  // One iteration (the paper's step): the column sums without a stabiliser, as the
+  // general kernels take them (transport_mask_cpu.cpp, first_sums_loop); they stand when
+  // every segment of the tile is finite and no column's mean term is below e^-60.
+  const bool first =
+      a.iters == 1 && first_sums_tile<M, L, T>(a, seg0, in, bias, delta, terms, s1, bad);
+  if (!first) {
+    for (int j = 0; j < M; ++j) {
+      for (int l = 0; l < L; ++l) {
+        const T v = in.x[j][l];
+        bad[l] += (in.ok[j][l] == T(1) && v - v == T(0)) ? T(0) : T(1);
+        xmax[l] = v > xmax[l] ? v : xmax[l];
+        xmin[l] = v < xmin[l] ? v : xmin[l];
+      }
+    }
+    for (int64_t t = 0; t < a.iters; ++t) {
+      T dl[L], m1[L], m0[L], s0[L];
+      T lowest = 0;
+      for (int l = 0; l < L; ++l) {
+        dl[l] = delta[l];
+        const T hi = min_zero(xmax[l] + dl[l]), lo = min_zero(-(xmin[l] + dl[l]));
+        m1[l] = hi - hi == T(0) ? hi : T(0);  // non-finite segment: its state is kept
+        m0[l] = lo - lo == T(0) ? lo : T(0);
+        const T least_shift = m0[l] < m1[l] ? m0[l] : m1[l];  // std::min, also on the device
+        lowest = least_shift < lowest ? least_shift : lowest;
+        s1[l] = 0;
+        s0[l] = 0;
+      }
+      if (lowest >= T(kMinScaledShift)) {  // one exp per element (transport_math.h)
+        T c1[L], c0[L];
+        for (int l = 0; l < L; ++l) {
+          c1[l] = exp_fast(-m1[l]);
+          c0[l] = exp_fast(-m0[l]);
+        }
+        for (int j = 0; j < M; ++j) {
+          for (int l = 0; l < L; ++l) {
+            const T z = in.x[j][l] + dl[l];
+            const auto parts = sigmoid_parts(z);
+            terms[j][l] = scaled_sigmoid(z, parts, c1[l]);
+            s1[l] += terms[j][l];
+            s0[l] += scaled_sigmoid_neg(z, parts, c0[l]);
+          }
+        }
+      } else {
+        for (int j = 0; j < M; ++j) {
+          for (int l = 0; l < L; ++l) {
+            const T z = in.x[j][l] + dl[l];
+            const T r = sigmoid_abs(z);
+            terms[j][l] = exp_log_sigmoid(z, m1[l], r);
+            s1[l] += terms[j][l];
+            s0[l] += exp_log_sigmoid(-z, m0[l], r);
+          }
+        }
+      }
+      T l1[L], l0[L];
+      for (int l = 0; l < L; ++l) {
+        l1[l] = m1[l] + log_fast(s1[l]);
+        l0[l] = m0[l] + log_fast(s0[l]);
+        delta[l] = bias[l] + dl[l] - l1[l] + l0[l];
+      }
+      for (int l = 0; l < L; ++l) {
+        double* row = a.stats + ((seg0 + l) * a.iters + t) * 3;
+        row[0] = static_cast<double>(dl[l]);
+        row[1] = static_cast<double>(l1[l]);
+        row[2] = static_cast<double>(l0[l]);
+      }
+    }
+  }
+
+  // Everything below is formed in local arrays first and stored in separate loops: the
+  // stores cannot then alias the loads, and every loop vectorises without branches.
+  T scale[L], constant[L], next[L], shift_out[L], flag[L];
+  for (int l = 0; l < L; ++l) {
+    const T k = in.k[l];
+    const T degenerate = degenerate_flag<M>(k);
+    const T nonfinite = bad[l] == T(0) ? (delta[l] - delta[l] == T(0) ? T(0) : T(1)) : T(1);
+    const bool advance = degenerate + nonfinite == T(0);
+    const T previous = shift_in[l];  // loaded unconditionally: a select, not a branch
+    flag[l] = nonfinite;
+    shift_out[l] = advance ? delta[l] : previous;
+    // mask_i = k P[i, 1] = k t_i / sum_j t_j, or the constant k / M of a degenerate one
+    scale[l] = k / s1[l];
+    constant[l] = degenerate != T(0) ? k / T(M) : T(-1);  // -1: not degenerate (mask >= 0)
+    next[l] = advance ? T(1) : T(0);
+  }
+  T mask_t[M][L], d_t[M][L];
+  for (int j = 0; j < M; ++j) {
+    for (int l = 0; l < L; ++l) {
+      mask_t[j][l] = constant[l] >= T(0) ? constant[l] : terms[j][l] * scale[l];
+      d_t[j][l] = next[l] == T(1) ? in.x[j][l] + delta[l] : in.d[j][l];
+    }
+  }
+  for (int l = 0; l < L; ++l) {
+    a.nonfinite[seg0 + l] = flag[l] != T(0);
+    static_cast<T*>(a.new_shift)[seg0 + l] = shift_out[l];
+  }
+  T* mask = static_cast<T*>(a.mask) + seg0 * M;
+  T* new_d = static_cast<T*>(a.new_log_odds) + seg0 * M;
+  for (int l = 0; l < L; ++l) {
+    for (int j = 0; j < M; ++j) mask[l * M + j] = mask_t[j][l];
+  }
+  for (int l = 0; l < L; ++l) {
+    for (int j = 0; j < M; ++j) new_d[l * M + j] = d_t[j][l];
+  }
+}
+
+struct BlocksBackwardArgs {
+  const void* grad_mask;  // acc_t
+  const void* scores;
+  const void* keep;  // acc_t
+  const double* eps;
+  const void* log_odds;
+  const double* stats;
+  void* grad_scores;  // acc_t
+  void* grad_keep;    // acc_t: the sums are formed in it
+  int64_t iters;
+  bool neutral;
+};
+
+// The tile's backward (docs/design.md section 2): the last pass gives
+// dL/dz = k q (g - sum g p); earlier passes add their terms through the shift.
+template <int M, int L, class scalar_t, class T>
+DTP_HOST_DEVICE inline void backward_tile(const BlocksBackwardArgs& a, int64_t seg0) {
+  TileInputs<M, L, T> in;
+  load_tile<M, L, scalar_t, T>(static_cast<const scalar_t*>(a.scores),
+                               static_cast<const T*>(a.log_odds), static_cast<const T*>(a.keep),
+                               a.eps, seg0, a.neutral, in);
+  const T* gm = static_cast<const T*>(a.grad_mask) + seg0 * M;
+  T g[M][L], rows[3][L];
+  for (int l = 0; l < L; ++l) {
+    for (int j = 0; j < M; ++j) g[j][l] = gm[l * M + j];
+  }
+  auto read_rows = [&](int64_t t) {
+    for (int l = 0; l < L; ++l) {
+      const double* row = a.stats + ((seg0 + l) * a.iters + t) * 3;
+      for (int c = 0; c < 3; ++c) rows[c][l] = static_cast<T>(row[c]);
+    }
+  };
+  read_rows(a.iters - 1);
+  T q[M][L], gp[L], gq[L], qs[L], gs[L];
+  T lowest = 0;  // (NaN rows fail the test below and take the general form)
+  for (int l = 0; l < L; ++l) {
+    gp[l] = gq[l] = qs[l] = gs[l] = 0;
+    lowest = rows[1][l] < lowest || rows[1][l] != rows[1][l] ? T(-INFINITY) : lowest;
+  }
+  if (lowest >= T(kMinScaledShift)) {  // one exp per element (transport_math.h)
+    T c[L];
+    for (int l = 0; l < L; ++l) c[l] = exp_fast(-rows[1][l]);
+    for (int j = 0; j < M; ++j) {
+      for (int l = 0; l < L; ++l) {
+        const T z = in.x[j][l] + rows[0][l];
+        const auto parts = sigmoid_parts(z);
+        const T p = scaled_sigmoid(z, parts, c[l]);
+        q[j][l] = scaled_sigmoid_pair(parts, c[l]);
+        gp[l] += g[j][l] * p;
+        gq[l] += g[j][l] * q[j][l];
+        qs[l] += q[j][l];
+        gs[l] += g[j][l];
+      }
+    }
+  } else {
+    for (int j = 0; j < M; ++j) {
+      for (int l = 0; l < L; ++l) {
+        const T z = in.x[j][l] + rows[0][l];
+        const T r = sigmoid_abs(z);
+        const T p = exp_log_sigmoid(z, rows[1][l], r);
+        q[j][l] = exp_log_sigmoid_pair(z, rows[1][l], r);
+        gp[l] += g[j][l] * p;
+        gq[l] += g[j][l] * q[j][l];
+        qs[l] += q[j][l];
+        gs[l] += g[j][l];
+      }
+    }
+  }
+  T grad[M][L], gdelta[L], grad_bias[L];
+  for (int j = 0; j < M; ++j) {
+    for (int l = 0; l < L; ++l) grad[j][l] = in.k[l] * q[j][l] * (g[j][l] - gp[l]);
+  }
+  for (int l = 0; l < L; ++l) {
+    gdelta[l] = in.k[l] * (gq[l] - gp[l] * qs[l]);
+    grad_bias[l] = 0;
+  }
+  // Earlier passes: d delta_t / d x_i = -w_i(t), d delta_t / d delta_{t-1} = 1 - W_t.
+  for (int64_t t = a.iters - 2; t >= 0; --t) {
+    read_rows(t);
+    T wsum[L] = {};
+    for (int j = 0; j < M; ++j) {
+      for (int l = 0; l < L; ++l) {
+        const T z = in.x[j][l] + rows[0][l];
+        const T r = sigmoid_abs(z);
+        const T w = exp_log_sigmoid_pair(z, rows[1][l], r) + exp_log_sigmoid_pair(z, rows[2][l], r);
+        grad[j][l] -= gdelta[l] * w;
+        wsum[l] += w;
+      }
+    }
+    for (int l = 0; l < L; ++l) {
+      grad_bias[l] += gdelta[l];
+      gdelta[l] *= T(1) - wsum[l];
+    }
+  }
+  T to_scores[L];
+  for (int l = 0; l < L; ++l) {
+    const T k = in.k[l];
+    const bool degenerate = degenerate_flag<M>(k) != T(0);
+    to_scores[l] = degenerate ? T(-1) : T(2) * in.inv_eps[l];  // -1: degenerate, no gradient
+    static_cast<T*>(a.grad_keep)[seg0 + l] =
+        degenerate ? gs[l] / T(M) : gp[l] + grad_bias[l] * T(M) / (k * (T(M) - k));
+  }
+  // A degenerate segment (mask = k / M) and scores read as the neutral 0.5 get none. The
+  // gradient is formed across segments ([element][segment], no branch: it vectorises),
+  // then stored in segment order.
+  const T neutral = a.neutral ? T(1) : T(0);
+  T out[M][L];
+  for (int j = 0; j < M; ++j) {
+    for (int l = 0; l < L; ++l) {
+      const T zero = to_scores[l] < T(0) ? T(1) : neutral * (T(1) - in.ok[j][l]);
+      out[j][l] = zero != T(0) ? T(0) : grad[j][l] * to_scores[l];
+    }
+  }
+  T* grad_scores = static_cast<T*>(a.grad_scores) + seg0 * M;
+  for (int l = 0; l < L; ++l) {
+    for (int j = 0; j < M; ++j) grad_scores[l * M + j] = out[j][l];
+  }
+}
+
+}  // namespace blocks
+}  // namespace dtp
