@@ -1,13 +1,59 @@
 // The transport-mask step for segments of one small size M (4, 8 or 16): entry points of
-// transport_mask_blocks_cpu.cpp, which dtp::transport_mask's CPU kernels call when their
-// segment_size argument is M.
+// transport_mask_blocks_cpu.cpp and transport_mask_blocks_cuda.cu, which dtp::transport_mask's
+// CPU and CUDA kernels call when their segment_size argument is M (and on CUDA no
+// blocks_per_segment forces the general schedule). The arguments are checked by them.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <tuple>
 
+#include "common.h"
+#include "transport_blocks_tile.h"
+
 namespace dtp {
+
+// The inputs both directions read on either device: contiguous, keep in the accumulate
+// type (the kernels' k), eps as float64.
+struct BlocksInputs {
+  at::ScalarType acc;
+  at::Tensor scores, keep, eps, log_odds;
+
+  // The kernels' arguments: these inputs and the outputs given (in the accumulate type;
+  // stats float64, flags bool).
+  blocks::BlocksForwardArgs forward_args(const at::Tensor& shift, const at::Tensor& mask,
+                                         const at::Tensor& new_d, const at::Tensor& new_shift,
+                                         const at::Tensor& stats, const at::Tensor& nonfinite,
+                                         int64_t iters, bool neutral) const {
+    return {scores.data_ptr(),
+            keep.data_ptr(),
+            eps.data_ptr<double>(),
+            log_odds.data_ptr(),
+            shift.data_ptr(),
+            mask.data_ptr(),
+            new_d.data_ptr(),
+            new_shift.data_ptr(),
+            stats.data_ptr<double>(),
+            nonfinite.data_ptr<bool>(),
+            iters,
+            neutral};
+  }
+  blocks::BlocksBackwardArgs backward_args(const at::Tensor& grad_mask, const at::Tensor& stats,
+                                           const at::Tensor& grad_scores,
+                                           const at::Tensor& grad_keep, bool neutral) const {
+    return {grad_mask.data_ptr(),   scores.data_ptr(),
+            keep.data_ptr(),        eps.data_ptr<double>(),
+            log_odds.data_ptr(),    stats.data_ptr<double>(),
+            grad_scores.data_ptr(), grad_keep.data_ptr(),
+            stats.size(1),          neutral};
+  }
+};
+inline BlocksInputs blocks_inputs(const at::Tensor& scores, const at::Tensor& keep,
+                                  const at::Tensor& eps, const at::Tensor& log_odds) {
+  const auto acc = acc_type(scores);
+  return {acc, scores.contiguous(), keep.to(acc).contiguous(), eps.to(at::kDouble).contiguous(),
+          log_odds.contiguous()};
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport_mask_blocks_cpu(
     const at::Tensor& scores, const at::Tensor& keep, const at::Tensor& eps,
@@ -15,6 +61,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport
     int64_t segment_size);
 
 std::tuple<at::Tensor, at::Tensor> transport_mask_blocks_backward_cpu(
+    const at::Tensor& grad_mask, const at::Tensor& scores, const at::Tensor& keep,
+    const at::Tensor& eps, const at::Tensor& log_odds, const at::Tensor& stats,
+    bool neutral_nonfinite, int64_t segment_size);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport_mask_blocks_cuda(
+    const at::Tensor& scores, const at::Tensor& keep, const at::Tensor& eps,
+    const at::Tensor& log_odds, const at::Tensor& shift, int64_t iters, bool neutral_nonfinite,
+    int64_t segment_size);
+
+std::tuple<at::Tensor, at::Tensor> transport_mask_blocks_backward_cuda(
     const at::Tensor& grad_mask, const at::Tensor& scores, const at::Tensor& keep,
     const at::Tensor& eps, const at::Tensor& log_odds, const at::Tensor& stats,
     bool neutral_nonfinite, int64_t segment_size);

@@ -123,13 +123,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport
     const at::Tensor& log_odds_in, const at::Tensor& shift_in, int64_t iters,
     bool neutral_nonfinite, int64_t m) {
   const int64_t nseg = keep_in.numel();
-  const auto acc = acc_type(scores_in);
   TORCH_CHECK(eps_in.device().is_cpu() && keep_in.device().is_cpu(),
               "dtp::transport_mask: keep and eps must be CPU tensors");
-  const auto scores = scores_in.contiguous();
-  const auto keep = keep_in.to(acc).contiguous();
-  const auto eps = eps_in.to(at::kDouble).contiguous();
-  const auto log_odds = log_odds_in.contiguous();
+  const BlocksInputs in = blocks_inputs(scores_in, keep_in, eps_in, log_odds_in);
+  const at::ScalarType acc = in.acc;
+  const at::Tensor &scores = in.scores, &keep = in.keep, &eps = in.eps, &log_odds = in.log_odds;
   const auto shift = shift_in.contiguous();
   if (acc == at::kDouble) {
     check_segments(keep.data_ptr<double>(), eps.data_ptr<double>(), nseg, m);
@@ -140,18 +138,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport
   auto stats = empty_output({nseg, iters, 3}, log_odds.options().dtype(at::kDouble));
   // Every check is above: what follows cannot fail half-way through a lent buffer.
   auto [new_d, new_shift, nonfinite] = take_state_outputs(scores, log_odds, shift);
-  BlocksForwardArgs a{scores.data_ptr(),
-                      keep.data_ptr(),
-                      eps.data_ptr<double>(),
-                      log_odds.data_ptr(),
-                      shift.data_ptr(),
-                      mask_acc.data_ptr(),
-                      new_d.data_ptr(),
-                      new_shift.data_ptr(),
-                      stats.data_ptr<double>(),
-                      nonfinite.data_ptr<bool>(),
-                      iters,
-                      neutral_nonfinite};
+  const BlocksForwardArgs a = in.forward_args(shift, mask_acc, new_d, new_shift, stats, nonfinite,
+                                              iters, neutral_nonfinite);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scores.scalar_type(),
                                   "transport_mask_blocks_cpu",
                                   [&] { run_tiles<scalar_t>(a, nseg, m, acc == at::kDouble); });
@@ -165,19 +153,14 @@ std::tuple<at::Tensor, at::Tensor> transport_mask_blocks_backward_cpu(
     const at::Tensor& eps_in, const at::Tensor& log_odds_in, const at::Tensor& stats_in,
     bool neutral_nonfinite, int64_t m) {
   const int64_t nseg = keep_in.numel();
-  const auto acc = acc_type(scores_in);
-  const auto scores = scores_in.contiguous();
-  const auto keep = keep_in.to(acc).contiguous();
-  const auto eps = eps_in.to(at::kDouble).contiguous();
-  const auto log_odds = log_odds_in.contiguous();
+  const BlocksInputs in = blocks_inputs(scores_in, keep_in, eps_in, log_odds_in);
+  const at::ScalarType acc = in.acc;
+  const at::Tensor &scores = in.scores, &log_odds = in.log_odds;
   const auto stats = stats_in.contiguous();
   const auto g = grad_mask.to(acc).contiguous();
   auto grad_x = empty_output({scores.numel()}, log_odds.options());
   auto grad_keep = empty_output({nseg}, log_odds.options());
-  BlocksBackwardArgs a{g.data_ptr(),           scores.data_ptr(),    keep.data_ptr(),
-                       eps.data_ptr<double>(), log_odds.data_ptr(),  stats.data_ptr<double>(),
-                       grad_x.data_ptr(),      grad_keep.data_ptr(), stats.size(1),
-                       neutral_nonfinite};
+  const BlocksBackwardArgs a = in.backward_args(g, stats, grad_x, grad_keep, neutral_nonfinite);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scores.scalar_type(),
                                   "transport_mask_blocks_backward_cpu",
                                   [&] { run_tiles<scalar_t>(a, nseg, m, acc == at::kDouble); });

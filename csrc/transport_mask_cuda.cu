@@ -23,6 +23,7 @@
 
 #include "block_sums.cuh"
 #include "common.h"
+#include "transport_blocks.h"
 #include "transport_math.h"
 
 namespace dtp {
@@ -657,13 +658,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport
     const at::Tensor& eps, const at::Tensor& log_odds, const at::Tensor& shift_in, int64_t iters,
     bool neutral, int64_t blocks_per_segment, int64_t segment_size) {
   TORCH_CHECK(iters >= 1, "dtp::transport_mask: iters must be >= 1, got ", iters);
-  // The general kernels serve every segment_size: they read the sizes from offsets.
   check_segment_size(segment_size, scores, offsets);
   const InputTensors in = input_tensors(scores, offsets, keep, eps, log_odds, blocks_per_segment);
   check_devices(scores, {&shift_in});
   TORCH_CHECK(shift_in.scalar_type() == acc_type(scores) && shift_in.numel() == in.nseg,
               "dtp::transport_mask: shift must be ", acc_type(scores),
               " with one entry per segment (", in.nseg, ")");
+  // Tiny equal segments get one thread each (transport_mask_blocks_cuda.cu), unless a
+  // schedule is forced: the general kernels serve every segment_size (they read offsets).
+  if (segment_size > 0 && blocks_per_segment == 0) {
+    return transport_mask_blocks_cuda(in.scores, keep, eps, in.log_odds, shift_in, iters, neutral,
+                                      segment_size);
+  }
   const c10::cuda::CUDAGuard guard(scores.device());
   const auto shift = shift_in.contiguous();
   auto mask = at::empty_like(in.scores);
@@ -697,6 +703,10 @@ std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cuda(
   TORCH_CHECK(grad_mask.numel() == in.scores.numel(),
               "dtp::transport_mask_backward: grad_mask has ", grad_mask.numel(),
               " elements, expected ", in.scores.numel());
+  if (segment_size > 0 && blocks_per_segment == 0) {  // as the forward chose
+    return transport_mask_blocks_backward_cuda(grad_mask, in.scores, keep, eps, in.log_odds,
+                                               stats_in, neutral, segment_size);
+  }
   const c10::cuda::CUDAGuard guard(scores.device());
   const auto stats = stats_in.contiguous();
   const auto g = grad_mask.to(in.log_odds.scalar_type()).contiguous();

@@ -111,26 +111,28 @@ def run_loop(
     return state, ref_state
 
 
-def check_fixed_scores_against_reference(backend, sizes, keep, scores, eps, dtype, steps=3):
+def check_fixed_scores_against_reference(
+    backend, sizes, keep, scores, eps, dtype, steps=3, device="cpu"
+):
     """The same float64 scores every step, at a small `eps`: masks and score gradients
-    against the float64 reference, score gradients held to `dtype`'s rounding at their
-    scale (about 2 / eps). Returns the backend's state."""
+    against the float64 reference (on the CPU), score gradients held to `dtype`'s rounding
+    at their scale (about 2 / eps). Returns the backend's state."""
     gen = torch.Generator().manual_seed(0)
     weights = torch.randn(sum(sizes), generator=gen, dtype=torch.float64)
-    state = TransportState(sizes, dtype=dtype)
+    state = TransportState(sizes, dtype=dtype, device=device)
     ref_state = TransportState(sizes, dtype=torch.float64)
     rtol, atol = (1e-9, 1e-10) if dtype == torch.float64 else (1e-4, 1e-5)
     for step in range(steps):
-        s = scores.to(dtype, copy=True).requires_grad_(True)
+        s = scores.to(device=device, dtype=dtype, copy=True).requires_grad_(True)
         s_ref = scores.clone().requires_grad_(True)
         mask = transport_mask(s, keep, state, eps=eps, backend=backend)
         ref = transport_mask(s_ref, keep, ref_state, eps=eps, backend="reference")
-        (weights.to(dtype) * mask).sum().backward()
+        (weights.to(device=device, dtype=dtype) * mask).sum().backward()
         (weights * ref).sum().backward()
-        torch.testing.assert_close(mask.double(), ref.detach(), rtol=rtol, atol=atol)
+        torch.testing.assert_close(mask.double().cpu(), ref.detach(), rtol=rtol, atol=atol)
         scale = float(s_ref.grad.abs().max())
         torch.testing.assert_close(
-            s.grad.double(), s_ref.grad, rtol=rtol, atol=atol * scale, msg=f"step {step}"
+            s.grad.double().cpu(), s_ref.grad, rtol=rtol, atol=atol * scale, msg=f"step {step}"
         )
         state.commit()
         ref_state.commit()

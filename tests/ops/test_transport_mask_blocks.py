@@ -10,6 +10,7 @@ import torch
 import dtp_kernels
 from dtp_kernels import TransportState, transport_mask
 from utils import (
+    FAST_CPU_BACKENDS,
     check_fixed_scores_against_reference,
     check_low_precision,
     require_backend,
@@ -55,22 +56,28 @@ def test_blocks_low_precision_scores_match_reference(device_backend, dtype):
     check_low_precision(backend, dtype, device, layout=blocks_layout(4, 21))
 
 
-@compiled
+# The compiled kernels for tiny segments: CPU tiles, one CUDA thread per segment.
+COMPILED_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+@pytest.mark.parametrize("device", COMPILED_DEVICES)
 @pytest.mark.parametrize("iters", [1, 3])
 @pytest.mark.parametrize("m", [4, 16])
-def test_blocks_gradcheck_float64(m, iters):
+def test_blocks_gradcheck_float64(m, iters, device):
+    require_backend(device, device)  # the cpu backend on CPU, cuda on a GPU
     # interior k only: finite differences in k must stay inside [0, n]
     layout = [(n, k) for n, k in blocks_layout(m, 24) if 0 < k < n][:19]
     sizes, keep = [n for n, _ in layout], [k for _, k in layout]
-    state = TransportState(sizes, dtype=torch.float64)
+    state = TransportState(sizes, dtype=torch.float64, device=device)
     gen = torch.Generator().manual_seed(3)
     state.log_odds.copy_(torch.randn(state.numel, generator=gen, dtype=torch.float64))
     state.shift.copy_(torch.randn(len(sizes), generator=gen, dtype=torch.float64))
-    scores = torch.rand(state.numel, generator=gen, dtype=torch.float64, requires_grad=True)
-    k = torch.tensor(keep, dtype=torch.float64).requires_grad_(True)
+    scores = torch.rand(state.numel, generator=gen, dtype=torch.float64).to(device)
+    scores.requires_grad_(True)
+    k = torch.tensor(keep, dtype=torch.float64, device=device).requires_grad_(True)
 
     def step(s, k):
-        return transport_mask(s, k, state, eps=0.7, iters=iters, update=False, backend="cpu")
+        return transport_mask(s, k, state, eps=0.7, iters=iters, update=False, backend=device)
 
     assert torch.autograd.gradcheck(step, (scores, k), atol=1e-7)
 
@@ -90,24 +97,32 @@ def step_both(state, twin, scores, keep, backend="cpu", **options):
         x = scores.clone().requires_grad_(True)
         k = keep.clone().requires_grad_(True)
         mask = transport_mask(x, k, s, backend=backend, **options)
-        mask.backward(torch.linspace(-1, 1, mask.numel(), dtype=mask.dtype))
+        mask.backward(torch.linspace(-1, 1, mask.numel(), dtype=mask.dtype, device=mask.device))
         results.append((mask.detach(), x.grad, k.grad))
         s.commit()
     return results
 
 
-@pytest.mark.parametrize("backend", ["cpu", "triton"])
+@pytest.mark.parametrize(
+    "device,backend",
+    [
+        pytest.param("cpu", "cpu", id="cpu"),
+        pytest.param("cpu", "triton", id="triton"),
+        pytest.param("cuda", "cuda", id="cuda-cuda", marks=pytest.mark.cuda),
+        pytest.param("cuda", "triton", id="cuda-triton", marks=pytest.mark.cuda),
+    ],
+)
 @pytest.mark.parametrize("nonfinite", ["propagate", "neutral"])
 @pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), -float("inf")])
-def test_blocks_nonfinite_scores_as_the_general_kernels(backend, nonfinite, bad_value):
+def test_blocks_nonfinite_scores_as_the_general_kernels(device, backend, nonfinite, bad_value):
     """A segment with a NaN/Inf score keeps its state and is counted as skipped; the mask
     is NaN there (propagate) or finite with the score read as 0.5 (neutral)."""
-    require_backend(backend, "cpu")
+    require_backend(backend, device)
     layout = blocks_layout(4, 40)
-    state = TransportState([n for n, _ in layout])
+    state = TransportState([n for n, _ in layout], device=device)
     twin = general_twin(state)
-    keep = torch.tensor([k for _, k in layout])
-    scores = torch.rand(state.numel, generator=torch.Generator().manual_seed(5))
+    keep = torch.tensor([k for _, k in layout], device=device)
+    scores = torch.rand(state.numel, generator=torch.Generator().manual_seed(5)).to(device)
     scores[[1, 70, 159]] = bad_value  # segments 0, 17 (second tile) and 39 (partial tile)
     for _ in range(3):
         blocks, general = step_both(state, twin, scores, keep, backend, nonfinite=nonfinite)
@@ -121,18 +136,19 @@ def test_blocks_nonfinite_scores_as_the_general_kernels(backend, nonfinite, bad_
         assert torch.isfinite(blocks[0]).all() and torch.isfinite(blocks[1]).all()
 
 
-@compiled
-def test_blocks_far_from_the_column_maxima_as_the_general_kernels():
+@pytest.mark.parametrize("device", COMPILED_DEVICES)
+def test_blocks_far_from_the_column_maxima_as_the_general_kernels(device):
     """Log-odds so negative that every z < -60: the form with two exps per element."""
+    require_backend(device, device)
     layout = blocks_layout(8, 20)
-    state = TransportState([n for n, _ in layout])
+    state = TransportState([n for n, _ in layout], device=device)
     state.log_odds.fill_(-90.0)
     state.log_odds[::3] = 500.0  # and some far above
     twin = general_twin(state)
-    keep = torch.tensor([k for _, k in layout])
-    scores = torch.rand(state.numel, generator=torch.Generator().manual_seed(6))
+    keep = torch.tensor([k for _, k in layout], device=device)
+    scores = torch.rand(state.numel, generator=torch.Generator().manual_seed(6)).to(device)
     for _ in range(3):
-        blocks, general = step_both(state, twin, scores, keep, iters=2)
+        blocks, general = step_both(state, twin, scores, keep, device, iters=2)
         for a, b in zip(blocks, general, strict=True):
             assert torch.isfinite(a).all()
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -190,19 +206,20 @@ def test_blocks_op_checks_its_arguments():
     torch.testing.assert_close(mask.view(3, 4).sum(1), keep)
 
 
-@compiled
+@pytest.mark.parametrize("device", COMPILED_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("iters", [1, 3])
-def test_opcheck_blocks(dtype, iters):
+def test_opcheck_blocks(dtype, iters, device):
+    require_backend(device, device)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     nseg = 19
     args = (
-        torch.randn(nseg * 4).to(dtype).requires_grad_(True),
-        torch.arange(nseg + 1) * 4,
-        torch.full((nseg,), 2.0, dtype=acc, requires_grad=True),
-        torch.full((nseg,), 0.5, dtype=torch.float64),
-        torch.randn(nseg * 4, dtype=acc),
-        torch.randn(nseg, dtype=acc),
+        torch.randn(nseg * 4, device=device).to(dtype).requires_grad_(True),
+        torch.arange(nseg + 1, device=device) * 4,
+        torch.full((nseg,), 2.0, dtype=acc, device=device, requires_grad=True),
+        torch.full((nseg,), 0.5, dtype=torch.float64, device=device),
+        torch.randn(nseg * 4, dtype=acc, device=device),
+        torch.randn(nseg, dtype=acc, device=device),
         iters,
         False,
         0,
@@ -246,7 +263,8 @@ def test_forced_schedule_runs_tiny_segments_on_the_general_triton_kernels(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_blocks_far_below_both_columns_match_reference(fast_backend, dtype):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_blocks_far_below_both_columns_match_reference(fast_backend, dtype, device):
     """N:M segments whose every z is near -100 or +100 (sigmoid underflows in float32):
     the tile kernels must scale the sums, against the float64 reference over 3 steps;
     beside them segments in the usual range, in the same tiles."""
@@ -258,7 +276,11 @@ def test_blocks_far_below_both_columns_match_reference(fast_backend, dtype):
     scores = torch.where(far, low, usual)
     scores[::5] = 1.0 - scores[::5] * 0.05 / 0.6  # some blocks near +100
     scores = scores.flatten()
+    backend = fast_backend if device == "cpu" else "cuda"
+    if device == "cuda" and fast_backend != FAST_CPU_BACKENDS[0]:
+        pytest.skip("the cuda backend is checked once")
+    require_backend(backend, device)
     state = check_fixed_scores_against_reference(
-        fast_backend, [m] * count, [2.0] * count, scores, 0.01, dtype
+        backend, [m] * count, [2.0] * count, scores, 0.01, dtype, device=device
     )
     assert state.segment_size == m
