@@ -10,7 +10,6 @@ import torch
 import dtp_kernels
 from dtp_kernels import TransportState, transport_mask
 from utils import (
-    FAST_CPU_BACKENDS,
     check_fixed_scores_against_reference,
     check_low_precision,
     require_backend,
@@ -263,8 +262,7 @@ def test_forced_schedule_runs_tiny_segments_on_the_general_triton_kernels(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_blocks_far_below_both_columns_match_reference(fast_backend, dtype, device):
+def test_blocks_far_below_both_columns_match_reference(device_backend, dtype):
     """N:M segments whose every z is near -100 or +100 (sigmoid underflows in float32):
     the tile kernels must scale the sums, against the float64 reference over 3 steps;
     beside them segments in the usual range, in the same tiles."""
@@ -276,10 +274,7 @@ def test_blocks_far_below_both_columns_match_reference(fast_backend, dtype, devi
     scores = torch.where(far, low, usual)
     scores[::5] = 1.0 - scores[::5] * 0.05 / 0.6  # some blocks near +100
     scores = scores.flatten()
-    backend = fast_backend if device == "cpu" else "cuda"
-    if device == "cuda" and fast_backend != FAST_CPU_BACKENDS[0]:
-        pytest.skip("the cuda backend is checked once")
-    require_backend(backend, device)
+    device, backend = device_backend
     state = check_fixed_scores_against_reference(
         backend, [m] * count, [2.0] * count, scores, 0.01, dtype, device=device
     )
