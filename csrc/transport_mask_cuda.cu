@@ -559,12 +559,26 @@ struct InputTensors {
   int64_t nseg, blocks_per_seg;
 };
 
-InputTensors input_tensors(const at::Tensor& scores, const at::Tensor& offsets,
-                           const at::Tensor& keep, const at::Tensor& eps,
-                           const at::Tensor& log_odds, int64_t requested_blocks) {
+// The checks both directions make before anything is read or converted.
+void check_inputs(const at::Tensor& scores, const at::Tensor& offsets, const at::Tensor& keep,
+                  const at::Tensor& eps, const at::Tensor& log_odds, int64_t requested_blocks,
+                  int64_t segment_size) {
   check_blocks_per_segment(requested_blocks);
   check_transport_args(scores, offsets, keep, eps, log_odds);
   check_devices(scores, {&offsets, &keep, &eps, &log_odds});
+  check_segment_size(segment_size, scores, offsets);
+}
+
+// Tiny equal segments get one thread each (transport_mask_blocks_cuda.cu), unless a
+// schedule is forced: the general kernels serve every segment_size (they read offsets).
+bool use_blocks_kernels(int64_t segment_size, int64_t requested_blocks) {
+  return segment_size > 0 && requested_blocks == 0;
+}
+
+// The general kernels' inputs, after check_inputs.
+InputTensors input_tensors(const at::Tensor& scores, const at::Tensor& offsets,
+                           const at::Tensor& keep, const at::Tensor& eps,
+                           const at::Tensor& log_odds, int64_t requested_blocks) {
   const int64_t nseg = offsets.numel() - 1;
   return {scores.contiguous(),
           offsets.contiguous(),
@@ -658,18 +672,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport
     const at::Tensor& eps, const at::Tensor& log_odds, const at::Tensor& shift_in, int64_t iters,
     bool neutral, int64_t blocks_per_segment, int64_t segment_size) {
   TORCH_CHECK(iters >= 1, "dtp::transport_mask: iters must be >= 1, got ", iters);
-  check_segment_size(segment_size, scores, offsets);
-  const InputTensors in = input_tensors(scores, offsets, keep, eps, log_odds, blocks_per_segment);
+  check_inputs(scores, offsets, keep, eps, log_odds, blocks_per_segment, segment_size);
   check_devices(scores, {&shift_in});
-  TORCH_CHECK(shift_in.scalar_type() == acc_type(scores) && shift_in.numel() == in.nseg,
+  const int64_t nseg = offsets.numel() - 1;
+  TORCH_CHECK(shift_in.scalar_type() == acc_type(scores) && shift_in.numel() == nseg,
               "dtp::transport_mask: shift must be ", acc_type(scores),
-              " with one entry per segment (", in.nseg, ")");
-  // Tiny equal segments get one thread each (transport_mask_blocks_cuda.cu), unless a
-  // schedule is forced: the general kernels serve every segment_size (they read offsets).
-  if (segment_size > 0 && blocks_per_segment == 0) {
-    return transport_mask_blocks_cuda(in.scores, keep, eps, in.log_odds, shift_in, iters, neutral,
+              " with one entry per segment (", nseg, ")");
+  if (use_blocks_kernels(segment_size, blocks_per_segment)) {
+    return transport_mask_blocks_cuda(scores, keep, eps, log_odds, shift_in, iters, neutral,
                                       segment_size);
   }
+  const InputTensors in = input_tensors(scores, offsets, keep, eps, log_odds, blocks_per_segment);
   const c10::cuda::CUDAGuard guard(scores.device());
   const auto shift = shift_in.contiguous();
   auto mask = at::empty_like(in.scores);
@@ -697,16 +710,15 @@ std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cuda(
     const at::Tensor& grad_mask, const at::Tensor& scores, const at::Tensor& offsets,
     const at::Tensor& keep, const at::Tensor& eps, const at::Tensor& log_odds,
     const at::Tensor& stats_in, bool neutral, int64_t blocks_per_segment, int64_t segment_size) {
-  check_segment_size(segment_size, scores, offsets);
-  const InputTensors in = input_tensors(scores, offsets, keep, eps, log_odds, blocks_per_segment);
-  check_stats(stats_in, in.nseg);
-  TORCH_CHECK(grad_mask.numel() == in.scores.numel(),
-              "dtp::transport_mask_backward: grad_mask has ", grad_mask.numel(),
-              " elements, expected ", in.scores.numel());
-  if (segment_size > 0 && blocks_per_segment == 0) {  // as the forward chose
-    return transport_mask_blocks_backward_cuda(grad_mask, in.scores, keep, eps, in.log_odds,
-                                               stats_in, neutral, segment_size);
+  check_inputs(scores, offsets, keep, eps, log_odds, blocks_per_segment, segment_size);
+  check_stats(stats_in, offsets.numel() - 1);
+  TORCH_CHECK(grad_mask.numel() == scores.numel(), "dtp::transport_mask_backward: grad_mask has ",
+              grad_mask.numel(), " elements, expected ", scores.numel());
+  if (use_blocks_kernels(segment_size, blocks_per_segment)) {  // as the forward chose
+    return transport_mask_blocks_backward_cuda(grad_mask, scores, keep, eps, log_odds, stats_in,
+                                               neutral, segment_size);
   }
+  const InputTensors in = input_tensors(scores, offsets, keep, eps, log_odds, blocks_per_segment);
   const c10::cuda::CUDAGuard guard(scores.device());
   const auto stats = stats_in.contiguous();
   const auto g = grad_mask.to(in.log_odds.scalar_type()).contiguous();
