@@ -12,7 +12,6 @@
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
-#include <vector>
 
 #include "common.h"
 #include "cpu_outputs.h"
