@@ -4,12 +4,17 @@
 #
 #   OUT=/tmp/gpu bash tools/gpu_session.sh [tests|bench|train|vit|pipeline|scale|all]...
 #
-# tests: every test marked cuda but not slow; bench: the kernel benchmarks; train: the training step (eager,
-# profiled, CUDA graph); vit: a ViT step with head and neuron masks (bench_vit_step.py);
-# scale: mask-step scaling, iterations, N:M steps and 2:4 semi-structured layers;
-# pipeline: `dtp prune` on the GPU
-# (tests/pipeline/test_pipeline_gpu.py) and whole epochs with the data loader
-# (bench_pipeline.py); all: every one.
+# tests: every test marked cuda but not slow (on $WORKERS pytest-xdist workers, default 4)
+# and, at the same time, `dtp prune` on the GPU (tests/pipeline/test_pipeline_gpu.py):
+# neither times anything, so they share the GPU; bench: the kernel benchmarks and the
+# mask step's host cost; train: the training step (eager, profiled, CUDA graph; DTP with
+# folded masks, each GPU backend); vit: a ViT step with head and neuron masks
+# (bench_vit_step.py); scale: mask-step scaling, iterations, N:M steps and 2:4
+# semi-structured layers; pipeline: whole epochs with the data loader
+# (bench_pipeline.py); all: every one. Benchmarks run one at a time, after the tests.
+#
+# The build is skipped when csrc/ and setup.py are unchanged since the last build on the
+# same machine (a second call on a warm machine starts at once).
 #
 # The GPU machine has torch, Triton and nvcc but no package index: wheels it lacks travel
 # in .whl/ and are installed to /tmp/site first. Fetch them here with
@@ -34,12 +39,19 @@ fi
 } 2>&1 | tee "$OUT/env.txt"
 
 t0=$(date +%s)
-MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} DTP_BUILD_CUDA=1 \
-  $PY setup.py --quiet build_ext --inplace >"$OUT/build.log" 2>&1 || {
-  tail -60 "$OUT/build.log"
-  exit 1
-}
-echo "build: $(($(date +%s) - t0)) s"
+stamp=build/gpu_session.stamp
+sources=$(cat setup.py csrc/* | sha256sum | cut -d' ' -f1)
+if [ "$(cat $stamp 2>/dev/null)" = "$sources" ] && ls dtp_kernels/_C*.so >/dev/null 2>&1; then
+  echo "build: unchanged sources, skipped"
+else
+  MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} DTP_BUILD_CUDA=1 \
+    $PY setup.py --quiet build_ext --inplace >"$OUT/build.log" 2>&1 || {
+    tail -60 "$OUT/build.log"
+    exit 1
+  }
+  mkdir -p build && echo "$sources" >$stamp
+  echo "build: $(($(date +%s) - t0)) s"
+fi
 $PY -c "import dtp_kernels as d; print(d.build_info()); print(d.available_backends('cuda'))"
 
 run() {  # name, seconds, command...
@@ -48,12 +60,18 @@ run() {  # name, seconds, command...
   local t=$(date +%s)
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
   echo "$name: rc ${PIPESTATUS[0]}, $(($(date +%s) - t)) s"
+  tar -cf "$OUT/results.tar" benchmarks/results  # after every step: a cut-off call keeps them
 }
 
 for step in $steps; do
   case $step in
   tests | all)
-    run test_gpu 300 $PY -m pytest -q -rs --tb=short -p no:cacheprovider -m "cuda and not slow" tests
+    run test_pipeline_gpu 300 $PY -m pytest -q -rs --tb=short -p no:cacheprovider \
+      tests/pipeline/test_pipeline_gpu.py >"$OUT/test_pipeline_gpu.status" &
+    run test_gpu 300 $PY -m pytest -q -rs --tb=short -p no:cacheprovider -n "${WORKERS:-4}" \
+      -m "cuda and not slow" tests
+    wait
+    tail -3 "$OUT/test_pipeline_gpu.status"
     ;;&
   bench | all)
     run bench_transport 120 $PY benchmarks/bench_transport.py --device cuda
@@ -61,23 +79,23 @@ for step in $steps; do
     run bench_host_cost 120 $PY benchmarks/bench_host_cost.py --device cuda
     ;;&
   train | all)
-    run bench_training_step 150 $PY benchmarks/bench_training_step.py --device cuda
+    fold=(--provider fold/cuda --provider fold/triton)
+    run bench_training_step 150 $PY benchmarks/bench_training_step.py --device cuda "${fold[@]}"
     run profile_training_step 90 $PY benchmarks/profile_training_step.py --python
-    run bench_training_graph 150 $PY -X faulthandler benchmarks/bench_training_step.py --device cuda --graph
+    run bench_training_graph 150 $PY -X faulthandler benchmarks/bench_training_step.py \
+      --device cuda --graph "${fold[@]}"
     ;;&
   vit | all)
     run bench_vit_step 200 $PY benchmarks/bench_vit_step.py --device cuda --rounds 50 --save
     ;;&
   pipeline | all)
-    run test_pipeline_gpu 400 $PY -m pytest -q -rs --tb=short -p no:cacheprovider tests/pipeline/test_pipeline_gpu.py
     run bench_pipeline 400 $PY benchmarks/bench_pipeline.py --device cuda --rounds 3
     ;;&
   scale | all)
-    run bench_scaling 120 $PY benchmarks/bench_scaling.py --device cuda --rounds 5
-    run bench_iterations 90 $PY benchmarks/bench_iterations.py --device cuda --rounds 5
     run bench_nm_step 120 $PY benchmarks/bench_nm_step.py --device cuda --rounds 5
     run bench_semi_structured 120 $PY benchmarks/bench_semi_structured.py --device cuda
+    run bench_scaling 120 $PY benchmarks/bench_scaling.py --device cuda --rounds 5
+    run bench_iterations 90 $PY benchmarks/bench_iterations.py --device cuda --rounds 5
     ;;
   esac
 done
-tar -cf "$OUT/results.tar" benchmarks/results
