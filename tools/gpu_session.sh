@@ -58,8 +58,12 @@ run() {  # name, seconds, command...
   local name=$1 limit=$2
   shift 2
   local t=$(date +%s)
-  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
-  echo "$name: rc ${PIPESTATUS[0]}, $(($(date +%s) - t)) s"
+  # to a file, not through a pipe: a grandchild left running at the time limit (torchrun's
+  # workers) would hold a pipe open and the step would never end
+  timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 40 "$OUT/$name.log"
+  echo "$name: rc $rc, $(($(date +%s) - t)) s"
   tar -cf "$OUT/results.tar" benchmarks/results  # after every step: a cut-off call keeps them
 }
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import abc
 import copy
-import gc
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -18,7 +17,7 @@ from torch.nn.utils import parametrize
 
 from . import ratios as ratio_rules
 from .cost import COSTED, PER_CHANNEL_AFFINE, count_params, flops_after, params_after, trace_layers
-from .groups import build_graph, find_groups
+from .groups import find_groups, traced_graph
 from .heads import HeadGroup, find_head_groups, prune_heads
 from .hf_config import update_config
 
@@ -118,15 +117,10 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         """The prunable groups: attention heads, then channel groups (filter pruning)."""
         heads = find_head_groups(model, ignored)
         projections = [layer for g in heads for layer in (*g.kept_out, g.layer)]
-        graph = build_graph(model, inputs)
-        channels = find_groups(model, graph, ignored + projections, self.prune_coupled)
+        with traced_graph(model, inputs) as graph:
+            channels = find_groups(model, graph, ignored + projections, self.prune_coupled)
         order = {name: index for index, (name, _) in enumerate(model.named_modules())}
         groups = sorted([*heads, *channels], key=lambda g: order[g.name])
-        # The traced graph holds autograd nodes (the parameters' AccumulateGrad among them)
-        # in reference cycles; left to the garbage collector they outlive this call on the
-        # stream they were made on, and a later CUDA-graph capture of a training step
-        # fails on the cross-stream dependency. Free them now.
-        gc.collect()
         return groups
 
     # -- what a pruner decides -----------------------------------------------------------
@@ -214,27 +208,27 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
 
         masks = self.hard_masks()
         pruned = self._unmasked_copy()
-        graph = build_graph(pruned, self.example_inputs)
-        names = dict(pruned.named_modules())
-        original_names = {module: name for name, module in self.model.named_modules()}
-        for group, mask in zip(self.groups, masks, strict=True):
-            if isinstance(group, HeadGroup):
-                prune_heads(group, names, original_names, mask)
-                continue
-            dropped_units = (mask == 0).nonzero().flatten()
-            if not len(dropped_units):
-                continue
-            layer = names[group.name]
-            handler = (
-                tp.prune_linear_out_channels
-                if isinstance(layer, nn.Linear)
-                else tp.prune_conv_out_channels
-            )
-            drop = group.channels(dropped_units).tolist()
-            graph.get_pruning_group(layer, handler, drop).prune()
-            if group.group_norm is not None:  # whole groups went: as many fewer groups
-                norm = names[original_names[group.group_norm]]
-                norm.num_groups -= len(dropped_units)
+        with traced_graph(pruned, self.example_inputs) as graph:
+            names = dict(pruned.named_modules())
+            original_names = {module: name for name, module in self.model.named_modules()}
+            for group, mask in zip(self.groups, masks, strict=True):
+                if isinstance(group, HeadGroup):
+                    prune_heads(group, names, original_names, mask)
+                    continue
+                dropped_units = (mask == 0).nonzero().flatten()
+                if not len(dropped_units):
+                    continue
+                layer = names[group.name]
+                handler = (
+                    tp.prune_linear_out_channels
+                    if isinstance(layer, nn.Linear)
+                    else tp.prune_conv_out_channels
+                )
+                drop = group.channels(dropped_units).tolist()
+                graph.get_pruning_group(layer, handler, drop).prune()
+                if group.group_norm is not None:  # whole groups went: as many fewer groups
+                    norm = names[original_names[group.group_norm]]
+                    norm.num_groups -= len(dropped_units)
         update_config(pruned, [(_kind(g), g) for g in self.groups], masks)
         return pruned
 

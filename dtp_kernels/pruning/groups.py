@@ -16,7 +16,10 @@ A layer whose outputs no layer consumes (the classifier, any model output) keeps
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -113,14 +116,29 @@ def _traced_outputs(output) -> list[torch.Tensor]:
     return [t for t in output_tensors(output) if t.grad_fn is not None]
 
 
-def build_graph(model: nn.Module, example_inputs) -> tp.DependencyGraph:
+@contextlib.contextmanager
+def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGraph]:
+    """Torch-Pruning's DependencyGraph of the model, emptied and freed when the block ends.
+
+    The graph holds the autograd nodes of its tracing forward (the parameters'
+    AccumulateGrad among them) in reference cycles. Left to the garbage collector they
+    outlive the block on the stream they were made on, and a later CUDA-graph capture of
+    a training step fails on the cross-stream dependency; so the block's end collects
+    them, after emptying the graph (a name bound by `as` would keep it reachable)
+    (tests/reliability/test_no_host_sync.py checks none are left).
+    """
     with warnings.catch_warnings():
         # norms that are not nn.LayerNorm (RMSNorm) are "unwrapped parameters" to it;
         # groups through them are refused or left alone here, never pruned
         warnings.filterwarnings("ignore", message="Unwrapped parameters detected")
-        return tp.DependencyGraph().build_dependency(
+        graph = tp.DependencyGraph().build_dependency(
             model, example_inputs=example_inputs, output_transform=_traced_outputs
         )
+    try:
+        yield graph
+    finally:
+        vars(graph).clear()
+        gc.collect()
 
 
 def _parameter_owners(model: nn.Module) -> dict[int, nn.Module]:

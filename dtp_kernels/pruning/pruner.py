@@ -13,6 +13,7 @@ columns, GroupNorm groups on the norm's rows.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from collections.abc import Mapping, Sequence
@@ -57,6 +58,22 @@ class LayerWeights:
     size: int
     # zeroed weights export exactly as they were masked, whatever follows the layer
     norms: tuple = ()
+
+
+@contextlib.contextmanager
+def ieee_fp32():
+    """Float32 convolutions and matrix products in full precision while the block runs.
+
+    On GPUs cuDNN runs float32 convolutions in TF32 by default (10-bit mantissa): the
+    masked and the exported model, whose convolutions differ in size and algorithm, then
+    differ by ~1e-3, far beyond the export check's float32 tolerance.
+    """
+    cudnn, matmul = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = cudnn, matmul
 
 
 class ExportMismatchError(ValueError):
@@ -452,9 +469,10 @@ class DTPPruner(ChannelPruner):
         self.model.eval()
         pruned.eval()
         try:
-            with self.hard_masked():
+            with ieee_fp32(), self.hard_masked():
                 want = output_tensors(self.model(*self.example_inputs))
-            got = output_tensors(pruned(*self.example_inputs))
+            with ieee_fp32():
+                got = output_tensors(pruned(*self.example_inputs))
         finally:
             self.model.train(was_training)
             pruned.train(pruned_training)

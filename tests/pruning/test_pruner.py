@@ -520,6 +520,42 @@ def test_export_that_would_differ_from_the_masked_model_raises():
         pruner.export()
 
 
+def test_export_check_runs_float32_without_tf32():
+    """The export check compares the masked and the exported model in full float32: with
+    cuDNN's default TF32 convolutions on a GPU they differ by ~1e-3 (seen on an H200),
+    over the check's tolerance. Both forwards see TF32 off; the user's settings return."""
+    model = resnet20()
+    pruner = DTPPruner(model, torch.randn(1, 3, 32, 32), 0.5)
+    seen = []  # (which model, TF32 flags) per forward; the check's two forwards come last
+
+    def record(name):
+        flags = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+        seen.append((name, flags))
+
+    before = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        model.register_forward_pre_hook(lambda *_: record("masked"))
+        original = torch.nn.Module.__call__
+
+        def call(module, *args, **kwargs):  # the exported copy's forward too
+            if module.__class__ is type(model) and module is not model:
+                record("exported")
+            return original(module, *args, **kwargs)
+
+        torch.nn.Module.__call__ = call
+        try:
+            pruner.export()
+        finally:
+            torch.nn.Module.__call__ = original
+        after = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
+    last = {name: flags for name, flags in seen}
+    assert last == {"masked": (False, False), "exported": (False, False)}, seen
+    assert after == (True, True)
+
+
 def _mlp() -> torch.nn.Module:
     return torch.nn.Sequential(
         torch.nn.Flatten(),

@@ -11,6 +11,7 @@ torch.cuda.set_sync_debug_mode("error") and inside a captured CUDA graph.
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections import Counter
 
 import pytest
@@ -116,6 +117,35 @@ def test_dtp_training_step_reads_nothing_back(budget, mask_at, backend):
     assert counts == Counter(), f"host reads in a DTP training step: {dict(counts)}"
     assert int(pruner.state.steps) == steps_before + 2  # the state did advance
     assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("export", [False, True], ids=["construct", "export"])
+def test_no_traced_autograd_graph_outlives_the_pruner_calls(export):
+    """Torch-Pruning's traced graph (autograd nodes, the parameters' AccumulateGrad among
+    them, in reference cycles) is freed before the constructor or export returns; left to
+    the garbage collector it outlives them, and a CUDA-graph capture of a later training
+    step fails on the cross-stream dependency (test_training_step_in_cuda_graph_matches_eager)."""
+    gc.collect()
+    gc.disable()  # only the pruner's own collection may free the graph
+    try:
+        model = resnet20()
+        pruner = DTPPruner(model, torch.randn(1, 3, 32, 32), 0.5)
+        if export:
+            gc.collect()
+            pruner.export()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        left = [
+            type(o).__name__
+            for o in gc.garbage
+            if type(o).__module__.startswith("torch_pruning")
+            or isinstance(o, torch.autograd.graph.Node)
+        ]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert not left, Counter(left)
 
 
 # -- on CUDA ------------------------------------------------------------------------
