@@ -29,14 +29,17 @@ def interleaved(
     device: torch.device,
     warmup: int = 3,
 ) -> dict[str, list[float]]:
-    """Time every case in turn, round after round. cases maps a name to (function, calls
-    per sample). Returns the seconds per call of every sample."""
+    """Time every case in turn, round after round, the order reversed every other round
+    (a case that always ran first or last would carry the effect of its place in the
+    round: caches, allocator, clocks). cases maps a name to (function, calls per sample).
+    Returns the seconds per call of every sample."""
     for fn, inner in cases.values():
         for _ in range(warmup * inner):
             fn()
     samples: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(rounds):
-        for name, (fn, inner) in cases.items():
+    order = list(cases.items())
+    for round_ in range(rounds):
+        for name, (fn, inner) in order if round_ % 2 == 0 else order[::-1]:
             sync(device)
             start = time.perf_counter()
             for _ in range(inner):

@@ -3,8 +3,9 @@
 import random
 
 import pytest
+import torch
 
-from dtp_kernels.benchmarking import paired_overhead
+from dtp_kernels.benchmarking import interleaved, paired_overhead
 
 
 def test_paired_overhead_removes_drift_between_rounds():
@@ -53,3 +54,13 @@ def test_sweep_points_for_other_devices_are_left_out(capsys):
     sweep = Sweep(op="noop", title="noop", points=points, setup=setup, warmup=0)
     rows = run_sweep(sweep, torch.device("cpu"), rounds=1, save=False, name="noop")
     assert seen == ["small", "both"] and [r["shape"] for r in rows] == ["small", "both"]
+
+
+def test_interleaved_reverses_the_order_every_other_round():
+    """No case always runs first: the place in a round (warm caches, the allocator's
+    state) would bias its paired ratio."""
+    calls = []
+    cases = {name: (lambda name=name: calls.append(name), 1) for name in "abc"}
+    samples = interleaved(cases, rounds=4, device=torch.device("cpu"), warmup=0)
+    assert calls == list("abccbaabccba")
+    assert {name: len(times) for name, times in samples.items()} == {"a": 4, "b": 4, "c": 4}
