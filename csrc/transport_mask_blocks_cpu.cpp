@@ -3,33 +3,33 @@
 // (transport_mask_cpu.cpp) cut segments into chunks and keep host vectors per segment,
 // which costs more than the math when every segment has 4 elements. Here M is a
 // compile-time constant and tiles of 16 segments run the step of transport_blocks_tile.h,
-// its loops vectorised across the segments. Tiles are fixed (the last segments, fewer
-// than a tile, run one by one), so the result does not depend on threading.
+// its loops vectorised across the segments (compiled per M: transport_blocks_cpu.h). Tiles are
+// fixed (the last segments, fewer than a tile, run one by one), so the result does not depend on
+// threading.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 
 #include "common.h"
 #include "cpu_outputs.h"
 #include "transport_blocks.h"
+#include "transport_blocks_cpu.h"
 #include "transport_blocks_tile.h"
 
 namespace dtp {
 namespace {
 
+using blocks::BlocksBackwardArgs;
+using blocks::BlocksForwardArgs;
+using blocks::kTile;
+
 // Segments per parallel task, so that a task holds about 4,096 elements.
 constexpr int64_t kTaskElements = 4096;
 // Below this many elements the whole call runs on the calling thread.
 constexpr int64_t kSerialElements = 32768;
-
-// Segments are processed in tiles of kTile (transport_blocks_tile.h), each value held as an
-// array over the tile's segments, so every loop runs across segments and vectorises
-// whatever M is.
-constexpr int kTile = 16;
 
 // f(first segment, end segment) over ranges of whole tiles: a tile covers the same
 // segments, and runs the same code, whatever the thread count, so results are bitwise
@@ -48,50 +48,17 @@ DTP_INLINE bool valid_segment(double k, double eps, int64_t m) {
   return (k >= 0.0) & (k <= static_cast<double>(m)) & (eps > 0.0) & (eps < INFINITY);
 }
 
-using blocks::BlocksBackwardArgs;
-using blocks::BlocksForwardArgs;
-
-// Whole tiles of kTile segments, then the last (fewer than kTile) one segment at a time.
-template <int M, class scalar_t, class T>
-DTP_INLINE void tiles_loop(const BlocksForwardArgs& a, int64_t lo, int64_t hi) {
-  int64_t seg = lo;
-  for (; seg + kTile <= hi; seg += kTile) blocks::forward_tile<M, kTile, scalar_t, T>(a, seg);
-  for (; seg < hi; ++seg) blocks::forward_tile<M, 1, scalar_t, T>(a, seg);
-}
-
-template <int M, class scalar_t, class T>
-DTP_INLINE void tiles_loop(const BlocksBackwardArgs& a, int64_t lo, int64_t hi) {
-  int64_t seg = lo;
-  for (; seg + kTile <= hi; seg += kTile) blocks::backward_tile<M, kTile, scalar_t, T>(a, seg);
-  for (; seg < hi; ++seg) blocks::backward_tile<M, 1, scalar_t, T>(a, seg);
-}
-
-// Entry points per (M, scores dtype, accumulate type), for the forward and the backward
-// (overloaded on their arguments): float accumulation gets AVX-512/AVX2 clones, double a
-// plain build.
-template <int M, class scalar_t, class Args>
-DTP_CLONES void tiles_f32(const Args& a, int64_t lo, int64_t hi) {
-  tiles_loop<M, scalar_t, float>(a, lo, hi);
-}
-template <int M, class scalar_t, class Args>
-void tiles_f64(const Args& a, int64_t lo, int64_t hi) {
-  tiles_loop<M, scalar_t, double>(a, lo, hi);
-}
-
-// Runs the tiles of all segments, M turned into a template constant in one place.
-template <class scalar_t, class Args>
-void run_tiles(const Args& a, int64_t nseg, int64_t m, bool is_double) {
+// Runs the tiles of all segments, M turned into a template constant in one place (each
+// M's loops are compiled in a file of their own: transport_blocks_cpu.h).
+template <class Args>
+void run_tiles(const Args& a, at::ScalarType scores, int64_t nseg, int64_t m, bool is_double) {
   for_each_segment_range(nseg, m, [&](int64_t lo, int64_t hi) {
-    auto run = [&](auto size) {
-      constexpr int kM = decltype(size)::value;
-      is_double ? tiles_f64<kM, scalar_t>(a, lo, hi) : tiles_f32<kM, scalar_t>(a, lo, hi);
-    };
     if (m == 4) {
-      run(std::integral_constant<int, 4>{});
+      blocks::tiles_cpu<4>(a, scores, is_double, lo, hi);
     } else if (m == 8) {
-      run(std::integral_constant<int, 8>{});
+      blocks::tiles_cpu<8>(a, scores, is_double, lo, hi);
     } else {
-      run(std::integral_constant<int, 16>{});
+      blocks::tiles_cpu<16>(a, scores, is_double, lo, hi);
     }
   });
 }
@@ -139,9 +106,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport
   auto [new_d, new_shift, nonfinite] = take_state_outputs(scores, log_odds, shift);
   const BlocksForwardArgs a = in.forward_args(shift, mask_acc, new_d, new_shift, stats, nonfinite,
                                               iters, neutral_nonfinite);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scores.scalar_type(),
-                                  "transport_mask_blocks_cpu",
-                                  [&] { run_tiles<scalar_t>(a, nseg, m, acc == at::kDouble); });
+  run_tiles(a, scores.scalar_type(), nseg, m, acc == at::kDouble);
   auto mask =
       mask_acc.scalar_type() == scores.scalar_type() ? mask_acc : mask_acc.to(scores.scalar_type());
   return {mask, new_d, new_shift, stats, nonfinite};
@@ -160,9 +125,7 @@ std::tuple<at::Tensor, at::Tensor> transport_mask_blocks_backward_cpu(
   auto grad_x = empty_output({scores.numel()}, log_odds.options());
   auto grad_keep = empty_output({nseg}, log_odds.options());
   const BlocksBackwardArgs a = in.backward_args(g, stats, grad_x, grad_keep, neutral_nonfinite);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scores.scalar_type(),
-                                  "transport_mask_blocks_backward_cpu",
-                                  [&] { run_tiles<scalar_t>(a, nseg, m, acc == at::kDouble); });
+  run_tiles(a, scores.scalar_type(), nseg, m, acc == at::kDouble);
   auto grad_keep_out =
       keep_in.scalar_type() == acc ? grad_keep : grad_keep.to(keep_in.scalar_type());
   return {grad_x.to(scores.scalar_type()), grad_keep_out};
