@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Everything a lent GPU is for, in one run: build the extension against that machine's
-# torch, run the GPU test suite, then the GPU benchmarks. Logs and results go to $OUT.
+# torch, run the GPU test suite, then the GPU benchmarks. The logs and benchmarks/results
+# go to $OUT/session.tar (one file: the device tool brings back at most 8), written again
+# after every step.
 #
 #   OUT=/tmp/gpu bash tools/gpu_session.sh [tests|bench|train|vit|pipeline|scale|all]...
 #
@@ -15,9 +17,10 @@
 #
 # The build is skipped when csrc/ and setup.py are unchanged since the last build on the
 # same machine (a second call on a warm machine starts at once). On an H200 (2026-11-27)
-# the build took 173 s and the unit GPU tests 69 s: with 15 minutes of device time, plan
-# one call for `tests` and the benchmarks that matter most, and a second on the warm
-# machine (it waits only 30 s) for the rest.
+# the build took 173 s and the unit GPU tests 69 s: with 15 minutes of device time, name
+# the steps in the order they matter (`tests pipeline train scale`); SECONDS_LEFT (below)
+# keeps the call inside the tool's limit, and a second call on the warm machine (it
+# waits only 30 s) can take the rest.
 #
 # The GPU machine has torch, Triton and nvcc but no package index: wheels it lacks travel
 # in .whl/ and are installed to /tmp/site first. Fetch them here with
@@ -25,8 +28,11 @@
 #       scikit-learn==1.9.1 (and torchvision, pillow, if that machine lacks them; timm,
 #       safetensors and huggingface-hub for `vit`)
 set -u -o pipefail
+start=$(date +%s)
 OUT=${OUT:-/tmp/gpu_session}
-mkdir -p "$OUT"
+LOGS=$(mktemp -d)/logs
+mkdir -p "$OUT" "$LOGS"
+save() { tar -cf "$OUT/session.tar" -C "$(dirname "$LOGS")" logs -C "$PWD" benchmarks/results; }
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 steps=${*:-all}
@@ -39,7 +45,7 @@ fi
   date -u
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
-} 2>&1 | tee "$OUT/env.txt"
+} 2>&1 | tee "$LOGS/env.txt"
 
 t0=$(date +%s)
 stamp=build/gpu_session.stamp
@@ -48,8 +54,9 @@ if [ "$(cat $stamp 2>/dev/null)" = "$sources" ] && ls dtp_kernels/_C*.so >/dev/n
   echo "build: unchanged sources, skipped"
 else
   MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} DTP_BUILD_CUDA=1 \
-    $PY setup.py --quiet build_ext --inplace >"$OUT/build.log" 2>&1 || {
-    tail -60 "$OUT/build.log"
+    $PY setup.py --quiet build_ext --inplace >"$LOGS/build.log" 2>&1 || {
+    tail -60 "$LOGS/build.log"
+    save
     exit 1
   }
   mkdir -p build && echo "$sources" >$stamp
@@ -57,28 +64,38 @@ else
 fi
 $PY -c "import dtp_kernels as d; print(d.build_info()); print(d.available_backends('cuda'))"
 
+# Every step ends by $SECONDS_LEFT seconds after the script started (default 570, inside
+# the device tool's 600-second command limit): a step gets what is left, and one that
+# would get under 20 s is skipped, so what ran is saved before the call is cut off.
+deadline=$((start + ${SECONDS_LEFT:-570}))
 run() {  # name, seconds, command...
   local name=$1 limit=$2
   shift 2
   local t=$(date +%s)
+  local left=$((deadline - t - 5))
+  if [ "$left" -lt 20 ]; then
+    echo "$name: skipped, ${left} s left"
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
   # to a file, not through a pipe: a grandchild left running at the time limit (torchrun's
   # workers) would hold a pipe open and the step would never end
-  timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  timeout -k 10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
   local rc=$?
-  tail -n 40 "$OUT/$name.log"
+  tail -n 40 "$LOGS/$name.log"
   echo "$name: rc $rc, $(($(date +%s) - t)) s"
-  tar -cf "$OUT/results.tar" benchmarks/results  # after every step: a cut-off call keeps them
+  save  # after every step: a call cut off keeps what ran
 }
 
 for step in $steps; do
   case $step in
   tests | all)
     run test_pipeline_gpu 300 $PY -m pytest -q -rs --tb=short -p no:cacheprovider \
-      tests/pipeline/test_pipeline_gpu.py >"$OUT/test_pipeline_gpu.status" &
+      tests/pipeline/test_pipeline_gpu.py >"$LOGS/test_pipeline_gpu.status" &
     run test_gpu 300 $PY -m pytest -q -rs --tb=short -p no:cacheprovider -n "${WORKERS:-4}" \
       -m "cuda and not slow" tests
     wait
-    tail -3 "$OUT/test_pipeline_gpu.status"
+    tail -3 "$LOGS/test_pipeline_gpu.status"
     ;;&
   bench | all)
     run bench_transport 120 $PY benchmarks/bench_transport.py --device cuda
