@@ -66,14 +66,17 @@ def ieee_fp32():
 
     On GPUs cuDNN runs float32 convolutions in TF32 by default (10-bit mantissa): the
     masked and the exported model, whose convolutions differ in size and algorithm, then
-    differ by ~1e-3, far beyond the export check's float32 tolerance.
+    differ by ~1e-3, far beyond the export check's float32 tolerance. Set and restored
+    through torch's fp32_precision settings, which work whichever TF32 API the user
+    chose (reading the legacy ``allow_tf32`` after the new API was used raises).
     """
-    cudnn, matmul = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    before = matmul.fp32_precision, conv.fp32_precision
+    matmul.fp32_precision = conv.fp32_precision = "ieee"
     try:
         yield
     finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = cudnn, matmul
+        matmul.fp32_precision, conv.fp32_precision = before
 
 
 class ExportMismatchError(ValueError):

@@ -520,20 +520,26 @@ def test_export_that_would_differ_from_the_masked_model_raises():
         pruner.export()
 
 
-def test_export_check_runs_float32_without_tf32():
+@pytest.mark.parametrize("api", ["legacy", "new"])
+def test_export_check_runs_float32_without_tf32(api):
     """The export check compares the masked and the exported model in full float32: with
     cuDNN's default TF32 convolutions on a GPU they differ by ~1e-3 (seen on an H200),
-    over the check's tolerance. Both forwards see TF32 off; the user's settings return."""
+    over the check's tolerance. Both forwards see TF32 off and the user's settings return,
+    whether they were made with the legacy `allow_tf32` flags or the fp32_precision API
+    (after which reading the legacy flags raises)."""
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
     model = resnet20()
     pruner = DTPPruner(model, torch.randn(1, 3, 32, 32), 0.5)
-    seen = []  # (which model, TF32 flags) per forward; the check's two forwards come last
+    seen = []  # (which model, precisions) per forward; the check's two forwards come last
 
     def record(name):
-        flags = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
-        seen.append((name, flags))
+        seen.append((name, (matmul.fp32_precision, conv.fp32_precision)))
 
-    before = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+    before = matmul.fp32_precision, conv.fp32_precision
+    if api == "legacy":
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+    else:
+        matmul.fp32_precision = conv.fp32_precision = "tf32"
     try:
         model.register_forward_pre_hook(lambda *_: record("masked"))
         original = torch.nn.Module.__call__
@@ -548,12 +554,14 @@ def test_export_check_runs_float32_without_tf32():
             pruner.export()
         finally:
             torch.nn.Module.__call__ = original
-        after = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+        after = matmul.fp32_precision, conv.fp32_precision
+        if api == "legacy":  # still readable the way they were set
+            assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
     finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
+        matmul.fp32_precision, conv.fp32_precision = before
     last = {name: flags for name, flags in seen}
-    assert last == {"masked": (False, False), "exported": (False, False)}, seen
-    assert after == (True, True)
+    assert last == {"masked": ("ieee", "ieee"), "exported": ("ieee", "ieee")}, seen
+    assert after == ("tf32", "tf32")
 
 
 def _mlp() -> torch.nn.Module:
