@@ -7,11 +7,25 @@
 #include <ATen/ATen.h>
 
 #include <tuple>
+#include <type_traits>
 
 #include "common.h"
 #include "transport_blocks_tile.h"
 
 namespace dtp {
+
+// f(std::integral_constant<int, M>{}) for the segment size m (4, 8 or 16, checked by the
+// caller): the one place where the runtime size becomes the kernels' template constant.
+template <class F>
+void with_segment_size(int64_t m, const F& f) {
+  if (m == 4) {
+    f(std::integral_constant<int, 4>{});
+  } else if (m == 8) {
+    f(std::integral_constant<int, 8>{});
+  } else {
+    f(std::integral_constant<int, 16>{});
+  }
+}
 
 // The inputs both directions read on either device: contiguous, keep in the accumulate
 // type (the kernels' k), eps as float64.

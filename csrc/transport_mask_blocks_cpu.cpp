@@ -48,18 +48,14 @@ DTP_INLINE bool valid_segment(double k, double eps, int64_t m) {
   return (k >= 0.0) & (k <= static_cast<double>(m)) & (eps > 0.0) & (eps < INFINITY);
 }
 
-// Runs the tiles of all segments, M turned into a template constant in one place (each
-// M's loops are compiled in a file of their own: transport_blocks_cpu.h).
+// Runs the tiles of all segments (each M's loops are compiled in a file of their own:
+// transport_blocks_cpu.h).
 template <class Args>
 void run_tiles(const Args& a, at::ScalarType scores, int64_t nseg, int64_t m, bool is_double) {
   for_each_segment_range(nseg, m, [&](int64_t lo, int64_t hi) {
-    if (m == 4) {
-      blocks::tiles_cpu<4>(a, scores, is_double, lo, hi);
-    } else if (m == 8) {
-      blocks::tiles_cpu<8>(a, scores, is_double, lo, hi);
-    } else {
-      blocks::tiles_cpu<16>(a, scores, is_double, lo, hi);
-    }
+    with_segment_size(m, [&](auto size) {
+      blocks::tiles_cpu<decltype(size)::value>(a, scores, is_double, lo, hi);
+    });
   });
 }
 

@@ -50,20 +50,14 @@ void launch(const Args& a, int64_t nseg) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The kernels for the scores' dtype and M (4, 8 or 16, checked by the caller), M turned
-// into a template constant in one place.
+// The kernels for the scores' dtype and M (4, 8 or 16, checked by the caller).
 template <class Args>
 void run_blocks(const Args& a, int64_t nseg, int64_t m, at::ScalarType dtype) {
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, dtype, "transport_mask_blocks_cuda", [&] {
         using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-        if (m == 4) {
-          launch<4, scalar_t, T>(a, nseg);
-        } else if (m == 8) {
-          launch<8, scalar_t, T>(a, nseg);
-        } else {
-          launch<16, scalar_t, T>(a, nseg);
-        }
+        with_segment_size(m,
+                          [&](auto size) { launch<decltype(size)::value, scalar_t, T>(a, nseg); });
       });
 }
 
