@@ -130,7 +130,7 @@ DTP_HOST_DEVICE inline void forward_tile(const BlocksForwardArgs& a, int64_t seg
   T xmax[L], xmin[L], bad[L], bias[L], delta[L];
   for (int l = 0; l < L; ++l) {
     const T k = in.k[l];
-    bias[l] = degenerate_flag<M>(k) != T(0) ? T(0) : log_fast(k) - log_fast(T(M) - k);
+    bias[l] = degenerate_flag<M>(k) != T(0) ? T(0) : log_fast(k / (T(M) - k));  // one log
     delta[l] = shift_in[l];
     xmax[l] = -INFINITY;
     xmin[l] = INFINITY;
@@ -206,21 +206,25 @@ DTP_HOST_DEVICE inline void forward_tile(const BlocksForwardArgs& a, int64_t seg
   }
 
   // Everything below is formed in local arrays first and stored in separate loops, so
-  // the stores cannot alias the loads (GCC vectorises the element loops; the per-segment
-  // loop of 16 stays scalar, a small share of the tile).
+  // the stores cannot alias the loads. The per-segment values are selects between T
+  // values (no bool), so GCC vectorises their loop across the tile's segments too.
   T scale[L], constant[L], next[L], shift_out[L], flag[L];
   for (int l = 0; l < L; ++l) {
     const T k = in.k[l];
     const T degenerate = degenerate_flag<M>(k);
-    const T nonfinite = bad[l] == T(0) ? (delta[l] - delta[l] == T(0) ? T(0) : T(1)) : T(1);
-    const bool advance = degenerate + nonfinite == T(0);
-    const T previous = shift_in[l];  // loaded unconditionally: a select, not a branch
+    // bad counts non-finite inputs (0 on the first-sums path); a NaN or inf next shift
+    // is held too
+    const T held = bad[l] + (delta[l] - delta[l] == T(0) ? T(0) : T(1));
+    const T nonfinite = held > T(0) ? T(1) : T(0);
+    const T stop = degenerate + nonfinite;  // 0: the segment's state advances
+    const T previous = shift_in[l];         // loaded unconditionally: a select, not a branch
     flag[l] = nonfinite;
-    shift_out[l] = advance ? delta[l] : previous;
+    shift_out[l] = stop == T(0) ? delta[l] : previous;
     // mask_i = k P[i, 1] = k t_i / sum_j t_j, or the constant k / M of a degenerate one
+    // (M is a power of two: k * (1 / M) is k / M exactly)
     scale[l] = k / s1[l];
-    constant[l] = degenerate != T(0) ? k / T(M) : T(-1);  // -1: not degenerate (mask >= 0)
-    next[l] = advance ? T(1) : T(0);
+    constant[l] = degenerate != T(0) ? k * T(1.0 / M) : T(-1);  // -1: not degenerate
+    next[l] = stop == T(0) ? T(1) : T(0);
   }
   T mask_t[M][L], d_t[M][L];
   for (int j = 0; j < M; ++j) {
