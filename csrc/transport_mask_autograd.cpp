@@ -19,7 +19,8 @@ using ForwardSig = Outputs(const at::Tensor&, const at::Tensor&, const at::Tenso
 using BackwardSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                        const at::Tensor&, const at::Tensor&,
                                                        const at::Tensor&, const at::Tensor&,
-                                                       const at::Tensor&, bool, int64_t, int64_t);
+                                                       const at::Tensor&, bool, int64_t, int64_t,
+                                                       const std::optional<at::Tensor>&);
 
 class TransportMaskFunction : public torch::autograd::Function<TransportMaskFunction> {
  public:
@@ -35,7 +36,9 @@ class TransportMaskFunction : public torch::autograd::Function<TransportMaskFunc
     auto [mask, new_log_odds, new_shift, stats, nonfinite] =
         op.call(scores, offsets, keep, eps, log_odds, shift, iters, neutral_nonfinite,
                 blocks_per_segment, segment_size);
-    ctx->save_for_backward({scores, offsets, keep, eps, log_odds, stats});
+    // The mask is saved too: the CPU backward forms its terms from it (no exp per
+    // element). Like any saved output, changing it in place makes backward raise.
+    ctx->save_for_backward({scores, offsets, keep, eps, log_odds, stats, mask});
     ctx->saved_data["neutral_nonfinite"] = neutral_nonfinite;
     ctx->saved_data["blocks_per_segment"] = blocks_per_segment;
     ctx->saved_data["segment_size"] = segment_size;
@@ -53,10 +56,11 @@ class TransportMaskFunction : public torch::autograd::Function<TransportMaskFunc
                          .typed<BackwardSig>();
     const auto saved = ctx->get_saved_variables();
     const at::Tensor grad_mask = grads[0].defined() ? grads[0] : at::zeros_like(saved[0]);
-    auto [grad_scores, grad_keep] = op.call(
-        grad_mask, saved[0], saved[1], saved[2], saved[3], saved[4], saved[5],
-        ctx->saved_data["neutral_nonfinite"].toBool(),
-        ctx->saved_data["blocks_per_segment"].toInt(), ctx->saved_data["segment_size"].toInt());
+    auto [grad_scores, grad_keep] =
+        op.call(grad_mask, saved[0], saved[1], saved[2], saved[3], saved[4], saved[5],
+                ctx->saved_data["neutral_nonfinite"].toBool(),
+                ctx->saved_data["blocks_per_segment"].toInt(),
+                ctx->saved_data["segment_size"].toInt(), saved[6]);
     return {grad_scores,  at::Tensor(), grad_keep,    at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }

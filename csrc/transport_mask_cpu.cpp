@@ -241,6 +241,30 @@ DTP_INLINE GradSums<acc_t> grad_sums_loop(LogOdds<scalar_t, acc_t> x, const acc_
   return {add_lanes(gp), add_lanes(gq), add_lanes(qs), add_lanes(gs)};
 }
 
+// The same sums from the forward's mask (mask_i = k p_i): p_i = mask_i / k and
+// q_i = p_i sigmoid(-z_i) = p_i (1 - S1 p_i), S1 = exp(L1), sigmoid(z_i) = S1 p_i. No exp
+// or division per element, and no read of the scores and log-odds. q's absolute error is
+// p_i times a rounding of 1 (where sigmoid(-z_i) is tiny, so is q_i's share of the
+// gradient). inv_k is 0 for a degenerate segment, whose p and q are not used.
+template <class acc_t>
+DTP_INLINE GradSums<acc_t> grad_sums_from_mask_loop(const acc_t* mask, const acc_t* g, int64_t n,
+                                                    acc_t inv_k, acc_t s1, acc_t* q_out) {
+  acc_t gp[kLanes] = {}, gq[kLanes] = {}, qs[kLanes] = {}, gs[kLanes] = {};
+  for (int64_t b = 0; b < n; b += kLanes) {
+    const int64_t m = std::min(kLanes, n - b);
+    for (int64_t j = 0; j < m; ++j) {
+      const acc_t gi = g[b + j], p = mask[b + j] * inv_k;
+      const acc_t q = p * (acc_t(1) - s1 * p);
+      q_out[b + j] = q;
+      gp[j] += gi * p;
+      gq[j] += gi * q;
+      qs[j] += q;
+      gs[j] += gi;
+    }
+  }
+  return {add_lanes(gp), add_lanes(gq), add_lanes(qs), add_lanes(gs)};
+}
+
 // Entry points: float with AVX-512/AVX2 clones, double plain (the loops inline into each).
 DTP_FLOAT_CLONED(template <class scalar_t>, Extremes<T>, log_odds_chunk,
                  (LogOdds<scalar_t, T> x, int64_t n), (x, n))
@@ -255,6 +279,9 @@ DTP_FLOAT_CLONED(template <class scalar_t>, void, mask_and_state,
 DTP_FLOAT_CLONED(template <class scalar_t>, GradSums<T>, grad_sums,
                  (LogOdds<scalar_t, T> x, const T* g, int64_t n, T delta, T l1, T* q_out),
                  (x, g, n, delta, l1, q_out))
+DTP_FLOAT_CLONED(, GradSums<T>, grad_sums_from_mask,
+                 (const T* mask, const T* g, int64_t n, T inv_k, T s1, T* q_out),
+                 (mask, g, n, inv_k, s1, q_out))
 
 // w_i = -d(L1 - L0)/dz_i of an earlier pass: sigmoid(z) sigmoid(-z) (1/S1 + 1/S0).
 template <class acc_t>
@@ -495,19 +522,29 @@ void forward_impl(const Segments& sg, const at::Tensor& scores, const at::Tensor
 
 template <class scalar_t, class acc_t>
 void backward_impl(const Segments& sg, const acc_t* g, const scalar_t* s_p, const acc_t* d,
-                   bool neutral, const double* st, int64_t iters, acc_t* grad_x,
+                   const acc_t* mask, bool neutral, const double* st, int64_t iters, acc_t* grad_x,
                    double* grad_keep) {
   auto x_of = [&](const Chunk& ch) { return chunk_log_odds(sg, s_p, d, neutral, ch); };
   const int64_t nseg = sg.nseg, nch = static_cast<int64_t>(sg.chunks.size());
   auto seg_n = [&](int64_t s) { return sg.offsets[s + 1] - sg.offsets[s]; };
   auto row = [&](int64_t s, int64_t t) { return st + (s * iters + t) * 3; };
 
-  // Last pass: mask = k p, dL/dz = k q (g - sum g p). grad_x holds q for now.
+  // Last pass: mask = k p, dL/dz = k q (g - sum g p). grad_x holds q for now. With the
+  // forward's mask p and q come from it; without, from the scores and log-odds.
   std::vector<GradSums<double>> part(nch);
   for_each_chunk(sg.chunks, sg.numel, [&](int64_t c, const Chunk& ch) {
     const double* r = row(ch.seg, iters - 1);
-    const auto p = grad_sums(x_of(ch), g + ch.begin, ch.end - ch.begin, static_cast<acc_t>(r[0]),
-                             static_cast<acc_t>(r[1]), grad_x + ch.begin);
+    const int64_t len = ch.end - ch.begin;
+    GradSums<acc_t> p;
+    if (mask != nullptr) {
+      const double k = sg.keep[ch.seg];
+      const double inv_k = is_degenerate(k, seg_n(ch.seg)) ? 0.0 : 1.0 / k;
+      p = grad_sums_from_mask(mask + ch.begin, g + ch.begin, len, static_cast<acc_t>(inv_k),
+                              static_cast<acc_t>(std::exp(r[1])), grad_x + ch.begin);
+    } else {
+      p = grad_sums(x_of(ch), g + ch.begin, len, static_cast<acc_t>(r[0]), static_cast<acc_t>(r[1]),
+                    grad_x + ch.begin);
+    }
     part[c] = {p.gp, p.gq, p.q, p.g};
   });
   std::vector<GradSums<double>> sums(nseg, GradSums<double>{0, 0, 0, 0});
@@ -571,6 +608,18 @@ void backward_impl(const Segments& sg, const acc_t* g, const scalar_t* s_p, cons
   }
 }
 
+// The forward's mask, contiguous, when the backward can form p and q from it: given and
+// in the compute dtype (a float16 or bfloat16 mask is too coarse for them); else
+// undefined, and they are recomputed from the scores and log-odds.
+at::Tensor usable_mask(const std::optional<at::Tensor>& mask, const at::Tensor& scores) {
+  if (!mask.has_value() || !mask->defined()) return at::Tensor();
+  TORCH_CHECK(mask->numel() == scores.numel(), "dtp::transport_mask_backward: mask has ",
+              mask->numel(), " elements, expected ", scores.numel());
+  TORCH_CHECK(mask->device() == scores.device(), "dtp::transport_mask_backward: mask is on ",
+              mask->device(), ", the scores on ", scores.device());
+  return mask->scalar_type() == acc_type(scores) ? mask->contiguous() : at::Tensor();
+}
+
 void check_shift(const at::Tensor& scores, const at::Tensor& shift, int64_t nseg) {
   TORCH_CHECK(shift.scalar_type() == acc_type(scores) && shift.numel() == nseg,
               "dtp::transport_mask: shift must be ", acc_type(scores),
@@ -622,15 +671,18 @@ std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cpu(
     const at::Tensor& grad_mask, const at::Tensor& scores_in, const at::Tensor& offsets,
     const at::Tensor& keep, const at::Tensor& eps, const at::Tensor& log_odds_in,
     const at::Tensor& stats_in, bool neutral_nonfinite, int64_t blocks_per_segment,
-    int64_t segment_size) {
+    int64_t segment_size, const std::optional<at::Tensor>& mask_in) {
   check_blocks_per_segment(blocks_per_segment);
   check_transport_args(scores_in, offsets, keep, eps, log_odds_in);
   check_segment_size(segment_size, scores_in, offsets);
+  const at::Tensor mask = usable_mask(mask_in, scores_in);
   if (segment_size > 0) {
     check_stats(stats_in, offsets.numel() - 1);
     TORCH_CHECK(grad_mask.numel() == scores_in.numel(),
                 "dtp::transport_mask_backward: grad_mask has ", grad_mask.numel(),
                 " elements, expected ", scores_in.numel());
+    // The tiny-segment kernels recompute p and q: from the mask their tiles were slower
+    // (2:4, 1M weights, 1 thread: 0.93x).
     return transport_mask_blocks_backward_cpu(grad_mask, scores_in, keep, eps, log_odds_in,
                                               stats_in, neutral_nonfinite, segment_size);
   }
@@ -649,15 +701,15 @@ std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cpu(
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, scores.scalar_type(), "transport_mask_backward_cpu", [&] {
         if (acc == at::kDouble) {
-          backward_impl<scalar_t, double>(sg, g.data_ptr<double>(), scores.data_ptr<scalar_t>(),
-                                          log_odds.data_ptr<double>(), neutral_nonfinite,
-                                          stats.data_ptr<double>(), iters,
-                                          grad_x.data_ptr<double>(), grad_keep.data());
+          backward_impl<scalar_t, double>(
+              sg, g.data_ptr<double>(), scores.data_ptr<scalar_t>(), log_odds.data_ptr<double>(),
+              mask.defined() ? mask.data_ptr<double>() : nullptr, neutral_nonfinite,
+              stats.data_ptr<double>(), iters, grad_x.data_ptr<double>(), grad_keep.data());
         } else {
-          backward_impl<scalar_t, float>(sg, g.data_ptr<float>(), scores.data_ptr<scalar_t>(),
-                                         log_odds.data_ptr<float>(), neutral_nonfinite,
-                                         stats.data_ptr<double>(), iters, grad_x.data_ptr<float>(),
-                                         grad_keep.data());
+          backward_impl<scalar_t, float>(
+              sg, g.data_ptr<float>(), scores.data_ptr<scalar_t>(), log_odds.data_ptr<float>(),
+              mask.defined() ? mask.data_ptr<float>() : nullptr, neutral_nonfinite,
+              stats.data_ptr<double>(), iters, grad_x.data_ptr<float>(), grad_keep.data());
         }
       });
   auto grad_keep_t = at::empty({sg.nseg}, keep.options());

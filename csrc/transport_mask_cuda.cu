@@ -709,7 +709,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport
 std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cuda(
     const at::Tensor& grad_mask, const at::Tensor& scores, const at::Tensor& offsets,
     const at::Tensor& keep, const at::Tensor& eps, const at::Tensor& log_odds,
-    const at::Tensor& stats_in, bool neutral, int64_t blocks_per_segment, int64_t segment_size) {
+    const at::Tensor& stats_in, bool neutral, int64_t blocks_per_segment, int64_t segment_size,
+    const std::optional<at::Tensor>& /*mask: the CUDA kernels recompute p and q*/) {
   check_inputs(scores, offsets, keep, eps, log_odds, blocks_per_segment, segment_size);
   check_stats(stats_in, offsets.numel() - 1);
   TORCH_CHECK(grad_mask.numel() == scores.numel(), "dtp::transport_mask_backward: grad_mask has ",

@@ -344,6 +344,7 @@ def _transport_mask_backward_fake(
     neutral_nonfinite=False,
     blocks_per_segment=0,
     segment_size=0,
+    mask=None,
 ):
     return torch.empty_like(scores), torch.empty_like(keep)
 

@@ -47,7 +47,7 @@ def test_opcheck_transport_mask_neutral_nonfinite(iters):
 
 def test_opcheck_transport_mask_backward():
     scores, offsets, keep, eps, log_odds, shift, iters = sample_inputs(torch.float32, 2, False)
-    _, _, _, stats, _ = torch.ops.dtp.transport_mask(
+    mask, _, _, stats, _ = torch.ops.dtp.transport_mask(
         scores, offsets, keep, eps, log_odds, shift, iters
     )
     grad = torch.randn(26)
@@ -60,6 +60,88 @@ def test_opcheck_transport_mask_backward():
             torch.ops.dtp.transport_mask_backward.default,
             (grad, scores, offsets, keep, eps, log_odds, stats, neutral, 2),
         )
+        torch.library.opcheck(
+            torch.ops.dtp.transport_mask_backward.default,
+            (grad, scores, offsets, keep, eps, log_odds, stats, neutral, 0, 0, mask),
+        )
+
+
+def nm_inputs(dtype, iters):
+    """Seven segments of 4 (the tiny-segment kernels: a tile of 16 is not filled, so the
+    one-segment tail runs), one of them degenerate (k = 0)."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    scores = torch.randn(28).to(dtype)
+    keep = torch.tensor([2.0, 1.0, 3.0, 0.0, 2.0, 2.5, 1.5], dtype=acc)
+    eps = torch.full((7,), 0.5, dtype=torch.float64)
+    offsets = torch.arange(0, 29, 4)
+    return (
+        scores,
+        offsets,
+        keep,
+        eps,
+        torch.randn(28, dtype=acc),
+        torch.randn(7, dtype=acc),
+        iters,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("iters", [1, 3])
+@pytest.mark.parametrize("neutral", [False, True])
+@pytest.mark.parametrize("layout", ["segments", "n:m"])
+def test_backward_from_the_mask_matches_the_recomputed_terms(dtype, iters, neutral, layout):
+    """The CPU backward given the forward's mask (p = mask / k, q = p (1 - S1 p)) agrees
+    with the one that recomputes p and q from scores and log-odds: degenerate segments
+    (k = 0, n = 1), saturated scores and a NaN read as neutral included; general and
+    tiny-segment (N:M) kernels."""
+    if layout == "segments":
+        scores, offsets, keep, eps, log_odds, shift, _ = sample_inputs(dtype, iters, False)
+        size = 0
+    else:
+        scores, offsets, keep, eps, log_odds, shift, _ = nm_inputs(dtype, iters)
+        size = 4
+    with torch.no_grad():
+        scores[5] = 40.0  # sigmoid(-z) underflows against 1 in float32
+        scores[6] = -40.0
+        if neutral:
+            scores[9] = float("nan")
+    args = (scores, offsets, keep, eps, log_odds, shift, iters, neutral, 0, size)
+    mask, _, _, stats, _ = torch.ops.dtp.transport_mask(*args)
+    grad = torch.randn(scores.numel(), dtype=torch.float64).to(mask.dtype)
+    common = (grad, scores, offsets, keep, eps, log_odds, stats, neutral, 0, size)
+    recomputed = torch.ops.dtp.transport_mask_backward(*common)
+    from_mask = torch.ops.dtp.transport_mask_backward(*common, mask)
+    rtol, atol = (1e-9, 1e-12) if dtype == torch.float64 else (1e-5, 1e-6)
+    for got, want in zip(from_mask, recomputed, strict=True):
+        assert torch.isfinite(want).all()
+        torch.testing.assert_close(got.double(), want.double(), rtol=rtol, atol=atol)
+    if dtype in (torch.float32, torch.float64) and layout == "segments":
+        # the mask in the compute dtype is used (the tiny-segment kernels recompute)
+        moved = mask.clone()
+        moved[16:20] *= 2.0  # in a segment with 0 < k < n in both layouts
+        changed = torch.ops.dtp.transport_mask_backward(*common, moved)
+        assert not torch.equal(changed[0][16:20], from_mask[0][16:20])
+
+
+def test_backward_rejects_a_mask_of_the_wrong_size():
+    scores, offsets, keep, eps, log_odds, shift, iters = sample_inputs(torch.float32, 1, False)
+    mask, _, _, stats, _ = torch.ops.dtp.transport_mask(
+        scores, offsets, keep, eps, log_odds, shift, iters
+    )
+    common = (torch.randn(26), scores, offsets, keep, eps, log_odds, stats, False, 0, 0)
+    with pytest.raises(RuntimeError, match="mask has 25 elements, expected 26"):
+        torch.ops.dtp.transport_mask_backward(*common, mask[:25])
+
+
+def test_changing_the_mask_in_place_makes_backward_raise():
+    """The backward reads the saved mask: an in-place change is caught, as for any saved
+    output, instead of giving a gradient of the changed values."""
+    state = dtp_kernels.TransportState([4, 6])
+    scores = torch.randn(10, requires_grad=True)
+    mask = dtp_kernels.transport_mask(scores, [2.0, 3.0], state, backend="cpu")
+    mask.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        mask.sum().backward()
 
 
 def test_deterministic_and_thread_independent():
