@@ -529,8 +529,11 @@ void backward_impl(const Segments& sg, const acc_t* g, const scalar_t* s_p, cons
   auto seg_n = [&](int64_t s) { return sg.offsets[s + 1] - sg.offsets[s]; };
   auto row = [&](int64_t s, int64_t t) { return st + (s * iters + t) * 3; };
 
-  // Last pass: mask = k p, dL/dz = k q (g - sum g p). grad_x holds q for now. With the
-  // forward's mask p and q come from it; without, from the scores and log-odds.
+  // Last pass: mask = k p, dL/dz = k q (g - sum g p). grad_x holds q for now. For one
+  // pass, given the forward's mask, p and q come from it; else from the scores and
+  // log-odds. (With earlier passes the keep gradient carries sum g q - sum g p sum q
+  // times n / (k (n - k)), which for k near 0 or n magnifies q's rounding.)
+  if (iters > 1) mask = nullptr;
   std::vector<GradSums<double>> part(nch);
   for_each_chunk(sg.chunks, sg.numel, [&](int64_t c, const Chunk& ch) {
     const double* r = row(ch.seg, iters - 1);

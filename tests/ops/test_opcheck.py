@@ -115,8 +115,9 @@ def test_backward_from_the_mask_matches_the_recomputed_terms(dtype, iters, neutr
     for got, want in zip(from_mask, recomputed, strict=True):
         assert torch.isfinite(want).all()
         torch.testing.assert_close(got.double(), want.double(), rtol=rtol, atol=atol)
-    if dtype in (torch.float32, torch.float64) and layout == "segments":
-        # the mask in the compute dtype is used (the tiny-segment kernels recompute)
+    if dtype in (torch.float32, torch.float64) and layout == "segments" and iters == 1:
+        # the mask in the compute dtype is used for one pass (the tiny-segment kernels
+        # and more passes recompute)
         moved = mask.clone()
         moved[16:20] *= 2.0  # in a segment with 0 < k < n in both layouts
         changed = torch.ops.dtp.transport_mask_backward(*common, moved)

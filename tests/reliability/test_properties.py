@@ -186,3 +186,13 @@ def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, wh
         f"{what}: element {worst} differs by {float(error[worst]):.3g}, "
         f"allowed {float(bound[worst]):.3g}"
     )
+
+
+def test_keep_near_n_with_several_iterations_matches_eager_torch():
+    """Found by the property test above: with k within 1e-9 of n and iters > 1 the keep
+    gradient multiplies sum g q - sum g p sum q by n / (k (n - k)), so q must be formed
+    as eager torch forms it, not from the mask (whose q carries a rounding of 1)."""
+    sizes = [18, 16, 7, 35, 40, 194, 20, 37, 10, 8, 21, 42, 184, 475, 666, 33, 21, 11, 28]
+    keep = [0.5, 0.0, 7.0, 6.1e-05, 40.0, 0.01, 10.0, 1.0, 5.0, 4.0, 10.5, 3.0, 20.0]
+    keep += [100.0, 333.0, 16.5, 0.99999, 2.0, 28.0 - 1e-9]
+    check_against_reference((sizes, keep, 100.0, 44.441608629308305, 612045, 3), COMPILED)
