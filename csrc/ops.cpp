@@ -32,8 +32,9 @@ TORCH_LIBRARY(dtp, m) {
       "Tensor log_odds, Tensor shift, int iters, bool neutral_nonfinite=False, "
       "int blocks_per_segment=0, int segment_size=0) -> (Tensor, Tensor, Tensor, Tensor, "
       "Tensor)");
-  // grad_scores, grad_keep. mask: the forward's mask; the CPU kernels form the last
-  // pass's terms from it when it is in the compute dtype (else from scores and log-odds).
+  // grad_scores, grad_keep. mask: the forward's mask; the general CPU kernels form a
+  // one-iteration step's terms from it when it is in the compute dtype (else, and on
+  // other devices, from the scores and log-odds).
   m.def(
       "transport_mask_backward(Tensor grad_mask, Tensor scores, Tensor offsets, Tensor keep, "
       "Tensor eps, Tensor log_odds, Tensor stats, bool neutral_nonfinite=False, "

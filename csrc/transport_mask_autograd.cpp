@@ -36,8 +36,9 @@ class TransportMaskFunction : public torch::autograd::Function<TransportMaskFunc
     auto [mask, new_log_odds, new_shift, stats, nonfinite] =
         op.call(scores, offsets, keep, eps, log_odds, shift, iters, neutral_nonfinite,
                 blocks_per_segment, segment_size);
-    // The mask is saved too: the CPU backward forms its terms from it (no exp per
-    // element). Like any saved output, changing it in place makes backward raise.
+    // The mask is saved too: the general CPU kernels form a one-iteration step's terms
+    // from it (no exp per element). Like any saved output, changing it in place makes
+    // backward raise.
     ctx->save_for_backward({scores, offsets, keep, eps, log_odds, stats, mask});
     ctx->saved_data["neutral_nonfinite"] = neutral_nonfinite;
     ctx->saved_data["blocks_per_segment"] = blocks_per_segment;
