@@ -50,7 +50,13 @@ at::Tensor transport_mask_step(const at::Tensor& scores, const at::Tensor& offse
       target->copy_(*result);  // copy_ converts float64 results for a float32 state
     }
   }
-  has_pending.fill_(true);
+  if (has_pending.device().is_cpu() && has_pending.scalar_type() == at::kBool &&
+      has_pending.numel() == 1) {
+    *has_pending.data_ptr<bool>() = true;  // a flag on the host: no op dispatched for it
+    has_pending.unsafeGetTensorImpl()->bump_version();
+  } else {
+    has_pending.fill_(true);
+  }
   return mask;
 }
 

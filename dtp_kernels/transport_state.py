@@ -83,10 +83,11 @@ class TransportState(nn.Module):
         # What transport_mask caches between calls to skip repeated argument work (not
         # state, not saved; each entry says what it was made from, so a stale one is
         # recomputed): the keep tensor last checked (the tensor, its version, the checked
-        # copy), the segment sizes as a tensor, and the last float eps with its tensor.
+        # copy), the segment sizes as a tensor, and the last float eps with its tensor and the
+        # log-odds buffer it was made beside (a moved state has a new one).
         self._keep_checked: tuple[torch.Tensor, int, torch.Tensor] | None = None
         self._sizes_cache: torch.Tensor | None = None
-        self._eps_cache: tuple[float, torch.Tensor] | None = None
+        self._eps_cache: tuple[float, torch.Tensor, torch.Tensor] | None = None
         # Derived, not saved, built on first use (see segment_ids).
         self._segment_ids: torch.Tensor | None = None
 

@@ -145,6 +145,52 @@ def test_changing_the_mask_in_place_makes_backward_raise():
         mask.sum().backward()
 
 
+def test_autograd_node_records_the_mask_only_and_frees_what_it_saved():
+    """One backward node, on the mask: the next state, stats and flags carry no gradient;
+    the gradients of scores and keep are what autograd asked for; a second backward
+    raises (the saved tensors are freed), as for torch's own ops."""
+    scores, offsets, keep, eps, log_odds, shift, iters = sample_inputs(torch.float64, 1, True)
+    outputs = torch.ops.dtp.transport_mask(scores, offsets, keep, eps, log_odds, shift, iters)
+    assert outputs[0].grad_fn.name() == "dtp::TransportMaskBackward"
+    assert not any(t.requires_grad for t in outputs[1:])
+    g = torch.randn(26, dtype=torch.float64)
+    grad_scores, grad_keep = torch.autograd.grad(outputs[0], (scores, keep), g, retain_graph=True)
+    only_keep = torch.autograd.grad(outputs[0], keep, g)[0]
+    torch.testing.assert_close(only_keep, grad_keep, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        torch.autograd.grad(outputs[0], scores, g)
+    frozen = keep.detach()
+    mask = torch.ops.dtp.transport_mask(scores, offsets, frozen, eps, log_odds, shift, iters)[0]
+    torch.testing.assert_close(torch.autograd.grad(mask, scores, g)[0], grad_scores, rtol=0, atol=0)
+
+
+def test_torch_func_grad_equals_autograd():
+    """torch.func.grad runs through the same backward node and gives autograd's gradient."""
+    state = dtp_kernels.TransportState([5, 7])
+    scores = torch.rand(12, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    g = torch.randn(12, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def loss(s: torch.Tensor) -> torch.Tensor:
+        mask = dtp_kernels.transport_mask(s, [2.0, 3.5], state, backend="cpu", update=False)
+        return (mask * g).sum()
+
+    leaf = scores.clone().requires_grad_(True)
+    expected = torch.autograd.grad(loss(leaf), leaf)[0]
+    torch.testing.assert_close(torch.func.grad(loss)(scores), expected, rtol=1e-12, atol=0)
+
+
+def test_forward_mode_ad_is_refused():
+    """No forward-mode formula: dual scores raise instead of losing their tangent."""
+    import torch.autograd.forward_ad as forward_ad
+
+    state = dtp_kernels.TransportState([4, 6])
+    scores = torch.randn(10, dtype=torch.float64)
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(scores, torch.ones_like(scores))
+        with pytest.raises(RuntimeError, match="forward-mode AD"):
+            dtp_kernels.transport_mask(dual, [2.0, 3.0], state, backend="cpu", update=False)
+
+
 def test_deterministic_and_thread_independent():
     """Chunk partials are merged in a fixed order: bitwise equal across runs and threads."""
     sizes = [70_000, 5, 40_000]

@@ -207,3 +207,17 @@ def test_backward_after_a_commit_fails_or_uses_the_state_of_its_forward(any_back
             assert "modified by an inplace operation" in str(error), error
             continue
         torch.testing.assert_close(s.grad, s_want.grad, rtol=1e-12, atol=1e-14, msg=f"step {step}")
+
+
+def test_cached_eps_follows_the_state_to_another_device():
+    """The per-step eps tensor is cached beside the state's buffers: a state moved to
+    another device gets one made there, not the old device's."""
+    from dtp_kernels.transport_mask import _check_eps
+
+    state = TransportState([3, 4])
+    first = _check_eps(0.5, state)
+    assert _check_eps(0.5, state) is first
+    state.to("meta")
+    moved = _check_eps(0.5, state)
+    assert moved.device.type == "meta" and moved is not first
+    assert _check_eps(0.25, state).device.type == "meta"

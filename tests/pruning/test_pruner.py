@@ -416,6 +416,89 @@ def test_fold_masks_gradcheck(groups, sizes, implementation):
         torch.testing.assert_close(a, t.grad if t.grad is not None else torch.zeros_like(t))
 
 
+def _fold_inputs(mask_grad: bool, params_grad: bool):
+    from dtp_kernels.pruning.masking import FoldPlan
+
+    gen = torch.Generator().manual_seed(1)
+    plan = FoldPlan.build([1, 2], [4, 2, 3], torch.device("cpu"))
+    mask = torch.rand(9, generator=gen, dtype=torch.float64).requires_grad_(mask_grad)
+    params = [
+        torch.randn(n, generator=gen, dtype=torch.float64).requires_grad_(params_grad)
+        for n in (2, 2, 3, 3)
+    ]
+    return plan, mask, params
+
+
+@pytest.mark.parametrize("mask_grad,params_grad", [(True, False), (False, True)])
+def test_fold_node_computes_only_the_gradients_asked_for(mask_grad, params_grad):
+    """A frozen mask or frozen BN parameters: the node's gradients of what requires grad
+    equal the Python ops', and nothing else gets one."""
+    from dtp_kernels.pruning.masking import folded_products
+
+    plan, mask, params = _fold_inputs(mask_grad, params_grad)
+    got = compiled_fold(mask, plan, params)
+    assert got[0].grad_fn.name() == "dtp::FoldProductsBackward"
+    sum(t.pow(2).sum() for t in got).backward()
+    want_inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in (mask, *params)]
+    expected = folded_products(want_inputs[0], plan, want_inputs[1:])
+    sum(t.pow(2).sum() for t in expected).backward()
+    for a, b in zip((mask, *params), want_inputs, strict=True):
+        assert (a.grad is None) == (not a.requires_grad)
+        if a.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+
+
+def test_fold_node_records_nothing_without_grad_and_guards_its_saved_inputs():
+    """No graph under no_grad; a second backward and a mask changed in place before
+    backward raise autograd's errors instead of giving wrong gradients."""
+    plan, mask, params = _fold_inputs(True, True)
+    with torch.no_grad():
+        products = compiled_fold(mask, plan, params)
+    assert all(t.grad_fn is None and not t.requires_grad for t in products)
+    out = compiled_fold(mask, plan, params)
+    out[0].sum().backward(retain_graph=False)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        out[1].sum().backward()
+    out = compiled_fold(mask, plan, params)
+    with torch.no_grad():
+        mask.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out[0].sum().backward()
+
+
+def test_fold_node_refuses_forward_mode_ad():
+    """Dual BN parameters raise instead of losing their tangent."""
+    import torch.autograd.forward_ad as forward_ad
+
+    plan, mask, params = _fold_inputs(False, False)
+    with forward_ad.dual_level():
+        params[1] = forward_ad.make_dual(params[1], torch.ones_like(params[1]))
+        with pytest.raises(RuntimeError, match="forward-mode AD"):
+            compiled_fold(mask, plan, params)
+
+
+def test_fold_node_under_a_dispatch_mode_splits_through_the_dispatcher():
+    """Under a TorchDispatchMode the node's outputs are cut by split_with_sizes, which the
+    mode sees, instead of being built on the product's storage; the values are the same."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    plan, mask, params = _fold_inputs(True, True)
+    plain = compiled_fold(mask, plan, params)
+    with Record() as record:
+        recorded = compiled_fold(mask, plan, params)
+    assert any("split_with_sizes" in op for op in record.ops)
+    assert all(torch.equal(a, b) for a, b in zip(plain, recorded, strict=True))
+
+
 def test_folded_bn_weight_read_after_a_step_is_current():
     """Reading a masked BN weight outside forward after the optimizer changed it gives
     the product with the new weight, not the cached one."""
