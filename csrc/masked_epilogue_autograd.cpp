@@ -1,15 +1,21 @@
-// Autograd of dtp::masked_channel_epilogue for every device: forward and backward call the
-// device kernels through the dispatcher (same reasons as transport_mask_autograd.cpp).
+// Autograd of dtp::masked_channel_epilogue for every device: the forward calls the device
+// kernel through the dispatcher below autograd and records one backward node (a Node
+// subclass, for the reasons in transport_mask_autograd.cpp), whose apply calls
+// dtp::masked_channel_epilogue_backward the same way.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
+#include <mutex>
 #include <string>
 
 namespace dtp {
 namespace {
 
-using torch::autograd::AutogradContext;
+using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 
 using ForwardSig = at::Tensor(const at::Tensor&, const at::Tensor&,
@@ -20,43 +26,72 @@ using BackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Ten
                                                                    const c10::optional<at::Tensor>&,
                                                                    c10::string_view, int64_t);
 
-class MaskedEpilogueFunction : public torch::autograd::Function<MaskedEpilogueFunction> {
- public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& y, const at::Tensor& mask,
-                               const c10::optional<at::Tensor>& bias, c10::string_view activation,
-                               int64_t channel_dim) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("dtp::masked_channel_epilogue", "")
-                         .typed<ForwardSig>();
-    auto out = op.call(y, mask, bias, activation, channel_dim);
-    ctx->save_for_backward({y, mask, bias.value_or(at::Tensor())});
-    ctx->saved_data["activation"] = std::string(activation);
-    ctx->saved_data["channel_dim"] = channel_dim;
-    ctx->saved_data["has_bias"] = bias.has_value();
-    return {out};
+// Edges: y, mask and, when given, bias.
+struct MaskedEpilogueBackward : public torch::autograd::Node {
+  SavedVariable y, mask, bias;
+  bool has_bias = false;
+  std::string activation;
+  int64_t channel_dim = 0;
+
+  std::string name() const override { return "dtp::MaskedChannelEpilogueBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    y.reset_data();
+    mask.reset_data();
+    bias.reset_data();
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("dtp::masked_channel_epilogue_backward", "")
                          .typed<BackwardSig>();
-    const auto saved = ctx->get_saved_variables();
-    const bool has_bias = ctx->saved_data["has_bias"].toBool();
-    const std::string activation = ctx->saved_data["activation"].toStringRef();
-    const c10::optional<at::Tensor> bias =
-        has_bias ? c10::optional<at::Tensor>(saved[2]) : c10::nullopt;
-    auto [grad_y, grad_mask, grad_bias] = op.call(grads[0], saved[0], saved[1], bias, activation,
-                                                  ctx->saved_data["channel_dim"].toInt());
-    return {grad_y, grad_mask, has_bias ? grad_bias : at::Tensor(), at::Tensor(), at::Tensor()};
+    const at::Tensor y_saved = y.unpack();
+    const at::Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(y_saved);
+    const c10::optional<at::Tensor> b =
+        has_bias ? c10::optional<at::Tensor>(bias.unpack()) : c10::nullopt;
+    auto [grad_y, grad_mask, grad_bias] =
+        op.call(grad_out, y_saved, mask.unpack(), b, activation, channel_dim);
+    variable_list out{should_compute_output(0) ? grad_y : at::Tensor(),
+                      should_compute_output(1) ? grad_mask : at::Tensor()};
+    if (has_bias) out.push_back(should_compute_output(2) ? grad_bias : at::Tensor());
+    return out;
   }
 };
 
 at::Tensor masked_channel_epilogue_autograd(const at::Tensor& y, const at::Tensor& mask,
                                             const c10::optional<at::Tensor>& bias,
                                             c10::string_view activation, int64_t channel_dim) {
-  return MaskedEpilogueFunction::apply(y, mask, bias, activation, channel_dim)[0];
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("dtp::masked_channel_epilogue", "")
+                       .typed<ForwardSig>();
+  // No forward-mode formula: a tangent would be dropped without a word.
+  TORCH_CHECK(!torch::autograd::isFwGradDefined(y) && !torch::autograd::isFwGradDefined(mask) &&
+                  !torch::autograd::isFwGradDefined(bias),
+              "dtp::masked_channel_epilogue: forward-mode AD (dual tensors, torch.func.jvp) is "
+              "not supported; its gradient is available in reverse mode");
+  at::Tensor out;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    out = op.call(y, mask, bias, activation, channel_dim);
+  }
+  const at::Tensor no_bias;
+  const at::Tensor& b = bias.has_value() ? *bias : no_bias;
+  if (torch::autograd::compute_requires_grad(y, mask, b)) {
+    auto node = c10::make_intrusive<MaskedEpilogueBackward>();
+    node->set_next_edges(bias.has_value() ? torch::autograd::collect_next_edges(y, mask, b)
+                                          : torch::autograd::collect_next_edges(y, mask));
+    node->y = SavedVariable(y, false);
+    node->mask = SavedVariable(mask, false);
+    if (bias.has_value()) node->bias = SavedVariable(*bias, false);
+    node->has_bias = bias.has_value();
+    node->activation = std::string(activation);
+    node->channel_dim = channel_dim;
+    torch::autograd::set_history(out, node);
+  }
+  return out;
 }
 
 }  // namespace

@@ -123,6 +123,52 @@ def test_gradcheck_float64(backend, activation, layout):
 
 
 @pytest.mark.skipif(not COMPILED, reason="dtp_kernels._C is not built")
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("needs", [("y",), ("mask",), ("bias",), ("y", "mask", "bias")])
+def test_cpu_node_gives_the_gradients_asked_for(with_bias, needs):
+    """The C++ backward node: gradients of exactly the inputs that require grad, equal to
+    the reference's; a second backward raises (its saved tensors are freed)."""
+    if "bias" in needs and not with_bias:
+        pytest.skip("no bias to differentiate")
+    gen = torch.Generator().manual_seed(3)
+    y, _ = make_y("nchw", torch.float64, gen)
+    inputs = {
+        "y": y,
+        "mask": torch.rand(5, generator=gen, dtype=torch.float64),
+        "bias": torch.randn(5, generator=gen, dtype=torch.float64) if with_bias else None,
+    }
+    for name, t in inputs.items():
+        if t is not None:
+            t.requires_grad_(name in needs)
+    out = masked_channel_epilogue(*inputs.values(), "relu", 1, backend="cpu")
+    assert out.grad_fn.name() == "dtp::MaskedChannelEpilogueBackward"
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    wanted = [inputs[name] for name in needs]
+    got = torch.autograd.grad(out, wanted, g)
+    leaves = {
+        k: (t.detach().requires_grad_(True) if t is not None else None) for k, t in inputs.items()
+    }
+    expected = torch.autograd.grad(
+        reference(*leaves.values(), "relu", 1), [leaves[name] for name in needs], g
+    )
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        torch.autograd.grad(out, wanted, g)
+
+
+@pytest.mark.skipif(not COMPILED, reason="dtp_kernels._C is not built")
+def test_cpu_node_refuses_forward_mode_ad():
+    import torch.autograd.forward_ad as forward_ad
+
+    y = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(torch.rand(3, dtype=torch.float64), torch.ones(3))
+        with pytest.raises(RuntimeError, match="forward-mode AD"):
+            masked_channel_epilogue(y, dual, None, "relu", 1, backend="cpu")
+
+
+@pytest.mark.skipif(not COMPILED, reason="dtp_kernels._C is not built")
 @pytest.mark.parametrize("layout", ["nchw", "channels_last", "rows_c1025"])
 def test_backward_is_deterministic_across_threads(layout):
     gen = torch.Generator().manual_seed(2)
