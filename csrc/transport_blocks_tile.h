@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "transport_math.h"
 
@@ -28,7 +29,8 @@ constexpr double kMinScaledTerm = 8.75651076269652e-27;
 // && or || (short-circuit branches the compiler must keep).
 template <int M, class T>
 DTP_HOST_DEVICE inline T degenerate_flag(T k) {
-  return k > T(0) ? (k < T(M) ? T(0) : T(1)) : T(1);
+  // two flat selects and a sum: GCC if-converts these where the nested form stayed a branch
+  return (k > T(0) ? T(0) : T(1)) + (k < T(M) ? T(0) : T(1)) > T(0) ? T(1) : T(0);
 }
 
 struct BlocksForwardArgs {
@@ -206,26 +208,33 @@ DTP_HOST_DEVICE inline void forward_tile(const BlocksForwardArgs& a, int64_t seg
   }
 
   // Everything below is formed in local arrays first and stored in separate loops, so
-  // the stores cannot alias the loads. The per-segment values are selects between T
-  // values (no bool), so GCC vectorises their loop across the tile's segments too.
+  // the stores cannot alias the loads. The per-segment values are flat selects between T
+  // values (no bool), one small loop each: so GCC vectorises them across the tile's
+  // segments (as one loop with nested selects they stayed scalar, "control flow in loop").
   T scale[L], constant[L], next[L], shift_out[L], flag[L];
+#pragma omp simd
   for (int l = 0; l < L; ++l) {
-    const T k = in.k[l];
-    const T degenerate = degenerate_flag<M>(k);
     // bad counts non-finite inputs (0 on the first-sums path); a NaN or inf next shift
     // is held too
     const T held = bad[l] + (delta[l] - delta[l] == T(0) ? T(0) : T(1));
-    const T nonfinite = held > T(0) ? T(1) : T(0);
-    const T stop = degenerate + nonfinite;  // 0: the segment's state advances
-    const T previous = shift_in[l];         // loaded unconditionally: a select, not a branch
-    flag[l] = nonfinite;
-    shift_out[l] = stop == T(0) ? delta[l] : previous;
+    flag[l] = held > T(0) ? T(1) : T(0);
+  }
+#pragma omp simd
+  for (int l = 0; l < L; ++l) {
+    const T degenerate = degenerate_flag<M>(in.k[l]);
+    next[l] = degenerate + flag[l] == T(0) ? T(1) : T(0);  // 1: the segment's state advances
+  }
+#pragma omp simd
+  for (int l = 0; l < L; ++l) scale[l] = in.k[l] / s1[l];
+#pragma omp simd
+  for (int l = 0; l < L; ++l) {
     // mask_i = k P[i, 1] = k t_i / sum_j t_j, or the constant k / M of a degenerate one
     // (M is a power of two: k * (1 / M) is k / M exactly)
-    scale[l] = k / s1[l];
-    constant[l] = degenerate != T(0) ? k * T(1.0 / M) : T(-1);  // -1: not degenerate
-    next[l] = stop == T(0) ? T(1) : T(0);
+    const T k = in.k[l];
+    constant[l] = degenerate_flag<M>(k) != T(0) ? k * T(1.0 / M) : T(-1);  // -1: not degenerate
   }
+#pragma omp simd
+  for (int l = 0; l < L; ++l) shift_out[l] = next[l] == T(1) ? delta[l] : shift_in[l];
   T mask_t[M][L], d_t[M][L];
   for (int j = 0; j < M; ++j) {
     for (int l = 0; l < L; ++l) {
@@ -233,18 +242,22 @@ DTP_HOST_DEVICE inline void forward_tile(const BlocksForwardArgs& a, int64_t seg
       d_t[j][l] = next[l] == T(1) ? in.x[j][l] + delta[l] : in.d[j][l];
     }
   }
+  // The outputs are put in segment order in local arrays and copied out whole: stores
+  // through the output pointers, which may alias one another as far as the compiler
+  // knows, stay scalar.
+  bool held_out[L];
+  for (int l = 0; l < L; ++l) held_out[l] = flag[l] != T(0);
+  memcpy(a.nonfinite + seg0, held_out, sizeof(held_out));
+  memcpy(static_cast<T*>(a.new_shift) + seg0, shift_out, sizeof(shift_out));
+  T out[L][M];
   for (int l = 0; l < L; ++l) {
-    a.nonfinite[seg0 + l] = flag[l] != T(0);
-    static_cast<T*>(a.new_shift)[seg0 + l] = shift_out[l];
+    for (int j = 0; j < M; ++j) out[l][j] = mask_t[j][l];
   }
-  T* mask = static_cast<T*>(a.mask) + seg0 * M;
-  T* new_d = static_cast<T*>(a.new_log_odds) + seg0 * M;
+  memcpy(static_cast<T*>(a.mask) + seg0 * M, out, sizeof(out));
   for (int l = 0; l < L; ++l) {
-    for (int j = 0; j < M; ++j) mask[l * M + j] = mask_t[j][l];
+    for (int j = 0; j < M; ++j) out[l][j] = d_t[j][l];
   }
-  for (int l = 0; l < L; ++l) {
-    for (int j = 0; j < M; ++j) new_d[l * M + j] = d_t[j][l];
-  }
+  memcpy(static_cast<T*>(a.new_log_odds) + seg0 * M, out, sizeof(out));
 }
 
 struct BlocksBackwardArgs {
@@ -281,12 +294,14 @@ DTP_HOST_DEVICE inline void backward_tile(const BlocksBackwardArgs& a, int64_t s
   };
   read_rows(a.iters - 1);
   T q[M][L], gp[L], gq[L], qs[L], gs[L];
-  T lowest = 0;  // (NaN rows fail the test below and take the general form)
+  // The one-exp form when every L1 of the tile is >= 0 (a NaN row fails: the general
+  // form). An integer flag: the loop vectorises.
+  int below = 0;
   for (int l = 0; l < L; ++l) {
     gp[l] = gq[l] = qs[l] = gs[l] = 0;
-    lowest = rows[1][l] < lowest || rows[1][l] != rows[1][l] ? T(-INFINITY) : lowest;
+    below |= rows[1][l] >= T(0) ? 0 : 1;
   }
-  if (lowest >= T(kMinScaledShift)) {  // one exp per element (transport_math.h)
+  if (below == 0) {  // one exp per element (transport_math.h)
     T c[L];
     for (int l = 0; l < L; ++l) c[l] = exp_fast(-rows[1][l]);
     for (int j = 0; j < M; ++j) {
@@ -341,14 +356,16 @@ DTP_HOST_DEVICE inline void backward_tile(const BlocksBackwardArgs& a, int64_t s
       gdelta[l] *= T(1) - wsum[l];
     }
   }
-  T to_scores[L];
+  T to_scores[L], keep_grad[L];
+#pragma omp simd
   for (int l = 0; l < L; ++l) {
     const T k = in.k[l];
-    const bool degenerate = degenerate_flag<M>(k) != T(0);
-    to_scores[l] = degenerate ? T(-1) : T(2) * in.inv_eps[l];  // -1: degenerate, no gradient
-    static_cast<T*>(a.grad_keep)[seg0 + l] =
-        degenerate ? gs[l] / T(M) : gp[l] + grad_bias[l] * T(M) / (k * (T(M) - k));
+    const T degenerate = degenerate_flag<M>(k);
+    to_scores[l] = degenerate != T(0) ? T(-1) : T(2) * in.inv_eps[l];  // -1: no gradient
+    keep_grad[l] =
+        degenerate != T(0) ? gs[l] / T(M) : gp[l] + grad_bias[l] * T(M) / (k * (T(M) - k));
   }
+  memcpy(static_cast<T*>(a.grad_keep) + seg0, keep_grad, sizeof(keep_grad));
   // A degenerate segment (mask = k / M) and scores read as the neutral 0.5 get none. The
   // gradient is formed across segments ([element][segment], no branch: it vectorises),
   // then stored in segment order.
@@ -360,10 +377,11 @@ DTP_HOST_DEVICE inline void backward_tile(const BlocksBackwardArgs& a, int64_t s
       out[j][l] = zero != T(0) ? T(0) : grad[j][l] * to_scores[l];
     }
   }
-  T* grad_scores = static_cast<T*>(a.grad_scores) + seg0 * M;
+  T ordered[L][M];  // segment order, copied out whole (as in forward_tile)
   for (int l = 0; l < L; ++l) {
-    for (int j = 0; j < M; ++j) grad_scores[l * M + j] = out[j][l];
+    for (int j = 0; j < M; ++j) ordered[l][j] = out[j][l];
   }
+  memcpy(static_cast<T*>(a.grad_scores) + seg0 * M, ordered, sizeof(ordered));
 }
 
 }  // namespace blocks
