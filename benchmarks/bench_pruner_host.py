@@ -2,11 +2,12 @@
 pre-hook (mask step forward, BN fold) and the commit after the optimizer step, with the
 fold as one C++ autograd node (what DTPPruner runs when dtp_kernels._C is built) and as
 the Python ops, in one run. Single calls on one thread, CPU tensors, the parts
-interleaved in rounds.
+interleaved in rounds. On a GPU (--device cuda) each call is timed without a sync, so the
+figures are the host's time to issue the work (the GPU catches up between rounds).
 
-    python benchmarks/bench_pruner_host.py [--rounds N] [--no-save]
+    python benchmarks/bench_pruner_host.py [--device cpu|cuda] [--rounds N] [--no-save]
 
-Writes results/pruner_host_cpu.md.
+Writes results/pruner_host_<device>.md.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.masking import folded_products
 
 
-def interleaved_medians(calls: dict, rounds: int, per_round: int = 50) -> dict:
+def interleaved_medians(
+    calls: dict, rounds: int, device: torch.device, per_round: int = 50
+) -> dict:
     """Each call's median time in us: rounds of `per_round` calls of each in turn, the
     median of each round's median (the machine's speed drifts between rounds)."""
     for call in calls.values():
@@ -38,6 +41,8 @@ def interleaved_medians(calls: dict, rounds: int, per_round: int = 50) -> dict:
     medians = {name: [] for name in calls}
     for _ in range(rounds):
         for name, call in calls.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # host time only: no queue left from before
             times = []
             for _ in range(per_round):
                 start = time.perf_counter()
@@ -49,6 +54,7 @@ def interleaved_medians(calls: dict, rounds: int, per_round: int = 50) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--rounds", type=int, default=40, help="rounds of 50 calls of each")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
@@ -57,8 +63,9 @@ def main() -> None:
     import torchvision
 
     torch.set_num_threads(1)
-    model = torchvision.models.resnet50()
-    pruner = DTPPruner(model, torch.randn(1, 3, 64, 64), 0.5)
+    device = torch.device(args.device)
+    model = torchvision.models.resnet50().to(device)
+    pruner = DTPPruner(model, torch.randn(1, 3, 64, 64, device=device), 0.5)
     model.train()
     originals = [original for _, original in pruner._fold]
     pruner._compute_masks(model, ())
@@ -77,8 +84,9 @@ def main() -> None:
             "commit (after the optimizer step)": pruner.state.commit,
         },
         args.rounds,
+        device,
     )
-    env = environment(torch.device("cpu"))
+    env = environment(device)
     lines = [
         "# The pruner's host work per step (`benchmarks/bench_pruner_host.py`)",
         "",
@@ -93,7 +101,7 @@ def main() -> None:
     report = "\n".join(lines) + "\n"
     print(report)
     if not args.no_save:
-        (RESULTS / "pruner_host_cpu.md").write_text(report)
+        (RESULTS / f"pruner_host_{device.type}.md").write_text(report)
 
 
 if __name__ == "__main__":

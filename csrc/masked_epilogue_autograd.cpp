@@ -12,6 +12,8 @@
 #include <mutex>
 #include <string>
 
+#include "autograd_node.h"
+
 namespace dtp {
 namespace {
 
@@ -80,7 +82,7 @@ at::Tensor masked_channel_epilogue_autograd(const at::Tensor& y, const at::Tenso
   const at::Tensor no_bias;
   const at::Tensor& b = bias.has_value() ? *bias : no_bias;
   if (torch::autograd::compute_requires_grad(y, mask, b)) {
-    auto node = c10::make_intrusive<MaskedEpilogueBackward>();
+    auto node = make_node<MaskedEpilogueBackward>();
     node->set_next_edges(bias.has_value() ? torch::autograd::collect_next_edges(y, mask, b)
                                           : torch::autograd::collect_next_edges(y, mask));
     node->y = SavedVariable(y, false);

@@ -16,6 +16,8 @@
 #include <mutex>
 #include <string>
 
+#include "autograd_node.h"
+
 namespace dtp {
 namespace {
 
@@ -90,7 +92,7 @@ Outputs transport_mask_autograd(const at::Tensor& scores, const at::Tensor& offs
   // gradient and get no history.
   if (torch::autograd::compute_requires_grad(scores, keep)) {
     const at::Tensor& mask = std::get<0>(outputs);
-    auto node = c10::make_intrusive<TransportMaskBackward>();
+    auto node = make_node<TransportMaskBackward>();
     node->set_next_edges(torch::autograd::collect_next_edges(scores, keep));
     node->scores = SavedVariable(scores, false);
     node->offsets = SavedVariable(offsets, false);

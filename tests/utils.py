@@ -180,9 +180,16 @@ def prune_command(out: Path, overrides: list[str], *extra: str) -> list[str]:
     return [sys.executable, "-m", "dtp_kernels", *prune_argv(out, overrides, *extra)]
 
 
+def checkout_environment(**variables: str) -> dict:
+    """This environment with the checkout first on PYTHONPATH (entries already there, such
+    as a folder of carried wheels, kept), plus `variables`."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **variables}
+
+
 def subprocess_environment() -> dict:
     """This environment with the checkout importable and two threads (bitwise runs)."""
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+    return checkout_environment(OMP_NUM_THREADS="2")
 
 
 def final_state(out: Path) -> dict[str, torch.Tensor]:

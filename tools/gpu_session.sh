@@ -4,12 +4,12 @@
 # go to $OUT/session.tar (one file: the device tool brings back at most 8), written again
 # after every step.
 #
-#   OUT=/tmp/gpu bash tools/gpu_session.sh [tests|bench|train|vit|pipeline|scale|all]...
+#   OUT=/tmp/gpu bash tools/gpu_session.sh [tests|host|bench|train|vit|pipeline|scale|all]...
 #
 # tests: every test marked cuda but not slow (on $WORKERS pytest-xdist workers, default 4)
-# and, at the same time, `dtp prune` on the GPU (tests/pipeline/test_pipeline_gpu.py):
-# neither times anything, so they share the GPU; bench: the kernel benchmarks and the
-# mask step's host cost; train: the training step (eager, profiled, CUDA graph; DTP with
+# and, at the same time, `dtp prune` on the GPU (tests/pipeline/test_pipeline_gpu.py, on 3
+# more workers): neither times anything, so they share the GPU; host: the mask step's and
+# the pruner's host cost; bench: the kernel benchmarks and host; train: the training step (eager, profiled, CUDA graph; DTP with
 # folded masks, each GPU backend); vit: a ViT step with head and neuron masks
 # (bench_vit_step.py); scale: mask-step scaling, iterations, N:M steps and 2:4
 # semi-structured layers; pipeline: whole epochs with the data loader
@@ -90,30 +90,33 @@ run() {  # name, seconds, command...
 for step in $steps; do
   case $step in
   tests | all)
-    run test_pipeline_gpu 300 $PY -m pytest -q -rs --tb=short -p no:cacheprovider \
+    run test_pipeline_gpu 300 $PY -m pytest -q -rs --tb=short -p no:cacheprovider -n 3 \
       tests/pipeline/test_pipeline_gpu.py >"$LOGS/test_pipeline_gpu.status" &
     run test_gpu 300 $PY -m pytest -q -rs --tb=short -p no:cacheprovider -n "${WORKERS:-4}" \
       -m "cuda and not slow" tests
     wait
     tail -3 "$LOGS/test_pipeline_gpu.status"
     ;;&
+  host | bench | all)
+    run bench_host_cost 120 $PY benchmarks/bench_host_cost.py --device cuda
+    run bench_pruner_host 90 $PY benchmarks/bench_pruner_host.py --device cuda
+    ;;&
   bench | all)
     run bench_transport 120 $PY benchmarks/bench_transport.py --device cuda
     run bench_epilogue 120 $PY benchmarks/bench_epilogue.py --device cuda
-    run bench_host_cost 120 $PY benchmarks/bench_host_cost.py --device cuda
     ;;&
   train | all)
     fold=(--provider fold/cuda --provider fold/triton)
     run bench_training_step 150 $PY benchmarks/bench_training_step.py --device cuda "${fold[@]}"
-    run profile_training_step 90 $PY benchmarks/profile_training_step.py --python
     run bench_training_graph 150 $PY -X faulthandler benchmarks/bench_training_step.py \
       --device cuda --graph "${fold[@]}"
+    run profile_training_step 90 $PY benchmarks/profile_training_step.py --python
     ;;&
   vit | all)
     run bench_vit_step 200 $PY benchmarks/bench_vit_step.py --device cuda --rounds 50 --save
     ;;&
   pipeline | all)
-    run bench_pipeline 400 $PY benchmarks/bench_pipeline.py --device cuda --rounds 3
+    run bench_pipeline 400 $PY benchmarks/bench_pipeline.py --device cuda --rounds "${PIPELINE_ROUNDS:-3}"
     ;;&
   scale | all)
     run bench_nm_step 120 $PY benchmarks/bench_nm_step.py --device cuda --rounds 5

@@ -5,7 +5,6 @@ they drift apart (the control)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from utils import prune_argv
+from utils import checkout_environment, prune_argv
 
 pytestmark = pytest.mark.slow  # end to end or long: `make test-fast` leaves it out
 
@@ -90,7 +89,7 @@ def test_without_the_pruner_gradient_average_ranks_drift_apart(tmp_path):
 def test_torchrun_runs_the_cli_on_two_processes(tmp_path):
     out = tmp_path / "run"
     command = torchrun_prune(out, epochs=1)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = checkout_environment(OMP_NUM_THREADS="1")
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (out / "summary.json").exists() and (out / "checkpoints" / "dtp.pt").exists()
@@ -116,7 +115,7 @@ def test_sigterm_under_torchrun_stops_every_rank_after_one_step_and_resumes(tmp_
     rank 0 checkpoints it, and --resume ends where an uninterrupted run ends."""
     from utils import final_state
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = checkout_environment(OMP_NUM_THREADS="1")
     reference = tmp_path / "uninterrupted"
     subprocess.run(
         torchrun_prune(reference), cwd=ROOT, env=env, check=True, capture_output=True, timeout=600

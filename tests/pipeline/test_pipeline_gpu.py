@@ -5,7 +5,6 @@ a checkpoint written on the CPU resumed on the GPU; torchrun with NCCL."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,10 +16,9 @@ import torch
 
 from dtp_kernels.cli import main
 from dtp_kernels.pipeline import synthetic
-from utils import DIGITS_RECIPE
+from utils import DIGITS_RECIPE, checkout_environment
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]  # skipped without a GPU (conftest.py)
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def recipe_args(data: Path, out: Path, *extra: str) -> list[str]:
@@ -65,7 +63,7 @@ def test_prune_end_to_end_on_cuda(tmp_path, cifar, amp, compiled):
 
 def test_checkpoint_written_on_cpu_resumes_on_cuda(tmp_path, cifar):
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = checkout_environment()
     command = [
         sys.executable,
         "-m",
@@ -89,12 +87,13 @@ def test_torchrun_with_nccl(tmp_path, cifar):
         sys.executable,
         "-m",
         "torch.distributed.run",
+        "--standalone",
         f"--nproc_per_node={ranks}",
         "-m",
         "dtp_kernels",
         *recipe_args(cifar, out, "run.device=cuda"),
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = checkout_environment()
     process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
     try:
         _, stderr = process.communicate(timeout=240)

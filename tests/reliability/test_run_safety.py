@@ -18,7 +18,7 @@ from dtp_kernels import cli
 from dtp_kernels.pipeline import out_dir
 from dtp_kernels.pipeline import recipe as recipes
 from dtp_kernels.pipeline.errors import RecipeError
-from utils import DIGITS_RECIPE, prune_argv
+from utils import DIGITS_RECIPE, checkout_environment, prune_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = ["pretrain.epochs=1", "prune.epochs=1", "finetune.epochs=1", "run.plots=false"]
@@ -276,7 +276,7 @@ def test_torchrun_restarts_a_lost_rank_and_ends_bitwise_equal(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     torchrun += ["--nproc_per_node", "2", "--max-restarts", "1"]
     script = str(Path(__file__).with_name("kill_one_rank.py"))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = checkout_environment(OMP_NUM_THREADS="1")
     runs = {}
     for name, kill_at in (("uninterrupted", 0), ("killed", 30)):  # 11 steps an epoch a rank
         out = tmp_path / name
