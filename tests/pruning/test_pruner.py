@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 from torch.nn.utils import parametrize
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtp_kernels
 from dtp_kernels import DTPPruner, L1Pruner, RandomPruner, load_pruned, save_pruned
@@ -416,6 +417,18 @@ def test_fold_masks_gradcheck(groups, sizes, implementation):
         torch.testing.assert_close(a, t.grad if t.grad is not None else torch.zeros_like(t))
 
 
+class RecordOps(TorchDispatchMode):
+    """The names of the operators dispatched inside it, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def _fold_inputs(mask_grad: bool, params_grad: bool):
     from dtp_kernels.pruning.masking import FoldPlan
 
@@ -480,20 +493,9 @@ def test_fold_node_refuses_forward_mode_ad():
 def test_fold_node_under_a_dispatch_mode_splits_through_the_dispatcher():
     """Under a TorchDispatchMode the node's outputs are cut by split_with_sizes, which the
     mode sees, instead of being built on the product's storage; the values are the same."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Record(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     plan, mask, params = _fold_inputs(True, True)
     plain = compiled_fold(mask, plan, params)
-    with Record() as record:
+    with RecordOps() as record:
         recorded = compiled_fold(mask, plan, params)
     assert any("split_with_sizes" in op for op in record.ops)
     assert all(torch.equal(a, b) for a, b in zip(plain, recorded, strict=True))
@@ -503,18 +505,7 @@ def test_fold_node_backward_dispatches_no_op_per_parameter():
     """The backward's operators do not grow with the number of BN parameters: a reshape
     or a view of each parameter's gradient would be a dispatch each, 66 per ResNet-50
     step, which an eager GPU step pays in host time."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from dtp_kernels.pruning.masking import FoldPlan
-
-    class Record(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
 
     recorded = {}
     for pairs in (2, 6):
@@ -523,7 +514,7 @@ def test_fold_node_backward_dispatches_no_op_per_parameter():
         params = [torch.randn(3, dtype=torch.float64, requires_grad=True) for _ in range(2 * pairs)]
         out = compiled_fold(mask, plan, params)
         grads = [torch.ones(3, dtype=torch.float64) for _ in out]
-        with Record() as record:
+        with RecordOps() as record:
             got = out[0].grad_fn(*grads)
         assert len(got) == 2 * pairs + 1 and all(g is not None for g in got)
         recorded[pairs] = record.ops
