@@ -2,6 +2,7 @@
 epoch, interleaved round by round in one run, as `dtp prune` trains.
 
     python benchmarks/bench_pipeline.py [--device cpu|cuda] [--rounds N] [--workers N]
+        [--images N] [--compile]
 
 CPU: CIFAR ResNet-56 (batch 256) on a generated CIFAR-10 directory (python format).
 CUDA: CIFAR ResNet-56 (batch 256) on a generated 50,000-image CIFAR-10 directory, and
@@ -12,7 +13,9 @@ Per epoch: images per second (wall time, loader included); the fraction of the w
 the training loop waited for the next batch; on CUDA, the fraction of the wall time the
 GPU spent inside training steps (CUDA events around every step: the time the GPU did
 not wait for data or the host). The DTP overhead is median(dtp) / median(dense) - 1.
-Appends rows to results/pipeline.csv and writes results/pipeline_<device>.md.
+--compile runs both models under torch.compile (default mode), as `run.compile: true`
+does in `dtp prune`; the warm-up epoch compiles them. Appends rows to
+results/pipeline.csv and writes results/pipeline_<device>[_compiled].md.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ def make_loader(work: dict, root: Path, workers: int | None, pin: bool):
 
 def run_epoch(case: dict, loader, options: RunOptions, epoch: int) -> dict:
     """One epoch of `case`: wall seconds, seconds waiting for batches, GPU in-step time."""
-    model, optimizer, pruner = case["model"], case["optimizer"], case["pruner"]
+    model, optimizer, pruner = case["net"], case["optimizer"], case["pruner"]
     cuda = options.device.type == "cuda"
     events = []
     loader.sampler.set_epoch(epoch)
@@ -141,7 +144,9 @@ def make_case(work: dict, dense: torch.nn.Module, options: RunOptions, dtp: bool
     if pruner is not None:
         pruner.attach(optimizer)
     model.train()
-    return {"model": model, "optimizer": optimizer, "pruner": pruner}
+    # default mode: the pruner's hooks and ops trace without graph breaks (docs/pipeline.md)
+    net = torch.compile(model) if options.compile else model
+    return {"net": net, "optimizer": optimizer, "pruner": pruner}
 
 
 def main() -> None:
@@ -150,6 +155,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=None, help="default: the pipeline's")
     parser.add_argument("--images", type=int, default=None, help="training images per epoch")
+    parser.add_argument("--compile", action="store_true", help="torch.compile both models")
     args = parser.parse_args()
     device = torch.device(args.device)
     env = environment(device)
@@ -157,12 +163,15 @@ def main() -> None:
         f"# Training epochs with the data loader, {env['device']}",
         "",
         f"torch {env['torch']}, triton {env['triton']}, {env['threads']} threads, "
-        f"{env['date']}; {args.rounds} interleaved rounds (median, p20-p80).",
+        f"{env['date']}; {args.rounds} interleaved rounds (median, p20-p80); "
+        f"{'torch.compile (default mode)' if args.compile else 'eager'}.",
         "",
     ]
     rows = []
     for work in workloads(device, args.images):
-        options = RunOptions(work["amp"], work["channels_last"], device=device)
+        options = RunOptions(
+            work["amp"], work["channels_last"], device=device, compile=args.compile
+        )
         with tempfile.TemporaryDirectory() as root:
             loader = make_loader(work, Path(root), args.workers, device.type == "cuda")
             torch.manual_seed(0)
@@ -202,7 +211,7 @@ def main() -> None:
                 {
                     "op": "pipeline-epoch",
                     "provider": name,
-                    "mode": "train",
+                    "mode": "train-compiled" if args.compile else "train",
                     "shape": f"{work['name']} {work['data']} n{work['images']} "
                     f"b{work['batch']} w{workers}",
                     "dtype": work["amp"] or "fp32",
@@ -216,7 +225,7 @@ def main() -> None:
         lines += ["", f"DTP epoch throughput: {ratio:.1%} of dense.", ""]
         print("\n".join(lines[-len(results) - 6 :]))
     append_rows(RESULTS / "pipeline.csv", rows)
-    out = RESULTS / f"pipeline_{device.type}.md"
+    out = RESULTS / f"pipeline_{device.type}{'_compiled' if args.compile else ''}.md"
     out.write_text("\n".join(lines))
     print(f"wrote {out}")
 

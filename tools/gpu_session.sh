@@ -4,29 +4,33 @@
 # go to $OUT/session.tar (one file: the device tool brings back at most 8), written again
 # after every step.
 #
-#   OUT=/tmp/gpu bash tools/gpu_session.sh [tests|host|bench|train|vit|pipeline|scale|all]...
+#   OUT=/tmp/gpu bash tools/gpu_session.sh [tests|host|bench|train|vit|pipeline|pipeline-compiled|scale|all]...
 #
 # tests: every test marked cuda but not slow (on $WORKERS pytest-xdist workers, default 4)
 # and, at the same time, `dtp prune` on the GPU (tests/pipeline/test_pipeline_gpu.py, on 3
 # more workers): neither times anything, so they share the GPU; host: the mask step's and
-# the pruner's host cost; bench: the kernel benchmarks and host; train: the training step (eager, profiled, CUDA graph; DTP with
-# folded masks, each GPU backend); vit: a ViT step with head and neuron masks
-# (bench_vit_step.py); scale: mask-step scaling, iterations, N:M steps and 2:4
-# semi-structured layers; pipeline: whole epochs with the data loader
-# (bench_pipeline.py); all: every one. Benchmarks run one at a time, after the tests.
+# the pruner's host cost; bench: the kernel benchmarks and host; train: the training step
+# (eager, CUDA graph, profiled; DTP with folded masks, each GPU backend); vit: a ViT step
+# with head and neuron masks (bench_vit_step.py); scale: mask-step scaling, iterations,
+# N:M steps and 2:4 semi-structured layers; pipeline: whole epochs with the data loader
+# (bench_pipeline.py); pipeline-compiled: the same under torch.compile (not in all: its
+# four compilations take minutes); all: every other one. Benchmarks run one at a time,
+# after the tests.
 #
 # The build is skipped when csrc/ and setup.py are unchanged since the last build on the
-# same machine (a second call on a warm machine starts at once). On an H200 (2026-11-27)
-# the build took 173 s and the unit GPU tests 69 s: with 15 minutes of device time, name
-# the steps in the order they matter (`tests pipeline train scale`); SECONDS_LEFT (below)
+# same machine (a second call on a warm machine starts at once). On an H200 (2026-11-27,
+# run 10) `tests pipeline host train` took 410 s: build 64 s, tests 123 s (the unit GPU
+# tests 92 s beside `dtp prune` 114 s), pipeline 129 s, host 25 s, train 53 s. With 15
+# minutes of device time, name the steps in the order they matter; SECONDS_LEFT (below)
 # keeps the call inside the tool's limit, and a second call on the warm machine (it
 # waits only 30 s) can take the rest.
 #
 # The GPU machine has torch, Triton and nvcc but no package index: wheels it lacks travel
-# in .whl/ and are installed to /tmp/site first. Fetch them here with
-#   pip download --no-deps -d .whl torch-pruning==1.6.1 pyyaml==6.0.4 tqdm==4.70.1 \
-#       scikit-learn==1.9.1 (and torchvision, pillow, if that machine lacks them; timm,
-#       safetensors and huggingface-hub for `vit`)
+# in .whl/ and are installed to /tmp/site first. Of this project's needs, that machine
+# lacked only Torch-Pruning (2026-11-27): fetch it here with
+#   pip download --no-deps -d .whl torch-pruning==1.6.1
+# (others, if a later image lacks them: pyyaml==6.0.4 tqdm==4.70.1 scikit-learn==1.9.1,
+# torchvision, pillow; timm, safetensors and huggingface-hub for `vit`).
 set -u -o pipefail
 start=$(date +%s)
 OUT=${OUT:-/tmp/gpu_session}
@@ -117,6 +121,10 @@ for step in $steps; do
     ;;&
   pipeline | all)
     run bench_pipeline 400 $PY benchmarks/bench_pipeline.py --device cuda --rounds "${PIPELINE_ROUNDS:-3}"
+    ;;&
+  pipeline-compiled)
+    run bench_pipeline_compiled 500 $PY benchmarks/bench_pipeline.py --device cuda --compile \
+      --rounds "${PIPELINE_ROUNDS:-3}"
     ;;&
   scale | all)
     run bench_nm_step 120 $PY benchmarks/bench_nm_step.py --device cuda --rounds 5
