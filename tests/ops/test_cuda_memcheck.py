@@ -3,7 +3,7 @@ schedules, NCHW and channels_last): no out-of-bounds or misaligned access."""
 
 import pytest
 
-from utils import cuda_backends
+from utils import checkout_environment, cuda_backends
 
 SANITIZED = """
 import torch, dtp_kernels as d
@@ -25,7 +25,6 @@ torch.cuda.synchronize()
 @pytest.mark.cuda
 def test_compute_sanitizer_memcheck_clean():
     """compute-sanitizer memcheck on one run of each CUDA kernel."""
-    import os
     import shutil
     import subprocess
     import sys
@@ -36,9 +35,7 @@ def test_compute_sanitizer_memcheck_clean():
     tool = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
     if not Path(tool).exists():
         pytest.skip("compute-sanitizer not found")
-    root = Path(__file__).resolve().parents[2]
-    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path}
+    env = checkout_environment()
     result = subprocess.run(
         [tool, "--tool", "memcheck", "--error-exitcode", "1", sys.executable, "-c", SANITIZED],
         capture_output=True,

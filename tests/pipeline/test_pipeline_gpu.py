@@ -81,6 +81,8 @@ def test_checkpoint_written_on_cpu_resumes_on_cuda(tmp_path, cifar):
 
 
 def test_torchrun_with_nccl(tmp_path, cifar):
+    """The CLI under torchrun on the GPU: two ranks with NCCL where two GPUs exist; with
+    one GPU one rank, which starts no process group."""
     ranks = min(2, torch.cuda.device_count())
     out = tmp_path / "run"
     command = [
