@@ -501,6 +501,33 @@ def test_fold_node_under_a_dispatch_mode_splits_through_the_dispatcher():
     assert all(torch.equal(a, b) for a, b in zip(plain, recorded, strict=True))
 
 
+@pytest.mark.parametrize(
+    "param_dtype,mask_dtype", [(torch.float32, torch.float64), (torch.float64, torch.float32)]
+)
+def test_fold_node_with_a_mask_of_another_dtype(param_dtype, mask_dtype):
+    """Products in the parameters' dtype and the mask's gradient in the mask's, as the
+    Python ops give them (a half-precision model under float32 scores, say)."""
+    from dtp_kernels.pruning.masking import FoldPlan, folded_products
+
+    gen = torch.Generator().manual_seed(2)
+    plan = FoldPlan.build([0, 1], [2, 3], torch.device("cpu"))
+    mask = torch.rand(5, generator=gen, dtype=mask_dtype, requires_grad=True)
+    params = [
+        torch.randn(n, generator=gen, dtype=param_dtype, requires_grad=True) for n in (2, 2, 3, 3)
+    ]
+    got = compiled_fold(mask, plan, params)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (mask, *params)]
+    expected = folded_products(leaves[0], plan, leaves[1:])
+    assert [t.dtype for t in got] == [t.dtype for t in expected] == [param_dtype] * 4
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    want = torch.autograd.grad(sum(t.sum() for t in expected), leaves[0])[0]
+    # the node itself, not through the engine (which would convert a wrong dtype)
+    grad_mask = got[0].grad_fn(*[torch.ones_like(t) for t in got])[-1]
+    assert grad_mask.dtype == mask_dtype
+    torch.testing.assert_close(grad_mask, want, rtol=0, atol=0)
+
+
 def test_fold_node_backward_dispatches_no_op_per_parameter():
     """The backward's operators do not grow with the number of BN parameters: a reshape
     or a view of each parameter's gradient would be a dispatch each, 66 per ResNet-50
