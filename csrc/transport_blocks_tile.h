@@ -211,7 +211,9 @@ DTP_HOST_DEVICE inline void forward_tile(const BlocksForwardArgs& a, int64_t seg
   // the stores cannot alias the loads. The per-segment values are flat selects between T
   // values (no bool), one small loop each: so GCC vectorises them across the tile's
   // segments (as one loop with nested selects they stayed scalar, "control flow in loop").
-  T scale[L], constant[L], next[L], shift_out[L], flag[L];
+  T scale[L], constant[L], next[L], shift_out[L], flag[L], degenerate[L];
+#pragma omp simd
+  for (int l = 0; l < L; ++l) degenerate[l] = degenerate_flag<M>(in.k[l]);
 #pragma omp simd
   for (int l = 0; l < L; ++l) {
     // bad counts non-finite inputs (0 on the first-sums path); a NaN or inf next shift
@@ -221,8 +223,7 @@ DTP_HOST_DEVICE inline void forward_tile(const BlocksForwardArgs& a, int64_t seg
   }
 #pragma omp simd
   for (int l = 0; l < L; ++l) {
-    const T degenerate = degenerate_flag<M>(in.k[l]);
-    next[l] = degenerate + flag[l] == T(0) ? T(1) : T(0);  // 1: the segment's state advances
+    next[l] = degenerate[l] + flag[l] == T(0) ? T(1) : T(0);  // 1: the segment's state advances
   }
 #pragma omp simd
   for (int l = 0; l < L; ++l) scale[l] = in.k[l] / s1[l];
@@ -230,8 +231,7 @@ DTP_HOST_DEVICE inline void forward_tile(const BlocksForwardArgs& a, int64_t seg
   for (int l = 0; l < L; ++l) {
     // mask_i = k P[i, 1] = k t_i / sum_j t_j, or the constant k / M of a degenerate one
     // (M is a power of two: k * (1 / M) is k / M exactly)
-    const T k = in.k[l];
-    constant[l] = degenerate_flag<M>(k) != T(0) ? k * T(1.0 / M) : T(-1);  // -1: not degenerate
+    constant[l] = degenerate[l] != T(0) ? in.k[l] * T(1.0 / M) : T(-1);  // -1: not degenerate
   }
 #pragma omp simd
   for (int l = 0; l < L; ++l) shift_out[l] = next[l] == T(1) ? delta[l] : shift_in[l];
