@@ -121,10 +121,22 @@ def main(sweep: Sweep, name: str, description: str, rounds: int = 30) -> list[di
         action="store_true",
         help="have glibc's malloc keep freed memory for reuse (results/<name>_keep_memory_*)",
     )
+    parser.add_argument(
+        "--no-output-cache",
+        action="store_true",
+        help="the CPU kernels' outputs in fresh memory, none reused "
+        "(dtp_kernels.set_cpu_output_cache(0); results/<name>_no_output_cache_*)",
+    )
     args = parser.parse_args()
     if args.keep_freed_memory:
         keep_freed_memory()
         name += "_keep_memory"
+    if args.no_output_cache:
+        import dtp_kernels
+
+        dtp_kernels.set_cpu_output_cache(0)
+        ALLOCATOR_NOTES.append("no output cache (set_cpu_output_cache(0))")
+        name += "_no_output_cache"
     return run_sweep(sweep, torch.device(args.device), args.rounds, not args.no_save, name)
 
 

@@ -5,7 +5,7 @@ kernels, against the same weights as one segment, interleaved; on GPUs also on t
 kernels, and at 1e8 weights.
 
     python benchmarks/bench_nm_step.py [--device cpu|cuda] [--rounds N] [--no-save]
-        [--keep-freed-memory]
+        [--keep-freed-memory] [--no-output-cache]
 
 Rows go to results/nm_step.csv, the table to results/nm_step_<device>.md. The ratio is
 the cost of many tiny segments against one segment of the same size.

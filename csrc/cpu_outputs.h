@@ -1,8 +1,8 @@
-// Large outputs of the CPU kernels, backed by transparent huge pages where Linux offers
-// them. A fresh allocation of tens of MB is mapped page by page as the kernel first writes
-// it, 512 times fewer faults with 2 MiB pages (what that saves varies with the machine:
-// docs/benchmarks.md). madvise(MADV_HUGEPAGE) before the first write asks
-// for 2 MiB pages, as torch does for all its allocations under THP_MEM_ALLOC_ENABLE=1.
+// Large outputs of the CPU kernels: blocks of memory kept for reuse after their tensors
+// are freed (cpu_output_cache.cpp), so a step does not map and zero fresh pages for them
+// every call, and new blocks backed by transparent huge pages where Linux offers them
+// (madvise(MADV_HUGEPAGE) before the first write: 512 times fewer faults, as torch asks
+// for all its allocations under THP_MEM_ALLOC_ENABLE=1).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,37 +11,35 @@
 #include <cstdint>
 #include <initializer_list>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
+#include "cpu_output_cache.h"
 
 namespace dtp {
 
-// On by default; dtp_kernels.set_cpu_huge_pages(False) turns the advice off (a system
-// whose THP compaction stalls, or a benchmark of both).
+// On by default; dtp_kernels.set_cpu_huge_pages(False) turns the advice off for new
+// blocks (a system whose THP compaction stalls, or a benchmark of both).
 inline std::atomic<bool> huge_page_outputs{true};
 
-// Advises the 2 MiB-aligned part of a fresh CPU tensor of at least 4 MiB for huge pages
-// and returns it. A hint: without THP, or where madvise fails, the pages are the usual
-// ones. Call it before anything writes the tensor.
-inline at::Tensor huge_page_hint(at::Tensor t) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHugePage = uintptr_t(2) << 20;
-  const uintptr_t bytes = t.nbytes();
-  if (t.device().is_cpu() && bytes >= 2 * kHugePage &&
-      huge_page_outputs.load(std::memory_order_relaxed)) {
-    const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
-    const uintptr_t first = (begin + kHugePage - 1) & ~(kHugePage - 1);
-    const uintptr_t last = (begin + bytes) & ~(kHugePage - 1);
-    if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+// Outputs of at least this many bytes come from the cache; smaller ones from at::empty
+// (glibc reuses freed memory below its mmap threshold by itself).
+constexpr int64_t kCachedOutputBytes = int64_t(4) << 20;
+
+// at::empty of a contiguous kernel output.
+inline at::Tensor empty_output(at::IntArrayRef size, const at::TensorOptions& options) {
+  int64_t numel = 1;
+  for (const int64_t n : size) numel *= n;
+  if (numel * static_cast<int64_t>(options.dtype().itemsize()) < kCachedOutputBytes) {
+    return at::empty(size, options);
   }
-#endif
-  return t;
+  return cached_empty(size, options);
 }
 
-// at::empty of a kernel output, advised for huge pages.
-inline at::Tensor empty_output(at::IntArrayRef size, const at::TensorOptions& options) {
-  return huge_page_hint(at::empty(size, options));
+// at::empty_like(t) of a kernel output, in t's (contiguous or channels-last) layout.
+inline at::Tensor empty_output_like(const at::Tensor& t) {
+  const auto format = t.suggest_memory_format();
+  if (t.nbytes() < static_cast<size_t>(kCachedOutputBytes) || !t.is_contiguous(format)) {
+    return at::empty_like(t);
+  }
+  return cached_empty(t.sizes(), t.options(), format);
 }
 
 // TransportState's pending buffers, lent by the eager step entry (transport_step.cpp) to

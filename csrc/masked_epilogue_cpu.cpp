@@ -204,7 +204,7 @@ at::Tensor masked_channel_epilogue_cpu(const at::Tensor& y_in, const at::Tensor&
   const bool relu = parse_activation(activation);
   const Layout L = epilogue_layout(y_in, channel_dim);
   const at::Tensor& y = L.y;
-  auto out = huge_page_hint(at::empty_like(y));
+  auto out = empty_output_like(y);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "epilogue_fwd", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     const auto m_t = channel_values<acc_t>(mask, L.channels, "mask");
@@ -235,7 +235,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_channel_epilogue_backward_
   if (go.strides() != y.strides() || go.scalar_type() != y.scalar_type()) {
     go = at::empty_like(y).copy_(grad_out);
   }
-  auto dy = huge_page_hint(at::empty_like(y));
+  auto dy = empty_output_like(y);
   std::vector<double> sum_gy(L.channels, 0.0), sum_g(L.channels, 0.0);
   std::vector<double> mask_d(L.channels);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "epilogue_bwd", [&] {

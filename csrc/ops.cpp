@@ -90,4 +90,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](bool enabled) { return dtp::huge_page_outputs.exchange(enabled); },
       "Whether the CPU kernels advise outputs of 4 MiB or more for huge pages; returns the "
       "previous setting.");
+  m.def("set_output_cache_limit", &dtp::set_output_cache_limit,
+        "Caps the bytes of freed CPU output blocks kept for reuse; returns the previous cap.");
+  m.def("output_cache_info", &dtp::output_cache_info,
+        "(bytes held, blocks held, cap) of the CPU output cache.");
 }

@@ -59,16 +59,24 @@ void run_tiles(const Args& a, at::ScalarType scores, int64_t nseg, int64_t m, bo
   });
 }
 
-// Every segment's keep in [0, M] and eps finite and > 0, checked before anything is written
-// (the next state may go straight into TransportState's pending buffers): a counting loop
-// that vectorises, and on a bad segment an error naming the first one and its value.
+// How many segments have a keep outside [0, M] or an eps not finite and > 0: a counting
+// loop that vectorises (cloned per instruction set, so it must not throw: GCC's clones
+// dispatched through an ifunc have aborted on an exception unwinding out of them).
 template <class T>
-DTP_CLONES void check_segments(const T* keep, const double* eps, int64_t nseg, int64_t m) {
+DTP_CLONES int64_t count_bad_segments(const T* keep, const double* eps, int64_t nseg, int64_t m) {
   int64_t bad = 0;
   for (int64_t s = 0; s < nseg; ++s) {
     bad += valid_segment(static_cast<double>(keep[s]), eps[s], m) ? 0 : 1;
   }
-  if (bad == 0) return;
+  return bad;
+}
+
+// Every segment's keep in [0, M] and eps finite and > 0, checked before anything is written
+// (the next state may go straight into TransportState's pending buffers); on a bad
+// segment an error naming the first one and its value.
+template <class T>
+void check_segments(const T* keep, const double* eps, int64_t nseg, int64_t m) {
+  if (count_bad_segments(keep, eps, nseg, m) == 0) return;
   for (int64_t s = 0; s < nseg; ++s) {
     const double k = static_cast<double>(keep[s]), e = eps[s];
     if (valid_segment(k, e, m)) continue;

@@ -2,7 +2,8 @@
 
 Public API: :func:`transport_mask`, :class:`TransportState`,
 :func:`masked_channel_epilogue`, :func:`available_backends`, :func:`build_info`,
-:func:`set_cpu_huge_pages`;
+:func:`set_cpu_huge_pages`, :func:`set_cpu_output_cache`,
+:func:`cpu_output_cache_info`;
 pruning: :class:`DTPPruner`, :func:`prepare`, :func:`save_pruned`, :func:`load_pruned`.
 The literal reference is :mod:`dtp_kernels.reference`.
 """
@@ -11,7 +12,9 @@ from ._extension import (
     BackendUnavailableError,
     available_backends,
     build_info,
+    cpu_output_cache_info,
     set_cpu_huge_pages,
+    set_cpu_output_cache,
 )
 from ._version import __version__
 from .masked_channel_epilogue import masked_channel_epilogue
@@ -28,10 +31,12 @@ __all__ = [
     "__version__",
     "available_backends",
     "build_info",
+    "cpu_output_cache_info",
     "load_pruned",
     "masked_channel_epilogue",
     "prepare",
     "save_pruned",
     "set_cpu_huge_pages",
+    "set_cpu_output_cache",
     "transport_mask",
 ]

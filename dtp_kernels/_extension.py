@@ -152,18 +152,52 @@ def build_info() -> dict:
 
 
 def set_cpu_huge_pages(enabled: bool) -> bool:
-    """Whether the CPU kernels ask Linux for transparent huge pages (2 MiB) for outputs of
-    4 MiB or more; on by default. Returns the previous setting.
+    """Whether the CPU kernels ask Linux for transparent huge pages (2 MiB) for the new
+    memory of outputs of 4 MiB or more; on by default. Returns the previous setting.
 
     Fresh memory is mapped page by page as a kernel first writes it; with 4 KiB pages a
     mask step over 1e7 weights took 1.2x as long on a 2-core CPU (docs/benchmarks.md).
     The advice needs transparent huge pages in "madvise" or "always" mode
     (/sys/kernel/mm/transparent_hugepage/enabled) and is a no-op elsewhere; turn it off
-    where THP compaction stalls a system. Without the compiled module there is nothing
-    to advise and this returns False.
+    where THP compaction stalls a system. Memory the output cache holds
+    (:func:`set_cpu_output_cache`) is reused only under the setting it was made with.
+    Without the compiled module there is nothing to advise and this returns False.
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"set_cpu_huge_pages: enabled must be a bool, got {enabled!r}")
     if _C is None:
         return False
     return _C.set_huge_page_outputs(enabled)
+
+
+def set_cpu_output_cache(limit_bytes: int) -> int:
+    """How many bytes of freed output memory the CPU kernels keep for reuse (1 GiB by
+    default; 0 keeps none and frees what is held now). Returns the previous limit.
+
+    Outputs of 4 MiB or more (masks, gradients, the statistics a step keeps for its
+    backward) take their memory from blocks that earlier outputs of the same rounded size
+    freed, as CUDA's caching allocator does on GPUs: glibc hands every freed block above
+    32 MiB back to the OS, and mapping and zeroing fresh pages for them cost a 2:4 step
+    over 1e7 weights about a third of its time on a 2-core CPU (docs/benchmarks.md). A
+    block goes back to the cache only when the last tensor using it is freed, so a live
+    tensor's memory is never handed out twice. The memory held counts in the process's
+    resident size: lower the limit where that matters. Without the compiled module there
+    is no cache and this returns 0.
+    """
+    if not isinstance(limit_bytes, int) or isinstance(limit_bytes, bool):
+        raise TypeError(f"set_cpu_output_cache: limit_bytes must be an int, got {limit_bytes!r}")
+    if limit_bytes < 0:
+        raise ValueError(f"set_cpu_output_cache: limit_bytes = {limit_bytes}; it must be >= 0")
+    if _C is None:
+        return 0
+    return _C.set_output_cache_limit(limit_bytes)
+
+
+def cpu_output_cache_info() -> dict[str, int]:
+    """The CPU output cache now: ``held_bytes`` and ``held_blocks`` (freed memory kept for
+    reuse) and ``limit_bytes`` (:func:`set_cpu_output_cache`); all 0 without the compiled
+    module."""
+    if _C is None:
+        return {"held_bytes": 0, "held_blocks": 0, "limit_bytes": 0}
+    held_bytes, held_blocks, limit_bytes = _C.output_cache_info()
+    return {"held_bytes": held_bytes, "held_blocks": held_blocks, "limit_bytes": limit_bytes}

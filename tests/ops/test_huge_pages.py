@@ -25,7 +25,8 @@ pytestmark = [
 
 HUGE_PAGE = 2 << 20
 # Every tensor here is above glibc's largest mmap threshold (32 MiB), so each lands in a
-# fresh mapping: none inherits the advice from memory an earlier tensor freed.
+# fresh mapping (or a block of the output cache made under the same advice setting): none
+# inherits the advice from memory an earlier tensor freed.
 
 
 def advised_for_huge_pages(t: torch.Tensor) -> bool:
@@ -63,6 +64,11 @@ def test_transport_outputs_are_advised_and_equal_the_torch_backend():
 
 def test_the_advice_can_be_turned_off():
     n = 9 << 20
+    # an advised block of the mask's size, freed into the output cache: with the advice
+    # off it must not be reused
+    advised = transport_mask(torch.rand(n), [n / 2], TransportState([n]), backend="cpu")
+    assert advised_for_huge_pages(advised)
+    del advised
     previous = dtp_kernels.set_cpu_huge_pages(False)
     try:
         assert previous is True  # on by default
