@@ -10,6 +10,7 @@
 #include <ATen/EmptyTensor.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -27,12 +28,14 @@ namespace {
 
 constexpr size_t kHugePage = size_t(2) << 20;
 
-// One block of the cache: its memory, rounded size and whether it was advised for huge
-// pages (a block is reused only under the advice setting it was made with).
+// One block of the cache: its memory, rounded size, whether it was advised for huge
+// pages (a block is reused only under the advice setting it was made with) and when it
+// was last freed (the oldest go first when the cache is full).
 struct Block {
   void* data;
   size_t bytes;
   bool huge;
+  uint64_t freed_at;
 };
 
 class OutputCache final : public c10::Allocator {
@@ -83,19 +86,30 @@ class OutputCache final : public c10::Allocator {
     return block;
   }
 
-  // Frees cached blocks, the smallest first, until at most `keep` bytes are cached.
+  // Takes cached blocks out, the longest freed first, until at most `keep` bytes are
+  // cached; the caller frees them outside the lock. A linear scan: the cache holds the
+  // outputs of a step or two, tens of blocks.
+  std::vector<Block*> evict_locked(size_t keep) {
+    std::vector<Block*> evicted;
+    while (cached_ > keep && !free_.empty()) {
+      auto oldest = free_.begin();
+      for (auto it = free_.begin(); it != free_.end(); ++it) {
+        if (it->second->freed_at < oldest->second->freed_at) oldest = it;
+      }
+      cached_ -= oldest->second->bytes;
+      evicted.push_back(oldest->second);
+      free_.erase(oldest);
+    }
+    return evicted;
+  }
+
   void drop_above(size_t keep) {
-    std::vector<Block*> dropped;
+    std::vector<Block*> evicted;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      while (cached_ > keep && !free_.empty()) {
-        const auto it = free_.begin();
-        cached_ -= it->second->bytes;
-        dropped.push_back(it->second);
-        free_.erase(it);
-      }
+      evicted = evict_locked(keep);
     }
-    for (Block* block : dropped) destroy(block);
+    for (Block* block : evicted) destroy(block);
   }
 
   Block* fresh(size_t bytes, bool huge) {
@@ -108,7 +122,7 @@ class OutputCache final : public c10::Allocator {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
     if (huge) madvise(data, bytes, MADV_HUGEPAGE);
 #endif
-    return new Block{data, bytes, huge};
+    return new Block{data, bytes, huge, 0};
   }
 
   static void destroy(Block* block) {
@@ -116,24 +130,31 @@ class OutputCache final : public c10::Allocator {
     delete block;
   }
 
+  // The deleter of every tensor the cache made: the block is kept (older blocks making
+  // room for it) unless it alone exceeds the limit.
   static void release(void* ctx) {
     Block* block = static_cast<Block*>(ctx);
     OutputCache& cache = get();
+    std::vector<Block*> evicted;
     {
       std::lock_guard<std::mutex> lock(cache.mutex_);
-      if (cache.cached_ + block->bytes <= cache.limit_) {
+      if (block->bytes <= cache.limit_) {
+        block->freed_at = ++cache.clock_;
         cache.free_.insert({{block->bytes, block->huge}, block});
         cache.cached_ += block->bytes;
-        return;
+        evicted = cache.evict_locked(cache.limit_);
+        block = nullptr;
       }
     }
-    destroy(block);
+    for (Block* old : evicted) destroy(old);
+    if (block != nullptr) destroy(block);
   }
 
   std::mutex mutex_;
   std::multimap<std::pair<size_t, bool>, Block*> free_;  // (bytes, huge) -> block
   size_t cached_ = 0;
   size_t limit_ = kDefaultOutputCacheLimit;
+  uint64_t clock_ = 0;
 };
 
 }  // namespace

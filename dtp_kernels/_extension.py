@@ -180,8 +180,9 @@ def set_cpu_output_cache(limit_bytes: int) -> int:
     32 MiB back to the OS, and mapping and zeroing fresh pages for them cost a 2:4 step
     over 1e7 weights about a third of its time on a 2-core CPU (docs/benchmarks.md). A
     block goes back to the cache only when the last tensor using it is freed, so a live
-    tensor's memory is never handed out twice. The memory held counts in the process's
-    resident size: lower the limit where that matters. Without the compiled module there
+    tensor's memory is never handed out twice; when a freed block does not fit under the
+    limit, the blocks freed longest ago make room. The memory held counts in the
+    process's resident size: lower the limit where that matters. Without the compiled module there
     is no cache and this returns 0.
     """
     if not isinstance(limit_bytes, int) or isinstance(limit_bytes, bool):

@@ -71,6 +71,31 @@ def test_the_limit_bounds_what_is_held_and_zero_frees_it_now(cache):
     assert cpu_output_cache_info() == {"held_bytes": 0, "held_blocks": 0, "limit_bytes": 0}
 
 
+def test_a_full_cache_makes_room_by_freeing_the_longest_freed_blocks(cache):
+    mib = 1 << 20
+    set_cpu_output_cache(16 * mib)
+    ones = torch.ones(64)
+
+    def epilogue(y: torch.Tensor) -> torch.Tensor:
+        return masked_channel_epilogue(y, ones, None, "relu", backend="cpu")
+
+    y_large, y_small = torch.randn(8, 64, 64, 64), torch.randn(4, 64, 64, 64)  # 8, 4 MiB
+    old, young = epilogue(y_large), epilogue(y_large)
+    young_address = young.data_ptr()
+    small = [epilogue(y_small) for _ in range(2)]
+    small_addresses = {t.data_ptr() for t in small}
+    del old, young  # 16 MiB held: the limit
+    del small  # the block freed longest ago (old's) makes room for both
+    assert cpu_output_cache_info() == {
+        "held_bytes": 16 * mib,
+        "held_blocks": 3,
+        "limit_bytes": 16 * mib,
+    }
+    again = [epilogue(y_small), epilogue(y_small)]
+    assert {t.data_ptr() for t in again} == small_addresses
+    assert epilogue(y_large).data_ptr() == young_address
+
+
 def test_set_cpu_output_cache_returns_the_previous_limit_and_checks_its_argument(cache):
     previous = set_cpu_output_cache(123 << 20)
     assert set_cpu_output_cache(previous) == 123 << 20
