@@ -2,8 +2,8 @@
 // glibc returns every freed block above its mmap threshold (at most 32 MiB) to the OS, so
 // without a cache each step over 1e7 weights maps its mask, statistics and gradient anew,
 // and the kernel zeroes every fresh page on first touch (on a 2-core VM the 2:4 step
-// reached 0.32 of copy bandwidth so, 0.51 with the cache: docs/benchmarks.md). CUDA's
-// caching allocator does the same for GPU memory. A block returns to the cache only when its last tensor is freed, so no live
+// reached 0.32 of copy bandwidth so, 0.35-0.51 with the cache: docs/benchmarks.md).
+// CUDA's caching allocator does the same for GPU memory. A block returns to the cache only when its last tensor is freed, so no live
 // tensor's memory is ever handed out again.
 #include "cpu_output_cache.h"
 
