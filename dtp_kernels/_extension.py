@@ -179,11 +179,11 @@ def set_cpu_output_cache(limit_bytes: int) -> int:
     freed, as CUDA's caching allocator does on GPUs: glibc hands every freed block above
     32 MiB back to the OS, and with fresh pages mapped and zeroed for every output a 2:4
     step over 1e7 weights on a 2-core CPU reached 0.32 of copy bandwidth, with the cache
-    0.35-0.51 in two runs (docs/benchmarks.md). A block goes back to the cache only when the last tensor
-    using it is freed, so a live tensor's memory is never handed out twice; when a freed
-    block does not fit under the limit, the blocks freed longest ago make room. The
-    memory held counts in the process's resident size: lower the limit where that
-    matters. Without the compiled module there is no cache and this returns 0.
+    0.35-0.51 in two runs (docs/benchmarks.md). A block goes back to the cache only when
+    the last tensor using it is freed, so a live tensor's memory is never handed out
+    twice; when a freed block does not fit under the limit, the blocks freed longest ago
+    make room. The memory held counts in the process's resident size: lower the limit
+    where that matters. Without the compiled module there is no cache and this returns 0.
     """
     if not isinstance(limit_bytes, int) or isinstance(limit_bytes, bool):
         raise TypeError(f"set_cpu_output_cache: limit_bytes must be an int, got {limit_bytes!r}")
