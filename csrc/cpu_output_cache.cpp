@@ -3,8 +3,8 @@
 // without a cache each step over 1e7 weights maps its mask, statistics and gradient anew,
 // and the kernel zeroes every fresh page on first touch (on a 2-core VM the 2:4 step
 // reached 0.32 of copy bandwidth so, 0.35-0.51 with the cache: docs/benchmarks.md).
-// CUDA's caching allocator does the same for GPU memory. A block returns to the cache only when its last tensor is freed, so no live
-// tensor's memory is ever handed out again.
+// CUDA's caching allocator does the same for GPU memory. A block returns to the cache
+// only when its last tensor is freed, so no live tensor's memory is ever handed out again.
 #include "cpu_output_cache.h"
 
 #include <ATen/EmptyTensor.h>
