@@ -15,11 +15,20 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
+#include "transport_blocks_shuffles.h"
 #include "transport_math.h"
 
 namespace dtp {
 namespace blocks {
+
+// Whether a tile's loads and stores go through transport_blocks_shuffles.h: CPU tiles of
+// 16 segments of 4, float32 throughout.
+template <int M, int L, class T>
+constexpr bool shuffled_tile() {
+  return DTP_TILE_SHUFFLES && M == 4 && L == 16 && std::is_same_v<T, float>;
+}
 
 // exp(kMinScaledShift) as a double (a literal: std::exp is not available on the device).
 constexpr double kMinScaledTerm = 8.75651076269652e-27;
@@ -65,6 +74,22 @@ DTP_HOST_DEVICE inline void load_tile(const scalar_t* scores, const T* log_odds,
     in.k[l] = keep[seg0 + l];
     in.inv_eps[l] = static_cast<T>(1.0 / eps[seg0 + l]);
   }
+#if DTP_TILE_SHUFFLES
+  if constexpr (shuffled_tile<M, L, T>() && std::is_same_v<scalar_t, float>) {
+    T raw[M][L];
+    transpose_in(scores + seg0 * M, raw);
+    transpose_in(log_odds + seg0 * M, in.d);
+    for (int j = 0; j < M; ++j) {
+      for (int l = 0; l < L; ++l) {  // as below
+        const bool ok = raw[j][l] - raw[j][l] == T(0);
+        const T si = (neutral && !ok) ? T(0.5) : raw[j][l];
+        in.ok[j][l] = ok ? T(1) : T(0);
+        in.x[j][l] = in.d[j][l] + (T(2) * si - T(1)) * in.inv_eps[l];
+      }
+    }
+    return;
+  }
+#endif
   for (int l = 0; l < L; ++l) {
     for (int j = 0; j < M; ++j) {
       const int64_t i = (seg0 + l) * M + j;
@@ -249,6 +274,13 @@ DTP_HOST_DEVICE inline void forward_tile(const BlocksForwardArgs& a, int64_t seg
   for (int l = 0; l < L; ++l) held_out[l] = flag[l] != T(0);
   memcpy(a.nonfinite + seg0, held_out, sizeof(held_out));
   memcpy(static_cast<T*>(a.new_shift) + seg0, shift_out, sizeof(shift_out));
+#if DTP_TILE_SHUFFLES
+  if constexpr (shuffled_tile<M, L, T>()) {
+    transpose_out(mask_t, static_cast<T*>(a.mask) + seg0 * M);
+    transpose_out(d_t, static_cast<T*>(a.new_log_odds) + seg0 * M);
+    return;
+  }
+#endif
   T out[L][M];
   for (int l = 0; l < L; ++l) {
     for (int j = 0; j < M; ++j) out[l][j] = mask_t[j][l];
@@ -283,8 +315,15 @@ DTP_HOST_DEVICE inline void backward_tile(const BlocksBackwardArgs& a, int64_t s
                                a.eps, seg0, a.neutral, in);
   const T* gm = static_cast<const T*>(a.grad_mask) + seg0 * M;
   T g[M][L], rows[3][L];
-  for (int l = 0; l < L; ++l) {
-    for (int j = 0; j < M; ++j) g[j][l] = gm[l * M + j];
+#if DTP_TILE_SHUFFLES
+  if constexpr (shuffled_tile<M, L, T>()) {
+    transpose_in(gm, g);
+  } else
+#endif
+  {
+    for (int l = 0; l < L; ++l) {
+      for (int j = 0; j < M; ++j) g[j][l] = gm[l * M + j];
+    }
   }
   auto read_rows = [&](int64_t t) {
     for (int l = 0; l < L; ++l) {
@@ -377,6 +416,12 @@ DTP_HOST_DEVICE inline void backward_tile(const BlocksBackwardArgs& a, int64_t s
       out[j][l] = zero != T(0) ? T(0) : grad[j][l] * to_scores[l];
     }
   }
+#if DTP_TILE_SHUFFLES
+  if constexpr (shuffled_tile<M, L, T>()) {
+    transpose_out(out, static_cast<T*>(a.grad_scores) + seg0 * M);
+    return;
+  }
+#endif
   T ordered[L][M];  // segment order, copied out whole (as in forward_tile)
   for (int l = 0; l < L; ++l) {
     for (int j = 0; j < M; ++j) ordered[l][j] = out[j][l];
