@@ -74,31 +74,28 @@ DTP_HOST_DEVICE inline void load_tile(const scalar_t* scores, const T* log_odds,
     in.k[l] = keep[seg0 + l];
     in.inv_eps[l] = static_cast<T>(1.0 / eps[seg0 + l]);
   }
+  T raw[M][L];  // the scores, and in.d the log-odds, in the tile's layout
 #if DTP_TILE_SHUFFLES
   if constexpr (shuffled_tile<M, L, T>() && std::is_same_v<scalar_t, float>) {
-    T raw[M][L];
     transpose_in(scores + seg0 * M, raw);
     transpose_in(log_odds + seg0 * M, in.d);
-    for (int j = 0; j < M; ++j) {
-      for (int l = 0; l < L; ++l) {  // as below
-        const bool ok = raw[j][l] - raw[j][l] == T(0);
-        const T si = (neutral && !ok) ? T(0.5) : raw[j][l];
-        in.ok[j][l] = ok ? T(1) : T(0);
-        in.x[j][l] = in.d[j][l] + (T(2) * si - T(1)) * in.inv_eps[l];
+  } else
+#endif
+  {
+    for (int l = 0; l < L; ++l) {
+      for (int j = 0; j < M; ++j) {
+        const int64_t i = (seg0 + l) * M + j;
+        raw[j][l] = static_cast<T>(scores[i]);
+        in.d[j][l] = log_odds[i];
       }
     }
-    return;
   }
-#endif
-  for (int l = 0; l < L; ++l) {
-    for (int j = 0; j < M; ++j) {
-      const int64_t i = (seg0 + l) * M + j;
-      const T raw = static_cast<T>(scores[i]);
-      const bool ok = raw - raw == T(0);  // raw - raw is NaN for inf and NaN
-      const T si = (neutral && !ok) ? T(0.5) : raw;
+  for (int j = 0; j < M; ++j) {
+    for (int l = 0; l < L; ++l) {
+      const bool ok = raw[j][l] - raw[j][l] == T(0);  // raw - raw is NaN for inf and NaN
+      const T si = (neutral && !ok) ? T(0.5) : raw[j][l];
       in.ok[j][l] = ok ? T(1) : T(0);
-      in.d[j][l] = log_odds[i];
-      in.x[j][l] = log_odds[i] + (T(2) * si - T(1)) * in.inv_eps[l];
+      in.x[j][l] = in.d[j][l] + (T(2) * si - T(1)) * in.inv_eps[l];
     }
   }
 }
