@@ -2,7 +2,7 @@
 epoch, interleaved round by round in one run, as `dtp prune` trains.
 
     python benchmarks/bench_pipeline.py [--device cpu|cuda] [--rounds N] [--workers N]
-        [--images N] [--compile]
+        [--images N] [--compile] [--workload NAME]...
 
 CPU: CIFAR ResNet-56 (batch 256) on a generated CIFAR-10 directory (python format).
 CUDA: CIFAR ResNet-56 (batch 256) on a generated 50,000-image CIFAR-10 directory, and
@@ -14,8 +14,9 @@ the training loop waited for the next batch; on CUDA, the fraction of the wall t
 GPU spent inside training steps (CUDA events around every step: the time the GPU did
 not wait for data or the host). The DTP overhead is median(dtp) / median(dense) - 1.
 --compile runs both models under torch.compile (default mode), as `run.compile: true`
-does in `dtp prune`; the warm-up epoch compiles them. Appends rows to
-results/pipeline.csv and writes results/pipeline_<device>[_compiled].md.
+does in `dtp prune`; the warm-up epoch compiles them. After every workload, appends its
+rows to results/pipeline.csv and writes results/pipeline_<device>[_compiled].md, so a
+run stopped in a later workload keeps the finished ones.
 """
 
 from __future__ import annotations
@@ -156,6 +157,12 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=None, help="default: the pipeline's")
     parser.add_argument("--images", type=int, default=None, help="training images per epoch")
     parser.add_argument("--compile", action="store_true", help="torch.compile both models")
+    parser.add_argument(
+        "--workload",
+        action="append",
+        choices=["resnet56", "torchvision.resnet50"],
+        help="run only this workload (repeatable; default: every one of the device's)",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     env = environment(device)
@@ -168,7 +175,10 @@ def main() -> None:
         "",
     ]
     rows = []
+    out = RESULTS / f"pipeline_{device.type}{'_compiled' if args.compile else ''}.md"
     for work in workloads(device, args.images):
+        if args.workload and work["name"] not in args.workload:
+            continue
         options = RunOptions(
             work["amp"], work["channels_last"], device=device, compile=args.compile
         )
@@ -224,10 +234,11 @@ def main() -> None:
         ratio = medians["dtp"] / medians["dense"]
         lines += ["", f"DTP epoch throughput: {ratio:.1%} of dense.", ""]
         print("\n".join(lines[-len(results) - 6 :]))
-    append_rows(RESULTS / "pipeline.csv", rows)
-    out = RESULTS / f"pipeline_{device.type}{'_compiled' if args.compile else ''}.md"
-    out.write_text("\n".join(lines))
-    print(f"wrote {out}")
+        # after every workload: a run stopped in the next one keeps this one's results
+        append_rows(RESULTS / "pipeline.csv", rows)
+        rows = []
+        out.write_text("\n".join(lines))
+        print(f"wrote {out}")
 
 
 if __name__ == "__main__":

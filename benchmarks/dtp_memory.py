@@ -1,7 +1,8 @@
 """Memory of DTP's whole state per pruned weight: scores, their gradient and optimizer
 state, the transport state (current and pending), the kept counts, and what a step keeps
 from its forward for its backward, for unstructured (one segment per layer) and N:M
-pruning of the same layers.
+pruning of the same layers, with learned scores (a parameter of the pruner) and with
+magnitude scores (`scores="magnitude"`: |w| computed every forward, no score parameter).
 
     python benchmarks/dtp_memory.py [--weights N] [--no-save]
 
@@ -36,28 +37,32 @@ def state_bytes(pruner: DTPPruner, optimizer: torch.optim.Optimizer) -> dict[str
     state = pruner.state
     transport = [b for name, b in state.named_buffers() if not name.startswith("pending")]
     pending = [b for name, b in state.named_buffers() if name.startswith("pending")]
-    optim = optimizer.state.get(pruner.scores, {})
+    learned = pruner.scores is not None
+    optim = optimizer.state.get(pruner.scores, {}) if learned else {}
     return {
         "scores": nbytes([pruner.scores]),
-        "score gradient": nbytes([pruner.scores.grad]),
+        "score gradient": nbytes([pruner.scores.grad]) if learned else 0,
         "optimizer state": nbytes(v for v in optim.values() if isinstance(v, torch.Tensor)),
         "transport state": nbytes(transport),
         "pending state": nbytes(pending),
         "kept counts": nbytes([pruner.keep]),
         # the op's saved tensors besides the inputs: per (segment, pass) the shift and
-        # the two log-sum-exps, float64
-        "forward-to-backward": state.num_segments * pruner.iters * 3 * 8,
+        # the two log-sum-exps, float64; magnitude scores: also the |w| the op saves
+        "forward-to-backward": state.num_segments * pruner.iters * 3 * 8
+        + (0 if learned else pruner.state.numel * 4),
     }
 
 
-def measure(weights: int, granularity: str, optimizer_name: str) -> tuple[int, dict[str, int]]:
+def measure(
+    weights: int, granularity: str, optimizer_name: str, scores: str
+) -> tuple[int, dict[str, int]]:
     width = max(16, int((weights / 3) ** 0.5) // 16 * 16)
     layers = [nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU()]
     model = nn.Sequential(*layers, nn.Linear(width, width))
     example = torch.randn(2, width)
     options = {"granularity": "n:m"} if granularity == "2:4" else {"granularity": "weight"}
-    pruner = DTPPruner(model, example, 0.5, **options)
-    params = [*model.parameters(), pruner.scores]
+    pruner = DTPPruner(model, example, 0.5, scores=scores, **options)
+    params = [*model.parameters(), *pruner.parameters()]
     optimizer = (
         torch.optim.SGD(params, lr=0.01, momentum=0.9)
         if optimizer_name == "SGD"
@@ -65,7 +70,7 @@ def measure(weights: int, granularity: str, optimizer_name: str) -> tuple[int, d
     )
     model(example).pow(2).mean().backward()
     optimizer.step()
-    return pruner.scores.numel(), state_bytes(pruner, optimizer)
+    return pruner.state.numel, state_bytes(pruner, optimizer)
 
 
 def main() -> None:
@@ -82,16 +87,21 @@ def main() -> None:
         "",
     ]
     header = None
-    for granularity in ("weight", "2:4"):
-        for optimizer_name in ("SGD", "Adam"):
-            count, parts = measure(args.weights, granularity, optimizer_name)
-            if header is None:
-                header = ["granularity", "optimizer", *parts, "total"]
-                lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-            cells = [f"{b / count:.2f}" for b in parts.values()]
-            total = sum(parts.values()) / count
-            row = [granularity, optimizer_name, *cells, f"{total:.2f}"]
-            lines.append("| " + " | ".join(row) + " |")
+    cases = [
+        (scores, granularity, optimizer_name)
+        for scores in ("learned", "magnitude")
+        for granularity in ("weight", "2:4")
+        for optimizer_name in ("SGD", "Adam")
+    ]
+    for scores, granularity, optimizer_name in cases:
+        count, parts = measure(args.weights, granularity, optimizer_name, scores)
+        if header is None:
+            header = ["scores", "granularity", "optimizer", *parts, "total"]
+            lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+        cells = [f"{b / count:.2f}" for b in parts.values()]
+        total = sum(parts.values()) / count
+        row = [scores, granularity, optimizer_name, *cells, f"{total:.2f}"]
+        lines.append("| " + " | ".join(row) + " |")
     report = "\n".join(lines) + "\n"
     print(report)
     if not args.no_save:

@@ -46,12 +46,14 @@ DEFAULTS = {
     "pretrain": {"epochs": 0, "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4},
     # skip: module names (globs) never pruned; penalty_weight: of the FLOPs penalty.
     # granularity: filter | weight | n:m (nm: [N, M], N of every M weights kept).
+    # scores: learned (a parameter of the pruner) | magnitude (|w|, weight and n:m only).
     "prune": {
         "method": "dtp",
         "ratios": 0.5,
         "budget": "layer",
         "granularity": "filter",
         "nm": [2, 4],
+        "scores": "learned",
         "eps": 1.0,
         "iters": 1,
         "skip": [],

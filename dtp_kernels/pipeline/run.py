@@ -186,6 +186,7 @@ def prune_and_finetune(
             budget=settings["budget"],
             granularity=settings["granularity"],
             nm=tuple(settings["nm"]),
+            scores=settings["scores"],
             eps=settings["eps"],
             iters=settings["iters"],
             ignored_layers=skip,

@@ -166,6 +166,7 @@ FIELDS: dict[str, Check] = {
         lambda v: isinstance(v, list) and _nm_problem(v) is None,
         "[N, M] with 1 <= N < M and M in [4, 8, 16]",
     ),
+    "prune.scores": choice("learned", "magnitude"),
     "prune.eps": number(0, low_open=True),
     "prune.iters": integer(1),
     "prune.skip": list_of(text(), "module names or globs"),
@@ -256,6 +257,11 @@ def validate(recipe: Mapping, sources: Mapping[str, str] | None = None) -> None:
         raise RecipeError(
             f"prune.granularity = {values['prune.granularity']!r} needs prune.method dtp or "
             "l1 (one-shot magnitude); random prunes filters"
+        )
+    if values["prune.scores"] == "magnitude" and values["prune.granularity"] == "filter":
+        raise RecipeError(
+            f"prune.scores = 'magnitude' (from {_source('prune.scores', sources)}) scores "
+            "each weight by |w|: it needs prune.granularity weight or n:m, not filter"
         )
     if values["model.source"] == "python" and values["model.entry"] is None:
         raise RecipeError("model.source = 'python' needs model.entry = 'package.module:function'")

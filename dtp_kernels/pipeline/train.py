@@ -125,7 +125,8 @@ def evaluate(model: nn.Module, loader: DataLoader, options: RunOptions | None = 
 
 def make_optimizer(model: nn.Module, settings: dict, pruner: nn.Module | None = None):
     groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
-    if pruner is not None:  # scores and learned ratios: no weight decay
+    if pruner is not None and any(True for _ in pruner.parameters()):
+        # scores and learned ratios (none for magnitude scores): no weight decay
         groups.append({"params": list(pruner.parameters()), "weight_decay": 0.0})
     return torch.optim.SGD(
         groups,

@@ -176,7 +176,7 @@ class HardMasks:
         self.pruner = pruner
 
     def __enter__(self):
-        device = self.pruner.scores.device
+        device = self.pruner.keep.device
         self.pruner._source.hard = [m.to(device) for m in self.pruner.hard_masks()]
         return self.pruner
 

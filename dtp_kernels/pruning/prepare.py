@@ -81,7 +81,8 @@ def prepare(
 
     Builds a :class:`DTPPruner` (``pruner_kwargs`` go to it), adds its scores (and, under
     ``budget="flops"``, its learned ratios) to `optimizer` as a parameter group of their
-    own, and commits the transport state after every ``optimizer.step()``. Nothing else
+    own (none under ``scores="magnitude"``, where the weights are the scores), and
+    commits the transport state after every ``optimizer.step()``. Nothing else
     changes in the loop; ``pruner.export()`` gives the smaller model at the end.
 
     Args:
@@ -99,10 +100,19 @@ def prepare(
         raise ValueError(f"score_lr = {score_lr!r}; it must be a number > 0")
     if not (isinstance(score_weight_decay, (int, float)) and score_weight_decay >= 0):
         raise ValueError(f"score_weight_decay = {score_weight_decay!r}; it must be >= 0")
+    if pruner_kwargs.get("scores") == "magnitude" and score_lr is not None:
+        raise ValueError(
+            f"score_lr = {score_lr!r} with scores = 'magnitude': the scores are the weights' "
+            "|w|, trained with the model's own learning rate; leave score_lr out"
+        )
     if scheduler is not None:
         _check_scheduler(scheduler)
     pruner = DTPPruner(model, example_inputs, ratios, **pruner_kwargs)
-    params = [pruner.scores] + ([pruner.theta] if pruner.budget == "flops" else [])
+    # scores and learned ratios; no scores under scores="magnitude"
+    params = [p for p in (pruner.scores, getattr(pruner, "theta", None)) if p is not None]
+    if not params:
+        pruner.attach(inner)
+        return pruner
     first = inner.param_groups[0]
     lr = float(score_lr) if score_lr is not None else first.get("initial_lr", first["lr"])
     group = {"params": params, "lr": lr, "weight_decay": score_weight_decay}

@@ -46,6 +46,7 @@ from .masking import (
 
 MASK_AT = ("auto", "parameters", "activation")
 GRANULARITIES = ("filter", "weight", "n:m")
+SCORE_SOURCES = ("learned", "magnitude")
 EPILOGUE_BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
 
 
@@ -97,12 +98,20 @@ class DTPPruner(ChannelPruner):
             the kept count k = n sigmoid(theta) differentiable through `keep`; add
             `pruner.penalty(target)` to the loss.
         granularity: "filter" (structured: channels, exported physically smaller),
-            "weight" (unstructured: one segment per conv/linear weight, scores |w|, the
-            mask on the weights; exported with the pruned weights set to zero) or "n:m"
-            (every block of M consecutive weights along a layer's input dimension keeps
-            exactly N, one segment per block; scores |w|; exported with zeros). Under
+            "weight" (unstructured: one segment per conv/linear weight, scores from |w|
+            (see `scores`), the mask on the weights; exported with the pruned weights
+            set to zero) or "n:m" (every block of M consecutive weights along a layer's
+            input dimension keeps exactly N, one segment per block; scores from |w|;
+            exported with zeros). Under
             "n:m" each pruned layer's ratio must be 1 - N/M (or 0 to leave it whole).
         nm: (N, M) of granularity="n:m", 1 <= N < M, M in (4, 8, 16); default (2, 4).
+        scores: "learned" (default): the scores are the pruner's own parameter
+            (`pruner.scores`), initialised to the filters' L2 norms or the weights'
+            magnitudes, and trained by the optimizer; "magnitude" (granularity "weight"
+            or "n:m" only): every forward's scores are the current |w|, as the paper
+            scores weights, so the mask's gradient reaches the weights themselves and the
+            pruner keeps no score parameter, gradient or optimizer state (12 bytes per
+            weight less with SGD and momentum, 16 with Adam; `benchmarks/dtp_memory.py`).
         eps, iters, backend: passed to `transport_mask`.
         mask_at: "auto" (parameters where possible), "parameters" or "activation".
         epilogue_backend: backend of `masked_channel_epilogue` for activation masks
@@ -127,6 +136,7 @@ class DTPPruner(ChannelPruner):
         budget: str = "layer",
         granularity: str = "filter",
         nm: tuple[int, int] = (2, 4),
+        scores: str = "learned",
         eps: float = 1.0,
         iters: int = 1,
         mask_at: str = "auto",
@@ -144,7 +154,15 @@ class DTPPruner(ChannelPruner):
                 "granularity='n:m' keeps N of every block of M: budget must be 'layer', "
                 f"got {budget!r}"
             )
-        self.granularity = granularity
+        if scores not in SCORE_SOURCES:
+            raise ValueError(f"scores = {scores!r}; allowed: {list(SCORE_SOURCES)}")
+        if scores == "magnitude" and granularity == "filter":
+            raise ValueError(
+                "scores = 'magnitude' scores each weight by |w|: it needs granularity "
+                "'weight' or 'n:m', got granularity = 'filter' (filter scores are learned, "
+                "initialised to the filters' L2 norms)"
+            )
+        self.granularity, self.score_source = granularity, scores
         self.nm = nm_rules.check_nm(nm) if granularity == "n:m" else None
         if mask_at not in MASK_AT:
             raise ValueError(f"mask_at = {mask_at!r}; allowed: {list(MASK_AT)}")
@@ -172,12 +190,11 @@ class DTPPruner(ChannelPruner):
             self.theta = nn.Parameter(torch.logit(alpha.clamp(1e-4, 1 - 1e-4)).to(device))
             self._flops = FlopsRatio(self._layers, self.groups)
         if granularity == "filter":  # L2 norms of the filters (paper, Sec. 4)
-            initial = [g.unit_weights().norm(dim=1) for g in self.groups]
-        elif granularity == "n:m":  # |w| of every weight, block by block
-            initial = [nm_rules.to_blocks(g.layer.weight.detach().abs()) for g in self.groups]
-        else:  # |w| of every weight
-            initial = [g.layer.weight.detach().abs().flatten() for g in self.groups]
-        self.scores = nn.Parameter(torch.cat(initial).float().to(device))
+            initial = torch.cat([g.unit_weights().norm(dim=1) for g in self.groups])
+        else:  # |w| of every weight (block by block under n:m)
+            initial = self._magnitudes([g.layer.weight.detach() for g in self.groups])
+        # under scores="magnitude" there is no parameter: _scores() reads |w| every forward
+        self.scores = nn.Parameter(initial.float().to(device)) if scores == "learned" else None
         if self.nm is not None:  # one segment per block of M, keeping N
             n, m = self.nm
             segments, kept = [m] * (sum(self.sizes) // m), [float(n)] * (sum(self.sizes) // m)
@@ -334,10 +351,28 @@ class DTPPruner(ChannelPruner):
             products = folded_products(flat, self._fold_plan, originals)
         self._source.set_folded(products, originals)
 
+    def _magnitudes(self, weights: list[torch.Tensor]) -> torch.Tensor:
+        """|w| of the groups' weights, flat in the masks' order (N:M: block order)."""
+        order = nm_rules.to_blocks if self.nm is not None else torch.flatten
+        return torch.cat([order(w.abs()) for w in weights])
+
+    def _scores(self) -> torch.Tensor:
+        """This step's scores: the learned parameter, or |w| of the weights as they are now
+        (differentiable: the mask's gradient reaches the weights)."""
+        if self.scores is not None:
+            return self.scores
+        weights = [
+            g.layer.parametrizations.weight.original
+            if parametrize.is_parametrized(g.layer, "weight")
+            else g.layer.weight  # the first masks, computed before the masks attach
+            for g in self.groups
+        ]
+        return self._magnitudes(weights).float()
+
     def _transport(self, update: bool) -> torch.Tensor:
         """The soft masks of all groups, NaN/Inf scores read as the neutral 0.5."""
         return transport_mask(
-            self.scores,
+            self._scores(),
             self.current_keep(),
             self.state,
             eps=self.eps,
@@ -351,7 +386,7 @@ class DTPPruner(ChannelPruner):
         """The current soft masks (update=False): the top-k of each group is kept."""
         with torch.no_grad():
             mask = self._transport(update=False)
-            scores = self.scores.nan_to_num(0.5, 0.5, 0.5)
+            scores = self._scores().nan_to_num(0.5, 0.5, 0.5)
         return mask + 1e-12 * scores  # ties (masks at 0 or 1) by score
 
     def attach(self, optimizer: torch.optim.Optimizer):

@@ -124,12 +124,18 @@ def test_memory_benchmark_counts_every_part():
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import dtp_memory
 
-    count, parts = dtp_memory.measure(3 * 32 * 32, "2:4", "Adam")
+    count, parts = dtp_memory.measure(3 * 32 * 32, "2:4", "Adam", "learned")
     assert count == 3 * 32 * 32
     assert parts["scores"] == parts["score gradient"] == 4 * count
     assert parts["optimizer state"] >= 8 * count  # exp_avg and exp_avg_sq
     assert parts["forward-to-backward"] == (count // 4) * 3 * 8
     assert all(value > 0 for value in parts.values())
+    # magnitude scores: no score parameter, gradient or optimizer state; the op keeps |w|
+    same, lean = dtp_memory.measure(3 * 32 * 32, "2:4", "Adam", "magnitude")
+    assert same == count
+    assert lean["scores"] == lean["score gradient"] == lean["optimizer state"] == 0
+    assert lean["forward-to-backward"] == parts["forward-to-backward"] + 4 * count
+    assert lean["transport state"] == parts["transport state"]
 
 
 def _commit_with_torch_ops(b: dict) -> None:

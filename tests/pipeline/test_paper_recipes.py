@@ -52,6 +52,9 @@ def test_recipes_follow_the_appendix(name):
         assert loaded["finetune"]["milestones"] == ([30, 60, 75] if imagenet else [60, 90])
         assert data["batch_size"] == (64 if imagenet else 256)  # ImageNet: 64 per GPU x 4
         assert prune["lr"] == 0.1 and prune["schedule"] == "cosine"
+        # the paper scores single weights by their magnitude, filters by learned scores
+        unstructured = prune["granularity"] == "weight"
+        assert prune["scores"] == ("magnitude" if unstructured else "learned")
 
 
 @pytest.mark.parametrize(
@@ -135,6 +138,7 @@ def test_every_row_builds_its_pruner():
                 prune["ratios"],
                 budget=prune["budget"],
                 granularity=prune["granularity"],
+                scores=prune["scores"],
                 eps=prune["eps"],
                 ignored_layers=skipped_modules(model, prune["skip"]),
             )

@@ -112,6 +112,8 @@ BAD_FIELDS = [
     ("prune=3", "'prune' is a section", "prune.KEY=VALUE"),
     ("prune.lr", "is not of the form section.key=value", ""),
     ("prune.typo=1", "unknown recipe field 'prune.typo'", "known:"),
+    ("prune.scores=abs", "prune.scores = 'abs'", "['learned', 'magnitude']"),
+    ("prune.scores=magnitude", "prune.scores = 'magnitude'", "granularity weight or n:m"),
 ]
 
 
