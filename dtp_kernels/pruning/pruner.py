@@ -102,8 +102,8 @@ class DTPPruner(ChannelPruner):
             (see `scores`), the mask on the weights; exported with the pruned weights
             set to zero) or "n:m" (every block of M consecutive weights along a layer's
             input dimension keeps exactly N, one segment per block; scores from |w|;
-            exported with zeros). Under
-            "n:m" each pruned layer's ratio must be 1 - N/M (or 0 to leave it whole).
+            exported with zeros). Under "n:m" each pruned layer's ratio must be 1 - N/M
+            (or 0 to leave it whole).
         nm: (N, M) of granularity="n:m", 1 <= N < M, M in (4, 8, 16); default (2, 4).
         scores: "learned" (default): the scores are the pruner's own parameter
             (`pruner.scores`), initialised to the filters' L2 norms or the weights'
@@ -162,7 +162,7 @@ class DTPPruner(ChannelPruner):
                 "'weight' or 'n:m', got granularity = 'filter' (filter scores are learned, "
                 "initialised to the filters' L2 norms)"
             )
-        self.granularity, self.score_source = granularity, scores
+        self.granularity = granularity
         self.nm = nm_rules.check_nm(nm) if granularity == "n:m" else None
         if mask_at not in MASK_AT:
             raise ValueError(f"mask_at = {mask_at!r}; allowed: {list(MASK_AT)}")
@@ -189,12 +189,14 @@ class DTPPruner(ChannelPruner):
             alpha = torch.tensor([k / n for k, n in zip(self.kept, self.sizes, strict=True)])
             self.theta = nn.Parameter(torch.logit(alpha.clamp(1e-4, 1 - 1e-4)).to(device))
             self._flops = FlopsRatio(self._layers, self.groups)
-        if granularity == "filter":  # L2 norms of the filters (paper, Sec. 4)
-            initial = torch.cat([g.unit_weights().norm(dim=1) for g in self.groups])
-        else:  # |w| of every weight (block by block under n:m)
-            initial = self._magnitudes([g.layer.weight.detach() for g in self.groups])
-        # under scores="magnitude" there is no parameter: _scores() reads |w| every forward
-        self.scores = nn.Parameter(initial.float().to(device)) if scores == "learned" else None
+        if scores == "magnitude":  # no parameter: _scores() reads |w| every forward
+            self.scores = None
+        else:
+            if granularity == "filter":  # L2 norms of the filters (paper, Sec. 4)
+                initial = torch.cat([g.unit_weights().norm(dim=1) for g in self.groups])
+            else:  # |w| of every weight (block by block under n:m)
+                initial = self._magnitudes([g.layer.weight.detach() for g in self.groups])
+            self.scores = nn.Parameter(initial.float().to(device))
         if self.nm is not None:  # one segment per block of M, keeping N
             n, m = self.nm
             segments, kept = [m] * (sum(self.sizes) // m), [float(n)] * (sum(self.sizes) // m)
