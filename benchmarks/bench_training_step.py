@@ -82,10 +82,18 @@ def workloads(device: torch.device) -> list[dict]:
 
 
 def make_case(
-    work: dict, base: torch.nn.Module, device: torch.device, strategy, backend, graph=False
+    work: dict,
+    base: torch.nn.Module,
+    device: torch.device,
+    strategy,
+    backend,
+    graph=False,
+    compile_model=False,
 ):
     """A step function for the dense model (strategy None) or one DTP configuration;
-    graph=True captures the whole step in a CUDA graph and returns its replay."""
+    graph=True captures the whole step in a CUDA graph and returns its replay;
+    compile_model=True runs the model under torch.compile (default mode), as
+    `run.compile: true` does."""
     model = copy.deepcopy(base).to(device)
     channels = 1 if work["model"] == "digits_cnn" else 3
     gen = torch.Generator().manual_seed(0)
@@ -106,9 +114,10 @@ def make_case(
     if pruner is not None:
         pruner.attach(optimizer)
     model.train()
+    net = torch.compile(model) if compile_model else model
 
     def step() -> None:
-        training_step(model, optimizer, images, labels, pruner, amp=work["amp"])
+        training_step(net, optimizer, images, labels, pruner, amp=work["amp"])
 
     if not graph:
         return step

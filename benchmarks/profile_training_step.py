@@ -2,12 +2,15 @@
 time, dense against DTP-masked, for the bench_training_step GPU workload.
 
     python benchmarks/profile_training_step.py [--strategy fold] [--backend cuda]
+        [--compile] [--workload resnet56]
 
 For each case it reports, per step: the wall time (synchronised), the time the host
 spends issuing the step, the summed device time of its kernels and their count, and the
 kernels the masked step adds. A step whose host time is close to its wall time is
 host-bound: there its overhead is the host cost of the extra operators, not their
-kernels. Writes benchmarks/results/training_step_profile_<device>.md.
+kernels. --compile runs both models under torch.compile (default mode); --workload
+resnet56 profiles bench_pipeline.py's CIFAR ResNet-56 step (batch 256, fp32) instead of
+ResNet-50. Writes benchmarks/results/training_step_profile_<device>[_<workload>][_compiled].md.
 """
 
 from __future__ import annotations
@@ -79,15 +82,24 @@ def main() -> None:
     parser.add_argument(
         "--python", action="store_true", help="also print cProfile top functions of both"
     )
+    parser.add_argument("--compile", action="store_true", help="torch.compile both models")
+    parser.add_argument(
+        "--workload", choices=["default", "resnet56"], default="default", help=__doc__
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     env = environment(device)
     work = workloads(device)[-1]  # CPU: the small digits CNN
+    if args.workload == "resnet56":  # bench_pipeline.py's CIFAR workload
+        work = dict(model="resnet56", batch=256, size=32, classes=10, amp=None, channels_last=False)
     torch.manual_seed(0)
     base = get_model(work["model"], num_classes=work["classes"])
     masked = f"{args.strategy}/{args.backend}"
     names = {"dense": (None, None), masked: (args.strategy, args.backend)}
-    steps = {name: make_case(work, base, device, *spec) for name, spec in names.items()}
+    steps = {
+        name: make_case(work, base, device, *spec, compile_model=args.compile)
+        for name, spec in names.items()
+    }
     for step in steps.values():
         for _ in range(3):
             step()
@@ -96,7 +108,8 @@ def main() -> None:
         "",
         f"device: {env['device']}; torch {env['torch']}; triton {env['triton']}; "
         f"date {env['date']}; {work['model']} batch {work['batch']}"
-        f"{' bf16 channels_last' if work['amp'] else ''}; "
+        f"{' bf16 channels_last' if work['amp'] else ''}"
+        f"{'; torch.compile (default mode)' if args.compile else ''}; "
         f"medians of {args.rounds} alternating steps",
         "",
         "| case | wall ms | host issue ms | device busy ms | kernels |",
@@ -137,7 +150,9 @@ def main() -> None:
     report = "\n".join([*lines, ""])
     print(report)
     if device.type == "cuda":
-        (RESULTS / f"training_step_profile_{device.type}.md").write_text(report)
+        suffix = "" if args.workload == "default" else f"_{args.workload}"
+        suffix += "_compiled" if args.compile else ""
+        (RESULTS / f"training_step_profile_{device.type}{suffix}.md").write_text(report)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 # go to $OUT/session.tar (one file: the device tool brings back at most 8), written again
 # after every step.
 #
-#   OUT=/tmp/gpu bash tools/gpu_session.sh [tests|host|bench|train|vit|pipeline|pipeline-compiled|scale|all]...
+#   OUT=/tmp/gpu bash tools/gpu_session.sh [tests|host|bench|train|vit|pipeline|pipeline-compiled|profile-pipeline|scale|all]...
 #
 # tests: every test marked cuda but not slow (on $WORKERS pytest-xdist workers, default 4)
 # and, at the same time, `dtp prune` on the GPU (tests/pipeline/test_pipeline_gpu.py, on 3
@@ -15,8 +15,9 @@
 # N:M steps and 2:4 semi-structured layers; pipeline: whole epochs with the data loader
 # (bench_pipeline.py); pipeline-compiled: the same under torch.compile (not in all: its
 # four compilations take minutes; on an H200, run 11, the ResNet-56 workload and part of
-# ResNet-50's took 300 s: PIPELINE_WORKLOADS=torchvision.resnet50 runs one); all: every
-# other one. Benchmarks run one at a time,
+# ResNet-50's took 300 s: PIPELINE_WORKLOADS=torchvision.resnet50 runs one);
+# profile-pipeline: the CIFAR ResNet-56 step of `pipeline` profiled, eager and compiled
+# (profile_training_step.py --workload resnet56 [--compile]); all: every other one. Benchmarks run one at a time,
 # after the tests.
 #
 # The build is skipped when csrc/ and setup.py are unchanged since the last build on the
@@ -129,6 +130,12 @@ for step in $steps; do
     for name in ${PIPELINE_WORKLOADS:-}; do names+=(--workload "$name"); done
     run bench_pipeline_compiled 500 $PY benchmarks/bench_pipeline.py --device cuda --compile \
       --rounds "${PIPELINE_ROUNDS:-3}" "${names[@]}"
+    ;;&
+  profile-pipeline)
+    # where the CIFAR ResNet-56 epoch's DTP overhead goes, eager and compiled
+    run profile_resnet56 120 $PY benchmarks/profile_training_step.py --workload resnet56
+    run profile_resnet56_compiled 240 $PY benchmarks/profile_training_step.py \
+      --workload resnet56 --compile
     ;;&
   scale | all)
     run bench_nm_step 120 $PY benchmarks/bench_nm_step.py --device cuda --rounds 5
