@@ -43,7 +43,7 @@ def reference_step(dense: nn.Module, granularity: str, keep: list[float], state_
         masked[f"{name}.weight"] = w * shaped
     loss = functional_call(dense.double(), masked, (X.double(),)).square().mean()
     loss.backward()
-    return loss, {n: p.grad for n, p in params.items()}
+    return mask.detach(), loss, {n: p.grad for n, p in params.items()}
 
 
 @pytest.mark.parametrize("granularity", ["weight", "n:m"])
@@ -60,7 +60,8 @@ def test_masks_and_weight_gradients_equal_the_reference_on_the_weights_magnitude
         sizes, keep = [4] * (sum(pruner.sizes) // 4), [2.0] * (sum(pruner.sizes) // 4)
     else:
         sizes, keep = pruner.sizes, [n - -(-n // 2) for n in pruner.sizes]
-    expected_loss, grads = reference_step(dense, granularity, keep, sizes)
+    expected_mask, expected_loss, grads = reference_step(dense, granularity, keep, sizes)
+    torch.testing.assert_close(pruner._source.flat.double(), expected_mask, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(loss.double(), expected_loss, rtol=1e-5, atol=1e-7)
     for name, layer in model.named_children():
         if name in LAYERS:
@@ -77,7 +78,7 @@ def test_learned_scores_do_not_give_the_weights_the_masks_gradient():
     DTPPruner(model, X[:1], 0.5, granularity="weight", backend="cpu")
     model(X).square().mean().backward()
     sizes = [8 * 8 * 9, 16 * 128]
-    _, grads = reference_step(net(), "weight", [n - -(-n // 2) for n in sizes], sizes)
+    _, _, grads = reference_step(net(), "weight", [n - -(-n // 2) for n in sizes], sizes)
     got = model[0].parametrizations.weight.original.grad.double()
     assert not torch.allclose(got, grads["0.weight"], rtol=1e-4, atol=1e-6)
 
