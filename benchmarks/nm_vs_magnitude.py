@@ -1,5 +1,7 @@
 """Does learning an N:M mask matter? DTP N:M against one-shot magnitude N:M (the largest
-|w| of each block) at the same pattern and with the same fine-tuning, over several seeds:
+|w| of each block) at the same pattern and with the same fine-tuning, over several seeds,
+DTP with learned scores started at |w| (the default) and with the weights' current |w|
+as scores (`scores="magnitude"`):
 
 - `--model digits`: the digits CNN through `dtp prune` (its first conv, one input
   channel, stays dense); accuracy;
@@ -38,7 +40,11 @@ from dtp_kernels.transformer_demo import llama_task
 
 RECIPE = Path(__file__).resolve().parents[1] / "dtp_kernels" / "configs" / "digits.yaml"
 LLAMA_STEPS = (600, 150, 150)  # pre-training, DTP, fine-tuning (as the transformer demo)
-METHODS = (("l1", "magnitude (one shot)"), ("dtp", "DTP"))
+METHODS = (
+    ("l1", "magnitude (one shot)"),
+    ("dtp", "DTP"),  # learned scores started at |w| (the default)
+    ("dtp-magnitude", "DTP, scores = current abs(w)"),  # scores="magnitude"
+)
 
 
 def parse_pattern(pattern: str) -> tuple[int, int]:
@@ -55,7 +61,8 @@ def digits_runs(pattern: str, seeds: list[int]) -> dict[str, list[dict]]:
         for seed in seeds:
             overrides = [
                 f"seed={seed}",
-                f"prune.method={method}",
+                f"prune.method={'dtp' if method.startswith('dtp') else method}",
+                f"prune.scores={'magnitude' if method == 'dtp-magnitude' else 'learned'}",
                 "prune.granularity=n:m",
                 f"prune.nm=[{n}, {m}]",
                 f"prune.ratios={1 - n / m}",
@@ -88,9 +95,12 @@ def llama_runs(pattern: str, seeds: list[int]) -> dict[str, list[dict]]:
             task.generator.set_state(windows_from)
             model = copy.deepcopy(task.model)
             options = {"granularity": "n:m", "nm": (n, m), "ignored_layers": [model.lm_head]}
-            if method == "dtp":
+            if method.startswith("dtp"):
                 optimizer = task.new_optimizer(model)
-                pruner = prepare(model, optimizer, task.example, 1 - n / m, **options)
+                scores = "magnitude" if method == "dtp-magnitude" else "learned"
+                pruner = prepare(
+                    model, optimizer, task.example, 1 - n / m, scores=scores, **options
+                )
                 task.train_steps(model, optimizer, LLAMA_STEPS[1])
                 small, steps = pruner.export(), LLAMA_STEPS[2]
             else:  # the untrained pruner's masks: the largest |w| of every block
