@@ -34,7 +34,7 @@ def test_stdlib_text_is_split_by_file():
 
 
 def test_nm_vs_magnitude_llama_rows(monkeypatch):
-    """The N:M comparison on the Llama runs both methods from one pre-trained model."""
+    """The N:M comparison on the Llama runs every method from one pre-trained model."""
     import sys
     from pathlib import Path
 
@@ -43,7 +43,8 @@ def test_nm_vs_magnitude_llama_rows(monkeypatch):
 
     monkeypatch.setattr(nm_vs_magnitude, "LLAMA_STEPS", (3, 2, 2))
     runs = nm_vs_magnitude.llama_runs("2:4", [0])
-    assert set(runs) == {"l1", "dtp"}
-    assert runs["l1"][0]["dense"] == runs["dtp"][0]["dense"]
+    assert set(runs) == {"l1", "dtp", "dtp-magnitude"}
+    assert runs["l1"][0]["dense"] == runs["dtp"][0]["dense"] == runs["dtp-magnitude"][0]["dense"]
+    assert runs["dtp"][0]["export"] != runs["dtp-magnitude"][0]["export"]  # other scores
     for (row,) in runs.values():
         assert all(1.0 < value < 300.0 for value in row.values())
