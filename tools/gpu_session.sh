@@ -17,8 +17,8 @@
 # four compilations take minutes; on an H200, run 11, the ResNet-56 workload and part of
 # ResNet-50's took 300 s: PIPELINE_WORKLOADS=torchvision.resnet50 runs one);
 # profile-pipeline: the CIFAR ResNet-56 step of `pipeline` profiled, eager and compiled
-# (profile_training_step.py --workload resnet56 [--compile]); all: every other one. Benchmarks run one at a time,
-# after the tests.
+# (profile_training_step.py --workload resnet56 [--compile]); all: every other one.
+# Benchmarks run one at a time, after the tests.
 #
 # The build is skipped when csrc/ and setup.py are unchanged since the last build on the
 # same machine (a second call on a warm machine starts at once). On an H200 (2026-11-27,
