@@ -125,9 +125,10 @@ def evaluate(model: nn.Module, loader: DataLoader, options: RunOptions | None = 
 
 def make_optimizer(model: nn.Module, settings: dict, pruner: nn.Module | None = None):
     groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
-    if pruner is not None and any(True for _ in pruner.parameters()):
-        # scores and learned ratios (none for magnitude scores): no weight decay
-        groups.append({"params": list(pruner.parameters()), "weight_decay": 0.0})
+    # the pruner's scores and learned ratios (none for magnitude scores): no weight decay
+    extra = list(pruner.parameters()) if pruner is not None else []
+    if extra:
+        groups.append({"params": extra, "weight_decay": 0.0})
     return torch.optim.SGD(
         groups,
         lr=settings["lr"],

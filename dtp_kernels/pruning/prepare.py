@@ -110,17 +110,15 @@ def prepare(
     pruner = DTPPruner(model, example_inputs, ratios, **pruner_kwargs)
     # scores and learned ratios; no scores under scores="magnitude"
     params = [p for p in (pruner.scores, getattr(pruner, "theta", None)) if p is not None]
-    if not params:
-        pruner.attach(inner)
-        return pruner
-    first = inner.param_groups[0]
-    lr = float(score_lr) if score_lr is not None else first.get("initial_lr", first["lr"])
-    group = {"params": params, "lr": lr, "weight_decay": score_weight_decay}
-    if "initial_lr" in first:  # set by a scheduler: the new group starts where it would
-        group["initial_lr"] = lr
-        group["lr"] = lr * first["lr"] / first["initial_lr"] if first["initial_lr"] else lr
-    inner.add_param_group(group)
-    if scheduler is not None:
-        _extend_scheduler(scheduler, lr)
+    if params:
+        first = inner.param_groups[0]
+        lr = float(score_lr) if score_lr is not None else first.get("initial_lr", first["lr"])
+        group = {"params": params, "lr": lr, "weight_decay": score_weight_decay}
+        if "initial_lr" in first:  # set by a scheduler: the new group starts where it would
+            group["initial_lr"] = lr
+            group["lr"] = lr * first["lr"] / first["initial_lr"] if first["initial_lr"] else lr
+        inner.add_param_group(group)
+        if scheduler is not None:
+            _extend_scheduler(scheduler, lr)
     pruner.attach(inner)
     return pruner

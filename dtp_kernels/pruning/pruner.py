@@ -371,10 +371,11 @@ class DTPPruner(ChannelPruner):
         ]
         return self._magnitudes(weights).float()
 
-    def _transport(self, update: bool) -> torch.Tensor:
-        """The soft masks of all groups, NaN/Inf scores read as the neutral 0.5."""
+    def _transport(self, update: bool, scores: torch.Tensor | None = None) -> torch.Tensor:
+        """The soft masks of all groups (from `scores`, default this step's), NaN/Inf
+        scores read as the neutral 0.5."""
         return transport_mask(
-            self._scores(),
+            self._scores() if scores is None else scores,
             self.current_keep(),
             self.state,
             eps=self.eps,
@@ -387,9 +388,9 @@ class DTPPruner(ChannelPruner):
     def channel_scores(self) -> torch.Tensor:
         """The current soft masks (update=False): the top-k of each group is kept."""
         with torch.no_grad():
-            mask = self._transport(update=False)
-            scores = self._scores().nan_to_num(0.5, 0.5, 0.5)
-        return mask + 1e-12 * scores  # ties (masks at 0 or 1) by score
+            scores = self._scores()  # |w| computed once under scores="magnitude"
+            mask = self._transport(update=False, scores=scores)
+        return mask + 1e-12 * scores.nan_to_num(0.5, 0.5, 0.5)  # ties (masks at 0 or 1)
 
     def attach(self, optimizer: torch.optim.Optimizer):
         """Commit the transport state after every `optimizer.step()`; returns the handle.
