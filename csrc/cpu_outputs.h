@@ -9,9 +9,10 @@
 
 #include <atomic>
 #include <cstdint>
-#include <initializer_list>
+#include <utility>
 
 #include "cpu_output_cache.h"
+#include "lent_state_outputs.h"
 
 namespace dtp {
 
@@ -42,54 +43,11 @@ inline at::Tensor empty_output_like(const at::Tensor& t) {
   return cached_empty(t.sizes(), t.options(), format);
 }
 
-// TransportState's pending buffers, lent by the eager step entry (transport_step.cpp) to
-// the CPU kernel of dtp::transport_mask it calls, which writes the next log-odds, shift
-// and non-finite flags straight into them: no allocation of a state-sized output (fresh
-// pages) and no copy afterwards.
-struct StateOutputs {
-  at::Tensor log_odds, shift, nonfinite;
-};
-
-// The buffers lent to the next CPU kernel on this thread (null: none). The kernel takes
-// them at most once (take_state_outputs), so an op nested inside cannot write them too.
-inline thread_local const StateOutputs* lent_state_outputs = nullptr;
-
-// Lends `outputs` for the scope of one op call.
-class LendStateOutputs {
- public:
-  explicit LendStateOutputs(const StateOutputs* outputs) : previous_(lent_state_outputs) {
-    lent_state_outputs = outputs;
-  }
-  ~LendStateOutputs() { lent_state_outputs = previous_; }
-  LendStateOutputs(const LendStateOutputs&) = delete;
-  LendStateOutputs& operator=(const LendStateOutputs&) = delete;
-
- private:
-  const StateOutputs* previous_;
-};
-
-// The lent buffers when they fit the kernel's outputs exactly (contiguous CPU tensors
-// of the state's dtype and sizes, none aliasing an input), else fresh outputs.
+// The next state's outputs of a CPU kernel: TransportState's pending buffers when the
+// eager step entry lent them (lent_state_outputs.h), else fresh ones.
 inline StateOutputs take_state_outputs(const at::Tensor& scores, const at::Tensor& log_odds,
                                        const at::Tensor& shift) {
-  const StateOutputs* lent = lent_state_outputs;
-  lent_state_outputs = nullptr;
-  const auto fits = [](const at::Tensor& out, const at::Tensor& like, at::ScalarType dtype) {
-    return out.defined() && out.device().is_cpu() && out.is_contiguous() &&
-           out.scalar_type() == dtype && out.numel() == like.numel();
-  };
-  const auto apart = [](const at::Tensor& out, std::initializer_list<const at::Tensor*> inputs) {
-    for (const at::Tensor* t : inputs) {
-      if (out.storage().is_alias_of(t->storage())) return false;
-    }
-    return true;
-  };
-  if (lent != nullptr && fits(lent->log_odds, log_odds, log_odds.scalar_type()) &&
-      fits(lent->shift, shift, shift.scalar_type()) && fits(lent->nonfinite, shift, at::kBool) &&
-      apart(lent->log_odds, {&scores, &log_odds, &shift}) &&
-      apart(lent->shift, {&scores, &log_odds, &shift})) {
-    return *lent;
-  }
+  if (auto lent = take_lent_state_outputs(scores, log_odds, shift)) return *std::move(lent);
   return {empty_output({log_odds.numel()}, log_odds.options()), at::empty_like(shift),
           at::empty({shift.numel()}, shift.options().dtype(at::kBool))};
 }

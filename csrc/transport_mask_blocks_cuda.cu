@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "common.h"
+#include "lent_state_outputs.h"
 #include "transport_blocks.h"
 #include "transport_blocks_tile.h"
 
@@ -73,10 +74,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport
   const at::Tensor &scores = in.scores, &log_odds = in.log_odds;
   const auto shift = shift_in.contiguous();
   auto mask_acc = at::empty({scores.numel()}, log_odds.options());
-  auto new_d = at::empty_like(log_odds);
-  auto new_shift = at::empty_like(shift);
+  const StateOutputs next = lent_or_empty_state_outputs(scores, log_odds, shift);
+  const at::Tensor &new_d = next.log_odds, &new_shift = next.shift, &nonfinite = next.nonfinite;
   auto stats = at::empty({nseg, iters, 3}, log_odds.options().dtype(at::kDouble));
-  auto nonfinite = at::empty({nseg}, log_odds.options().dtype(at::kBool));
   const blocks::BlocksForwardArgs a = in.forward_args(shift, mask_acc, new_d, new_shift, stats,
                                                       nonfinite, iters, neutral_nonfinite);
   run_blocks(a, nseg, m, scores.scalar_type());

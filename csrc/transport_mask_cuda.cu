@@ -23,6 +23,7 @@
 
 #include "block_sums.cuh"
 #include "common.h"
+#include "lent_state_outputs.h"
 #include "transport_blocks.h"
 #include "transport_math.h"
 
@@ -66,11 +67,12 @@ template <class scalar_t, class acc_t>
 struct Inputs {
   const scalar_t* scores;
   const int64_t* offsets;  // nseg + 1 entries
-  const double* keep;      // nseg
+  const void* keep;        // nseg, float64 or (keep_double false) float32: read as given
   const double* eps;       // nseg
   const acc_t* log_odds;   // current state d
   int64_t nseg, iters, blocks_per_seg;
   bool neutral;  // non-finite scores enter as 0.5 with zero gradient
+  bool keep_double;
 };
 
 template <class scalar_t, class acc_t>
@@ -93,7 +95,7 @@ struct BwdParams : Inputs<scalar_t, acc_t> {
   const double* stats;
   double* coef;  // (nseg, iters - 1): the chain's coefficient of each earlier pass
   scalar_t* grad_scores;
-  double* grad_keep;
+  void* grad_keep;  // keep's dtype
   // split schedule's workspace
   BwdSeg* seg;
   Quad<double>* quad_part;
@@ -108,10 +110,17 @@ struct Segment {
   bool degenerate;
 };
 
+template <class scalar_t, class acc_t>
+__device__ __forceinline__ double keep_at(const Inputs<scalar_t, acc_t>& p, int64_t s) {
+  return p.keep_double ? static_cast<const double*>(p.keep)[s]
+                       : static_cast<double>(static_cast<const float*>(p.keep)[s]);
+}
+
 template <class P>
 __device__ __forceinline__ Segment segment_at(const P& p, int64_t s) {
   const int64_t begin = p.offsets[s], end = p.offsets[s + 1];
-  return {s, begin, end, end - begin, p.keep[s], is_degenerate(p.keep[s], end - begin)};
+  const double k = keep_at(p, s);
+  return {s, begin, end, end - begin, k, is_degenerate(k, end - begin)};
 }
 
 // The elements [lo, hi) of a segment this block covers: all of it when blocks_per_seg
@@ -318,9 +327,14 @@ __device__ __forceinline__ void grad_output_phase(const BwdParams<scalar_t, acc_
                                                   const BwdSeg& st, const Segment& g, acc_t inv_eps,
                                                   int64_t lo, int64_t hi, bool flags) {
   if (flags) {
-    p.grad_keep[g.index] =
+    const double grad_keep =
         g.degenerate ? st.gs / static_cast<double>(g.n)
                      : st.gp + st.grad_bias * g.n / (g.k * (static_cast<double>(g.n) - g.k));
+    if (p.keep_double) {
+      static_cast<double*>(p.grad_keep)[g.index] = grad_keep;
+    } else {
+      static_cast<float*>(p.grad_keep)[g.index] = static_cast<float>(grad_keep);
+    }
   }
   const double* last = p.stats + (g.index * p.iters + p.iters - 1) * 3;
   const acc_t dl = static_cast<acc_t>(last[0]), l1 = static_cast<acc_t>(last[1]);
@@ -469,7 +483,7 @@ __global__ void split_bwd_start_kernel(const BwdParams<scalar_t, acc_t> p) {
   const Quad<double>* part = p.quad_part + s * p.blocks_per_seg;
   Quad<double> sums = part[0];
   for (int64_t b = 1; b < p.blocks_per_seg; ++b) sums = sums + part[b];
-  p.seg[s] = start_backward(sums, p.keep[s]);
+  p.seg[s] = start_backward(sums, keep_at(p, s));
 }
 
 template <class scalar_t, class acc_t>
@@ -554,10 +568,22 @@ void check_devices(const at::Tensor& scores, std::initializer_list<const at::Ten
 }
 
 // The inputs both directions read, as contiguous device tensors kept alive by the caller.
+// keep stays float32 or float64 as given (the kernels read either; a conversion would be
+// one more launch and allocation per step in each direction), other dtypes become float64.
 struct InputTensors {
   at::Tensor scores, offsets, keep, eps, log_odds;
   int64_t nseg, blocks_per_seg;
 };
+
+at::Tensor kernel_keep(const at::Tensor& keep) {
+  const auto dtype = keep.scalar_type();
+  return (dtype == at::kFloat || dtype == at::kDouble ? keep : keep.to(at::kDouble)).contiguous();
+}
+
+// t in `dtype`, contiguous; no dispatch when it already is (the usual case every step).
+at::Tensor contiguous_as(const at::Tensor& t, at::ScalarType dtype) {
+  return (t.scalar_type() == dtype ? t : t.to(dtype)).contiguous();
+}
 
 // The checks both directions make before anything is read or converted.
 void check_inputs(const at::Tensor& scores, const at::Tensor& offsets, const at::Tensor& keep,
@@ -582,8 +608,8 @@ InputTensors input_tensors(const at::Tensor& scores, const at::Tensor& offsets,
   const int64_t nseg = offsets.numel() - 1;
   return {scores.contiguous(),
           offsets.contiguous(),
-          keep.to(at::kDouble).contiguous(),
-          eps.to(at::kDouble).contiguous(),
+          kernel_keep(keep),
+          contiguous_as(eps, at::kDouble),
           log_odds.contiguous(),
           nseg,
           blocks_per_segment(scores.numel(), nseg, requested_blocks)};
@@ -593,7 +619,8 @@ template <class scalar_t, class acc_t>
 void fill_inputs(Inputs<scalar_t, acc_t>& p, const InputTensors& in, int64_t iters, bool neutral) {
   p.scores = in.scores.data_ptr<scalar_t>();
   p.offsets = in.offsets.data_ptr<int64_t>();
-  p.keep = in.keep.data_ptr<double>();
+  p.keep = in.keep.const_data_ptr();
+  p.keep_double = in.keep.scalar_type() == at::kDouble;
   p.eps = in.eps.data_ptr<double>();
   p.log_odds = in.log_odds.data_ptr<acc_t>();
   p.nseg = in.nseg;
@@ -686,10 +713,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport
   const c10::cuda::CUDAGuard guard(scores.device());
   const auto shift = shift_in.contiguous();
   auto mask = at::empty_like(in.scores);
-  auto new_d = at::empty_like(in.log_odds);
-  auto new_shift = at::empty_like(shift);
+  const StateOutputs next = lent_or_empty_state_outputs(in.scores, in.log_odds, shift);
+  const at::Tensor &new_d = next.log_odds, &new_shift = next.shift, &nonfinite = next.nonfinite;
   auto stats = at::empty({in.nseg, iters, 3}, in.log_odds.options().dtype(at::kDouble));
-  auto nonfinite = at::empty({in.nseg}, in.log_odds.options().dtype(at::kBool));
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, in.scores.scalar_type(), "transport_mask_cuda", [&] {
         using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
@@ -722,12 +748,14 @@ std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cuda(
   const InputTensors in = input_tensors(scores, offsets, keep, eps, log_odds, blocks_per_segment);
   const c10::cuda::CUDAGuard guard(scores.device());
   const auto stats = stats_in.contiguous();
-  const auto g = grad_mask.to(in.log_odds.scalar_type()).contiguous();
+  const auto g = contiguous_as(grad_mask, in.log_odds.scalar_type());
   const int64_t iters = stats.size(1);
   auto grad_scores = at::empty_like(in.scores);
-  auto grad_keep = at::empty({in.nseg}, in.log_odds.options().dtype(at::kDouble));
-  auto coef = at::empty({in.nseg * std::max<int64_t>(iters - 1, 1)},
-                        in.log_odds.options().dtype(at::kDouble));
+  auto grad_keep = at::empty({in.nseg}, in.keep.options());  // float32 or float64
+  // The chain's coefficients exist from two passes on (the paper's one pass has none).
+  auto coef = iters > 1
+                  ? at::empty({in.nseg * (iters - 1)}, in.log_odds.options().dtype(at::kDouble))
+                  : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, in.scores.scalar_type(), "transport_mask_backward_cuda", [&] {
         using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
@@ -735,12 +763,14 @@ std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cuda(
         fill_inputs(p, in, iters, neutral);
         p.grad_mask = g.data_ptr<acc_t>();
         p.stats = stats.data_ptr<double>();
-        p.coef = coef.data_ptr<double>();
+        p.coef = coef.defined() ? coef.data_ptr<double>() : nullptr;
         p.grad_scores = grad_scores.data_ptr<scalar_t>();
-        p.grad_keep = grad_keep.data_ptr<double>();
+        p.grad_keep = grad_keep.data_ptr();
         launch_backward(p, in.scores);
       });
-  return {grad_scores, grad_keep.to(keep.scalar_type())};
+  return {grad_scores, grad_keep.scalar_type() == keep.scalar_type()
+                           ? grad_keep
+                           : grad_keep.to(keep.scalar_type())};
 }
 
 TORCH_LIBRARY_IMPL(dtp, CUDA, m) {

@@ -11,7 +11,7 @@
 #include <cstring>
 #include <utility>
 
-#include "cpu_outputs.h"
+#include "lent_state_outputs.h"
 
 namespace dtp {
 
@@ -28,9 +28,9 @@ at::Tensor transport_mask_step(const at::Tensor& scores, const at::Tensor& offse
           .findSchemaOrThrow("dtp::transport_mask", "")
           .typed<Outputs(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const at::Tensor&, const at::Tensor&, int64_t, bool, int64_t, int64_t)>();
-  // The CPU kernel writes the next state straight into the pending buffers when they fit
-  // (csrc/cpu_outputs.h); otherwise (CUDA, float64 scores on a float32 state) the op
-  // returns new tensors and they are copied.
+  // The kernel (CPU or CUDA) writes the next state straight into the pending buffers when
+  // they fit (csrc/lent_state_outputs.h); otherwise (float64 scores on a float32 state, or
+  // a backend without the lending) the op returns new tensors and they are copied.
   const StateOutputs lent{pending_log_odds, pending_shift, pending_nonfinite};
   Outputs outputs;
   {

@@ -211,21 +211,24 @@ def test_eager_step_entry_equals_the_op_and_write_pending(
 LENT_LAYOUTS = {"general": ([300, 5], [100.0, 2.0]), "tiny": ([4] * 37, [2.0] * 37)}
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("layout", sorted(LENT_LAYOUTS))
 @pytest.mark.parametrize("scores_dtype", [torch.float32, torch.float64], ids=["lent", "copied"])
-def test_cpu_step_writes_the_next_state_into_the_pending_buffers(scores_dtype, layout):
-    """On CPU the eager step lends TransportState's pending buffers to the kernel, which
-    writes the next log-odds, shift and flags into them: no copies, and the same buffers
-    (bumped versions). float64 scores on a float32 state cannot be lent: three copies."""
-    require_backend("cpu", "cpu")
+def test_step_writes_the_next_state_into_the_pending_buffers(scores_dtype, layout, device):
+    """The eager step lends TransportState's pending buffers to the kernel (CPU or CUDA),
+    which writes the next log-odds, shift and flags into them: no copies, and the same
+    buffers (bumped versions). float64 scores on a float32 state cannot be lent: three
+    copies."""
+    require_backend(device, device)
     sizes, keep = LENT_LAYOUTS[layout]
-    state = TransportState(sizes)
+    state = TransportState(sizes, device=device)
     assert state.segment_size == (4 if layout == "tiny" else 0)
     buffers = [state.pending_log_odds, state.pending_shift, state.pending_nonfinite]
     versions = [b._version for b in buffers]
-    scores = torch.rand(sum(sizes), dtype=scores_dtype)
+    scores = torch.rand(sum(sizes), dtype=scores_dtype).to(device)
+    keep = torch.tensor(keep, device=device)  # made here: a host-to-device copy is not the step's
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        transport_mask(scores, keep, state, backend="cpu")
+        transport_mask(scores, keep, state, backend=device)
     copies = sum(e.count for e in prof.key_averages() if e.key == "aten::copy_")
     if scores_dtype == torch.float32:
         assert copies == 0
@@ -234,13 +237,14 @@ def test_cpu_step_writes_the_next_state_into_the_pending_buffers(scores_dtype, l
     assert [state.pending_log_odds, state.pending_shift, state.pending_nonfinite] == buffers
     assert all(b._version > v for b, v in zip(buffers, versions, strict=True))
     ref = TransportState(sizes, dtype=torch.float64)
-    transport_mask(scores.double(), keep, ref, backend="reference")
+    transport_mask(scores.double().cpu(), keep.cpu(), ref, backend="reference")
     torch.testing.assert_close(
-        state.pending_log_odds.double(), ref.pending_log_odds, rtol=1e-5, atol=1e-6
+        state.pending_log_odds.double().cpu(), ref.pending_log_odds, rtol=1e-5, atol=1e-6
     )
     torch.testing.assert_close(
-        state.pending_shift.double(), ref.pending_shift, rtol=1e-5, atol=1e-6
+        state.pending_shift.double().cpu(), ref.pending_shift, rtol=1e-5, atol=1e-6
     )
+    assert state.pending_nonfinite.tolist() == ref.pending_nonfinite.tolist()
 
 
 @pytest.mark.parametrize("layout", sorted(LENT_LAYOUTS))
@@ -624,6 +628,35 @@ def test_large_segments_take_split_schedule_and_match(iters):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
     torch.testing.assert_close(out[0][0].double().cpu(), mask.detach(), rtol=2e-5, atol=1e-6)
     assert torch.allclose(out[0][0].sum(0).double().cpu(), torch.tensor(sum(keep)).double())
+
+
+@pytest.mark.parametrize("blocks", [0, 3], ids=["fused", "split"])
+@pytest.mark.parametrize("keep_dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.cuda
+def test_cuda_kernels_read_keep_in_its_own_dtype(keep_dtype, blocks):
+    """The CUDA kernels read a float32 or float64 keep as given and write its gradient in
+    that dtype (other dtypes go through float64): the mask and both gradients equal the
+    reference's for each, in both schedules."""
+    if "cuda" not in cuda_backends():
+        pytest.skip("the CUDA kernels are not built")
+    layout = [(7, 2.5), (300, 120.0), (1, 1.0), (40, 0.0)]
+    sizes, kept = [n for n, _ in layout], [k for _, k in layout]
+    scores = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(5)) * 2
+    weights = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(6))
+    results = {}
+    for device, backend, dtype in (("cpu", "reference", torch.float64), (CUDA, "cuda", None)):
+        s = scores.to(device, dtype or torch.float32).requires_grad_(True)
+        k = torch.tensor(kept, dtype=dtype or keep_dtype, device=device, requires_grad=True)
+        state = TransportState(sizes, dtype=dtype or torch.float32, device=device)
+        options = {"blocks_per_segment": blocks} if backend == "cuda" else {}
+        mask = transport_mask(s, k, state, backend=backend, **options)
+        (weights.to(device, mask.dtype) * mask).sum().backward()
+        assert k.grad.dtype == k.dtype
+        results[backend] = [t.detach().double().cpu() for t in (mask, s.grad, k.grad)]
+    for name, got, want in zip(
+        ("mask", "scores' grad", "keep's grad"), results["cuda"], results["reference"], strict=True
+    ):
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-5, msg=name)
 
 
 # (device, backend, blocks per segment): 0 = the backend's own choice (fused at this
