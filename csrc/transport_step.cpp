@@ -62,8 +62,9 @@ at::Tensor transport_mask_step(const at::Tensor& scores, const at::Tensor& offse
 
 namespace {
 
-bool contiguous_cpu(const at::Tensor& t, at::ScalarType dtype) {
-  return t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == dtype;
+// Contiguous, of `dtype`, on `device`: buffers the plain loops and the CUDA kernel take.
+bool plain(const at::Tensor& t, at::ScalarType dtype, const at::Device& device) {
+  return t.device() == device && t.is_contiguous() && t.scalar_type() == dtype;
 }
 
 }  // namespace
@@ -73,35 +74,42 @@ void transport_commit(at::Tensor log_odds, at::Tensor shift, const at::Tensor& p
                       at::Tensor has_pending, at::Tensor pending_nonfinite) {
   at::NoGradGuard no_grad;
   const auto acc = log_odds.scalar_type();
+  const auto device = log_odds.device();
   const int64_t nseg = shift.numel();
-  const bool plain_cpu =
-      contiguous_cpu(log_odds, acc) && contiguous_cpu(pending_log_odds, acc) &&
-      contiguous_cpu(shift, acc) && contiguous_cpu(pending_shift, acc) &&
-      contiguous_cpu(steps, at::kLong) && contiguous_cpu(skipped_steps, at::kLong) &&
-      contiguous_cpu(has_pending, at::kBool) && contiguous_cpu(pending_nonfinite, at::kBool) &&
-      pending_log_odds.numel() == log_odds.numel() && pending_shift.numel() == nseg &&
-      skipped_steps.numel() == nseg && pending_nonfinite.numel() == nseg && steps.numel() == 1 &&
-      has_pending.numel() == 1;
-  if (!plain_cpu) {  // on a GPU, four launches and no host sync, as in Python
+  const bool plain_buffers =
+      (acc == at::kFloat || acc == at::kDouble) && plain(log_odds, acc, device) &&
+      plain(pending_log_odds, acc, device) && plain(shift, acc, device) &&
+      plain(pending_shift, acc, device) && plain(steps, at::kLong, device) &&
+      plain(skipped_steps, at::kLong, device) && plain(has_pending, at::kBool, device) &&
+      plain(pending_nonfinite, at::kBool, device) && pending_log_odds.numel() == log_odds.numel() &&
+      pending_shift.numel() == nseg && skipped_steps.numel() == nseg &&
+      pending_nonfinite.numel() == nseg && steps.numel() == 1 && has_pending.numel() == 1;
+  if (plain_buffers && device.is_cpu()) {
+    // CPU: the same in plain loops (these are the state's own small buffers; the
+    // dispatcher's per-op cost would be most of the time)
+    std::memcpy(log_odds.data_ptr(), pending_log_odds.data_ptr(), log_odds.nbytes());
+    std::memcpy(shift.data_ptr(), pending_shift.data_ptr(), shift.nbytes());
+    bool* pending = has_pending.data_ptr<bool>();
+    bool* held = pending_nonfinite.data_ptr<bool>();
+    int64_t* skipped = skipped_steps.data_ptr<int64_t>();
+    *steps.data_ptr<int64_t>() += *pending ? 1 : 0;
+    for (int64_t s = 0; s < nseg; ++s) {
+      skipped[s] += held[s] ? 1 : 0;
+      held[s] = false;
+    }
+    *pending = false;
+#ifdef DTP_WITH_CUDA
+  } else if (plain_buffers && device.is_cuda()) {  // one launch, no host sync
+    transport_commit_cuda(log_odds, shift, pending_log_odds, pending_shift, steps, skipped_steps,
+                          has_pending, pending_nonfinite);
+#endif
+  } else {  // anything else (strided views, mixed devices): four torch ops, no host sync
     at::_foreach_copy_({log_odds, shift}, {pending_log_odds, pending_shift});
     steps.add_(has_pending);
     skipped_steps.add_(pending_nonfinite);
     at::_foreach_zero_({has_pending, pending_nonfinite});
     return;
   }
-  // CPU: the same in plain loops (these are the state's own small buffers; the
-  // dispatcher's per-op cost would be most of the time)
-  std::memcpy(log_odds.data_ptr(), pending_log_odds.data_ptr(), log_odds.nbytes());
-  std::memcpy(shift.data_ptr(), pending_shift.data_ptr(), shift.nbytes());
-  bool* pending = has_pending.data_ptr<bool>();
-  bool* held = pending_nonfinite.data_ptr<bool>();
-  int64_t* skipped = skipped_steps.data_ptr<int64_t>();
-  *steps.data_ptr<int64_t>() += *pending ? 1 : 0;
-  for (int64_t s = 0; s < nseg; ++s) {
-    skipped[s] += held[s] ? 1 : 0;
-    held[s] = false;
-  }
-  *pending = false;
   // Raw writes skip the version counters that in-place ops bump, and autograd reads them:
   // a backward after a commit must fail as it does after the torch ops ("modified by an
   // inplace operation"), not run on the new state.

@@ -148,8 +148,8 @@ class TransportState(nn.Module):
     def commit(self) -> None:
         """Make the pending state current and count a step, if a forward wrote one.
 
-        One C++ call when dtp_kernels._C is built (plain loops on CPU tensors, four ops on
-        a GPU), else four ops; on the device, without a host sync. Outside a pending step the
+        One C++ call when dtp_kernels._C is built (plain loops on CPU tensors, one kernel
+        on a GPU), else four ops; on the device, without a host sync. Outside a pending step the
         pending buffers equal the current ones (every commit leaves them so), so copying
         is always right, and ``pending_nonfinite`` is only ever set with a pending step.
         """

@@ -158,20 +158,28 @@ BUFFER_ORDER = (
 )
 
 
+# Three small segments, and a state of more elements than the CUDA kernel's grid has
+# threads (4,096 blocks of 256): its grid-stride loop.
+COMMIT_LAYOUTS = {"small": [3, 1, 5], "large": [1_100_000, 1, 5]}
+
+
+@pytest.mark.parametrize("layout", sorted(COMMIT_LAYOUTS))
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_compiled_commit_equals_the_torch_ops(device, dtype, strided):
-    """The one-call commit (plain loops for contiguous CPU buffers, torch ops otherwise)
-    leaves every buffer as the four torch ops do: with and without a pending step, with
-    held segments."""
+def test_compiled_commit_equals_the_torch_ops(device, dtype, strided, layout):
+    """The one-call commit (plain loops for contiguous CPU buffers, one kernel for
+    contiguous CUDA ones, torch ops otherwise) leaves every buffer as the four torch ops
+    do: with and without a pending step, with held segments. Contiguous buffers dispatch
+    no torch op."""
     if dtp_kernels._C is None:
         pytest.skip("dtp_kernels._C is not built")
     gen = torch.Generator().manual_seed(3)
-    state = TransportState([3, 1, 5], dtype=dtype, device=device)
+    sizes = COMMIT_LAYOUTS[layout]
+    state = TransportState(sizes, dtype=dtype, device=device)
     for pending in (True, False):
         raw = {k: v.clone() for k, v in state.state_dict().items() if k in BUFFER_ORDER}
-        raw["pending_log_odds"] = torch.randn(9, generator=gen, dtype=dtype).to(device)
+        raw["pending_log_odds"] = torch.randn(sum(sizes), generator=gen, dtype=dtype).to(device)
         raw["pending_shift"] = torch.randn(3, generator=gen, dtype=dtype).to(device)
         raw["pending_nonfinite"] = torch.tensor([True, False, pending], device=device)
         raw["has_pending"] = torch.tensor(pending, device=device)
@@ -182,7 +190,10 @@ def test_compiled_commit_equals_the_torch_ops(device, dtype, strided):
             assert not raw["log_odds"].is_contiguous()
         want = {k: v.clone() for k, v in raw.items()}
         _commit_with_torch_ops(want)
-        dtp_kernels._C.transport_commit(*(raw[k] for k in BUFFER_ORDER))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            dtp_kernels._C.transport_commit(*(raw[k] for k in BUFFER_ORDER))
+        ops = [e.key for e in prof.key_averages() if e.key.startswith("aten::")]
+        assert (ops == []) == (not strided), ops
         for k in BUFFER_ORDER:
             assert torch.equal(raw[k], want[k]), k
         assert not raw["has_pending"] and not raw["pending_nonfinite"].any()
