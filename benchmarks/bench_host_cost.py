@@ -12,6 +12,7 @@ Rows go to results/host_cost.csv, the table to results/host_cost_<device>.md.
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -38,6 +39,33 @@ def floor_step(numel: int, device: torch.device):
     return step
 
 
+def triton_op_step(sizes: list[int], device: torch.device, ratio: float = 0.6):
+    """The triton step through its custom op (dtp::transport_mask_triton, the path
+    torch.compile traces) and write_pending: how an eager `transport_mask` call ran it
+    before its eager autograd Function; the same inputs as mask_step's."""
+    import importlib
+
+    from dtp_kernels import TransportState
+
+    module = importlib.import_module("dtp_kernels.transport_mask")
+    state = TransportState(sizes, device=device)
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.rand(sum(sizes), generator=gen).to(device).requires_grad_(True)
+    grad = torch.randn(sum(sizes), generator=gen).to(device)
+    keep = torch.tensor([n - math.ceil(ratio * n) for n in sizes], device=device)
+    eps = torch.ones(len(sizes), dtype=torch.float64, device=device)
+
+    def step() -> None:
+        mask, new_d, new_shift, flags = module._transport_mask_triton(
+            scores, keep, eps, state, 1, False
+        )
+        state.write_pending(new_d, new_shift, nonfinite=flags)
+        mask.backward(grad)
+        scores.grad = None
+
+    return step
+
+
 def setup(point: dict, device: torch.device) -> Cases:
     backends = [
         b
@@ -47,6 +75,11 @@ def setup(point: dict, device: torch.device) -> Cases:
     cases = {("floor", "full"): (floor_step(sum(point["sizes"]), device), 50)}
     for backend in backends:
         cases[(backend, "full")] = (mask_step(backend, point["sizes"], device, 0.6), 50)
+    if "triton" in backends:  # the eager Function's baseline, same run
+        cases[("triton, through the custom op", "full")] = (
+            triton_op_step(point["sizes"], device),
+            50,
+        )
     return cases
 
 

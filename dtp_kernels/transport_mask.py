@@ -511,6 +511,55 @@ if triton_installed():
         _triton_backward, setup_context=_triton_setup_context
     )
 
+    def _launch_directly(kernel):
+        return kernel
+
+    class _TritonStep(torch.autograd.Function):
+        """The eager training step of the triton backend: the same kernels as the
+        triton_op above, launched from a plain autograd Function, with the next state
+        written into `pending` (the state's pending buffers). The custom-op layer (the
+        dispatcher's Python kernels and its autograd wrapper) costs a step more host time
+        than this Function (docs/benchmarks.md); torch.compile keeps tracing the
+        triton_op. `ctx` is forward's argument rather than setup_context's: the latter
+        binds the arguments with inspect.signature on every call. (A step that writes
+        the state cannot run under torch.func transforms on any backend anyway.)"""
+
+        @staticmethod
+        def forward(ctx, scores, keep, eps, offsets, log_odds, shift, neutral, segments, pending):
+            mask, _, _, stats, _ = _tk.transport_mask_forward(
+                _launch_directly,
+                scores,
+                offsets,
+                keep,
+                eps,
+                log_odds,
+                shift,
+                neutral,
+                *segments,
+                state_outputs=pending,
+            )
+            ctx.save_for_backward(scores, offsets, keep, eps, log_odds, stats)
+            ctx.neutral, ctx.segments = neutral, segments
+            return mask
+
+        @staticmethod
+        def backward(ctx, grad_mask):
+            scores, offsets, keep, eps, log_odds, stats = ctx.saved_tensors
+            grad_scores, grad_keep = _tk.transport_mask_backward(
+                _launch_directly,
+                grad_mask,
+                scores,
+                offsets,
+                keep,
+                eps,
+                log_odds,
+                stats,
+                ctx.neutral,
+                *ctx.segments,
+            )
+            keep_grad = grad_keep if ctx.needs_input_grad[1] else None
+            return grad_scores, keep_grad, None, None, None, None, None, None, None
+
 
 def _transport_mask_triton(
     scores: torch.Tensor,
@@ -536,6 +585,43 @@ def _transport_mask_triton(
         blocks_per_segment,
     )
     return mask, new_d, new_shift, nonfinite
+
+
+def _triton_step(
+    scores: torch.Tensor,
+    keep: torch.Tensor,
+    eps: torch.Tensor,
+    state: TransportState,
+    neutral: bool,
+    blocks_per_segment: int,
+) -> torch.Tensor:
+    """The eager training step on the triton backend (one iteration): the mask, with the
+    next state in the pending buffers, bitwise as ``_transport_mask_triton`` followed by
+    ``state.write_pending`` (tests/ops/test_transport_mask.py)."""
+    offsets, log_odds, shift = _state_tensors(state, scores)
+    buffers = state._buffers
+    if log_odds is not buffers["log_odds"]:  # float64 scores on a float32 state: copies
+        mask, new_d, new_shift, flags = _transport_mask_triton(
+            scores, keep, eps, state, 1, neutral, blocks_per_segment
+        )
+        state.write_pending(new_d, new_shift, nonfinite=flags)
+        return mask
+    pending = (buffers["pending_log_odds"], buffers["pending_shift"], buffers["pending_nonfinite"])
+    mask = _TritonStep.apply(
+        scores.contiguous(),
+        keep.contiguous(),
+        eps,
+        offsets,
+        log_odds,
+        shift,
+        neutral,
+        (state.segment_size, blocks_per_segment),
+        pending,
+    )
+    # written through pointers: bump the versions as the in-place write_pending would
+    torch.autograd.graph.increment_version(pending)
+    buffers["has_pending"].fill_(True)
+    return mask
 
 
 # ---------------------------------------------------------------------------------------
@@ -659,8 +745,11 @@ def transport_mask(
     eps_t = _check_eps(eps, state)
     backend = _check_options(iters, update, backend, nonfinite, blocks_per_segment, flat.device)
     neutral = nonfinite == "neutral"
-    if update and backend in _COMPILED_BACKENDS and not torch.compiler.is_compiling():
+    eager_step = update and not torch.compiler.is_compiling()
+    if eager_step and backend in _COMPILED_BACKENDS:
         mask = _compiled_step(flat, keep_t, eps_t, state, iters, neutral, blocks_per_segment)
+    elif eager_step and backend == "triton" and iters == 1:
+        mask = _triton_step(flat, keep_t, eps_t, state, neutral, blocks_per_segment)
     else:
         schedule = (blocks_per_segment,) if backend in ("cuda", "triton") else ()
         mask, new_d, new_shift, flags = _IMPLEMENTATIONS[backend](

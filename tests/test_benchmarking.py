@@ -64,3 +64,23 @@ def test_interleaved_reverses_the_order_every_other_round():
     samples = interleaved(cases, rounds=4, device=torch.device("cpu"), warmup=0)
     assert calls == list("abccbaabccba")
     assert {name: len(times) for name, times in samples.items()} == {"a": 4, "b": 4, "c": 4}
+
+
+def test_triton_host_benchmark_times_both_paths_without_launches():
+    """benchmarks/bench_triton_host.py runs (launches left out, TRITON_INTERPRET set by
+    the script) and reports the eager Function, the custom op and the floor."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_triton_host.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--no-save", "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    for provider in ("| floor |", "| triton |", "| triton, through the custom op |"):
+        assert provider in done.stdout, provider

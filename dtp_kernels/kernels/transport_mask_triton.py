@@ -690,16 +690,24 @@ def transport_mask_forward(
     neutral,
     segment_size=0,
     blocks_per_segment=0,
+    state_outputs=None,
 ):
-    """Allocate outputs and launch the forward; `launch` wraps the kernel (wrap_triton).
-    segment_size 4, 8 or 16: every segment has that size, the tile kernel runs (unless
-    blocks_per_segment > 0 forces a general schedule: 1 fused, B > 1 split over B)."""
+    """Allocate outputs and launch the forward; `launch` wraps the kernel (wrap_triton, or
+    the kernel itself in the eager step). segment_size 4, 8 or 16: every segment has that
+    size, the tile kernel runs (unless blocks_per_segment > 0 forces a general schedule: 1
+    fused, B > 1 split over B). `state_outputs`: the (log-odds, shift, flags) buffers to
+    write the next state into (the eager step's pending buffers, of the state's dtype and
+    sizes, none an input), else new ones."""
     nseg = offsets.shape[0] - 1
     mask = torch.empty_like(scores)
-    new_log_odds = torch.empty_like(log_odds)
-    new_shift = torch.empty_like(shift)
+    if state_outputs is None:
+        state_outputs = (
+            torch.empty_like(log_odds),
+            torch.empty_like(shift),
+            torch.empty((nseg,), dtype=torch.bool, device=scores.device),
+        )
+    new_log_odds, new_shift, nonfinite = state_outputs
     stats = torch.empty((nseg, 1, 3), dtype=log_odds.dtype, device=scores.device)
-    nonfinite = torch.empty((nseg,), dtype=torch.bool, device=scores.device)
     outputs = (mask, new_log_odds, new_shift, stats, nonfinite)
     if segment_size and not blocks_per_segment:
         segs = BLOCK // segment_size

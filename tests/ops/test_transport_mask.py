@@ -145,22 +145,27 @@ def test_degenerate_segment_with_a_bad_score_has_zero_gradient(device_backend, b
     assert ref.pending_nonfinite.tolist() == [True, True, False]
 
 
-COMPILED_DEVICE_BACKENDS = [
+# The backends with an eager step entry of their own: one C++ call (cpu, cuda) or one
+# autograd Function without the custom-op layer (triton).
+EAGER_STEP_BACKENDS = [
     ("cpu", "cpu"),
+    ("cpu", "triton"),
     pytest.param(("cuda", "cuda"), marks=pytest.mark.cuda),
+    pytest.param(("cuda", "triton"), marks=pytest.mark.cuda),
 ]
 
 
-@pytest.mark.parametrize("device_and_backend", COMPILED_DEVICE_BACKENDS)
+@pytest.mark.parametrize("device_and_backend", EAGER_STEP_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("nonfinite", ["propagate", "neutral"])
 def test_eager_step_entry_equals_the_op_and_write_pending(
     monkeypatch, device_and_backend, dtype, nonfinite
 ):
-    """The eager training step of the compiled backends is one C++ call (op + pending
-    write). It must give the mask, gradient and pending state of the functional op followed
-    by write_pending, bitwise, a non-finite segment and float64 scores on a float32 state
-    included; and it must be the path taken (the counter fails if the entry is bypassed)."""
+    """The eager training step (op + pending write) of the compiled backends is one C++
+    call, of triton one autograd Function. It must give the mask, gradients and pending
+    state of the functional op followed by write_pending, bitwise, a non-finite segment
+    and float64 scores on a float32 state included; and it must be the path taken (the
+    counter fails if the entry is bypassed)."""
     import importlib
 
     module = importlib.import_module("dtp_kernels.transport_mask")
@@ -173,30 +178,39 @@ def test_eager_step_entry_equals_the_op_and_write_pending(
     keep = torch.tensor([2.0, 4.5, 120.0], device=device)
     grad = torch.randn(sum(sizes), generator=gen).to(device, dtype)
     calls = []
-    entry = module._compiled_step
-    monkeypatch.setattr(module, "_compiled_step", lambda *args: calls.append(1) or entry(*args))
+    name = "_triton_step" if backend == "triton" else "_compiled_step"
+    entry = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *args: calls.append(1) or entry(*args))
+    functional = (
+        module._transport_mask_triton if backend == "triton" else module._transport_mask_compiled
+    )
     results = []
     for eager_entry in (True, False):
         state = TransportState(sizes, device=device)
         leaf = scores.clone().requires_grad_(True)
+        keep_leaf = keep.clone().requires_grad_(True)
         if eager_entry:
-            mask = transport_mask(leaf, keep, state, backend=backend, nonfinite=nonfinite)
+            mask = transport_mask(leaf, keep_leaf, state, backend=backend, nonfinite=nonfinite)
         else:
-            mask, new_d, new_shift, flags = module._transport_mask_compiled(
+            mask, new_d, new_shift, flags = functional(
                 leaf,
-                keep,
+                keep_leaf,
                 torch.ones(3, dtype=torch.float64, device=device),
                 state,
                 1,
                 nonfinite == "neutral",
             )
             state.write_pending(new_d, new_shift, nonfinite=flags)
+        versions = [state.pending_log_odds._version, state.has_pending._version]
         torch.nan_to_num(mask).backward(grad)
-        results.append((mask, leaf.grad, {k: v.clone() for k, v in state.state_dict().items()}))
+        state_now = {k: v.clone() for k, v in state.state_dict().items()}
+        results.append((mask, leaf.grad, keep_leaf.grad, state_now, versions))
     assert calls == [1]
-    (mask_a, grad_a, state_a), (mask_b, grad_b, state_b) = results
+    (mask_a, grad_a, keep_a, state_a, ver_a), (mask_b, grad_b, keep_b, state_b, ver_b) = results
+    assert ver_a == ver_b and min(ver_a) > 0  # marked as written in place, as by write_pending
     assert torch.equal(mask_a.nan_to_num(7.0), mask_b.nan_to_num(7.0))
     assert torch.equal(grad_a.nan_to_num(7.0), grad_b.nan_to_num(7.0))
+    assert torch.equal(keep_a.nan_to_num(7.0), keep_b.nan_to_num(7.0))
     assert state_a.keys() == state_b.keys()
     for key in state_a:
         assert torch.equal(state_a[key], state_b[key]), key
@@ -211,15 +225,23 @@ def test_eager_step_entry_equals_the_op_and_write_pending(
 LENT_LAYOUTS = {"general": ([300, 5], [100.0, 2.0]), "tiny": ([4] * 37, [2.0] * 37)}
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize(
+    "device,backend",
+    [
+        ("cpu", "cpu"),
+        ("cpu", "triton"),
+        pytest.param("cuda", "cuda", marks=pytest.mark.cuda),
+        pytest.param("cuda", "triton", marks=pytest.mark.cuda),
+    ],
+)
 @pytest.mark.parametrize("layout", sorted(LENT_LAYOUTS))
 @pytest.mark.parametrize("scores_dtype", [torch.float32, torch.float64], ids=["lent", "copied"])
-def test_step_writes_the_next_state_into_the_pending_buffers(scores_dtype, layout, device):
-    """The eager step lends TransportState's pending buffers to the kernel (CPU or CUDA),
-    which writes the next log-odds, shift and flags into them: no copies, and the same
-    buffers (bumped versions). float64 scores on a float32 state cannot be lent: three
-    copies."""
-    require_backend(device, device)
+def test_step_writes_the_next_state_into_the_pending_buffers(scores_dtype, layout, device, backend):
+    """The eager step lends TransportState's pending buffers to the kernels (CPU, CUDA or
+    Triton), which write the next log-odds, shift and flags into them: no copies, and the
+    same buffers (bumped versions). float64 scores on a float32 state cannot be lent: three
+    copies. (Triton's CPU interpreter copies every tensor it reads: not counted.)"""
+    require_backend(backend, device)
     sizes, keep = LENT_LAYOUTS[layout]
     state = TransportState(sizes, device=device)
     assert state.segment_size == (4 if layout == "tiny" else 0)
@@ -228,9 +250,11 @@ def test_step_writes_the_next_state_into_the_pending_buffers(scores_dtype, layou
     scores = torch.rand(sum(sizes), dtype=scores_dtype).to(device)
     keep = torch.tensor(keep, device=device)  # made here: a host-to-device copy is not the step's
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        transport_mask(scores, keep, state, backend=device)
+        transport_mask(scores, keep, state, backend=backend)
     copies = sum(e.count for e in prof.key_averages() if e.key == "aten::copy_")
-    if scores_dtype == torch.float32:
+    if (device, backend) == ("cpu", "triton"):
+        pass
+    elif scores_dtype == torch.float32:
         assert copies == 0
     else:  # the three state outputs at least (keep's conversion may add more)
         assert copies >= 3
