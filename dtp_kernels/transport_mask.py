@@ -525,40 +525,24 @@ if triton_installed():
         the state cannot run under torch.func transforms on any backend anyway.)"""
 
         @staticmethod
-        def forward(ctx, scores, keep, eps, offsets, log_odds, shift, neutral, segments, pending):
+        def forward(ctx, *args):
+            # the arguments of _tk.transport_mask_forward after `launch`, then the buffers
+            *inputs, pending = args
             mask, _, _, stats, _ = _tk.transport_mask_forward(
-                _launch_directly,
-                scores,
-                offsets,
-                keep,
-                eps,
-                log_odds,
-                shift,
-                neutral,
-                *segments,
-                state_outputs=pending,
+                _launch_directly, *inputs, state_outputs=pending
             )
+            scores, offsets, keep, eps, log_odds, _shift, *options = inputs
             ctx.save_for_backward(scores, offsets, keep, eps, log_odds, stats)
-            ctx.neutral, ctx.segments = neutral, segments
+            ctx.options = options  # neutral, segment_size, blocks_per_segment
             return mask
 
         @staticmethod
         def backward(ctx, grad_mask):
-            scores, offsets, keep, eps, log_odds, stats = ctx.saved_tensors
             grad_scores, grad_keep = _tk.transport_mask_backward(
-                _launch_directly,
-                grad_mask,
-                scores,
-                offsets,
-                keep,
-                eps,
-                log_odds,
-                stats,
-                ctx.neutral,
-                *ctx.segments,
+                _launch_directly, grad_mask, *ctx.saved_tensors, *ctx.options
             )
-            keep_grad = grad_keep if ctx.needs_input_grad[1] else None
-            return grad_scores, keep_grad, None, None, None, None, None, None, None
+            keep_grad = grad_keep if ctx.needs_input_grad[2] else None
+            return grad_scores, None, keep_grad, *([None] * 7)
 
 
 def _transport_mask_triton(
@@ -609,13 +593,14 @@ def _triton_step(
     pending = (buffers["pending_log_odds"], buffers["pending_shift"], buffers["pending_nonfinite"])
     mask = _TritonStep.apply(
         scores.contiguous(),
+        offsets,
         keep.contiguous(),
         eps,
-        offsets,
         log_odds,
         shift,
         neutral,
-        (state.segment_size, blocks_per_segment),
+        state.segment_size,
+        blocks_per_segment,
         pending,
     )
     # written through pointers: bump the versions as the in-place write_pending would
