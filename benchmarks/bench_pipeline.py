@@ -12,11 +12,14 @@ generated JPEGs (RandomResizedCrop(224) + flip, as for ImageNet).
 Per epoch: images per second (wall time, loader included); the fraction of the wall time
 the training loop waited for the next batch; on CUDA, the fraction of the wall time the
 GPU spent inside training steps (CUDA events around every step: the time the GPU did
-not wait for data or the host). The DTP overhead is median(dtp) / median(dense) - 1.
+not wait for data or the host). The rounds alternate which epoch runs first; DTP's
+throughput relative to dense is the median of the per-round ratios, with a 95% bootstrap
+interval (pairing by round removes the machine's drift between rounds).
 --compile runs both models under torch.compile (default mode), as `run.compile: true`
 does in `dtp prune`; the warm-up epoch compiles them. After every workload, appends its
 rows to results/pipeline.csv and writes results/pipeline_<device>[_compiled].md, so a
-run stopped in a later workload keeps the finished ones.
+run stopped in a later workload keeps the finished ones (with --workload, the file name
+ends in the workloads' names: a partial run does not replace the full table).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _harness import RESULTS, append_rows, environment
+from _harness import RESULTS, append_rows, environment, paired_overhead
 
 from dtp_kernels import DTPPruner
 from dtp_kernels.models import get_model
@@ -175,7 +178,8 @@ def main() -> None:
         "",
     ]
     rows = []
-    out = RESULTS / f"pipeline_{device.type}{'_compiled' if args.compile else ''}.md"
+    only = "".join(f"_{name.rsplit('.', 1)[-1]}" for name in args.workload or [])
+    out = RESULTS / f"pipeline_{device.type}{'_compiled' if args.compile else ''}{only}.md"
     for work in workloads(device, args.images):
         if args.workload and work["name"] not in args.workload:
             continue
@@ -193,8 +197,9 @@ def main() -> None:
             for case in cases.values():  # warm-up: workers, cuDNN, allocator
                 run_epoch(case, loader, options, epoch=0)
             results: dict[str, list[dict]] = {name: [] for name in cases}
-            for index in range(args.rounds):
-                for name, case in cases.items():
+            order = list(cases.items())
+            for index in range(args.rounds):  # dense first in even rounds, dtp in odd ones
+                for name, case in order if index % 2 == 0 else order[::-1]:
                     results[name].append(run_epoch(case, loader, options, epoch=index + 1))
         workers = loader.num_workers
         lines += [
@@ -231,8 +236,19 @@ def main() -> None:
                     **env,
                 }
             )
-        ratio = medians["dtp"] / medians["dense"]
-        lines += ["", f"DTP epoch throughput: {ratio:.1%} of dense.", ""]
+        # per round, dtp's epoch time over dense's: throughput ratio = 1 / (1 + overhead)
+        overhead, low, high = paired_overhead(
+            [e["wall"] / e["images"] for e in results["dtp"]],
+            [e["wall"] / e["images"] for e in results["dense"]],
+        )
+        lines += [
+            "",
+            f"DTP epoch throughput: {1 / (1 + overhead / 100):.1%} of dense, the median of "
+            f"the rounds' ratios (95% interval {1 / (1 + high / 100):.1%}-"
+            f"{1 / (1 + low / 100):.1%}); ratio of the medians "
+            f"{medians['dtp'] / medians['dense']:.1%}.",
+            "",
+        ]
         print("\n".join(lines[-len(results) - 6 :]))
         # after every workload: a run stopped in the next one keeps this one's results
         append_rows(RESULTS / "pipeline.csv", rows)

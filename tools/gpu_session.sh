@@ -15,7 +15,8 @@
 # N:M steps and 2:4 semi-structured layers; pipeline: whole epochs with the data loader
 # (bench_pipeline.py); pipeline-compiled: the same under torch.compile (not in all: its
 # four compilations take minutes; on an H200, run 11, the ResNet-56 workload and part of
-# ResNet-50's took 300 s: PIPELINE_WORKLOADS=torchvision.resnet50 runs one);
+# ResNet-50's took 300 s); PIPELINE_WORKLOADS=resnet56 (or torchvision.resnet50) runs one
+# workload in either, PIPELINE_ROUNDS sets the rounds (default 3);
 # profile-pipeline: the CIFAR ResNet-56 step of `pipeline` profiled, eager and compiled
 # (profile_training_step.py --workload resnet56 [--compile]); all: every other one.
 # Benchmarks run one at a time, after the tests.
@@ -36,6 +37,8 @@
 # torchvision, pillow; timm, safetensors and huggingface-hub for `vit`).
 set -u -o pipefail
 start=$(date +%s)
+names=()  # PIPELINE_WORKLOADS="resnet56 torchvision.resnet50": only these, in both pipeline steps
+for name in ${PIPELINE_WORKLOADS:-}; do names+=(--workload "$name"); done
 OUT=${OUT:-/tmp/gpu_session}
 LOGS=$(mktemp -d)/logs
 mkdir -p "$OUT" "$LOGS"
@@ -123,11 +126,10 @@ for step in $steps; do
     run bench_vit_step 200 $PY benchmarks/bench_vit_step.py --device cuda --rounds 50 --save
     ;;&
   pipeline | all)
-    run bench_pipeline 400 $PY benchmarks/bench_pipeline.py --device cuda --rounds "${PIPELINE_ROUNDS:-3}"
+    run bench_pipeline 400 $PY benchmarks/bench_pipeline.py --device cuda \
+      --rounds "${PIPELINE_ROUNDS:-3}" "${names[@]}"
     ;;&
   pipeline-compiled)
-    names=()  # PIPELINE_WORKLOADS="resnet56 torchvision.resnet50": only these
-    for name in ${PIPELINE_WORKLOADS:-}; do names+=(--workload "$name"); done
     run bench_pipeline_compiled 500 $PY benchmarks/bench_pipeline.py --device cuda --compile \
       --rounds "${PIPELINE_ROUNDS:-3}" "${names[@]}"
     ;;&
