@@ -568,13 +568,13 @@ void check_devices(const at::Tensor& scores, std::initializer_list<const at::Ten
 }
 
 // The inputs both directions read, as contiguous device tensors kept alive by the caller.
-// keep stays float32 or float64 as given (the kernels read either; a conversion would be
-// one more launch and allocation per step in each direction), other dtypes become float64.
 struct InputTensors {
   at::Tensor scores, offsets, keep, eps, log_odds;
   int64_t nseg, blocks_per_seg;
 };
 
+// keep stays float32 or float64 as given (the kernels read either; a conversion would be
+// one more launch and allocation per step in each direction), other dtypes become float64.
 at::Tensor kernel_keep(const at::Tensor& keep) {
   const auto dtype = keep.scalar_type();
   return (dtype == at::kFloat || dtype == at::kDouble ? keep : keep.to(at::kDouble)).contiguous();
