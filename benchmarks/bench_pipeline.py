@@ -43,7 +43,7 @@ from _harness import RESULTS, append_rows, environment, paired_overhead
 from dtp_kernels import DTPPruner
 from dtp_kernels.models import get_model
 from dtp_kernels.pipeline import data, synthetic
-from dtp_kernels.pipeline.step import training_step
+from dtp_kernels.pipeline.step import compile_model, training_step
 from dtp_kernels.pipeline.train import RunOptions, make_optimizer
 
 
@@ -149,7 +149,7 @@ def make_case(work: dict, dense: torch.nn.Module, options: RunOptions, dtp: bool
         pruner.attach(optimizer)
     model.train()
     # default mode: the pruner's hooks and ops trace without graph breaks (docs/pipeline.md)
-    net = torch.compile(model) if options.compile else model
+    net = compile_model(model) if options.compile else model
     return {"net": net, "optimizer": optimizer, "pruner": pruner}
 
 

@@ -41,6 +41,7 @@ from _harness import RESULTS, append_rows, environment, interleaved, paired_over
 import dtp_kernels
 from dtp_kernels import DTPPruner
 from dtp_kernels.models import get_model
+from dtp_kernels.pipeline.step import compile_model as compile_for_training
 from dtp_kernels.pipeline.step import training_step
 from dtp_kernels.pipeline.train import make_optimizer
 
@@ -114,7 +115,7 @@ def make_case(
     if pruner is not None:
         pruner.attach(optimizer)
     model.train()
-    net = torch.compile(model) if compile_model else model
+    net = compile_for_training(model) if compile_model else model
 
     def step() -> None:
         training_step(net, optimizer, images, labels, pruner, amp=work["amp"])

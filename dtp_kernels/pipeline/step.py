@@ -52,3 +52,14 @@ def training_step(
         scaler.step(optimizer)
         scaler.update()
     return loss.detach()
+
+
+def compile_model(model: nn.Module, **options) -> nn.Module:
+    """``torch.compile`` as ``run.compile: true`` applies it: the default mode, with static
+    shapes (``dynamic=False``). Under torch's default, automatic dynamic shapes, an epoch's
+    last, smaller batch recompiles the model with a symbolic batch size, and Dynamo then
+    runs that dynamic-shape graph for every later batch of every size; static shapes give
+    the last batch a graph of its own (one more compilation) and keep every full batch on
+    the graph specialised for it (tests/pipeline/test_pipeline.py). `options` go to
+    torch.compile (a test's backend)."""
+    return torch.compile(model, dynamic=False, **options)

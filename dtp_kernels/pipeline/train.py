@@ -27,7 +27,7 @@ from .checkpoint import (
 )
 from .errors import DivergedError, UsageError
 from .preemption import Preempted, PreemptionGuard
-from .step import training_step
+from .step import compile_model, training_step
 
 
 class MetricsLog:
@@ -224,7 +224,7 @@ def train(
     )
     net = distributed.wrap(model)
     if options.compile:  # default mode: the pruner's hooks and ops trace without breaks
-        net = torch.compile(net)
+        net = compile_model(net)
     guard = options.preemption
     result = {}
 

@@ -168,6 +168,37 @@ def test_device_field_is_checked_before_any_work(tmp_path):
 
 
 @pytest.mark.slow
+def test_compiled_model_keeps_static_shapes_after_a_smaller_last_batch():
+    """compile_model (what run.compile uses): after an epoch's smaller last batch, full
+    batches still run the graph specialised for their size, not a dynamic-shape one (torch's
+    default would recompile with a symbolic batch size and keep using that graph)."""
+    from dtp_kernels.pipeline.step import compile_model
+
+    torch._dynamo.reset()
+    graphs: list[bool] = []  # per call: did the graph that ran take symbolic sizes?
+
+    def recording(gm, example_inputs):
+        symbolic = any(
+            isinstance(x, torch.SymInt)
+            or (isinstance(x, torch.Tensor) and any(isinstance(n, torch.SymInt) for n in x.shape))
+            for x in example_inputs
+        )
+
+        def run(*args):
+            graphs.append(symbolic)
+            return gm.forward(*args)
+
+        return run
+
+    model = compile_model(
+        torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), backend=recording
+    )
+    for batch in (8, 8, 3, 8, 8):
+        model(torch.randn(batch, 4))
+    torch._dynamo.reset()
+    assert graphs == [False] * 5
+
+
 def test_compiled_training_step_matches_eager(tmp_path):
     """run.compile: the DTP and fine-tuning stages under torch.compile (inductor on the
     CPU here) give the eager run's losses and accuracies."""
