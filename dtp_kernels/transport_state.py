@@ -149,7 +149,8 @@ class TransportState(nn.Module):
         """Make the pending state current and count a step, if a forward wrote one.
 
         One C++ call when dtp_kernels._C is built (plain loops on CPU tensors, one kernel
-        on a GPU), else four ops; on the device, without a host sync. Outside a pending step the
+        on a GPU when its CUDA kernels are built), else four ops; on the device, without a
+        host sync. Outside a pending step the
         pending buffers equal the current ones (every commit leaves them so), so copying
         is always right, and ``pending_nonfinite`` is only ever set with a pending step.
         """
