@@ -6,6 +6,8 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdint>
+#include <initializer_list>
 #include <tuple>
 #include <type_traits>
 
@@ -50,16 +52,32 @@ struct BlocksInputs {
             stats.data_ptr<double>(),
             nonfinite.data_ptr<bool>(),
             iters,
-            neutral};
+            neutral,
+            rows_aligned({&scores, &log_odds, &mask, &new_d})};
   }
   blocks::BlocksBackwardArgs backward_args(const at::Tensor& grad_mask, const at::Tensor& stats,
                                            const at::Tensor& grad_scores,
                                            const at::Tensor& grad_keep, bool neutral) const {
-    return {grad_mask.data_ptr(),   scores.data_ptr(),
-            keep.data_ptr(),        eps.data_ptr<double>(),
-            log_odds.data_ptr(),    stats.data_ptr<double>(),
-            grad_scores.data_ptr(), grad_keep.data_ptr(),
-            stats.size(1),          neutral};
+    return {grad_mask.data_ptr(),
+            scores.data_ptr(),
+            keep.data_ptr(),
+            eps.data_ptr<double>(),
+            log_odds.data_ptr(),
+            stats.data_ptr<double>(),
+            grad_scores.data_ptr(),
+            grad_keep.data_ptr(),
+            stats.size(1),
+            neutral,
+            rows_aligned({&grad_mask, &scores, &log_odds, &grad_scores})};
+  }
+
+  // Every tensor's data 16-byte aligned: the one-segment tiles then move whole rows
+  // (transport_blocks_rows.h).
+  static bool rows_aligned(std::initializer_list<const at::Tensor*> tensors) {
+    for (const at::Tensor* t : tensors) {
+      if (reinterpret_cast<std::uintptr_t>(t->data_ptr()) % 16 != 0) return false;
+    }
+    return true;
   }
 };
 inline BlocksInputs blocks_inputs(const at::Tensor& scores, const at::Tensor& keep,

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "transport_blocks_rows.h"
 #include "transport_blocks_shuffles.h"
 #include "transport_math.h"
 
@@ -55,6 +56,7 @@ struct BlocksForwardArgs {
   bool* nonfinite;
   int64_t iters;
   bool neutral;
+  bool aligned;  // scores (if float32), log-odds, mask and next log-odds 16-byte aligned
 };
 
 template <int M, int L, class T>
@@ -68,7 +70,7 @@ struct TileInputs {
 // x_i = d_i + (2 s_i - 1) / eps for the tile of segments starting at seg0.
 template <int M, int L, class scalar_t, class T>
 DTP_HOST_DEVICE inline void load_tile(const scalar_t* scores, const T* log_odds, const T* keep,
-                                      const double* eps, int64_t seg0, bool neutral,
+                                      const double* eps, int64_t seg0, bool neutral, bool aligned,
                                       TileInputs<M, L, T>& in) {
   for (int l = 0; l < L; ++l) {
     in.k[l] = keep[seg0 + l];
@@ -81,7 +83,17 @@ DTP_HOST_DEVICE inline void load_tile(const scalar_t* scores, const T* log_odds,
     transpose_in(log_odds + seg0 * M, in.d);
   } else
 #endif
-  {
+      if constexpr (row_access<M, L, T>() && std::is_same_v<scalar_t, float>) {
+    if (aligned) {
+      load_row(scores + seg0 * M, raw);
+      load_row(log_odds + seg0 * M, in.d);
+    } else {
+      for (int j = 0; j < M; ++j) {
+        raw[j][0] = scores[seg0 * M + j];
+        in.d[j][0] = log_odds[seg0 * M + j];
+      }
+    }
+  } else {
     for (int l = 0; l < L; ++l) {
       for (int j = 0; j < M; ++j) {
         const int64_t i = (seg0 + l) * M + j;
@@ -150,7 +162,7 @@ DTP_HOST_DEVICE inline void forward_tile(const BlocksForwardArgs& a, int64_t seg
   const T* shift_in = static_cast<const T*>(a.shift) + seg0;
   load_tile<M, L, scalar_t, T>(static_cast<const scalar_t*>(a.scores),
                                static_cast<const T*>(a.log_odds), static_cast<const T*>(a.keep),
-                               a.eps, seg0, a.neutral, in);
+                               a.eps, seg0, a.neutral, a.aligned, in);
   T xmax[L], xmin[L], bad[L], bias[L], delta[L];
   for (int l = 0; l < L; ++l) {
     const T k = in.k[l];
@@ -278,6 +290,13 @@ DTP_HOST_DEVICE inline void forward_tile(const BlocksForwardArgs& a, int64_t seg
     return;
   }
 #endif
+  if constexpr (row_access<M, L, T>()) {
+    if (a.aligned) {
+      store_row(static_cast<T*>(a.mask) + seg0 * M, mask_t);
+      store_row(static_cast<T*>(a.new_log_odds) + seg0 * M, d_t);
+      return;
+    }
+  }
   T out[L][M];
   for (int l = 0; l < L; ++l) {
     for (int j = 0; j < M; ++j) out[l][j] = mask_t[j][l];
@@ -300,6 +319,7 @@ struct BlocksBackwardArgs {
   void* grad_keep;    // acc_t: the sums are formed in it
   int64_t iters;
   bool neutral;
+  bool aligned;  // grad_mask, scores (if float32), log-odds and grad_scores 16-byte aligned
 };
 
 // The tile's backward (docs/design.md section 2): the last pass gives
@@ -309,7 +329,7 @@ DTP_HOST_DEVICE inline void backward_tile(const BlocksBackwardArgs& a, int64_t s
   TileInputs<M, L, T> in;
   load_tile<M, L, scalar_t, T>(static_cast<const scalar_t*>(a.scores),
                                static_cast<const T*>(a.log_odds), static_cast<const T*>(a.keep),
-                               a.eps, seg0, a.neutral, in);
+                               a.eps, seg0, a.neutral, a.aligned, in);
   const T* gm = static_cast<const T*>(a.grad_mask) + seg0 * M;
   T g[M][L], rows[3][L];
 #if DTP_TILE_SHUFFLES
@@ -317,7 +337,13 @@ DTP_HOST_DEVICE inline void backward_tile(const BlocksBackwardArgs& a, int64_t s
     transpose_in(gm, g);
   } else
 #endif
-  {
+      if constexpr (row_access<M, L, T>()) {
+    if (a.aligned) {
+      load_row(gm, g);
+    } else {
+      for (int j = 0; j < M; ++j) g[j][0] = gm[j];
+    }
+  } else {
     for (int l = 0; l < L; ++l) {
       for (int j = 0; j < M; ++j) g[j][l] = gm[l * M + j];
     }
@@ -419,6 +445,12 @@ DTP_HOST_DEVICE inline void backward_tile(const BlocksBackwardArgs& a, int64_t s
     return;
   }
 #endif
+  if constexpr (row_access<M, L, T>()) {
+    if (a.aligned) {
+      store_row(static_cast<T*>(a.grad_scores) + seg0 * M, out);
+      return;
+    }
+  }
   T ordered[L][M];  // segment order, copied out whole (as in forward_tile)
   for (int l = 0; l < L; ++l) {
     for (int j = 0; j < M; ++j) ordered[l][j] = out[j][l];

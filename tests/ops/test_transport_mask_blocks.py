@@ -186,6 +186,41 @@ def test_blocks_split_over_threads_are_bitwise_equal_and_match_the_general_kerne
     torch.testing.assert_close(s.grad, results[0][1], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("m", [4, 8, 16])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_blocks_rows_off_16_byte_alignment_equal_aligned_ones(device, m):
+    """The one-segment tiles (every CUDA thread, the CPU's last partial tile) move whole
+    16-byte rows when every tensor is 16-byte aligned and element by element otherwise:
+    scores, mask gradient and state one float off alignment give the aligned inputs'
+    mask, next state and score gradient bitwise."""
+    require_backend(device, device)
+    nseg = 16 * 3 + 5  # three whole CPU tiles and a partial one
+    sizes, n = [m] * nseg, m * nseg
+    gen = torch.Generator().manual_seed(11)
+    values, grads = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    keep = torch.tensor([k for _, k in blocks_layout(m, nseg)], device=device)
+    results = []
+    for offset in (0, 1):
+
+        def placed(t: torch.Tensor, offset: int = offset) -> torch.Tensor:
+            """t's values in fresh memory (aligned), or one float past its start."""
+            view = torch.empty(n + offset, device=device)[offset:]
+            return view.copy_(t)
+
+        state = TransportState(sizes, device=device)
+        transport_mask(placed(values) * 2, keep, state, backend=device)
+        state.commit()  # a state off the uniform start
+        state._buffers["log_odds"] = placed(state.log_odds)
+        scores = placed(values).detach().requires_grad_(True)
+        grad = placed(grads)
+        assert (scores.data_ptr() % 16 == 0) == (offset == 0)
+        mask = transport_mask(scores, keep, state, backend=device)
+        mask.backward(grad)
+        results.append((mask.detach(), scores.grad, state.pending_log_odds.clone()))
+    for aligned, off in zip(*results, strict=True):
+        assert torch.equal(aligned, off)
+
+
 @compiled
 def test_blocks_op_checks_its_arguments():
     scores, offsets = torch.rand(12), torch.tensor([0, 4, 8, 12])
