@@ -52,7 +52,10 @@ small = dtp_kernels.DTPPruner(model, torch.randn(1, 3, 8, 8), 0.5).export()
 assert small[0].out_channels == 4
 print(f"wheel {dtp_kernels.__version__} ({'compiled' if compiled else 'pure Python'}):", backends)
 EOF
-  PYTHONPATH=$site "$site/bin/dtp" paper | grep -q table1-resnet56
+  # the listing whole, then searched: `| grep -q` can close the pipe mid-listing, and the
+  # writer's BrokenPipeError would fail the check under pipefail
+  listing=$(PYTHONPATH=$site "$site/bin/dtp" paper)
+  grep -q table1-resnet56 <<<"$listing"
   PYTHONPATH=$site "$site/bin/dtp" prune --no-progress --out "$WORK/run_$2" \
     --set pretrain.epochs=1 --set prune.epochs=1 --set finetune.epochs=1 >"$WORK/run_$2.log"
   test -f "$WORK/run_$2/summary.json"

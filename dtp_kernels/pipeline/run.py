@@ -286,7 +286,7 @@ SAMPLE_GROUPS, SAMPLE_FILTERS = 6, 4
 
 def sample_masks(pruner: DTPPruner) -> dict[str, list[float]]:
     """The current soft masks of the first filters of the first groups."""
-    masks = pruner.channel_scores().float().cpu().split(pruner.sizes)
+    masks = pruner.channel_scores().detach().float().cpu().split(pruner.sizes)
     return {
         group.name: [round(float(v), 6) for v in mask[:SAMPLE_FILTERS]]
         for group, mask in zip(pruner.groups[:SAMPLE_GROUPS], masks, strict=False)

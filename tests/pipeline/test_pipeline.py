@@ -168,6 +168,26 @@ def test_device_field_is_checked_before_any_work(tmp_path):
 
 
 @pytest.mark.slow
+def test_sample_masks_reads_the_scores_without_a_warning():
+    """The run log's sample of the first groups' scores: plain floats, and no autograd
+    warning printed into a user's `dtp prune` output."""
+    import warnings
+
+    from dtp_kernels import DTPPruner
+    from dtp_kernels.pipeline.run import sample_masks
+
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3)
+    )
+    pruner = DTPPruner(model, torch.randn(1, 3, 8, 8), 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sample = sample_masks(pruner)
+    assert [len(v) for v in sample.values()] == [4] and all(
+        type(x) is float for v in sample.values() for x in v
+    )
+
+
 def test_compiled_model_keeps_static_shapes_after_a_smaller_last_batch():
     """compile_model (what run.compile uses): after an epoch's smaller last batch, full
     batches still run the graph specialised for their size, not a dynamic-shape one (torch's
