@@ -556,8 +556,18 @@ def _transport_mask_triton(
 ) -> Step:
     if iters > 1:
         return _transport_mask_torch(scores, keep, eps, state, iters, neutral)
-    offsets, log_odds, shift = _state_tensors(state, scores)
     mask, new_d, new_shift, _stats, nonfinite = _transport_mask_triton_op(
+        *_triton_args(scores, keep, eps, state, neutral, blocks_per_segment)
+    )
+    return mask, new_d, new_shift, nonfinite
+
+
+def _triton_args(scores, keep, eps, state: TransportState, neutral, blocks_per_segment) -> tuple:
+    """The triton kernels' arguments for a step on `state`, in their host functions' order:
+    scores, offsets, keep, eps, log-odds, shift (the state in its compute dtype), neutral,
+    segment_size, blocks_per_segment."""
+    offsets, log_odds, shift = _state_tensors(state, scores)
+    return (
         scores.contiguous(),
         offsets,
         keep.contiguous(),
@@ -568,7 +578,6 @@ def _transport_mask_triton(
         state.segment_size,
         blocks_per_segment,
     )
-    return mask, new_d, new_shift, nonfinite
 
 
 def _triton_step(
@@ -582,27 +591,16 @@ def _triton_step(
     """The eager training step on the triton backend (one iteration): the mask, with the
     next state in the pending buffers, bitwise as ``_transport_mask_triton`` followed by
     ``state.write_pending`` (tests/ops/test_transport_mask.py)."""
-    offsets, log_odds, shift = _state_tensors(state, scores)
+    args = _triton_args(scores, keep, eps, state, neutral, blocks_per_segment)
     buffers = state._buffers
-    if log_odds is not buffers["log_odds"]:  # float64 scores on a float32 state: copies
+    if args[4] is not buffers["log_odds"]:  # float64 scores on a float32 state: copies
         mask, new_d, new_shift, flags = _transport_mask_triton(
             scores, keep, eps, state, 1, neutral, blocks_per_segment
         )
         state.write_pending(new_d, new_shift, nonfinite=flags)
         return mask
     pending = (buffers["pending_log_odds"], buffers["pending_shift"], buffers["pending_nonfinite"])
-    mask = _TritonStep.apply(
-        scores.contiguous(),
-        offsets,
-        keep.contiguous(),
-        eps,
-        log_odds,
-        shift,
-        neutral,
-        state.segment_size,
-        blocks_per_segment,
-        pending,
-    )
+    mask = _TritonStep.apply(*args, pending)
     # written through pointers: bump the versions as the in-place write_pending would
     torch.autograd.graph.increment_version(pending)
     buffers["has_pending"].fill_(True)
