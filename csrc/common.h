@@ -59,10 +59,28 @@ inline void check_transport_args(const at::Tensor& scores, const at::Tensor& off
               " elements");
 }
 
-inline void check_stats(const at::Tensor& stats, int64_t nseg) {
+// Whether the tiny-segment kernels (transport_blocks.h) run: every segment has the small
+// size segment_size and no blocks_per_segment asks for the general kernels' schedule. The
+// same rule on every device, so the stats' dtype (below) follows from the arguments alone.
+inline bool use_blocks_kernels(int64_t segment_size, int64_t blocks_per_segment) {
+  return segment_size > 0 && blocks_per_segment == 0;
+}
+
+// The forward's stats, (segments, iters, 3): float64 from the general kernels; the
+// tiny-segment kernels form them in the accumulate type, and store them so (a segment of
+// 4 weights would otherwise carry 24 bytes of them from the forward to the backward).
+inline at::ScalarType stats_type(const at::Tensor& scores, bool blocks_kernels) {
+  return blocks_kernels ? acc_type(scores) : at::kDouble;
+}
+
+inline void check_stats(const at::Tensor& stats, const at::Tensor& scores, int64_t nseg,
+                        bool blocks_kernels) {
+  const at::ScalarType dtype = stats_type(scores, blocks_kernels);
   TORCH_CHECK(stats.dim() == 3 && stats.size(0) == nseg && stats.size(2) == 3 &&
-                  stats.scalar_type() == at::kDouble,
-              "dtp::transport_mask_backward: stats must be float64 of shape (segments, iters, 3)");
+                  stats.size(1) >= 1 && stats.scalar_type() == dtype,
+              "dtp::transport_mask_backward: stats must be ", dtype, " of shape (", nseg,
+              ", iters, 3) as the forward returned them, got ", stats.scalar_type(), " of shape ",
+              stats.sizes());
 }
 
 inline void check_blocks_per_segment(int64_t blocks_per_segment) {

@@ -18,15 +18,17 @@
 
 TORCH_LIBRARY(dtp, m) {
   // mask, next log-odds, next shift, per (segment, pass) the shift used and the two
-  // column log-sum-exps (float64, which the backward needs), and per segment whether its
-  // scores or next state were not finite (bool; such a segment keeps its state).
+  // column log-sum-exps (which the backward needs: float64 from the general kernels, the
+  // compute dtype from the tiny-segment ones), and per segment whether its scores or next
+  // state were not finite (bool; such a segment keeps its state).
   // neutral_nonfinite: NaN/Inf scores enter as 0.5 with zero gradient, so the mask stays
   // finite; otherwise they propagate into their segment's mask. blocks_per_segment: the
   // CUDA schedule (1 = one block per segment, B > 1 = B blocks per segment, 0 = chosen
-  // by size); every schedule gives the same result up to rounding, and the CPU ignores it.
-  // segment_size: 0 reads the segments from offsets; 4, 8 or 16 declares that every
-  // segment has that many elements (the blocks of N:M sparsity), which kernels for tiny
-  // segments run without reading offsets (only their count is checked).
+  // by size); every schedule gives the same result up to rounding, and on the CPU any
+  // B > 0 only selects the general kernels. segment_size: 0 reads the segments from
+  // offsets; 4, 8 or 16 declares that every segment has that many elements (the blocks of
+  // N:M sparsity), which kernels for tiny segments run without reading offsets (only
+  // their count is checked) unless blocks_per_segment > 0 asks for the general kernels.
   m.def(
       "transport_mask(Tensor scores, Tensor offsets, Tensor keep, Tensor eps, "
       "Tensor log_odds, Tensor shift, int iters, bool neutral_nonfinite=False, "

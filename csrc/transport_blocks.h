@@ -35,8 +35,8 @@ struct BlocksInputs {
   at::ScalarType acc;
   at::Tensor scores, keep, eps, log_odds;
 
-  // The kernels' arguments: these inputs and the outputs given (in the accumulate type;
-  // stats float64, flags bool).
+  // The kernels' arguments: these inputs and the outputs given (in the accumulate type,
+  // stats too; flags bool).
   blocks::BlocksForwardArgs forward_args(const at::Tensor& shift, const at::Tensor& mask,
                                          const at::Tensor& new_d, const at::Tensor& new_shift,
                                          const at::Tensor& stats, const at::Tensor& nonfinite,
@@ -49,7 +49,7 @@ struct BlocksInputs {
             mask.data_ptr(),
             new_d.data_ptr(),
             new_shift.data_ptr(),
-            stats.data_ptr<double>(),
+            stats.data_ptr(),
             nonfinite.data_ptr<bool>(),
             iters,
             neutral,
@@ -63,7 +63,7 @@ struct BlocksInputs {
             keep.data_ptr(),
             eps.data_ptr<double>(),
             log_odds.data_ptr(),
-            stats.data_ptr<double>(),
+            stats.data_ptr(),
             grad_scores.data_ptr(),
             grad_keep.data_ptr(),
             stats.size(1),

@@ -52,7 +52,7 @@ struct BlocksForwardArgs {
   void* mask;  // acc_t
   void* new_log_odds;
   void* new_shift;
-  double* stats;  // (segment, pass, 3): shift used, L1, L0
+  void* stats;  // (segment, pass, 3) in T: shift used, L1, L0
   bool* nonfinite;
   int64_t iters;
   bool neutral;
@@ -146,10 +146,10 @@ DTP_HOST_DEVICE inline bool first_sums_tile(const BlocksForwardArgs& a, int64_t 
   if (fails != 0) return false;
   for (int l = 0; l < L; ++l) {
     const T l1 = log_fast(s1[l]), l0 = log_fast(s0[l]);
-    double* row = a.stats + (seg0 + l) * 3;
-    row[0] = static_cast<double>(delta[l]);
-    row[1] = static_cast<double>(l1);
-    row[2] = static_cast<double>(l0);
+    T* row = static_cast<T*>(a.stats) + (seg0 + l) * 3;
+    row[0] = delta[l];
+    row[1] = l1;
+    row[2] = l0;
     delta[l] = bias[l] + delta[l] - l1 + l0;
     bad[l] = 0;
   }
@@ -233,10 +233,10 @@ DTP_HOST_DEVICE inline void forward_tile(const BlocksForwardArgs& a, int64_t seg
         delta[l] = bias[l] + dl[l] - l1[l] + l0[l];
       }
       for (int l = 0; l < L; ++l) {
-        double* row = a.stats + ((seg0 + l) * a.iters + t) * 3;
-        row[0] = static_cast<double>(dl[l]);
-        row[1] = static_cast<double>(l1[l]);
-        row[2] = static_cast<double>(l0[l]);
+        T* row = static_cast<T*>(a.stats) + ((seg0 + l) * a.iters + t) * 3;
+        row[0] = dl[l];
+        row[1] = l1[l];
+        row[2] = l0[l];
       }
     }
   }
@@ -314,7 +314,7 @@ struct BlocksBackwardArgs {
   const void* keep;  // acc_t
   const double* eps;
   const void* log_odds;
-  const double* stats;
+  const void* stats;  // T, as the forward wrote them
   void* grad_scores;  // acc_t
   void* grad_keep;    // acc_t: the sums are formed in it
   int64_t iters;
@@ -348,13 +348,14 @@ DTP_HOST_DEVICE inline void backward_tile(const BlocksBackwardArgs& a, int64_t s
       for (int j = 0; j < M; ++j) g[j][l] = gm[l * M + j];
     }
   }
-  auto read_rows = [&](int64_t t) {
+  // The first `columns` entries of pass t's rows: the last pass needs no L0.
+  auto read_rows = [&](int64_t t, int columns) {
     for (int l = 0; l < L; ++l) {
-      const double* row = a.stats + ((seg0 + l) * a.iters + t) * 3;
-      for (int c = 0; c < 3; ++c) rows[c][l] = static_cast<T>(row[c]);
+      const T* row = static_cast<const T*>(a.stats) + ((seg0 + l) * a.iters + t) * 3;
+      for (int c = 0; c < columns; ++c) rows[c][l] = row[c];
     }
   };
-  read_rows(a.iters - 1);
+  read_rows(a.iters - 1, 2);
   T q[M][L], gp[L], gq[L], qs[L], gs[L];
   // The one-exp form when every L1 of the tile is >= 0 (a NaN row fails: the general
   // form). An integer flag: the loop vectorises.
@@ -402,7 +403,7 @@ DTP_HOST_DEVICE inline void backward_tile(const BlocksBackwardArgs& a, int64_t s
   }
   // Earlier passes: d delta_t / d x_i = -w_i(t), d delta_t / d delta_{t-1} = 1 - W_t.
   for (int64_t t = a.iters - 2; t >= 0; --t) {
-    read_rows(t);
+    read_rows(t, 3);
     T wsum[L] = {};
     for (int j = 0; j < M; ++j) {
       for (int l = 0; l < L; ++l) {

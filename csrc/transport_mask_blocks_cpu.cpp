@@ -105,7 +105,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport
     check_segments(keep.data_ptr<float>(), eps.data_ptr<double>(), nseg, m);
   }
   auto mask_acc = empty_output({scores.numel()}, log_odds.options());
-  auto stats = empty_output({nseg, iters, 3}, log_odds.options().dtype(at::kDouble));
+  // in the accumulate type, as the backward reads them (common.h: stats_type)
+  auto stats = empty_output({nseg, iters, 3}, log_odds.options());
   // Every check is above: what follows cannot fail half-way through a lent buffer.
   auto [new_d, new_shift, nonfinite] = take_state_outputs(scores, log_odds, shift);
   const BlocksForwardArgs a = in.forward_args(shift, mask_acc, new_d, new_shift, stats, nonfinite,

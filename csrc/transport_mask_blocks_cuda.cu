@@ -76,7 +76,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport
   auto mask_acc = at::empty({scores.numel()}, log_odds.options());
   const StateOutputs next = lent_or_empty_state_outputs(scores, log_odds, shift);
   const at::Tensor &new_d = next.log_odds, &new_shift = next.shift, &nonfinite = next.nonfinite;
-  auto stats = at::empty({nseg, iters, 3}, log_odds.options().dtype(at::kDouble));
+  // in the accumulate type, as the backward reads them (common.h: stats_type)
+  auto stats = at::empty({nseg, iters, 3}, log_odds.options());
   const blocks::BlocksForwardArgs a = in.forward_args(shift, mask_acc, new_d, new_shift, stats,
                                                       nonfinite, iters, neutral_nonfinite);
   run_blocks(a, nseg, m, scores.scalar_type());

@@ -635,12 +635,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport
     const at::Tensor& scores_in, const at::Tensor& offsets, const at::Tensor& keep,
     const at::Tensor& eps, const at::Tensor& log_odds_in, const at::Tensor& shift_in, int64_t iters,
     bool neutral_nonfinite, int64_t blocks_per_segment, int64_t segment_size) {
-  // blocks_per_segment picks a CUDA schedule; the CPU chunking does not depend on it.
+  // blocks_per_segment > 0 picks the general kernels (on CUDA also their schedule); the
+  // CPU chunking does not depend on its value.
   check_blocks_per_segment(blocks_per_segment);
   TORCH_CHECK(iters >= 1, "dtp::transport_mask: iters must be >= 1, got ", iters);
   check_transport_args(scores_in, offsets, keep, eps, log_odds_in);
   check_segment_size(segment_size, scores_in, offsets);
-  if (segment_size > 0) {
+  if (use_blocks_kernels(segment_size, blocks_per_segment)) {
     check_shift(scores_in, shift_in, offsets.numel() - 1);
     return transport_mask_blocks_cpu(scores_in, keep, eps, log_odds_in, shift_in, iters,
                                      neutral_nonfinite, segment_size);
@@ -679,8 +680,9 @@ std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cpu(
   check_transport_args(scores_in, offsets, keep, eps, log_odds_in);
   check_segment_size(segment_size, scores_in, offsets);
   const at::Tensor mask = usable_mask(mask_in, scores_in);
-  if (segment_size > 0) {
-    check_stats(stats_in, offsets.numel() - 1);
+  const bool blocks_kernels = use_blocks_kernels(segment_size, blocks_per_segment);
+  check_stats(stats_in, scores_in, offsets.numel() - 1, blocks_kernels);
+  if (blocks_kernels) {
     TORCH_CHECK(grad_mask.numel() == scores_in.numel(),
                 "dtp::transport_mask_backward: grad_mask has ", grad_mask.numel(),
                 " elements, expected ", scores_in.numel());
@@ -690,7 +692,6 @@ std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cpu(
                                               stats_in, neutral_nonfinite, segment_size);
   }
   const Segments sg = read_segments(scores_in, offsets, keep, eps);
-  check_stats(stats_in, sg.nseg);
   TORCH_CHECK(grad_mask.numel() == sg.numel, "dtp::transport_mask_backward: grad_mask has ",
               grad_mask.numel(), " elements, expected ", sg.numel);
   const int64_t iters = stats_in.size(1);

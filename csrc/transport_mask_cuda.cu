@@ -19,7 +19,11 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <array>
+#include <atomic>
 #include <cub/block/block_reduce.cuh>
+#include <limits>
 
 #include "block_sums.cuh"
 #include "common.h"
@@ -520,14 +524,43 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- host side ----------------------------------------------------------------------
 
+// Blocks of kThreads the current GPU holds at once for the split schedule's element
+// kernels of this dtype: the fewest any of them fits on one SM, times the SMs. Asked of
+// the runtime once per device.
+template <class scalar_t, class acc_t>
+int64_t resident_split_blocks() {
+  constexpr int kDevices = 64;
+  static std::array<std::atomic<int>, kDevices> cached{};  // 0: not asked yet
+  const int device = c10::cuda::current_device();
+  int per_sm = device < kDevices ? cached[device].load(std::memory_order_relaxed) : 0;
+  if (per_sm == 0) {
+    per_sm = std::numeric_limits<int>::max();
+    for (const void* kernel :
+         {reinterpret_cast<const void*>(split_extremes_kernel<scalar_t, acc_t>),
+          reinterpret_cast<const void*>(split_sums_kernel<scalar_t, acc_t>),
+          reinterpret_cast<const void*>(split_output_kernel<scalar_t, acc_t>),
+          reinterpret_cast<const void*>(split_bwd_sums_kernel<scalar_t, acc_t>),
+          reinterpret_cast<const void*>(split_bwd_pass_kernel<scalar_t, acc_t>),
+          reinterpret_cast<const void*>(split_bwd_output_kernel<scalar_t, acc_t>)}) {
+      int blocks = 0;
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, 0));
+      per_sm = std::min(per_sm, std::max(blocks, 1));
+    }
+    if (device < kDevices) cached[device].store(per_sm, std::memory_order_relaxed);
+  }
+  return int64_t(per_sm) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+}
+
 // Blocks per segment: `requested` when > 0; else 1 (fused) for small inputs, and above
-// kSplitFrom elements enough blocks to fill the GPU twice with at least kMinPerBlock
-// elements each. Decided from numel and nseg, known on the host.
+// kSplitFrom elements as many blocks as the GPU holds at once (spread over the segments),
+// each with at least kMinPerBlock elements. A streaming pass needs every SM full to keep
+// enough loads in flight (two blocks an SM gave under a fifth of copy bandwidth on an
+// H200). Decided from numel, nseg and the device, known on the host.
+template <class scalar_t, class acc_t>
 int64_t blocks_per_segment(int64_t numel, int64_t nseg, int64_t requested) {
   if (requested > 0) return requested;
   if (numel < kSplitFrom) return 1;
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t fill = (2 * sms + nseg - 1) / nseg;
+  const int64_t fill = (resident_split_blocks<scalar_t, acc_t>() + nseg - 1) / nseg;
   const int64_t work = (numel + nseg * kMinPerBlock - 1) / (nseg * kMinPerBlock);
   return std::max<int64_t>(1, std::min(fill, work));
 }
@@ -570,7 +603,7 @@ void check_devices(const at::Tensor& scores, std::initializer_list<const at::Ten
 // The inputs both directions read, as contiguous device tensors kept alive by the caller.
 struct InputTensors {
   at::Tensor scores, offsets, keep, eps, log_odds;
-  int64_t nseg, blocks_per_seg;
+  int64_t nseg, requested_blocks;
 };
 
 // keep stays float32 or float64 as given (the kernels read either; a conversion would be
@@ -595,24 +628,15 @@ void check_inputs(const at::Tensor& scores, const at::Tensor& offsets, const at:
   check_segment_size(segment_size, scores, offsets);
 }
 
-// Tiny equal segments get one thread each (transport_mask_blocks_cuda.cu), unless a
-// schedule is forced: the general kernels serve every segment_size (they read offsets).
-bool use_blocks_kernels(int64_t segment_size, int64_t requested_blocks) {
-  return segment_size > 0 && requested_blocks == 0;
-}
-
 // The general kernels' inputs, after check_inputs.
 InputTensors input_tensors(const at::Tensor& scores, const at::Tensor& offsets,
                            const at::Tensor& keep, const at::Tensor& eps,
                            const at::Tensor& log_odds, int64_t requested_blocks) {
   const int64_t nseg = offsets.numel() - 1;
-  return {scores.contiguous(),
-          offsets.contiguous(),
-          kernel_keep(keep),
-          contiguous_as(eps, at::kDouble),
-          log_odds.contiguous(),
-          nseg,
-          blocks_per_segment(scores.numel(), nseg, requested_blocks)};
+  return {scores.contiguous(),   offsets.contiguous(),
+          kernel_keep(keep),     contiguous_as(eps, at::kDouble),
+          log_odds.contiguous(), nseg,
+          requested_blocks};
 }
 
 template <class scalar_t, class acc_t>
@@ -625,7 +649,8 @@ void fill_inputs(Inputs<scalar_t, acc_t>& p, const InputTensors& in, int64_t ite
   p.log_odds = in.log_odds.data_ptr<acc_t>();
   p.nseg = in.nseg;
   p.iters = iters;
-  p.blocks_per_seg = in.blocks_per_seg;
+  p.blocks_per_seg =
+      blocks_per_segment<scalar_t, acc_t>(in.scores.numel(), in.nseg, in.requested_blocks);
   p.neutral = neutral;
 }
 
@@ -738,7 +763,8 @@ std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cuda(
     const at::Tensor& stats_in, bool neutral, int64_t blocks_per_segment, int64_t segment_size,
     const std::optional<at::Tensor>& /*mask: the CUDA kernels recompute p and q*/) {
   check_inputs(scores, offsets, keep, eps, log_odds, blocks_per_segment, segment_size);
-  check_stats(stats_in, offsets.numel() - 1);
+  check_stats(stats_in, scores, offsets.numel() - 1,
+              use_blocks_kernels(segment_size, blocks_per_segment));
   TORCH_CHECK(grad_mask.numel() == scores.numel(), "dtp::transport_mask_backward: grad_mask has ",
               grad_mask.numel(), " elements, expected ", scores.numel());
   if (use_blocks_kernels(segment_size, blocks_per_segment)) {  // as the forward chose

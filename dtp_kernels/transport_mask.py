@@ -343,11 +343,15 @@ def _transport_mask_fake(
     segment_size=0,
 ):
     nseg = offsets.shape[0] - 1
+    # stats: float64 from the general kernels, the state's compute dtype from the
+    # tiny-segment ones (csrc/common.h: use_blocks_kernels, stats_type)
+    blocks_kernels = segment_size > 0 and blocks_per_segment == 0
+    stats_dtype = log_odds.dtype if blocks_kernels else torch.float64
     return (
         torch.empty_like(scores),
         torch.empty_like(log_odds),
         torch.empty_like(shift),
-        scores.new_empty((nseg, iters, 3), dtype=torch.float64),
+        scores.new_empty((nseg, iters, 3), dtype=stats_dtype),
         scores.new_empty((nseg,), dtype=torch.bool),
     )
 

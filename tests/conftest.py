@@ -5,7 +5,9 @@ for the GPU and the CPU tests leave Triton out. Tests and parameters marked `cud
 on a GPU and skip without one (`pytest -m cuda` runs just them).
 """
 
+import hashlib
 import os
+from pathlib import Path
 
 import torch
 
@@ -19,6 +21,23 @@ WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
 
 from utils import ALL_CPU_BACKENDS, FAST_CPU_BACKENDS, require_backend  # noqa: E402
+
+
+def build_tag() -> str:
+    """A name for this build of dtp_kernels (its sources and extension, by size and
+    modification time). torch.compile's caches do not key on a custom op's metadata: a
+    graph cached under an earlier build (an output of another dtype, say) would be reused
+    and fail, so the tests key them on the build (subprocesses through the environment)."""
+    digest = hashlib.sha1()
+    for path in sorted((Path(__file__).resolve().parents[1] / "dtp_kernels").rglob("*")):
+        if path.suffix in (".py", ".so"):
+            stat = path.stat()
+            digest.update(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return "dtp-kernels-" + digest.hexdigest()[:16]
+
+
+os.environ["TORCH_COMPILE_CACHE_KEY_TAG"] = build_tag()
+torch.compiler.config.cache_key_tag = os.environ["TORCH_COMPILE_CACHE_KEY_TAG"]
 
 
 @pytest.fixture(params=FAST_CPU_BACKENDS)

@@ -262,6 +262,51 @@ def test_opcheck_blocks(dtype, iters, device):
     torch.library.opcheck(torch.ops.dtp.transport_mask.default, args)
 
 
+@pytest.mark.parametrize("device", COMPILED_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("iters", [1, 3])
+def test_blocks_stats_in_the_compute_dtype_and_forced_general_kernels(dtype, iters, device):
+    """The tile kernels return their stats in the compute dtype, the general kernels
+    (which blocks_per_segment > 0 selects on every device) in float64; both give the same
+    step up to rounding, and each backward refuses the other's stats by name."""
+    require_backend(device, device)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    nseg = 37
+    keep = torch.tensor([k for _, k in blocks_layout(4, nseg)], dtype=acc, device=device)
+    gen = torch.Generator().manual_seed(3)
+    scores = torch.randn(nseg * 4, generator=gen).to(device=device, dtype=dtype)
+    state = (
+        torch.arange(nseg + 1, device=device) * 4,
+        keep,
+        torch.full((nseg,), 0.5, dtype=torch.float64, device=device),
+        torch.randn(nseg * 4, generator=gen).to(device=device, dtype=acc),
+        torch.randn(nseg, generator=gen).to(device=device, dtype=acc),
+    )
+    offsets, keep, eps, log_odds, shift = state
+    grad = torch.randn(nseg * 4, generator=gen).to(device=device, dtype=dtype)
+    out = {}
+    for blocks, stats_dtype in ((0, acc), (1, torch.float64)):
+        step = torch.ops.dtp.transport_mask(
+            scores, offsets, keep, eps, log_odds, shift, iters, False, blocks, 4
+        )
+        stats = step[3]
+        assert stats.dtype == stats_dtype and stats.shape == (nseg, iters, 3)
+        grads = torch.ops.dtp.transport_mask_backward(
+            grad, scores, offsets, keep, eps, log_odds, stats, False, blocks, 4
+        )
+        out[blocks] = (*step[:3], step[4], *grads)
+        if acc == torch.float64:
+            continue  # both kernels' stats are float64
+        wrong = stats.to(acc if stats_dtype == torch.float64 else torch.float64)
+        with pytest.raises(RuntimeError, match=rf"stats must be .* of shape \({nseg}, iters, 3\)"):
+            torch.ops.dtp.transport_mask_backward(
+                grad, scores, offsets, keep, eps, log_odds, wrong, False, blocks, 4
+            )
+    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-5}
+    for tile, general in zip(out[0], out[1], strict=True):
+        torch.testing.assert_close(tile, general, **tol)
+
+
 @pytest.mark.parametrize("blocks", [1, 2])
 @pytest.mark.parametrize(
     "device",
