@@ -31,7 +31,40 @@ def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def state_bytes(pruner: DTPPruner, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+def eps_cache(pruner: DTPPruner) -> list[torch.Tensor]:
+    """The per-segment eps the transport state keeps once a step has run (float64, one
+    per segment: not a buffer, but state all the same)."""
+    cached = pruner.state._eps_cache
+    return [] if cached is None else [cached[1]]
+
+
+def owned_storages(*modules: nn.Module, extra: list[torch.Tensor] = ()) -> set[int]:
+    tensors = [t for m in modules for t in (*m.parameters(), *m.buffers())] + list(extra)
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def forward_saving(model: nn.Module, example: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """A forward's loss and the storages autograd saved for its backward (data pointer
+    -> bytes; a view counts its whole storage, each storage once)."""
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(example).pow(2).mean()
+    return loss, saved
+
+
+def kept_bytes(saved: dict[int, int], owned: set[int]) -> int:
+    return sum(size for ptr, size in saved.items() if ptr not in owned)
+
+
+def state_bytes(
+    pruner: DTPPruner, optimizer: torch.optim.Optimizer, forward_to_backward: int
+) -> dict[str, int]:
     """Bytes of each part of DTP's state, after a step (gradients and optimizer state
     exist)."""
     state = pruner.state
@@ -43,23 +76,26 @@ def state_bytes(pruner: DTPPruner, optimizer: torch.optim.Optimizer) -> dict[str
         "scores": nbytes([pruner.scores]),
         "score gradient": nbytes([pruner.scores.grad]) if learned else 0,
         "optimizer state": nbytes(v for v in optim.values() if isinstance(v, torch.Tensor)),
-        "transport state": nbytes(transport),
+        "transport state": nbytes(transport + eps_cache(pruner)),
         "pending state": nbytes(pending),
         "kept counts": nbytes([pruner.keep]),
-        # the op's saved tensors besides the inputs: per (segment, pass) the shift and
-        # the two log-sum-exps, float64; magnitude scores: also the |w| the op saves
-        "forward-to-backward": state.num_segments * pruner.iters * 3 * 8
-        + (0 if learned else pruner.state.numel * 4),
+        "forward-to-backward": forward_to_backward,
     }
 
 
 def measure(
     weights: int, granularity: str, optimizer_name: str, scores: str
 ) -> tuple[int, dict[str, int]]:
+    """One SGD or Adam step of a pruned three-layer MLP; forward-to-backward is measured:
+    what the pruned model's forward saves for its backward beyond what the same dense
+    model's forward saves, parameters, buffers and the state's own tensors left out (the
+    mask, the masked weights, the step's statistics, |w| for magnitude scores)."""
     width = max(16, int((weights / 3) ** 0.5) // 16 * 16)
     layers = [nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU()]
     model = nn.Sequential(*layers, nn.Linear(width, width))
     example = torch.randn(2, width)
+    _, dense_saved = forward_saving(model, example)
+    dense = kept_bytes(dense_saved, owned_storages(model))
     options = {"granularity": "n:m"} if granularity == "2:4" else {"granularity": "weight"}
     pruner = DTPPruner(model, example, 0.5, scores=scores, **options)
     params = [*model.parameters(), *pruner.parameters()]
@@ -68,9 +104,11 @@ def measure(
         if optimizer_name == "SGD"
         else torch.optim.Adam(params, lr=1e-3)
     )
-    model(example).pow(2).mean().backward()
+    loss, saved = forward_saving(model, example)
+    extra = kept_bytes(saved, owned_storages(model, pruner, extra=eps_cache(pruner))) - dense
+    loss.backward()
     optimizer.step()
-    return pruner.state.numel, state_bytes(pruner, optimizer)
+    return pruner.state.numel, state_bytes(pruner, optimizer, extra)
 
 
 def main() -> None:
@@ -83,7 +121,9 @@ def main() -> None:
         "# Memory of DTP's state per pruned weight (`benchmarks/dtp_memory.py`)",
         "",
         f"torch {env['torch']}; {env['date']}; three Linear layers, float32 weights; "
-        "bytes per pruned weight after one step; iters = 1.",
+        "bytes per pruned weight after one step; iters = 1. Transport state: log-odds, "
+        "shift, offsets and the per-segment eps; forward-to-backward: measured, what the "
+        "pruned forward saves for its backward beyond the dense forward.",
         "",
     ]
     header = None

@@ -110,8 +110,9 @@ class DTPPruner(ChannelPruner):
             magnitudes, and trained by the optimizer; "magnitude" (granularity "weight"
             or "n:m" only): every forward's scores are the current |w|, as the paper
             scores weights, so the mask's gradient reaches the weights themselves and the
-            pruner keeps no score parameter, gradient or optimizer state (12 bytes per
-            weight less with SGD and momentum, 16 with Adam; `benchmarks/dtp_memory.py`).
+            pruner keeps no score parameter, gradient or optimizer state (8 bytes per
+            weight less with SGD and momentum, 12 with Adam, |w| saved for the backward
+            counted; `benchmarks/dtp_memory.py`).
         eps, iters, backend: passed to `transport_mask`.
         mask_at: "auto" (parameters where possible), "parameters" or "activation".
         epilogue_backend: backend of `masked_channel_epilogue` for activation masks
