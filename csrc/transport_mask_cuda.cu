@@ -9,7 +9,11 @@
 //   one thread per segment merges them in block order between passes: a fixed reduction
 //   order, so results are bitwise reproducible, and no atomics.
 // Both run the same phases: each element loop is one device function over a [lo, hi)
-// range, and each per-segment update one device function of the merged sums. The fused
+// range, and each per-segment update one device function of the merged sums. One
+// iteration (the paper's step) first takes the column sums unstabilised in the same pass
+// as the extremes, as the CPU kernels do: where every term is finite and neither sum is
+// below n e^-60 they stand (two passes over the data instead of three), else the
+// segment's sums are taken again, stabilised by the extremes. The fused
 // kernels call them in sequence; the split schedule launches one kernel per phase.
 // Each block reduces with cub::BlockReduce (a fixed tree). The non-finite guard is
 // decided on the device, with no host sync.
@@ -51,6 +55,17 @@ struct MinMaxBadOp {
   }
 };
 
+// The first pass of one iteration: extremes and the unstabilised column sums together.
+struct FirstPart {
+  MinMaxBad ext;
+  Pair<double> sums;
+};
+struct FirstPartOp {
+  __device__ FirstPart operator()(const FirstPart& x, const FirstPart& y) const {
+    return {MinMaxBadOp()(x.ext, y.ext), x.sums + y.sums};
+  }
+};
+
 // Forward: the scalars of one segment between passes.
 struct FwdSeg {
   double lo, hi;          // extremes of x
@@ -58,6 +73,7 @@ struct FwdSeg {
   double delta_last, l1;  // shift and log column mass of the last pass
   double delta_new;       // the updated shift
   int bad;                // non-finite s or x in the segment
+  bool stabilise;         // its sums are (still) to be taken stabilised
 };
 
 // Backward: sum g p, the gradient flowing into the shift, its sum over passes, sum g.
@@ -90,6 +106,7 @@ struct FwdParams : Inputs<scalar_t, acc_t> {
   // split schedule's workspace
   FwdSeg* seg;
   MinMaxBad* ext_part;
+  FirstPart* first_part;  // one iteration: instead of ext_part
   Pair<double>* sum_part;
 };
 
@@ -205,7 +222,29 @@ __device__ __forceinline__ FwdSeg start_segment(const MinMaxBad& ext, acc_t shif
   st.delta_last = st.delta;
   st.l1 = 0.0;
   st.delta_new = st.delta;
+  st.stabilise = true;
   return st;
+}
+
+// One iteration's first pass on [lo, hi): the extremes of x and finiteness, and the
+// column sums sum_i sigmoid(z_i), sum_i sigmoid(-z_i) without a stabiliser (one exp per
+// element; every term is in (0, 1], so nothing overflows).
+template <class scalar_t, class acc_t>
+__device__ __forceinline__ FirstPart first_phase(const Inputs<scalar_t, acc_t>& p, acc_t shift,
+                                                 acc_t inv_eps, int64_t lo, int64_t hi) {
+  MinMaxBad local{INFINITY, -INFINITY, 0};
+  acc_t s1 = 0, s0 = 0;
+  for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) {
+    const acc_t v = log_odds_at(p, i, inv_eps);
+    local.lo = v < local.lo ? v : local.lo;
+    local.hi = v > local.hi ? v : local.hi;
+    local.bad += (is_finite(static_cast<acc_t>(p.scores[i])) && is_finite(v)) ? 0 : 1;
+    const acc_t z = v + shift;
+    const auto parts = sigmoid_parts(z);
+    s1 += scaled_sigmoid(z, parts, acc_t(1));
+    s0 += scaled_sigmoid_neg(z, parts, acc_t(1));
+  }
+  return {local, {double(s1), double(s0)}};
 }
 
 // Column sums of one pass: sum_i exp(log sigmoid(z_i) - m1), sum_i exp(log sigmoid(-z_i) - m0).
@@ -241,6 +280,23 @@ __device__ __forceinline__ void sinkhorn_update(FwdSeg& st, const Pair<double>& 
   st.delta = static_cast<double>(static_cast<acc_t>(next));
   st.delta_new = next;
   set_stabilisers(st);
+}
+
+// A segment after one iteration's first pass. Its unstabilised sums stand when every s
+// and x is finite and neither column sums below n e^-60 (the CPU kernels' test): then
+// its stats row and next shift are set from them (stabilisers 0). Else it starts as
+// without them, to take its sums stabilised by the extremes.
+template <class acc_t>
+__device__ __forceinline__ FwdSeg first_segment(const FirstPart& f, acc_t shift, const Segment& g,
+                                                double* stats) {
+  FwdSeg st = start_segment(f.ext, shift);
+  const double least = static_cast<double>(g.n) * ::exp(kMinScaledShift);
+  st.stabilise = !(f.ext.bad == 0 && f.sums.a >= least && f.sums.b >= least);  // NaN: false
+  if (!st.stabilise) {
+    st.m1 = st.m0 = 0.0;
+    sinkhorn_update<acc_t>(st, f.sums, g, 0, 1, stats);
+  }
+  return st;
 }
 
 // Mask and next log-odds on [lo, hi); `flags` also writes the segment's next shift and
@@ -366,20 +422,30 @@ __device__ __forceinline__ void grad_output_phase(const BwdParams<scalar_t, acc_
 template <class scalar_t, class acc_t>
 __global__ void __launch_bounds__(kThreads) fused_fwd_kernel(const FwdParams<scalar_t, acc_t> p) {
   using ReduceMMB = cub::BlockReduce<MinMaxBad, kThreads>;
+  using ReduceFirst = cub::BlockReduce<FirstPart, kThreads>;
   using ReducePair = cub::BlockReduce<Pair<double>, kThreads>;
   __shared__ union {
     typename ReduceMMB::TempStorage mmb;
+    typename ReduceFirst::TempStorage first;
     typename ReducePair::TempStorage pair;
   } temp;
   __shared__ FwdSeg st;
   const Segment g = segment_at(p, blockIdx.x);
   const acc_t inv_eps = inv_eps_of(p, g.index);
 
-  const MinMaxBad ext =
-      ReduceMMB(temp.mmb).Reduce(extremes_phase(p, inv_eps, g.begin, g.end), MinMaxBadOp());
-  if (threadIdx.x == 0) st = start_segment(ext, p.shift[g.index]);
+  if (p.iters == 1) {
+    const acc_t shift = p.shift[g.index];
+    const FirstPart f = ReduceFirst(temp.first)
+                            .Reduce(first_phase(p, shift, inv_eps, g.begin, g.end), FirstPartOp());
+    if (threadIdx.x == 0) st = first_segment(f, shift, g, p.stats);
+  } else {
+    const MinMaxBad ext =
+        ReduceMMB(temp.mmb).Reduce(extremes_phase(p, inv_eps, g.begin, g.end), MinMaxBadOp());
+    if (threadIdx.x == 0) st = start_segment(ext, p.shift[g.index]);
+  }
   __syncthreads();
-  for (int64_t t = 0; t < p.iters; ++t) {
+  const bool stabilise = st.stabilise;  // the block's: every thread takes the same path
+  for (int64_t t = 0; stabilise && t < p.iters; ++t) {
     const Pair<double> sums =
         ReducePair(temp.pair).Sum(column_sums_phase(p, st, inv_eps, g.begin, g.end));
     if (threadIdx.x == 0) sinkhorn_update<acc_t>(st, sums, g, t, p.iters, p.stats);
@@ -438,11 +504,35 @@ __global__ void split_start_kernel(const FwdParams<scalar_t, acc_t> p) {
   p.seg[s] = start_segment(ext, p.shift[s]);
 }
 
+// One iteration: the extremes and unstabilised sums of each block's part ...
+template <class scalar_t, class acc_t>
+__global__ void __launch_bounds__(kThreads) split_first_kernel(const FwdParams<scalar_t, acc_t> p) {
+  using ReduceFirst = cub::BlockReduce<FirstPart, kThreads>;
+  __shared__ typename ReduceFirst::TempStorage temp;
+  const Range r = block_range(p);
+  const acc_t inv_eps = inv_eps_of(p, r.seg.index);
+  const FirstPart f = ReduceFirst(temp).Reduce(
+      first_phase(p, p.shift[r.seg.index], inv_eps, r.lo, r.hi), FirstPartOp());
+  if (threadIdx.x == 0) p.first_part[blockIdx.x] = f;
+}
+
+// ... merged in block order per segment: sums that stand finish its iteration.
+template <class scalar_t, class acc_t>
+__global__ void split_first_start_kernel(const FwdParams<scalar_t, acc_t> p) {
+  const int64_t s = segment_thread();
+  if (s >= p.nseg) return;
+  const FirstPart* part = p.first_part + s * p.blocks_per_seg;
+  FirstPart f = part[0];
+  for (int64_t b = 1; b < p.blocks_per_seg; ++b) f = FirstPartOp()(f, part[b]);
+  p.seg[s] = first_segment(f, p.shift[s], segment_at(p, s), p.stats);
+}
+
 template <class scalar_t, class acc_t>
 __global__ void __launch_bounds__(kThreads) split_sums_kernel(const FwdParams<scalar_t, acc_t> p) {
   using ReducePair = cub::BlockReduce<Pair<double>, kThreads>;
   __shared__ typename ReducePair::TempStorage temp;
   const Range r = block_range(p);
+  if (!p.seg[r.seg.index].stabilise) return;  // the whole block: no partials to write
   const acc_t inv_eps = inv_eps_of(p, r.seg.index);
   const Pair<double> sums =
       ReducePair(temp).Sum(column_sums_phase(p, p.seg[r.seg.index], inv_eps, r.lo, r.hi));
@@ -453,10 +543,11 @@ template <class scalar_t, class acc_t>
 __global__ void split_step_kernel(const FwdParams<scalar_t, acc_t> p, int64_t t) {
   const int64_t s = segment_thread();
   if (s >= p.nseg) return;
+  FwdSeg st = p.seg[s];
+  if (!st.stabilise) return;  // its one iteration's sums stood (first_segment)
   const Pair<double>* part = p.sum_part + s * p.blocks_per_seg;
   Pair<double> sums = part[0];
   for (int64_t b = 1; b < p.blocks_per_seg; ++b) sums = sums + part[b];
-  FwdSeg st = p.seg[s];
   sinkhorn_update<acc_t>(st, sums, segment_at(p, s), t, p.iters, p.stats);
   p.seg[s] = st;
 }
@@ -536,7 +627,8 @@ int64_t resident_split_blocks() {
   if (per_sm == 0) {
     per_sm = std::numeric_limits<int>::max();
     for (const void* kernel :
-         {reinterpret_cast<const void*>(split_extremes_kernel<scalar_t, acc_t>),
+         {reinterpret_cast<const void*>(split_first_kernel<scalar_t, acc_t>),
+          reinterpret_cast<const void*>(split_extremes_kernel<scalar_t, acc_t>),
           reinterpret_cast<const void*>(split_sums_kernel<scalar_t, acc_t>),
           reinterpret_cast<const void*>(split_output_kernel<scalar_t, acc_t>),
           reinterpret_cast<const void*>(split_bwd_sums_kernel<scalar_t, acc_t>),
@@ -663,17 +755,33 @@ void launch_forward(FwdParams<scalar_t, acc_t>& p, const at::Tensor& like) {
     return;
   }
   const int64_t grid = p.nseg * p.blocks_per_seg;
+  const bool one = p.iters == 1;  // the first pass also takes the unstabilised sums
   Workspace ws;
   ws.reserve<FwdSeg>(p.nseg);
-  ws.reserve<MinMaxBad>(grid);
+  if (one) {
+    ws.reserve<FirstPart>(grid);
+  } else {
+    ws.reserve<MinMaxBad>(grid);
+  }
   ws.reserve<Pair<double>>(grid);
   ws.allocate(like);
   p.seg = ws.take<FwdSeg>(p.nseg);
-  p.ext_part = ws.take<MinMaxBad>(grid);
+  if (one) {
+    p.first_part = ws.take<FirstPart>(grid);
+  } else {
+    p.ext_part = ws.take<MinMaxBad>(grid);
+  }
   p.sum_part = ws.take<Pair<double>>(grid);
-  split_extremes_kernel<scalar_t, acc_t><<<grid, kThreads, 0, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  split_start_kernel<scalar_t, acc_t><<<segment_blocks(p.nseg), kSegThreads, 0, stream>>>(p);
+  if (one) {
+    split_first_kernel<scalar_t, acc_t><<<grid, kThreads, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    split_first_start_kernel<scalar_t, acc_t>
+        <<<segment_blocks(p.nseg), kSegThreads, 0, stream>>>(p);
+  } else {
+    split_extremes_kernel<scalar_t, acc_t><<<grid, kThreads, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    split_start_kernel<scalar_t, acc_t><<<segment_blocks(p.nseg), kSegThreads, 0, stream>>>(p);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   for (int64_t t = 0; t < p.iters; ++t) {
     split_sums_kernel<scalar_t, acc_t><<<grid, kThreads, 0, stream>>>(p);

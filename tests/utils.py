@@ -112,11 +112,12 @@ def run_loop(
 
 
 def check_fixed_scores_against_reference(
-    backend, sizes, keep, scores, eps, dtype, steps=3, device="cpu"
+    backend, sizes, keep, scores, eps, dtype, steps=3, device="cpu", **options
 ):
     """The same float64 scores every step, at a small `eps`: masks and score gradients
     against the float64 reference (on the CPU), score gradients held to `dtype`'s rounding
-    at their scale (about 2 / eps). Returns the backend's state."""
+    at their scale (about 2 / eps). ``options`` go to the backend's transport_mask call.
+    Returns the backend's state."""
     gen = torch.Generator().manual_seed(0)
     weights = torch.randn(sum(sizes), generator=gen, dtype=torch.float64)
     state = TransportState(sizes, dtype=dtype, device=device)
@@ -125,7 +126,7 @@ def check_fixed_scores_against_reference(
     for step in range(steps):
         s = scores.to(device=device, dtype=dtype, copy=True).requires_grad_(True)
         s_ref = scores.clone().requires_grad_(True)
-        mask = transport_mask(s, keep, state, eps=eps, backend=backend)
+        mask = transport_mask(s, keep, state, eps=eps, backend=backend, **options)
         ref = transport_mask(s_ref, keep, ref_state, eps=eps, backend="reference")
         (weights.to(device=device, dtype=dtype) * mask).sum().backward()
         (weights * ref).sum().backward()

@@ -499,12 +499,11 @@ def test_overflowing_log_odds_hold_and_flag_the_segment(fast_backend):
         assert not torch.equal(state.log_odds[:3], torch.zeros(3))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_segments_far_below_both_columns_match_reference(fast_backend, dtype):
-    """Every z of a segment near -100 (or +100): sigmoid underflows in float32, so sums
-    taken without a stabiliser would be 0; the kernels must scale them (against the
-    float64 reference, over several steps). Beside it, a segment with one z near 0 and
-    the rest far below, and a segment over one chunk."""
+def far_below_layout() -> tuple[list[int], list[float], torch.Tensor]:
+    """Segments whose z all lie near -100 (or +100): sigmoid underflows in float32, so
+    one column's sums taken without a stabiliser would be 0 and the kernels must scale
+    them; beside them a segment with one z near 0 and the rest far below (its unscaled
+    sums stand), and a segment over one chunk. Sizes, keep, float64 scores."""
     sizes, keep = [40, 40, 9, 5000], [10.0, 3.5, 2.0, 1200.0]
     gen = torch.Generator().manual_seed(8)
     parts = [
@@ -513,8 +512,29 @@ def test_segments_far_below_both_columns_match_reference(fast_backend, dtype):
         torch.cat([torch.tensor([0.5], dtype=torch.float64), torch.zeros(8, dtype=torch.float64)]),
         0.05 * torch.rand(5000, generator=gen, dtype=torch.float64),
     ]
-    scores = torch.cat(parts)
+    return sizes, keep, torch.cat(parts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_segments_far_below_both_columns_match_reference(fast_backend, dtype):
+    """The far-below layout against the float64 reference over several steps."""
+    sizes, keep, scores = far_below_layout()
     state = check_fixed_scores_against_reference(fast_backend, sizes, keep, scores, 0.01, dtype)
+    assert state.skipped_steps.tolist() == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("blocks", [1, 3], ids=["fused", "split"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.cuda
+def test_cuda_segments_far_below_both_columns_match_reference(dtype, blocks):
+    """CUDA, both schedules: one iteration takes unscaled sums in its first pass and
+    scales again only the segments whose sums could not stand, in the same launch."""
+    if "cuda" not in cuda_backends():
+        pytest.skip("the CUDA kernels are not built")
+    sizes, keep, scores = far_below_layout()
+    state = check_fixed_scores_against_reference(
+        "cuda", sizes, keep, scores, 0.01, dtype, device=CUDA, blocks_per_segment=blocks
+    )
     assert state.skipped_steps.tolist() == [0, 0, 0, 0]
 
 
