@@ -482,6 +482,21 @@ __global__ void __launch_bounds__(kThreads) fused_bwd_kernel(const BwdParams<sca
 
 // ---- split schedule: blocks_per_seg blocks per segment, one launch per phase -------
 
+// Segment s's block partials merged in block order (fixed: bitwise reproducible).
+template <class T, class Op>
+__device__ __forceinline__ T merge_parts(const T* parts, int64_t s, int64_t blocks, Op op) {
+  const T* part = parts + s * blocks;
+  T out = part[0];
+  for (int64_t b = 1; b < blocks; ++b) out = op(out, part[b]);
+  return out;
+}
+struct AddOp {
+  template <class T>
+  __device__ T operator()(const T& x, const T& y) const {
+    return x + y;
+  }
+};
+
 template <class scalar_t, class acc_t>
 __global__ void __launch_bounds__(kThreads)
     split_extremes_kernel(const FwdParams<scalar_t, acc_t> p) {
@@ -498,9 +513,7 @@ template <class scalar_t, class acc_t>
 __global__ void split_start_kernel(const FwdParams<scalar_t, acc_t> p) {
   const int64_t s = segment_thread();
   if (s >= p.nseg) return;
-  const MinMaxBad* part = p.ext_part + s * p.blocks_per_seg;
-  MinMaxBad ext = part[0];
-  for (int64_t b = 1; b < p.blocks_per_seg; ++b) ext = MinMaxBadOp()(ext, part[b]);
+  const MinMaxBad ext = merge_parts(p.ext_part, s, p.blocks_per_seg, MinMaxBadOp());
   p.seg[s] = start_segment(ext, p.shift[s]);
 }
 
@@ -521,9 +534,7 @@ template <class scalar_t, class acc_t>
 __global__ void split_first_start_kernel(const FwdParams<scalar_t, acc_t> p) {
   const int64_t s = segment_thread();
   if (s >= p.nseg) return;
-  const FirstPart* part = p.first_part + s * p.blocks_per_seg;
-  FirstPart f = part[0];
-  for (int64_t b = 1; b < p.blocks_per_seg; ++b) f = FirstPartOp()(f, part[b]);
+  const FirstPart f = merge_parts(p.first_part, s, p.blocks_per_seg, FirstPartOp());
   p.seg[s] = first_segment(f, p.shift[s], segment_at(p, s), p.stats);
 }
 
@@ -545,9 +556,7 @@ __global__ void split_step_kernel(const FwdParams<scalar_t, acc_t> p, int64_t t)
   if (s >= p.nseg) return;
   FwdSeg st = p.seg[s];
   if (!st.stabilise) return;  // its one iteration's sums stood (first_segment)
-  const Pair<double>* part = p.sum_part + s * p.blocks_per_seg;
-  Pair<double> sums = part[0];
-  for (int64_t b = 1; b < p.blocks_per_seg; ++b) sums = sums + part[b];
+  const Pair<double> sums = merge_parts(p.sum_part, s, p.blocks_per_seg, AddOp());
   sinkhorn_update<acc_t>(st, sums, segment_at(p, s), t, p.iters, p.stats);
   p.seg[s] = st;
 }
@@ -575,9 +584,7 @@ template <class scalar_t, class acc_t>
 __global__ void split_bwd_start_kernel(const BwdParams<scalar_t, acc_t> p) {
   const int64_t s = segment_thread();
   if (s >= p.nseg) return;
-  const Quad<double>* part = p.quad_part + s * p.blocks_per_seg;
-  Quad<double> sums = part[0];
-  for (int64_t b = 1; b < p.blocks_per_seg; ++b) sums = sums + part[b];
+  const Quad<double> sums = merge_parts(p.quad_part, s, p.blocks_per_seg, AddOp());
   p.seg[s] = start_backward(sums, keep_at(p, s));
 }
 
@@ -596,9 +603,7 @@ template <class scalar_t, class acc_t>
 __global__ void split_bwd_step_kernel(const BwdParams<scalar_t, acc_t> p, int64_t t) {
   const int64_t s = segment_thread();
   if (s >= p.nseg) return;
-  const double* part = p.w_part + s * p.blocks_per_seg;
-  double total = part[0];
-  for (int64_t b = 1; b < p.blocks_per_seg; ++b) total += part[b];
+  const double total = merge_parts(p.w_part, s, p.blocks_per_seg, AddOp());
   BwdSeg st = p.seg[s];
   const int64_t npass = p.iters - 1;
   chain_update(st, total, p.coef + s * npass + t - 1);
