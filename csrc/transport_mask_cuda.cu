@@ -6,8 +6,8 @@
 // - fused: one block per segment, all segments in one launch forward and one backward;
 //   best while the step is launch-bound (every layer-group layout of a CNN).
 // - split: B blocks per segment for large inputs. Each block writes its partial sums, and
-//   one thread per segment merges them in block order between passes: a fixed reduction
-//   order, so results are bitwise reproducible, and no atomics.
+//   one warp per segment merges them between passes in an order fixed by B (merge_parts),
+//   so results are bitwise reproducible, and no atomics.
 // Both run the same phases: each element loop is one device function over a [lo, hi)
 // range, and each per-segment update one device function of the merged sums. One
 // iteration (the paper's step) first takes the column sums unstabilised in the same pass
@@ -27,6 +27,7 @@
 #include <array>
 #include <atomic>
 #include <cub/block/block_reduce.cuh>
+#include <cub/warp/warp_reduce.cuh>
 #include <limits>
 
 #include "block_sums.cuh"
@@ -39,7 +40,8 @@ namespace dtp {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kSegThreads = 128;                  // one thread per segment in the merge kernels
+constexpr int kMergeWarps = 4;                    // the merge kernels: a warp per segment ...
+constexpr int kSegThreads = 32 * kMergeWarps;     // ... and 4 segments per block
 constexpr int64_t kSplitFrom = int64_t(1) << 16;  // below this many elements: fused
 constexpr int64_t kMinPerBlock = 4096;            // split no finer than this many elements a block
 
@@ -161,9 +163,12 @@ __device__ __forceinline__ Range block_range(const P& p) {
   return {g, lo, min(g.end, lo + chunk), part == 0};
 }
 
-__device__ __forceinline__ int64_t segment_thread() {
-  return blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+// The segment of this thread's warp in the merge kernels (every lane of a warp has the
+// same, so a warp returns as a whole), and the thread's lane.
+__device__ __forceinline__ int64_t merge_segment() {
+  return (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
 }
+__device__ __forceinline__ bool lane_zero() { return threadIdx.x % 32 == 0; }
 
 template <class acc_t>
 __device__ __forceinline__ bool is_finite(acc_t v) {
@@ -482,13 +487,20 @@ __global__ void __launch_bounds__(kThreads) fused_bwd_kernel(const BwdParams<sca
 
 // ---- split schedule: blocks_per_seg blocks per segment, one launch per phase -------
 
-// Segment s's block partials merged in block order (fixed: bitwise reproducible).
+// Segment s's block partials merged by its warp: lane l folds partials l, l + 32, ... in
+// order, then cub::WarpReduce joins the lanes in a fixed tree. The order depends only on
+// the count (bitwise reproducible), and the 32 lanes load at once: a segment split over
+// a whole GPU's blocks has a thousand partials. The result is lane 0's.
 template <class T, class Op>
 __device__ __forceinline__ T merge_parts(const T* parts, int64_t s, int64_t blocks, Op op) {
+  using WarpReduce = cub::WarpReduce<T>;
+  __shared__ typename WarpReduce::TempStorage temp[kMergeWarps];
+  const int lane = threadIdx.x % 32;
   const T* part = parts + s * blocks;
-  T out = part[0];
-  for (int64_t b = 1; b < blocks; ++b) out = op(out, part[b]);
-  return out;
+  T local = part[lane < blocks ? lane : 0];  // lanes past the count: not reduced
+  for (int64_t b = lane + 32; b < blocks; b += 32) local = op(local, part[b]);
+  const int valid = static_cast<int>(blocks < 32 ? blocks : 32);
+  return WarpReduce(temp[threadIdx.x / 32]).Reduce(local, op, valid);
 }
 struct AddOp {
   template <class T>
@@ -511,10 +523,10 @@ __global__ void __launch_bounds__(kThreads)
 
 template <class scalar_t, class acc_t>
 __global__ void split_start_kernel(const FwdParams<scalar_t, acc_t> p) {
-  const int64_t s = segment_thread();
+  const int64_t s = merge_segment();
   if (s >= p.nseg) return;
   const MinMaxBad ext = merge_parts(p.ext_part, s, p.blocks_per_seg, MinMaxBadOp());
-  p.seg[s] = start_segment(ext, p.shift[s]);
+  if (lane_zero()) p.seg[s] = start_segment(ext, p.shift[s]);
 }
 
 // One iteration: the extremes and unstabilised sums of each block's part ...
@@ -529,13 +541,13 @@ __global__ void __launch_bounds__(kThreads) split_first_kernel(const FwdParams<s
   if (threadIdx.x == 0) p.first_part[blockIdx.x] = f;
 }
 
-// ... merged in block order per segment: sums that stand finish its iteration.
+// ... merged per segment: sums that stand finish its iteration.
 template <class scalar_t, class acc_t>
 __global__ void split_first_start_kernel(const FwdParams<scalar_t, acc_t> p) {
-  const int64_t s = segment_thread();
+  const int64_t s = merge_segment();
   if (s >= p.nseg) return;
   const FirstPart f = merge_parts(p.first_part, s, p.blocks_per_seg, FirstPartOp());
-  p.seg[s] = first_segment(f, p.shift[s], segment_at(p, s), p.stats);
+  if (lane_zero()) p.seg[s] = first_segment(f, p.shift[s], segment_at(p, s), p.stats);
 }
 
 template <class scalar_t, class acc_t>
@@ -552,11 +564,12 @@ __global__ void __launch_bounds__(kThreads) split_sums_kernel(const FwdParams<sc
 
 template <class scalar_t, class acc_t>
 __global__ void split_step_kernel(const FwdParams<scalar_t, acc_t> p, int64_t t) {
-  const int64_t s = segment_thread();
+  const int64_t s = merge_segment();
   if (s >= p.nseg) return;
-  FwdSeg st = p.seg[s];
-  if (!st.stabilise) return;  // its one iteration's sums stood (first_segment)
+  if (!p.seg[s].stabilise) return;  // its one iteration's sums stood (first_segment)
   const Pair<double> sums = merge_parts(p.sum_part, s, p.blocks_per_seg, AddOp());
+  if (!lane_zero()) return;
+  FwdSeg st = p.seg[s];
   sinkhorn_update<acc_t>(st, sums, segment_at(p, s), t, p.iters, p.stats);
   p.seg[s] = st;
 }
@@ -582,10 +595,10 @@ __global__ void __launch_bounds__(kThreads)
 
 template <class scalar_t, class acc_t>
 __global__ void split_bwd_start_kernel(const BwdParams<scalar_t, acc_t> p) {
-  const int64_t s = segment_thread();
+  const int64_t s = merge_segment();
   if (s >= p.nseg) return;
   const Quad<double> sums = merge_parts(p.quad_part, s, p.blocks_per_seg, AddOp());
-  p.seg[s] = start_backward(sums, keep_at(p, s));
+  if (lane_zero()) p.seg[s] = start_backward(sums, keep_at(p, s));
 }
 
 template <class scalar_t, class acc_t>
@@ -601,9 +614,10 @@ __global__ void __launch_bounds__(kThreads)
 
 template <class scalar_t, class acc_t>
 __global__ void split_bwd_step_kernel(const BwdParams<scalar_t, acc_t> p, int64_t t) {
-  const int64_t s = segment_thread();
+  const int64_t s = merge_segment();
   if (s >= p.nseg) return;
   const double total = merge_parts(p.w_part, s, p.blocks_per_seg, AddOp());
+  if (!lane_zero()) return;
   BwdSeg st = p.seg[s];
   const int64_t npass = p.iters - 1;
   chain_update(st, total, p.coef + s * npass + t - 1);
@@ -662,8 +676,8 @@ int64_t blocks_per_segment(int64_t numel, int64_t nseg, int64_t requested) {
   return std::max<int64_t>(1, std::min(fill, work));
 }
 
-int segment_blocks(int64_t nseg) {
-  return static_cast<int>((nseg + kSegThreads - 1) / kSegThreads);
+int segment_blocks(int64_t nseg) {  // a warp per segment
+  return static_cast<int>((nseg + kMergeWarps - 1) / kMergeWarps);
 }
 
 // One byte buffer holding the split schedule's arrays, each 16-byte aligned.
