@@ -651,14 +651,15 @@ def test_triton_programs_per_segment_by_size():
 @pytest.mark.parametrize("iters", [1, 3])
 @pytest.mark.cuda
 def test_large_segments_take_split_schedule_and_match(iters):
-    """Above 65536 elements CUDA splits segments; it agrees with the fused schedule."""
+    """Above 65536 elements CUDA splits segments; it agrees with the fused schedule, also
+    split over 70 blocks (a merge warp's lanes then fold two or three partials each)."""
     if "cuda" not in cuda_backends():
         pytest.skip("the CUDA kernels are not built")
     sizes, keep = [300_000, 3, 90_001, 1], [1000.5, 1.5, 45_000.0, 1.0]
     scores = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(2)).to(CUDA)
     weights = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(3)).to(CUDA)
     out = {}
-    for blocks in (0, 1):  # 0 = the size-based choice (split here), 1 = fused
+    for blocks in (0, 1, 70):  # 0 = the size-based choice (split here), 1 = fused
         s = scores.clone().requires_grad_(True)
         k = torch.tensor(keep, device=CUDA, requires_grad=True)
         state = TransportState(sizes, device=CUDA)
@@ -668,8 +669,9 @@ def test_large_segments_take_split_schedule_and_match(iters):
     ref_state = TransportState(sizes, dtype=torch.float64)
     s = scores.double().cpu().requires_grad_(True)
     mask = transport_mask(s, keep, ref_state, iters=iters, backend="reference")
-    for a, b in zip(out[0], out[1], strict=True):
-        torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
+    for split in (0, 70):
+        for a, b in zip(out[split], out[1], strict=True):
+            torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-6)
     torch.testing.assert_close(out[0][0].double().cpu(), mask.detach(), rtol=2e-5, atol=1e-6)
     assert torch.allclose(out[0][0].sum(0).double().cpu(), torch.tensor(sum(keep)).double())
 
