@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -38,7 +39,8 @@ def eps_cache(pruner: DTPPruner) -> list[torch.Tensor]:
     return [] if cached is None else [cached[1]]
 
 
-def owned_storages(*modules: nn.Module, extra: list[torch.Tensor] = ()) -> set[int]:
+def owned_storages(*modules: nn.Module, extra: Sequence[torch.Tensor] = ()) -> set[int]:
+    """Data pointers of the storages the modules own (parameters, buffers) and of `extra`."""
     tensors = [t for m in modules for t in (*m.parameters(), *m.buffers())] + list(extra)
     return {t.untyped_storage().data_ptr() for t in tensors}
 

@@ -268,21 +268,18 @@ def test_opcheck_blocks(dtype, iters, device):
 def test_blocks_stats_in_the_compute_dtype_and_forced_general_kernels(dtype, iters, device):
     """The tile kernels return their stats in the compute dtype, the general kernels
     (which blocks_per_segment > 0 selects on every device) in float64; both give the same
-    step up to rounding, and each backward refuses the other's stats by name."""
+    step up to rounding, and each backward refuses the other's stats with an error naming
+    the dtype and shape it expects."""
     require_backend(device, device)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     nseg = 37
-    keep = torch.tensor([k for _, k in blocks_layout(4, nseg)], dtype=acc, device=device)
     gen = torch.Generator().manual_seed(3)
     scores = torch.randn(nseg * 4, generator=gen).to(device=device, dtype=dtype)
-    state = (
-        torch.arange(nseg + 1, device=device) * 4,
-        keep,
-        torch.full((nseg,), 0.5, dtype=torch.float64, device=device),
-        torch.randn(nseg * 4, generator=gen).to(device=device, dtype=acc),
-        torch.randn(nseg, generator=gen).to(device=device, dtype=acc),
-    )
-    offsets, keep, eps, log_odds, shift = state
+    offsets = torch.arange(nseg + 1, device=device) * 4
+    keep = torch.tensor([k for _, k in blocks_layout(4, nseg)], dtype=acc, device=device)
+    eps = torch.full((nseg,), 0.5, dtype=torch.float64, device=device)
+    log_odds = torch.randn(nseg * 4, generator=gen).to(device=device, dtype=acc)
+    shift = torch.randn(nseg, generator=gen).to(device=device, dtype=acc)
     grad = torch.randn(nseg * 4, generator=gen).to(device=device, dtype=dtype)
     out = {}
     for blocks, stats_dtype in ((0, acc), (1, torch.float64)):
