@@ -29,6 +29,7 @@
 #include <cub/block/block_reduce.cuh>
 #include <cub/warp/warp_reduce.cuh>
 #include <limits>
+#include <type_traits>
 
 #include "block_sums.cuh"
 #include "common.h"
@@ -509,16 +510,27 @@ struct AddOp {
   }
 };
 
+// This block's partial of its segment part: the block's values reduced (cub::BlockReduce,
+// a fixed tree; sums through its Sum) and stored by thread 0 at parts[blockIdx.x].
+template <class T, class Op>
+__device__ __forceinline__ void store_block_part(const T& value, Op op, T* parts) {
+  using Reduce = cub::BlockReduce<T, kThreads>;
+  __shared__ typename Reduce::TempStorage temp;
+  T total;
+  if constexpr (std::is_same_v<Op, AddOp>) {
+    total = Reduce(temp).Sum(value);
+  } else {
+    total = Reduce(temp).Reduce(value, op);
+  }
+  if (threadIdx.x == 0) parts[blockIdx.x] = total;
+}
+
 template <class scalar_t, class acc_t>
 __global__ void __launch_bounds__(kThreads)
     split_extremes_kernel(const FwdParams<scalar_t, acc_t> p) {
-  using ReduceMMB = cub::BlockReduce<MinMaxBad, kThreads>;
-  __shared__ typename ReduceMMB::TempStorage temp;
   const Range r = block_range(p);
   const acc_t inv_eps = inv_eps_of(p, r.seg.index);
-  const MinMaxBad ext =
-      ReduceMMB(temp).Reduce(extremes_phase(p, inv_eps, r.lo, r.hi), MinMaxBadOp());
-  if (threadIdx.x == 0) p.ext_part[blockIdx.x] = ext;
+  store_block_part(extremes_phase(p, inv_eps, r.lo, r.hi), MinMaxBadOp(), p.ext_part);
 }
 
 template <class scalar_t, class acc_t>
@@ -532,13 +544,10 @@ __global__ void split_start_kernel(const FwdParams<scalar_t, acc_t> p) {
 // One iteration: the extremes and unstabilised sums of each block's part ...
 template <class scalar_t, class acc_t>
 __global__ void __launch_bounds__(kThreads) split_first_kernel(const FwdParams<scalar_t, acc_t> p) {
-  using ReduceFirst = cub::BlockReduce<FirstPart, kThreads>;
-  __shared__ typename ReduceFirst::TempStorage temp;
   const Range r = block_range(p);
   const acc_t inv_eps = inv_eps_of(p, r.seg.index);
-  const FirstPart f = ReduceFirst(temp).Reduce(
-      first_phase(p, p.shift[r.seg.index], inv_eps, r.lo, r.hi), FirstPartOp());
-  if (threadIdx.x == 0) p.first_part[blockIdx.x] = f;
+  store_block_part(first_phase(p, p.shift[r.seg.index], inv_eps, r.lo, r.hi), FirstPartOp(),
+                   p.first_part);
 }
 
 // ... merged per segment: sums that stand finish its iteration.
@@ -552,14 +561,11 @@ __global__ void split_first_start_kernel(const FwdParams<scalar_t, acc_t> p) {
 
 template <class scalar_t, class acc_t>
 __global__ void __launch_bounds__(kThreads) split_sums_kernel(const FwdParams<scalar_t, acc_t> p) {
-  using ReducePair = cub::BlockReduce<Pair<double>, kThreads>;
-  __shared__ typename ReducePair::TempStorage temp;
   const Range r = block_range(p);
   if (!p.seg[r.seg.index].stabilise) return;  // the whole block: no partials to write
   const acc_t inv_eps = inv_eps_of(p, r.seg.index);
-  const Pair<double> sums =
-      ReducePair(temp).Sum(column_sums_phase(p, p.seg[r.seg.index], inv_eps, r.lo, r.hi));
-  if (threadIdx.x == 0) p.sum_part[blockIdx.x] = sums;
+  store_block_part(column_sums_phase(p, p.seg[r.seg.index], inv_eps, r.lo, r.hi), AddOp(),
+                   p.sum_part);
 }
 
 template <class scalar_t, class acc_t>
@@ -585,12 +591,9 @@ __global__ void __launch_bounds__(kThreads)
 template <class scalar_t, class acc_t>
 __global__ void __launch_bounds__(kThreads)
     split_bwd_sums_kernel(const BwdParams<scalar_t, acc_t> p) {
-  using ReduceQuad = cub::BlockReduce<Quad<double>, kThreads>;
-  __shared__ typename ReduceQuad::TempStorage temp;
   const Range r = block_range(p);
-  const Quad<double> sums =
-      ReduceQuad(temp).Sum(grad_sums_phase(p, r.seg, inv_eps_of(p, r.seg.index), r.lo, r.hi));
-  if (threadIdx.x == 0) p.quad_part[blockIdx.x] = sums;
+  store_block_part(grad_sums_phase(p, r.seg, inv_eps_of(p, r.seg.index), r.lo, r.hi), AddOp(),
+                   p.quad_part);
 }
 
 template <class scalar_t, class acc_t>
@@ -604,12 +607,9 @@ __global__ void split_bwd_start_kernel(const BwdParams<scalar_t, acc_t> p) {
 template <class scalar_t, class acc_t>
 __global__ void __launch_bounds__(kThreads)
     split_bwd_pass_kernel(const BwdParams<scalar_t, acc_t> p, int64_t t) {
-  using ReduceOne = cub::BlockReduce<double, kThreads>;
-  __shared__ typename ReduceOne::TempStorage temp;
   const Range r = block_range(p);
-  const double total =
-      ReduceOne(temp).Sum(pass_weight_phase(p, r.seg, inv_eps_of(p, r.seg.index), t, r.lo, r.hi));
-  if (threadIdx.x == 0) p.w_part[blockIdx.x] = total;
+  store_block_part(pass_weight_phase(p, r.seg, inv_eps_of(p, r.seg.index), t, r.lo, r.hi), AddOp(),
+                   p.w_part);
 }
 
 template <class scalar_t, class acc_t>
