@@ -16,6 +16,7 @@ namespace blocks {
 
 template <int M, class scalar_t, class T>
 DTP_INLINE void tiles_loop(const BlocksForwardArgs& a, int64_t lo, int64_t hi) {
+  constexpr int kTile = tile_segments(M);
   int64_t seg = lo;
   for (; seg + kTile <= hi; seg += kTile) forward_tile<M, kTile, scalar_t, T>(a, seg);
   for (; seg < hi; ++seg) forward_tile<M, 1, scalar_t, T>(a, seg);
@@ -23,6 +24,7 @@ DTP_INLINE void tiles_loop(const BlocksForwardArgs& a, int64_t lo, int64_t hi) {
 
 template <int M, class scalar_t, class T>
 DTP_INLINE void tiles_loop(const BlocksBackwardArgs& a, int64_t lo, int64_t hi) {
+  constexpr int kTile = tile_segments(M);
   int64_t seg = lo;
   for (; seg + kTile <= hi; seg += kTile) backward_tile<M, kTile, scalar_t, T>(a, seg);
   for (; seg < hi; ++seg) backward_tile<M, 1, scalar_t, T>(a, seg);

@@ -2,8 +2,9 @@
 // blocks of N:M sparsity. A tile is L consecutive segments, each M consecutive elements
 // (no offsets are read), whose whole step (every pass, the mask, the next state; in the
 // backward every sum and the gradient) runs in local arrays laid out [element][segment].
-// Shared by the CPU kernels (transport_mask_blocks_cpu.cpp: L = 16, the loops vectorised
-// across the segments, and L = 1 for the last segments) and the CUDA kernels
+// Shared by the CPU kernels (transport_mask_blocks_cpu.cpp: L = 32 for M = 4 and 16
+// otherwise, the loops vectorised across the segments, and L = 1 for the last segments)
+// and the CUDA kernels
 // (transport_mask_blocks_cuda.cu: L = 1, one thread per segment).
 // The math is that of docs/design.md section 1, with one difference in the stabilising
 // shifts: the column maxima are taken as min(z_max, 0) and min(-z_min, 0) (within log 2 of
@@ -18,18 +19,10 @@
 #include <type_traits>
 
 #include "transport_blocks_rows.h"
-#include "transport_blocks_shuffles.h"
 #include "transport_math.h"
 
 namespace dtp {
 namespace blocks {
-
-// Whether a tile's loads and stores go through transport_blocks_shuffles.h: CPU tiles of
-// 16 segments of 4, float32 throughout.
-template <int M, int L, class T>
-constexpr bool shuffled_tile() {
-  return DTP_TILE_SHUFFLES && M == 4 && L == 16 && std::is_same_v<T, float>;
-}
 
 // exp(kMinScaledShift) as a double (a literal: std::exp is not available on the device).
 constexpr double kMinScaledTerm = 8.75651076269652e-27;
@@ -77,13 +70,7 @@ DTP_HOST_DEVICE inline void load_tile(const scalar_t* scores, const T* log_odds,
     in.inv_eps[l] = static_cast<T>(1.0 / eps[seg0 + l]);
   }
   T raw[M][L];  // the scores, and in.d the log-odds, in the tile's layout
-#if DTP_TILE_SHUFFLES
-  if constexpr (shuffled_tile<M, L, T>() && std::is_same_v<scalar_t, float>) {
-    transpose_in(scores + seg0 * M, raw);
-    transpose_in(log_odds + seg0 * M, in.d);
-  } else
-#endif
-      if constexpr (row_access<M, L, T>() && std::is_same_v<scalar_t, float>) {
+  if constexpr (row_access<M, L, T>() && std::is_same_v<scalar_t, float>) {
     if (aligned) {
       load_row(scores + seg0 * M, raw);
       load_row(log_odds + seg0 * M, in.d);
@@ -283,13 +270,6 @@ DTP_HOST_DEVICE inline void forward_tile(const BlocksForwardArgs& a, int64_t seg
   for (int l = 0; l < L; ++l) held_out[l] = flag[l] != T(0);
   memcpy(a.nonfinite + seg0, held_out, sizeof(held_out));
   memcpy(static_cast<T*>(a.new_shift) + seg0, shift_out, sizeof(shift_out));
-#if DTP_TILE_SHUFFLES
-  if constexpr (shuffled_tile<M, L, T>()) {
-    transpose_out(mask_t, static_cast<T*>(a.mask) + seg0 * M);
-    transpose_out(d_t, static_cast<T*>(a.new_log_odds) + seg0 * M);
-    return;
-  }
-#endif
   if constexpr (row_access<M, L, T>()) {
     if (a.aligned) {
       store_row(static_cast<T*>(a.mask) + seg0 * M, mask_t);
@@ -332,12 +312,7 @@ DTP_HOST_DEVICE inline void backward_tile(const BlocksBackwardArgs& a, int64_t s
                                a.eps, seg0, a.neutral, a.aligned, in);
   const T* gm = static_cast<const T*>(a.grad_mask) + seg0 * M;
   T g[M][L], rows[3][L];
-#if DTP_TILE_SHUFFLES
-  if constexpr (shuffled_tile<M, L, T>()) {
-    transpose_in(gm, g);
-  } else
-#endif
-      if constexpr (row_access<M, L, T>()) {
+  if constexpr (row_access<M, L, T>()) {
     if (a.aligned) {
       load_row(gm, g);
     } else {
@@ -440,12 +415,6 @@ DTP_HOST_DEVICE inline void backward_tile(const BlocksBackwardArgs& a, int64_t s
       out[j][l] = zero != T(0) ? T(0) : grad[j][l] * to_scores[l];
     }
   }
-#if DTP_TILE_SHUFFLES
-  if constexpr (shuffled_tile<M, L, T>()) {
-    transpose_out(out, static_cast<T*>(a.grad_scores) + seg0 * M);
-    return;
-  }
-#endif
   if constexpr (row_access<M, L, T>()) {
     if (a.aligned) {
       store_row(static_cast<T*>(a.grad_scores) + seg0 * M, out);

@@ -2,10 +2,10 @@
 // size M (4, 8 or 16): the blocks of N:M sparsity. The general kernels
 // (transport_mask_cpu.cpp) cut segments into chunks and keep host vectors per segment,
 // which costs more than the math when every segment has 4 elements. Here M is a
-// compile-time constant and tiles of 16 segments run the step of transport_blocks_tile.h,
-// its loops vectorised across the segments (compiled per M: transport_blocks_cpu.h). Tiles are
-// fixed (the last segments, fewer than a tile, run one by one), so the result does not depend on
-// threading.
+// compile-time constant and tiles of 32 (M = 4) or 16 segments run the step of
+// transport_blocks_tile.h, its loops vectorised across the segments (compiled per M:
+// transport_blocks_cpu.h). Tiles are fixed (the last segments, fewer than a tile, run one
+// by one), so the result does not depend on threading.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -24,7 +24,6 @@ namespace {
 
 using blocks::BlocksBackwardArgs;
 using blocks::BlocksForwardArgs;
-using blocks::kTile;
 
 // Segments per parallel task, so that a task holds about 4,096 elements.
 constexpr int64_t kTaskElements = 4096;
@@ -36,11 +35,12 @@ constexpr int64_t kSerialElements = 32768;
 // independent of it.
 template <class F>
 void for_each_segment_range(int64_t nseg, int64_t m, const F& f) {
-  const int64_t tiles = (nseg + kTile - 1) / kTile;
-  const int64_t per_task = std::max<int64_t>(kTaskElements / (m * kTile), 1);
+  const int64_t tile = blocks::tile_segments(m);
+  const int64_t tiles = (nseg + tile - 1) / tile;
+  const int64_t per_task = std::max<int64_t>(kTaskElements / (m * tile), 1);
   const int64_t grain = nseg * m < kSerialElements ? std::max<int64_t>(tiles, 1) : per_task;
   at::parallel_for(0, tiles, grain,
-                   [&](int64_t lo, int64_t hi) { f(lo * kTile, std::min(hi * kTile, nseg)); });
+                   [&](int64_t lo, int64_t hi) { f(lo * tile, std::min(hi * tile, nseg)); });
 }
 
 // A kept count and eps a segment accepts: 0 <= k <= M, eps finite and > 0 (false for NaN).

@@ -2,7 +2,7 @@
 // (4, 8 or 16): the blocks of N:M sparsity. One thread per segment runs the step of
 // transport_blocks_tile.h on a tile of one segment (its M elements in registers): no
 // offsets are read, no block reductions, no shared memory. The CPU kernels run the same
-// code on tiles of 16 segments, so the two agree up to rounding (the device's expf/logf
+// code on tiles of 32 or 16 segments, so the two agree up to rounding (the device's expf/logf
 // against the CPU's polynomials, and which sums a tile takes) and each is bitwise
 // reproducible. dtp::transport_mask's CUDA kernels (transport_mask_cuda.cu) call these
 // when their segment_size argument is M and blocks_per_segment does not force a schedule.

@@ -67,7 +67,7 @@ def test_opcheck_transport_mask_backward():
 
 
 def nm_inputs(dtype, iters):
-    """Seven segments of 4 (the tiny-segment kernels: a tile of 16 is not filled, so the
+    """Seven segments of 4 (the tiny-segment kernels: a CPU tile of 32 is not filled, so the
     one-segment tail runs), one of them degenerate (k = 0)."""
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     scores = torch.randn(28).to(dtype)

@@ -36,7 +36,8 @@ def test_uniform_tiny_segments_choose_the_blocks_kernels():
     assert TransportState([32] * 5).segment_size == 0
 
 
-# 37 segments: two whole tiles of 16 and a partial one.
+# 37 segments: whole CPU tiles (one of 32 segments of 4, two of 16 of 8 or 16) and a
+# partial one.
 @pytest.mark.parametrize("m", [4, 8, 16])
 @pytest.mark.parametrize("iters", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -117,12 +118,13 @@ def test_blocks_nonfinite_scores_as_the_general_kernels(device, backend, nonfini
     """A segment with a NaN/Inf score keeps its state and is counted as skipped; the mask
     is NaN there (propagate) or finite with the score read as 0.5 (neutral)."""
     require_backend(backend, device)
-    layout = blocks_layout(4, 40)
+    layout = blocks_layout(4, 70)
     state = TransportState([n for n, _ in layout], device=device)
     twin = general_twin(state)
     keep = torch.tensor([k for _, k in layout], device=device)
     scores = torch.rand(state.numel, generator=torch.Generator().manual_seed(5)).to(device)
-    scores[[1, 70, 159]] = bad_value  # segments 0, 17 (second tile) and 39 (partial tile)
+    # segments 0, 40 (second CPU tile of 32) and 69 (partial tile)
+    scores[[1, 161, 277]] = bad_value
     for _ in range(3):
         blocks, general = step_both(state, twin, scores, keep, backend, nonfinite=nonfinite)
         for a, b in zip(blocks, general, strict=True):
@@ -130,7 +132,7 @@ def test_blocks_nonfinite_scores_as_the_general_kernels(device, backend, nonfini
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
     skipped = state.skipped_steps
     assert torch.equal(skipped, twin.skipped_steps)
-    assert skipped[[0, 17, 39]].tolist() == [3, 3, 3] and int(skipped.sum()) == 9
+    assert skipped[[0, 40, 69]].tolist() == [3, 3, 3] and int(skipped.sum()) == 9
     if nonfinite == "neutral":
         assert torch.isfinite(blocks[0]).all() and torch.isfinite(blocks[1]).all()
 
@@ -159,7 +161,9 @@ def test_blocks_far_from_the_column_maxima_as_the_general_kernels(device):
 def test_blocks_split_over_threads_are_bitwise_equal_and_match_the_general_kernels(m):
     """Above 32,768 elements the segments are split over threads: the result does not
     depend on the thread count, and equals the general kernels up to rounding."""
-    nseg = 90_003 // m  # a partial tile at the end
+    # a partial tile at the end; for m = 4, two threads splitting tiles of 16 segments
+    # would cut one of the tiles of 32 the kernels run (707 of 16 each)
+    nseg = 90_440 // m
     state = TransportState([m] * nseg)
     gen = torch.Generator().manual_seed(7)
     scores = torch.randn(state.numel, generator=gen)
@@ -194,7 +198,7 @@ def test_blocks_rows_off_16_byte_alignment_equal_aligned_ones(device, m):
     scores, mask gradient and state one float off alignment give the aligned inputs'
     mask, next state and score gradient bitwise."""
     require_backend(device, device)
-    nseg = 16 * 3 + 5  # three whole CPU tiles and a partial one
+    nseg = 32 * 3 + 5  # whole CPU tiles (32 segments of 4, 16 of 8 or 16) and a partial one
     sizes, n = [m] * nseg, m * nseg
     gen = torch.Generator().manual_seed(11)
     values, grads = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
