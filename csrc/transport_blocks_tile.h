@@ -4,8 +4,7 @@
 // backward every sum and the gradient) runs in local arrays laid out [element][segment].
 // Shared by the CPU kernels (transport_mask_blocks_cpu.cpp: L = 32 for M = 4 and 16
 // otherwise, the loops vectorised across the segments, and L = 1 for the last segments)
-// and the CUDA kernels
-// (transport_mask_blocks_cuda.cu: L = 1, one thread per segment).
+// and the CUDA kernels (transport_mask_blocks_cuda.cu: L = 1, one thread per segment).
 // The math is that of docs/design.md section 1, with one difference in the stabilising
 // shifts: the column maxima are taken as min(z_max, 0) and min(-z_min, 0) (within log 2 of
 // the exact log-sigmoids), which cancel in the result. Which sums a tile takes (the
