@@ -3,7 +3,8 @@
 // element each thread of the tile kernels issues four scalar ones; on the CPU a 16-byte
 // memcpy, the same indexing, which the CPU kernels' last, partial tiles run (so the CPU
 // tests cover it). Only for 16-byte-aligned tensors (BlocksForwardArgs::aligned): then
-// every segment's row is aligned, as M floats are a multiple of 16 bytes.
+// every segment's row is aligned, as M floats are a multiple of 16 bytes. Also copy_out,
+// how the tiles store their other outputs from local arrays on either device.
 #pragma once
 
 #include <cstring>
@@ -56,6 +57,19 @@ DTP_HOST_DEVICE inline void store_row(float* dst, const float (&src)[M][1]) {
     for (int k = 0; k < 4; ++k) r.v[k] = src[4 * q + k][0];
     store_row4(dst + 4 * q, r);
   }
+}
+
+// dst[i] = src[i] for N values of type V from a tile's local array: on the CPU one
+// memcpy (stores through output pointers, which may alias one another as far as the
+// compiler knows, stay scalar), on the device element by element (nvcc lowers a memcpy
+// to a pointer of unproven alignment to one-byte stores).
+template <int N, class V>
+DTP_HOST_DEVICE inline void copy_out(V* dst, const V* src) {
+#if defined(__CUDA_ARCH__)
+  for (int i = 0; i < N; ++i) dst[i] = src[i];
+#else
+  std::memcpy(dst, src, N * sizeof(V));
+#endif
 }
 
 // Whether a tile of L segments of M elements, values of type T, moves its rows this way.

@@ -14,7 +14,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 #include "transport_blocks_rows.h"
@@ -262,13 +261,12 @@ DTP_HOST_DEVICE inline void forward_tile(const BlocksForwardArgs& a, int64_t seg
       d_t[j][l] = next[l] == T(1) ? in.x[j][l] + delta[l] : in.d[j][l];
     }
   }
-  // The outputs are put in segment order in local arrays and copied out whole: stores
-  // through the output pointers, which may alias one another as far as the compiler
-  // knows, stay scalar.
+  // The outputs are put in segment order in local arrays and copied out whole
+  // (transport_blocks_rows.h: copy_out).
   bool held_out[L];
   for (int l = 0; l < L; ++l) held_out[l] = flag[l] != T(0);
-  memcpy(a.nonfinite + seg0, held_out, sizeof(held_out));
-  memcpy(static_cast<T*>(a.new_shift) + seg0, shift_out, sizeof(shift_out));
+  copy_out<L>(a.nonfinite + seg0, held_out);
+  copy_out<L>(static_cast<T*>(a.new_shift) + seg0, shift_out);
   if constexpr (row_access<M, L, T>()) {
     if (a.aligned) {
       store_row(static_cast<T*>(a.mask) + seg0 * M, mask_t);
@@ -280,11 +278,11 @@ DTP_HOST_DEVICE inline void forward_tile(const BlocksForwardArgs& a, int64_t seg
   for (int l = 0; l < L; ++l) {
     for (int j = 0; j < M; ++j) out[l][j] = mask_t[j][l];
   }
-  memcpy(static_cast<T*>(a.mask) + seg0 * M, out, sizeof(out));
+  copy_out<L * M>(static_cast<T*>(a.mask) + seg0 * M, &out[0][0]);
   for (int l = 0; l < L; ++l) {
     for (int j = 0; j < M; ++j) out[l][j] = d_t[j][l];
   }
-  memcpy(static_cast<T*>(a.new_log_odds) + seg0 * M, out, sizeof(out));
+  copy_out<L * M>(static_cast<T*>(a.new_log_odds) + seg0 * M, &out[0][0]);
 }
 
 struct BlocksBackwardArgs {
@@ -402,7 +400,7 @@ DTP_HOST_DEVICE inline void backward_tile(const BlocksBackwardArgs& a, int64_t s
     keep_grad[l] =
         degenerate != T(0) ? gs[l] / T(M) : gp[l] + grad_bias[l] * T(M) / (k * (T(M) - k));
   }
-  memcpy(static_cast<T*>(a.grad_keep) + seg0, keep_grad, sizeof(keep_grad));
+  copy_out<L>(static_cast<T*>(a.grad_keep) + seg0, keep_grad);
   // A degenerate segment (mask = k / M) and scores read as the neutral 0.5 get none. The
   // gradient is formed across segments ([element][segment], no branch: it vectorises),
   // then stored in segment order.
@@ -424,7 +422,7 @@ DTP_HOST_DEVICE inline void backward_tile(const BlocksBackwardArgs& a, int64_t s
   for (int l = 0; l < L; ++l) {
     for (int j = 0; j < M; ++j) ordered[l][j] = out[j][l];
   }
-  memcpy(static_cast<T*>(a.grad_scores) + seg0 * M, ordered, sizeof(ordered));
+  copy_out<L * M>(static_cast<T*>(a.grad_scores) + seg0 * M, &ordered[0][0]);
 }
 
 }  // namespace blocks
