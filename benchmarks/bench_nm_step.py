@@ -45,13 +45,43 @@ def step(
     gen = torch.Generator().manual_seed(0)
     scores = torch.rand(numel, generator=gen).to(device).requires_grad_(True)
     grad = torch.randn(numel, generator=gen).to(device)
-    kept = torch.tensor([keep * n for n in sizes], device=device)
+    if len(set(sizes)) == 1:  # one count for every segment, as DTPPruner passes N:M's
+        kept = torch.tensor([keep * sizes[0]], device=device).expand(len(sizes))
+    else:
+        kept = torch.tensor([keep * n for n in sizes], device=device)
 
     def run() -> None:
         previous = dtp_kernels.set_cpu_huge_pages(huge_pages)
         transport_mask(scores, kept, state, backend=backend).backward(grad)
         scores.grad = None
         dtp_kernels.set_cpu_huge_pages(previous)
+
+    return run
+
+
+def op_step(numel: int, device: torch.device, shared: bool):
+    """The 2:4 fwd + bwd of the compiled kernels through the op itself (dtp::transport_mask,
+    no pending-state write), keep and eps shared by all blocks (stride-0 views, as
+    transport_mask and DTPPruner pass them) or given per block (what they passed before:
+    3 more bytes read per weight each way)."""
+    nseg = numel // 4
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.rand(numel, generator=gen).to(device).requires_grad_(True)
+    grad = torch.randn(numel, generator=gen).to(device)
+    offsets = torch.arange(nseg + 1, device=device) * 4
+    log_odds = torch.zeros(numel, device=device)
+    shift = torch.zeros(nseg, device=device)
+    keep = torch.tensor([2.0], device=device).expand(nseg)
+    eps = torch.tensor([1.0], dtype=torch.float64, device=device).expand(nseg)
+    if not shared:
+        keep, eps = keep.contiguous(), eps.contiguous()
+
+    def run() -> None:
+        mask = torch.ops.dtp.transport_mask(
+            scores, offsets, keep, eps, log_odds, shift, 1, True, 0, 4
+        )
+        mask[0].backward(grad)
+        scores.grad = None
 
     return run
 
@@ -81,6 +111,9 @@ def setup(point: dict, device: torch.device) -> Cases:
         ("2:4, tiny-segment kernels", "full"): (step(blocks, 0.5, device, backend), 3),
         ("2:4, general kernels", "full"): (step(blocks, 0.5, device, backend, tiny=False), 3),
     }
+    if backend in ("cpu", "cuda"):  # the op alone: keep and eps shared or per segment
+        cases[("2:4 op, keep and eps shared", "full")] = (op_step(numel, device, True), 3)
+        cases[("2:4 op, keep and eps per segment", "full")] = (op_step(numel, device, False), 3)
     if device.type == "cpu":  # the same steps on 4 KiB pages (set_cpu_huge_pages(False))
         cases[("one segment, 4 KiB pages", "full")] = (
             step([numel], 0.5, device, backend, huge_pages=False),

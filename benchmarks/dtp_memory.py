@@ -6,8 +6,9 @@ magnitude scores (`scores="magnitude"`: |w| computed every forward, no score par
 
     python benchmarks/dtp_memory.py [--weights N] [--no-save]
 
-Counts the bytes of the tensors themselves (nbytes), after one training step with SGD
-with momentum and with Adam; writes results/dtp_memory_cpu.md.
+Counts the bytes of the tensors' storages, each once (a view expand()ed over the
+segments, as a float eps and the N:M kept count are, weighs its one value), after one
+training step with SGD with momentum and with Adam; writes results/dtp_memory_cpu.md.
 """
 
 from __future__ import annotations
@@ -29,12 +30,17 @@ from dtp_kernels.pruning import DTPPruner
 
 
 def nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in tensors
+        if t is not None
+    }
+    return sum(storages.values())
 
 
 def eps_cache(pruner: DTPPruner) -> list[torch.Tensor]:
-    """The per-segment eps the transport state keeps once a step has run (float64, one
-    per segment: not a buffer, but state all the same)."""
+    """The eps tensor the transport state keeps once a step has run (float64: one value
+    expand()ed over the segments for a float eps; not a buffer, but state all the same)."""
     cached = pruner.state._eps_cache
     return [] if cached is None else [cached[1]]
 
@@ -124,7 +130,7 @@ def main() -> None:
         "",
         f"torch {env['torch']}; {env['date']}; three Linear layers, float32 weights; "
         "bytes per pruned weight after one step; iters = 1. Transport state: log-odds, "
-        "shift, offsets and the per-segment eps; forward-to-backward: measured, what the "
+        "shift, offsets, step counts and eps; forward-to-backward: measured, what the "
         "pruned forward saves for its backward beyond the dense forward.",
         "",
     ]

@@ -59,6 +59,23 @@ inline void check_transport_args(const at::Tensor& scores, const at::Tensor& off
               " elements");
 }
 
+// keep and eps carry one value per segment. A stride-0 view (what expand() gives:
+// transport_mask passes a float eps so, DTPPruner its N:M counts) holds one value for all
+// segments; the kernels then read that value at stride 0 instead of one per segment, so
+// neither is copied out per segment nor read per segment (3 bytes per weight and
+// direction at 2:4).
+struct PerSegment {
+  at::Tensor values;  // contiguous, in the dtype asked: one value (stride 0) or one per segment
+  int64_t stride;     // 0 or 1
+};
+
+inline PerSegment per_segment(const at::Tensor& t, at::ScalarType dtype) {
+  if (t.dim() == 1 && t.numel() > 1 && t.stride(0) == 0) {
+    return {t.narrow(0, 0, 1).to(dtype).contiguous(), 0};
+  }
+  return {t.to(dtype).contiguous(), 1};
+}
+
 // Whether the tiny-segment kernels (transport_blocks.h) run: every segment has the small
 // size segment_size and no blocks_per_segment asks for the general kernels' schedule. The
 // same rule on every device, so the stats' dtype (below) follows from the arguments alone.

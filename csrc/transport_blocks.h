@@ -30,10 +30,12 @@ void with_segment_size(int64_t m, const F& f) {
 }
 
 // The inputs both directions read on either device: contiguous, keep in the accumulate
-// type (the kernels' k), eps as float64.
+// type (the kernels' k), eps as float64, each one value per segment or one for all.
 struct BlocksInputs {
   at::ScalarType acc;
-  at::Tensor scores, keep, eps, log_odds;
+  at::Tensor scores;
+  PerSegment keep, eps;
+  at::Tensor log_odds;
 
   // The kernels' arguments: these inputs and the outputs given (in the accumulate type,
   // stats too; flags bool).
@@ -42,8 +44,10 @@ struct BlocksInputs {
                                          const at::Tensor& stats, const at::Tensor& nonfinite,
                                          int64_t iters, bool neutral) const {
     return {scores.data_ptr(),
-            keep.data_ptr(),
-            eps.data_ptr<double>(),
+            keep.values.data_ptr(),
+            eps.values.data_ptr<double>(),
+            keep.stride,
+            eps.stride,
             log_odds.data_ptr(),
             shift.data_ptr(),
             mask.data_ptr(),
@@ -60,8 +64,10 @@ struct BlocksInputs {
                                            const at::Tensor& grad_keep, bool neutral) const {
     return {grad_mask.data_ptr(),
             scores.data_ptr(),
-            keep.data_ptr(),
-            eps.data_ptr<double>(),
+            keep.values.data_ptr(),
+            eps.values.data_ptr<double>(),
+            keep.stride,
+            eps.stride,
             log_odds.data_ptr(),
             stats.data_ptr(),
             grad_scores.data_ptr(),
@@ -83,7 +89,7 @@ struct BlocksInputs {
 inline BlocksInputs blocks_inputs(const at::Tensor& scores, const at::Tensor& keep,
                                   const at::Tensor& eps, const at::Tensor& log_odds) {
   const auto acc = acc_type(scores);
-  return {acc, scores.contiguous(), keep.to(acc).contiguous(), eps.to(at::kDouble).contiguous(),
+  return {acc, scores.contiguous(), per_segment(keep, acc), per_segment(eps, at::kDouble),
           log_odds.contiguous()};
 }
 

@@ -36,8 +36,10 @@ DTP_HOST_DEVICE inline T degenerate_flag(T k) {
 
 struct BlocksForwardArgs {
   const void* scores;
-  const void* keep;  // acc_t, one per segment
+  const void* keep;  // acc_t
   const double* eps;
+  int64_t keep_stride;  // 1: one keep per segment; 0: one for all (common.h: per_segment)
+  int64_t eps_stride;
   const void* log_odds;
   const void* shift;
   void* mask;  // acc_t
@@ -58,15 +60,30 @@ struct TileInputs {
   T k[L], inv_eps[L];
 };
 
-// x_i = d_i + (2 s_i - 1) / eps for the tile of segments starting at seg0.
-template <int M, int L, class scalar_t, class T>
-DTP_HOST_DEVICE inline void load_tile(const scalar_t* scores, const T* log_odds, const T* keep,
-                                      const double* eps, int64_t seg0, bool neutral, bool aligned,
-                                      TileInputs<M, L, T>& in) {
-  for (int l = 0; l < L; ++l) {
-    in.k[l] = keep[seg0 + l];
-    in.inv_eps[l] = static_cast<T>(1.0 / eps[seg0 + l]);
+// The tile's k and 1 / eps: one value per segment (stride 1) or one for all (stride 0,
+// read once; a branch per tile, so each loop stays a plain vector load).
+template <int L, class T>
+DTP_HOST_DEVICE inline void load_segment_values(const T* keep, int64_t keep_stride,
+                                                const double* eps, int64_t eps_stride, int64_t seg0,
+                                                T* k, T* inv_eps) {
+  if (keep_stride == 0) {
+    for (int l = 0; l < L; ++l) k[l] = keep[0];
+  } else {
+    for (int l = 0; l < L; ++l) k[l] = keep[seg0 + l];
   }
+  if (eps_stride == 0) {
+    const T inv = static_cast<T>(1.0 / eps[0]);
+    for (int l = 0; l < L; ++l) inv_eps[l] = inv;
+  } else {
+    for (int l = 0; l < L; ++l) inv_eps[l] = static_cast<T>(1.0 / eps[seg0 + l]);
+  }
+}
+
+// x_i = d_i + (2 s_i - 1) / eps for the tile of segments starting at seg0 (in.k and
+// in.inv_eps already loaded).
+template <int M, int L, class scalar_t, class T>
+DTP_HOST_DEVICE inline void load_tile(const scalar_t* scores, const T* log_odds, int64_t seg0,
+                                      bool neutral, bool aligned, TileInputs<M, L, T>& in) {
   T raw[M][L];  // the scores, and in.d the log-odds, in the tile's layout
   if constexpr (row_access<M, L, T>() && std::is_same_v<scalar_t, float>) {
     if (aligned) {
@@ -145,9 +162,10 @@ template <int M, int L, class scalar_t, class T>
 DTP_HOST_DEVICE inline void forward_tile(const BlocksForwardArgs& a, int64_t seg0) {
   TileInputs<M, L, T> in;
   const T* shift_in = static_cast<const T*>(a.shift) + seg0;
+  load_segment_values<L>(static_cast<const T*>(a.keep), a.keep_stride, a.eps, a.eps_stride, seg0,
+                         in.k, in.inv_eps);
   load_tile<M, L, scalar_t, T>(static_cast<const scalar_t*>(a.scores),
-                               static_cast<const T*>(a.log_odds), static_cast<const T*>(a.keep),
-                               a.eps, seg0, a.neutral, a.aligned, in);
+                               static_cast<const T*>(a.log_odds), seg0, a.neutral, a.aligned, in);
   T xmax[L], xmin[L], bad[L], bias[L], delta[L];
   for (int l = 0; l < L; ++l) {
     const T k = in.k[l];
@@ -290,6 +308,8 @@ struct BlocksBackwardArgs {
   const void* scores;
   const void* keep;  // acc_t
   const double* eps;
+  int64_t keep_stride;  // as in BlocksForwardArgs
+  int64_t eps_stride;
   const void* log_odds;
   const void* stats;  // T, as the forward wrote them
   void* grad_scores;  // acc_t
@@ -304,9 +324,10 @@ struct BlocksBackwardArgs {
 template <int M, int L, class scalar_t, class T>
 DTP_HOST_DEVICE inline void backward_tile(const BlocksBackwardArgs& a, int64_t seg0) {
   TileInputs<M, L, T> in;
+  load_segment_values<L>(static_cast<const T*>(a.keep), a.keep_stride, a.eps, a.eps_stride, seg0,
+                         in.k, in.inv_eps);
   load_tile<M, L, scalar_t, T>(static_cast<const scalar_t*>(a.scores),
-                               static_cast<const T*>(a.log_odds), static_cast<const T*>(a.keep),
-                               a.eps, seg0, a.neutral, a.aligned, in);
+                               static_cast<const T*>(a.log_odds), seg0, a.neutral, a.aligned, in);
   const T* gm = static_cast<const T*>(a.grad_mask) + seg0 * M;
   T g[M][L], rows[3][L];
   if constexpr (row_access<M, L, T>()) {

@@ -43,10 +43,11 @@ void for_each_segment_range(int64_t nseg, int64_t m, const F& f) {
                    [&](int64_t lo, int64_t hi) { f(lo * tile, std::min(hi * tile, nseg)); });
 }
 
-// A kept count and eps a segment accepts: 0 <= k <= M, eps finite and > 0 (false for NaN).
-DTP_INLINE bool valid_segment(double k, double eps, int64_t m) {
-  return (k >= 0.0) & (k <= static_cast<double>(m)) & (eps > 0.0) & (eps < INFINITY);
+// A kept count a segment of M accepts: 0 <= k <= M (false for NaN); an eps: finite and > 0.
+DTP_INLINE bool valid_keep(double k, int64_t m) {
+  return (k >= 0.0) & (k <= static_cast<double>(m));
 }
+DTP_INLINE bool valid_eps(double eps) { return (eps > 0.0) & (eps < INFINITY); }
 
 // Runs the tiles of all segments (each M's loops are compiled in a file of their own:
 // transport_blocks_cpu.h).
@@ -59,30 +60,49 @@ void run_tiles(const Args& a, at::ScalarType scores, int64_t nseg, int64_t m, bo
   });
 }
 
-// How many segments have a keep outside [0, M] or an eps not finite and > 0: a counting
-// loop that vectorises (cloned per instruction set, so it must not throw: GCC's clones
-// dispatched through an ifunc have aborted on an exception unwinding out of them).
+// How many of n kept counts are outside [0, M], and how many of n eps are not finite and
+// > 0: counting loops that vectorise (cloned per instruction set, so they must not throw:
+// GCC's clones dispatched through an ifunc have aborted on an exception unwinding out of
+// them).
 template <class T>
-DTP_CLONES int64_t count_bad_segments(const T* keep, const double* eps, int64_t nseg, int64_t m) {
+DTP_CLONES int64_t count_bad_keeps(const T* keep, int64_t n, int64_t m) {
   int64_t bad = 0;
-  for (int64_t s = 0; s < nseg; ++s) {
-    bad += valid_segment(static_cast<double>(keep[s]), eps[s], m) ? 0 : 1;
-  }
+  for (int64_t s = 0; s < n; ++s) bad += valid_keep(static_cast<double>(keep[s]), m) ? 0 : 1;
+  return bad;
+}
+DTP_CLONES int64_t count_bad_eps(const double* eps, int64_t n) {
+  int64_t bad = 0;
+  for (int64_t s = 0; s < n; ++s) bad += valid_eps(eps[s]) ? 0 : 1;
   return bad;
 }
 
 // Every segment's keep in [0, M] and eps finite and > 0, checked before anything is written
-// (the next state may go straight into TransportState's pending buffers); on a bad
-// segment an error naming the first one and its value.
+// (the next state may go straight into TransportState's pending buffers); on a bad value
+// an error naming the first segment that has it (a value shared by all segments is
+// checked once, as segment 0's).
 template <class T>
-void check_segments(const T* keep, const double* eps, int64_t nseg, int64_t m) {
-  if (count_bad_segments(keep, eps, nseg, m) == 0) return;
-  for (int64_t s = 0; s < nseg; ++s) {
-    const double k = static_cast<double>(keep[s]), e = eps[s];
-    if (valid_segment(k, e, m)) continue;
-    TORCH_CHECK(k >= 0.0 && k <= static_cast<double>(m), "dtp::transport_mask: keep[", s, "] = ", k,
-                " is outside [0, ", m, "]");
-    TORCH_CHECK(false, "dtp::transport_mask: eps[", s, "] = ", e, " must be finite and > 0");
+void check_keeps(const T* keep, int64_t n, int64_t m) {
+  if (count_bad_keeps(keep, n, m) == 0) return;
+  for (int64_t s = 0; s < n; ++s) {
+    const double k = static_cast<double>(keep[s]);
+    TORCH_CHECK(valid_keep(k, m), "dtp::transport_mask: keep[", s, "] = ", k, " is outside [0, ", m,
+                "]");
+  }
+}
+
+void check_segments(const PerSegment& keep, const PerSegment& eps, int64_t nseg, int64_t m) {
+  const int64_t n_keep = keep.stride == 0 ? std::min<int64_t>(nseg, 1) : nseg;
+  if (keep.values.scalar_type() == at::kDouble) {
+    check_keeps(keep.values.data_ptr<double>(), n_keep, m);
+  } else {
+    check_keeps(keep.values.data_ptr<float>(), n_keep, m);
+  }
+  const int64_t n_eps = eps.stride == 0 ? std::min<int64_t>(nseg, 1) : nseg;
+  const double* e = eps.values.data_ptr<double>();
+  if (count_bad_eps(e, n_eps) == 0) return;
+  for (int64_t s = 0; s < n_eps; ++s) {
+    TORCH_CHECK(valid_eps(e[s]), "dtp::transport_mask: eps[", s, "] = ", e[s],
+                " must be finite and > 0");
   }
 }
 
@@ -97,13 +117,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport
               "dtp::transport_mask: keep and eps must be CPU tensors");
   const BlocksInputs in = blocks_inputs(scores_in, keep_in, eps_in, log_odds_in);
   const at::ScalarType acc = in.acc;
-  const at::Tensor &scores = in.scores, &keep = in.keep, &eps = in.eps, &log_odds = in.log_odds;
+  const at::Tensor &scores = in.scores, &log_odds = in.log_odds;
   const auto shift = shift_in.contiguous();
-  if (acc == at::kDouble) {
-    check_segments(keep.data_ptr<double>(), eps.data_ptr<double>(), nseg, m);
-  } else {
-    check_segments(keep.data_ptr<float>(), eps.data_ptr<double>(), nseg, m);
-  }
+  check_segments(in.keep, in.eps, nseg, m);
   auto mask_acc = empty_output({scores.numel()}, log_odds.options());
   // in the accumulate type, as the backward reads them (common.h: stats_type)
   auto stats = empty_output({nseg, iters, 3}, log_odds.options());

@@ -90,9 +90,11 @@ template <class scalar_t, class acc_t>
 struct Inputs {
   const scalar_t* scores;
   const int64_t* offsets;  // nseg + 1 entries
-  const void* keep;        // nseg, float64 or (keep_double false) float32: read as given
-  const double* eps;       // nseg
-  const acc_t* log_odds;   // current state d
+  const void* keep;        // float64 or (keep_double false) float32: read as given
+  const double* eps;
+  int64_t keep_stride;  // 1: one keep per segment; 0: one for all (common.h: per_segment)
+  int64_t eps_stride;
+  const acc_t* log_odds;  // current state d
   int64_t nseg, iters, blocks_per_seg;
   bool neutral;  // non-finite scores enter as 0.5 with zero gradient
   bool keep_double;
@@ -136,8 +138,9 @@ struct Segment {
 
 template <class scalar_t, class acc_t>
 __device__ __forceinline__ double keep_at(const Inputs<scalar_t, acc_t>& p, int64_t s) {
-  return p.keep_double ? static_cast<const double*>(p.keep)[s]
-                       : static_cast<double>(static_cast<const float*>(p.keep)[s]);
+  const int64_t i = s * p.keep_stride;
+  return p.keep_double ? static_cast<const double*>(p.keep)[i]
+                       : static_cast<double>(static_cast<const float*>(p.keep)[i]);
 }
 
 template <class P>
@@ -178,7 +181,7 @@ __device__ __forceinline__ bool is_finite(acc_t v) {
 
 template <class scalar_t, class acc_t>
 __device__ __forceinline__ acc_t inv_eps_of(const Inputs<scalar_t, acc_t>& p, int64_t s) {
-  return static_cast<acc_t>(1.0 / p.eps[s]);
+  return static_cast<acc_t>(1.0 / p.eps[s * p.eps_stride]);
 }
 
 // x_i = d_i + (2 s_i - 1) / eps; `neutral`: a non-finite s_i enters as 0.5 (x_i = d_i).
@@ -713,15 +716,17 @@ void check_devices(const at::Tensor& scores, std::initializer_list<const at::Ten
 
 // The inputs both directions read, as contiguous device tensors kept alive by the caller.
 struct InputTensors {
-  at::Tensor scores, offsets, keep, eps, log_odds;
+  at::Tensor scores, offsets;
+  PerSegment keep, eps;
+  at::Tensor log_odds;
   int64_t nseg, requested_blocks;
 };
 
 // keep stays float32 or float64 as given (the kernels read either; a conversion would be
 // one more launch and allocation per step in each direction), other dtypes become float64.
-at::Tensor kernel_keep(const at::Tensor& keep) {
+PerSegment kernel_keep(const at::Tensor& keep) {
   const auto dtype = keep.scalar_type();
-  return (dtype == at::kFloat || dtype == at::kDouble ? keep : keep.to(at::kDouble)).contiguous();
+  return per_segment(keep, dtype == at::kFloat || dtype == at::kDouble ? dtype : at::kDouble);
 }
 
 // t in `dtype`, contiguous; no dispatch when it already is (the usual case every step).
@@ -745,7 +750,7 @@ InputTensors input_tensors(const at::Tensor& scores, const at::Tensor& offsets,
                            const at::Tensor& log_odds, int64_t requested_blocks) {
   const int64_t nseg = offsets.numel() - 1;
   return {scores.contiguous(),   offsets.contiguous(),
-          kernel_keep(keep),     contiguous_as(eps, at::kDouble),
+          kernel_keep(keep),     per_segment(eps, at::kDouble),
           log_odds.contiguous(), nseg,
           requested_blocks};
 }
@@ -754,9 +759,11 @@ template <class scalar_t, class acc_t>
 void fill_inputs(Inputs<scalar_t, acc_t>& p, const InputTensors& in, int64_t iters, bool neutral) {
   p.scores = in.scores.data_ptr<scalar_t>();
   p.offsets = in.offsets.data_ptr<int64_t>();
-  p.keep = in.keep.const_data_ptr();
-  p.keep_double = in.keep.scalar_type() == at::kDouble;
-  p.eps = in.eps.data_ptr<double>();
+  p.keep = in.keep.values.const_data_ptr();
+  p.keep_double = in.keep.values.scalar_type() == at::kDouble;
+  p.eps = in.eps.values.data_ptr<double>();
+  p.keep_stride = in.keep.stride;
+  p.eps_stride = in.eps.stride;
   p.log_odds = in.log_odds.data_ptr<acc_t>();
   p.nseg = in.nseg;
   p.iters = iters;
@@ -904,7 +911,7 @@ std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cuda(
   const auto g = contiguous_as(grad_mask, in.log_odds.scalar_type());
   const int64_t iters = stats.size(1);
   auto grad_scores = at::empty_like(in.scores);
-  auto grad_keep = at::empty({in.nseg}, in.keep.options());  // float32 or float64
+  auto grad_keep = at::empty({in.nseg}, in.keep.values.options());  // float32 or float64
   // The chain's coefficients exist from two passes on (the paper's one pass has none).
   auto coef = iters > 1
                   ? at::empty({in.nseg * (iters - 1)}, in.log_odds.options().dtype(at::kDouble))

@@ -152,7 +152,9 @@ def _sizes_tensor(state: TransportState, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _check_eps(eps, state: TransportState) -> torch.Tensor:
-    """eps per segment as a float64 tensor on the state's device; each finite and > 0."""
+    """eps per segment as a float64 tensor on the state's device; each finite and > 0. A
+    number gives one value expand()ed over the segments: the kernels read it once instead
+    of once per segment (8 bytes per segment in memory and in each direction)."""
     cached = state._eps_cache  # the common case: the same float every step
     if (
         type(eps) is float
@@ -161,8 +163,9 @@ def _check_eps(eps, state: TransportState) -> torch.Tensor:
         and cached[2] is state._buffers["log_odds"]  # replaced when the state moves
     ):
         return cached[1]
-    if isinstance(eps, numbers.Real) and not isinstance(eps, bool):
-        values = [float(eps)] * state.num_segments
+    shared = isinstance(eps, numbers.Real) and not isinstance(eps, bool)
+    if shared:
+        values = [float(eps)]
     elif isinstance(eps, torch.Tensor):
         if eps.requires_grad:
             raise ValueError("eps must not require grad: DTP treats eps as a constant")
@@ -171,7 +174,7 @@ def _check_eps(eps, state: TransportState) -> torch.Tensor:
         values = [float(v) for v in eps]
     else:
         raise TypeError(f"eps must be a float or one float per segment, got {type(eps).__name__}")
-    if len(values) != state.num_segments:
+    if not shared and len(values) != state.num_segments:
         raise ValueError(
             f"eps has {len(values)} entries, the state has {state.num_segments} segments"
         )
@@ -179,6 +182,8 @@ def _check_eps(eps, state: TransportState) -> torch.Tensor:
         if not (v > 0 and v < float("inf")):
             raise ValueError(f"eps[{index}] (segment {index}) = {v}; eps must be finite and > 0")
     result = torch.tensor(values, dtype=torch.float64, device=state.device)
+    if shared:
+        result = result.expand(state.num_segments)
     if type(eps) is float:
         state._eps_cache = (eps, result, state._buffers["log_odds"])
     return result
@@ -574,7 +579,7 @@ def _triton_args(scores, keep, eps, state: TransportState, neutral, blocks_per_s
     return (
         scores.contiguous(),
         offsets,
-        keep.contiguous(),
+        keep if keep.stride(0) == 0 else keep.contiguous(),  # expand()ed: read at stride 0
         eps,
         log_odds,
         shift,

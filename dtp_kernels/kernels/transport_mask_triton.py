@@ -146,13 +146,14 @@ def _fwd_write_segment(
 
 
 @triton.jit
-def _segment_scalars(offsets_ptr, keep_ptr, eps_ptr, seg, ACC):
-    """(start, end, n, k, 1 / eps) of segment seg."""
+def _segment_scalars(offsets_ptr, keep_ptr, eps_ptr, keep_stride, eps_stride, seg, ACC):
+    """(start, end, n, k, 1 / eps) of segment seg; keep and eps at stride 1 (one per
+    segment) or 0 (one for all)."""
     start = tl.load(offsets_ptr + seg)
     end = tl.load(offsets_ptr + seg + 1)
     n = (end - start).to(ACC)
-    k = tl.load(keep_ptr + seg).to(ACC)
-    inv_eps = 1.0 / tl.load(eps_ptr + seg).to(ACC)
+    k = tl.load(keep_ptr + seg * keep_stride).to(ACC)
+    inv_eps = 1.0 / tl.load(eps_ptr + seg * eps_stride).to(ACC)
     return start, end, n, k, inv_eps
 
 
@@ -173,6 +174,8 @@ def _transport_mask_fwd_kernel(
     offsets_ptr,
     keep_ptr,
     eps_ptr,
+    keep_stride,
+    eps_stride,
     log_odds_ptr,
     shift_ptr,
     mask_ptr,
@@ -186,7 +189,9 @@ def _transport_mask_fwd_kernel(
 ):
     """Fused: program p does every phase of segment p."""
     seg = tl.program_id(0)
-    start, end, n, k, inv_eps = _segment_scalars(offsets_ptr, keep_ptr, eps_ptr, seg, ACC)
+    start, end, n, k, inv_eps = _segment_scalars(
+        offsets_ptr, keep_ptr, eps_ptr, keep_stride, eps_stride, seg, ACC
+    )
     delta = tl.load(shift_ptr + seg).to(ACC)
     m1, s1, m0, s0, bad = _fwd_sums(
         scores_ptr, log_odds_ptr, start, end, inv_eps, delta, ACC, BLOCK, NEUTRAL
@@ -233,6 +238,8 @@ def _split_fwd_sums_kernel(
     offsets_ptr,
     keep_ptr,
     eps_ptr,
+    keep_stride,
+    eps_stride,
     log_odds_ptr,
     shift_ptr,
     partials_ptr,
@@ -245,7 +252,9 @@ def _split_fwd_sums_kernel(
     """Split, launch 1: program (p, q) writes the sums of part q of segment p."""
     seg = tl.program_id(0)
     part = tl.program_id(1)
-    start, end, _n, _k, inv_eps = _segment_scalars(offsets_ptr, keep_ptr, eps_ptr, seg, ACC)
+    start, end, _n, _k, inv_eps = _segment_scalars(
+        offsets_ptr, keep_ptr, eps_ptr, keep_stride, eps_stride, seg, ACC
+    )
     delta = tl.load(shift_ptr + seg).to(ACC)
     lo, hi = _part_range(start, end, part, parts, BLOCK)
     m1, s1, m0, s0, bad = _fwd_sums(
@@ -279,6 +288,8 @@ def _split_fwd_output_kernel(
     offsets_ptr,
     keep_ptr,
     eps_ptr,
+    keep_stride,
+    eps_stride,
     log_odds_ptr,
     shift_ptr,
     partials_ptr,
@@ -298,7 +309,9 @@ def _split_fwd_output_kernel(
     part 0 also writes the segment's next shift, stats and flag."""
     seg = tl.program_id(0)
     part = tl.program_id(1)
-    start, end, n, k, inv_eps = _segment_scalars(offsets_ptr, keep_ptr, eps_ptr, seg, ACC)
+    start, end, n, k, inv_eps = _segment_scalars(
+        offsets_ptr, keep_ptr, eps_ptr, keep_stride, eps_stride, seg, ACC
+    )
     delta = tl.load(shift_ptr + seg).to(ACC)
     lse1 = _merge_lse(partials_ptr, seg, parts, 0, ACC, PARTS_P2)
     lse0 = _merge_lse(partials_ptr, seg, parts, 1, ACC, PARTS_P2)
@@ -410,6 +423,8 @@ def _transport_mask_bwd_kernel(
     offsets_ptr,
     keep_ptr,
     eps_ptr,
+    keep_stride,
+    eps_stride,
     log_odds_ptr,
     stats_ptr,
     grad_scores_ptr,
@@ -420,7 +435,9 @@ def _transport_mask_bwd_kernel(
 ):
     """Fused: program p does both passes of segment p."""
     seg = tl.program_id(0)
-    start, end, n, k, inv_eps = _segment_scalars(offsets_ptr, keep_ptr, eps_ptr, seg, ACC)
+    start, end, n, k, inv_eps = _segment_scalars(
+        offsets_ptr, keep_ptr, eps_ptr, keep_stride, eps_stride, seg, ACC
+    )
     delta = tl.load(stats_ptr + 3 * seg).to(ACC)
     lse1 = tl.load(stats_ptr + 3 * seg + 1).to(ACC)
     degenerate = (k <= 0.0) | (k >= n)
@@ -465,6 +482,8 @@ def _split_bwd_sums_kernel(
     offsets_ptr,
     keep_ptr,
     eps_ptr,
+    keep_stride,
+    eps_stride,
     log_odds_ptr,
     stats_ptr,
     partials_ptr,
@@ -476,7 +495,9 @@ def _split_bwd_sums_kernel(
     """Split, launch 1: program (p, q) writes sum g p and sum g over part q of segment p."""
     seg = tl.program_id(0)
     part = tl.program_id(1)
-    start, end, _n, _k, inv_eps = _segment_scalars(offsets_ptr, keep_ptr, eps_ptr, seg, ACC)
+    start, end, _n, _k, inv_eps = _segment_scalars(
+        offsets_ptr, keep_ptr, eps_ptr, keep_stride, eps_stride, seg, ACC
+    )
     delta = tl.load(stats_ptr + 3 * seg).to(ACC)
     lse1 = tl.load(stats_ptr + 3 * seg + 1).to(ACC)
     lo, hi = _part_range(start, end, part, parts, BLOCK)
@@ -495,6 +516,8 @@ def _split_bwd_output_kernel(
     offsets_ptr,
     keep_ptr,
     eps_ptr,
+    keep_stride,
+    eps_stride,
     log_odds_ptr,
     stats_ptr,
     partials_ptr,
@@ -510,7 +533,9 @@ def _split_bwd_output_kernel(
     the score gradient of part q; part 0 also writes the keep gradient."""
     seg = tl.program_id(0)
     part = tl.program_id(1)
-    start, end, n, k, inv_eps = _segment_scalars(offsets_ptr, keep_ptr, eps_ptr, seg, ACC)
+    start, end, n, k, inv_eps = _segment_scalars(
+        offsets_ptr, keep_ptr, eps_ptr, keep_stride, eps_stride, seg, ACC
+    )
     delta = tl.load(stats_ptr + 3 * seg).to(ACC)
     lse1 = tl.load(stats_ptr + 3 * seg + 1).to(ACC)
     degenerate = (k <= 0.0) | (k >= n)
@@ -548,19 +573,23 @@ def _split_bwd_output_kernel(
 
 
 @triton.jit
-def _blocks_tile(
-    scores_ptr, log_odds_ptr, keep_ptr, eps_ptr, nseg, ACC, M, SEGS, NEUTRAL: tl.constexpr
-):
-    """The tile's (index, valid, scores, scores finite, log-odds, x, k, 1 / eps, segments)."""
-    seg = tl.program_id(0) * SEGS + tl.arange(0, SEGS)
+def _tile_values(keep_ptr, keep_stride, eps_ptr, eps_stride, seg, nseg, ACC):
+    """The tile's k and 1 / eps: keep and eps at stride 1 (one per segment) or 0 (one for
+    all: every lane reads the same address)."""
+    k = tl.load(keep_ptr + seg * keep_stride, mask=seg < nseg, other=1.0).to(ACC)
+    inv_eps = 1.0 / tl.load(eps_ptr + seg * eps_stride, mask=seg < nseg, other=1.0).to(ACC)
+    return k, inv_eps
+
+
+@triton.jit
+def _blocks_tile(scores_ptr, log_odds_ptr, seg, inv_eps, nseg, ACC, M, NEUTRAL: tl.constexpr):
+    """The tile's (index, valid, scores finite, log-odds, x) for its segments `seg`."""
     idx = seg[:, None] * M + tl.arange(0, M)[None, :]
     valid = (seg < nseg)[:, None] & (idx >= 0)  # (idx >= 0: the tile's shape, always true)
     s, s_ok = _load_scores(scores_ptr, idx, valid, ACC, NEUTRAL)
     d = tl.load(log_odds_ptr + idx, mask=valid, other=0.0).to(ACC)
-    k = tl.load(keep_ptr + seg, mask=seg < nseg, other=1.0).to(ACC)
-    inv_eps = 1.0 / tl.load(eps_ptr + seg, mask=seg < nseg, other=1.0).to(ACC)
     x = d + (2.0 * s - 1.0) * inv_eps[:, None]
-    return idx, valid, s_ok, d, x, k, inv_eps, seg
+    return idx, valid, s_ok, d, x
 
 
 @triton.jit
@@ -568,6 +597,8 @@ def _transport_mask_blocks_fwd_kernel(
     scores_ptr,
     keep_ptr,
     eps_ptr,
+    keep_stride,
+    eps_stride,
     log_odds_ptr,
     shift_ptr,
     mask_ptr,
@@ -581,8 +612,10 @@ def _transport_mask_blocks_fwd_kernel(
     SEGS: tl.constexpr,
     NEUTRAL: tl.constexpr,
 ):
-    idx, valid, s_ok, d, x, k, _inv_eps, seg = _blocks_tile(
-        scores_ptr, log_odds_ptr, keep_ptr, eps_ptr, nseg, ACC, M, SEGS, NEUTRAL
+    seg = tl.program_id(0) * SEGS + tl.arange(0, SEGS)
+    k, inv_eps = _tile_values(keep_ptr, keep_stride, eps_ptr, eps_stride, seg, nseg, ACC)
+    idx, valid, s_ok, d, x = _blocks_tile(
+        scores_ptr, log_odds_ptr, seg, inv_eps, nseg, ACC, M, NEUTRAL
     )
     live = seg < nseg
     delta = tl.load(shift_ptr + seg, mask=live, other=0.0).to(ACC)
@@ -621,6 +654,8 @@ def _transport_mask_blocks_bwd_kernel(
     scores_ptr,
     keep_ptr,
     eps_ptr,
+    keep_stride,
+    eps_stride,
     log_odds_ptr,
     stats_ptr,
     grad_scores_ptr,
@@ -631,8 +666,10 @@ def _transport_mask_blocks_bwd_kernel(
     SEGS: tl.constexpr,
     NEUTRAL: tl.constexpr,
 ):
-    idx, valid, s_ok, _d, x, k, inv_eps, seg = _blocks_tile(
-        scores_ptr, log_odds_ptr, keep_ptr, eps_ptr, nseg, ACC, M, SEGS, NEUTRAL
+    seg = tl.program_id(0) * SEGS + tl.arange(0, SEGS)
+    k, inv_eps = _tile_values(keep_ptr, keep_stride, eps_ptr, eps_stride, seg, nseg, ACC)
+    idx, valid, s_ok, _d, x = _blocks_tile(
+        scores_ptr, log_odds_ptr, seg, inv_eps, nseg, ACC, M, NEUTRAL
     )
     live = seg < nseg
     delta = tl.load(stats_ptr + 3 * seg, mask=live, other=0.0).to(ACC)
@@ -654,6 +691,15 @@ def _transport_mask_blocks_bwd_kernel(
     tl.store(grad_scores_ptr + idx, grad.to(grad_scores_ptr.dtype.element_ty), mask=valid)
     grad_keep = tl.where(degenerate, gs / M, gp)
     tl.store(grad_keep_ptr + seg, grad_keep.to(grad_keep_ptr.dtype.element_ty), mask=live)
+
+
+def _strides(keep: torch.Tensor, eps: torch.Tensor) -> tuple[int, int]:
+    """keep's and eps's strides as the kernels read them: 1 (one value per segment), or 0
+    where an expand()ed view holds one value for all segments (the kernels then read that
+    one address); any other layout is made contiguous by the caller."""
+    return tuple(
+        0 if t.dim() == 1 and t.numel() > 1 and t.stride(0) == 0 else 1 for t in (keep, eps)
+    )
 
 
 def _acc(scores: torch.Tensor):
@@ -715,6 +761,7 @@ def transport_mask_forward(
             scores,
             keep,
             eps,
+            *_strides(keep, eps),
             log_odds,
             shift,
             *outputs,
@@ -732,6 +779,7 @@ def transport_mask_forward(
             offsets,
             keep,
             eps,
+            *_strides(keep, eps),
             log_odds,
             shift,
             *outputs,
@@ -742,7 +790,7 @@ def transport_mask_forward(
         return outputs
     partials = torch.empty((nseg, parts, 4), dtype=log_odds.dtype, device=scores.device)
     bad = torch.empty((nseg, parts), dtype=torch.int32, device=scores.device)
-    inputs = (scores, offsets, keep, eps, log_odds, shift, partials, bad)
+    inputs = (scores, offsets, keep, eps, *_strides(keep, eps), log_odds, shift, partials, bad)
     launch(_split_fwd_sums_kernel)[(nseg, parts)](
         *inputs, parts, ACC=_acc(scores), BLOCK=BLOCK, NEUTRAL=neutral
     )
@@ -783,6 +831,7 @@ def transport_mask_backward(
             scores,
             keep,
             eps,
+            *_strides(keep, eps),
             log_odds,
             stats,
             grad_scores,
@@ -794,7 +843,7 @@ def transport_mask_backward(
             NEUTRAL=neutral,
         )
         return grad_scores, grad_keep
-    inputs = (grad_mask, scores, offsets, keep, eps, log_odds, stats)
+    inputs = (grad_mask, scores, offsets, keep, eps, *_strides(keep, eps), log_odds, stats)
     parts = programs_per_segment(scores.numel(), nseg, blocks_per_segment, scores.device)
     if parts == 1:
         launch(_transport_mask_bwd_kernel)[(nseg,)](

@@ -200,13 +200,15 @@ class DTPPruner(ChannelPruner):
             self.scores = nn.Parameter(initial.float().to(device))
         if self.nm is not None:  # one segment per block of M, keeping N
             n, m = self.nm
-            segments, kept = [m] * (sum(self.sizes) // m), [float(n)] * (sum(self.sizes) // m)
+            # N held once and read by every block (current_keep): not 4 bytes per block
+            segments, kept = [m] * (sum(self.sizes) // m), [float(n)]
         else:
             segments = [sum(self.sizes)] if budget == "global" else self.sizes
             kept = self.kept
         self.state = TransportState(segments, device=device)
         self._steps_since_check, self._skipped_seen = 0, [0] * len(self.groups)
         self.register_buffer("keep", torch.tensor(kept, dtype=torch.float32, device=device))
+        self._keep_view: torch.Tensor | None = None  # N:M: keep expand()ed over the blocks
         self.register_buffer("_sizes", torch.tensor(self.sizes, dtype=torch.float32, device=device))
         self._source = MaskSource(self.sizes)
         self._fold: list[tuple[int, nn.Parameter]] = []  # (group, BN parameter) per slot
@@ -296,10 +298,18 @@ class DTPPruner(ChannelPruner):
             self._handles.append(target.register_forward_hook(hook))
 
     def current_keep(self) -> torch.Tensor:
-        """k per segment: fixed counts, or n sigmoid(theta) under budget='flops'."""
+        """k per segment: fixed counts, or n sigmoid(theta) under budget='flops'. Under
+        N:M the one N of the ``keep`` buffer, expand()ed over the blocks (a view the
+        kernels read at stride 0), the same view every step while the buffer stays."""
         if self.budget == "flops":
             return torch.sigmoid(self.theta) * self._sizes
-        return self.keep
+        if self.nm is None:
+            return self.keep
+        keep, view = self._buffers["keep"], self._keep_view  # (Module.__getattr__ is slow)
+        if view is None or view._base is not keep:  # first use, or the module moved
+            view = keep.expand(self.state.num_segments)
+            self._keep_view = view
+        return view
 
     def kept_counts(self) -> list[int]:
         if self.budget != "flops":

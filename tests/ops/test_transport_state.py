@@ -128,9 +128,10 @@ def test_memory_benchmark_counts_every_part():
     assert count == 3 * 32 * 32
     assert parts["scores"] == parts["score gradient"] == 4 * count
     assert parts["optimizer state"] >= 8 * count  # exp_avg and exp_avg_sq
-    # log-odds; per block of 4: shift, offsets, skipped steps and eps; the offsets' end,
-    # the step count and the has-pending flag
-    assert parts["transport state"] == 4 * count + (count // 4) * (4 + 8 + 8 + 8) + 8 + 8 + 1
+    # log-odds; per block of 4: shift, offsets and skipped steps; the offsets' end, the
+    # step count, the has-pending flag and eps (one float64 for all blocks)
+    assert parts["transport state"] == 4 * count + (count // 4) * (4 + 8 + 8) + 8 + 8 + 1 + 8
+    assert parts["kept counts"] == 4  # N once, read by every block
     if "cpu" in dtp_kernels.available_backends("cpu"):  # the tile kernels' float32 stats
         # measured: the mask, 3 float32 stats per block of 4, and the masked weights of
         # the two layers whose input gradient the backward needs
