@@ -38,8 +38,10 @@ __global__ void __launch_bounds__(kThreads) commit_kernel(const CommitArgs<T> a)
   for (int64_t i = first; i < a.numel; i += stride) a.log_odds[i] = a.pending_log_odds[i];
   for (int64_t s = first; s < a.nseg; s += stride) {
     a.shift[s] = a.pending_shift[s];
-    a.skipped_steps[s] += a.pending_nonfinite[s] ? 1 : 0;
-    a.pending_nonfinite[s] = false;
+    if (a.pending_nonfinite[s]) {  // rare (NaN/Inf scores): no count read or written else
+      a.skipped_steps[s] += 1;
+      a.pending_nonfinite[s] = false;
+    }
   }
   if (first == 0) {
     *a.steps += *a.has_pending ? 1 : 0;

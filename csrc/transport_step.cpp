@@ -93,9 +93,15 @@ void transport_commit(at::Tensor log_odds, at::Tensor shift, const at::Tensor& p
     bool* held = pending_nonfinite.data_ptr<bool>();
     int64_t* skipped = skipped_steps.data_ptr<int64_t>();
     *steps.data_ptr<int64_t>() += *pending ? 1 : 0;
-    for (int64_t s = 0; s < nseg; ++s) {
-      skipped[s] += held[s] ? 1 : 0;
-      held[s] = false;
+    // Held segments are rare (NaN/Inf scores): find them (memchr) rather than read and
+    // write every segment's count, 18 bytes per segment (4.5 per weight in 2:4).
+    static_assert(sizeof(bool) == 1, "flags are bytes");
+    for (int64_t s = 0; s < nseg;) {
+      const void* found = std::memchr(held + s, 1, static_cast<size_t>(nseg - s));
+      if (found == nullptr) break;
+      s = static_cast<const bool*>(found) - held;
+      skipped[s] += 1;
+      held[s++] = false;
     }
     *pending = false;
 #ifdef DTP_WITH_CUDA
