@@ -144,6 +144,9 @@ def _in_range(k: float, n: int) -> bool:
 
 
 def _sizes_tensor(state: TransportState, dtype: torch.dtype) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # a constant of the graph: a cache written while
+        # tracing would be guarded on and recompile the caller at its next call
+        return torch.tensor(state.sizes, dtype=dtype, device=state.device)
     cached = state._sizes_cache
     if cached is None or cached.dtype != dtype or cached.device != state.device:
         cached = torch.tensor(state.sizes, dtype=dtype, device=state.device)
@@ -199,6 +202,10 @@ _ACCEPTED_OPTIONS: dict[tuple, str] = {}
 def _check_options(
     iters, update, backend, nonfinite, blocks_per_segment, device: torch.device
 ) -> str:
+    if torch.compiler.is_compiling():
+        # traced once into constants: a lookup would guard on the cache's contents, and
+        # the first call's insertion would then recompile the caller on the next
+        return _resolve_options(iters, update, backend, nonfinite, blocks_per_segment, device)
     exact = (
         type(iters) is int
         and type(blocks_per_segment) is int

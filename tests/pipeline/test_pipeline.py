@@ -275,3 +275,35 @@ def test_l1_at_n_m_is_one_shot_magnitude_n_m(tmp_path, capsys):
     assert main(prune_argv(tmp_path / "random", sets, "--no-progress")) == 2
     assert "random prunes filters" in capsys.readouterr().err
     assert not (tmp_path / "random").exists()  # refused before any work
+
+
+def test_compiled_dtp_model_compiles_once():
+    """A DTP-pruned model under compile_model: its frames (the pruner's pre-hook, the
+    model, the forward hook) compile at the first training step and nothing recompiles
+    at the next steps (a guard on per-step Python state would recompile every step)."""
+    import dtp_kernels
+    from dtp_kernels.models import get_model
+    from dtp_kernels.pipeline.step import compile_model
+
+    torch._dynamo.reset()
+    compiled: list[int] = []
+
+    def counting(gm, example_inputs):
+        compiled.append(len(gm.graph.nodes))
+        return gm.forward
+
+    torch.manual_seed(0)
+    model = get_model("digits_cnn")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    dtp_kernels.prepare(model, optimizer, torch.randn(1, 1, 8, 8), ratios=0.5)
+    step_model = compile_model(model, backend=counting)
+    x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 10, (16,))
+    counts = []
+    for _ in range(4):
+        loss = torch.nn.functional.cross_entropy(step_model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        counts.append(len(compiled))
+    torch._dynamo.reset()
+    assert counts[0] >= 1 and counts == [counts[0]] * 4, counts
