@@ -217,10 +217,15 @@ class DTPPruner(ChannelPruner):
             self._compute_masks(model, ())
         self._handles = [
             model.register_forward_pre_hook(self._compute_masks),
-            model.register_forward_hook(lambda *_: self._source.release_graph()),
+            # eager even under torch.compile: a frame of its own there (guards, a graph
+            # call) cost more than the detach and views it runs
+            model.register_forward_hook(torch.compiler.disable(self._release_graph)),
         ]
         for index, group in enumerate(self.groups):
             self._attach_mask(index, group)
+
+    def _release_graph(self, *_) -> None:
+        self._source.release_graph()
 
     def _check_nm_groups(self) -> None:
         """Every layer N:M prunes has an input dimension divisible by M and the ratio
