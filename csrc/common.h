@@ -65,13 +65,14 @@ inline void check_transport_args(const at::Tensor& scores, const at::Tensor& off
 // neither is copied out per segment nor read per segment (3 bytes per weight and
 // direction at 2:4).
 struct PerSegment {
-  at::Tensor values;  // contiguous, in the dtype asked: one value (stride 0) or one per segment
+  at::Tensor values;  // in the dtype asked, its data the one value (stride 0) or one per segment
   int64_t stride;     // 0 or 1
 };
 
 inline PerSegment per_segment(const at::Tensor& t, at::ScalarType dtype) {
   if (t.dim() == 1 && t.numel() > 1 && t.stride(0) == 0) {
-    return {t.narrow(0, 0, 1).to(dtype).contiguous(), 0};
+    // the view itself when its dtype is the one asked (the per-step case: nothing made)
+    return {t.scalar_type() == dtype ? t : t.narrow(0, 0, 1).to(dtype), 0};
   }
   return {t.to(dtype).contiguous(), 1};
 }

@@ -129,3 +129,30 @@ def test_cpu_blocks_op_checks_shared_values_once_and_per_segment_ones_each():
         run(torch.tensor([2.0]).expand(3), torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64))
     mask, *_ = run(torch.tensor([1.0]).expand(3), one_eps)
     torch.testing.assert_close(mask.view(3, 4).sum(1), torch.ones(3))
+
+
+@pytest.mark.parametrize("device_backend", BACKENDS)
+@pytest.mark.parametrize(
+    "dtypes", [(torch.float32, torch.float64), (torch.float64, torch.float32)], ids=str
+)
+def test_a_shared_keep_in_another_dtype_than_the_scores(device_backend, dtypes):
+    """The kernels convert a shared keep to the compute dtype as one value (and take a
+    shared keep of the compute dtype as it is)."""
+    device, backend = device_backend
+    require_backend(backend, device)
+    score_dtype, keep_dtype = dtypes
+    scores = torch.rand(148, generator=torch.Generator().manual_seed(4), dtype=score_dtype)
+    scores = scores.to(device)
+    keep = torch.tensor([2.0], dtype=keep_dtype, device=device).expand(37)
+    results = [
+        transport_mask(
+            scores,
+            k,
+            TransportState([4] * 37, dtype=score_dtype, device=device),
+            eps=0.7,
+            update=False,
+            backend=backend,
+        )
+        for k in (keep, keep.contiguous())
+    ]
+    assert torch.equal(results[0], results[1])
