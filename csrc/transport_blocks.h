@@ -55,6 +55,7 @@ struct BlocksInputs {
             new_shift.data_ptr(),
             stats.data_ptr(),
             nonfinite.data_ptr<bool>(),
+            stats.size(0),
             iters,
             neutral,
             rows_aligned({&scores, &log_odds, &mask, &new_d})};
@@ -72,6 +73,7 @@ struct BlocksInputs {
             stats.data_ptr(),
             grad_scores.data_ptr(),
             grad_keep.data_ptr(),
+            stats.size(0),
             stats.size(1),
             neutral,
             rows_aligned({&grad_mask, &scores, &log_odds, &grad_scores})};
@@ -86,6 +88,19 @@ struct BlocksInputs {
     return true;
   }
 };
+// The tile kernels' stats: the op's (nseg, iters, 3) laid out (iters, 3, nseg) in memory
+// (blocks::stats_at), from `empty` (a tensor of the sizes it is given).
+template <class Empty>
+at::Tensor blocks_stats(int64_t nseg, int64_t iters, const Empty& empty) {
+  return empty({iters, int64_t(3), nseg}).permute({2, 0, 1});
+}
+
+// stats in that layout: as the forward returned them (no copy), else copied into it.
+inline at::Tensor blocks_stats_layout(const at::Tensor& stats) {
+  const at::Tensor memory_order = stats.permute({1, 2, 0});
+  return memory_order.is_contiguous() ? stats : memory_order.contiguous().permute({2, 0, 1});
+}
+
 inline BlocksInputs blocks_inputs(const at::Tensor& scores, const at::Tensor& keep,
                                   const at::Tensor& eps, const at::Tensor& log_odds) {
   const auto acc = acc_type(scores);

@@ -25,6 +25,14 @@ namespace blocks {
 // exp(kMinScaledShift) as a double (a literal: std::exp is not available on the device).
 constexpr double kMinScaledTerm = 8.75651076269652e-27;
 
+// Where value c (0: the shift a pass used, 1: L1, 2: L0) of pass t of segment seg is in
+// the stats: the op's (nseg, iters, 3) tensor laid out (iters, 3, nseg) in memory, so a
+// tile's values of one kind are consecutive (vector stores and loads on the CPU,
+// coalesced on the GPU).
+DTP_HOST_DEVICE inline int64_t stats_at(int64_t nseg, int64_t t, int c, int64_t seg) {
+  return (t * 3 + c) * nseg + seg;
+}
+
 // 1 where k is outside (0, M) (NaN included): the segment's mask is the constant k / M;
 // else 0. The tiles' per-segment tests are selects between T values, not bools joined by
 // && or || (short-circuit branches the compiler must keep).
@@ -45,8 +53,9 @@ struct BlocksForwardArgs {
   void* mask;  // acc_t
   void* new_log_odds;
   void* new_shift;
-  void* stats;  // (segment, pass, 3) in T: shift used, L1, L0
+  void* stats;  // in T: shift used, L1, L0 of each pass (stats_at)
   bool* nonfinite;
+  int64_t nseg;
   int64_t iters;
   bool neutral;
   bool aligned;  // scores (if float32), log-odds, mask and next log-odds 16-byte aligned
@@ -146,13 +155,17 @@ DTP_HOST_DEVICE inline bool first_sums_tile(const BlocksForwardArgs& a, int64_t 
     fails |= s0[l] >= least ? 0 : 1;
   }
   if (fails != 0) return false;
+  T* stats = static_cast<T*>(a.stats);
+  T l1[L], l0[L];
   for (int l = 0; l < L; ++l) {
-    const T l1 = log_fast(s1[l]), l0 = log_fast(s0[l]);
-    T* row = static_cast<T*>(a.stats) + (seg0 + l) * 3;
-    row[0] = delta[l];
-    row[1] = l1;
-    row[2] = l0;
-    delta[l] = bias[l] + delta[l] - l1 + l0;
+    l1[l] = log_fast(s1[l]);
+    l0[l] = log_fast(s0[l]);
+  }
+  copy_out<L>(stats + stats_at(a.nseg, 0, 0, seg0), delta);
+  copy_out<L>(stats + stats_at(a.nseg, 0, 1, seg0), l1);
+  copy_out<L>(stats + stats_at(a.nseg, 0, 2, seg0), l0);
+  for (int l = 0; l < L; ++l) {
+    delta[l] = bias[l] + delta[l] - l1[l] + l0[l];
     bad[l] = 0;
   }
   return true;
@@ -235,12 +248,10 @@ DTP_HOST_DEVICE inline void forward_tile(const BlocksForwardArgs& a, int64_t seg
         l0[l] = m0[l] + log_fast(s0[l]);
         delta[l] = bias[l] + dl[l] - l1[l] + l0[l];
       }
-      for (int l = 0; l < L; ++l) {
-        T* row = static_cast<T*>(a.stats) + ((seg0 + l) * a.iters + t) * 3;
-        row[0] = dl[l];
-        row[1] = l1[l];
-        row[2] = l0[l];
-      }
+      T* stats = static_cast<T*>(a.stats);
+      copy_out<L>(stats + stats_at(a.nseg, t, 0, seg0), dl);
+      copy_out<L>(stats + stats_at(a.nseg, t, 1, seg0), l1);
+      copy_out<L>(stats + stats_at(a.nseg, t, 2, seg0), l0);
     }
   }
 
@@ -311,9 +322,10 @@ struct BlocksBackwardArgs {
   int64_t keep_stride;  // as in BlocksForwardArgs
   int64_t eps_stride;
   const void* log_odds;
-  const void* stats;  // T, as the forward wrote them
+  const void* stats;  // T, as the forward wrote them (stats_at)
   void* grad_scores;  // acc_t
   void* grad_keep;    // acc_t: the sums are formed in it
+  int64_t nseg;
   int64_t iters;
   bool neutral;
   bool aligned;  // grad_mask, scores (if float32), log-odds and grad_scores 16-byte aligned
@@ -343,9 +355,9 @@ DTP_HOST_DEVICE inline void backward_tile(const BlocksBackwardArgs& a, int64_t s
   }
   // The first `columns` entries of pass t's rows: the last pass needs no L0.
   auto read_rows = [&](int64_t t, int columns) {
-    for (int l = 0; l < L; ++l) {
-      const T* row = static_cast<const T*>(a.stats) + ((seg0 + l) * a.iters + t) * 3;
-      for (int c = 0; c < columns; ++c) rows[c][l] = row[c];
+    const T* stats = static_cast<const T*>(a.stats);
+    for (int c = 0; c < columns; ++c) {
+      for (int l = 0; l < L; ++l) rows[c][l] = stats[stats_at(a.nseg, t, c, seg0 + l)];
     }
   };
   read_rows(a.iters - 1, 2);

@@ -122,7 +122,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport
   check_segments(in.keep, in.eps, nseg, m);
   auto mask_acc = empty_output({scores.numel()}, log_odds.options());
   // in the accumulate type, as the backward reads them (common.h: stats_type)
-  auto stats = empty_output({nseg, iters, 3}, log_odds.options());
+  const at::Tensor stats = blocks_stats(
+      nseg, iters, [&](at::IntArrayRef sizes) { return empty_output(sizes, log_odds.options()); });
   // Every check is above: what follows cannot fail half-way through a lent buffer.
   auto [new_d, new_shift, nonfinite] = take_state_outputs(scores, log_odds, shift);
   const BlocksForwardArgs a = in.forward_args(shift, mask_acc, new_d, new_shift, stats, nonfinite,
@@ -141,7 +142,7 @@ std::tuple<at::Tensor, at::Tensor> transport_mask_blocks_backward_cpu(
   const BlocksInputs in = blocks_inputs(scores_in, keep_in, eps_in, log_odds_in);
   const at::ScalarType acc = in.acc;
   const at::Tensor &scores = in.scores, &log_odds = in.log_odds;
-  const auto stats = stats_in.contiguous();
+  const at::Tensor stats = blocks_stats_layout(stats_in);
   const auto g = grad_mask.to(acc).contiguous();
   auto grad_x = empty_output({scores.numel()}, log_odds.options());
   auto grad_keep = empty_output({nseg}, log_odds.options());

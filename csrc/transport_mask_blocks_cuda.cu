@@ -77,7 +77,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport
   const StateOutputs next = lent_or_empty_state_outputs(scores, log_odds, shift);
   const at::Tensor &new_d = next.log_odds, &new_shift = next.shift, &nonfinite = next.nonfinite;
   // in the accumulate type, as the backward reads them (common.h: stats_type)
-  auto stats = at::empty({nseg, iters, 3}, log_odds.options());
+  const at::Tensor stats = blocks_stats(
+      nseg, iters, [&](at::IntArrayRef sizes) { return at::empty(sizes, log_odds.options()); });
   const blocks::BlocksForwardArgs a = in.forward_args(shift, mask_acc, new_d, new_shift, stats,
                                                       nonfinite, iters, neutral_nonfinite);
   run_blocks(a, nseg, m, scores.scalar_type());
@@ -94,7 +95,7 @@ std::tuple<at::Tensor, at::Tensor> transport_mask_blocks_backward_cuda(
   const int64_t nseg = keep_in.numel();
   const BlocksInputs in = blocks_inputs(scores_in, keep_in, eps_in, log_odds_in);
   const at::Tensor &scores = in.scores, &log_odds = in.log_odds;
-  const auto stats = stats_in.contiguous();
+  const at::Tensor stats = blocks_stats_layout(stats_in);
   const auto g = grad_mask.to(in.acc).contiguous();
   auto grad_x = at::empty({scores.numel()}, log_odds.options());
   auto grad_keep = at::empty({nseg}, log_odds.options());

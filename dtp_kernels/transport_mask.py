@@ -355,15 +355,19 @@ def _transport_mask_fake(
     segment_size=0,
 ):
     nseg = offsets.shape[0] - 1
-    # stats: float64 from the general kernels, the state's compute dtype from the
-    # tiny-segment ones (csrc/common.h: use_blocks_kernels, stats_type)
+    # stats: float64 from the general kernels; from the tiny-segment ones in the state's
+    # compute dtype, segments innermost in memory (csrc/common.h: use_blocks_kernels,
+    # stats_type; csrc/transport_blocks.h: blocks_stats)
     blocks_kernels = segment_size > 0 and blocks_per_segment == 0
-    stats_dtype = log_odds.dtype if blocks_kernels else torch.float64
+    if blocks_kernels:
+        stats = scores.new_empty((iters, 3, nseg), dtype=log_odds.dtype).permute(2, 0, 1)
+    else:
+        stats = scores.new_empty((nseg, iters, 3), dtype=torch.float64)
     return (
         torch.empty_like(scores),
         torch.empty_like(log_odds),
         torch.empty_like(shift),
-        scores.new_empty((nseg, iters, 3), dtype=stats_dtype),
+        stats,
         scores.new_empty((nseg,), dtype=torch.bool),
     )
 

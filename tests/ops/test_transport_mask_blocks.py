@@ -267,6 +267,47 @@ def test_opcheck_blocks(dtype, iters, device):
 
 
 @pytest.mark.parametrize("device", COMPILED_DEVICES)
+@pytest.mark.parametrize("m", [4, 16])
+@pytest.mark.parametrize("iters", [1, 3])
+def test_blocks_stats_segments_innermost_and_any_layout_accepted(device, m, iters):
+    """The tile kernels lay their (nseg, iters, 3) stats out with the segments innermost
+    (a tile's values of one kind consecutive), as the fake implementation says; their
+    backward given the same values in another layout (contiguous, or a strided view)
+    returns bitwise the same gradients."""
+    require_backend(device, device)
+    nseg = 53  # whole tiles and a partial one on the CPU
+    gen = torch.Generator().manual_seed(5)
+    scores = torch.randn(nseg * m, generator=gen).to(device)
+    offsets = torch.arange(nseg + 1, device=device) * m
+    keep = torch.tensor([k for _, k in blocks_layout(m, nseg)], device=device)
+    eps = torch.full((nseg,), 0.5, dtype=torch.float64, device=device)
+    log_odds = torch.randn(nseg * m, generator=gen).to(device)
+    shift = torch.randn(nseg, generator=gen).to(device)
+    grad = torch.randn(nseg * m, generator=gen).to(device)
+    args = (scores, offsets, keep, eps, log_odds, shift, iters, False, 0, m)
+    stats = torch.ops.dtp.transport_mask(*args)[3]
+    assert stats.shape == (nseg, iters, 3)
+    assert stats.stride() == (1, 3 * nseg, nseg)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = torch.ops.dtp.transport_mask(
+            *(mode.from_tensor(a) if torch.is_tensor(a) else a for a in args)
+        )
+    assert fake[3].stride() == stats.stride()
+
+    def backward(saved):
+        return torch.ops.dtp.transport_mask_backward(
+            grad, scores, offsets, keep, eps, log_odds, saved, False, 0, m
+        )
+
+    expected = backward(stats)
+    wide = torch.zeros(nseg, iters, 6, device=device)
+    wide[..., ::2] = stats
+    for saved in (stats.contiguous(), wide[..., ::2]):
+        for got, want in zip(backward(saved), expected, strict=True):
+            assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("device", COMPILED_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("iters", [1, 3])
 def test_blocks_stats_in_the_compute_dtype_and_forced_general_kernels(dtype, iters, device):
