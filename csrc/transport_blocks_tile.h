@@ -88,6 +88,30 @@ DTP_HOST_DEVICE inline void load_segment_values(const T* keep, int64_t keep_stri
   }
 }
 
+// A tile's values ([element][segment]) stored in segment order at dst.
+template <int M, int L, class T>
+DTP_HOST_DEVICE inline void store_segments(T* dst, const T (&values)[M][L]) {
+  for (int l = 0; l < L; ++l) {
+    for (int j = 0; j < M; ++j) dst[l * M + j] = values[j][l];
+  }
+}
+
+// The tile's bias log(k / (M - k)) (0 for a degenerate segment): one log per segment, or
+// one for the tile when every segment shares k (stride 0, as N:M pruning passes it).
+template <int M, class T>
+DTP_HOST_DEVICE inline T bias_of(T k) {
+  return degenerate_flag<M>(k) != T(0) ? T(0) : log_fast(k / (T(M) - k));
+}
+template <int M, int L, class T>
+DTP_HOST_DEVICE inline void segment_bias(const T* k, int64_t keep_stride, T* bias) {
+  if (keep_stride == 0) {
+    const T b = bias_of<M>(k[0]);
+    for (int l = 0; l < L; ++l) bias[l] = b;
+  } else {
+    for (int l = 0; l < L; ++l) bias[l] = bias_of<M>(k[l]);
+  }
+}
+
 // x_i = d_i + (2 s_i - 1) / eps for the tile of segments starting at seg0 (in.k and
 // in.inv_eps already loaded).
 template <int M, int L, class scalar_t, class T>
@@ -180,9 +204,8 @@ DTP_HOST_DEVICE inline void forward_tile(const BlocksForwardArgs& a, int64_t seg
   load_tile<M, L, scalar_t, T>(static_cast<const scalar_t*>(a.scores),
                                static_cast<const T*>(a.log_odds), seg0, a.neutral, a.aligned, in);
   T xmax[L], xmin[L], bad[L], bias[L], delta[L];
+  segment_bias<M, L>(in.k, a.keep_stride, bias);
   for (int l = 0; l < L; ++l) {
-    const T k = in.k[l];
-    bias[l] = degenerate_flag<M>(k) != T(0) ? T(0) : log_fast(k / (T(M) - k));  // one log
     delta[l] = shift_in[l];
     xmax[l] = -INFINITY;
     xmin[l] = INFINITY;
@@ -290,8 +313,8 @@ DTP_HOST_DEVICE inline void forward_tile(const BlocksForwardArgs& a, int64_t seg
       d_t[j][l] = next[l] == T(1) ? in.x[j][l] + delta[l] : in.d[j][l];
     }
   }
-  // The outputs are put in segment order in local arrays and copied out whole
-  // (transport_blocks_rows.h: copy_out).
+  // Per-segment outputs are copied out whole from local arrays (transport_blocks_rows.h:
+  // copy_out); the elements' as whole rows (aligned one-segment tiles) or in segment order.
   bool held_out[L];
   for (int l = 0; l < L; ++l) held_out[l] = flag[l] != T(0);
   copy_out<L>(a.nonfinite + seg0, held_out);
@@ -303,15 +326,8 @@ DTP_HOST_DEVICE inline void forward_tile(const BlocksForwardArgs& a, int64_t seg
       return;
     }
   }
-  T out[L][M];
-  for (int l = 0; l < L; ++l) {
-    for (int j = 0; j < M; ++j) out[l][j] = mask_t[j][l];
-  }
-  copy_out<L * M>(static_cast<T*>(a.mask) + seg0 * M, &out[0][0]);
-  for (int l = 0; l < L; ++l) {
-    for (int j = 0; j < M; ++j) out[l][j] = d_t[j][l];
-  }
-  copy_out<L * M>(static_cast<T*>(a.new_log_odds) + seg0 * M, &out[0][0]);
+  store_segments(static_cast<T*>(a.mask) + seg0 * M, mask_t);
+  store_segments(static_cast<T*>(a.new_log_odds) + seg0 * M, d_t);
 }
 
 struct BlocksBackwardArgs {
@@ -451,11 +467,7 @@ DTP_HOST_DEVICE inline void backward_tile(const BlocksBackwardArgs& a, int64_t s
       return;
     }
   }
-  T ordered[L][M];  // segment order, copied out whole (as in forward_tile)
-  for (int l = 0; l < L; ++l) {
-    for (int j = 0; j < M; ++j) ordered[l][j] = out[j][l];
-  }
-  copy_out<L * M>(static_cast<T*>(a.grad_scores) + seg0 * M, &ordered[0][0]);
+  store_segments(static_cast<T*>(a.grad_scores) + seg0 * M, out);
 }
 
 }  // namespace blocks
