@@ -182,8 +182,8 @@ DTP_HOST_DEVICE inline bool first_sums_tile(const BlocksForwardArgs& a, int64_t 
   T* stats = static_cast<T*>(a.stats);
   T l1[L], l0[L];
   for (int l = 0; l < L; ++l) {
-    l1[l] = log_fast(s1[l]);
-    l0[l] = log_fast(s0[l]);
+    l1[l] = log_of_normal(s1[l]);  // both sums are finite and >= M e^-60 (above)
+    l0[l] = log_of_normal(s0[l]);
   }
   copy_out<L>(stats + stats_at(a.nseg, 0, 0, seg0), delta);
   copy_out<L>(stats + stats_at(a.nseg, 0, 1, seg0), l1);

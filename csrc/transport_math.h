@@ -26,14 +26,11 @@ namespace dtp {
 // exp for float: range reduction to |r| <= ln2/2 and a degree-7 Taylor polynomial
 // (error below 1 ulp on that range). Written without library calls so the compiler
 // vectorises the loops that use it. NaN propagates; x < -87 gives 0, x > 88.72 gives inf.
-DTP_HOST_DEVICE inline float exp_fast(float x) {
-#if defined(__CUDA_ARCH__)
-  return ::expf(x);
-#else
-  const float lo = -87.0f;
-  const float hi = 88.72283935546875f;
-  float xc = x < lo ? lo : x;  // NaN stays NaN: comparisons with NaN are false
-  xc = xc > hi ? hi : xc;
+constexpr float kExpLow = -87.0f;
+constexpr float kExpHigh = 88.72283935546875f;
+
+// exp(xc) for xc in [kExpLow, kExpHigh] or NaN (NaN in, NaN out).
+DTP_HOST_DEVICE inline float exp_in_range(float xc) {
   const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
   float r = xc - n * 0.693145751953125f;  // ln2 split in a high part ...
   r = r - n * 1.42860682030941723e-06f;   // ... and a low part
@@ -50,28 +47,47 @@ DTP_HOST_DEVICE inline float exp_fast(float x) {
   const int32_t bits = (static_cast<int32_t>(n_safe) + 126) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  float y = p * scale * 2.0f;
-  y = x < lo ? 0.0f : y;
-  y = x > hi ? INFINITY : y;
+  return p * scale * 2.0f;
+}
+
+DTP_HOST_DEVICE inline float exp_fast(float x) {
+#if defined(__CUDA_ARCH__)
+  return ::expf(x);
+#else
+  float xc = x < kExpLow ? kExpLow : x;  // NaN stays NaN: comparisons with NaN are false
+  xc = xc > kExpHigh ? kExpHigh : xc;
+  float y = exp_in_range(xc);
+  y = x < kExpLow ? 0.0f : y;
+  y = x > kExpHigh ? INFINITY : y;
   return y;
 #endif
 }
 
+// exp_fast for x <= 0 or NaN (the sigmoids' exp(-|z|)): the same values, without the
+// overflow clamp and select, which cannot apply.
+DTP_HOST_DEVICE inline float exp_nonpositive(float x) {
+#if defined(__CUDA_ARCH__)
+  return ::expf(x);
+#else
+  const float y = exp_in_range(x < kExpLow ? kExpLow : x);
+  return x < kExpLow ? 0.0f : y;
+#endif
+}
+
 DTP_HOST_DEVICE inline double exp_fast(double x) { return ::exp(x); }
+DTP_HOST_DEVICE inline double exp_nonpositive(double x) { return ::exp(x); }
 
 // log for float, written without library calls so loops that use it vectorise: x = 2^e m
 // with m in [sqrt(1/2), sqrt(2)), log m = 2 atanh(s), s = (m - 1) / (m + 1), |s| < 0.172,
 // as an odd series to s^9 (error below 1e-9 relative). Subnormals are scaled first;
 // log 0 = -inf, log inf = inf, negative or NaN x gives NaN.
-DTP_HOST_DEVICE inline float log_fast(float x) {
-#if defined(__CUDA_ARCH__)
-  return ::logf(x);
-#else
-  const bool tiny = x < 1.17549435e-38f;       // below the smallest normal (also 0, < 0, NaN no)
-  const float xs = tiny ? x * 8388608.0f : x;  // 2^23
+
+// log(x / 2^shift) for x a positive, finite, normal float (shift applied to the
+// exponent as an integer, so every caller runs the same float operations).
+DTP_HOST_DEVICE inline float log_normal(float x, int32_t shift) {
   int32_t bits;
-  std::memcpy(&bits, &xs, sizeof(bits));
-  int32_t e = ((bits >> 23) & 0xff) - 127;
+  std::memcpy(&bits, &x, sizeof(bits));
+  int32_t e = ((bits >> 23) & 0xff) - 127 - shift;
   int32_t mbits = (bits & 0x7fffff) | 0x3f800000;
   float m;
   std::memcpy(&m, &mbits, sizeof(m));
@@ -85,8 +101,16 @@ DTP_HOST_DEVICE inline float log_fast(float x) {
   p = p * s2 + 1.0f / 5.0f;
   p = p * s2 + 1.0f / 3.0f;
   p = p * s2 + 1.0f;
-  const float ef = static_cast<float>(e) - (tiny ? 23.0f : 0.0f);
-  float y = ef * 0.693145751953125f + (2.0f * s * p + ef * 1.42860682030941723e-06f);
+  const float ef = static_cast<float>(e);
+  return ef * 0.693145751953125f + (2.0f * s * p + ef * 1.42860682030941723e-06f);
+}
+
+DTP_HOST_DEVICE inline float log_fast(float x) {
+#if defined(__CUDA_ARCH__)
+  return ::logf(x);
+#else
+  const bool tiny = x < 1.17549435e-38f;  // below the smallest normal (also 0, < 0, NaN no)
+  float y = log_normal(tiny ? x * 8388608.0f : x, tiny ? 23 : 0);  // 2^23
   y = x == 0.0f ? -INFINITY : y;
   y = x == INFINITY ? INFINITY : y;
   y = (x < 0.0f || x != x) ? NAN : y;
@@ -94,7 +118,18 @@ DTP_HOST_DEVICE inline float log_fast(float x) {
 #endif
 }
 
+// log_fast for x known to be positive, finite and normal (a column sum the caller has
+// checked): the same values, without the special cases.
+DTP_HOST_DEVICE inline float log_of_normal(float x) {
+#if defined(__CUDA_ARCH__)
+  return ::logf(x);
+#else
+  return log_normal(x, 0);
+#endif
+}
+
 DTP_HOST_DEVICE inline double log_fast(double x) { return ::log(x); }
+DTP_HOST_DEVICE inline double log_of_normal(double x) { return ::log(x); }
 
 // min(v, 0) that propagates NaN (std::fmin would drop it).
 template <class T>
@@ -105,7 +140,7 @@ DTP_HOST_DEVICE inline T min_zero(T v) {
 // r = sigmoid(|z|) = 1 / (1 + exp(-|z|)).
 template <class T>
 DTP_HOST_DEVICE inline T sigmoid_abs(T z) {
-  return T(1) / (T(1) + exp_fast(-(z < T(0) ? -z : z)));
+  return T(1) / (T(1) + exp_nonpositive(-(z < T(0) ? -z : z)));
 }
 
 // exp(log sigmoid(z) - shift), with r = sigmoid_abs(z).
@@ -133,7 +168,7 @@ struct SigmoidParts {
 };
 template <class T>
 DTP_HOST_DEVICE inline SigmoidParts<T> sigmoid_parts(T z) {
-  const T e = exp_fast(-(z < T(0) ? -z : z));
+  const T e = exp_nonpositive(-(z < T(0) ? -z : z));
   return {e, T(1) / (T(1) + e)};
 }
 // exp(log sigmoid(z)) * scale
