@@ -88,6 +88,7 @@ struct BlocksInputs {
     return true;
   }
 };
+
 // The tile kernels' stats: the op's (nseg, iters, 3) laid out (iters, 3, nseg) in memory
 // (blocks::stats_at), from `empty` (a tensor of the sizes it is given).
 template <class Empty>
