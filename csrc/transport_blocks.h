@@ -96,10 +96,14 @@ at::Tensor blocks_stats(int64_t nseg, int64_t iters, const Empty& empty) {
   return empty({iters, int64_t(3), nseg}).permute({2, 0, 1});
 }
 
-// stats in that layout: as the forward returned them (no copy), else copied into it.
+// stats in that layout: as the forward returned them (checked from the strides, no view
+// made per step), else copied into it.
 inline at::Tensor blocks_stats_layout(const at::Tensor& stats) {
-  const at::Tensor memory_order = stats.permute({1, 2, 0});
-  return memory_order.is_contiguous() ? stats : memory_order.contiguous().permute({2, 0, 1});
+  const int64_t nseg = stats.size(0), iters = stats.size(1);
+  const bool laid_out =
+      stats.numel() == 0 || ((nseg == 1 || stats.stride(0) == 1) && stats.stride(2) == nseg &&
+                             (iters == 1 || stats.stride(1) == 3 * nseg));
+  return laid_out ? stats : stats.permute({1, 2, 0}).contiguous().permute({2, 0, 1});
 }
 
 inline BlocksInputs blocks_inputs(const at::Tensor& scores, const at::Tensor& keep,

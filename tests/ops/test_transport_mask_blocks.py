@@ -302,7 +302,13 @@ def test_blocks_stats_segments_innermost_and_any_layout_accepted(device, m, iter
     expected = backward(stats)
     wide = torch.zeros(nseg, iters, 6, device=device)
     wide[..., ::2] = stats
-    for saved in (stats.contiguous(), wide[..., ::2]):
+    # passes outermost, then segments: only the segments' stride is as the kernels read
+    passes_first = torch.empty(3, iters, nseg, device=device).permute(2, 1, 0)
+    passes_first.copy_(stats)
+    # the kernels' order with a gap after each pass: only the passes' stride differs
+    padded = torch.empty(iters, 4, nseg, device=device)[:, :3].permute(2, 0, 1)
+    padded.copy_(stats)
+    for saved in (stats.contiguous(), wide[..., ::2], passes_first, padded):
         for got, want in zip(backward(saved), expected, strict=True):
             assert torch.equal(got, want)
 
