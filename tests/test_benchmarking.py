@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+import dtp_kernels
 from dtp_kernels.benchmarking import interleaved, paired_overhead
 
 
@@ -84,3 +85,35 @@ def test_triton_host_benchmark_times_both_paths_without_launches():
     assert done.returncode == 0, done.stderr[-2000:]
     for provider in ("| floor |", "| triton |", "| triton, through the custom op |"):
         assert provider in done.stdout, provider
+
+
+def test_nm_step_profile_names_each_cases_kernels():
+    """benchmarks/profile_nm_step.py profiles the 2:4 and one-segment steps against the
+    copy and lists the operators of each; a size that is no whole number of 2:4 blocks is
+    refused by name."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_nm_step.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--numel", "4096", "--steps", "1", "--no-save"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    backend = dtp_kernels.available_backends("cpu")[-1]  # "cpu", or "torch" without _C
+    for case in ("copy of the step's bytes", f"2:4, {backend}", f"one segment, {backend}"):
+        assert f"| {case} |" in done.stdout, case
+        if not case.startswith("copy"):
+            assert f"{case}: per step" in done.stdout, case
+    if backend == "cpu":
+        assert "| dtp::transport_mask_backward |" in done.stdout
+    bad = subprocess.run(
+        [sys.executable, str(script), "--numel", "4098", "--no-save"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert bad.returncode != 0 and "--numel must be positive multiples of 4" in bad.stderr

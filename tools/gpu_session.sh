@@ -12,8 +12,9 @@
 # the pruner's host cost; bench: the kernel benchmarks and host; train: the training step
 # (eager, CUDA graph, profiled; DTP with folded masks, each GPU backend); vit: a ViT step
 # with head and neuron masks (bench_vit_step.py); scale: mask-step scaling, iterations,
-# N:M steps and 2:4 semi-structured layers; pipeline: whole epochs with the data loader
-# (bench_pipeline.py); pipeline-compiled: the same under torch.compile (not in all: its
+# N:M steps with each kernel's share (profile_nm_step.py) and 2:4 semi-structured
+# layers; pipeline: whole epochs with the data loader (bench_pipeline.py);
+# pipeline-compiled: the same under torch.compile (not in all: its
 # four compilations take minutes; on an H200, run 11, the ResNet-56 workload and part of
 # ResNet-50's took 300 s); PIPELINE_WORKLOADS=resnet56 (or torchvision.resnet50) runs one
 # workload in either, PIPELINE_ROUNDS sets the rounds (default 3);
@@ -141,6 +142,7 @@ for step in $steps; do
     ;;&
   scale | all)
     run bench_nm_step 120 $PY benchmarks/bench_nm_step.py --device cuda --rounds 5
+    run profile_nm_step 90 $PY benchmarks/profile_nm_step.py --device cuda
     run bench_semi_structured 120 $PY benchmarks/bench_semi_structured.py --device cuda
     run bench_scaling 120 $PY benchmarks/bench_scaling.py --device cuda --rounds 5
     run bench_iterations 90 $PY benchmarks/bench_iterations.py --device cuda --rounds 5
