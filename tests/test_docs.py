@@ -1,0 +1,114 @@
+"""The Python examples in docs/ run as written. A block names what the reader brings (a
+data loader, a loss, a model, the Trainer's arguments); each block's entry below (given
+a temporary directory and pytest's monkeypatch) gives those names small real values,
+runs the block and checks what it promises. A block
+added to the docs without an entry here fails the first test."""
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtp_kernels import load_pruned
+from utils import tiny_llama
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def blocks() -> dict[tuple[str, int], str]:
+    """Every ```python block of docs/*.md by (file name, index in the file)."""
+    found = {}
+    for path in sorted(DOCS.glob("*.md")):
+        for index, code in enumerate(re.findall(r"```python\n(.*?)```", path.read_text(), re.S)):
+            found[(path.name, index)] = code
+    return found
+
+
+def run(key: tuple[str, int], namespace: dict) -> dict:
+    exec(compile(blocks()[key], f"docs/{key[0]} block {key[1]}", "exec"), namespace)
+    return namespace
+
+
+def test_every_block_has_an_entry_here():
+    assert set(blocks()) == set(ENTRIES), "a Python block in docs/ is not run by this file"
+
+
+def ops_loop(tmp_path, monkeypatch):
+    """docs/ops.md: the op in a training loop of 100 steps."""
+    torch.manual_seed(0)
+    weights = torch.randn(448)
+    ns = run(("ops.md", 0), {"my_loss": lambda mask: (mask * weights).square().sum()})
+    mask, keep, state = ns["mask"], ns["keep"], ns["state"]
+    sums = torch.stack([part.sum() for part in mask.detach().split(ns["sizes"])])
+    torch.testing.assert_close(sums, keep, rtol=1e-5, atol=1e-4)  # k per group
+    assert int(state.steps) == 100  # committed once per step
+
+
+def pruner_loop(tmp_path, monkeypatch):
+    """docs/pruning.md: DTPPruner on ResNet-56 in a plain loop, export and save."""
+    monkeypatch.chdir(tmp_path)  # the block saves resnet56_p70.pt where it runs
+    torch.manual_seed(0)
+    loader = [(torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))) for _ in range(2)]
+    ns = run(("pruning.md", 0), {"loader": loader})
+    small, pruner = ns["small"], ns["pruner"]
+    assert int(pruner.state.steps) == 2
+    assert small.layer1[0].conv1.out_channels == 16 - math.ceil(16 * 0.7)
+    loaded = load_pruned(tmp_path / "resnet56_p70.pt")
+    x = torch.randn(2, 3, 32, 32)
+    small.eval(), loaded.eval()
+    torch.testing.assert_close(loaded(x), small(x))
+
+
+def prepare_llama(tmp_path, monkeypatch):
+    """docs/pruning.md: prepare() on a model and optimizer of one's own (a tiny Llama)."""
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 61, (1, 12), generator=torch.Generator().manual_seed(0))
+    ns = run(("pruning.md", 1), {"model": model, "optimizer": optimizer, "example_inputs": (ids,)})
+    small = ns["small"]
+    assert (small.config.num_key_value_heads, small.config.intermediate_size) == (1, 24)
+    assert optimizer.param_groups[-1]["params"] == [ns["pruner"].scores]
+
+
+def trainer_callback(tmp_path, monkeypatch):
+    """docs/pruning.md: the Hugging Face Trainer callback, a few real Trainer steps."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)  # the block saves to ./pruned
+    ids = torch.randint(0, 61, (8, 12), generator=torch.Generator().manual_seed(1))
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "trainer"),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    ns = {
+        "transformers": transformers,
+        "model": tiny_llama(),
+        "args": args,
+        "data": [{"input_ids": row, "labels": row} for row in ids],
+        "example_input_ids": ids[:1],
+    }
+    run(("pruning.md", 2), ns)
+    assert int(ns["callback"].pruner.state.steps) == 2
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "pruned")
+    assert loaded.config.num_attention_heads == 2  # half the key/value heads, with their queries
+
+
+ENTRIES = {
+    ("ops.md", 0): ops_loop,
+    ("pruning.md", 0): pruner_loop,
+    ("pruning.md", 1): prepare_llama,
+    ("pruning.md", 2): trainer_callback,
+}
+
+
+@pytest.mark.parametrize("key", list(ENTRIES), ids=[f"{f}-{i}" for f, i in ENTRIES])
+def test_docs_block_runs(key, tmp_path, monkeypatch):
+    pytest.importorskip("transformers")  # two blocks use it; tiny_llama imports it
+    ENTRIES[key](tmp_path, monkeypatch)
