@@ -71,8 +71,10 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         object.__setattr__(self, "model", model)  # not a submodule: the pruner is not the model
         self.example_inputs = inputs
         self.budget = budget
-        all_groups = self._find_groups(model, inputs, list(ignored_layers))
-        model.train(was_training)  # Torch-Pruning's tracing leaves the model in eval mode
+        try:
+            all_groups = self._find_groups(model, inputs, list(ignored_layers))
+        finally:
+            model.train(was_training)  # Torch-Pruning's tracing leaves the model in eval mode
         convs = [name for name, m in model.named_modules() if isinstance(m, nn.Conv2d)]
         kinds = {g.name: _kind(g) for g in all_groups}
         per_group = ratio_rules.resolve(

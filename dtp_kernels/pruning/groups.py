@@ -132,9 +132,17 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
         # norms that are not nn.LayerNorm (RMSNorm) are "unwrapped parameters" to it;
         # groups through them are refused or left alone here, never pruned
         warnings.filterwarnings("ignore", message="Unwrapped parameters detected")
-        graph = tp.DependencyGraph().build_dependency(
-            model, example_inputs=example_inputs, output_transform=_traced_outputs
-        )
+        try:
+            graph = tp.DependencyGraph().build_dependency(
+                model, example_inputs=example_inputs, output_transform=_traced_outputs
+            )
+        except Exception as error:  # its own errors say nothing of the model or what to do
+            raise ValueError(
+                f"cannot find the prunable groups of {type(model).__name__}: Torch-Pruning's "
+                f"DependencyGraph, which follows its channels, fails on it "
+                f"({type(error).__name__}: {error}). The models dtp_kernels prunes are listed in "
+                "docs/pruning.md and the README's 'What it prunes'"
+            ) from error
     try:
         yield graph
     finally:

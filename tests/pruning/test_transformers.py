@@ -222,3 +222,18 @@ def test_magnitude_baseline_keeps_the_heads_of_largest_l1():
         assert mask.tolist() == [float(h in l1.topk(2).indices) for h in range(4)]
     exported = pruner.export()
     assert exported.config.num_attention_heads == 2
+
+
+def test_a_model_the_dependency_graph_cannot_trace_is_refused_by_name():
+    """GPT-2 (transformers' Conv1D layers, a cache concatenation Torch-Pruning cannot
+    follow): a ValueError naming the model and pointing to the supported ones, not
+    Torch-Pruning's own TypeError, and the model is left as it was (training mode, no
+    masks)."""
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=VOCAB)
+    model = transformers.GPT2LMHeadModel(config).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"prunable groups of GPT2LMHeadModel: Torch-Pruning"):
+        DTPPruner(model, (tokens(),), {"heads": 0.5, "mlp": 0.5})
+    assert model.training
+    assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
