@@ -99,6 +99,23 @@ def _is_depthwise(module: nn.Module) -> bool:
     )
 
 
+def _is_grouped(module: nn.Module) -> bool:
+    """A grouped convolution that is not depthwise (ResNeXt, RegNet): its channels can
+    only go in equal numbers from every group, which one mask over a group does not keep."""
+    return (
+        isinstance(module, (nn.Conv1d, nn.Conv2d))
+        and module.groups > 1
+        and not _is_depthwise(module)
+    )
+
+
+def _per_channel_width(module: nn.Module) -> int:
+    """The channels a BN, InstanceNorm or depthwise conv acts on."""
+    return (
+        module.out_channels if isinstance(module, (nn.Conv1d, nn.Conv2d)) else module.num_features
+    )
+
+
 def output_tensors(output) -> list[torch.Tensor]:
     """The tensors of a model's output (a tensor, or tuples, lists and dicts of them, as
     Hugging Face's ModelOutput), in order."""
@@ -128,7 +145,8 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
     in a process that has imported transformers); tests/reliability/test_no_host_sync.py
     checks that none is left.
     """
-    with warnings.catch_warnings():
+    # the graph is traced through autograd: also when called under torch.no_grad()
+    with torch.enable_grad(), warnings.catch_warnings():
         # norms that are not nn.LayerNorm (RMSNorm) are "unwrapped parameters" to it;
         # groups through them are refused or left alone here, never pruned
         warnings.filterwarnings("ignore", message="Unwrapped parameters detected")
@@ -259,14 +277,20 @@ def find_groups(
             continue  # coupled through a residual add or a concatenation, or an output
         if set(out_layers) & set(ignored):
             continue
+        if any(_is_grouped(m) for m in [*outs, *ins]):
+            continue  # a grouped conv: channels would have to go evenly from its groups
         layer = min(out_layers, key=lambda m: order[m])
+        size = layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
+        if not residual and any(_per_channel_width(m) != size for m in [*bns, *depthwise]):
+            # a BN over a concatenation (DenseNet): it reads other layers' channels too, and
+            # every such BN would need the mask at the group's offset in it, not one place
+            continue
         # Mask at the last affine op before the nonlinearity that ends the group: a
         # depthwise conv (with a bias) or its BN after the root would otherwise add its
         # bias back to the masked channels.
         last = max([*bns, *depthwise], key=lambda m: order[m], default=None)
         bn = last if last in bns else None
         rows = last if last in depthwise else layer
-        size = layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
         if residual:
             found[layer] = ChannelGroup(
                 names[layer],

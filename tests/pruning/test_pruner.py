@@ -122,6 +122,20 @@ def test_eval_forward_does_not_advance_state():
     assert int(pruner.state.steps) == 0
 
 
+def test_pruner_is_built_and_exported_under_no_grad():
+    """Torch-Pruning traces the graph through autograd; the pruner turns it on for that
+    trace, so building and exporting inside torch.no_grad() (an evaluation script's
+    habit) work and give what they give outside it."""
+    with torch.no_grad():
+        model, pruner = build(resnet20, 0.5)
+        exported = pruner.export()
+    model.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(XB)
+    torch.testing.assert_close(exported.eval()(XB), want, rtol=1e-5, atol=1e-5)
+    assert torch.is_grad_enabled()
+
+
 def test_global_budget():
     _, pruner = build(resnet20, 0.6, budget="global")
     masks = pruner.hard_masks()

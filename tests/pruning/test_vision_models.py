@@ -203,3 +203,48 @@ def test_pruned_multihead_attention_keeping_every_head_is_nn_multihead_attention
         pruned(single, single_kv, single_kv), mha(single, single_kv, single_kv), strict=True
     ):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def small_densenet():
+    from torchvision.models import DenseNet
+
+    return DenseNet(8, (2, 2), num_init_features=16, bn_size=2, num_classes=5)
+
+
+def small_resnext():
+    from torchvision.models.resnet import Bottleneck, ResNet
+
+    return ResNet(Bottleneck, [1, 1, 1, 1], groups=4, width_per_group=8, num_classes=5)
+
+
+@pytest.mark.parametrize(
+    "builder,groups",
+    [
+        # each dense layer's bottleneck conv; what is concatenated and then normalized is
+        # read by every later layer's BN at its own offset: left whole
+        (
+            small_densenet,
+            [f"features.denseblock{b}.denselayer{n}.conv1" for b in (1, 2) for n in (1, 2)],
+        ),
+        # every bottleneck's channels pass a grouped conv: only the stem is a group
+        (small_resnext, ["conv1"]),
+    ],
+    ids=["densenet", "resnext"],
+)
+def test_concatenated_then_normalized_and_grouped_conv_channels_are_left_whole(builder, groups):
+    """torchvision DenseNet (a BN over a concatenation) and ResNeXt (grouped convs): the
+    groups that one mask cannot cover exactly are left whole, and the rest export to the
+    hard-masked model with exact counts."""
+    torch.manual_seed(0)
+    model, x = builder(), torch.randn(2, 3, 32, 32)
+    pruner = DTPPruner(model, (x[:1],), 0.5)
+    assert [g.name for g in pruner.groups] == groups
+    with torch.no_grad():
+        pruner.scores.uniform_(0, 1, generator=torch.Generator().manual_seed(1))
+    exported = pruner.export()
+    model.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(x)
+    torch.testing.assert_close(exported.eval()(x), want, rtol=1e-5, atol=1e-5)
+    names = dict(exported.named_modules())
+    assert [names[g].out_channels for g in groups] == pruner.kept == [n // 2 for n in pruner.sizes]
