@@ -66,6 +66,19 @@ def build(name):
     return model, x
 
 
+def export_random_order(pruner, model, x):
+    """The export after scores in a random order (not the initial norms), checked equal
+    to the model under its hard masks on x."""
+    with torch.no_grad():
+        pruner.scores.uniform_(0, 1, generator=torch.Generator().manual_seed(1))
+    exported = pruner.export()
+    model.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(x)
+    torch.testing.assert_close(exported.eval()(x), want, rtol=1e-5, atol=1e-5)
+    return exported
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_groups_counts_and_export_equal_hard_masked(name):
     model, x = build(name)
@@ -75,13 +88,7 @@ def test_groups_counts_and_export_equal_hard_masked(name):
     ]
     assert found == MODELS[name][1]
     assert pruner.kept == [n // 2 for _, _, n in found]
-    with torch.no_grad():  # a random order, not the initial norms
-        pruner.scores.uniform_(0, 1, generator=torch.Generator().manual_seed(1))
-    exported = pruner.export()
-    model.eval()
-    with torch.no_grad(), pruner.hard_masked():
-        want = model(x)
-    torch.testing.assert_close(exported.eval()(x), want, rtol=1e-5, atol=1e-5)
+    exported = export_random_order(pruner, model, x)
     assert count_params(exported) == pruner.report()["params_after"]
     if name == "timm_deit":
         for block in exported.blocks:
@@ -239,12 +246,6 @@ def test_concatenated_then_normalized_and_grouped_conv_channels_are_left_whole(b
     model, x = builder(), torch.randn(2, 3, 32, 32)
     pruner = DTPPruner(model, (x[:1],), 0.5)
     assert [g.name for g in pruner.groups] == groups
-    with torch.no_grad():
-        pruner.scores.uniform_(0, 1, generator=torch.Generator().manual_seed(1))
-    exported = pruner.export()
-    model.eval()
-    with torch.no_grad(), pruner.hard_masked():
-        want = model(x)
-    torch.testing.assert_close(exported.eval()(x), want, rtol=1e-5, atol=1e-5)
+    exported = export_random_order(pruner, model, x)
     names = dict(exported.named_modules())
     assert [names[g].out_channels for g in groups] == pruner.kept == [n // 2 for n in pruner.sizes]
