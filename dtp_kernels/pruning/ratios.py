@@ -110,7 +110,7 @@ def resolve(
     names: list[str],
     conv_index: dict[str, int],
     all_convs: int,
-    kinds: dict[str, str] | None = None,
+    kinds: dict[str, str],
 ) -> dict[str, float]:
     """Ratio of every group root (by module name); groups a dict does not reach get 0.
 
@@ -121,13 +121,29 @@ def resolve(
         ratio = check_ratio(ratios, "ratios")
         return {name: ratio for name in names}
     if isinstance(ratios, Mapping):
-        kinds = kinds or {}
         matched = {key: [n for n in names if fnmatch.fnmatchcase(n, key)] for key in ratios}
         unknown = sorted(k for k in ratios if not matched[k] and k not in KINDS)
         if unknown:
             raise ValueError(
                 f"ratios names {unknown}, which match no prunable layer of this model; "
                 f"prunable: {names}; kinds: {list(KINDS)}"
+            )
+        # a kind asked to prune that the model has no group of would prune nothing silently
+        found = set(kinds.values())
+        absent = sorted(
+            k
+            for k in ratios
+            if k in KINDS
+            and not matched[k]
+            and k not in found
+            and check_ratio(ratios[k], f"ratios[{k!r}]") > 0
+        )
+        if absent:
+            raise ValueError(
+                f"ratios asks to prune {absent}, but this model has no group of that kind "
+                f"(its groups' kinds: {sorted(found)}; prunable: {names}). Attention layers "
+                "are recognised in the forms docs/pruning.md lists; set the ratio to 0 or "
+                "leave the key out"
             )
         out = {}
         for name in names:

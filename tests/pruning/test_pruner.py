@@ -136,6 +136,11 @@ def test_pruner_is_built_and_exported_under_no_grad():
     assert torch.is_grad_enabled()
 
 
+def test_a_kind_the_model_lacks_may_be_named_with_ratio_zero():
+    _, pruner = build(resnet20, {"channels": 0.5, "heads": 0.0, "mlp": 0})
+    assert len(pruner.groups) == 9
+
+
 def test_global_budget():
     _, pruner = build(resnet20, 0.6, budget="global")
     masks = pruner.hard_masks()
@@ -209,6 +214,11 @@ BAD = [
     (dict(ratios="[0, 0.5, 0.5]"), ValueError, r"gives 3 stages, the model has 4"),
     (dict(ratios="[0:0, 1-25:0.5]"), ValueError, r"indices \[19, 20, .*the model has 19"),
     (dict(ratios={"layer9.conv1": 0.5}), ValueError, r"match no prunable layer of this model"),
+    (
+        dict(ratios={"channels": 0.5, "heads": 0.5}),  # a CNN has no heads: nothing silent
+        ValueError,
+        r"asks to prune \['heads'\], but this model has no group of that kind",
+    ),
     (dict(example_inputs=torch.randn(1, 5, 32, 32)), ValueError, r"do not run through"),
     (dict(budget="flops2"), ValueError, r"budget = 'flops2'"),
     (

@@ -82,7 +82,8 @@ def export_random_order(pruner, model, x):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_groups_counts_and_export_equal_hard_masked(name):
     model, x = build(name)
-    pruner = DTPPruner(model, (x[:1],), {"heads": 0.5, "mlp": 0.5})
+    ratios = {kind: 0.5 for _, kind, _ in MODELS[name][1]}  # a kind it lacks is an error
+    pruner = DTPPruner(model, (x[:1],), ratios)
     found = [
         (g.name, "heads" if isinstance(g, HeadGroup) else "mlp", g.size) for g in pruner.groups
     ]
