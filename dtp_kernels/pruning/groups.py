@@ -116,6 +116,19 @@ def _per_channel_width(module: nn.Module) -> int:
     )
 
 
+def _removed_alone(graph: tp.DependencyGraph, layer: nn.Module) -> bool:
+    """Whether removing one output channel of `layer` removes only that one of its
+    channels. A fused projection split into parts that are combined channel by channel
+    (Phi-3's gate_up_proj, chunked into gate and up) couples channel i with channel
+    i + n/2: its channels are not units, and pruning them one by one would export fewer
+    than asked for."""
+    handler = (
+        tp.prune_linear_out_channels if isinstance(layer, nn.Linear) else tp.prune_conv_out_channels
+    )
+    group = graph.get_pruning_group(layer, handler, [0])
+    return all(len(idxs) == 1 for dep, idxs in group if dep.target.module is layer)
+
+
 def output_tensors(output) -> list[torch.Tensor]:
     """The tensors of a model's output (a tensor, or tuples, lists and dicts of them, as
     Hugging Face's ModelOutput), in order."""
@@ -284,6 +297,8 @@ def find_groups(
         if not residual and any(_per_channel_width(m) != size for m in [*bns, *depthwise]):
             # a BN over a concatenation (DenseNet): it reads other layers' channels too, and
             # every such BN would need the mask at the group's offset in it, not one place
+            continue
+        if not _removed_alone(graph, layer):
             continue
         # Mask at the last affine op before the nonlinearity that ends the group: a
         # depthwise conv (with a bias) or its BN after the root would otherwise add its

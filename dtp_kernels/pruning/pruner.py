@@ -500,11 +500,14 @@ class DTPPruner(ChannelPruner):
         """Filter granularity: the physically smaller network (see ChannelPruner.export).
         Weight granularity: a copy whose pruned weights are zero (same shapes).
 
-        Before it returns, the exported model is run on the example inputs against the
-        model under its hard masks (both in eval mode); if they differ, ExportMismatchError
-        says by how much instead of handing back a model that is silently wrong."""
+        Before it returns, every group's root layer is checked to have kept exactly the
+        channels its mask keeps, and the exported model is run on the example inputs
+        against the model under its hard masks (both in eval mode); if either differs,
+        ExportMismatchError says where instead of handing back a model that is silently
+        wrong."""
         if self.granularity == "filter":
             pruned = super().export()
+            self._check_widths(pruned)
         else:
             pruned = self._unmasked_copy()
             modules = dict(pruned.named_modules())
@@ -516,6 +519,24 @@ class DTPPruner(ChannelPruner):
                     weight.mul_(shaped)
         self._check_export(pruned)
         return pruned
+
+    def _check_widths(self, pruned: nn.Module) -> None:
+        """Raise ExportMismatchError unless every channel group's root layer kept exactly
+        the channels its hard mask keeps (outputs alone would not show a group whose
+        channels Torch-Pruning removed in coupled sets: fewer kept, equal outputs)."""
+        modules = dict(pruned.named_modules())
+        for group, mask in zip(self.groups, self.hard_masks(), strict=True):
+            if isinstance(group, HeadGroup):
+                continue  # prune_heads cuts exactly the kept units' rows and columns
+            layer = modules[group.name]
+            width = layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
+            want = int(mask.sum()) * group.channels_per_unit
+            if width != want:
+                raise ExportMismatchError(
+                    f"layer {group.name!r} kept {width} output channels where its mask keeps "
+                    f"{want}: Torch-Pruning removed its channels in coupled sets; leave it "
+                    "whole with ignored_layers=[...]"
+                )
 
     EXPORT_RTOL, EXPORT_ATOL = 1e-4, 1e-5  # fp32: sums over fewer (zero) terms round apart
 

@@ -141,6 +141,43 @@ def test_a_kind_the_model_lacks_may_be_named_with_ratio_zero():
     assert len(pruner.groups) == 9
 
 
+class FusedGateUp(torch.nn.Module):
+    """A plain MLP beside a fused gate-and-up projection chunked in two (Phi-3's form):
+    gate channel i and up channel i + 16 come and go together."""
+
+    def __init__(self):
+        super().__init__()
+        self.plain, self.plain_out = torch.nn.Linear(8, 12), torch.nn.Linear(12, 8)
+        self.gate_up, self.down = torch.nn.Linear(8, 32), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        x = self.plain_out(torch.relu(self.plain(x)))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(torch.nn.functional.silu(gate) * up)
+
+
+def test_channels_removed_in_coupled_sets_are_not_a_group():
+    torch.manual_seed(0)
+    pruner = DTPPruner(FusedGateUp(), torch.randn(1, 8), {"mlp": 0.5})
+    assert [g.name for g in pruner.groups] == ["plain", "plain_out"]
+    assert pruner.export().plain.out_features == 6
+
+
+def test_export_refuses_a_group_that_lost_other_than_its_kept_channels(monkeypatch):
+    """The safety net behind that rule: were such a group built, its export (outputs
+    equal, half the channels asked for gone) is refused by name."""
+    from dtp_kernels.pruning import ExportMismatchError, groups
+
+    monkeypatch.setattr(groups, "_removed_alone", lambda graph, layer: True)
+    torch.manual_seed(0)
+    pruner = DTPPruner(FusedGateUp(), torch.randn(1, 8), {"mlp": 0.5})
+    assert [g.name for g in pruner.groups] == ["plain", "plain_out", "gate_up"]
+    with torch.no_grad():
+        pruner.scores.uniform_(0, 1, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ExportMismatchError, match=r"layer 'gate_up' kept \d+ output"):
+        pruner.export()
+
+
 def test_global_budget():
     _, pruner = build(resnet20, 0.6, budget="global")
     masks = pruner.hard_masks()
