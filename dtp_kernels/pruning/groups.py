@@ -17,6 +17,8 @@ A layer whose outputs no layer consumes (the classifier, any model output) keeps
 from __future__ import annotations
 
 import contextlib
+import signal
+import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -224,18 +226,86 @@ def _coupling_problem(ops: list[str], norms: list, params: list, bns: list, rest
     return ""
 
 
+# Torch-Pruning's search for one root's group takes milliseconds on the models it
+# follows; on some it never ends (Phi-3's qkv_proj, sliced into query, key and value) or
+# grows until memory runs out (torchvision's Swin). Each root's search gets this long.
+GROUP_SEARCH_SECONDS = 60.0
+
+
+class _SearchExpiredError(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _bounded_search(graph: tp.DependencyGraph, names: dict[nn.Module, str]) -> Iterator[None]:
+    """Within the block, each graph.get_pruning_group call ends within GROUP_SEARCH_SECONDS
+    or raises a ValueError naming its root layer. The bound is a SIGALRM timer: only in
+    the main thread, and only when no other timer is set (else the search is unbounded)."""
+    usable = (
+        hasattr(signal, "setitimer")
+        and threading.current_thread() is threading.main_thread()
+        and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+        and signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, signal.SIG_IGN, None)
+    )
+    if not usable:
+        yield
+        return
+    search, root = graph.get_pruning_group, []
+
+    def bounded(module, handler, idxs):
+        root[:] = [module]
+        signal.setitimer(signal.ITIMER_REAL, GROUP_SEARCH_SECONDS)
+        try:
+            return search(module, handler, idxs)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+    def expire(_signum, _frame):
+        raise _SearchExpiredError
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    graph.get_pruning_group = bounded  # get_all_groups calls it through the instance
+    try:
+        yield
+    except _SearchExpiredError:
+        raise ValueError(
+            f"Torch-Pruning's search for the channels coupled to layer "
+            f"{names.get(root[0], type(root[0]).__name__)!r} did not end within "
+            f"{GROUP_SEARCH_SECONDS:g} s: it cannot follow what the model does with that "
+            "layer's output (Phi-3's fused qkv_proj sliced into query, key and value; Swin's "
+            "shifted windows). Leave the layer whole with ignored_layers=[...]"
+        ) from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        del graph.get_pruning_group
+
+
 def find_groups(
     model: nn.Module, graph: tp.DependencyGraph, ignored: list[nn.Module], coupled: bool = False
 ) -> list[ChannelGroup]:
     """All prunable groups, in model order. `coupled`: also the residual-coupled widths
     that can be masked exactly (each producer masked at its BN)."""
     names = {module: name for name, module in model.named_modules()}
+    roots = [nn.Conv1d, nn.Conv2d, nn.Linear]
+    with _bounded_search(graph, names):
+        found = _channel_groups(model, graph, ignored, coupled, names, roots)
+    return [found[m] for m in model.modules() if m in found]
+
+
+def _channel_groups(
+    model: nn.Module,
+    graph: tp.DependencyGraph,
+    ignored: list[nn.Module],
+    coupled: bool,
+    names: dict[nn.Module, str],
+    roots: list[type],
+) -> dict[nn.Module, ChannelGroup]:
+    """find_groups' search: each prunable group by its root layer."""
     owners = _parameter_owners(model)
     order = {module: index for index, module in enumerate(model.modules())}
-    ignored_all = list(ignored)
     found = {}
-    roots = [nn.Conv1d, nn.Conv2d, nn.Linear]
-    for group in graph.get_all_groups(ignored_layers=ignored_all, root_module_types=roots):
+    for group in graph.get_all_groups(ignored_layers=list(ignored), root_module_types=roots):
         out_layers, bns, outs, ins, norms, depthwise, ops = [], [], [], [], [], [], []
         group_norms, params = [], []
         for dep, _idxs in group:
@@ -328,4 +398,4 @@ def find_groups(
         found[layer] = ChannelGroup(
             names[layer], layer, bn, size, outs, ins, norms, rows, gated, group_norm
         )
-    return [found[m] for m in model.modules() if m in found]
+    return found

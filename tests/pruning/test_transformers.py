@@ -237,3 +237,34 @@ def test_a_model_the_dependency_graph_cannot_trace_is_refused_by_name():
     assert model.training
     assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_group_search_that_does_not_end_is_stopped_and_named(monkeypatch):
+    """Phi-3's fused qkv_proj, sliced into query, key and value: Torch-Pruning's search
+    for its coupled channels does not end. Each root's search is bounded
+    (GROUP_SEARCH_SECONDS, shortened here): a ValueError names the layer and the way
+    out, the model is unchanged and no timer or SIGALRM handler is left behind."""
+    import signal
+
+    from dtp_kernels.pruning import groups
+
+    monkeypatch.setattr(groups, "GROUP_SEARCH_SECONDS", 1.0)
+    config = transformers.Phi3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+    )
+    model = transformers.Phi3ForCausalLM(config).train()
+    handler = signal.getsignal(signal.SIGALRM)
+    with pytest.raises(
+        ValueError, match=r"'model.layers.0.self_attn.qkv_proj' did not end within 1 s"
+    ):
+        DTPPruner(model, (tokens(),), 0.5)
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert signal.getsignal(signal.SIGALRM) == handler
+    assert model.training
+    assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
