@@ -139,10 +139,15 @@ def resolve(
             and check_ratio(ratios[k], f"ratios[{k!r}]") > 0
         )
         if absent:
+            hints = {
+                "heads": "attention layers are recognised in the forms docs/pruning.md lists",
+                "coupled": "residual-coupled widths are groups only with prune_coupled=True",
+            }
+            why = "; ".join(hints[k] for k in absent if k in hints)
             raise ValueError(
                 f"ratios asks to prune {absent}, but this model has no group of that kind "
-                f"(its groups' kinds: {sorted(found)}; prunable: {names}). Attention layers "
-                "are recognised in the forms docs/pruning.md lists; set the ratio to 0 or "
+                f"(its groups' kinds: {sorted(found)}; prunable: {names})"
+                f"{'. ' + why[0].upper() + why[1:] if why else ''}; set the ratio to 0 or "
                 "leave the key out"
             )
         out = {}

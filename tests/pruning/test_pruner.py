@@ -256,6 +256,11 @@ BAD = [
         ValueError,
         r"asks to prune \['heads'\], but this model has no group of that kind",
     ),
+    (
+        dict(ratios={"coupled": 0.3}),  # coupled widths are groups only when asked for
+        ValueError,
+        r"no group of that kind .*only with prune_coupled=True",
+    ),
     (dict(example_inputs=torch.randn(1, 5, 32, 32)), ValueError, r"do not run through"),
     (dict(budget="flops2"), ValueError, r"budget = 'flops2'"),
     (
