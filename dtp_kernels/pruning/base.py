@@ -17,7 +17,7 @@ from torch.nn.utils import parametrize
 
 from . import ratios as ratio_rules
 from .cost import COSTED, PER_CHANNEL_AFFINE, count_params, flops_after, params_after, trace_layers
-from .groups import find_groups, traced_graph
+from .groups import find_groups, out_channel_handler, traced_graph
 from .heads import HeadGroup, find_head_groups, prune_heads
 from .hf_config import update_config
 
@@ -206,8 +206,6 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
     def export(self) -> nn.Module:
         """A physically smaller copy of the model: Torch-Pruning removes the channels whose
         hard mask is 0. Its eval-mode outputs equal the hard-masked model's."""
-        import torch_pruning as tp
-
         masks = self.hard_masks()
         pruned = self._unmasked_copy()
         with traced_graph(pruned, self.example_inputs) as graph:
@@ -221,13 +219,8 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                 if not len(dropped_units):
                     continue
                 layer = names[group.name]
-                handler = (
-                    tp.prune_linear_out_channels
-                    if isinstance(layer, nn.Linear)
-                    else tp.prune_conv_out_channels
-                )
                 drop = group.channels(dropped_units).tolist()
-                graph.get_pruning_group(layer, handler, drop).prune()
+                graph.get_pruning_group(layer, out_channel_handler(layer), drop).prune()
                 if group.group_norm is not None:  # whole groups went: as many fewer groups
                     norm = names[original_names[group.group_norm]]
                     norm.num_groups -= len(dropped_units)

@@ -118,16 +118,25 @@ def _per_channel_width(module: nn.Module) -> int:
     )
 
 
+def out_width(layer: nn.Module) -> int:
+    """A group root's output channels (a convolution) or features (a linear layer)."""
+    return layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
+
+
+def out_channel_handler(layer: nn.Module):
+    """Torch-Pruning's function that removes a group root's output channels."""
+    return (
+        tp.prune_linear_out_channels if isinstance(layer, nn.Linear) else tp.prune_conv_out_channels
+    )
+
+
 def _removed_alone(graph: tp.DependencyGraph, layer: nn.Module) -> bool:
     """Whether removing one output channel of `layer` removes only that one of its
     channels. A fused projection split into parts that are combined channel by channel
     (Phi-3's gate_up_proj, chunked into gate and up) couples channel i with channel
     i + n/2: its channels are not units, and pruning them one by one would export fewer
     than asked for."""
-    handler = (
-        tp.prune_linear_out_channels if isinstance(layer, nn.Linear) else tp.prune_conv_out_channels
-    )
-    group = graph.get_pruning_group(layer, handler, [0])
+    group = graph.get_pruning_group(layer, out_channel_handler(layer), [0])
     return all(len(idxs) == 1 for dep, idxs in group if dep.target.module is layer)
 
 
@@ -363,7 +372,7 @@ def _channel_groups(
         if any(_is_grouped(m) for m in [*outs, *ins]):
             continue  # a grouped conv: channels would have to go evenly from its groups
         layer = min(out_layers, key=lambda m: order[m])
-        size = layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
+        size = out_width(layer)
         if not residual and any(_per_channel_width(m) != size for m in [*bns, *depthwise]):
             # a BN over a concatenation (DenseNet): it reads other layers' channels too, and
             # every such BN would need the mask at the group's offset in it, not one place

@@ -30,7 +30,7 @@ from ..transport_state import TransportState
 from . import nm as nm_rules
 from .base import ChannelPruner
 from .cost import COSTED, FlopsRatio
-from .groups import output_tensors
+from .groups import out_width, output_tensors
 from .heads import HeadGroup
 from .masking import (
     FoldPlan,
@@ -528,8 +528,7 @@ class DTPPruner(ChannelPruner):
         for group, mask in zip(self.groups, self.hard_masks(), strict=True):
             if isinstance(group, HeadGroup):
                 continue  # prune_heads cuts exactly the kept units' rows and columns
-            layer = modules[group.name]
-            width = layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
+            width = out_width(modules[group.name])
             want = int(mask.sum()) * group.channels_per_unit
             if width != want:
                 raise ExportMismatchError(
