@@ -177,12 +177,17 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         """(parameters, FLOPs) after pruning with `masks`, computed from the layer shapes."""
         masks = self.hard_masks() if masks is None else masks
         lost = self._kept_channels(masks)
-        params = 0
+        params, owners = 0, {}
         for module in self.model.modules():
             if isinstance(module, (*COSTED, *PER_CHANNEL_AFFINE, nn.MultiheadAttention)):
                 params += params_after(module, *lost.get(module, (0, 0)))
             elif not isinstance(module, parametrize.ParametrizationList):  # owner counts it
                 params += sum(p.numel() for p in module.parameters(recurse=False))
+            for p in module.parameters(recurse=False):
+                owners[p] = owners.get(p, -1) + 1
+        # a weight tied between modules (an embedding and the output layer) counts once;
+        # tied weights are never pruned
+        params -= sum(p.numel() * extra for p, extra in owners.items())
         return params, flops_after(self._layers, lost)
 
     @torch.no_grad()

@@ -1,10 +1,13 @@
 """Attention-head groups: one segment over the heads of an attention layer.
 
-Two forms of attention layer are recognised by their structure (Torch-Pruning's graph
+These forms of attention layer are recognised by their structure (Torch-Pruning's graph
 does not follow the per-head reshapes):
 
-- separate projections, as Hugging Face's Llama, Mistral and Qwen families write them:
-  ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` and ``head_dim``;
+- separate projections, as Hugging Face writes them: ``q_proj``, ``k_proj``, ``v_proj``
+  and ``o_proj`` (Llama, Mistral, Qwen, Gemma), ``out_proj`` (OPT, BART, Whisper, CLIP,
+  GPT-J) or ``dense`` (Phi), with ``head_dim``; DistilBERT's ``q_lin``, ``k_lin``,
+  ``v_lin``, ``out_lin`` with ``attention_head_size``. A normalization of the queries
+  or keys over all heads (OLMo 2's ``q_norm``, not Qwen3's per head) refuses the group;
 - one fused ``qkv`` projection and ``proj``, with ``num_heads`` and ``head_dim``, as
   timm's ViT and DeiT write them;
 - ``query``, ``key``, ``value`` with ``num_attention_heads`` and ``attention_head_size``,
@@ -53,7 +56,8 @@ class HeadGroup:
     units: int  # key/value heads
     query_heads_per_unit: int
     head_dim: int
-    norms: tuple = ()  # nothing between the heads and the output projection re-normalizes
+    # normalizations over all heads (the pruner refuses the group when asked to prune it)
+    norms: tuple = ()
     kept_out: list[nn.Module] = field(init=False)
     kept_in: list[nn.Module] = field(init=False)
     # channels a module loses per unit removed: the cost model counts channels
@@ -83,11 +87,24 @@ def _linear(module: nn.Module, name: str) -> nn.Linear | None:
     return child if isinstance(child, nn.Linear) else None
 
 
+# separate query/key/value/output projections, by the names families give them, and the
+# attribute holding the head size
+SEPARATE_FORMS = (
+    (("q_proj", "k_proj", "v_proj", "o_proj"), "head_dim"),  # Llama, Mistral, Qwen, Gemma
+    (("q_proj", "k_proj", "v_proj", "out_proj"), "head_dim"),  # OPT, BART, CLIP, GPT-J
+    (("q_proj", "k_proj", "v_proj", "dense"), "head_dim"),  # Phi
+    (("q_lin", "k_lin", "v_lin", "out_lin"), "attention_head_size"),  # DistilBERT
+)
+
+
 def _separate(name: str, module: nn.Module) -> HeadGroup | None:
-    """q_proj, k_proj, v_proj, o_proj and head_dim (Hugging Face)."""
-    layers = [_linear(module, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    head_dim = getattr(module, "head_dim", None)
-    if any(layer is None for layer in layers) or not isinstance(head_dim, int):
+    """Separate query, key, value and output projections (Hugging Face)."""
+    for names, size in SEPARATE_FORMS:
+        layers = [_linear(module, p) for p in names]
+        head_dim = getattr(module, size, None)
+        if all(layer is not None for layer in layers) and isinstance(head_dim, int):
+            break
+    else:
         return None
     q, k, v, o = layers
     if not (
@@ -97,9 +114,9 @@ def _separate(name: str, module: nn.Module) -> HeadGroup | None:
         and o.in_features == q.out_features
     ):
         raise ValueError(
-            f"attention layer {name!r}: q_proj ({q.out_features}), k_proj ({k.out_features}), "
-            f"v_proj ({v.out_features}) outputs and o_proj ({o.in_features}) inputs do not "
-            f"split into heads of head_dim {head_dim}"
+            f"attention layer {name!r}: {names[0]} ({q.out_features}), {names[1]} "
+            f"({k.out_features}), {names[2]} ({v.out_features}) outputs and {names[3]} "
+            f"({o.in_features}) inputs do not split into heads of {size} {head_dim}"
         )
     heads, units = q.out_features // head_dim, k.out_features // head_dim
     if heads % units:
@@ -114,7 +131,21 @@ def _separate(name: str, module: nn.Module) -> HeadGroup | None:
         Projection(v, 1, head_dim),
     ]
     out = Projection(o, 1, per_unit * head_dim)
-    return HeadGroup(name, module, rows, out, units, per_unit, head_dim)
+    norms = _norms_over_all_heads(module, head_dim)
+    return HeadGroup(name, module, rows, out, units, per_unit, head_dim, norms)
+
+
+def _norms_over_all_heads(module: nn.Module, head_dim: int) -> tuple[nn.Module, ...]:
+    """The normalizations of the queries or keys over all heads together (OLMo 2's q_norm):
+    removing a head changes what they compute for the others, so the pruner refuses the
+    group when it is asked to prune it. One per head (Qwen3's, Gemma 3's) is fine."""
+    return tuple(
+        child
+        for child in module.children()
+        if "norm" in type(child).__name__.lower()
+        and isinstance(getattr(child, "weight", None), torch.Tensor)
+        and child.weight.numel() != head_dim
+    )
 
 
 def _fused(name: str, module: nn.Module) -> HeadGroup | None:
@@ -324,6 +355,7 @@ def prune_heads(
     module = copy[names[group.module]]
     for attr, value in (
         ("num_heads", heads),
+        ("n_heads", heads),
         ("num_attention_heads", heads),
         ("num_key_value_heads", len(kept)),
         ("attn_dim", heads * group.head_dim),

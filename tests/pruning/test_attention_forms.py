@@ -1,0 +1,238 @@
+"""Attention heads of the Hugging Face families written with separate query, key, value
+and output projections under other names than Llama's (tiny configurations built here,
+nothing downloaded): each family's heads are groups, the export keeps exactly the heads
+asked for and computes what the hard-masked model computes, and the config follows
+when it can describe the pruned model."""
+
+import warnings
+
+import pytest
+import torch
+
+from dtp_kernels.pruning import DTPPruner
+from dtp_kernels.pruning.heads import HeadGroup
+from utils import LLAMA_VOCAB as VOCAB
+
+transformers = pytest.importorskip("transformers")
+
+TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def tokens(batch=2, length=9, seed=1):
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def distilbert():
+    config = transformers.DistilBertConfig(
+        vocab_size=VOCAB, dim=32, hidden_dim=64, n_layers=2, n_heads=4, pad_token_id=0
+    )
+    return transformers.DistilBertForSequenceClassification(config), (tokens(),)
+
+
+def opt():
+    config = transformers.OPTConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        ffn_dim=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        word_embed_proj_dim=32,
+        **TOKEN_IDS,
+    )
+    return transformers.OPTForCausalLM(config), (tokens(),)
+
+
+def bart():  # encoder self-attention, decoder self- and cross-attention
+    config = transformers.BartConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        decoder_start_token_id=2,
+        forced_eos_token_id=2,
+        **TOKEN_IDS,
+    )
+    return transformers.BartForConditionalGeneration(config), (tokens(),)
+
+
+def clip_vision():
+    config = transformers.CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=16,
+        patch_size=4,
+    )
+    return transformers.CLIPVisionModel(config), (torch.randn(2, 3, 16, 16),)
+
+
+def gptj():
+    config = transformers.GPTJConfig(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_inner=64, **TOKEN_IDS
+    )
+    return transformers.GPTJForCausalLM(config), (tokens(),)
+
+
+def phi():  # output projection "dense"
+    config = transformers.PhiConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        **TOKEN_IDS,
+    )
+    return transformers.PhiForCausalLM(config), (tokens(),)
+
+
+def whisper():  # input features and decoder tokens; attention_mask left None
+    config = transformers.WhisperConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        num_mel_bins=8,
+        max_source_positions=8,
+        max_target_positions=16,
+        decoder_start_token_id=1,
+        begin_suppress_tokens=None,
+        suppress_tokens=None,
+        **TOKEN_IDS,
+    )
+    features = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(2))
+    return transformers.WhisperForConditionalGeneration(config), (features, None, tokens(2, 5))
+
+
+def qwen3():  # q_norm and k_norm over each head's head_dim
+    config = transformers.Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        **TOKEN_IDS,
+    )
+    return transformers.Qwen3ForCausalLM(config), (tokens(),)
+
+
+def gemma3():  # q_norm and k_norm over each head's head_dim
+    config = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        **TOKEN_IDS,
+    )
+    return transformers.Gemma3ForCausalLM(config), (tokens(),)
+
+
+def olmo2(layers=2):  # q_norm and k_norm over all heads together
+    config = transformers.Olmo2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **TOKEN_IDS,
+    )
+    return transformers.Olmo2ForCausalLM(config), (tokens(),)
+
+
+# family: (builder, attention layers, units per layer, whether the config can describe
+# the pruned model; those whose head size follows from hidden_size / heads cannot)
+FAMILIES = {
+    "distilbert": (distilbert, 2, 4, False),
+    "opt": (opt, 2, 4, False),
+    "bart": (bart, 3, 4, False),
+    "clip_vision": (clip_vision, 2, 4, False),
+    "gptj": (gptj, 2, 4, False),
+    "whisper": (whisper, 3, 4, False),
+    "phi": (phi, 2, 4, True),
+    "qwen3": (qwen3, 2, 2, True),
+    "gemma3": (gemma3, 2, 2, True),
+}
+
+
+def logits(output) -> torch.Tensor:
+    return output.logits if hasattr(output, "logits") else output.last_hidden_state
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_heads_export_with_exact_counts_equal_to_the_hard_masked_model(family, tmp_path):
+    build, layers, units, config_follows = FAMILIES[family]
+    torch.manual_seed(0)
+    model, inputs = build()
+    pruner = DTPPruner(model, inputs, {"heads": 0.5, "mlp": 0.5})
+    heads = [g for g in pruner.groups if isinstance(g, HeadGroup)]
+    assert [g.size for g in heads] == [units] * layers
+    with torch.no_grad():  # scores away from their initial order
+        pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
+    masks = [m for g, m in zip(pruner.groups, pruner.hard_masks(), strict=True) if g in heads]
+    model.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = logits(model(*inputs))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exported = pruner.export().eval()
+    kept_config = [w for w in caught if "config cannot describe" in str(w.message)]
+    assert len(kept_config) == (0 if config_follows else 1)
+    with torch.no_grad():
+        torch.testing.assert_close(logits(exported(*inputs)), want, rtol=1e-5, atol=1e-5)
+    modules = dict(exported.named_modules())
+    names = {m: n for n, m in model.named_modules()}
+    for group, mask in zip(heads, masks, strict=True):
+        kept = int(mask.sum())
+        assert kept == units // 2
+        q, k, v = (modules[names[p.layer]] for p in group.rows)
+        width = group.head_dim * kept
+        assert q.out_features == width * group.query_heads_per_unit
+        assert k.out_features == v.out_features == width
+        assert modules[names[group.layer]].in_features == width * group.query_heads_per_unit
+        attention = modules[names[group.module]]  # the head counts its code or users read
+        for attr in ("num_heads", "n_heads", "num_attention_heads"):
+            if isinstance(getattr(attention, attr, None), int):
+                assert getattr(attention, attr) == kept * group.query_heads_per_unit, attr
+    params, _ = pruner.predicted_counts()
+    assert params == sum(p.numel() for p in exported.parameters())
+    if config_follows:  # save_pretrained / from_pretrained rebuild the pruned model
+        exported.save_pretrained(tmp_path)
+        loaded = type(exported).from_pretrained(tmp_path).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(logits(loaded(*inputs)), logits(exported(*inputs)))
+
+
+def test_a_query_norm_over_all_heads_refuses_heads_and_leaves_the_mlp():
+    """OLMo 2 normalizes the queries (and keys) of all heads together: without a head the
+    others' normalization changes, so heads are refused by name; its MLPs still prune,
+    and exported equal to the hard-masked model."""
+    model, inputs = olmo2(layers=1)
+    with pytest.raises(
+        ValueError,
+        match=r"layer 'model.layers.0.self_attn' feeds Olmo2RMSNorm "
+        r"'model.layers.0.self_attn.q_norm', Olmo2RMSNorm 'model.layers.0.self_attn.k_norm'",
+    ):
+        DTPPruner(model, inputs, {"heads": 0.5})
+    assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
+    pruner = DTPPruner(model, inputs, {"mlp": 0.5})
+    assert [g.name for g in pruner.groups] == ["model.layers.0.mlp.gate_proj"]
+    model.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(*inputs).logits
+    exported = pruner.export().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(*inputs).logits, want, rtol=1e-5, atol=1e-5)
