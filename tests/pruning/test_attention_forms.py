@@ -22,6 +22,30 @@ def tokens(batch=2, length=9, seed=1):
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+# the sizes shared by the decoder-only language models, and by the encoder-decoders
+DECODER = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, **TOKEN_IDS
+)
+SEQ2SEQ = dict(
+    vocab_size=VOCAB,
+    d_model=32,
+    encoder_layers=1,
+    decoder_layers=1,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=64,
+    decoder_ffn_dim=64,
+    **TOKEN_IDS,
+)
+
+
+def decoder(family: str, layers: int = 2, model: str | None = None, **sizes):
+    """A tiny `{model or family}ForCausalLM` built from a `{family}Config` of `layers`
+    layers and the shared sizes."""
+    config = getattr(transformers, f"{family}Config")(num_hidden_layers=layers, **DECODER, **sizes)
+    return getattr(transformers, f"{model or family}ForCausalLM")(config), (tokens(),)
+
+
 def distilbert():
     config = transformers.DistilBertConfig(
         vocab_size=VOCAB, dim=32, hidden_dim=64, n_layers=2, n_heads=4, pad_token_id=0
@@ -29,34 +53,23 @@ def distilbert():
     return transformers.DistilBertForSequenceClassification(config), (tokens(),)
 
 
-def opt():
-    config = transformers.OPTConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        ffn_dim=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        word_embed_proj_dim=32,
-        **TOKEN_IDS,
-    )
-    return transformers.OPTForCausalLM(config), (tokens(),)
-
-
 def bart():  # encoder self-attention, decoder self- and cross-attention
-    config = transformers.BartConfig(
-        vocab_size=VOCAB,
-        d_model=32,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        decoder_start_token_id=2,
-        forced_eos_token_id=2,
-        **TOKEN_IDS,
-    )
+    config = transformers.BartConfig(decoder_start_token_id=2, forced_eos_token_id=2, **SEQ2SEQ)
     return transformers.BartForConditionalGeneration(config), (tokens(),)
+
+
+def whisper():  # input features and decoder tokens; attention_mask left None
+    config = transformers.WhisperConfig(
+        num_mel_bins=8,
+        max_source_positions=8,
+        max_target_positions=16,
+        decoder_start_token_id=1,
+        begin_suppress_tokens=None,
+        suppress_tokens=None,
+        **SEQ2SEQ,
+    )
+    features = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(2))
+    return transformers.WhisperForConditionalGeneration(config), (features, None, tokens(2, 5))
 
 
 def clip_vision():
@@ -78,80 +91,14 @@ def gptj():
     return transformers.GPTJForCausalLM(config), (tokens(),)
 
 
-def phi():  # output projection "dense"
-    config = transformers.PhiConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        **TOKEN_IDS,
+def opt():  # its MLP width is ffn_dim
+    config = transformers.OPTConfig(
+        num_hidden_layers=2, ffn_dim=64, word_embed_proj_dim=32, **DECODER
     )
-    return transformers.PhiForCausalLM(config), (tokens(),)
+    return transformers.OPTForCausalLM(config), (tokens(),)
 
 
-def whisper():  # input features and decoder tokens; attention_mask left None
-    config = transformers.WhisperConfig(
-        vocab_size=VOCAB,
-        d_model=32,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        num_mel_bins=8,
-        max_source_positions=8,
-        max_target_positions=16,
-        decoder_start_token_id=1,
-        begin_suppress_tokens=None,
-        suppress_tokens=None,
-        **TOKEN_IDS,
-    )
-    features = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(2))
-    return transformers.WhisperForConditionalGeneration(config), (features, None, tokens(2, 5))
-
-
-def qwen3():  # q_norm and k_norm over each head's head_dim
-    config = transformers.Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        **TOKEN_IDS,
-    )
-    return transformers.Qwen3ForCausalLM(config), (tokens(),)
-
-
-def gemma3():  # q_norm and k_norm over each head's head_dim
-    config = transformers.Gemma3TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        **TOKEN_IDS,
-    )
-    return transformers.Gemma3ForCausalLM(config), (tokens(),)
-
-
-def olmo2(layers=2):  # q_norm and k_norm over all heads together
-    config = transformers.Olmo2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        **TOKEN_IDS,
-    )
-    return transformers.Olmo2ForCausalLM(config), (tokens(),)
-
+GQA = {"num_key_value_heads": 2, "head_dim": 8}
 
 # family: (builder, attention layers, units per layer, whether the config can describe
 # the pruned model; those whose head size follows from hidden_size / heads cannot)
@@ -162,9 +109,10 @@ FAMILIES = {
     "clip_vision": (clip_vision, 2, 4, False),
     "gptj": (gptj, 2, 4, False),
     "whisper": (whisper, 3, 4, False),
-    "phi": (phi, 2, 4, True),
-    "qwen3": (qwen3, 2, 2, True),
-    "gemma3": (gemma3, 2, 2, True),
+    "phi": (lambda: decoder("Phi"), 2, 4, True),  # output projection "dense"
+    # q_norm and k_norm over each head's head_dim
+    "qwen3": (lambda: decoder("Qwen3", **GQA), 2, 2, True),
+    "gemma3": (lambda: decoder("Gemma3Text", model="Gemma3", **GQA), 2, 2, True),
 }
 
 
@@ -220,7 +168,7 @@ def test_a_query_norm_over_all_heads_refuses_heads_and_leaves_the_mlp():
     """OLMo 2 normalizes the queries (and keys) of all heads together: without a head the
     others' normalization changes, so heads are refused by name; its MLPs still prune,
     and exported equal to the hard-masked model."""
-    model, inputs = olmo2(layers=1)
+    model, inputs = decoder("Olmo2", layers=1, num_key_value_heads=2)
     with pytest.raises(
         ValueError,
         match=r"layer 'model.layers.0.self_attn' feeds Olmo2RMSNorm "
