@@ -4,7 +4,8 @@ Public API: :func:`transport_mask`, :class:`TransportState`,
 :func:`masked_channel_epilogue`, :func:`available_backends`, :func:`build_info`,
 :func:`set_cpu_huge_pages`, :func:`set_cpu_output_cache`,
 :func:`cpu_output_cache_info`;
-pruning: :class:`DTPPruner`, :func:`prepare`, :func:`save_pruned`, :func:`load_pruned`.
+pruning: :class:`DTPPruner`, :func:`prepare`, :func:`save_pruned`, :func:`load_pruned`,
+:func:`conv1d_to_linear`.
 The literal reference is :mod:`dtp_kernels.reference`.
 """
 
@@ -18,7 +19,15 @@ from ._extension import (
 )
 from ._version import __version__
 from .masked_channel_epilogue import masked_channel_epilogue
-from .pruning import DTPPruner, L1Pruner, RandomPruner, load_pruned, prepare, save_pruned
+from .pruning import (
+    DTPPruner,
+    L1Pruner,
+    RandomPruner,
+    conv1d_to_linear,
+    load_pruned,
+    prepare,
+    save_pruned,
+)
 from .transport_mask import transport_mask
 from .transport_state import TransportState
 
@@ -31,6 +40,7 @@ __all__ = [
     "__version__",
     "available_backends",
     "build_info",
+    "conv1d_to_linear",
     "cpu_output_cache_info",
     "load_pruned",
     "masked_channel_epilogue",

@@ -3,6 +3,7 @@ are applied, the DTP pruner, export, baselines."""
 
 from .base import ChannelPruner
 from .baselines import L1Pruner, RandomPruner
+from .conv1d import conv1d_to_linear
 from .prepare import prepare
 from .pruner import DTPPruner, ExportMismatchError
 from .saving import load_pruned, save_pruned
@@ -14,6 +15,7 @@ __all__ = [
     "ExportMismatchError",
     "L1Pruner",
     "RandomPruner",
+    "conv1d_to_linear",
     "load_pruned",
     "prepare",
     "save_pruned",

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from . import ratios as ratio_rules
+from .conv1d import is_conv1d
 from .cost import COSTED, PER_CHANNEL_AFFINE, count_params, flops_after, params_after, trace_layers
 from .groups import find_groups, out_channel_handler, traced_graph
 from .heads import HeadGroup, find_head_groups, prune_heads
@@ -56,6 +57,14 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         self.prune_coupled = prune_coupled
         if budget not in self.BUDGETS:
             raise ValueError(f"budget = {budget!r}; allowed: {list(self.BUDGETS)}")
+        conv1d = [name for name, module in model.named_modules() if is_conv1d(module)]
+        if conv1d:
+            raise ValueError(
+                f"{type(model).__name__} writes its linear layers as transformers' Conv1D "
+                f"({conv1d[0]!r} and {len(conv1d) - 1} more), which the pruner does not mask "
+                "or export; convert them with dtp_kernels.conv1d_to_linear(model) first, "
+                "before making the optimizer (the layers get new parameters)"
+            )
         inputs = _as_tuple(example_inputs)
         was_training = model.training
         try:

@@ -157,6 +157,22 @@ def _traced_outputs(output) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
+def _without_cache(model: nn.Module) -> Iterator[None]:
+    """The Hugging Face models in `model` run without their key/value cache within the
+    block: the cache serves generation, and Torch-Pruning cannot follow the
+    concatenations into it (GPT-2's) or never ends its search through them (Phi-3's)."""
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
+    cached = [c for c in configs.values() if getattr(c, "use_cache", None) is True]
+    for config in cached:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config in cached:
+            config.use_cache = True
+
+
+@contextlib.contextmanager
 def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGraph]:
     """Torch-Pruning's DependencyGraph of the model; its autograd nodes are let go when
     the block ends.
@@ -170,7 +186,7 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
     checks that none is left.
     """
     # the graph is traced through autograd: also when called under torch.no_grad()
-    with torch.enable_grad(), warnings.catch_warnings():
+    with torch.enable_grad(), warnings.catch_warnings(), _without_cache(model):
         # norms that are not nn.LayerNorm (RMSNorm) are "unwrapped parameters" to it;
         # groups through them are refused or left alone here, never pruned
         warnings.filterwarnings("ignore", message="Unwrapped parameters detected")
@@ -236,8 +252,8 @@ def _coupling_problem(ops: list[str], norms: list, params: list, bns: list, rest
 
 
 # Torch-Pruning's search for one root's group takes milliseconds on the models it
-# follows; on some it never ends (Phi-3's qkv_proj, sliced into query, key and value) or
-# grows until memory runs out (torchvision's Swin). Each root's search gets this long.
+# follows; on some it grows until memory runs out (torchvision's Swin). Each root's
+# search gets this long.
 GROUP_SEARCH_SECONDS = 60.0
 
 
@@ -281,8 +297,8 @@ def _bounded_search(graph: tp.DependencyGraph, names: dict[nn.Module, str]) -> I
             f"Torch-Pruning's search for the channels coupled to layer "
             f"{names.get(root[0], type(root[0]).__name__)!r} did not end within "
             f"{GROUP_SEARCH_SECONDS:g} s: it cannot follow what the model does with that "
-            "layer's output (Phi-3's fused qkv_proj sliced into query, key and value; Swin's "
-            "shifted windows). Leave the layer whole with ignored_layers=[...]"
+            "layer's output (torchvision's Swin: its shifted windows). Leave the layer whole "
+            "with ignored_layers=[...]"
         ) from None
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)

@@ -9,7 +9,8 @@ does not follow the per-head reshapes):
   ``v_lin``, ``out_lin`` with ``attention_head_size``. A normalization of the queries
   or keys over all heads (OLMo 2's ``q_norm``, not Qwen3's per head) refuses the group;
 - one fused ``qkv`` projection and ``proj``, with ``num_heads`` and ``head_dim``, as
-  timm's ViT and DeiT write them;
+  timm's ViT and DeiT write them; GPT-2's ``c_attn`` and ``c_proj`` with ``split_size``
+  (its Conv1D layers made ``nn.Linear`` by :func:`conv1d_to_linear` first);
 - ``query``, ``key``, ``value`` with ``num_attention_heads`` and ``attention_head_size``,
   the output projection being the ``output.dense`` beside it (Hugging Face's BERT);
 - torch's ``nn.MultiheadAttention`` (torchvision's ViT). Its inner width is tied to the
@@ -171,6 +172,33 @@ def _fused(name: str, module: nn.Module) -> HeadGroup | None:
     return HeadGroup(name, module, rows, Projection(proj, 1, head_dim), heads, 1, head_dim)
 
 
+def _gpt2(name: str, module: nn.Module) -> HeadGroup | None:
+    """c_attn (query, key and value; in cross-attention key and value, the queries from
+    q_attn), c_proj, num_heads, head_dim and split_size (GPT-2, its Conv1D layers made
+    nn.Linear by conv1d_to_linear)."""
+    qkv, proj, query = (_linear(module, p) for p in ("c_attn", "c_proj", "q_attn"))
+    sizes = [getattr(module, a, None) for a in ("num_heads", "head_dim", "split_size")]
+    if qkv is None or proj is None or not all(isinstance(x, int) for x in sizes):
+        return None
+    heads, head_dim, split = sizes
+    width, blocks = heads * head_dim, 3 if query is None else 2
+    if (
+        split != width
+        or qkv.out_features != blocks * width
+        or proj.in_features != width
+        or (query is not None and query.out_features != width)
+    ):
+        raise ValueError(
+            f"attention layer {name!r}: c_attn ({qkv.out_features} outputs), c_proj "
+            f"({proj.in_features} inputs) and split_size {split} are not {heads} heads of "
+            f"head_dim {head_dim}"
+        )
+    rows = [Projection(qkv, blocks, head_dim)]
+    if query is not None:
+        rows.insert(0, Projection(query, 1, head_dim))
+    return HeadGroup(name, module, rows, Projection(proj, 1, head_dim), heads, 1, head_dim)
+
+
 def _bert(name: str, module: nn.Module) -> HeadGroup | None:
     """A parent holding ``self`` (query, key, value) and ``output.dense`` (BERT)."""
     inner, output = getattr(module, "self", None), getattr(module, "output", None)
@@ -311,6 +339,7 @@ def find_head_groups(model: nn.Module, ignored: list[nn.Module]) -> list[HeadGro
         group = (
             _separate(name, module)
             or _fused(name, module)
+            or _gpt2(name, module)
             or _bert(name, module)
             or _torch_mha(name, module)
         )
@@ -360,6 +389,7 @@ def prune_heads(
         ("num_key_value_heads", len(kept)),
         ("attn_dim", heads * group.head_dim),
         ("all_head_size", heads * group.head_dim),
+        ("split_size", heads * group.head_dim),
     ):
         if isinstance(getattr(module, attr, None), int):
             setattr(module, attr, value)

@@ -1,8 +1,9 @@
-"""Attention heads of the Hugging Face families written with separate query, key, value
-and output projections under other names than Llama's (tiny configurations built here,
-nothing downloaded): each family's heads are groups, the export keeps exactly the heads
-asked for and computes what the hard-masked model computes, and the config follows
-when it can describe the pruned model."""
+"""Attention heads of the Hugging Face families beyond Llama and BERT (tiny configurations
+built here, nothing downloaded): separate projections under other names, GPT-2's fused
+c_attn once its Conv1D layers are made nn.Linear, and cross-attention. For each: the heads
+are groups, the export keeps exactly the heads asked for and computes what the
+hard-masked model computes, and the config follows when it can describe the pruned
+model."""
 
 import warnings
 
@@ -184,3 +185,98 @@ def test_a_query_norm_over_all_heads_refuses_heads_and_leaves_the_mlp():
     exported = pruner.export().eval()
     with torch.no_grad():
         torch.testing.assert_close(exported(*inputs).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def gpt2(cross_attention=False):
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_inner=64, **TOKEN_IDS
+    )
+    config.add_cross_attention = cross_attention
+    return transformers.GPT2LMHeadModel(config)
+
+
+def test_gpt2_conv1d_layers_are_refused_until_converted_to_equal_linear_layers():
+    """GPT-2 stores its linear layers as transformers' Conv1D: refused by name, the model
+    unchanged; conv1d_to_linear makes them nn.Linear computing the same outputs."""
+    from dtp_kernels import conv1d_to_linear
+
+    torch.manual_seed(0)
+    model, ids = gpt2().eval(), tokens()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(
+        ValueError, match=r"GPT2LMHeadModel .* Conv1D \('transformer.h.0.attn.c_attn' and 7 "
+    ):
+        DTPPruner(model, (ids,), 0.5)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with torch.no_grad():
+        want = model(ids).logits
+        assert conv1d_to_linear(model) is model
+        got = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    mlp = model.transformer.h[0].mlp
+    assert type(mlp.c_fc) is torch.nn.Linear and mlp.c_fc.weight.shape == (64, 32)
+    torch.testing.assert_close(mlp.c_fc.weight.t(), before["transformer.h.0.mlp.c_fc.weight"])
+
+
+def test_gpt2_heads_and_mlp_export_equal_to_the_hard_masked_model_and_generate():
+    from dtp_kernels import conv1d_to_linear
+
+    torch.manual_seed(0)
+    model, ids = conv1d_to_linear(gpt2()), tokens()
+    pruner = DTPPruner(model, (ids,), {"heads": 0.5, "mlp": 0.5})
+    assert [(type(g).__name__, g.size) for g in pruner.groups] == [
+        ("HeadGroup", 4),
+        ("ChannelGroup", 64),
+    ] * 2
+    assert model.config.use_cache  # turned off only while Torch-Pruning traces the model
+    with torch.no_grad():
+        pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
+    model.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(ids).logits
+    exported = pruner.export().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, want, rtol=1e-5, atol=1e-5)
+    for block in exported.transformer.h:
+        attention = block.attn
+        assert (attention.num_heads, attention.split_size) == (2, 16)
+        assert attention.c_attn.out_features == 48 and attention.c_proj.in_features == 16
+        assert block.mlp.c_fc.out_features == block.mlp.c_proj.in_features == 32
+    params, _ = pruner.predicted_counts()
+    assert params == sum(p.numel() for p in exported.parameters())
+    generated = exported.generate(ids[:1], max_new_tokens=4, do_sample=False)
+    assert generated.shape == (1, ids.shape[1] + 4)
+
+
+class _CrossAttending(torch.nn.Module):
+    """GPT-2 attending to an encoder's states (its cross-attention: q_attn for the
+    queries, c_attn for the keys and values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt2 = gpt2(cross_attention=True)
+
+    def forward(self, ids, states):
+        return self.gpt2(input_ids=ids, encoder_hidden_states=states).logits
+
+
+def test_gpt2_cross_attention_heads_export_equal_to_the_hard_masked_model():
+    from dtp_kernels import conv1d_to_linear
+
+    torch.manual_seed(0)
+    model = conv1d_to_linear(_CrossAttending())
+    inputs = (tokens(), torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(3)))
+    pruner = DTPPruner(model, inputs, {"heads": 0.5})
+    assert [g.name for g in pruner.groups] == [
+        f"gpt2.transformer.h.{i}.{kind}" for i in (0, 1) for kind in ("attn", "crossattention")
+    ]
+    with torch.no_grad():
+        pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
+    model.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(*inputs)
+    exported = pruner.export().eval()
+    cross = exported.gpt2.transformer.h[0].crossattention
+    assert (cross.q_attn.out_features, cross.c_attn.out_features, cross.split_size) == (16, 32, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(exported(*inputs), want, rtol=1e-5, atol=1e-5)

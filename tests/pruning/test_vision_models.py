@@ -250,3 +250,50 @@ def test_concatenated_then_normalized_and_grouped_conv_channels_are_left_whole(b
     exported = export_random_order(pruner, model, x)
     names = dict(exported.named_modules())
     assert [names[g].out_channels for g in groups] == pruner.kept == [n // 2 for n in pruner.sizes]
+
+
+def test_a_model_the_dependency_graph_cannot_trace_is_refused_by_name():
+    """torchvision's ShuffleNetV2 (channel shuffles Torch-Pruning's graph divides by zero
+    on): a ValueError naming the model and pointing to the supported ones, not
+    Torch-Pruning's own error, and the model is left as it was (training mode, no
+    masks, the same weights)."""
+    from torchvision.models import shufflenet_v2_x0_5
+
+    model = shufflenet_v2_x0_5(num_classes=5).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"prunable groups of ShuffleNetV2: Torch-Pruning"):
+        DTPPruner(model, (torch.randn(1, 3, 32, 32),), 0.5)
+    assert model.training
+    assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_group_search_that_does_not_end_is_stopped_and_named(monkeypatch):
+    """torchvision's Swin (shifted windows): Torch-Pruning's search for the channels
+    coupled to its MLPs does not end. Each root's search is bounded
+    (GROUP_SEARCH_SECONDS, shortened here): a ValueError names the layer and the way
+    out, the model is unchanged and no timer or SIGALRM handler is left behind."""
+    import signal
+
+    from torchvision.models.swin_transformer import SwinTransformer
+
+    from dtp_kernels.pruning import groups
+
+    monkeypatch.setattr(groups, "GROUP_SEARCH_SECONDS", 1.0)
+    model = SwinTransformer(
+        patch_size=[4, 4],
+        embed_dim=16,
+        depths=[1, 1],
+        num_heads=[2, 2],
+        window_size=[2, 2],
+        num_classes=5,
+    ).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    handler = signal.getsignal(signal.SIGALRM)
+    with pytest.raises(ValueError, match=r"'features.3.0.mlp.3' did not end within 1 s"):
+        DTPPruner(model, (torch.randn(1, 3, 32, 32),), 0.5)
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert signal.getsignal(signal.SIGALRM) == handler
+    assert model.training
+    assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
