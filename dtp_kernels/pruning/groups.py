@@ -53,6 +53,9 @@ class ChannelGroup:
     # residual-coupled channels (prune_coupled=True): every layer that writes into the
     # shared width, each with the module whose rows take the mask (its BN, or itself)
     producers: list[tuple[nn.Module, nn.Module]] = field(default_factory=list)
+    # the root's outputs are this many equal parts combined channel by channel (Phi-3's
+    # gate_up_proj, chunked into gate and up): unit i is channel i of every part
+    parts: int = 1
 
     def __post_init__(self) -> None:
         if self.rows is None:
@@ -67,17 +70,24 @@ class ChannelGroup:
     @property
     def width(self) -> dict[nn.Module, int]:
         """Channels each module loses per unit removed (the cost model counts channels)."""
+        if self.parts > 1:  # the root loses a channel of each part; its consumers one
+            return {self.layer: self.parts}
         per_unit = self.channels_per_unit
         return {} if per_unit == 1 else dict.fromkeys([*self.kept_out, *self.kept_in], per_unit)
 
     def unit_weights(self) -> torch.Tensor:
         """The root's weights, one row per unit (its filter, or a GroupNorm group's); of
         a coupled group, every producer's filters of the channel side by side."""
+        if self.parts > 1:  # unit i: row i of every part
+            weight = self.layer.weight.detach()
+            return weight.view(self.parts, self.size, -1).transpose(0, 1).reshape(self.size, -1)
         layers = [layer for layer, _ in self.producers] or [self.layer]
         return torch.cat([m.weight.detach().reshape(self.size, -1) for m in layers], dim=1)
 
     def channels(self, units: torch.Tensor) -> torch.Tensor:
         """The channel indices of `units`."""
+        if self.parts > 1:
+            return (units[None, :] + self.size * torch.arange(self.parts)[:, None]).flatten()
         per_unit = self.channels_per_unit
         return (units[:, None] * per_unit + torch.arange(per_unit)).flatten()
 
@@ -130,14 +140,17 @@ def out_channel_handler(layer: nn.Module):
     )
 
 
-def _removed_alone(graph: tp.DependencyGraph, layer: nn.Module) -> bool:
-    """Whether removing one output channel of `layer` removes only that one of its
-    channels. A fused projection split into parts that are combined channel by channel
-    (Phi-3's gate_up_proj, chunked into gate and up) couples channel i with channel
-    i + n/2: its channels are not units, and pruning them one by one would export fewer
-    than asked for."""
+def _parts(graph: tp.DependencyGraph, layer: nn.Module) -> int | None:
+    """How many of `layer`'s output channels go when its channel 0 goes: 1 when each goes
+    alone; h when they are channel 0 of h equal parts, as a fused projection split into
+    parts combined channel by channel (Phi-3's gate_up_proj, chunked into gate and up:
+    channel i goes with channel i + n/2); None for any other coupling."""
     group = graph.get_pruning_group(layer, out_channel_handler(layer), [0])
-    return all(len(idxs) == 1 for dep, idxs in group if dep.target.module is layer)
+    removed = sorted({int(i) for dep, idxs in group if dep.target.module is layer for i in idxs})
+    width, parts = out_width(layer), len(removed)
+    if width % parts or removed != [p * (width // parts) for p in range(parts)]:
+        return None
+    return parts
 
 
 def output_tensors(output) -> list[torch.Tensor]:
@@ -393,7 +406,24 @@ def _channel_groups(
             # a BN over a concatenation (DenseNet): it reads other layers' channels too, and
             # every such BN would need the mask at the group's offset in it, not one place
             continue
-        if not _removed_alone(graph, layer):
+        parts = _parts(graph, layer)
+        if parts is None:
+            continue
+        if parts > 1:  # channel i of each part combined into the consumers' input i
+            part = size // parts
+            if (
+                residual
+                or len(out_layers) != 1
+                or not isinstance(layer, nn.Linear)
+                or not all(isinstance(m, nn.Linear) and m.in_features == part for m in ins)
+                or not any(op.startswith("MulBackward") for op in ops)
+                or any(op.startswith(MERGING_OPS) for op in ops)
+                or bns + norms + depthwise + group_norms
+            ):
+                continue  # the mask could not go where the parts are combined
+            found[layer] = ChannelGroup(
+                names[layer], layer, None, part, outs, ins, [], layer, gated=True, parts=parts
+            )
             continue
         # Mask at the last affine op before the nonlinearity that ends the group: a
         # depthwise conv (with a bias) or its BN after the root would otherwise add its

@@ -529,7 +529,7 @@ class DTPPruner(ChannelPruner):
             if isinstance(group, HeadGroup):
                 continue  # prune_heads cuts exactly the kept units' rows and columns
             width = out_width(modules[group.name])
-            want = int(mask.sum()) * group.channels_per_unit
+            want = int(mask.sum()) * group.channels_per_unit * group.parts
             if width != want:
                 raise ExportMismatchError(
                     f"layer {group.name!r} kept {width} output channels where its mask keeps "

@@ -156,11 +156,29 @@ class FusedGateUp(torch.nn.Module):
         return self.down(torch.nn.functional.silu(gate) * up)
 
 
-def test_channels_removed_in_coupled_sets_are_not_a_group():
+def test_a_projection_chunked_into_gate_and_up_prunes_its_pairs_as_units():
+    """The group's unit is gate channel i with up channel i + 16: 16 units, the mask on
+    the down projection's input columns, scores from both rows of each pair, and the
+    export keeps both halves of exactly the units asked for."""
     torch.manual_seed(0)
-    pruner = DTPPruner(FusedGateUp(), torch.randn(1, 8), {"mlp": 0.5})
-    assert [g.name for g in pruner.groups] == ["plain", "plain_out"]
-    assert pruner.export().plain.out_features == 6
+    model, x = FusedGateUp(), torch.randn(4, 8)
+    pruner = DTPPruner(model, x[:1], {"plain": 0.5, "gate_up": 0.5})
+    assert [(g.name, g.size) for g in pruner.groups] == [("plain", 12), ("gate_up", 16)]
+    weight = model.gate_up.weight.detach()
+    want_scores = torch.cat([weight[:16], weight[16:]], dim=1).norm(dim=1)
+    torch.testing.assert_close(pruner.scores[12:], want_scores)
+    with torch.no_grad():
+        pruner.scores.uniform_(0, 1, generator=torch.Generator().manual_seed(1))
+    kept = pruner.hard_masks()[1].nonzero().flatten()
+    model.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(x)
+    exported = pruner.export().eval()
+    assert (exported.gate_up.out_features, exported.down.in_features) == (16, 8)
+    torch.testing.assert_close(exported.gate_up.weight, weight[torch.cat([kept, kept + 16])])
+    torch.testing.assert_close(exported(x), want, rtol=1e-5, atol=1e-5)
+    params, _ = pruner.predicted_counts()
+    assert params == sum(p.numel() for p in exported.parameters())
 
 
 def test_export_refuses_a_group_that_lost_other_than_its_kept_channels(monkeypatch):
@@ -168,10 +186,14 @@ def test_export_refuses_a_group_that_lost_other_than_its_kept_channels(monkeypat
     equal, half the channels asked for gone) is refused by name."""
     from dtp_kernels.pruning import ExportMismatchError, groups
 
-    monkeypatch.setattr(groups, "_removed_alone", lambda graph, layer: True)
+    monkeypatch.setattr(groups, "_parts", lambda graph, layer: 1)
     torch.manual_seed(0)
     pruner = DTPPruner(FusedGateUp(), torch.randn(1, 8), {"mlp": 0.5})
-    assert [g.name for g in pruner.groups] == ["plain", "plain_out", "gate_up"]
+    assert [(g.name, g.size) for g in pruner.groups] == [
+        ("plain", 12),
+        ("plain_out", 8),
+        ("gate_up", 32),
+    ]
     with torch.no_grad():
         pruner.scores.uniform_(0, 1, generator=torch.Generator().manual_seed(1))
     with pytest.raises(ExportMismatchError, match=r"layer 'gate_up' kept \d+ output"):

@@ -222,3 +222,43 @@ def test_magnitude_baseline_keeps_the_heads_of_largest_l1():
         assert mask.tolist() == [float(h in l1.topk(2).indices) for h in range(4)]
     exported = pruner.export()
     assert exported.config.num_attention_heads == 2
+
+
+def test_phi3_gate_up_pairs_prune_and_the_config_round_trips(tmp_path):
+    """Phi-3 fuses gate and up into gate_up_proj, chunked in two: its MLP group's unit is
+    gate channel i with up channel i + intermediate_size. The export keeps both halves of
+    the kept units, computes what the hard-masked model does, and its config
+    (intermediate_size) rebuilds it with from_pretrained. Phi-3's attention reads its head
+    count from the shared config, so "heads" is refused as a kind it lacks."""
+    config = transformers.Phi3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model, ids = transformers.Phi3ForCausalLM(config), tokens()
+    with pytest.raises(ValueError, match=r"asks to prune \['heads'\].*kinds: \['mlp'\]"):
+        DTPPruner(model, (ids,), {"heads": 0.5})
+    pruner = DTPPruner(model, (ids,), {"mlp": 0.5})
+    assert [(g.size, g.parts) for g in pruner.groups] == [(48, 2)] * 2
+    with torch.no_grad():
+        pruner.scores.uniform_(0, 1, generator=torch.Generator().manual_seed(1))
+    model.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(ids).logits
+    exported = pruner.export().eval()
+    for layer in exported.model.layers:
+        assert (layer.mlp.gate_up_proj.out_features, layer.mlp.down_proj.in_features) == (48, 24)
+    assert exported.config.intermediate_size == 24
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, want, rtol=1e-5, atol=1e-5)
+    exported.save_pretrained(tmp_path)
+    loaded = transformers.Phi3ForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, exported(ids).logits)
