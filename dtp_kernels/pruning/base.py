@@ -109,6 +109,13 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                 "changes the rest; leave these layers whole with ignored_layers=[...] or a "
                 "ratio of 0 for them"
             )
+        refused = [g for g in self.groups if getattr(g, "refusal", "")]
+        if refused:
+            details = "; ".join(f"layer {g.name!r}: {g.refusal}" for g in refused)
+            raise ValueError(
+                f"cannot prune the heads of these attention layers: {details}. Leave them "
+                "whole with ignored_layers=[...] or a ratio of 0 for them"
+            )
         if not self.groups:
             raise ValueError("the ratios prune nothing of this model")
         self.ratios = {g.name: per_group[g.name] for g in self.groups}

@@ -94,6 +94,11 @@ class ChannelGroup:
 
 # how Torch-Pruning names the autograd nodes that merge several layers' outputs
 MERGING_OPS = ("AddBackward", "SubBackward", "CatBackward", "StackBackward")
+# attention (a softmax, or torch's fused scaled_dot_product_attention): its code
+# reshapes the channels into heads of a fixed size that export cannot change (a fused
+# qkv projection not in a recognised form: Falcon's, BLOOM's, MPT's); a softmax over
+# channels would also make each channel depend on the others
+ATTENTION_OPS = ("ScaledDotProduct", "SoftmaxBackward", "LogSoftmaxBackward")
 
 
 def _op_name(module) -> str:
@@ -396,6 +401,8 @@ def _channel_groups(
         )
         if (len(out_layers) != 1 and not gated and not residual) or not ins:
             continue  # coupled through a residual add or a concatenation, or an output
+        if any(op.startswith(ATTENTION_OPS) for op in ops):
+            continue  # reshaped into heads by the attention's code
         if set(out_layers) & set(ignored):
             continue
         if any(_is_grouped(m) for m in [*outs, *ins]):

@@ -59,6 +59,9 @@ class HeadGroup:
     head_dim: int
     # normalizations over all heads (the pruner refuses the group when asked to prune it)
     norms: tuple = ()
+    # why removing heads would change what the others compute, or "" (the pruner refuses
+    # the group when asked to prune it)
+    refusal: str = ""
     kept_out: list[nn.Module] = field(init=False)
     kept_in: list[nn.Module] = field(init=False)
     # channels a module loses per unit removed: the cost model counts channels
@@ -179,6 +182,8 @@ def _gpt2(name: str, module: nn.Module) -> HeadGroup | None:
     qkv, proj, query = (_linear(module, p) for p in ("c_attn", "c_proj", "q_attn"))
     sizes = [getattr(module, a, None) for a in ("num_heads", "head_dim", "split_size")]
     if qkv is None or proj is None or not all(isinstance(x, int) for x in sizes):
+        return None
+    if hasattr(module, "multi_query"):  # GPT-BigCode: its c_attn has other layouts
         return None
     heads, head_dim, split = sizes
     width, blocks = heads * head_dim, 3 if query is None else 2
@@ -345,8 +350,30 @@ def find_head_groups(model: nn.Module, ignored: list[nn.Module]) -> list[HeadGro
         )
         if group is None or any(layer in ignored for layer in [*group.kept_out, group.layer]):
             continue
+        group.refusal = _per_head_tensors(group)
         groups.append(group)
     return groups
+
+
+def _per_head_tensors(group: HeadGroup) -> str:
+    """Parameters in the attention layer, outside its projections and norms, with one
+    entry per head (Swin's relative position bias table), which export would not cut;
+    or ""."""
+    heads = group.units * group.query_heads_per_unit
+    skipped = {
+        id(p)
+        for m in group.module.modules()
+        if m in {*group.kept_out, group.layer} or "norm" in type(m).__name__.lower()
+        for p in m.parameters()
+    }
+    found = [
+        f"{name} {tuple(p.shape)}"
+        for name, p in group.module.named_parameters()
+        if id(p) not in skipped and heads in p.shape
+    ]
+    if not found:
+        return ""
+    return f"its {', '.join(found)} hold one entry per head, which export would not remove"
 
 
 def _keep_rows(layer: nn.Linear, rows: torch.Tensor) -> None:

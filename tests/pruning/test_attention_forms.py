@@ -111,8 +111,9 @@ FAMILIES = {
     "gptj": (gptj, 2, 4, False),
     "whisper": (whisper, 3, 4, False),
     "phi": (lambda: decoder("Phi"), 2, 4, True),  # output projection "dense"
-    # q_norm and k_norm over each head's head_dim
-    "qwen3": (lambda: decoder("Qwen3", **GQA), 2, 2, True),
+    # q_norm and k_norm over each head's head_dim (Qwen3's as long as there are heads:
+    # its norm's weight is not a per-head table)
+    "qwen3": (lambda: decoder("Qwen3", num_key_value_heads=2, head_dim=4), 2, 2, True),
     "gemma3": (lambda: decoder("Gemma3Text", model="Gemma3", **GQA), 2, 2, True),
 }
 
@@ -280,3 +281,84 @@ def test_gpt2_cross_attention_heads_export_equal_to_the_hard_masked_model():
     assert (cross.q_attn.out_features, cross.c_attn.out_features, cross.split_size) == (16, 32, 16)
     with torch.no_grad():
         torch.testing.assert_close(exported(*inputs), want, rtol=1e-5, atol=1e-5)
+
+
+def falcon():
+    config = transformers.FalconConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, **TOKEN_IDS
+    )
+    return transformers.FalconForCausalLM(config), (tokens(),)
+
+
+def bloom():
+    config = transformers.BloomConfig(
+        vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, **TOKEN_IDS
+    )
+    return transformers.BloomForCausalLM(config), (tokens(),)
+
+
+def gpt_bigcode():  # multi-query attention in one c_attn
+    config = transformers.GPTBigCodeConfig(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, multi_query=True, **TOKEN_IDS
+    )
+    return transformers.GPTBigCodeForCausalLM(config), (tokens(),)
+
+
+def hf_swin():  # a relative position bias table with one column per head
+    config = transformers.SwinConfig(
+        image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=2
+    )
+    return transformers.SwinForImageClassification(config), (torch.randn(2, 3, 32, 32),)
+
+
+# family: (builder, the MLP layers that are its groups)
+UNRECOGNISED_ATTENTION = {
+    "falcon": (falcon, "transformer.h.{}.mlp.dense_h_to_4h"),
+    "bloom": (bloom, "transformer.h.{}.mlp.dense_h_to_4h"),
+    "gpt_bigcode": (gpt_bigcode, "transformer.h.{}.mlp.c_fc"),
+}
+
+
+@pytest.mark.parametrize("family", UNRECOGNISED_ATTENTION)
+def test_a_fused_qkv_in_no_recognised_form_is_left_whole_and_the_mlp_prunes(family):
+    """Falcon's and BLOOM's query_key_value and GPT-BigCode's multi-query c_attn are
+    reshaped into heads by code export cannot change: not groups of single channels
+    (their export failed), not heads; the MLPs prune exactly."""
+    build, mlp = UNRECOGNISED_ATTENTION[family]
+    torch.manual_seed(0)
+    model, inputs = build()
+    with pytest.raises(ValueError, match=r"asks to prune \['heads'\].*kinds: \['mlp'\]"):
+        DTPPruner(model, inputs, {"heads": 0.5})
+    pruner = DTPPruner(model, inputs, 0.5)
+    assert [g.name for g in pruner.groups] == [mlp.format(i) for i in (0, 1)]
+    with torch.no_grad():
+        pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
+    model.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(*inputs).logits
+    exported = pruner.export().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(*inputs).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_heads_with_a_per_head_table_are_refused_and_the_mlp_prunes():
+    """Hugging Face's Swin adds a learned relative position bias with one column per head,
+    which export would not cut: asked for heads, the pruner names the table; its MLPs
+    prune exactly."""
+    torch.manual_seed(0)
+    model, inputs = hf_swin()
+    with pytest.raises(
+        ValueError,
+        match=r"heads of these attention layers: layer 'swin.encoder.layers.0.blocks.0."
+        r"attention': its relative_position_bias.relative_position_bias_table \(9, 2\)",
+    ):
+        DTPPruner(model, inputs, {"heads": 0.5, "mlp": 0.5})
+    assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
+    pruner = DTPPruner(model, inputs, {"mlp": 0.5})
+    assert len(pruner.groups) == 2
+    model.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(*inputs).logits
+    exported = pruner.export().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(*inputs).logits, want, rtol=1e-5, atol=1e-5)
