@@ -119,7 +119,20 @@ FAMILIES = {
 
 
 def logits(output) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
     return output.logits if hasattr(output, "logits") else output.last_hidden_state
+
+
+def export_checked(pruner: DTPPruner, model, inputs: tuple):
+    """pruner.export(), checked here to compute what the hard-masked model computes."""
+    model.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = logits(model(*inputs))
+    exported = pruner.export().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(logits(exported(*inputs)), want, rtol=1e-5, atol=1e-5)
+    return exported
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -133,16 +146,11 @@ def test_heads_export_with_exact_counts_equal_to_the_hard_masked_model(family, t
     with torch.no_grad():  # scores away from their initial order
         pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
     masks = [m for g, m in zip(pruner.groups, pruner.hard_masks(), strict=True) if g in heads]
-    model.eval()
-    with torch.no_grad(), pruner.hard_masked():
-        want = logits(model(*inputs))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        exported = pruner.export().eval()
+        exported = export_checked(pruner, model, inputs)
     kept_config = [w for w in caught if "config cannot describe" in str(w.message)]
     assert len(kept_config) == (0 if config_follows else 1)
-    with torch.no_grad():
-        torch.testing.assert_close(logits(exported(*inputs)), want, rtol=1e-5, atol=1e-5)
     modules = dict(exported.named_modules())
     names = {m: n for n, m in model.named_modules()}
     for group, mask in zip(heads, masks, strict=True):
@@ -180,12 +188,7 @@ def test_a_query_norm_over_all_heads_refuses_heads_and_leaves_the_mlp():
     assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
     pruner = DTPPruner(model, inputs, {"mlp": 0.5})
     assert [g.name for g in pruner.groups] == ["model.layers.0.mlp.gate_proj"]
-    model.eval()
-    with torch.no_grad(), pruner.hard_masked():
-        want = model(*inputs).logits
-    exported = pruner.export().eval()
-    with torch.no_grad():
-        torch.testing.assert_close(exported(*inputs).logits, want, rtol=1e-5, atol=1e-5)
+    export_checked(pruner, model, inputs)
 
 
 def gpt2(cross_attention=False):
@@ -232,12 +235,7 @@ def test_gpt2_heads_and_mlp_export_equal_to_the_hard_masked_model_and_generate()
     assert model.config.use_cache  # turned off only while Torch-Pruning traces the model
     with torch.no_grad():
         pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
-    model.eval()
-    with torch.no_grad(), pruner.hard_masked():
-        want = model(ids).logits
-    exported = pruner.export().eval()
-    with torch.no_grad():
-        torch.testing.assert_close(exported(ids).logits, want, rtol=1e-5, atol=1e-5)
+    exported = export_checked(pruner, model, (ids,))
     for block in exported.transformer.h:
         attention = block.attn
         assert (attention.num_heads, attention.split_size) == (2, 16)
@@ -273,14 +271,9 @@ def test_gpt2_cross_attention_heads_export_equal_to_the_hard_masked_model():
     ]
     with torch.no_grad():
         pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
-    model.eval()
-    with torch.no_grad(), pruner.hard_masked():
-        want = model(*inputs)
-    exported = pruner.export().eval()
+    exported = export_checked(pruner, model, inputs)
     cross = exported.gpt2.transformer.h[0].crossattention
     assert (cross.q_attn.out_features, cross.c_attn.out_features, cross.split_size) == (16, 32, 16)
-    with torch.no_grad():
-        torch.testing.assert_close(exported(*inputs), want, rtol=1e-5, atol=1e-5)
 
 
 def falcon():
@@ -333,12 +326,7 @@ def test_a_fused_qkv_in_no_recognised_form_is_left_whole_and_the_mlp_prunes(fami
     assert [g.name for g in pruner.groups] == [mlp.format(i) for i in (0, 1)]
     with torch.no_grad():
         pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
-    model.eval()
-    with torch.no_grad(), pruner.hard_masked():
-        want = model(*inputs).logits
-    exported = pruner.export().eval()
-    with torch.no_grad():
-        torch.testing.assert_close(exported(*inputs).logits, want, rtol=1e-5, atol=1e-5)
+    export_checked(pruner, model, inputs)
 
 
 def test_heads_with_a_per_head_table_are_refused_and_the_mlp_prunes():
@@ -356,9 +344,4 @@ def test_heads_with_a_per_head_table_are_refused_and_the_mlp_prunes():
     assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
     pruner = DTPPruner(model, inputs, {"mlp": 0.5})
     assert len(pruner.groups) == 2
-    model.eval()
-    with torch.no_grad(), pruner.hard_masked():
-        want = model(*inputs).logits
-    exported = pruner.export().eval()
-    with torch.no_grad():
-        torch.testing.assert_close(exported(*inputs).logits, want, rtol=1e-5, atol=1e-5)
+    export_checked(pruner, model, inputs)
