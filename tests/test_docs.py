@@ -72,6 +72,30 @@ def prepare_llama(tmp_path, monkeypatch):
     assert optimizer.param_groups[-1]["params"] == [ns["pruner"].scores]
 
 
+def prepare_gpt2(tmp_path, monkeypatch):
+    """docs/pruning.md: GPT-2 from a checkpoint (a tiny one saved here), converted, then
+    prepare(), a training step and export."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=61, n_embd=32, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2
+    )
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(0))
+    namespace = {"checkpoint": str(tmp_path / "gpt2"), "example_inputs": (ids,)}
+    ns = run(("pruning.md", 2), namespace)
+    model, optimizer, pruner = ns["model"], ns["optimizer"], ns["pruner"]
+    model.train()
+    model(ids, labels=ids).loss.backward()  # the reader's loop, one step
+    optimizer.step()
+    assert int(pruner.state.steps) == 1
+    small = ns["small"]
+    assert [block.attn.num_heads for block in small.transformer.h] == [2, 2]
+    assert small.transformer.h[0].mlp.c_fc.out_features == 64
+    generated = small.generate(ids[:1], max_new_tokens=3, do_sample=False)
+    assert generated.shape == (1, 15)
+
+
 def trainer_callback(tmp_path, monkeypatch):
     """docs/pruning.md: the Hugging Face Trainer callback, a few real Trainer steps."""
     transformers = pytest.importorskip("transformers")
@@ -94,7 +118,7 @@ def trainer_callback(tmp_path, monkeypatch):
         "data": [{"input_ids": row, "labels": row} for row in ids],
         "example_input_ids": ids[:1],
     }
-    run(("pruning.md", 2), ns)
+    run(("pruning.md", 3), ns)
     assert int(ns["callback"].pruner.state.steps) == 2
     loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "pruned")
     assert loaded.config.num_attention_heads == 2  # half the key/value heads, with their queries
@@ -104,7 +128,8 @@ ENTRIES = {
     ("ops.md", 0): ops_loop,
     ("pruning.md", 0): pruner_loop,
     ("pruning.md", 1): prepare_llama,
-    ("pruning.md", 2): trainer_callback,
+    ("pruning.md", 2): prepare_gpt2,
+    ("pruning.md", 3): trainer_callback,
 }
 
 
