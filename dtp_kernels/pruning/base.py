@@ -204,6 +204,11 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         # a weight tied between modules (an embedding and the output layer) counts once;
         # tied weights are never pruned
         params -= sum(p.numel() * extra for p, extra in owners.items())
+        for group, mask in zip(self.groups, masks, strict=True):  # per-head tables
+            for owner, name, dim in getattr(group, "tables", ()):
+                table = getattr(owner, name)
+                removed = int(mask.numel() - mask.sum()) * group.query_heads_per_unit
+                params -= table.numel() // table.shape[dim] * removed
         return params, flops_after(self._layers, lost)
 
     @torch.no_grad()

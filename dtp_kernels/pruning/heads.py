@@ -62,6 +62,9 @@ class HeadGroup:
     # why removing heads would change what the others compute, or "" (the pruner refuses
     # the group when asked to prune it)
     refusal: str = ""
+    # per-head parameters besides the projections (owner, name, dimension of the heads),
+    # which export cuts to the kept heads
+    tables: list = field(default_factory=list)
     kept_out: list[nn.Module] = field(init=False)
     kept_in: list[nn.Module] = field(init=False)
     # channels a module loses per unit removed: the cost model counts channels
@@ -337,6 +340,7 @@ def _additive_mask(attn_mask, key_padding_mask, batch, heads, length, source, dt
 def find_head_groups(model: nn.Module, ignored: list[nn.Module]) -> list[HeadGroup]:
     """Every attention layer of these forms, in model order; an error names one whose
     projections do not split into whole heads."""
+    modules = dict(model.named_modules())
     groups = []
     for name, module in model.named_modules():
         if module in ignored:
@@ -350,30 +354,58 @@ def find_head_groups(model: nn.Module, ignored: list[nn.Module]) -> list[HeadGro
         )
         if group is None or any(layer in ignored for layer in [*group.kept_out, group.layer]):
             continue
-        group.refusal = _per_head_tensors(group)
+        parent = group.name.rpartition(".")[0]  # the block holding the attention layer
+        group.tables, group.refusal = _per_head_tables(group, modules[parent] if parent else None)
         groups.append(group)
     return groups
 
 
-def _per_head_tensors(group: HeadGroup) -> str:
-    """Parameters in the attention layer, outside its projections and norms, with one
-    entry per head (Swin's relative position bias table), which export would not cut;
-    or ""."""
+# modules whose parameters are never per-head tables of an attention layer they are beside
+NOT_TABLES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding, nn.MultiheadAttention)
+
+
+def _per_head_tables(
+    group: HeadGroup, block: nn.Module | None
+) -> tuple[list[tuple[nn.Module, str, int]], str]:
+    """Parameters with one entry per query head along one dimension, besides the
+    projections, as (owner module, name, dimension): export cuts them to the kept heads.
+    They are looked for in the attention layer (Swin's relative position bias table, the
+    rows of Swin V2's per-head bias MLP output) and, as raw parameters, in the block
+    holding it (BEiT's bias table). A parameter with several such dimensions (heads
+    mixed with heads) makes the second item say why the heads cannot be pruned ("" when
+    they can)."""
     heads = group.units * group.query_heads_per_unit
-    skipped = {
-        id(p)
-        for m in group.module.modules()
-        if m in {*group.kept_out, group.layer} or "norm" in type(m).__name__.lower()
-        for p in m.parameters()
-    }
-    found = [
-        f"{name} {tuple(p.shape)}"
-        for name, p in group.module.named_parameters()
-        if id(p) not in skipped and heads in p.shape
-    ]
-    if not found:
-        return ""
-    return f"its {', '.join(found)} hold one entry per head, which export would not remove"
+    projections = {*group.kept_out, group.layer}
+    candidates = []  # (owner, owner's name, parameter name, tensor)
+    for owner_name, owner in group.module.named_modules():
+        if owner in projections or "norm" in type(owner).__name__.lower():
+            continue
+        if isinstance(owner, nn.Linear):  # a layer computing one output per head
+            if owner.out_features == heads:
+                candidates += [(owner, owner_name, n, p) for n, p in owner.named_parameters()]
+            continue
+        candidates += [(owner, owner_name, n, p) for n, p in owner.named_parameters(recurse=False)]
+    inside = set(group.module.modules())
+    for owner_name, owner in block.named_modules() if block is not None else ():
+        if (
+            owner in inside
+            or isinstance(owner, NOT_TABLES)
+            or "norm" in type(owner).__name__.lower()
+        ):
+            continue
+        candidates += [(owner, owner_name, n, p) for n, p in owner.named_parameters(recurse=False)]
+    tables, mixed = [], []
+    for owner, owner_name, name, p in candidates:
+        if p.shape.count(heads) == 1:
+            tables.append((owner, name, p.shape.index(heads)))
+        elif p.shape.count(heads) > 1:
+            mixed.append(f"{owner_name}.{name} {tuple(p.shape)}".lstrip("."))
+    if mixed:
+        return tables, (
+            f"its {', '.join(mixed)} has a dimension of heads more than once (heads mixed "
+            "with heads), so removing a head would change the others"
+        )
+    return tables, ""
 
 
 def _keep_rows(layer: nn.Linear, rows: torch.Tensor) -> None:
@@ -396,6 +428,13 @@ def prune_heads(
     """Remove the units whose mask is 0 from a copy of the model, in place. `copy` maps the
     copy's module names to its modules; `names` the original modules to their names."""
     kept = mask.nonzero().flatten().cpu()
+    per_unit = group.query_heads_per_unit
+    query_heads = (kept[:, None] * per_unit + torch.arange(per_unit)).flatten()
+    for owner, name, dim in group.tables:
+        target = copy[names[owner]]
+        table = getattr(target, name).detach()
+        kept_entries = table.index_select(dim, query_heads.to(table.device)).clone()
+        setattr(target, name, nn.Parameter(kept_entries))
     if isinstance(group.module, nn.MultiheadAttention):  # replaced: its width is fixed
         parent, _, attr = names[group.module].rpartition(".")
         source = copy[names[group.module]]

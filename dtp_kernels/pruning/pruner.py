@@ -549,7 +549,17 @@ class DTPPruner(ChannelPruner):
             with ieee_fp32(), self.hard_masked():
                 want = output_tensors(self.model(*self.example_inputs))
             with ieee_fp32():
-                got = output_tensors(pruned(*self.example_inputs))
+                try:
+                    got = output_tensors(pruned(*self.example_inputs))
+                except Exception as error:
+                    raise ExportMismatchError(
+                        f"the exported model fails on the example inputs "
+                        f"({type(error).__name__}: {error}): something the pruned groups "
+                        f"{[g.name for g in self.groups][:8]} reach still has their old "
+                        "size (a table with an entry per head or channel outside the pruned "
+                        "layers, such as a position bias all attention layers share): leave "
+                        "those groups whole with ignored_layers=[...]"
+                    ) from error
         finally:
             self.model.train(was_training)
             pruned.train(pruned_training)

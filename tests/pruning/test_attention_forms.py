@@ -304,6 +304,27 @@ def hf_swin():  # a relative position bias table with one column per head
     return transformers.SwinForImageClassification(config), (torch.randn(2, 3, 32, 32),)
 
 
+def swinv2():  # a per-head logit scale, and a bias MLP whose last layer has a row per head
+    config = transformers.Swinv2Config(
+        image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=2
+    )
+    return transformers.Swinv2ForImageClassification(config), (torch.randn(2, 3, 32, 32),)
+
+
+def beit(shared=False):  # a bias table per layer, in the block beside the attention
+    config = transformers.BeitConfig(
+        image_size=16,
+        patch_size=4,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        use_relative_position_bias=not shared,
+        use_shared_relative_position_bias=shared,
+    )
+    return transformers.BeitForImageClassification(config), (torch.randn(2, 3, 16, 16),)
+
+
 # family: (builder, the MLP layers that are its groups)
 UNRECOGNISED_ATTENTION = {
     "falcon": (falcon, "transformer.h.{}.mlp.dense_h_to_4h"),
@@ -329,19 +350,68 @@ def test_a_fused_qkv_in_no_recognised_form_is_left_whole_and_the_mlp_prunes(fami
     export_checked(pruner, model, inputs)
 
 
-def test_heads_with_a_per_head_table_are_refused_and_the_mlp_prunes():
-    """Hugging Face's Swin adds a learned relative position bias with one column per head,
-    which export would not cut: asked for heads, the pruner names the table; its MLPs
-    prune exactly."""
+PER_HEAD_TABLES = {"swin": hf_swin, "swinv2": swinv2, "beit": beit}
+
+
+@pytest.mark.parametrize("family", PER_HEAD_TABLES)
+def test_per_head_tables_are_cut_to_the_kept_heads(family):
+    """A learned table with an entry per head (Swin's and BEiT's relative position bias,
+    Swin V2's logit scale and bias MLP rows) loses the removed heads' entries with them:
+    the export equals the hard-masked model and the predicted parameter count holds."""
     torch.manual_seed(0)
-    model, inputs = hf_swin()
+    model, inputs = PER_HEAD_TABLES[family]()
+    pruner = DTPPruner(model, inputs, {"heads": 0.5, "mlp": 0.5})
+    heads = [g for g in pruner.groups if isinstance(g, HeadGroup)]
+    assert heads and all(g.tables for g in heads)
+    with torch.no_grad():
+        pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
+    exported = export_checked(pruner, model, inputs)
+    modules, names = dict(exported.named_modules()), {m: n for n, m in model.named_modules()}
+    for group in heads:
+        for owner, name, dim in group.tables:
+            before = getattr(owner, name).shape
+            after = getattr(modules[names[owner]], name).shape
+            assert after[dim] == before[dim] // 2 and after[:dim] == before[:dim]
+    params, _ = pruner.predicted_counts()
+    assert params == sum(p.numel() for p in exported.parameters())
+
+
+class TalkingHeads(torch.nn.Module):
+    """Attention whose heads' scores are mixed across heads by a learned matrix."""
+
+    def __init__(self, heads=4, head_dim=8):
+        super().__init__()
+        width = heads * head_dim
+        self.head_dim = head_dim
+        self.q_proj, self.k_proj = torch.nn.Linear(32, width), torch.nn.Linear(32, width)
+        self.v_proj, self.o_proj = torch.nn.Linear(32, width), torch.nn.Linear(width, 32)
+        self.mix = torch.nn.Parameter(torch.eye(heads) + 0.1)
+
+    def forward(self, x):
+        def split(t):
+            return t.view(*t.shape[:2], -1, self.head_dim).transpose(1, 2)
+
+        q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
+        scores = torch.einsum("hg,bgqk->bhqk", self.mix, q @ k.transpose(-1, -2))
+        out = scores.softmax(-1) @ v
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+
+def test_a_parameter_mixing_heads_with_heads_is_refused_by_name():
+    model = TalkingHeads()
     with pytest.raises(
-        ValueError,
-        match=r"heads of these attention layers: layer 'swin.encoder.layers.0.blocks.0."
-        r"attention': its relative_position_bias.relative_position_bias_table \(9, 2\)",
+        ValueError, match=r"heads of these attention layers: layer '': its mix \(4, 4\)"
     ):
-        DTPPruner(model, inputs, {"heads": 0.5, "mlp": 0.5})
-    assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
-    pruner = DTPPruner(model, inputs, {"mlp": 0.5})
-    assert len(pruner.groups) == 2
-    export_checked(pruner, model, inputs)
+        DTPPruner(model, (torch.randn(2, 5, 32),), {"heads": 0.5})
+
+
+def test_a_table_all_layers_share_fails_export_by_name():
+    """BEiT's shared relative position bias lives outside every attention layer and their
+    blocks: export cannot cut it for each layer's heads, and says so instead of returning
+    a model that fails."""
+    from dtp_kernels.pruning import ExportMismatchError
+
+    model, inputs = beit(shared=True)
+    pruner = DTPPruner(model, inputs, {"heads": 0.5})
+    with pytest.raises(ExportMismatchError, match=r"fails on the example inputs"):
+        pruner.export()
