@@ -224,6 +224,17 @@ def group_norm_net(width: int = 8, classes: int = 4) -> torch.nn.Module:
 
 LLAMA_VOCAB = 61
 
+# a Hugging Face vision transformer's config fields, tiny: 16 x 16 images in 4 x 4 patches,
+# two layers of 4 heads of 8 and MLPs of 64
+TINY_HF_VIT = dict(
+    image_size=16,
+    patch_size=4,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+)
+
 
 def tiny_llama(heads=4, kv_heads=2, layers=2, seed=0):
     """A Llama of head_dim 8, hidden MLP 48 (Hugging Face transformers, built here)."""

@@ -13,6 +13,7 @@ import torch
 from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.heads import HeadGroup
 from utils import LLAMA_VOCAB as VOCAB
+from utils import TINY_HF_VIT
 
 transformers = pytest.importorskip("transformers")
 
@@ -313,14 +314,9 @@ def swinv2():  # a per-head logit scale, and a bias MLP whose last layer has a r
 
 def beit(shared=False):  # a bias table per layer, in the block beside the attention
     config = transformers.BeitConfig(
-        image_size=16,
-        patch_size=4,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
         use_relative_position_bias=not shared,
         use_shared_relative_position_bias=shared,
+        **TINY_HF_VIT,
     )
     return transformers.BeitForImageClassification(config), (torch.randn(2, 3, 16, 16),)
 

@@ -8,7 +8,7 @@ import torch
 from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.heads import HeadGroup
 from utils import LLAMA_VOCAB as VOCAB
-from utils import tiny_llama
+from utils import TINY_HF_VIT, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -161,15 +161,7 @@ def test_heads_that_do_not_split_are_refused_by_name():
 
 
 def test_hugging_face_vit_heads_and_mlp_round_trip(tmp_path):
-    config = transformers.ViTConfig(
-        image_size=16,
-        patch_size=4,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        num_labels=5,
-    )
+    config = transformers.ViTConfig(num_labels=5, **TINY_HF_VIT)
     torch.manual_seed(0)
     model = transformers.ViTForImageClassification(config)
     x = torch.randn(2, 3, 16, 16)
