@@ -12,7 +12,8 @@ does not follow the per-head reshapes):
   timm's ViT and DeiT write them; GPT-2's ``c_attn`` and ``c_proj`` with ``split_size``
   (its Conv1D layers made ``nn.Linear`` by :func:`conv1d_to_linear` first);
 - ``query``, ``key``, ``value`` with ``num_attention_heads`` and ``attention_head_size``,
-  the output projection being the ``output.dense`` beside it (Hugging Face's BERT);
+  the output projection being the ``output.dense`` beside it (Hugging Face's BERT), or
+  ``query_proj``, ``key_proj``, ``value_proj`` there (DeBERTa);
 - torch's ``nn.MultiheadAttention`` (torchvision's ViT). Its inner width is tied to the
   embedding width, so export replaces it with :class:`PrunedMultiheadAttention`, the same
   computation with fewer heads.
@@ -208,14 +209,20 @@ def _gpt2(name: str, module: nn.Module) -> HeadGroup | None:
 
 
 def _bert(name: str, module: nn.Module) -> HeadGroup | None:
-    """A parent holding ``self`` (query, key, value) and ``output.dense`` (BERT)."""
+    """A parent holding ``self`` (query, key, value) and ``output.dense`` (BERT); DeBERTa's
+    ``query_proj``, ``key_proj``, ``value_proj``, with the projections of its relative
+    position embeddings, ``pos_key_proj`` and ``pos_query_proj``, per head too."""
     inner, output = getattr(module, "self", None), getattr(module, "output", None)
-    layers = [_linear(inner, p) for p in ("query", "key", "value")] if inner else [None]
+    for names in (("query", "key", "value"), ("query_proj", "key_proj", "value_proj")):
+        layers = [_linear(inner, p) for p in names] if inner is not None else [None]
+        if all(x is not None for x in layers):
+            break
     out = _linear(output, "dense") if output is not None else None
     heads = getattr(inner, "num_attention_heads", None)
     head_dim = getattr(inner, "attention_head_size", None)
     if any(x is None for x in layers) or out is None or not isinstance(heads, int):
         return None
+    layers += [x for p in ("pos_key_proj", "pos_query_proj") if (x := _linear(inner, p))]
     if (
         not isinstance(head_dim, int)
         or any(x.out_features != heads * head_dim for x in layers)

@@ -55,6 +55,23 @@ def distilbert():
     return transformers.DistilBertForSequenceClassification(config), (tokens(),)
 
 
+def deberta(share_att_key: bool):  # relative attention: pos_key_proj, pos_query_proj
+    config = transformers.DebertaV2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        relative_attention=True,
+        pos_att_type=["p2c", "c2p"],
+        position_buckets=8,
+        max_relative_positions=16,
+        share_att_key=share_att_key,
+        **TOKEN_IDS,
+    )
+    return transformers.DebertaV2ForSequenceClassification(config), (tokens(),)
+
+
 def bart():  # encoder self-attention, decoder self- and cross-attention
     config = transformers.BartConfig(decoder_start_token_id=2, forced_eos_token_id=2, **SEQ2SEQ)
     return transformers.BartForConditionalGeneration(config), (tokens(),)
@@ -106,6 +123,8 @@ GQA = {"num_key_value_heads": 2, "head_dim": 8}
 # the pruned model; those whose head size follows from hidden_size / heads cannot)
 FAMILIES = {
     "distilbert": (distilbert, 2, 4, False),
+    "deberta_v3": (lambda: deberta(share_att_key=True), 2, 4, False),
+    "deberta_pos_proj": (lambda: deberta(share_att_key=False), 2, 4, False),
     "opt": (opt, 2, 4, False),
     "bart": (bart, 3, 4, False),
     "clip_vision": (clip_vision, 2, 4, False),
@@ -157,10 +176,11 @@ def test_heads_export_with_exact_counts_equal_to_the_hard_masked_model(family, t
     for group, mask in zip(heads, masks, strict=True):
         kept = int(mask.sum())
         assert kept == units // 2
-        q, k, v = (modules[names[p.layer]] for p in group.rows)
+        q, k, v, *positions = (modules[names[p.layer]] for p in group.rows)
         width = group.head_dim * kept
         assert q.out_features == width * group.query_heads_per_unit
         assert k.out_features == v.out_features == width
+        assert all(p.out_features == width for p in positions)  # DeBERTa's
         assert modules[names[group.layer]].in_features == width * group.query_heads_per_unit
         attention = modules[names[group.module]]  # the head counts its code or users read
         for attr in ("num_heads", "n_heads", "num_attention_heads"):
