@@ -39,7 +39,11 @@ def _as_linear(conv: nn.Module) -> nn.Linear:
 def conv1d_to_linear(model: nn.Module) -> nn.Module:
     """Replace every transformers ``Conv1D`` in `model` by the equal ``nn.Linear``, in
     place, and return `model`. The replaced layers get new parameters: call it before
-    making the optimizer. A Conv1D used at several places becomes one Linear."""
+    making the optimizer. A Conv1D used at several places becomes one Linear.
+
+    The converted model's weights are transposed against the Conv1D layout its
+    ``from_pretrained`` expects: save it with :func:`dtp_kernels.save_pruned`, not
+    ``save_pretrained`` (the pruner's export warns of this)."""
     linears: dict[nn.Module, nn.Linear] = {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

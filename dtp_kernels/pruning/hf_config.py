@@ -16,6 +16,14 @@ import warnings
 import torch
 from torch import nn
 
+# the config field of an MLP's hidden width, by family: most; OPT, BART and Whisper
+# (the decoder's alike); GPT-2 (when set); DistilBERT; T5
+MLP_FIELDS = ("intermediate_size", "ffn_dim", "n_inner", "hidden_dim", "d_ff")
+
+
+def _mlp_field(config) -> str | None:
+    return next((f for f in MLP_FIELDS if isinstance(getattr(config, f, None), int)), None)
+
 
 def _uniform(kept: list[int]) -> int | None:
     return kept[0] if kept and len(set(kept)) == 1 else None
@@ -28,10 +36,11 @@ def config_fields(config, groups: list[tuple[str, object]], masks: list) -> dict
     heads = [
         (g, int(m.sum())) for (kind, g), m in zip(groups, masks, strict=True) if kind == "heads"
     ]
+    mlp_field = _mlp_field(config)
     mlps = [
         int(m.sum())
         for (kind, g), m in zip(groups, masks, strict=True)
-        if kind == "mlp" and g.size == getattr(config, "intermediate_size", None)
+        if kind == "mlp" and mlp_field is not None and g.size == getattr(config, mlp_field)
     ]
     fields = {}
     if heads:
@@ -47,7 +56,7 @@ def config_fields(config, groups: list[tuple[str, object]], masks: list) -> dict
         size = _uniform(mlps)
         if size is None or len(mlps) != layers:
             return None
-        fields["intermediate_size"] = size
+        fields[mlp_field] = size
     return fields
 
 
@@ -73,7 +82,7 @@ def update_config(model: nn.Module, groups: list[tuple[str, object]], masks: lis
     if config is None or not hasattr(config, "num_attention_heads"):
         return
     fields = config_fields(config, groups, masks)
-    if fields == {}:
+    if fields == {} and _rebuilds(model, config):
         return
     before = {name: getattr(config, name, None) for name in fields or {}}
     if fields is not None:

@@ -111,8 +111,9 @@ def gptj():
 
 
 def opt():  # its MLP width is ffn_dim
+    sizes = {k: v for k, v in DECODER.items() if k != "intermediate_size"}
     config = transformers.OPTConfig(
-        num_hidden_layers=2, ffn_dim=64, word_embed_proj_dim=32, **DECODER
+        num_hidden_layers=2, ffn_dim=64, word_embed_proj_dim=32, **sizes
     )
     return transformers.OPTForCausalLM(config), (tokens(),)
 
@@ -430,4 +431,34 @@ def test_a_table_all_layers_share_fails_export_by_name():
     model, inputs = beit(shared=True)
     pruner = DTPPruner(model, inputs, {"heads": 0.5})
     with pytest.raises(ExportMismatchError, match=r"fails on the example inputs"):
+        pruner.export()
+
+
+def test_mlp_width_under_each_family_config_field_round_trips(tmp_path):
+    """OPT names its MLP width ffn_dim: pruning the MLPs alone writes it, and
+    from_pretrained rebuilds the exported model, without a warning."""
+    torch.manual_seed(0)
+    model, inputs = opt()
+    pruner = DTPPruner(model, inputs, {"mlp": 0.5})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exported = export_checked(pruner, model, inputs)
+    assert exported.config.ffn_dim == 32
+    exported.save_pretrained(tmp_path)
+    loaded = transformers.OPTForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(*inputs).logits, exported(*inputs).logits)
+
+
+@pytest.mark.parametrize("family", ["bart", "gpt2"])
+def test_a_config_that_cannot_rebuild_the_export_warns_even_with_nothing_to_write(family):
+    """BART's MLP widths are two fields (encoder, decoder), and a GPT-2 made of
+    nn.Linear layers is not what GPT2LMHeadModel builds: save_pretrained would write what
+    from_pretrained cannot load, so export says so."""
+    from dtp_kernels import conv1d_to_linear
+
+    torch.manual_seed(0)
+    model, inputs = bart() if family == "bart" else (conv1d_to_linear(gpt2()), (tokens(),))
+    pruner = DTPPruner(model, inputs, {"mlp": 0.5})
+    with pytest.warns(UserWarning, match=r"config cannot describe its sizes"):
         pruner.export()
