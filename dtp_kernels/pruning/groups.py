@@ -153,7 +153,7 @@ def _parts(graph: tp.DependencyGraph, layer: nn.Module) -> int | None:
     group = graph.get_pruning_group(layer, out_channel_handler(layer), [0])
     removed = sorted({int(i) for dep, idxs in group if dep.target.module is layer for i in idxs})
     width, parts = out_width(layer), len(removed)
-    if width % parts or removed != [p * (width // parts) for p in range(parts)]:
+    if not parts or width % parts or removed != [p * (width // parts) for p in range(parts)]:
         return None
     return parts
 
