@@ -32,6 +32,10 @@ def _kind(group) -> str:
     return "mlp" if isinstance(group.layer, nn.Linear) else "channels"
 
 
+class ExportMismatchError(ValueError):
+    """export() produced a model that does not compute what the hard-masked one does."""
+
+
 def _as_tuple(example_inputs) -> tuple:
     return example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
 
@@ -233,6 +237,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         """A physically smaller copy of the model: Torch-Pruning removes the channels whose
         hard mask is 0. Its eval-mode outputs equal the hard-masked model's."""
         masks = self.hard_masks()
+        self._check_shared_head_counts(masks)
         pruned = self._unmasked_copy()
         with traced_graph(pruned, self.example_inputs) as graph:
             names = dict(pruned.named_modules())
@@ -250,8 +255,33 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                 if group.group_norm is not None:  # whole groups went: as many fewer groups
                     norm = names[original_names[group.group_norm]]
                     norm.num_groups -= len(dropped_units)
-        update_config(pruned, [(_kind(g), g) for g in self.groups], masks)
+        described = update_config(pruned, [(_kind(g), g) for g in self.groups], masks)
+        if not described and any(getattr(g, "heads_from_config", False) for g in self.groups):
+            raise ExportMismatchError(
+                "the model's config cannot describe the exported heads (see the warning), "
+                "and its attention layers read their head count from it"
+            )
         return pruned
+
+    def _check_shared_head_counts(self, masks: list[torch.Tensor]) -> None:
+        """Attention layers that read their head count from the config all layers share
+        (Phi-3) export only when every one of them keeps the same number of heads."""
+        shared = [
+            (g, int(m.sum()))
+            for g, m in zip(self.groups, masks, strict=True)
+            if getattr(g, "heads_from_config", False)
+        ]
+        if not shared:
+            return
+        layers = getattr(getattr(self.model, "config", None), "num_hidden_layers", None)
+        if len({kept for _, kept in shared}) > 1 or len(shared) != layers:
+            counts = {g.name: kept for g, kept in shared}
+            raise ExportMismatchError(
+                f"attention layers {list(counts)[:4]} read their head count from the "
+                "model's config, which all layers share, so every attention layer must keep "
+                f"the same number of heads; the masks keep {counts} of {layers} layers. "
+                "Give all of them one heads ratio with budget='layer'"
+            )
 
     def _unmasked_copy(self) -> nn.Module:
         return copy.deepcopy(self.model)

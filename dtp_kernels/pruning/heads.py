@@ -10,7 +10,9 @@ does not follow the per-head reshapes):
   or keys over all heads (OLMo 2's ``q_norm``, not Qwen3's per head) refuses the group;
 - one fused ``qkv`` projection and ``proj``, with ``num_heads`` and ``head_dim``, as
   timm's ViT and DeiT write them; GPT-2's ``c_attn`` and ``c_proj`` with ``split_size``
-  (its Conv1D layers made ``nn.Linear`` by :func:`conv1d_to_linear` first);
+  (its Conv1D layers made ``nn.Linear`` by :func:`conv1d_to_linear` first); Phi-3's
+  ``qkv_proj`` (query heads, then key and value heads) and ``o_proj``, whose head count
+  the layers read from the config they share;
 - ``query``, ``key``, ``value`` with ``num_attention_heads`` and ``attention_head_size``,
   the output projection being the ``output.dense`` beside it (Hugging Face's BERT), or
   ``query_proj``, ``key_proj``, ``value_proj`` there (DeBERTa);
@@ -42,11 +44,21 @@ class Projection:
     layer: nn.Module
     blocks: int
     per_unit: int
+    # rows per unit of each block when the blocks differ (Phi-3's qkv_proj: a unit's
+    # query heads, then its key head, then its value head); else `per_unit` for each
+    sizes: tuple[int, ...] = ()
+
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        return self.sizes or (self.per_unit,) * self.blocks
 
     def kept(self, units: int, kept_units: torch.Tensor) -> torch.Tensor:
         """Indices of the rows (columns) that `kept_units` keep."""
-        within = (kept_units[:, None] * self.per_unit + torch.arange(self.per_unit)).flatten()
-        return torch.cat([b * units * self.per_unit + within for b in range(self.blocks)])
+        rows, start = [], 0
+        for size in self.block_sizes:
+            rows.append(start + (kept_units[:, None] * size + torch.arange(size)).flatten())
+            start += units * size
+        return torch.cat(rows)
 
 
 @dataclass
@@ -66,6 +78,9 @@ class HeadGroup:
     # per-head parameters besides the projections (owner, name, dimension of the heads),
     # which export cuts to the kept heads
     tables: list = field(default_factory=list)
+    # the layer reads its head count from the model's config, which all layers share
+    # (Phi-3): export needs every such layer to keep as many heads, written there
+    heads_from_config: bool = False
     kept_out: list[nn.Module] = field(init=False)
     kept_in: list[nn.Module] = field(init=False)
     # channels a module loses per unit removed: the cost model counts channels
@@ -74,7 +89,7 @@ class HeadGroup:
     def __post_init__(self) -> None:
         self.kept_out = [p.layer for p in self.rows]
         self.kept_in = [self.out.layer]
-        self.width = {p.layer: p.blocks * p.per_unit for p in [*self.rows, self.out]}
+        self.width = {p.layer: sum(p.block_sizes) for p in [*self.rows, self.out]}
 
     @property
     def size(self) -> int:
@@ -177,6 +192,34 @@ def _fused(name: str, module: nn.Module) -> HeadGroup | None:
             )
     rows = [Projection(qkv, 3, head_dim)]
     return HeadGroup(name, module, rows, Projection(proj, 1, head_dim), heads, 1, head_dim)
+
+
+def _phi3(name: str, module: nn.Module) -> HeadGroup | None:
+    """qkv_proj (all query heads, then the key heads, then the value heads), o_proj,
+    head_dim and num_key_value_heads; the query head count read from the config (Phi-3)."""
+    qkv, o = _linear(module, "qkv_proj"), _linear(module, "o_proj")
+    head_dim = getattr(module, "head_dim", None)
+    units = getattr(module, "num_key_value_heads", None)
+    if qkv is None or o is None or not isinstance(head_dim, int) or not isinstance(units, int):
+        return None
+    heads = o.in_features // head_dim
+    if (
+        o.in_features % head_dim
+        or heads % units
+        or qkv.out_features != (heads + 2 * units) * head_dim
+    ):
+        raise ValueError(
+            f"attention layer {name!r}: qkv_proj ({qkv.out_features} outputs) and o_proj "
+            f"({o.in_features} inputs) are not query heads and {units} key/value heads of "
+            f"head_dim {head_dim}"
+        )
+    per_unit = heads // units
+    sizes = (per_unit * head_dim, head_dim, head_dim)
+    rows = [Projection(qkv, 3, head_dim, sizes)]
+    out = Projection(o, 1, per_unit * head_dim)
+    group = HeadGroup(name, module, rows, out, units, per_unit, head_dim)
+    group.heads_from_config = True
+    return group
 
 
 def _gpt2(name: str, module: nn.Module) -> HeadGroup | None:
@@ -355,6 +398,7 @@ def find_head_groups(model: nn.Module, ignored: list[nn.Module]) -> list[HeadGro
         group = (
             _separate(name, module)
             or _fused(name, module)
+            or _phi3(name, module)
             or _gpt2(name, module)
             or _bert(name, module)
             or _torch_mha(name, module)

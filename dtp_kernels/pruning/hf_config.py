@@ -76,20 +76,21 @@ def _rebuilds(model: nn.Module, config) -> bool:
     return _shapes(fresh) == _shapes(model)
 
 
-def update_config(model: nn.Module, groups: list[tuple[str, object]], masks: list) -> None:
-    """Write the exported sizes into `model.config` when a model built from it matches."""
+def update_config(model: nn.Module, groups: list[tuple[str, object]], masks: list) -> bool:
+    """Write the exported sizes into `model.config` when a model built from it matches;
+    whether the config describes the exported model (False without a config)."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "num_attention_heads"):
-        return
+        return False
     fields = config_fields(config, groups, masks)
     if fields == {} and _rebuilds(model, config):
-        return
+        return True
     before = {name: getattr(config, name, None) for name in fields or {}}
     if fields is not None:
         for name, value in fields.items():
             setattr(config, name, value)
         if _rebuilds(model, config):
-            return
+            return True
         for name, value in before.items():
             setattr(config, name, value)
     warnings.warn(
@@ -100,3 +101,4 @@ def update_config(model: nn.Module, groups: list[tuple[str, object]], masks: lis
         UserWarning,
         stacklevel=3,
     )
+    return False

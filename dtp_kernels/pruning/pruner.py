@@ -28,7 +28,7 @@ from ..masked_channel_epilogue import masked_channel_epilogue
 from ..transport_mask import transport_mask
 from ..transport_state import TransportState
 from . import nm as nm_rules
-from .base import ChannelPruner
+from .base import ChannelPruner, ExportMismatchError
 from .cost import COSTED, FlopsRatio
 from .groups import out_width, output_tensors
 from .heads import HeadGroup
@@ -78,10 +78,6 @@ def ieee_fp32():
         yield
     finally:
         matmul.fp32_precision, conv.fp32_precision = before
-
-
-class ExportMismatchError(ValueError):
-    """export() produced a model that does not compute what the hard-masked one does."""
 
 
 class DTPPruner(ChannelPruner):

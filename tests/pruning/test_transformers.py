@@ -216,12 +216,7 @@ def test_magnitude_baseline_keeps_the_heads_of_largest_l1():
     assert exported.config.num_attention_heads == 2
 
 
-def test_phi3_gate_up_pairs_prune_and_the_config_round_trips(tmp_path):
-    """Phi-3 fuses gate and up into gate_up_proj, chunked in two: its MLP group's unit is
-    gate channel i with up channel i + intermediate_size. The export keeps both halves of
-    the kept units, computes what the hard-masked model does, and its config
-    (intermediate_size) rebuilds it with from_pretrained. Phi-3's attention reads its head
-    count from the shared config, so "heads" is refused as a kind it lacks."""
+def phi3():
     config = transformers.Phi3Config(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -234,23 +229,69 @@ def test_phi3_gate_up_pairs_prune_and_the_config_round_trips(tmp_path):
         eos_token_id=2,
     )
     torch.manual_seed(0)
-    model, ids = transformers.Phi3ForCausalLM(config), tokens()
-    with pytest.raises(ValueError, match=r"asks to prune \['heads'\].*kinds: \['mlp'\]"):
-        DTPPruner(model, (ids,), {"heads": 0.5})
-    pruner = DTPPruner(model, (ids,), {"mlp": 0.5})
-    assert [(g.size, g.parts) for g in pruner.groups] == [(48, 2)] * 2
+    return transformers.Phi3ForCausalLM(config)
+
+
+def test_phi3_fused_heads_and_gate_up_pairs_prune_and_the_config_round_trips(tmp_path):
+    """Phi-3 fuses query, key and value into qkv_proj (all query heads, then the key and
+    value heads) and gate and up into gate_up_proj, chunked in two: a head group's unit
+    is a key/value head with its query heads, an MLP group's unit gate channel i with up
+    channel i + intermediate_size. The export keeps exactly those rows, computes what
+    the hard-masked model does, and its config (which the attention reads its head count
+    from) rebuilds it with from_pretrained, which generates."""
+    model, ids = phi3(), tokens()
+    pruner = DTPPruner(model, (ids,), {"heads": 0.5, "mlp": 0.5})
+    assert [(type(g).__name__, g.size) for g in pruner.groups] == [
+        ("HeadGroup", 2),
+        ("ChannelGroup", 48),
+    ] * 2
+    assert [g.parts for g in pruner.groups[1::2]] == [2, 2]
     with torch.no_grad():
         pruner.scores.uniform_(0, 1, generator=torch.Generator().manual_seed(1))
+    masks = pruner.hard_masks()
     model.eval()
     with torch.no_grad(), pruner.hard_masked():
         want = model(ids).logits
     exported = pruner.export().eval()
-    for layer in exported.model.layers:
+    layers = zip(model.model.layers, exported.model.layers, masks[::2], strict=True)
+    for dense, layer, heads in layers:
+        unit = int(heads.nonzero())  # the kept key/value head, with its 2 query heads of 8
+        rows = [*range(16 * unit, 16 * unit + 16), *range(32 + 8 * unit, 40 + 8 * unit)]
+        rows += range(48 + 8 * unit, 56 + 8 * unit)  # query, key, value rows
+        torch.testing.assert_close(
+            layer.self_attn.qkv_proj.weight, dense.self_attn.qkv_proj.weight[rows]
+        )
+        assert layer.self_attn.o_proj.in_features == 16
         assert (layer.mlp.gate_up_proj.out_features, layer.mlp.down_proj.in_features) == (48, 24)
-    assert exported.config.intermediate_size == 24
+    config = exported.config
+    assert (config.num_attention_heads, config.num_key_value_heads) == (2, 1)
+    assert config.intermediate_size == 24
     with torch.no_grad():
         torch.testing.assert_close(exported(ids).logits, want, rtol=1e-5, atol=1e-5)
     exported.save_pretrained(tmp_path)
     loaded = transformers.Phi3ForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, exported(ids).logits)
+    assert loaded.generate(ids[:1], max_new_tokens=3, do_sample=False).shape == (1, 12)
+
+
+def test_phi3_heads_kept_unevenly_across_layers_are_refused_at_export():
+    """Phi-3's attention reads its query head count from the config all layers share:
+    pruning one layer's heads alone cannot export, and says why."""
+    from dtp_kernels.pruning import ExportMismatchError
+
+    pruner = DTPPruner(phi3(), (tokens(),), {"model.layers.0.self_attn": 0.5})
+    with pytest.raises(ExportMismatchError, match=r"must keep the same number of heads"):
+        pruner.export()
+
+
+def test_phi3_heads_whose_config_cannot_be_written_are_refused_at_export(monkeypatch):
+    """The safety net behind the even-count rule: were the config left unchanged (any
+    reason its rebuild check fails), the exported attention would read the old head
+    count, so export raises instead of returning it."""
+    from dtp_kernels.pruning import ExportMismatchError, base
+
+    monkeypatch.setattr(base, "update_config", lambda model, groups, masks: False)
+    pruner = DTPPruner(phi3(), (tokens(),), {"heads": 0.5})
+    with pytest.raises(ExportMismatchError, match=r"cannot describe the exported heads"):
+        pruner.export()
