@@ -1,7 +1,9 @@
-"""Attention heads of the Hugging Face families beyond Llama and BERT (tiny configurations
-built here, nothing downloaded): separate projections under other names, GPT-2's fused
-c_attn once its Conv1D layers are made nn.Linear, and cross-attention. For each: the heads
-are groups, the export keeps exactly the heads asked for and computes what the
+"""Attention heads of the Hugging Face families beyond Llama, BERT and Phi-3 (tiny
+configurations built here, nothing downloaded): separate projections under other names,
+GPT-2's fused c_attn once its Conv1D layers are made nn.Linear, cross-attention and
+per-head position-bias tables; the fused forms no recognised one covers are left whole
+while their MLPs prune, and what cannot be pruned is refused by name. For each: the
+heads are groups, the export keeps exactly the heads asked for and computes what the
 hard-masked model computes, and the config follows when it can describe the pruned
 model."""
 
@@ -132,8 +134,8 @@ FAMILIES = {
     "gptj": (gptj, 2, 4, False),
     "whisper": (whisper, 3, 4, False),
     "phi": (lambda: decoder("Phi"), 2, 4, True),  # output projection "dense"
-    # q_norm and k_norm over each head's head_dim (Qwen3's as long as there are heads:
-    # its norm's weight is not a per-head table)
+    # q_norm and k_norm over each head's head_dim; head_dim 4 equals the head count, so
+    # a norm's weight must not be taken for a per-head table
     "qwen3": (lambda: decoder("Qwen3", num_key_value_heads=2, head_dim=4), 2, 2, True),
     "gemma3": (lambda: decoder("Gemma3Text", model="Gemma3", **GQA), 2, 2, True),
 }
