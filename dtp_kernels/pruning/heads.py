@@ -422,9 +422,10 @@ def _per_head_tables(
     projections, as (owner module, name, dimension): export cuts them to the kept heads.
     They are looked for in the attention layer (Swin's relative position bias table, the
     rows of Swin V2's per-head bias MLP output) and, as raw parameters, in the block
-    holding it (BEiT's bias table). A parameter with several such dimensions (heads
-    mixed with heads) makes the second item say why the heads cannot be pruned ("" when
-    they can)."""
+    holding it and its direct children (BEiT's bias table; not deeper, where a mixture of
+    experts keeps its raw per-expert weights). A parameter with several such dimensions
+    (heads mixed with heads) makes the second item say why the heads cannot be pruned
+    ("" when they can)."""
     heads = group.units * group.query_heads_per_unit
     projections = {*group.kept_out, group.layer}
     candidates = []  # (owner, owner's name, parameter name, tensor)
@@ -437,7 +438,8 @@ def _per_head_tables(
             continue
         candidates += [(owner, owner_name, n, p) for n, p in owner.named_parameters(recurse=False)]
     inside = set(group.module.modules())
-    for owner_name, owner in block.named_modules() if block is not None else ():
+    beside = [("", block), *block.named_children()] if block is not None else []
+    for owner_name, owner in beside:
         if (
             owner in inside
             or isinstance(owner, NOT_TABLES)

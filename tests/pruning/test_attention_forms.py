@@ -464,3 +464,16 @@ def test_a_config_that_cannot_rebuild_the_export_warns_even_with_nothing_to_writ
     pruner = DTPPruner(model, inputs, {"mlp": 0.5})
     with pytest.warns(UserWarning, match=r"config cannot describe its sizes"):
         pruner.export()
+
+
+def test_raw_expert_weights_beside_the_attention_are_not_taken_for_head_tables():
+    """Mixtral's mixture of experts keeps raw per-expert weights (experts first) in the
+    block beside the attention; with as many experts as heads they still are not
+    per-head tables: the heads export exactly and the experts stay whole."""
+    torch.manual_seed(0)
+    model, inputs = decoder("Mixtral", num_key_value_heads=4, num_local_experts=4)
+    pruner = DTPPruner(model, inputs, {"heads": 0.5})
+    assert all(not g.tables for g in pruner.groups)
+    exported = export_checked(pruner, model, inputs)
+    dense, pruned = model.state_dict(), exported.state_dict()
+    assert all(pruned[k].shape == v.shape for k, v in dense.items() if "experts" in k)
