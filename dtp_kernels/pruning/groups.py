@@ -275,8 +275,15 @@ def _coupling_problem(ops: list[str], norms: list, params: list, bns: list, rest
 GROUP_SEARCH_SECONDS = 60.0
 
 
-class _SearchExpiredError(Exception):
-    pass
+class _SearchExpiredError(BaseException):
+    """Raised by the SIGALRM handler; not an Exception, so that no `except Exception` on
+    the search's path takes it for an error of its own."""
+
+
+# after the bound, the alarm repeats this often until the search ends: an expiry raised
+# where Python ignores exceptions (a finalizer run by the garbage collector) is followed
+# by the next
+EXPIRY_REPEAT_SECONDS = 0.05
 
 
 @contextlib.contextmanager
@@ -293,18 +300,20 @@ def _bounded_search(graph: tp.DependencyGraph, names: dict[nn.Module, str]) -> I
     if not usable:
         yield
         return
-    search, root = graph.get_pruning_group, []
+    search, root, searching = graph.get_pruning_group, [], [False]
 
     def bounded(module, handler, idxs):
-        root[:] = [module]
-        signal.setitimer(signal.ITIMER_REAL, GROUP_SEARCH_SECONDS)
+        root[:], searching[0] = [module], True
+        signal.setitimer(signal.ITIMER_REAL, GROUP_SEARCH_SECONDS, EXPIRY_REPEAT_SECONDS)
         try:
             return search(module, handler, idxs)
         finally:
+            searching[0] = False
             signal.setitimer(signal.ITIMER_REAL, 0)
 
     def expire(_signum, _frame):
-        raise _SearchExpiredError
+        if searching[0]:  # not in the clean-up after the search
+            raise _SearchExpiredError
 
     previous = signal.signal(signal.SIGALRM, expire)
     graph.get_pruning_group = bounded  # get_all_groups calls it through the instance

@@ -4,6 +4,12 @@ counts, the exported model equal to the hard-masked one, predicted parameters eq
 the exported ones, a gradient on every score (the same from two backends), and a few
 training steps with the transport state committed."""
 
+import contextlib
+import random
+import resource
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -290,10 +296,52 @@ def test_a_group_search_that_does_not_end_is_stopped_and_named(monkeypatch):
     ).train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     handler = signal.getsignal(signal.SIGALRM)
-    with pytest.raises(ValueError, match=r"'features.3.0.mlp.3' did not end within 1 s"):
+    # the unbounded search grows by about 0.1 GB/s: were the bound to fail, a MemoryError
+    # here rather than the whole test run killed for memory
+    expired = pytest.raises(ValueError, match=r"'features.3.0.mlp.3' did not end within 1 s")
+    with memory_grows_at_most(4 << 30), expired:
         DTPPruner(model, (torch.randn(1, 3, 32, 32),), 0.5)
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
     assert signal.getsignal(signal.SIGALRM) == handler
     assert model.training
     assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@contextlib.contextmanager
+def memory_grows_at_most(nbytes: int):
+    """Within the block, the process's address space may grow by `nbytes` at most."""
+    pages = int(Path("/proc/self/statm").read_text().split()[0])
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (pages * resource.getpagesize() + nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def test_an_expiry_the_search_swallows_fires_again(monkeypatch):
+    """The bound's alarm can land where Python ignores exceptions (a finalizer the garbage
+    collector runs during the search): it repeats until the search ends, so a search that
+    spends most of its time in finalizers is still stopped. (A search still running
+    after 10 s returns, and the test fails.)"""
+    from dtp_kernels.pruning import groups
+
+    monkeypatch.setattr(groups, "GROUP_SEARCH_SECONDS", 0.2)
+    rng = random.Random(0)
+
+    class Finalized:
+        def __del__(self):
+            time.sleep(rng.uniform(0, 0.01))
+
+    class Graph:
+        def get_pruning_group(self, module, handler, idxs):
+            start = time.monotonic()
+            while time.monotonic() - start < 10:
+                Finalized()  # freed at once: most alarms land in its __del__
+                time.sleep(rng.uniform(0, 0.002))
+
+    layer, graph = torch.nn.Linear(2, 2), Graph()
+    expired = pytest.raises(ValueError, match=r"'layer' did not end within 0.2 s")
+    with expired, groups._bounded_search(graph, {layer: "layer"}):
+        graph.get_pruning_group(layer, None, [0])
