@@ -314,6 +314,11 @@ def bloom():
     return transformers.BloomForCausalLM(config), (tokens(),)
 
 
+def mpt():
+    config = transformers.MptConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4)
+    return transformers.MptForCausalLM(config), (tokens(),)
+
+
 def gpt_bigcode():  # multi-query attention in one c_attn
     config = transformers.GPTBigCodeConfig(
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, multi_query=True, **TOKEN_IDS
@@ -348,15 +353,16 @@ def beit(shared=False):  # a bias table per layer, in the block beside the atten
 UNRECOGNISED_ATTENTION = {
     "falcon": (falcon, "transformer.h.{}.mlp.dense_h_to_4h"),
     "bloom": (bloom, "transformer.h.{}.mlp.dense_h_to_4h"),
+    "mpt": (mpt, "transformer.blocks.{}.ffn.up_proj"),
     "gpt_bigcode": (gpt_bigcode, "transformer.h.{}.mlp.c_fc"),
 }
 
 
 @pytest.mark.parametrize("family", UNRECOGNISED_ATTENTION)
 def test_a_fused_qkv_in_no_recognised_form_is_left_whole_and_the_mlp_prunes(family):
-    """Falcon's and BLOOM's query_key_value and GPT-BigCode's multi-query c_attn are
-    reshaped into heads by code export cannot change: not groups of single channels
-    (their export failed), not heads; the MLPs prune exactly."""
+    """Falcon's and BLOOM's query_key_value, MPT's Wqkv and GPT-BigCode's multi-query
+    c_attn are reshaped into heads by code export cannot change: not groups of single
+    channels (their export failed), not heads; the MLPs prune exactly."""
     build, mlp = UNRECOGNISED_ATTENTION[family]
     torch.manual_seed(0)
     model, inputs = build()
