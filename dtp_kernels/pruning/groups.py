@@ -237,9 +237,9 @@ def _parameter_owners(model: nn.Module) -> dict[int, nn.Module]:
     }
 
 
-def _is_norm(module: nn.Module) -> bool:
-    """A normalization layer Torch-Pruning has no handler for (RMSNorm, LayerNorm2d and
-    model-specific norms), known by its class name."""
+def is_norm(module: nn.Module) -> bool:
+    """A normalization layer (RMSNorm, LayerNorm2d, model-specific norms Torch-Pruning has
+    no handler for), known by its class name."""
     return "norm" in type(module).__name__.lower()
 
 
@@ -382,7 +382,7 @@ def _channel_groups(
                 norms.append(module)
             elif handler == tp.prune_parameter_out_channels:
                 owner = owners.get(id(module))
-                if owner is not None and _is_norm(owner):
+                if owner is not None and is_norm(owner):
                     if owner not in norms:
                         norms.append(owner)
                 else:

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .groups import is_norm
+
 
 @dataclass
 class Projection:
@@ -165,7 +167,7 @@ def _norms_over_all_heads(module: nn.Module, head_dim: int) -> tuple[nn.Module, 
     return tuple(
         child
         for child in module.children()
-        if "norm" in type(child).__name__.lower()
+        if is_norm(child)
         and isinstance(getattr(child, "weight", None), torch.Tensor)
         and child.weight.numel() != head_dim
     )
@@ -217,9 +219,7 @@ def _phi3(name: str, module: nn.Module) -> HeadGroup | None:
     sizes = (per_unit * head_dim, head_dim, head_dim)
     rows = [Projection(qkv, 3, head_dim, sizes)]
     out = Projection(o, 1, per_unit * head_dim)
-    group = HeadGroup(name, module, rows, out, units, per_unit, head_dim)
-    group.heads_from_config = True
-    return group
+    return HeadGroup(name, module, rows, out, units, per_unit, head_dim, heads_from_config=True)
 
 
 def _gpt2(name: str, module: nn.Module) -> HeadGroup | None:
@@ -430,7 +430,7 @@ def _per_head_tables(
     projections = {*group.kept_out, group.layer}
     candidates = []  # (owner, owner's name, parameter name, tensor)
     for owner_name, owner in group.module.named_modules():
-        if owner in projections or "norm" in type(owner).__name__.lower():
+        if owner in projections or is_norm(owner):
             continue
         if isinstance(owner, nn.Linear):  # a layer computing one output per head
             if owner.out_features == heads:
@@ -440,11 +440,7 @@ def _per_head_tables(
     inside = set(group.module.modules())
     beside = [("", block), *block.named_children()] if block is not None else []
     for owner_name, owner in beside:
-        if (
-            owner in inside
-            or isinstance(owner, NOT_TABLES)
-            or "norm" in type(owner).__name__.lower()
-        ):
+        if owner in inside or isinstance(owner, NOT_TABLES) or is_norm(owner):
             continue
         candidates += [(owner, owner_name, n, p) for n, p in owner.named_parameters(recurse=False)]
     tables, mixed = [], []

@@ -86,7 +86,7 @@ def update_config(model: nn.Module, groups: list[tuple[str, object]], masks: lis
     if fields == {} and _rebuilds(model, config):
         return True
     before = {name: getattr(config, name, None) for name in fields or {}}
-    if fields is not None:
+    if fields:  # None: no one size per kind; {}: nothing to write, and it did not rebuild
         for name, value in fields.items():
             setattr(config, name, value)
         if _rebuilds(model, config):
