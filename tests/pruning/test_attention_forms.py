@@ -402,22 +402,25 @@ def test_per_head_tables_are_cut_to_the_kept_heads(family):
 
 
 class TalkingHeads(torch.nn.Module):
-    """Attention whose heads' scores are mixed across heads by a learned matrix."""
+    """Attention whose heads' scores are mixed across heads by a learned matrix (plain
+    attention with mixed=False)."""
 
-    def __init__(self, heads=4, head_dim=8):
+    def __init__(self, heads=4, head_dim=8, mixed=True):
         super().__init__()
         width = heads * head_dim
         self.head_dim = head_dim
         self.q_proj, self.k_proj = torch.nn.Linear(32, width), torch.nn.Linear(32, width)
         self.v_proj, self.o_proj = torch.nn.Linear(32, width), torch.nn.Linear(width, 32)
-        self.mix = torch.nn.Parameter(torch.eye(heads) + 0.1)
+        self.mix = torch.nn.Parameter(torch.eye(heads) + 0.1) if mixed else None
 
     def forward(self, x):
         def split(t):
             return t.view(*t.shape[:2], -1, self.head_dim).transpose(1, 2)
 
         q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
-        scores = torch.einsum("hg,bgqk->bhqk", self.mix, q @ k.transpose(-1, -2))
+        scores = q @ k.transpose(-1, -2)
+        if self.mix is not None:
+            scores = torch.einsum("hg,bgqk->bhqk", self.mix, scores)
         out = scores.softmax(-1) @ v
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
@@ -483,3 +486,28 @@ def test_raw_expert_weights_beside_the_attention_are_not_taken_for_head_tables()
     exported = export_checked(pruner, model, inputs)
     dense, pruned = model.state_dict(), exported.state_dict()
     assert all(pruned[k].shape == v.shape for k, v in dense.items() if "experts" in k)
+
+
+class RoutedBlock(torch.nn.Module):
+    """A block holding attention of 4 heads beside a layer of 4 outputs per token (a
+    router, say) that has nothing to do with the heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn, self.router = TalkingHeads(mixed=False), torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        return x + self.attn(x) * self.router(x).softmax(-1)[..., :1]
+
+
+def test_a_layer_beside_the_attention_with_as_many_outputs_as_heads_is_no_table():
+    """Only raw parameters beside the attention are per-head tables: the block's router
+    (weights 4 x 32 with 4 heads) stays whole and the heads export exactly."""
+    torch.manual_seed(0)
+    model, inputs = torch.nn.Sequential(RoutedBlock()), (torch.randn(2, 5, 32),)
+    pruner = DTPPruner(model, inputs, {"heads": 0.5})
+    assert [(g.name, g.tables) for g in pruner.groups] == [("0.attn", [])]
+    with torch.no_grad():
+        pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
+    exported = export_checked(pruner, model, inputs)
+    assert exported[0].router.weight.shape == (4, 32)
