@@ -137,7 +137,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
 
     def _find_groups(self, model: nn.Module, inputs: tuple, ignored: list) -> list:
         """The prunable groups: attention heads, then channel groups (filter pruning)."""
-        heads = find_head_groups(model, ignored)
+        heads = find_head_groups(model, ignored, inputs)
         projections = [layer for g in heads for layer in (*g.kept_out, g.layer)]
         with traced_graph(model, inputs) as graph:
             channels = find_groups(model, graph, ignored + projections, self.prune_coupled)

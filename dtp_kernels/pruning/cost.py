@@ -71,6 +71,14 @@ def trace_layers(model: nn.Module, example_inputs: torch.Tensor | tuple) -> list
             layers.append(Layer(module, 1, output.numel() // max(module.out_features, 1)))
 
     handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, COSTED)]
+    run_hooked(model, example_inputs, handles)
+    return layers
+
+
+@torch.no_grad()
+def run_hooked(model: nn.Module, example_inputs: torch.Tensor | tuple, handles: list) -> None:
+    """One eval-mode forward of `example_inputs`; the mode restored and the hooks of
+    `handles` removed after it."""
     was_training = model.training
     model.eval()
     try:
@@ -80,7 +88,6 @@ def trace_layers(model: nn.Module, example_inputs: torch.Tensor | tuple) -> list
         model.train(was_training)
         for handle in handles:
             handle.remove()
-    return layers
 
 
 def count_flops(model: nn.Module, example_inputs: torch.Tensor | tuple) -> int:

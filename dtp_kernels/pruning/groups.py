@@ -105,6 +105,49 @@ def _op_name(module) -> str:
     return str(getattr(module, "_grad_fn", "")) if isinstance(module, tp.ops._ElementWiseOp) else ""
 
 
+# what an addition inside one channel's computation is called in a group's ops: not a
+# merge (T5's and UMT5's tanh GELU, x + 0.044715 * x**3, is one in a gated MLP)
+WITHIN_CHANNEL_ADD = "WithinChannelAdd"
+# ops Torch-Pruning follows as elementwise that mix channels: a term reached through one
+# counts as a source of its own
+MIXING_OPS = (
+    "MmBackward",
+    "BmmBackward",
+    "AddmmBackward",
+    "BaddbmmBackward",
+    "SumBackward",
+    "MeanBackward",
+    "CumsumBackward",
+    "TBackward",
+    "TransposeBackward",
+    "PermuteBackward",
+    *ATTENTION_OPS,
+)
+
+
+def _group_op(graph: tp.DependencyGraph, module) -> str:
+    """The op's name in a group; an addition whose terms all come from one layer (through
+    elementwise ops only, none of MIXING_OPS) is WITHIN_CHANNEL_ADD, not a merge of
+    widths."""
+    name = _op_name(module)
+    if not name.startswith(("AddBackward", "SubBackward")):
+        return name
+    sources, stack, seen = set(), list(graph.module2node[module].inputs), set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        op = _op_name(node.module)
+        if op and node.inputs and not op.startswith(MIXING_OPS):
+            stack.extend(node.inputs)
+        else:
+            sources.add(node.module)
+            if len(sources) > 1:  # a merge: no need to walk a residual stream to its start
+                return name
+    return WITHIN_CHANNEL_ADD
+
+
 PER_CHANNEL_NORMS = (tp.prune_batchnorm_out_channels, tp.prune_instancenorm_out_channels)
 
 
@@ -362,7 +405,7 @@ def _channel_groups(
         group_norms, params = [], []
         for dep, _idxs in group:
             module, handler = dep.target.module, dep.handler
-            ops.append(_op_name(module))
+            ops.append(_group_op(graph, module))
             if handler in (tp.prune_conv_out_channels, tp.prune_depthwise_conv_out_channels):
                 outs.append(module)
                 if not _is_depthwise(module):

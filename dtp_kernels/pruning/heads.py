@@ -16,9 +16,19 @@ does not follow the per-head reshapes):
 - ``query``, ``key``, ``value`` with ``num_attention_heads`` and ``attention_head_size``,
   the output projection being the ``output.dense`` beside it (Hugging Face's BERT), or
   ``query_proj``, ``key_proj``, ``value_proj`` there (DeBERTa);
+- one fused projection holding each unit's query heads, key and value in turn: GPT-NeoX's,
+  Falcon's and BLOOM's ``query_key_value`` with ``dense``, GPT-BigCode's ``c_attn`` with
+  ``c_proj``; MPT's ``Wqkv`` (query, key and value blocks) with ``out_proj``; T5's and
+  UMT5's ``q``, ``k``, ``v``, ``o`` with ``key_value_proj_dim``;
 - torch's ``nn.MultiheadAttention`` (torchvision's ViT). Its inner width is tied to the
   embedding width, so export replaces it with :class:`PrunedMultiheadAttention`, the same
   computation with fewer heads.
+
+Some are found only to be refused by name when their heads are asked for: multi-query
+attention (one key/value head for all query heads: the layer is one unit), and layers
+handed a bias for all heads computed outside them (ALiBi; T5's relative position bias,
+which the first layer of a stack computes for the others), which would not lose the
+removed heads.
 
 The unit is a key/value head together with the query heads that share it (grouped-query
 attention; one query head per unit without it). Removing a unit removes its query, key
@@ -29,11 +39,13 @@ removing the unit does.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from .cost import run_hooked
 from .groups import is_norm
 
 
@@ -119,6 +131,7 @@ SEPARATE_FORMS = (
     (("q_proj", "k_proj", "v_proj", "out_proj"), "head_dim"),  # OPT, BART, CLIP, GPT-J
     (("q_proj", "k_proj", "v_proj", "dense"), "head_dim"),  # Phi
     (("q_lin", "k_lin", "v_lin", "out_lin"), "attention_head_size"),  # DistilBERT
+    (("q", "k", "v", "o"), "key_value_proj_dim"),  # T5, UMT5
 )
 
 
@@ -156,8 +169,7 @@ def _separate(name: str, module: nn.Module) -> HeadGroup | None:
         Projection(v, 1, head_dim),
     ]
     out = Projection(o, 1, per_unit * head_dim)
-    norms = _norms_over_all_heads(module, head_dim)
-    return HeadGroup(name, module, rows, out, units, per_unit, head_dim, norms)
+    return HeadGroup(name, module, rows, out, units, per_unit, head_dim)
 
 
 def _norms_over_all_heads(module: nn.Module, head_dim: int) -> tuple[nn.Module, ...]:
@@ -173,15 +185,25 @@ def _norms_over_all_heads(module: nn.Module, head_dim: int) -> tuple[nn.Module, 
     )
 
 
+# one fused projection of query, key and value blocks, the output projection and the
+# attribute holding the head count
+FUSED_FORMS = (("qkv", "proj", "num_heads"), ("Wqkv", "out_proj", "n_heads"))  # timm, MPT
+
+
 def _fused(name: str, module: nn.Module) -> HeadGroup | None:
-    """qkv, proj, num_heads and head_dim (timm)."""
-    qkv, proj = _linear(module, "qkv"), _linear(module, "proj")
-    heads, head_dim = getattr(module, "num_heads", None), getattr(module, "head_dim", None)
-    if qkv is None or proj is None or not isinstance(heads, int) or not isinstance(head_dim, int):
+    """A FUSED_FORMS projection with head_dim (timm's ViT and DeiT, MPT)."""
+    for fused, output, count in FUSED_FORMS:
+        qkv, proj = _linear(module, fused), _linear(module, output)
+        heads, head_dim = getattr(module, count, None), getattr(module, "head_dim", None)
+        if qkv is not None and proj is not None and isinstance(heads, int):
+            break
+    else:
+        return None
+    if not isinstance(head_dim, int):
         return None
     if qkv.out_features != 3 * heads * head_dim or proj.in_features != heads * head_dim:
         raise ValueError(
-            f"attention layer {name!r}: qkv ({qkv.out_features} outputs) and proj "
+            f"attention layer {name!r}: {fused} ({qkv.out_features} outputs) and {output} "
             f"({proj.in_features} inputs) are not {heads} heads of head_dim {head_dim}"
         )
     for part in ("norm", "gate"):  # a norm over all heads, or a gate: not per head
@@ -220,6 +242,50 @@ def _phi3(name: str, module: nn.Module) -> HeadGroup | None:
     rows = [Projection(qkv, 3, head_dim, sizes)]
     out = Projection(o, 1, per_unit * head_dim)
     return HeadGroup(name, module, rows, out, units, per_unit, head_dim, heads_from_config=True)
+
+
+def _per_head_fused(name: str, module: nn.Module) -> HeadGroup | None:
+    """One fused projection whose rows hold each unit's query heads, key and value in
+    turn: GPT-NeoX's, BLOOM's and Falcon's query_key_value with dense (Falcon's new
+    decoder architecture: a unit is a key/value head and its query heads); GPT-BigCode's
+    c_attn with c_proj. Multi-query attention (Falcon-7B's, GPT-BigCode's: all query heads,
+    then one key and one value head) is a single unit, refused."""
+    for fused, output in (("query_key_value", "dense"), ("c_attn", "c_proj")):
+        qkv, out = _linear(module, fused), _linear(module, output)
+        if qkv is not None and out is not None:
+            break
+    else:
+        return None
+    multi_query = getattr(module, "multi_query", None)
+    if fused == "c_attn" and (multi_query is None or hasattr(module, "q_attn")):
+        return None  # GPT-2's layout (_gpt2); GPT-BigCode's cross-attention
+    head_dim = getattr(module, "head_dim", getattr(module, "head_size", None))
+    if not isinstance(head_dim, int) or out.in_features % head_dim:
+        return None
+    heads = out.in_features // head_dim
+    grouped = bool(getattr(module, "new_decoder_architecture", False))
+    units = getattr(module, "num_kv_heads", None) if grouped else heads
+    if multi_query and not grouped:
+        units = 1
+    if not isinstance(units, int) or units < 1 or heads % units:
+        return None
+    per_unit = heads // units
+    if qkv.out_features != (heads + 2 * units) * head_dim:
+        raise ValueError(
+            f"attention layer {name!r}: {fused} ({qkv.out_features} outputs) and {output} "
+            f"({out.in_features} inputs) are not {heads} query and {units} key/value heads "
+            f"of head_dim {head_dim}"
+        )
+    if units == 1 and heads > 1:  # rows: all query heads, then the key, then the value
+        rows = [Projection(qkv, 3, head_dim, (heads * head_dim, head_dim, head_dim))]
+        refusal = (
+            "multi-query attention: one key and value head serves all its query heads, so "
+            "the layer is a single unit"
+        )
+    else:
+        rows, refusal = [Projection(qkv, 1, (per_unit + 2) * head_dim)], ""
+    out_rows = Projection(out, 1, per_unit * head_dim)
+    return HeadGroup(name, module, rows, out_rows, units, per_unit, head_dim, refusal=refusal)
 
 
 def _gpt2(name: str, module: nn.Module) -> HeadGroup | None:
@@ -387,9 +453,12 @@ def _additive_mask(attn_mask, key_padding_mask, batch, heads, length, source, dt
     return total
 
 
-def find_head_groups(model: nn.Module, ignored: list[nn.Module]) -> list[HeadGroup]:
+def find_head_groups(
+    model: nn.Module, ignored: list[nn.Module], inputs: tuple = ()
+) -> list[HeadGroup]:
     """Every attention layer of these forms, in model order; an error names one whose
-    projections do not split into whole heads."""
+    projections do not split into whole heads. `inputs` (the example inputs) show which
+    layers are handed a bias for their heads from outside (see `_biases_from_outside`)."""
     modules = dict(model.named_modules())
     groups = []
     for name, module in model.named_modules():
@@ -398,6 +467,7 @@ def find_head_groups(model: nn.Module, ignored: list[nn.Module]) -> list[HeadGro
         group = (
             _separate(name, module)
             or _fused(name, module)
+            or _per_head_fused(name, module)
             or _phi3(name, module)
             or _gpt2(name, module)
             or _bert(name, module)
@@ -405,10 +475,60 @@ def find_head_groups(model: nn.Module, ignored: list[nn.Module]) -> list[HeadGro
         )
         if group is None or any(layer in ignored for layer in [*group.kept_out, group.layer]):
             continue
+        group.norms = _norms_over_all_heads(group.module, group.head_dim)
         parent = group.name.rpartition(".")[0]  # the block holding the attention layer
-        group.tables, group.refusal = _per_head_tables(group, modules[parent] if parent else None)
+        group.tables, mixed = _per_head_tables(group, modules[parent] if parent else None)
+        group.refusal = group.refusal or mixed
         groups.append(group)
+    outside = _biases_from_outside(model, inputs, [g for g in groups if not g.refusal])
+    for group in groups:
+        group.refusal = group.refusal or outside.get(group.module, "")
     return groups
+
+
+# the arguments by which attention layers receive a bias per head computed outside them:
+# T5's position_bias (the stack's first layer computes it and passes it to all the
+# others; MPT's ALiBi too): always; ALiBi (BLOOM; Falcon's when config.alibi) and BEiT's
+# shared relative_position_bias: when the example inputs hand a tensor to the layer
+ALWAYS_FROM_OUTSIDE = ("position_bias",)
+WHEN_GIVEN = ("alibi", "relative_position_bias")
+
+
+def _biases_from_outside(
+    model: nn.Module, inputs: tuple, groups: list[HeadGroup]
+) -> dict[nn.Module, str]:
+    """The attention layers (of `groups`) handed a bias per head from outside, with why
+    that refuses them. The model runs once on `inputs`, only when a layer may receive
+    one."""
+    found, watched = {}, {}
+    for group in groups:
+        forward = inspect.signature(group.module.forward).parameters
+        always = [a for a in ALWAYS_FROM_OUTSIDE if a in forward]
+        if always:
+            found[group.module] = (
+                f"its forward takes `{always[0]}`, a bias for all heads that one layer "
+                "computes and hands to the others (T5's relative position bias, MPT's "
+                "ALiBi): it would not lose the heads removed from one layer"
+            )
+        elif any(a in forward for a in WHEN_GIVEN):
+            watched[group.module] = [a for a in WHEN_GIVEN if a in forward]
+    if not watched or not inputs:
+        return found
+
+    def record(module, args, kwargs):
+        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+        for argument in watched[module]:
+            if isinstance(bound.get(argument), torch.Tensor):
+                found[module] = (
+                    f"its forward is handed `{argument}`, a bias per head computed outside "
+                    "the layer for all the model's heads: it would not lose the heads "
+                    "removed from one layer"
+                )
+
+    run_hooked(
+        model, inputs, [m.register_forward_pre_hook(record, with_kwargs=True) for m in watched]
+    )
+    return found
 
 
 # modules whose parameters are never per-head tables of an attention layer they are beside
@@ -505,6 +625,10 @@ def prune_heads(
         ("attn_dim", heads * group.head_dim),
         ("all_head_size", heads * group.head_dim),
         ("split_size", heads * group.head_dim),
+        ("inner_dim", heads * group.head_dim),
+        ("num_kv_heads", len(kept)),
+        ("kv_heads", len(kept)),
+        ("kv_dim", len(kept) * group.head_dim),
     ):
         if isinstance(getattr(module, attr, None), int):
             setattr(module, attr, value)

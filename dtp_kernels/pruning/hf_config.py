@@ -85,12 +85,17 @@ def update_config(model: nn.Module, groups: list[tuple[str, object]], masks: lis
     fields = config_fields(config, groups, masks)
     if fields == {} and _rebuilds(model, config):
         return True
-    before = {name: getattr(config, name, None) for name in fields or {}}
+    before = {}
     if fields:  # None: no one size per kind; {}: nothing to write, and it did not rebuild
-        for name, value in fields.items():
-            setattr(config, name, value)
-        if _rebuilds(model, config):
-            return True
+        try:
+            for name, value in fields.items():
+                current = getattr(config, name, None)
+                setattr(config, name, value)  # a read-only field (Falcon's head_dim) raises
+                before[name] = current
+            if _rebuilds(model, config):
+                return True
+        except AttributeError:
+            pass
         for name, value in before.items():
             setattr(config, name, value)
     warnings.warn(

@@ -120,6 +120,22 @@ def opt():  # its MLP width is ffn_dim
     return transformers.OPTForCausalLM(config), (tokens(),)
 
 
+def t5(family: str = "T5"):  # encoder self-, decoder self- and cross-attention
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=2,
+    )
+    model = getattr(transformers, f"{family}ForConditionalGeneration")(config)
+    return model, (tokens(), None, tokens(2, 5))
+
+
 GQA = {"num_key_value_heads": 2, "head_dim": 8}
 
 # family: (builder, attention layers, units per layer, whether the config can describe
@@ -138,6 +154,9 @@ FAMILIES = {
     # a norm's weight must not be taken for a per-head table
     "qwen3": (lambda: decoder("Qwen3", num_key_value_heads=2, head_dim=4), 2, 2, True),
     "gemma3": (lambda: decoder("Gemma3Text", model="Gemma3", **GQA), 2, 2, True),
+    # a relative position bias table in every self-attention layer, cut per head; its
+    # gated MLP's tanh GELU adds within each channel
+    "umt5": (lambda: t5("UMT5"), 6, 4, False),
 }
 
 
@@ -189,6 +208,8 @@ def test_heads_export_with_exact_counts_equal_to_the_hard_masked_model(family, t
         for attr in ("num_heads", "n_heads", "num_attention_heads"):
             if isinstance(getattr(attention, attr, None), int):
                 assert getattr(attention, attr) == kept * group.query_heads_per_unit, attr
+        if hasattr(attention, "inner_dim"):  # UMT5's
+            assert attention.inner_dim == width * group.query_heads_per_unit
     params, _ = pruner.predicted_counts()
     assert params == sum(p.numel() for p in exported.parameters())
     if config_follows:  # save_pretrained / from_pretrained rebuild the pruned model
@@ -300,11 +321,21 @@ def test_gpt2_cross_attention_heads_export_equal_to_the_hard_masked_model():
     assert (cross.q_attn.out_features, cross.c_attn.out_features, cross.split_size) == (16, 32, 16)
 
 
-def falcon():
+def falcon(**form):  # multi-query attention unless `form` says otherwise
     config = transformers.FalconConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, **TOKEN_IDS
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        **form,
+        **TOKEN_IDS,
     )
     return transformers.FalconForCausalLM(config), (tokens(),)
+
+
+def gpt_neox():
+    config = transformers.GPTNeoXConfig(num_hidden_layers=2, **DECODER)
+    return transformers.GPTNeoXForCausalLM(config), (tokens(),)
 
 
 def bloom():
@@ -319,9 +350,9 @@ def mpt():
     return transformers.MptForCausalLM(config), (tokens(),)
 
 
-def gpt_bigcode():  # multi-query attention in one c_attn
+def gpt_bigcode(multi_query=True):
     config = transformers.GPTBigCodeConfig(
-        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, multi_query=True, **TOKEN_IDS
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, multi_query=multi_query, **TOKEN_IDS
     )
     return transformers.GPTBigCodeForCausalLM(config), (tokens(),)
 
@@ -349,27 +380,109 @@ def beit(shared=False):  # a bias table per layer, in the block beside the atten
     return transformers.BeitForImageClassification(config), (torch.randn(2, 3, 16, 16),)
 
 
-# family: (builder, the MLP layers that are its groups)
-UNRECOGNISED_ATTENTION = {
-    "falcon": (falcon, "transformer.h.{}.mlp.dense_h_to_4h"),
-    "bloom": (bloom, "transformer.h.{}.mlp.dense_h_to_4h"),
-    "mpt": (mpt, "transformer.blocks.{}.ffn.up_proj"),
-    "gpt_bigcode": (gpt_bigcode, "transformer.h.{}.mlp.c_fc"),
+# family: (builder, key/value heads per layer, query heads per key/value head); the
+# fused projection holds each unit's query heads, key and value in turn
+PER_HEAD_FUSED = {
+    "gpt_neox": (gpt_neox, 4, 1),
+    "falcon_grouped": (lambda: falcon(new_decoder_architecture=True, num_kv_heads=2), 2, 2),
+    "falcon_rotary": (lambda: falcon(multi_query=False), 4, 1),
+    "gpt_bigcode": (lambda: gpt_bigcode(multi_query=False), 4, 1),
 }
 
 
-@pytest.mark.parametrize("family", UNRECOGNISED_ATTENTION)
-def test_a_fused_qkv_in_no_recognised_form_is_left_whole_and_the_mlp_prunes(family):
-    """Falcon's and BLOOM's query_key_value, MPT's Wqkv and GPT-BigCode's multi-query
-    c_attn are reshaped into heads by code export cannot change: not groups of single
-    channels (their export failed), not heads; the MLPs prune exactly."""
-    build, mlp = UNRECOGNISED_ATTENTION[family]
+@pytest.mark.parametrize("family", PER_HEAD_FUSED)
+def test_per_head_fused_qkv_heads_export_equal_to_the_hard_masked_model_and_generate(family):
+    """GPT-NeoX's, Falcon's (grouped, or one key/value head per query head) and
+    GPT-BigCode's fused projection keeps whole units of rows: the export keeps exactly the
+    units asked for, computes what the hard-masked model computes and generates."""
+    build, units, per_unit = PER_HEAD_FUSED[family]
     torch.manual_seed(0)
     model, inputs = build()
-    with pytest.raises(ValueError, match=r"asks to prune \['heads'\].*kinds: \['mlp'\]"):
+    pruner = DTPPruner(model, inputs, {"heads": 0.5, "mlp": 0.5})
+    heads = [g for g in pruner.groups if isinstance(g, HeadGroup)]
+    assert [(g.size, g.query_heads_per_unit) for g in heads] == [(units, per_unit)] * 2
+    with torch.no_grad():
+        pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
+    with pytest.warns(UserWarning, match="config cannot describe"):  # hidden_size / heads
+        exported = export_checked(pruner, model, inputs)
+    modules, names = dict(exported.named_modules()), {m: n for n, m in model.named_modules()}
+    kept = units // 2
+    for group in heads:
+        (fused,) = (modules[names[p.layer]] for p in group.rows)
+        assert fused.out_features == kept * (per_unit + 2) * group.head_dim
+        assert modules[names[group.layer]].in_features == kept * per_unit * group.head_dim
+        attention = modules[names[group.module]]
+        counts = {
+            "num_heads": kept * per_unit,
+            "num_kv_heads": kept,  # Falcon's
+            "kv_heads": kept,  # GPT-BigCode's
+            "kv_dim": kept * group.head_dim,
+        }
+        for attr, value in counts.items():
+            if hasattr(attention, attr):
+                assert getattr(attention, attr) == value, attr
+    params, _ = pruner.predicted_counts()
+    assert params == sum(p.numel() for p in exported.parameters())
+    generated = exported.generate(inputs[0][:1], max_new_tokens=3, min_new_tokens=3)
+    assert generated.shape == (1, inputs[0].shape[1] + 3)
+
+
+# family: (builder, why its heads are refused, its attention layers, the MLP layers
+# that are its groups)
+REFUSED_HEADS = {
+    "falcon_multi_query": (
+        falcon,
+        "multi-query attention",
+        "transformer.h.{}.self_attention",
+        "transformer.h.{}.mlp.dense_h_to_4h",
+    ),
+    "gpt_bigcode_multi_query": (
+        gpt_bigcode,
+        "multi-query attention",
+        "transformer.h.{}.attn",
+        "transformer.h.{}.mlp.c_fc",
+    ),
+    "bloom": (
+        bloom,
+        "handed `alibi`",
+        "transformer.h.{}.self_attention",
+        "transformer.h.{}.mlp.dense_h_to_4h",
+    ),
+    "falcon_alibi": (
+        lambda: falcon(multi_query=False, alibi=True),
+        "handed `alibi`",
+        "transformer.h.{}.self_attention",
+        "transformer.h.{}.mlp.dense_h_to_4h",
+    ),
+    "mpt": (
+        mpt,
+        "takes `position_bias`",
+        "transformer.blocks.{}.attn",
+        "transformer.blocks.{}.ffn.up_proj",
+    ),
+    "t5": (t5, "takes `position_bias`", "encoder.block.{}.layer.0.SelfAttention", None),
+}
+
+
+@pytest.mark.parametrize("family", REFUSED_HEADS)
+def test_heads_that_cannot_export_exactly_are_refused_by_name_and_the_mlp_prunes(family):
+    """Multi-query attention is one unit per layer; ALiBi (BLOOM, MPT, Falcon with alibi)
+    and T5's relative position bias are computed for all heads outside the layer that
+    uses them. Asking for their heads names every layer and why, the model untouched;
+    their MLPs prune and export exactly."""
+    build, why, attention, mlp = REFUSED_HEADS[family]
+    torch.manual_seed(0)
+    model, inputs = build()
+    with pytest.raises(ValueError, match=r"cannot prune the heads") as refused:
         DTPPruner(model, inputs, {"heads": 0.5})
-    pruner = DTPPruner(model, inputs, 0.5)
-    assert [g.name for g in pruner.groups] == [mlp.format(i) for i in (0, 1)]
+    message = str(refused.value)
+    for i in (0, 1):
+        assert f"layer {attention.format(i)!r}: " in message
+    assert message.count(why) == message.count("; layer ") + 1  # one reason per layer
+    assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
+    pruner = DTPPruner(model, inputs, {"mlp": 0.5})
+    if mlp is not None:
+        assert [g.name for g in pruner.groups] == [mlp.format(i) for i in (0, 1)]
     with torch.no_grad():
         pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
     export_checked(pruner, model, inputs)

@@ -939,9 +939,25 @@ class _SigmoidGatedMLP(torch.nn.Module):
         return self.down(torch.sigmoid(self.gate(x)) * self.up(x))
 
 
-def test_gated_mlp_is_masked_on_the_consumer_columns():
+class _TanhGeluGatedMLP(torch.nn.Module):
+    """down(gelu_tanh(gate(x)) * up(x)) with the GELU written out as T5's is:
+    0.5 g (1 + tanh(c (g + 0.044715 g^3))), two additions inside each channel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.up = torch.nn.Linear(8, 24), torch.nn.Linear(8, 24)
+        self.down = torch.nn.Linear(24, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.gate(x)
+        gelu = 0.5 * g * (1.0 + torch.tanh(0.7978845608 * (g + 0.044715 * g**3)))
+        return self.down(gelu * self.up(x))
+
+
+@pytest.mark.parametrize("mlp", [_SigmoidGatedMLP, _TanhGeluGatedMLP])
+def test_gated_mlp_is_masked_on_the_consumer_columns(mlp):
     torch.manual_seed(0)
-    model = _SigmoidGatedMLP()
+    model = mlp()
     x = torch.randn(4, 5, 8)
     pruner = DTPPruner(model, x[:1], 0.5)
     (group,) = pruner.groups
