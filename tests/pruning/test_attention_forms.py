@@ -120,8 +120,11 @@ def opt():  # its MLP width is ffn_dim
     return transformers.OPTForCausalLM(config), (tokens(),)
 
 
-def t5(family: str = "T5"):  # encoder self-, decoder self- and cross-attention
+def t5(family: str = "T5"):
+    """Encoder self-, decoder self- and cross-attention; the gated MLP of T5 v1.1 and
+    Flan-T5 (UMT5's default)."""
     config = getattr(transformers, f"{family}Config")(
+        feed_forward_proj="gated-gelu",
         vocab_size=VOCAB,
         d_model=32,
         d_kv=8,
@@ -460,7 +463,12 @@ REFUSED_HEADS = {
         "transformer.blocks.{}.attn",
         "transformer.blocks.{}.ffn.up_proj",
     ),
-    "t5": (t5, "takes `position_bias`", "encoder.block.{}.layer.0.SelfAttention", None),
+    "t5": (
+        t5,
+        "takes `position_bias`",
+        "encoder.block.{}.layer.0.SelfAttention",
+        "encoder.block.{}.layer.1.DenseReluDense.wi_0",
+    ),
 }
 
 
@@ -479,10 +487,11 @@ def test_heads_that_cannot_export_exactly_are_refused_by_name_and_the_mlp_prunes
     for i in (0, 1):
         assert f"layer {attention.format(i)!r}: " in message
     assert message.count(why) == message.count("; layer ") + 1  # one reason per layer
+    with pytest.raises(ValueError, match=r"cannot prune the heads"):  # a float asks for all
+        DTPPruner(model, inputs, 0.5)
     assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
     pruner = DTPPruner(model, inputs, {"mlp": 0.5})
-    if mlp is not None:
-        assert [g.name for g in pruner.groups] == [mlp.format(i) for i in (0, 1)]
+    assert [g.name for g in pruner.groups][:2] == [mlp.format(i) for i in (0, 1)]
     with torch.no_grad():
         pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
     export_checked(pruner, model, inputs)
