@@ -488,10 +488,10 @@ def find_head_groups(
 
 # the arguments by which attention layers receive a bias per head computed outside them:
 # T5's position_bias (the stack's first layer computes it and passes it to all the
-# others; MPT's ALiBi too): always; ALiBi (BLOOM; Falcon's when config.alibi) and BEiT's
-# shared relative_position_bias: when the example inputs hand a tensor to the layer
+# others; MPT's ALiBi too): always; ALiBi (BLOOM; Falcon's when config.alibi): when the
+# example inputs hand a tensor to the layer
 ALWAYS_FROM_OUTSIDE = ("position_bias",)
-WHEN_GIVEN = ("alibi", "relative_position_bias")
+WHEN_GIVEN = ("alibi",)
 
 
 def _biases_from_outside(
@@ -516,7 +516,10 @@ def _biases_from_outside(
         return found
 
     def record(module, args, kwargs):
-        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+        try:
+            bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+        except TypeError:  # not the signature it declares: nothing to read by name
+            return
         for argument in watched[module]:
             if isinstance(bound.get(argument), torch.Tensor):
                 found[module] = (
