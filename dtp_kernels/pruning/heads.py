@@ -18,7 +18,8 @@ does not follow the per-head reshapes):
   ``query_proj``, ``key_proj``, ``value_proj`` there (DeBERTa);
 - one fused projection holding each unit's query heads, key and value in turn: GPT-NeoX's,
   Falcon's and BLOOM's ``query_key_value`` with ``dense``, GPT-BigCode's ``c_attn`` with
-  ``c_proj``; MPT's ``Wqkv`` (query, key and value blocks) with ``out_proj``; T5's and
+  ``c_proj``; MPT's ``Wqkv`` (query, key and value blocks) with ``out_proj``,
+  ModernBERT's with ``Wo``; T5's and
   UMT5's ``q``, ``k``, ``v``, ``o`` with ``key_value_proj_dim``;
 - torch's ``nn.MultiheadAttention`` (torchvision's ViT). Its inner width is tied to the
   embedding width, so export replaces it with :class:`PrunedMultiheadAttention`, the same
@@ -185,22 +186,26 @@ def _norms_over_all_heads(module: nn.Module, head_dim: int) -> tuple[nn.Module, 
     )
 
 
-# one fused projection of query, key and value blocks, the output projection and the
-# attribute holding the head count
-FUSED_FORMS = (("qkv", "proj", "num_heads"), ("Wqkv", "out_proj", "n_heads"))  # timm, MPT
+# one fused projection of query, key and value blocks and the output projection
+FUSED_FORMS = (("qkv", "proj"), ("Wqkv", "out_proj"), ("Wqkv", "Wo"))  # timm, MPT, ModernBERT
 
 
 def _fused(name: str, module: nn.Module) -> HeadGroup | None:
-    """A FUSED_FORMS projection with head_dim (timm's ViT and DeiT, MPT)."""
-    for fused, output, count in FUSED_FORMS:
+    """A FUSED_FORMS projection with head_dim, and the head count in num_heads or n_heads
+    or else the output projection's inputs over head_dim (timm's ViT and DeiT, MPT,
+    ModernBERT)."""
+    for fused, output in FUSED_FORMS:
         qkv, proj = _linear(module, fused), _linear(module, output)
-        heads, head_dim = getattr(module, count, None), getattr(module, "head_dim", None)
-        if qkv is not None and proj is not None and isinstance(heads, int):
+        if qkv is not None and proj is not None:
             break
     else:
         return None
+    head_dim = getattr(module, "head_dim", None)
     if not isinstance(head_dim, int):
         return None
+    heads = getattr(module, "num_heads", getattr(module, "n_heads", None))
+    if not isinstance(heads, int):
+        heads = proj.in_features // head_dim
     if qkv.out_features != 3 * heads * head_dim or proj.in_features != heads * head_dim:
         raise ValueError(
             f"attention layer {name!r}: {fused} ({qkv.out_features} outputs) and {output} "

@@ -610,6 +610,51 @@ def test_raw_expert_weights_beside_the_attention_are_not_taken_for_head_tables()
     assert all(pruned[k].shape == v.shape for k, v in dense.items() if "experts" in k)
 
 
+def test_attention_sinks_are_cut_with_their_heads_and_the_experts_stay_whole():
+    """GPT-OSS learns one attention sink per query head (`sinks`): a per-head table, cut
+    with the heads; its experts (raw 3-D parameters) are left whole."""
+    torch.manual_seed(0)
+    model, inputs = decoder(
+        "GptOss", num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2
+    )
+    pruner = DTPPruner(model, inputs, {"heads": 0.5})
+    assert [[name for _, name, _ in g.tables] for g in pruner.groups] == [["sinks"]] * 2
+    with torch.no_grad():
+        pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
+    exported = export_checked(pruner, model, inputs)
+    for layer in exported.model.layers:
+        assert layer.self_attn.sinks.shape == (2,)  # one key/value head of two query heads
+    params, _ = pruner.predicted_counts()
+    assert params == sum(p.numel() for p in exported.parameters())
+
+
+def test_modernbert_fused_qkv_heads_and_glu_mlp_export_exactly():
+    """ModernBERT's Wqkv (query, key and value blocks; no head-count attribute) and Wo
+    are heads; its Wi, chunked into input and gate, is a group of pairs."""
+    config = transformers.ModernBertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        cls_token_id=1,
+        sep_token_id=2,
+        **TOKEN_IDS,
+    )
+    torch.manual_seed(0)
+    model, inputs = transformers.ModernBertModel(config), (tokens(),)
+    pruner = DTPPruner(model, inputs, {"heads": 0.5, "mlp": 0.5})
+    assert [(g.name, g.size) for g in pruner.groups] == [
+        (f"layers.{i}.{part}", size) for i in (0, 1) for part, size in (("attn", 4), ("mlp.Wi", 64))
+    ]
+    with torch.no_grad():
+        pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
+    exported = export_checked(pruner, model, inputs)
+    for layer in exported.layers:
+        assert (layer.attn.Wqkv.out_features, layer.attn.Wo.in_features) == (48, 16)
+        assert (layer.mlp.Wi.out_features, layer.mlp.Wo.in_features) == (64, 32)
+
+
 class RoutedBlock(torch.nn.Module):
     """A block holding attention of 4 heads beside a layer of 4 outputs per token (a
     router, say) that has nothing to do with the heads."""
