@@ -25,17 +25,18 @@ does not follow the per-head reshapes):
   embedding width, so export replaces it with :class:`PrunedMultiheadAttention`, the same
   computation with fewer heads.
 
-Some are found only to be refused by name when their heads are asked for: multi-query
-attention (one key/value head for all query heads: the layer is one unit), and layers
-handed a bias for all heads computed outside them (ALiBi; T5's relative position bias,
-which the first layer of a stack computes for the others), which would not lose the
-removed heads.
+Some are found only to be refused by name when their heads are asked for: GPT-BigCode's
+multi-query attention (its code splits the fused projection at the model width), and
+layers handed a bias for all heads computed outside them (ALiBi; T5's relative position
+bias, which the first layer of a stack computes for the others), which would not lose
+the removed heads.
 
 The unit is a key/value head together with the query heads that share it (grouped-query
-attention; one query head per unit without it). Removing a unit removes its query, key
-and value rows and the output projection's input columns of its query heads; the heads
-left attend exactly as before, so masking those output columns per unit is exactly what
-removing the unit does.
+attention; one query head per unit without it); in multi-query attention, one key/value
+head for all, the unit is a query head and the key and value stay whole. Removing a
+unit removes its query, key and value rows and the output projection's input columns of
+its query heads; the heads left attend exactly as before, so masking those output
+columns per unit is exactly what removing the unit does.
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ class Projection:
     # rows per unit of each block when the blocks differ (Phi-3's qkv_proj: a unit's
     # query heads, then its key head, then its value head); else `per_unit` for each
     sizes: tuple[int, ...] = ()
+    # rows after the blocks that all units share, always kept (the one key and value
+    # head of multi-query attention in a fused projection)
+    shared_rows: int = 0
 
     @property
     def block_sizes(self) -> tuple[int, ...]:
@@ -73,6 +77,7 @@ class Projection:
         for size in self.block_sizes:
             rows.append(start + (kept_units[:, None] * size + torch.arange(size)).flatten())
             start += units * size
+        rows.append(torch.arange(start, start + self.shared_rows))
         return torch.cat(rows)
 
 
@@ -96,6 +101,9 @@ class HeadGroup:
     # the layer reads its head count from the model's config, which all layers share
     # (Phi-3): export needs every such layer to keep as many heads, written there
     heads_from_config: bool = False
+    # multi-query attention: the units are query heads and the one key/value head they
+    # all read is kept whole (not in `rows`)
+    shared_kv: bool = False
     kept_out: list[nn.Module] = field(init=False)
     kept_in: list[nn.Module] = field(init=False)
     # channels a module loses per unit removed: the cost model counts channels
@@ -163,6 +171,9 @@ def _separate(name: str, module: nn.Module) -> HeadGroup | None:
             f"attention layer {name!r}: {heads} query heads do not share {units} key/value "
             "heads evenly"
         )
+    if units == 1:  # multi-query: a unit is a query head; the key and value stay whole
+        rows, out = [Projection(q, 1, head_dim)], Projection(o, 1, head_dim)
+        return HeadGroup(name, module, rows, out, heads, 1, head_dim, shared_kv=heads > 1)
     per_unit = heads // units
     rows = [
         Projection(q, 1, per_unit * head_dim),
@@ -244,17 +255,36 @@ def _phi3(name: str, module: nn.Module) -> HeadGroup | None:
         )
     per_unit = heads // units
     sizes = (per_unit * head_dim, head_dim, head_dim)
+    if units == 1:  # multi-query: a unit is a query head; the key and value stay whole
+        return _query_head_units(name, module, qkv, o, heads, head_dim, heads_from_config=True)
     rows = [Projection(qkv, 3, head_dim, sizes)]
     out = Projection(o, 1, per_unit * head_dim)
     return HeadGroup(name, module, rows, out, units, per_unit, head_dim, heads_from_config=True)
+
+
+def _query_head_units(
+    name: str,
+    module: nn.Module,
+    fused: nn.Linear,
+    out: nn.Linear,
+    heads: int,
+    head_dim: int,
+    **kwargs,
+) -> HeadGroup:
+    """Multi-query attention in one fused projection (all query heads, then the key, then
+    the value head): a unit is a query head; the key and value rows stay whole."""
+    rows = [Projection(fused, 1, head_dim, shared_rows=2 * head_dim)]
+    out_rows = Projection(out, 1, head_dim)
+    return HeadGroup(name, module, rows, out_rows, heads, 1, head_dim, shared_kv=True, **kwargs)
 
 
 def _per_head_fused(name: str, module: nn.Module) -> HeadGroup | None:
     """One fused projection whose rows hold each unit's query heads, key and value in
     turn: GPT-NeoX's, BLOOM's and Falcon's query_key_value with dense (Falcon's new
     decoder architecture: a unit is a key/value head and its query heads); GPT-BigCode's
-    c_attn with c_proj. Multi-query attention (Falcon-7B's, GPT-BigCode's: all query heads,
-    then one key and one value head) is a single unit, refused."""
+    c_attn with c_proj. In multi-query attention (all query heads, then one key and one
+    value head) a unit is a query head (Falcon-7B); GPT-BigCode's is refused, as its code
+    splits c_attn at the model width."""
     for fused, output in (("query_key_value", "dense"), ("c_attn", "c_proj")):
         qkv, out = _linear(module, fused), _linear(module, output)
         if qkv is not None and out is not None:
@@ -282,15 +312,16 @@ def _per_head_fused(name: str, module: nn.Module) -> HeadGroup | None:
             f"of head_dim {head_dim}"
         )
     if units == 1 and heads > 1:  # rows: all query heads, then the key, then the value
-        rows = [Projection(qkv, 3, head_dim, (heads * head_dim, head_dim, head_dim))]
         refusal = (
-            "multi-query attention: one key and value head serves all its query heads, so "
-            "the layer is a single unit"
+            "multi-query attention whose code splits c_attn at embed_dim, the model width, "
+            "not at the query heads' width"
+            if fused == "c_attn"
+            else ""
         )
-    else:
-        rows, refusal = [Projection(qkv, 1, (per_unit + 2) * head_dim)], ""
+        return _query_head_units(name, module, qkv, out, heads, head_dim, refusal=refusal)
+    rows = [Projection(qkv, 1, (per_unit + 2) * head_dim)]
     out_rows = Projection(out, 1, per_unit * head_dim)
-    return HeadGroup(name, module, rows, out_rows, units, per_unit, head_dim, refusal=refusal)
+    return HeadGroup(name, module, rows, out_rows, units, per_unit, head_dim)
 
 
 def _gpt2(name: str, module: nn.Module) -> HeadGroup | None:
@@ -625,18 +656,23 @@ def prune_heads(
     # the attributes implementations read (the others reshape with -1)
     heads = len(kept) * group.query_heads_per_unit
     module = copy[names[group.module]]
-    for attr, value in (
-        ("num_heads", heads),
-        ("n_heads", heads),
-        ("num_attention_heads", heads),
-        ("num_key_value_heads", len(kept)),
-        ("attn_dim", heads * group.head_dim),
-        ("all_head_size", heads * group.head_dim),
-        ("split_size", heads * group.head_dim),
-        ("inner_dim", heads * group.head_dim),
-        ("num_kv_heads", len(kept)),
-        ("kv_heads", len(kept)),
-        ("kv_dim", len(kept) * group.head_dim),
-    ):
+    sizes = {
+        "num_heads": heads,
+        "n_heads": heads,
+        "num_attention_heads": heads,
+        "attn_dim": heads * group.head_dim,
+        "all_head_size": heads * group.head_dim,
+        "split_size": heads * group.head_dim,
+        "inner_dim": heads * group.head_dim,
+    }
+    if not group.shared_kv:  # else the one key/value head stays
+        kv_heads = len(kept)
+        sizes |= {
+            "num_key_value_heads": kv_heads,
+            "num_kv_heads": kv_heads,
+            "kv_heads": kv_heads,
+            "kv_dim": kv_heads * group.head_dim,
+        }
+    for attr, value in sizes.items():
         if isinstance(getattr(module, attr, None), int):
             setattr(module, attr, value)

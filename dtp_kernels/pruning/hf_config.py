@@ -46,12 +46,13 @@ def config_fields(config, groups: list[tuple[str, object]], masks: list) -> dict
     if heads:
         units = _uniform([k for _, k in heads])
         per_unit = _uniform([g.query_heads_per_unit for g, _ in heads])
-        if units is None or per_unit is None or len(heads) != layers:
+        kv_heads = _uniform([1 if g.shared_kv else k for g, k in heads])  # multi-query: 1
+        if units is None or per_unit is None or kv_heads is None or len(heads) != layers:
             return None
         fields["num_attention_heads"] = units * per_unit
         fields["head_dim"] = heads[0][0].head_dim
         if hasattr(config, "num_key_value_heads"):
-            fields["num_key_value_heads"] = units
+            fields["num_key_value_heads"] = kv_heads
     if mlps:
         size = _uniform(mlps)
         if size is None or len(mlps) != layers:

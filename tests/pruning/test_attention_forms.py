@@ -430,18 +430,67 @@ def test_per_head_fused_qkv_heads_export_equal_to_the_hard_masked_model_and_gene
     assert generated.shape == (1, inputs[0].shape[1] + 3)
 
 
+# family: (builder, whether the config can describe the pruned model)
+MULTI_QUERY = {
+    "llama": (lambda: decoder("Llama", num_key_value_heads=1), True),
+    "phi3": (lambda: decoder("Phi3", num_key_value_heads=1), True),  # fused qkv_proj
+    "falcon": (falcon, False),  # Falcon-7B's fused query_key_value
+    "falcon_grouped": (lambda: falcon(new_decoder_architecture=True, num_kv_heads=1), False),
+}
+
+
+@pytest.mark.parametrize("family", MULTI_QUERY)
+def test_multi_query_attention_loses_query_heads_and_keeps_its_key_and_value(family, tmp_path):
+    """With one key/value head for all query heads (Gemma 2B's, Falcon-7B's), a unit is
+    a query head: the export keeps exactly the query heads asked for with the key and
+    value rows whole, equals the hard-masked model, generates and, where the config
+    can describe it, round-trips through save_pretrained."""
+    build, config_follows = MULTI_QUERY[family]
+    torch.manual_seed(0)
+    model, inputs = build()
+    pruner = DTPPruner(model, inputs, {"heads": 0.5})
+    assert [(g.size, g.query_heads_per_unit, g.shared_kv) for g in pruner.groups] == [
+        (4, 1, True)
+    ] * 2
+    before = {n: m.weight.shape for n, m in model.named_modules() if n.endswith(KV_LAYERS)}
+    assert bool(before) == (family == "llama")
+    with torch.no_grad():
+        pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exported = export_checked(pruner, model, inputs)
+    assert any("config cannot describe" in str(w.message) for w in caught) != config_follows
+    modules, names = dict(exported.named_modules()), {m: n for n, m in model.named_modules()}
+    for group in pruner.groups:
+        (queries,) = (modules[names[p.layer]] for p in group.rows)  # with the key and value
+        fused = queries.out_features != 2 * group.head_dim
+        assert queries.out_features == (2 + 2 * fused) * group.head_dim
+        assert modules[names[group.layer]].in_features == 2 * group.head_dim
+        attention = modules[names[group.module]]
+        for attr in ("num_key_value_heads", "num_kv_heads"):
+            assert getattr(attention, attr, 1) == 1, attr
+    assert all(modules[n].weight.shape == shape for n, shape in before.items())
+    params, _ = pruner.predicted_counts()
+    assert params == sum(p.numel() for p in exported.parameters())
+    generated = exported.generate(inputs[0][:1], max_new_tokens=3, min_new_tokens=3)
+    assert generated.shape == (1, inputs[0].shape[1] + 3)
+    if config_follows:
+        assert exported.config.num_key_value_heads == 1
+        exported.save_pretrained(tmp_path)
+        loaded = type(exported).from_pretrained(tmp_path).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(*inputs).logits, exported(*inputs).logits)
+
+
+KV_LAYERS = (".k_proj", ".v_proj")  # separate key and value projections, left whole
+
+
 # family: (builder, why its heads are refused, its attention layers, the MLP layers
 # that are its groups)
 REFUSED_HEADS = {
-    "falcon_multi_query": (
-        falcon,
-        "multi-query attention",
-        "transformer.h.{}.self_attention",
-        "transformer.h.{}.mlp.dense_h_to_4h",
-    ),
     "gpt_bigcode_multi_query": (
         gpt_bigcode,
-        "multi-query attention",
+        "splits c_attn at embed_dim",
         "transformer.h.{}.attn",
         "transformer.h.{}.mlp.c_fc",
     ),
@@ -474,10 +523,10 @@ REFUSED_HEADS = {
 
 @pytest.mark.parametrize("family", REFUSED_HEADS)
 def test_heads_that_cannot_export_exactly_are_refused_by_name_and_the_mlp_prunes(family):
-    """Multi-query attention is one unit per layer; ALiBi (BLOOM, MPT, Falcon with alibi)
-    and T5's relative position bias are computed for all heads outside the layer that
-    uses them. Asking for their heads names every layer and why, the model untouched;
-    their MLPs prune and export exactly."""
+    """GPT-BigCode's multi-query code splits c_attn at the model width; ALiBi (BLOOM, MPT,
+    Falcon with alibi) and T5's relative position bias are computed for all heads
+    outside the layer that uses them. Asking for their heads names every layer and why,
+    the model untouched; their MLPs prune and export exactly."""
     build, why, attention, mlp = REFUSED_HEADS[family]
     torch.manual_seed(0)
     model, inputs = build()
