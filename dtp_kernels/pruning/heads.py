@@ -6,8 +6,9 @@ does not follow the per-head reshapes):
 - separate projections, as Hugging Face writes them: ``q_proj``, ``k_proj``, ``v_proj``
   and ``o_proj`` (Llama, Mistral, Qwen, Gemma), ``out_proj`` (OPT, BART, Whisper, CLIP,
   GPT-J) or ``dense`` (Phi), with ``head_dim``; DistilBERT's ``q_lin``, ``k_lin``,
-  ``v_lin``, ``out_lin`` with ``attention_head_size``. A normalization of the queries
-  or keys over all heads (OLMo 2's ``q_norm``, not Qwen3's per head) refuses the group;
+  ``v_lin``, ``out_lin`` with ``attention_head_size``; T5's and UMT5's ``q``, ``k``,
+  ``v``, ``o`` with ``key_value_proj_dim``. A normalization of the queries or keys over
+  all heads (OLMo 2's ``q_norm``, not Qwen3's per head) refuses the group;
 - one fused ``qkv`` projection and ``proj``, with ``num_heads`` and ``head_dim``, as
   timm's ViT and DeiT write them; GPT-2's ``c_attn`` and ``c_proj`` with ``split_size``
   (its Conv1D layers made ``nn.Linear`` by :func:`conv1d_to_linear` first); Phi-3's
@@ -19,8 +20,7 @@ does not follow the per-head reshapes):
 - one fused projection holding each unit's query heads, key and value in turn: GPT-NeoX's,
   Falcon's and BLOOM's ``query_key_value`` with ``dense``, GPT-BigCode's ``c_attn`` with
   ``c_proj``; MPT's ``Wqkv`` (query, key and value blocks) with ``out_proj``,
-  ModernBERT's with ``Wo``; T5's and
-  UMT5's ``q``, ``k``, ``v``, ``o`` with ``key_value_proj_dim``;
+  ModernBERT's with ``Wo``;
 - torch's ``nn.MultiheadAttention`` (torchvision's ViT). Its inner width is tied to the
   embedding width, so export replaces it with :class:`PrunedMultiheadAttention`, the same
   computation with fewer heads.
@@ -171,9 +171,9 @@ def _separate(name: str, module: nn.Module) -> HeadGroup | None:
             f"attention layer {name!r}: {heads} query heads do not share {units} key/value "
             "heads evenly"
         )
-    if units == 1:  # multi-query: a unit is a query head; the key and value stay whole
+    if units == 1 and heads > 1:  # multi-query: a unit is a query head; k and v stay whole
         rows, out = [Projection(q, 1, head_dim)], Projection(o, 1, head_dim)
-        return HeadGroup(name, module, rows, out, heads, 1, head_dim, shared_kv=heads > 1)
+        return HeadGroup(name, module, rows, out, heads, 1, head_dim, shared_kv=True)
     per_unit = heads // units
     rows = [
         Projection(q, 1, per_unit * head_dim),

@@ -433,6 +433,7 @@ def test_per_head_fused_qkv_heads_export_equal_to_the_hard_masked_model_and_gene
 # family: (builder, whether the config can describe the pruned model)
 MULTI_QUERY = {
     "llama": (lambda: decoder("Llama", num_key_value_heads=1), True),
+    "gemma": (lambda: decoder("Gemma", num_key_value_heads=1, head_dim=8), True),  # Gemma 2B's
     "phi3": (lambda: decoder("Phi3", num_key_value_heads=1), True),  # fused qkv_proj
     "falcon": (falcon, False),  # Falcon-7B's fused query_key_value
     "falcon_grouped": (lambda: falcon(new_decoder_architecture=True, num_kv_heads=1), False),
@@ -453,7 +454,7 @@ def test_multi_query_attention_loses_query_heads_and_keeps_its_key_and_value(fam
         (4, 1, True)
     ] * 2
     before = {n: m.weight.shape for n, m in model.named_modules() if n.endswith(KV_LAYERS)}
-    assert bool(before) == (family == "llama")
+    assert bool(before) == (family in ("llama", "gemma"))
     with torch.no_grad():
         pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
     with warnings.catch_warnings(record=True) as caught:
@@ -702,6 +703,30 @@ def test_modernbert_fused_qkv_heads_and_glu_mlp_export_exactly():
     for layer in exported.layers:
         assert (layer.attn.Wqkv.out_features, layer.attn.Wo.in_features) == (48, 16)
         assert (layer.mlp.Wi.out_features, layer.mlp.Wo.in_features) == (64, 32)
+
+
+def test_latent_attention_the_graph_cannot_follow_is_refused_by_name():
+    """DeepSeek-V3's multi-head latent attention splits and concatenates the rotary part
+    of its queries in a way Torch-Pruning's graph fails on: the pruner says so, naming
+    the model, before changing it."""
+    config = transformers.DeepseekV3Config(
+        num_hidden_layers=1,
+        q_lora_rank=20,
+        kv_lora_rank=12,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=8,
+        v_head_dim=6,
+        moe_intermediate_size=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        **DECODER,
+    )
+    model = transformers.DeepseekV3ForCausalLM(config)
+    with pytest.raises(ValueError, match=r"DeepseekV3ForCausalLM: Torch-Pruning's"):
+        DTPPruner(model, (tokens(),), {"mlp": 0.5})
+    assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
 
 
 class RoutedBlock(torch.nn.Module):
