@@ -430,6 +430,8 @@ def test_per_head_fused_qkv_heads_export_equal_to_the_hard_masked_model_and_gene
     assert generated.shape == (1, inputs[0].shape[1] + 3)
 
 
+KV_LAYERS = (".k_proj", ".v_proj")  # separate key and value projections, left whole
+SEPARATE_KV = ("llama", "gemma")
 # family: (builder, whether the config can describe the pruned model)
 MULTI_QUERY = {
     "llama": (lambda: decoder("Llama", num_key_value_heads=1), True),
@@ -454,7 +456,7 @@ def test_multi_query_attention_loses_query_heads_and_keeps_its_key_and_value(fam
         (4, 1, True)
     ] * 2
     before = {n: m.weight.shape for n, m in model.named_modules() if n.endswith(KV_LAYERS)}
-    assert bool(before) == (family in ("llama", "gemma"))
+    assert bool(before) == (family in SEPARATE_KV)
     with torch.no_grad():
         pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
     with warnings.catch_warnings(record=True) as caught:
@@ -463,9 +465,9 @@ def test_multi_query_attention_loses_query_heads_and_keeps_its_key_and_value(fam
     assert any("config cannot describe" in str(w.message) for w in caught) != config_follows
     modules, names = dict(exported.named_modules()), {m: n for n, m in model.named_modules()}
     for group in pruner.groups:
-        (queries,) = (modules[names[p.layer]] for p in group.rows)  # with the key and value
-        fused = queries.out_features != 2 * group.head_dim
-        assert queries.out_features == (2 + 2 * fused) * group.head_dim
+        (queries,) = (modules[names[p.layer]] for p in group.rows)
+        shared_rows = 0 if family in SEPARATE_KV else 2  # a fused key and value head
+        assert queries.out_features == (2 + shared_rows) * group.head_dim
         assert modules[names[group.layer]].in_features == 2 * group.head_dim
         attention = modules[names[group.module]]
         for attr in ("num_key_value_heads", "num_kv_heads"):
@@ -481,9 +483,6 @@ def test_multi_query_attention_loses_query_heads_and_keeps_its_key_and_value(fam
         loaded = type(exported).from_pretrained(tmp_path).eval()
         with torch.no_grad():
             torch.testing.assert_close(loaded(*inputs).logits, exported(*inputs).logits)
-
-
-KV_LAYERS = (".k_proj", ".v_proj")  # separate key and value projections, left whole
 
 
 # family: (builder, why its heads are refused, its attention layers, the MLP layers
