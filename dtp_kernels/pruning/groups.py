@@ -102,6 +102,8 @@ ATTENTION_OPS = ("ScaledDotProduct", "SoftmaxBackward", "LogSoftmaxBackward")
 
 
 def _op_name(module) -> str:
+    if isinstance(module, tp.ops._ConcatOp):  # Torch-Pruning's own node for torch.cat
+        return "CatBackward0"
     return str(getattr(module, "_grad_fn", "")) if isinstance(module, tp.ops._ElementWiseOp) else ""
 
 
@@ -192,11 +194,15 @@ def _parts(graph: tp.DependencyGraph, layer: nn.Module) -> int | None:
     """How many of `layer`'s output channels go when its channel 0 goes: 1 when each goes
     alone; h when they are channel 0 of h equal parts, as a fused projection split into
     parts combined channel by channel (Phi-3's gate_up_proj, chunked into gate and up:
-    channel i goes with channel i + n/2); None for any other coupling."""
+    channel i goes with channel i + n/2); None for any other coupling, such as a split
+    whose parts Torch-Pruning does not remove together (timm's GluMlp chunks fc1 into
+    value and gate: its export would cut the consumers' inputs at the wrong indices)."""
     group = graph.get_pruning_group(layer, out_channel_handler(layer), [0])
     removed = sorted({int(i) for dep, idxs in group if dep.target.module is layer for i in idxs})
     width, parts = out_width(layer), len(removed)
     if not parts or width % parts or removed != [p * (width // parts) for p in range(parts)]:
+        return None
+    if parts == 1 and any(isinstance(dep.target.module, tp.ops._SplitOp) for dep, _ in group):
         return None
     return parts
 
@@ -443,6 +449,11 @@ def _channel_groups(
             and not any(op.startswith(MERGING_OPS) for op in ops)
             and not bns + norms + depthwise + group_norms
         )
+        if gated and len({m.out_features for m in out_layers} | {m.in_features for m in ins}) > 1:
+            # the mask goes on the consumers' columns, one per channel: a consumer or a
+            # producer of another width (CaiT's qkv through its talking heads, where
+            # Torch-Pruning follows the channels through a matmul) is no gated MLP
+            continue
         residual = (
             coupled
             and len(out_layers) > 1
@@ -488,6 +499,14 @@ def _channel_groups(
         # depthwise conv (with a bias) or its BN after the root would otherwise add its
         # bias back to the masked channels.
         last = max([*bns, *depthwise], key=lambda m: order[m], default=None)
+        if (
+            not residual
+            and len([*bns, *depthwise]) > 1
+            and any(op.startswith(MERGING_OPS) for op in ops)
+        ):
+            # the channels also leave before `last` (GhostNet concatenates the root's
+            # output with the depthwise conv's): a mask at `last` would not cover them
+            continue
         bn = last if last in bns else None
         rows = last if last in depthwise else layer
         if residual:

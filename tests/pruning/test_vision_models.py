@@ -29,6 +29,15 @@ def deit():
     return model, torch.randn(4, 3, 16, 16)
 
 
+def timm_cait():
+    """CaiT: talking heads mix the heads' scores (proj_l, proj_w), where Torch-Pruning
+    follows qkv's channels through the matmuls to layers of other widths."""
+    from timm.models.cait import Cait
+
+    model = Cait(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=4, depth_token_only=1)
+    return model, torch.randn(4, 3, 16, 16)
+
+
 def timm_convnext():
     from timm.models.convnext import ConvNeXt
 
@@ -54,6 +63,10 @@ MODELS = {
             ("blocks.1.attn", "heads", 4),
             ("blocks.1.mlp.fc1", "mlp", 128),
         ],
+    ),
+    "timm_cait": (
+        timm_cait,
+        [("blocks.0.mlp.fc1", "mlp", 128), ("blocks_token_only.0.mlp.fc1", "mlp", 128)],
     ),
     "timm_convnext": (
         timm_convnext,
@@ -231,6 +244,63 @@ def small_resnext():
     return ResNet(Bottleneck, [1, 1, 1, 1], groups=4, width_per_group=8, num_classes=5)
 
 
+def test_a_split_the_graph_does_not_couple_and_a_reshape_to_the_model_width_are_refused():
+    """timm's EVA: its GluMlp chunks fc1 into value and gate, which Torch-Pruning follows
+    here without coupling channel i with its pair, so its export would cut fc2's inputs at
+    the wrong indices: the MLP is left whole. Its attention reshapes the heads' output
+    to the embedding width, so export of fewer heads fails, and says so by name."""
+    from timm.models.eva import Eva
+
+    from dtp_kernels.pruning import ExportMismatchError
+
+    torch.manual_seed(0)
+    model = Eva(
+        img_size=16,
+        patch_size=4,
+        embed_dim=32,
+        depth=1,
+        num_heads=4,
+        num_classes=5,
+        mlp_ratio=8 / 3,
+        swiglu_mlp=True,
+    )
+    x = torch.randn(1, 3, 16, 16)
+    with pytest.raises(ValueError, match=r"no group of that kind \(its groups' kinds: \['heads'\]"):
+        DTPPruner(model, x, {"mlp": 0.5})
+    pruner = DTPPruner(model, x, {"heads": 0.5})
+    assert [g.name for g in pruner.groups] == ["blocks.0.attn"]
+    with pytest.raises(ExportMismatchError, match=r"fails on the example inputs"):
+        pruner.export()
+
+
+class _Ghost(torch.nn.Module):
+    """GhostNet's module after a stem: the primary conv's channels are concatenated with
+    the depthwise ("cheap") conv's made from them, so they leave before the depthwise
+    BN where their group's mask would go."""
+
+    def __init__(self):
+        super().__init__()
+
+        def conv_bn(cin, cout, k, groups=1):
+            conv = torch.nn.Conv2d(cin, cout, k, padding=k // 2, groups=groups, bias=False)
+            return torch.nn.Sequential(conv, torch.nn.BatchNorm2d(cout), torch.nn.ReLU())
+
+        self.stem, self.primary = conv_bn(3, 8, 3), conv_bn(8, 8, 1)
+        self.cheap, self.head = conv_bn(8, 8, 3, groups=8), torch.nn.Conv2d(16, 5, 1)
+
+    def forward(self, x):
+        x = self.primary(self.stem(x))
+        return self.head(torch.cat([x, self.cheap(x)], 1)).mean((2, 3))
+
+
+def small_ghost():
+    model = _Ghost()
+    for bn in (model.primary[1], model.cheap[1]):  # BN statistics away from the identity
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+    return model
+
+
 @pytest.mark.parametrize(
     "builder,groups",
     [
@@ -242,11 +312,15 @@ def small_resnext():
         ),
         # every bottleneck's channels pass a grouped conv: only the stem is a group
         (small_resnext, ["conv1"]),
+        # the primary conv's channels are concatenated before its depthwise BN: only the
+        # stem is a group
+        (small_ghost, ["stem.0"]),
     ],
-    ids=["densenet", "resnext"],
+    ids=["densenet", "resnext", "ghostnet"],
 )
 def test_concatenated_then_normalized_and_grouped_conv_channels_are_left_whole(builder, groups):
-    """torchvision DenseNet (a BN over a concatenation) and ResNeXt (grouped convs): the
+    """torchvision DenseNet (a BN over a concatenation), ResNeXt (grouped convs) and a
+    GhostNet module (channels concatenated before the BN that would mask them): the
     groups that one mask cannot cover exactly are left whole, and the rest export to the
     hard-masked model with exact counts."""
     torch.manual_seed(0)
