@@ -338,47 +338,57 @@ EXPIRY_REPEAT_SECONDS = 0.05
 @contextlib.contextmanager
 def _bounded_search(graph: tp.DependencyGraph, names: dict[nn.Module, str]) -> Iterator[None]:
     """Within the block, each graph.get_pruning_group call ends within GROUP_SEARCH_SECONDS
-    or raises a ValueError naming its root layer. The bound is a SIGALRM timer: only in
-    the main thread, and only when no other timer is set (else the search is unbounded)."""
-    usable = (
+    or raises a ValueError naming its root layer, as it does when Torch-Pruning's search
+    itself fails. The bound is a SIGALRM timer: only in the main thread, and only when no
+    other timer is set (else the search is unbounded)."""
+    timed = (
         hasattr(signal, "setitimer")
         and threading.current_thread() is threading.main_thread()
         and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
         and signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, signal.SIG_IGN, None)
     )
-    if not usable:
-        yield
-        return
     search, root, searching = graph.get_pruning_group, [], [False]
+
+    def layer_name() -> str:
+        return repr(names.get(root[0], type(root[0]).__name__))
 
     def bounded(module, handler, idxs):
         root[:], searching[0] = [module], True
-        signal.setitimer(signal.ITIMER_REAL, GROUP_SEARCH_SECONDS, EXPIRY_REPEAT_SECONDS)
+        if timed:
+            signal.setitimer(signal.ITIMER_REAL, GROUP_SEARCH_SECONDS, EXPIRY_REPEAT_SECONDS)
         try:
             return search(module, handler, idxs)
+        except Exception as error:  # its own errors say nothing of the layer
+            raise ValueError(
+                f"Torch-Pruning's search for the channels coupled to layer {layer_name()} "
+                f"fails ({type(error).__name__}: {error}): it cannot follow what the model "
+                "does with that layer's output. Leave the layer whole with "
+                "ignored_layers=[...]"
+            ) from error
         finally:
             searching[0] = False
-            signal.setitimer(signal.ITIMER_REAL, 0)
+            if timed:
+                signal.setitimer(signal.ITIMER_REAL, 0)
 
     def expire(_signum, _frame):
         if searching[0]:  # not in the clean-up after the search
             raise _SearchExpiredError
 
-    previous = signal.signal(signal.SIGALRM, expire)
+    previous = signal.signal(signal.SIGALRM, expire) if timed else None
     graph.get_pruning_group = bounded  # get_all_groups calls it through the instance
     try:
         yield
     except _SearchExpiredError:
         raise ValueError(
-            f"Torch-Pruning's search for the channels coupled to layer "
-            f"{names.get(root[0], type(root[0]).__name__)!r} did not end within "
-            f"{GROUP_SEARCH_SECONDS:g} s: it cannot follow what the model does with that "
-            "layer's output (torchvision's Swin: its shifted windows). Leave the layer whole "
-            "with ignored_layers=[...]"
+            f"Torch-Pruning's search for the channels coupled to layer {layer_name()} did "
+            f"not end within {GROUP_SEARCH_SECONDS:g} s: it cannot follow what the model "
+            "does with that layer's output (torchvision's Swin: its shifted windows). Leave "
+            "the layer whole with ignored_layers=[...]"
         ) from None
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        if timed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
         del graph.get_pruning_group
 
 

@@ -665,7 +665,9 @@ def prune_heads(
         "split_size": heads * group.head_dim,
         "inner_dim": heads * group.head_dim,
     }
-    if not group.shared_kv:  # else the one key/value head stays
+    if group.shared_kv:  # the one key/value head stays; it serves fewer query heads
+        sizes["num_key_value_groups"] = heads
+    else:
         kv_heads = len(kept)
         sizes |= {
             "num_key_value_heads": kv_heads,

@@ -477,6 +477,10 @@ def test_multi_query_attention_loses_query_heads_and_keeps_its_key_and_value(fam
     assert params == sum(p.numel() for p in exported.parameters())
     generated = exported.generate(inputs[0][:1], max_new_tokens=3, min_new_tokens=3)
     assert generated.shape == (1, inputs[0].shape[1] + 3)
+    with torch.no_grad():  # eager attention repeats the key and value for each query head
+        sdpa = exported(*inputs).logits
+        exported.set_attn_implementation("eager")
+        torch.testing.assert_close(exported(*inputs).logits, sdpa, rtol=1e-5, atol=1e-5)
     if config_follows:
         assert exported.config.num_key_value_heads == 1
         exported.save_pretrained(tmp_path)
@@ -725,6 +729,21 @@ def test_latent_attention_the_graph_cannot_follow_is_refused_by_name():
     model = transformers.DeepseekV3ForCausalLM(config)
     with pytest.raises(ValueError, match=r"DeepseekV3ForCausalLM: Torch-Pruning's"):
         DTPPruner(model, (tokens(),), {"mlp": 0.5})
+    assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
+
+
+def test_a_layer_whose_coupled_channel_search_fails_is_named():
+    """Torch-Pruning's search through Mamba's selective-scan mixer fails inside it (an
+    IndexError of its own): the error names the layer to leave whole, the model
+    untouched."""
+    config = transformers.MambaConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=4, **TOKEN_IDS
+    )
+    model = transformers.MambaForCausalLM(config)
+    with pytest.raises(
+        ValueError, match=r"coupled to layer 'backbone\.layers\.\d\.mixer\.\w+' fails \(IndexError"
+    ):
+        DTPPruner(model, (tokens(),), 0.5)
     assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
 
 
