@@ -215,6 +215,10 @@ def test_heads_export_with_exact_counts_equal_to_the_hard_masked_model(family, t
             assert attention.inner_dim == width * group.query_heads_per_unit
     params, _ = pruner.predicted_counts()
     assert params == sum(p.numel() for p in exported.parameters())
+    with torch.no_grad():  # the eager attention code computes the same
+        sdpa = logits(exported(*inputs))
+        exported.set_attn_implementation("eager")
+        torch.testing.assert_close(logits(exported(*inputs)), sdpa, rtol=1e-5, atol=1e-5)
     if config_follows:  # save_pretrained / from_pretrained rebuild the pruned model
         exported.save_pretrained(tmp_path)
         loaded = type(exported).from_pretrained(tmp_path).eval()
