@@ -133,6 +133,18 @@ def _linear(module: nn.Module, name: str) -> nn.Linear | None:
     return child if isinstance(child, nn.Linear) else None
 
 
+def _fused_pair(
+    module: nn.Module, forms: tuple[tuple[str, str], ...]
+) -> tuple[str, str, nn.Linear, nn.Linear] | None:
+    """The first (fused projection, output projection) names of `forms` that `module`
+    holds as linear layers, with the layers."""
+    for fused, output in forms:
+        qkv, out = _linear(module, fused), _linear(module, output)
+        if qkv is not None and out is not None:
+            return fused, output, qkv, out
+    return None
+
+
 # separate query/key/value/output projections, by the names families give them, and the
 # attribute holding the head size
 SEPARATE_FORMS = (
@@ -205,15 +217,11 @@ def _fused(name: str, module: nn.Module) -> HeadGroup | None:
     """A FUSED_FORMS projection with head_dim, and the head count in num_heads or n_heads
     or else the output projection's inputs over head_dim (timm's ViT and DeiT, MPT,
     ModernBERT)."""
-    for fused, output in FUSED_FORMS:
-        qkv, proj = _linear(module, fused), _linear(module, output)
-        if qkv is not None and proj is not None:
-            break
-    else:
-        return None
+    pair = _fused_pair(module, FUSED_FORMS)
     head_dim = getattr(module, "head_dim", None)
-    if not isinstance(head_dim, int):
+    if pair is None or not isinstance(head_dim, int):
         return None
+    fused, output, qkv, proj = pair
     heads = getattr(module, "num_heads", getattr(module, "n_heads", None))
     if not isinstance(heads, int):
         heads = proj.in_features // head_dim
@@ -285,12 +293,10 @@ def _per_head_fused(name: str, module: nn.Module) -> HeadGroup | None:
     c_attn with c_proj. In multi-query attention (all query heads, then one key and one
     value head) a unit is a query head (Falcon-7B); GPT-BigCode's is refused, as its code
     splits c_attn at the model width."""
-    for fused, output in (("query_key_value", "dense"), ("c_attn", "c_proj")):
-        qkv, out = _linear(module, fused), _linear(module, output)
-        if qkv is not None and out is not None:
-            break
-    else:
+    pair = _fused_pair(module, (("query_key_value", "dense"), ("c_attn", "c_proj")))
+    if pair is None:
         return None
+    fused, output, qkv, out = pair
     multi_query = getattr(module, "multi_query", None)
     if fused == "c_attn" and (multi_query is None or hasattr(module, "q_attn")):
         return None  # GPT-2's layout (_gpt2); GPT-BigCode's cross-attention
@@ -552,12 +558,11 @@ def _biases_from_outside(
         return found
 
     def record(module, args, kwargs):
-        try:
-            bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
-        except TypeError:  # not the signature it declares: nothing to read by name
-            return
+        # the arguments by name: positional ones in the order forward declares them
+        names = inspect.signature(module.forward).parameters
+        given = dict(zip(names, args, strict=False)) | kwargs
         for argument in watched[module]:
-            if isinstance(bound.get(argument), torch.Tensor):
+            if isinstance(given.get(argument), torch.Tensor):
                 found[module] = (
                     f"its forward is handed `{argument}`, a bias per head computed outside "
                     "the layer for all the model's heads: it would not lose the heads "
