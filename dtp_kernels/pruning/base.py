@@ -18,15 +18,18 @@ from torch.nn.utils import parametrize
 from . import ratios as ratio_rules
 from .conv1d import is_conv1d
 from .cost import COSTED, PER_CHANNEL_AFFINE, count_params, flops_after, params_after, trace_layers
+from .experts import ExpertGroup, check_expert_ratios, find_expert_groups, prune_experts
 from .groups import find_groups, out_channel_handler, traced_graph
 from .heads import HeadGroup, find_head_groups, prune_heads
 from .hf_config import update_config
 
 
 def _kind(group) -> str:
-    """The group's kind for ratio dicts: "heads", "coupled", "mlp", "channels"."""
+    """The group's kind for ratio dicts: "heads", "experts", "coupled", "mlp", "channels"."""
     if isinstance(group, HeadGroup):
         return "heads"
+    if isinstance(group, ExpertGroup):
+        return "experts"
     if getattr(group, "producers", None):
         return "coupled"
     return "mlp" if isinstance(group.layer, nn.Linear) else "channels"
@@ -97,6 +100,8 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             len(convs),
             kinds,
         )
+        experts = [g for g in all_groups if isinstance(g, ExpertGroup)]
+        check_expert_ratios(experts, per_group, budget)
         self.groups = [g for g in all_groups if per_group[g.name] > 0]
         refused = [g for g in self.groups if g.norms]
         if refused:
@@ -136,14 +141,21 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         self._base_flops = flops_after(self._layers, {})
 
     def _find_groups(self, model: nn.Module, inputs: tuple, ignored: list) -> list:
-        """The prunable groups: attention heads, then channel groups (filter pruning)."""
+        """The prunable groups (filter pruning) in the model's module order: attention
+        heads, the experts of mixture-of-experts blocks and channel groups."""
         heads = find_head_groups(model, ignored, inputs)
+        experts = find_expert_groups(model, ignored)
         projections = [layer for g in heads for layer in (*g.kept_out, g.layer)]
         with traced_graph(model, inputs) as graph:
             channels = find_groups(model, graph, ignored + projections, self.prune_coupled)
         order = {name: index for index, (name, _) in enumerate(model.named_modules())}
-        groups = sorted([*heads, *channels], key=lambda g: order[g.name])
-        return groups
+
+        def position(group) -> tuple[int, int]:  # a block's experts in turn, together
+            if isinstance(group, ExpertGroup):
+                return order[group.module_name], group.expert
+            return order[group.name], 0
+
+        return sorted([*heads, *experts, *channels], key=position)
 
     # -- what a pruner decides -----------------------------------------------------------
     @abc.abstractmethod
@@ -203,13 +215,17 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                 params += params_after(module, *lost.get(module, (0, 0)))
             elif not isinstance(module, parametrize.ParametrizationList):  # owner counts it
                 params += sum(p.numel() for p in module.parameters(recurse=False))
+                if parametrize.is_parametrized(module):  # an experts block's masked weight
+                    params += sum(p.original.numel() for p in module.parametrizations.values())
             for p in module.parameters(recurse=False):
                 owners[p] = owners.get(p, -1) + 1
         # a weight tied between modules (an embedding and the output layer) counts once;
         # tied weights are never pruned
         params -= sum(p.numel() * extra for p, extra in owners.items())
-        for group, mask in zip(self.groups, masks, strict=True):  # per-head tables
-            for owner, name, dim in getattr(group, "tables", ()):
+        for group, mask in zip(self.groups, masks, strict=True):
+            if isinstance(group, ExpertGroup):  # raw 3-D parameters: no layer formula
+                params -= group.removed_params(int(mask.numel() - mask.sum()))
+            for owner, name, dim in getattr(group, "tables", ()):  # per-head tables
                 table = getattr(owner, name)
                 removed = int(mask.numel() - mask.sum()) * group.query_heads_per_unit
                 params -= table.numel() // table.shape[dim] * removed
@@ -239,12 +255,16 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         masks = self.hard_masks()
         self._check_shared_head_counts(masks)
         pruned = self._unmasked_copy()
+        expert_masks: dict[str, list[torch.Tensor]] = {}  # per experts module, in expert order
         with traced_graph(pruned, self.example_inputs) as graph:
             names = dict(pruned.named_modules())
             original_names = {module: name for name, module in self.model.named_modules()}
             for group, mask in zip(self.groups, masks, strict=True):
                 if isinstance(group, HeadGroup):
                     prune_heads(group, names, original_names, mask)
+                    continue
+                if isinstance(group, ExpertGroup):
+                    expert_masks.setdefault(group.module_name, []).append(mask)
                     continue
                 dropped_units = (mask == 0).nonzero().flatten()
                 if not len(dropped_units):
@@ -255,6 +275,9 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                 if group.group_norm is not None:  # whole groups went: as many fewer groups
                     norm = names[original_names[group.group_norm]]
                     norm.num_groups -= len(dropped_units)
+        layouts = {g.module_name: g.layout for g in self.groups if isinstance(g, ExpertGroup)}
+        for name, block_masks in expert_masks.items():  # after Torch-Pruning's changes
+            prune_experts(names[name], layouts[name], block_masks)
         described = update_config(pruned, [(_kind(g), g) for g in self.groups], masks)
         if not described and any(getattr(g, "heads_from_config", False) for g in self.groups):
             raise ExportMismatchError(

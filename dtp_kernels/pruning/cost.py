@@ -5,7 +5,8 @@ FLOPs follow the paper's appendix (Eq. flops_comput, after ChipNet): a convoluti
 (K * n_in / groups + 1) * n_out * A multiply-adds (K the kernel area, A the output
 feature-map area, +1 for the bias term); a linear layer (n_in + 1) * n_out per output
 row; nonlinearities, BN and pooling are ignored. A depthwise convolution loses its input
-and output channels together.
+and output channels together. An expert of a mixture-of-experts block counts as its two
+linear layers over the tokens the example forward routed to it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from .experts import ExpertProjection, expert_layout
 
 CONV = (nn.Conv1d, nn.Conv2d)
 COSTED = (*CONV, nn.Linear)  # the layers whose FLOPs are counted
@@ -48,15 +51,51 @@ class Layer:
         return (self.kernel * in_c // groups + 1) * out_c * self.rows
 
 
+@dataclass(frozen=True)
+class ExpertMatmul:
+    """One expert's up or down projection as one forward saw it: a linear layer of
+    `rows` tokens (the tokens routed to the expert)."""
+
+    module: ExpertProjection
+    out_c: int
+    in_c: int
+    rows: int
+    kernel: int = 1
+    depthwise: bool = False
+
+    def channels(self, out_lost: int = 0, in_lost: int = 0) -> tuple[int, int, int]:
+        return self.out_c - out_lost, self.in_c - in_lost, 1
+
+    def flops(self, out_lost: int = 0, in_lost: int = 0) -> int:
+        out_c, in_c, _ = self.channels(out_lost, in_lost)
+        return (in_c + 1) * out_c * self.rows
+
+
+def _routed(module: nn.Module, experts: int, args: tuple, kwargs: dict) -> list[int]:
+    """Tokens an experts module's forward routes to each expert: read from its integer
+    argument, the experts chosen per token (ids outside [0, experts) are dropped tokens)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and not value.is_floating_point():
+            chosen = value.flatten().long()
+            chosen = chosen[(chosen >= 0) & (chosen < experts)]
+            return torch.bincount(chosen.cpu(), minlength=experts).tolist()
+    raise ValueError(
+        f"the experts module {type(module).__name__} got no integer tensor of the experts "
+        "chosen per token in its forward, so its FLOPs cannot be counted"
+    )
+
+
 def count_params(model: nn.Module) -> int:
     """Number of parameters (BN affine included; buffers excluded)."""
     return sum(p.numel() for p in model.parameters())
 
 
 @torch.no_grad()
-def trace_layers(model: nn.Module, example_inputs: torch.Tensor | tuple) -> list[Layer]:
+def trace_layers(
+    model: nn.Module, example_inputs: torch.Tensor | tuple
+) -> list[Layer | ExpertMatmul]:
     """The costed layers of one eval-mode forward of `example_inputs`, in call order."""
-    layers: list[Layer] = []
+    layers: list[Layer | ExpertMatmul] = []
 
     def hook(module: nn.Module, _inputs, output: torch.Tensor) -> None:
         if isinstance(module, CONV):
@@ -70,7 +109,21 @@ def trace_layers(model: nn.Module, example_inputs: torch.Tensor | tuple) -> list
         else:
             layers.append(Layer(module, 1, output.numel() // max(module.out_features, 1)))
 
+    def expert_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        layout = expert_layout(module)
+        up_out = layout.parts * layout.width
+        for e, rows in enumerate(_routed(module, layout.experts, args, kwargs)):
+            up = ExpertProjection(module, layout.up, e)
+            layers.append(ExpertMatmul(up, up_out, layout.hidden, rows))
+            down = ExpertProjection(module, "down_proj", e)
+            layers.append(ExpertMatmul(down, layout.hidden, layout.width, rows))
+
     handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, COSTED)]
+    handles += [
+        m.register_forward_pre_hook(expert_hook, with_kwargs=True)
+        for m in model.modules()
+        if expert_layout(m) is not None
+    ]
     run_hooked(model, example_inputs, handles)
     return layers
 
@@ -95,7 +148,7 @@ def count_flops(model: nn.Module, example_inputs: torch.Tensor | tuple) -> int:
     return sum(layer.flops() for layer in trace_layers(model, example_inputs))
 
 
-def flops_after(layers: list[Layer], lost: dict[nn.Module, tuple[int, int]]) -> int:
+def flops_after(layers: list[Layer | ExpertMatmul], lost: dict[nn.Module, tuple[int, int]]) -> int:
     """FLOPs with each layer's (output, input) channels reduced by `lost`."""
     return sum(layer.flops(*lost.get(layer.module, (0, 0))) for layer in layers)
 
@@ -130,7 +183,7 @@ class FlopsRatio:
     with the kept ratio of the group whose output channels it loses and, unless it is
     depthwise, of the group whose input channels it loses."""
 
-    def __init__(self, layers: list[Layer], groups: list) -> None:
+    def __init__(self, layers: list[Layer | ExpertMatmul], groups: list) -> None:
         out_group, in_group = {}, {}
         for index, group in enumerate(groups):
             out_group.update(dict.fromkeys(group.kept_out, index))

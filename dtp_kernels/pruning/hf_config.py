@@ -19,6 +19,9 @@ from torch import nn
 # the config field of an MLP's hidden width, by family: most; OPT, BART and Whisper
 # (the decoder's alike); GPT-2 (when set); DistilBERT; T5
 MLP_FIELDS = ("intermediate_size", "ffn_dim", "n_inner", "hidden_dim", "d_ff")
+# the experts' width: its own field where the family has dense MLPs too (Qwen3-MoE,
+# DeepSeek), else the MLP's (Mixtral, OLMoE, GPT-OSS)
+EXPERT_FIELDS = ("moe_intermediate_size", "intermediate_size")
 
 
 def _mlp_field(config) -> str | None:
@@ -58,6 +61,15 @@ def config_fields(config, groups: list[tuple[str, object]], masks: list) -> dict
         if size is None or len(mlps) != layers:
             return None
         fields[mlp_field] = size
+    experts = [
+        int(m.sum()) for (kind, _), m in zip(groups, masks, strict=True) if kind == "experts"
+    ]
+    if experts:  # whether every block was pruned is left to the rebuild check
+        field = next((f for f in EXPERT_FIELDS if isinstance(getattr(config, f, None), int)), None)
+        size = _uniform(experts)
+        if field is None or size is None or fields.get(field, size) != size:
+            return None
+        fields[field] = size
     return fields
 
 

@@ -118,6 +118,28 @@ class ScaleColumns(ScaleRows):
     DIM = 1
 
 
+class ScaleExperts(nn.Module):
+    """Parametrization of a 3-D expert projection (experts first, the intermediate
+    neurons along `dim`): each expert's neurons times the mask of its own group, the
+    groups `first`, `first + 1`, ... of one expert each. The soft masks are read as one
+    view of the flat mask: no copy per expert."""
+
+    def __init__(self, source: MaskSource, first: int, experts: int, dim: int) -> None:
+        super().__init__()
+        self.source, self.first, self.experts, self.dim = source, first, experts, dim
+        self.offset = sum(source.sizes[:first])
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        source, last = self.source, self.first + self.experts
+        if source.hard is not None:
+            mask = torch.stack(source.hard[self.first : last])
+        else:
+            mask = source.flat.narrow(0, self.offset, sum(source.sizes[self.first : last]))
+        shape = [self.experts, 1, 1]
+        shape[self.dim] = -1
+        return weight * mask.to(weight.dtype).view(shape)
+
+
 def read_folded_first(module: nn.Module, name: str, source: MaskSource, slot: int) -> None:
     """Make reading ``module.<name>`` return the product DTPPruner folded for this forward
     while it is current (no hard masks, the original unchanged since), and parametrize's

@@ -8,6 +8,7 @@ after every optimizer step. Masks go where they cost nothing (docs/design.md sec
 the affine weight and bias of the group's BN, or on a conv's output rows and bias when no
 BN follows; `mask_at="activation"` multiplies the activations with the fused epilogue
 instead. Attention heads and gated MLPs take theirs on the consuming projection's input
+columns, the experts of a mixture-of-experts block on each expert's down-projection
 columns, GroupNorm groups on the norm's rows.
 """
 
@@ -30,6 +31,7 @@ from ..transport_state import TransportState
 from . import nm as nm_rules
 from .base import ChannelPruner, ExportMismatchError
 from .cost import COSTED, FlopsRatio
+from .experts import ExpertGroup
 from .groups import out_width, output_tensors
 from .heads import HeadGroup
 from .masking import (
@@ -38,6 +40,7 @@ from .masking import (
     MaskSource,
     ScaleColumns,
     ScaleEach,
+    ScaleExperts,
     ScaleRows,
     folded_products,
     read_folded_first,
@@ -87,8 +90,9 @@ class DTPPruner(ChannelPruner):
         model: the network; the pruner attaches masks to it (parametrizations/hooks).
         example_inputs: a tensor or tuple that runs through the model (batch 1 is enough).
         ratios: a float; a dict of module names, fnmatch patterns or kinds of group
-            ("channels", "mlp", "heads") to ratios; "[0, 0.5, 0.5, 0.5]" (per ResNet
-            stage) or "[0:0, 1-15:0.5]" (per convolution index); each in [0, 1).
+            ("channels", "mlp", "heads", "experts", "coupled") to ratios;
+            "[0, 0.5, 0.5, 0.5]" (per ResNet stage) or "[0:0, 1-15:0.5]" (per convolution
+            index); each in [0, 1).
         budget: "layer" (one transport segment per group), "global" (one over all), or
             "flops": learned kept ratios sigmoid(theta) per group (started at 1 - ratio),
             the kept count k = n sigmoid(theta) differentiable through `keep`; add
@@ -248,6 +252,12 @@ class DTPPruner(ChannelPruner):
         if self.granularity != "filter":
             scale = ScaleEach(self._source, index, blocked=self.nm is not None)
             parametrize.register_parametrization(group.layer, "weight", scale)
+            return
+        if isinstance(group, ExpertGroup):  # the down projection's columns, per expert
+            if group.expert == 0:  # one parametrization for the block's experts
+                dim = 1 if group.layout.transposed else 2
+                scale = ScaleExperts(self._source, index, group.layout.experts, dim)
+                parametrize.register_parametrization(group.experts, "down_proj", scale)
             return
         if isinstance(group, HeadGroup):  # the output projection's columns, per unit
             scale = ScaleColumns(self._source, index, group.out.per_unit)
@@ -522,8 +532,8 @@ class DTPPruner(ChannelPruner):
         channels Torch-Pruning removed in coupled sets: fewer kept, equal outputs)."""
         modules = dict(pruned.named_modules())
         for group, mask in zip(self.groups, self.hard_masks(), strict=True):
-            if isinstance(group, HeadGroup):
-                continue  # prune_heads cuts exactly the kept units' rows and columns
+            if isinstance(group, (HeadGroup, ExpertGroup)):
+                continue  # prune_heads / prune_experts cut exactly the kept units
             width = out_width(modules[group.name])
             want = int(mask.sum()) * group.channels_per_unit * group.parts
             if width != want:

@@ -90,8 +90,9 @@ def check_ratio_syntax(ratios: object) -> None:
         check_ratio(ratios, "ratios")
 
 
-# conv output channels; linear layers' output features; attention heads; residual widths
-KINDS = ("channels", "mlp", "heads", "coupled")
+# conv output channels; linear layers' output features; attention heads; residual widths;
+# the intermediate neurons of mixture-of-experts blocks' experts
+KINDS = ("channels", "mlp", "heads", "coupled", "experts")
 
 
 def _key_for(name: str, ratios: Mapping, matched: dict, kind: str | None) -> str | None:
@@ -115,7 +116,8 @@ def resolve(
     """Ratio of every group root (by module name); groups a dict does not reach get 0.
 
     A dict's keys are module names, fnmatch patterns over them ("layer3.*"), or a kind
-    of group ("channels": convolutions, "mlp": linear layers); a name beats a pattern,
+    of group (KINDS: "channels": convolutions, "mlp": linear layers, "heads", "coupled",
+    "experts"); a name beats a pattern,
     a pattern beats a kind. `kinds` maps each group name to its kind."""
     if isinstance(ratios, (int, float)) and not isinstance(ratios, bool):
         ratio = check_ratio(ratios, "ratios")
@@ -142,6 +144,7 @@ def resolve(
             hints = {
                 "heads": "attention layers are recognised in the forms docs/pruning.md lists",
                 "coupled": "residual-coupled widths are groups only with prune_coupled=True",
+                "experts": "experts are recognised in transformers' layout (docs/pruning.md)",
             }
             why = "; ".join(hints[k] for k in absent if k in hints)
             raise ValueError(

@@ -1,0 +1,191 @@
+"""The experts of a mixture-of-experts block: each expert's intermediate neurons, pruned
+expert by expert, every expert of a block to the same count.
+
+Hugging Face's mixture-of-experts families keep all experts of a block in raw 3-D
+parameters, experts first: the gate and up projections `gate_up_proj` [E, 2I, H] (or
+`up_proj` [E, I, H] without a gate) and the down projection `down_proj` [E, H, I], or
+both transposed. transformers' ``use_experts_implementation`` describes the layout on the
+module (has_gate, is_concatenated, is_transposed, has_bias); only modules carrying it are
+recognised. Intermediate neuron j of expert e is row j and I + j of its gate/up
+projection (2j and 2j + 1 when interleaved) and column j of its down projection.
+
+Each expert is one group and one transport segment. The mask goes on the down
+projection's columns: exact whatever the activation computes from neuron j's gate and
+up. Export keeps the kept neurons of every expert in one smaller 3-D parameter, so all
+experts of a block keep the same count (one ratio, budget "layer"; the pruner checks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# the attributes use_experts_implementation sets, which say how the weights are laid out
+LAYOUT_FLAGS = ("has_gate", "is_concatenated", "is_transposed", "has_bias")
+# an experts module's attributes that hold its intermediate width
+WIDTH_ATTRIBUTES = ("intermediate_dim", "intermediate_size", "expert_dim")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one experts module stores its weights."""
+
+    up: str  # "gate_up_proj", or "up_proj" without a gate
+    parts: int  # 2 (gate and up side by side per neuron) or 1
+    concatenated: bool  # gate rows [0, I), up rows [I, 2I); else interleaved
+    transposed: bool  # weights stored (in, out) per expert: [E, H, 2I] and [E, I, H]
+    bias: bool
+    experts: int
+    width: int  # I, the intermediate neurons per expert
+    hidden: int  # H
+
+
+def expert_layout(module: nn.Module) -> Layout | None:
+    """The layout of an experts module in transformers' form; None for any other module
+    (or one whose weight shapes do not match its flags)."""
+    flags = [getattr(module, name, None) for name in LAYOUT_FLAGS]
+    if not all(isinstance(flag, bool) for flag in flags):
+        return None
+    has_gate, concatenated, transposed, bias = flags
+    up_name = "gate_up_proj" if has_gate else "up_proj"
+    up, down = getattr(module, up_name, None), getattr(module, "down_proj", None)
+    if not (isinstance(up, torch.Tensor) and isinstance(down, torch.Tensor)):
+        return None
+    if up.dim() != 3 or down.dim() != 3:
+        return None
+    parts = 2 if has_gate else 1
+    experts = down.shape[0]
+    width, hidden = (down.shape[1], down.shape[2]) if transposed else (down.shape[2], down.shape[1])
+    want_up = (experts, hidden, parts * width) if transposed else (experts, parts * width, hidden)
+    if tuple(up.shape) != want_up:
+        return None
+    return Layout(up_name, parts, concatenated, transposed, bias, experts, width, hidden)
+
+
+@dataclass(frozen=True)
+class ExpertProjection:
+    """One expert's slice of a 3-D projection: what the cost model counts and a group
+    loses channels of (it stands where a linear layer would)."""
+
+    experts: nn.Module
+    name: str  # the parameter: the layout's up projection, or "down_proj"
+    expert: int
+
+
+@dataclass(eq=False)
+class ExpertGroup:
+    """The intermediate neurons of expert `expert` of the experts module `module_name`."""
+
+    module_name: str
+    experts: nn.Module
+    layout: Layout
+    expert: int
+
+    norms = ()  # the neurons reach no normalization over all of them
+
+    @property
+    def name(self) -> str:
+        return f"{self.module_name}.{self.expert}"
+
+    @property
+    def size(self) -> int:
+        return self.layout.width
+
+    @property
+    def kept_out(self) -> tuple[ExpertProjection, ...]:
+        return (ExpertProjection(self.experts, self.layout.up, self.expert),)
+
+    @property
+    def kept_in(self) -> tuple[ExpertProjection, ...]:
+        return (ExpertProjection(self.experts, "down_proj", self.expert),)
+
+    @property
+    def width(self) -> dict[ExpertProjection, int]:
+        """Channels each projection loses per neuron removed (gate and up: one each)."""
+        return {self.kept_out[0]: self.layout.parts}
+
+    def unit_weights(self) -> torch.Tensor:
+        """The gate and up weights of each neuron side by side, one row per neuron."""
+        weight = getattr(self.experts, self.layout.up).detach()[self.expert]
+        if self.layout.transposed:
+            weight = weight.t()
+        width, hidden = self.layout.width, self.layout.hidden
+        if self.layout.parts > 1 and self.layout.concatenated:
+            return weight.reshape(2, width, hidden).transpose(0, 1).reshape(width, -1)
+        return weight.reshape(width, -1)  # interleaved pairs are already side by side
+
+    def removed_params(self, units: int) -> int:
+        """Parameters `units` removed neurons take with them (weights and gate/up biases)."""
+        layout = self.layout
+        per_unit = layout.parts * layout.hidden + layout.hidden
+        return units * (per_unit + (layout.parts if layout.bias else 0))
+
+
+def find_expert_groups(model: nn.Module, ignored: list[nn.Module]) -> list[ExpertGroup]:
+    """One group per expert of every recognised experts module not in `ignored`."""
+    groups = []
+    for name, module in model.named_modules():
+        layout = expert_layout(module)
+        if layout is None or module in ignored:
+            continue
+        groups += [ExpertGroup(name, module, layout, e) for e in range(layout.experts)]
+    return groups
+
+
+def check_expert_ratios(groups: list[ExpertGroup], ratios: dict[str, float], budget: str) -> None:
+    """Every expert of a block has the same ratio, and a pruned block has budget "layer":
+    one 3-D parameter holds the experts, so they keep the same count. ValueError naming
+    the block otherwise, before any mask."""
+    blocks: dict[str, dict[str, float]] = {}
+    for group in groups:
+        blocks.setdefault(group.module_name, {})[group.name] = ratios[group.name]
+    for block, per_expert in blocks.items():
+        if len(set(per_expert.values())) > 1:
+            raise ValueError(
+                f"the experts of {block!r} have different ratios {per_expert}: one 3-D "
+                "parameter holds all of them, so every expert keeps the same number of "
+                f"neurons; give them one ratio (the pattern '{block}.*' or the kind "
+                "'experts')"
+            )
+        if budget != "layer" and max(per_expert.values()) > 0:
+            raise ValueError(
+                f"budget = {budget!r} would keep a different number of neurons in each "
+                f"expert of {block!r}, which one 3-D parameter cannot hold; use "
+                "budget='layer', or leave the experts whole with the ratio "
+                "{'experts': 0, ...}"
+            )
+
+
+def intermediate_index(layout: Layout, units: torch.Tensor) -> torch.Tensor:
+    """Positions of neurons `units` along the up projection's intermediate dimension."""
+    if layout.parts == 1:
+        return units
+    if layout.concatenated:
+        return torch.cat([units, units + layout.width])
+    return torch.stack([2 * units, 2 * units + 1], dim=1).flatten()
+
+
+@torch.no_grad()
+def prune_experts(experts: nn.Module, layout: Layout, masks: list[torch.Tensor]) -> None:
+    """Keep in `experts` the neurons each expert's 0/1 mask keeps (as many in each)."""
+    kept = [mask.nonzero().flatten().to(torch.long) for mask in masks]
+    width = len(kept[0])
+    # (in, out) storage: the intermediate dimension is the last of the up projection
+    up_dim, down_dim = (2, 1) if layout.transposed else (1, 2)
+    names = [(layout.up, up_dim, True), ("down_proj", down_dim, False)]
+    if layout.bias:
+        names.append((f"{layout.up}_bias", 1, True))
+    for name, dim, up_side in names:
+        old = getattr(experts, name)
+        picked = [
+            old[e].index_select(
+                dim - 1, (intermediate_index(layout, units) if up_side else units).to(old.device)
+            )
+            for e, units in enumerate(kept)
+        ]
+        setattr(experts, name, nn.Parameter(torch.stack(picked), old.requires_grad))
+    for attribute in WIDTH_ATTRIBUTES:
+        if getattr(experts, attribute, None) == layout.width:
+            setattr(experts, attribute, width)

@@ -1,0 +1,388 @@
+"""The experts of mixture-of-experts blocks (tiny Hugging Face configurations built here,
+nothing downloaded): every expert's intermediate neurons are a group, the export keeps
+exactly the kept neurons of each expert in the smaller 3-D parameters and computes what
+the hard-masked model computes, in every weight layout transformers uses (gate and up
+concatenated or interleaved, stored transposed, with biases, without a gate), under every
+experts implementation; counts and config follow, and what cannot be held is refused."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from dtp_kernels.pruning import DTPPruner, L1Pruner
+from dtp_kernels.pruning.cost import ExpertMatmul, count_flops, trace_layers
+from dtp_kernels.pruning.experts import WIDTH_ATTRIBUTES, ExpertGroup, expert_layout
+from utils import LLAMA_VOCAB as VOCAB
+
+transformers = pytest.importorskip("transformers")
+
+SIZES = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+EXPERTS, TOP_K, BATCH, LENGTH = 4, 2, 2, 9
+
+
+def tokens(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, LENGTH), generator=torch.Generator().manual_seed(seed))
+
+
+def moe(family: str, **sizes) -> tuple[nn.Module, tuple]:
+    """A tiny `{family}ForCausalLM` with EXPERTS experts, TOP_K chosen per token."""
+    config = getattr(transformers, f"{family}Config")(**{**SIZES, **sizes})
+    return getattr(transformers, f"{family}ForCausalLM")(config), (tokens(),)
+
+
+MIXTRAL = dict(num_hidden_layers=2, intermediate_size=64, num_local_experts=EXPERTS)
+# family -> (sizes, experts' width, (parts, concatenated, transposed, bias), config follows)
+FAMILIES = {
+    "Mixtral": (MIXTRAL, 64, (2, True, False, False), True),
+    "Qwen3Moe": (  # its dense MLP width and the experts' are separate fields
+        dict(
+            num_hidden_layers=2,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_experts=EXPERTS,
+            num_experts_per_tok=TOP_K,
+            head_dim=8,
+        ),
+        16,
+        (2, True, False, False),
+        True,
+    ),
+    "Qwen2Moe": (  # beside a shared expert (a gated MLP of its own width)
+        dict(
+            num_hidden_layers=2,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            num_experts=EXPERTS,
+            num_experts_per_tok=TOP_K,
+        ),
+        16,
+        (2, True, False, False),
+        True,
+    ),
+    "Olmoe": (
+        dict(
+            num_hidden_layers=2,
+            intermediate_size=32,
+            num_experts=EXPERTS,
+            num_experts_per_tok=TOP_K,
+            num_key_value_heads=4,
+        ),
+        32,
+        (2, True, False, False),
+        True,
+    ),
+    "GptOss": (  # gate and up interleaved, stored (in, out), with biases
+        dict(
+            num_hidden_layers=2,
+            intermediate_size=32,
+            num_local_experts=EXPERTS,
+            num_experts_per_tok=TOP_K,
+            head_dim=8,
+        ),
+        32,
+        (2, False, True, True),
+        True,
+    ),
+    "NemotronH": (  # no gate: up_proj only; an attention layer and an MoE layer
+        dict(
+            layers_block_type=["attention", "moe"],
+            n_routed_experts=EXPERTS,
+            num_experts_per_tok=TOP_K,
+            moe_intermediate_size=16,
+            moe_shared_expert_intermediate_size=16,
+            intermediate_size=32,
+            head_dim=8,
+            mtp_layers_block_type=None,
+        ),
+        16,
+        (1, True, False, False),
+        True,
+    ),
+    "AriaText": (  # stored (in, out); its shared experts are intermediate_size wide too,
+        # so the config cannot describe experts pruned alone
+        dict(
+            num_hidden_layers=2,
+            intermediate_size=16,
+            moe_num_experts=EXPERTS,
+            moe_topk=TOP_K,
+            moe_num_shared_experts=1,
+        ),
+        16,
+        (2, True, True, False),
+        False,
+    ),
+}
+
+
+def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
+    return {n: m for n, m in model.named_modules() if n.endswith(".experts")}
+
+
+def randomised(pruner: DTPPruner) -> DTPPruner:
+    """Scores away from their initial order, so the kept neurons differ per expert."""
+    with torch.no_grad():
+        pruner.scores.copy_(
+            torch.rand(pruner.scores.shape, generator=torch.Generator().manual_seed(3))
+        )
+    return pruner
+
+
+def hard_masked_and_exported(pruner: DTPPruner, model: nn.Module, inputs: tuple):
+    model.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(*inputs).logits
+    exported = pruner.export().eval()
+    with torch.no_grad():
+        got = exported(*inputs).logits
+    return exported, got, want
+
+
+def intermediate(weight: torch.Tensor, transposed: bool, up: bool) -> torch.Tensor:
+    """One expert's weight with the intermediate dimension first."""
+    if transposed:
+        return weight.t() if up else weight
+    return weight if up else weight.t()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_experts_export_the_kept_neurons_of_every_expert(family, tmp_path):
+    sizes, width, (parts, concatenated, transposed, bias), config_follows = FAMILIES[family]
+    torch.manual_seed(0)
+    model, inputs = moe(family, **sizes)
+    blocks = experts_modules(model)
+    dense = {n: {k: v.clone() for k, v in m.state_dict().items()} for n, m in blocks.items()}
+    pruner = randomised(DTPPruner(model, inputs, {"experts": 0.5}))
+    assert [g.name for g in pruner.groups] == [f"{b}.{e}" for b in blocks for e in range(EXPERTS)]
+    assert all(isinstance(g, ExpertGroup) and g.size == width for g in pruner.groups)
+    layout = pruner.groups[0].layout
+    assert (layout.parts, layout.concatenated, layout.transposed, layout.bias) == (
+        parts,
+        concatenated,
+        transposed,
+        bias,
+    )
+    masks = pruner.hard_masks()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exported, got, want = hard_masked_and_exported(pruner, model, inputs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    described = not any("config cannot describe" in str(w.message) for w in caught)
+    assert described == config_follows
+
+    # exactly the kept neurons, each expert its own: gate and up rows, down columns, biases
+    pruned_blocks = experts_modules(exported)
+    up_name = layout.up
+    for index, (name, block) in enumerate(pruned_blocks.items()):
+        for e in range(EXPERTS):
+            kept = masks[index * EXPERTS + e].nonzero().flatten()
+            assert len(kept) == width // 2
+            down = intermediate(block.down_proj[e], transposed, up=False)
+            old_down = intermediate(dense[name]["down_proj"][e], transposed, up=False)
+            torch.testing.assert_close(down, old_down[kept], rtol=0, atol=0)
+            up = intermediate(getattr(block, up_name)[e], transposed, up=True)
+            old_up = intermediate(dense[name][up_name][e], transposed, up=True)
+            if parts == 1:
+                rows = kept
+            elif concatenated:
+                rows = torch.cat([kept, kept + width])
+            else:
+                rows = torch.stack([2 * kept, 2 * kept + 1], dim=1).flatten()
+            torch.testing.assert_close(up, old_up[rows], rtol=0, atol=0)
+            if bias:
+                old_bias = dense[name][f"{up_name}_bias"][e]
+                torch.testing.assert_close(getattr(block, f"{up_name}_bias")[e], old_bias[rows])
+        widths = [getattr(block, a) for a in WIDTH_ATTRIBUTES if hasattr(block, a)]
+        assert widths == [width // 2]  # the module's own width attribute follows
+
+    params, flops = pruner.predicted_counts()
+    assert params == sum(p.numel() for p in exported.parameters())
+    assert flops == count_flops(exported, inputs) < pruner.report()["flops_before"]
+    if config_follows:  # save_pretrained / from_pretrained rebuild the pruned experts
+        exported.save_pretrained(tmp_path)
+        loaded = type(exported).from_pretrained(tmp_path).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(*inputs).logits, got)
+
+
+def test_a_float_ratio_prunes_heads_and_experts_together(tmp_path):
+    torch.manual_seed(0)
+    model, inputs = moe("Mixtral", **MIXTRAL)
+    pruner = randomised(DTPPruner(model, inputs, 0.5))
+    kinds = [type(g).__name__ for g in pruner.groups]
+    assert kinds == (["HeadGroup"] + ["ExpertGroup"] * EXPERTS) * 2
+    exported, got, want = hard_masked_and_exported(pruner, model, inputs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    config = exported.config
+    assert (config.num_attention_heads, config.num_key_value_heads) == (2, 1)
+    assert config.intermediate_size == 32
+    exported.save_pretrained(tmp_path)
+    with torch.no_grad():
+        loaded = type(exported).from_pretrained(tmp_path).eval()
+        torch.testing.assert_close(loaded(*inputs).logits, got)
+
+
+def test_the_l1_baseline_keeps_each_experts_largest_neurons():
+    """L1Pruner (one shot, same groups) keeps in every expert the neurons of largest
+    gate and up L1 norm."""
+    torch.manual_seed(0)
+    model, inputs = moe("Mixtral", **MIXTRAL)
+    gate_up = model.model.layers[0].mlp.experts.gate_up_proj.detach().clone()
+    exported = L1Pruner(model, inputs, {"experts": 0.75}).export()
+    for e in range(EXPERTS):
+        norms = gate_up[e, :64].abs().sum(1) + gate_up[e, 64:].abs().sum(1)
+        kept = norms.topk(16).indices.sort().values
+        want = torch.cat([gate_up[e, kept], gate_up[e, 64 + kept]])
+        got = exported.model.layers[0].mlp.experts.gate_up_proj[e]
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("implementation", ["batched_mm", "grouped_mm"])
+def test_the_masks_reach_every_experts_implementation(implementation):
+    """transformers runs experts through other kernels (batched_mm, grouped_mm) that read
+    the same parameters: the hard-masked model under each equals the export under eager,
+    and the mask changes what the dense model computes."""
+    torch.manual_seed(0)
+    model, inputs = moe("Qwen3Moe", **FAMILIES["Qwen3Moe"][0])
+    pruner = randomised(DTPPruner(model, inputs, {"experts": 0.5}))
+    exported = pruner.export().eval()
+    model.eval()
+    model.config._experts_implementation = implementation
+    with torch.no_grad():
+        with pruner.hard_masked():
+            masked = model(*inputs).logits
+        unmasked = pruner._unmasked_copy()(*inputs).logits
+        torch.testing.assert_close(masked, exported(*inputs).logits, rtol=1e-5, atol=1e-5)
+    assert (masked - unmasked).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("family", ["Mixtral", "GptOss"])
+def test_initial_scores_are_the_norms_of_each_neurons_gate_and_up_weights(family):
+    torch.manual_seed(0)
+    model, inputs = moe(family, **FAMILIES[family][0])
+    pruner = DTPPruner(model, inputs, {"experts": 0.5})
+    gate_up = next(iter(experts_modules(model).values())).gate_up_proj.detach()
+    width = FAMILIES[family][1]
+    for e, scores in enumerate(pruner.scores.detach().split(pruner.sizes)[:EXPERTS]):
+        rows = gate_up[e].t() if family == "GptOss" else gate_up[e]
+        if family == "GptOss":  # interleaved: neuron j is rows 2j and 2j + 1
+            gate, up = rows[0::2], rows[1::2]
+        else:
+            gate, up = rows[:width], rows[width:]
+        want = (gate.pow(2).sum(1) + up.pow(2).sum(1)).sqrt()
+        torch.testing.assert_close(scores, want.float())
+
+
+def test_a_training_step_reaches_every_experts_scores():
+    """Soft masks in training: the loss reaches the scores of every expert a token was
+    routed to, and a step with the pruner attached commits the transport state."""
+    torch.manual_seed(0)
+    model, inputs = moe("Mixtral", **MIXTRAL)
+    pruner = DTPPruner(model, inputs, {"experts": 0.5})
+    optimizer = torch.optim.SGD([*model.parameters(), *pruner.parameters()], lr=0.1)
+    pruner.attach(optimizer)
+    model.train()
+    model(*inputs, labels=inputs[0]).loss.backward()
+    grads = pruner.scores.grad.split(pruner.sizes)
+    routed = [m.rows > 0 for m in trace_layers(model, inputs) if isinstance(m, ExpertMatmul)]
+    routed = routed[1::2]  # the down projection of every expert, in group order
+    assert [bool(g.abs().sum() > 0) for g in grads] == routed
+    optimizer.step()
+    assert int(pruner.state.steps) == 1 and pruner.state.log_odds.abs().sum() > 0
+
+
+def test_the_experts_flops_count_the_tokens_routed_to_each():
+    """Each block's experts together run every token TOP_K times (once per chosen
+    expert): the example forward's routing, not all tokens for every expert."""
+    torch.manual_seed(0)
+    model, inputs = moe("Mixtral", **MIXTRAL, num_experts_per_tok=TOP_K)
+    matmuls = [m for m in trace_layers(model, inputs) if isinstance(m, ExpertMatmul)]
+    for block in experts_modules(model).values():
+        downs = [m for m in matmuls if m.module.experts is block and m.module.name == "down_proj"]
+        assert len(downs) == EXPERTS
+        assert sum(m.rows for m in downs) == BATCH * LENGTH * TOP_K
+        assert len({m.rows for m in downs}) > 1  # routing, not an even split
+
+
+def test_experts_of_one_block_with_different_ratios_are_refused_by_name():
+    torch.manual_seed(0)
+    model, inputs = moe("Mixtral", **MIXTRAL)
+    with pytest.raises(ValueError, match=r"experts of 'model.layers.0.mlp.experts' have diff"):
+        DTPPruner(model, inputs, {"model.layers.0.mlp.experts.0": 0.5})
+    DTPPruner(model, inputs, {"model.layers.0.mlp.experts.*": 0.5}).remove()  # one ratio
+
+
+@pytest.mark.parametrize("budget", ["global", "flops"])
+def test_budgets_that_give_each_expert_its_own_count_are_refused(budget):
+    torch.manual_seed(0)
+    model, inputs = moe("Mixtral", **MIXTRAL)
+    with pytest.raises(ValueError, match=rf"budget = '{budget}' .* 'model.layers.0.mlp.exp"):
+        DTPPruner(model, inputs, 0.5, budget=budget)
+    pruner = DTPPruner(model, inputs, {"heads": 0.5}, budget=budget)  # experts left whole
+    assert not any(isinstance(g, ExpertGroup) for g in pruner.groups)
+
+
+def test_ignored_experts_stay_whole_and_a_model_without_experts_says_so():
+    torch.manual_seed(0)
+    model, inputs = moe("Mixtral", **MIXTRAL)
+    first = model.model.layers[0].mlp.experts
+    pruner = DTPPruner(model, inputs, {"experts": 0.5}, ignored_layers=[first])
+    assert {g.module_name for g in pruner.groups} == {"model.layers.1.mlp.experts"}
+    pruner.remove()
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**SIZES, num_hidden_layers=1, intermediate_size=64)
+    )
+    with pytest.raises(ValueError, match=r"no group of that kind.*transformers' layout"):
+        DTPPruner(llama, (tokens(),), {"experts": 0.5})
+
+
+class DenseRoutedExperts(nn.Module):
+    """Experts in transformers' layout whose forward gets dense routing weights only (no
+    tensor of chosen experts): their FLOPs cannot be counted."""
+
+    has_gate, is_concatenated, is_transposed, has_bias = True, True, False, False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(2, 8, 4))
+        self.down_proj = nn.Parameter(torch.randn(2, 4, 4))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        gate, up = torch.einsum("th,eoh->eto", x, self.gate_up_proj).chunk(2, dim=-1)
+        out = torch.einsum("eti,ehi->eth", nn.functional.silu(gate) * up, self.down_proj)
+        return torch.einsum("eth,te->th", out, weights)
+
+
+def test_only_weights_whose_shapes_match_the_layout_flags_are_experts():
+    """The flags say how to read the weights; a module whose weights contradict them (or
+    that lacks 3-D weights) is not taken for experts."""
+    assert expert_layout(DenseRoutedExperts()).width == 4
+    transposed = DenseRoutedExperts()
+    transposed.is_transposed = True  # would read [E, H, 2I] from a [E, 2I, H] weight
+    flat, missing = DenseRoutedExperts(), DenseRoutedExperts()
+    flat.down_proj = nn.Parameter(torch.randn(4, 8))
+    del missing.down_proj
+    assert [expert_layout(m) for m in (transposed, flat, missing, nn.Linear(2, 2))] == [None] * 4
+
+
+def test_experts_whose_routing_cannot_be_read_are_named():
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.router, self.experts = nn.Linear(4, 2), DenseRoutedExperts()
+
+        def forward(self, x):
+            return self.experts(x, self.router(x).softmax(-1))
+
+    with pytest.raises(ValueError, match=r"DenseRoutedExperts got no integer tensor"):
+        DTPPruner(Block(), torch.randn(3, 4), {"experts": 0.5})
