@@ -64,9 +64,11 @@ class MaskSource:
         self.folded: list[torch.Tensor] | None = None
         self.folded_from: list[torch.Tensor] = []
         self.folded_versions: list[int] = []
+        # per ScaleExperts: (the weight, its version, the masked weight) of this forward
+        self.products: dict[nn.Module, tuple[torch.Tensor, int, torch.Tensor]] = {}
 
     def set(self, flat: torch.Tensor) -> None:
-        self.flat, self._split = flat, None
+        self.flat, self._split, self.products = flat, None, {}
 
     def set_folded(self, products: list[torch.Tensor], originals: list[torch.Tensor]) -> None:
         """This forward's masked BN parameters, one per slot, and what they came from."""
@@ -89,6 +91,7 @@ class MaskSource:
         if self.flat is not None and self.flat.requires_grad:
             self.set(self.flat.detach())
             self.folded = None
+        self.products = {}
 
 
 class ScaleRows(nn.Module):
@@ -122,7 +125,9 @@ class ScaleExperts(nn.Module):
     """Parametrization of a 3-D expert projection (experts first, the intermediate
     neurons along `dim`): each expert's neurons times the mask of its own group, the
     groups `first`, `first + 1`, ... of one expert each. The soft masks are read as one
-    view of the flat mask: no copy per expert."""
+    view of the flat mask: no copy per expert. An eager experts forward reads the weight
+    once per expert it runs, so the product is made once per forward and read back while
+    the weight is unchanged (not under torch.compile, which traces every read)."""
 
     def __init__(self, source: MaskSource, first: int, experts: int, dim: int) -> None:
         super().__init__()
@@ -131,13 +136,21 @@ class ScaleExperts(nn.Module):
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         source, last = self.source, self.first + self.experts
+        reuse = source.hard is None and not torch.compiler.is_compiling()
+        if reuse:
+            made = source.products.get(self)
+            if made is not None and made[0] is weight and made[1] == weight._version:
+                return made[2]
         if source.hard is not None:
             mask = torch.stack(source.hard[self.first : last])
         else:
             mask = source.flat.narrow(0, self.offset, sum(source.sizes[self.first : last]))
         shape = [self.experts, 1, 1]
         shape[self.dim] = -1
-        return weight * mask.to(weight.dtype).view(shape)
+        product = weight * mask.to(weight.dtype).view(shape)
+        if reuse:
+            source.products[self] = (weight, weight._version, product)
+        return product
 
 
 def read_folded_first(module: nn.Module, name: str, source: MaskSource, slot: int) -> None:

@@ -247,11 +247,14 @@ def test_the_l1_baseline_keeps_each_experts_largest_neurons():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("implementation", ["batched_mm", "grouped_mm"])
+IMPLEMENTATIONS = ["eager", "batched_mm", "grouped_mm"]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_the_masks_reach_every_experts_implementation(implementation):
-    """transformers runs experts through other kernels (batched_mm, grouped_mm) that read
-    the same parameters: the hard-masked model under each equals the export under eager,
-    and the mask changes what the dense model computes."""
+    """transformers runs experts through a loop over experts (eager) or other kernels
+    (batched_mm, grouped_mm), all reading the same parameters: the hard-masked model
+    under each equals the export, and the mask changes what the dense model computes."""
     torch.manual_seed(0)
     model, inputs = moe("Qwen3Moe", **FAMILIES["Qwen3Moe"][0])
     pruner = randomised(DTPPruner(model, inputs, {"experts": 0.5}))
@@ -299,6 +302,37 @@ def test_a_training_step_reaches_every_experts_scores():
     assert [bool(g.abs().sum() > 0) for g in grads] == routed
     optimizer.step()
     assert int(pruner.state.steps) == 1 and pruner.state.log_odds.abs().sum() > 0
+
+
+def test_the_masked_weight_is_made_once_per_forward_and_the_gradients_hold():
+    """The eager experts loop reads the down projection once per expert it runs: the
+    masked weight is made once per forward and read back while the weight is unchanged
+    (an in-place change makes it again), and the score gradients equal those of
+    batched_mm, which reads it once."""
+    grads = {}
+    for implementation in ("eager", "batched_mm"):
+        torch.manual_seed(0)
+        model, inputs = moe("Mixtral", **MIXTRAL)
+        model.config._experts_implementation = implementation
+        pruner = randomised(DTPPruner(model, inputs, {"experts": 0.5}))
+        model.train()
+        model(*inputs, labels=inputs[0]).loss.backward()
+        assert pruner._source.products == {}  # nothing held past the forward
+        grads[implementation] = pruner.scores.grad.clone()
+    torch.testing.assert_close(grads["eager"], grads["batched_mm"], rtol=1e-4, atol=1e-6)
+
+    block, seen = model.model.layers[0].mlp.experts, []
+
+    def reads(module, *_):
+        first, again = module.down_proj, module.down_proj
+        module.parametrizations.down_proj.original.mul_(1.0)  # a new version
+        seen.append((first is again, module.down_proj is first))
+
+    block.register_forward_hook(reads)
+    model.eval()
+    with torch.no_grad():
+        model(*inputs)
+    assert seen == [(True, False)] and pruner._source.products == {}
 
 
 def test_the_experts_flops_count_the_tokens_routed_to_each():
