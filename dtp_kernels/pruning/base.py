@@ -8,7 +8,9 @@ pruning, and exports the physically smaller network with Torch-Pruning.
 from __future__ import annotations
 
 import abc
+import contextlib
 import copy
+import fnmatch
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -19,7 +21,7 @@ from . import ratios as ratio_rules
 from .conv1d import is_conv1d
 from .cost import COSTED, PER_CHANNEL_AFFINE, count_params, flops_after, params_after, trace_layers
 from .experts import ExpertGroup, check_expert_ratios, find_expert_groups, prune_experts
-from .groups import find_groups, out_channel_handler, traced_graph
+from .groups import GraphUnavailableError, find_groups, out_channel_handler, traced_graph
 from .heads import HeadGroup, find_head_groups, prune_heads
 from .hf_config import update_config
 
@@ -33,6 +35,18 @@ def _kind(group) -> str:
     if getattr(group, "producers", None):
         return "coupled"
     return "mlp" if isinstance(group.layer, nn.Linear) else "channels"
+
+
+def _without_channels(ratios, groups: list) -> bool:
+    """Whether `ratios` asks for heads and experts only (a dict whose every key is one of
+    those kinds or names some of `groups`, the model's heads and experts)."""
+    if not isinstance(ratios, Mapping):
+        return False
+    names = [g.name for g in groups]
+    return all(
+        key in ("heads", "experts") or any(fnmatch.fnmatchcase(name, key) for name in names)
+        for key in ratios
+    )
 
 
 class ExportMismatchError(ValueError):
@@ -87,11 +101,15 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         object.__setattr__(self, "model", model)  # not a submodule: the pruner is not the model
         self.example_inputs = inputs
         self.budget = budget
+        # set by _find_groups when Torch-Pruning's graph cannot follow the model
+        self._graph_error: GraphUnavailableError | None = None
         try:
             all_groups = self._find_groups(model, inputs, list(ignored_layers))
         finally:
             model.train(was_training)  # Torch-Pruning's tracing leaves the model in eval mode
         convs = [name for name, m in model.named_modules() if isinstance(m, nn.Conv2d)]
+        if self._graph_error is not None and not _without_channels(ratios, all_groups):
+            raise self._graph_error
         kinds = {g.name: _kind(g) for g in all_groups}
         per_group = ratio_rules.resolve(
             ratios,
@@ -146,8 +164,11 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         heads = find_head_groups(model, ignored, inputs)
         experts = find_expert_groups(model, ignored)
         projections = [layer for g in heads for layer in (*g.kept_out, g.layer)]
-        with traced_graph(model, inputs) as graph:
-            channels = find_groups(model, graph, ignored + projections, self.prune_coupled)
+        try:
+            with traced_graph(model, inputs) as graph:
+                channels = find_groups(model, graph, ignored + projections, self.prune_coupled)
+        except GraphUnavailableError as error:  # raised unless ratios ask for heads/experts only
+            channels, self._graph_error = [], error
         order = {name: index for index, (name, _) in enumerate(model.named_modules())}
 
         def position(group) -> tuple[int, int]:  # a block's experts in turn, together
@@ -256,7 +277,11 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         self._check_shared_head_counts(masks)
         pruned = self._unmasked_copy()
         expert_masks: dict[str, list[torch.Tensor]] = {}  # per experts module, in expert order
-        with traced_graph(pruned, self.example_inputs) as graph:
+        needs_graph = any(not isinstance(g, (HeadGroup, ExpertGroup)) for g in self.groups)
+        graph_or_none = (
+            traced_graph(pruned, self.example_inputs) if needs_graph else contextlib.nullcontext()
+        )
+        with graph_or_none as graph:
             names = dict(pruned.named_modules())
             original_names = {module: name for name, module in self.model.named_modules()}
             for group, mask in zip(self.groups, masks, strict=True):

@@ -239,6 +239,10 @@ def _without_cache(model: nn.Module) -> Iterator[None]:
             config.use_cache = True
 
 
+class GraphUnavailableError(ValueError):
+    """Torch-Pruning's DependencyGraph cannot follow the model's channels."""
+
+
 @contextlib.contextmanager
 def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGraph]:
     """Torch-Pruning's DependencyGraph of the model; its autograd nodes are let go when
@@ -262,11 +266,13 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
                 model, example_inputs=example_inputs, output_transform=_traced_outputs
             )
         except Exception as error:  # its own errors say nothing of the model or what to do
-            raise ValueError(
+            raise GraphUnavailableError(
                 f"cannot find the prunable groups of {type(model).__name__}: Torch-Pruning's "
                 f"DependencyGraph, which follows its channels, fails on it "
-                f"({type(error).__name__}: {error}). The models dtp_kernels prunes are listed in "
-                "docs/pruning.md and the README's 'What it prunes'"
+                f"({type(error).__name__}: {error}). Heads and experts do not need it: a dict "
+                "of ratios for 'heads' and 'experts' alone (or their layers' names) prunes "
+                "those. The models dtp_kernels prunes are listed in docs/pruning.md and the "
+                "README's 'What it prunes'"
             ) from error
     try:
         yield graph
