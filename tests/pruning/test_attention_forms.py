@@ -712,30 +712,6 @@ def test_modernbert_fused_qkv_heads_and_glu_mlp_export_exactly():
         assert (layer.mlp.Wi.out_features, layer.mlp.Wo.in_features) == (64, 32)
 
 
-def test_latent_attention_the_graph_cannot_follow_is_refused_by_name():
-    """DeepSeek-V3's multi-head latent attention splits and concatenates the rotary part
-    of its queries in a way Torch-Pruning's graph fails on: the pruner says so, naming
-    the model, before changing it."""
-    config = transformers.DeepseekV3Config(
-        num_hidden_layers=1,
-        q_lora_rank=20,
-        kv_lora_rank=12,
-        qk_rope_head_dim=4,
-        qk_nope_head_dim=8,
-        v_head_dim=6,
-        moe_intermediate_size=16,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        **DECODER,
-    )
-    model = transformers.DeepseekV3ForCausalLM(config)
-    with pytest.raises(ValueError, match=r"DeepseekV3ForCausalLM: Torch-Pruning's"):
-        DTPPruner(model, (tokens(),), {"mlp": 0.5})
-    assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
-
-
 def test_a_layer_whose_coupled_channel_search_fails_is_named():
     """Torch-Pruning's search through Mamba's selective-scan mixer fails inside it (an
     IndexError of its own): the error names the layer to leave whole, the model
