@@ -251,3 +251,35 @@ def tiny_llama(heads=4, kv_heads=2, layers=2, seed=0):
     )
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config)
+
+
+def tiny_deepseek(version: int = 3, q_lora_rank: int | None = 20, seed: int = 0):
+    """A DeepSeek-V{version} causal LM with latent attention of 4 heads (query 8 + 4 rotary,
+    value 6; query latent `q_lora_rank`, or a plain q_proj with None), a dense first
+    layer (MLP 64), then 4 experts of 16 (2 per token) beside a shared expert."""
+    import transformers
+
+    config = getattr(transformers, f"DeepseekV{version}Config")(
+        vocab_size=LLAMA_VOCAB,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        intermediate_size=64,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=12,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=8,
+        v_head_dim=6,
+        moe_intermediate_size=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    return getattr(transformers, f"DeepseekV{version}ForCausalLM")(config)

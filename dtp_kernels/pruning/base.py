@@ -21,7 +21,7 @@ from . import ratios as ratio_rules
 from .conv1d import is_conv1d
 from .cost import COSTED, PER_CHANNEL_AFFINE, count_params, flops_after, params_after, trace_layers
 from .experts import ExpertGroup, check_expert_ratios, find_expert_groups, prune_experts
-from .groups import GraphUnavailableError, find_groups, out_channel_handler, traced_graph
+from .groups import ChannelGraphError, find_groups, out_channel_handler, traced_graph
 from .heads import HeadGroup, find_head_groups, prune_heads
 from .hf_config import update_config
 
@@ -102,7 +102,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         self.example_inputs = inputs
         self.budget = budget
         # set by _find_groups when Torch-Pruning's graph cannot follow the model
-        self._graph_error: GraphUnavailableError | None = None
+        self._graph_error: ChannelGraphError | None = None
         try:
             all_groups = self._find_groups(model, inputs, list(ignored_layers))
         finally:
@@ -167,7 +167,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         try:
             with traced_graph(model, inputs) as graph:
                 channels = find_groups(model, graph, ignored + projections, self.prune_coupled)
-        except GraphUnavailableError as error:  # raised unless ratios ask for heads/experts only
+        except ChannelGraphError as error:  # raised unless ratios ask for heads/experts only
             channels, self._graph_error = [], error
         order = {name: index for index, (name, _) in enumerate(model.named_modules())}
 

@@ -239,8 +239,9 @@ def _without_cache(model: nn.Module) -> Iterator[None]:
             config.use_cache = True
 
 
-class GraphUnavailableError(ValueError):
-    """Torch-Pruning's DependencyGraph cannot follow the model's channels."""
+class ChannelGraphError(ValueError):
+    """Torch-Pruning's DependencyGraph cannot follow the model's channels: building it, or
+    its search for the channels coupled to one layer, fails or does not end."""
 
 
 @contextlib.contextmanager
@@ -266,7 +267,7 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
                 model, example_inputs=example_inputs, output_transform=_traced_outputs
             )
         except Exception as error:  # its own errors say nothing of the model or what to do
-            raise GraphUnavailableError(
+            raise ChannelGraphError(
                 f"cannot find the prunable groups of {type(model).__name__}: Torch-Pruning's "
                 f"DependencyGraph, which follows its channels, fails on it "
                 f"({type(error).__name__}: {error}). Heads and experts do not need it: a dict "
@@ -344,8 +345,8 @@ EXPIRY_REPEAT_SECONDS = 0.05
 @contextlib.contextmanager
 def _bounded_search(graph: tp.DependencyGraph, names: dict[nn.Module, str]) -> Iterator[None]:
     """Within the block, each graph.get_pruning_group call ends within GROUP_SEARCH_SECONDS
-    or raises a ValueError naming its root layer, as it does when Torch-Pruning's search
-    itself fails. The bound is a SIGALRM timer: only in the main thread, and only when no
+    or raises a ChannelGraphError naming its root layer, as it does when Torch-Pruning's
+    search itself fails. The bound is a SIGALRM timer: only in the main thread, and only when no
     other timer is set (else the search is unbounded)."""
     timed = (
         hasattr(signal, "setitimer")
@@ -365,7 +366,7 @@ def _bounded_search(graph: tp.DependencyGraph, names: dict[nn.Module, str]) -> I
         try:
             return search(module, handler, idxs)
         except Exception as error:  # its own errors say nothing of the layer
-            raise ValueError(
+            raise ChannelGraphError(
                 f"Torch-Pruning's search for the channels coupled to layer {layer_name()} "
                 f"fails ({type(error).__name__}: {error}): it cannot follow what the model "
                 "does with that layer's output. Leave the layer whole with "
@@ -385,7 +386,7 @@ def _bounded_search(graph: tp.DependencyGraph, names: dict[nn.Module, str]) -> I
     try:
         yield
     except _SearchExpiredError:
-        raise ValueError(
+        raise ChannelGraphError(
             f"Torch-Pruning's search for the channels coupled to layer {layer_name()} did "
             f"not end within {GROUP_SEARCH_SECONDS:g} s: it cannot follow what the model "
             "does with that layer's output (torchvision's Swin: its shifted windows). Leave "

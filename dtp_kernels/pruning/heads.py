@@ -21,6 +21,11 @@ does not follow the per-head reshapes):
   Falcon's and BLOOM's ``query_key_value`` with ``dense``, GPT-BigCode's ``c_attn`` with
   ``c_proj``; MPT's ``Wqkv`` (query, key and value blocks) with ``out_proj``,
   ModernBERT's with ``Wo``;
+- multi-head latent attention (DeepSeek-V2 and V3, and the families built on them): the
+  query projection ``q_b_proj`` (or ``q_proj``) and the key/value up-projection
+  ``kv_b_proj`` hold each head's rows, ``o_proj`` its columns; the compressed latents
+  before them (``q_a_proj``, ``kv_a_proj_with_mqa`` and their norms) serve all heads
+  and stay whole, as does the rotary key all heads share;
 - torch's ``nn.MultiheadAttention`` (torchvision's ViT). Its inner width is tied to the
   embedding width, so export replaces it with :class:`PrunedMultiheadAttention`, the same
   computation with fewer heads.
@@ -104,6 +109,9 @@ class HeadGroup:
     # multi-query attention: the units are query heads and the one key/value head they
     # all read is kept whole (not in `rows`)
     shared_kv: bool = False
+    # latent attention: its norms act on the latents all heads share, not over heads, and
+    # `head_dim` (the value head's) is not the config's head_dim
+    latent: bool = False
     kept_out: list[nn.Module] = field(init=False)
     kept_in: list[nn.Module] = field(init=False)
     # channels a module loses per unit removed: the cost model counts channels
@@ -194,6 +202,39 @@ def _separate(name: str, module: nn.Module) -> HeadGroup | None:
     ]
     out = Projection(o, 1, per_unit * head_dim)
     return HeadGroup(name, module, rows, out, units, per_unit, head_dim)
+
+
+def _latent(name: str, module: nn.Module) -> HeadGroup | None:
+    """Multi-head latent attention: q_b_proj (or q_proj) rows of qk_nope_head_dim +
+    qk_rope_head_dim per head, kv_b_proj rows of qk_nope_head_dim + v_head_dim per head
+    (its key part, then its value), o_proj columns of v_head_dim per head; beside the
+    compressed key/value latent kv_a_proj_with_mqa (DeepSeek-V2, V3)."""
+    query = _linear(module, "q_b_proj") or _linear(module, "q_proj")
+    kv_up, out = _linear(module, "kv_b_proj"), _linear(module, "o_proj")
+    sizes = [getattr(module, f"{part}_head_dim", None) for part in ("qk_nope", "qk_rope", "v")]
+    if (
+        query is None
+        or kv_up is None
+        or out is None
+        or _linear(module, "kv_a_proj_with_mqa") is None
+        or not all(isinstance(size, int) for size in sizes)
+    ):
+        return None
+    nope, rope, value = sizes
+    heads = out.in_features // value
+    if (
+        out.in_features % value
+        or query.out_features != heads * (nope + rope)
+        or kv_up.out_features != heads * (nope + value)
+    ):
+        raise ValueError(
+            f"latent attention layer {name!r}: its query ({query.out_features} outputs), "
+            f"kv_b_proj ({kv_up.out_features} outputs) and o_proj ({out.in_features} inputs) "
+            f"are not {heads} heads of {nope} + {rope} query, {nope} + {value} key/value "
+            "dimensions"
+        )
+    rows = [Projection(query, 1, nope + rope), Projection(kv_up, 1, nope + value)]
+    return HeadGroup(name, module, rows, Projection(out, 1, value), heads, 1, value, latent=True)
 
 
 def _norms_over_all_heads(module: nn.Module, head_dim: int) -> tuple[nn.Module, ...]:
@@ -513,11 +554,13 @@ def find_head_groups(
             or _phi3(name, module)
             or _gpt2(name, module)
             or _bert(name, module)
+            or _latent(name, module)
             or _torch_mha(name, module)
         )
         if group is None or any(layer in ignored for layer in [*group.kept_out, group.layer]):
             continue
-        group.norms = _norms_over_all_heads(group.module, group.head_dim)
+        if not group.latent:  # a latent's norms act before the heads' own projections
+            group.norms = _norms_over_all_heads(group.module, group.head_dim)
         parent = group.name.rpartition(".")[0]  # the block holding the attention layer
         group.tables, mixed = _per_head_tables(group, modules[parent] if parent else None)
         group.refusal = group.refusal or mixed

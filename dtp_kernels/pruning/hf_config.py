@@ -53,7 +53,8 @@ def config_fields(config, groups: list[tuple[str, object]], masks: list) -> dict
         if units is None or per_unit is None or kv_heads is None or len(heads) != layers:
             return None
         fields["num_attention_heads"] = units * per_unit
-        fields["head_dim"] = heads[0][0].head_dim
+        if not any(g.latent for g, _ in heads):  # latent attention keeps the config's
+            fields["head_dim"] = heads[0][0].head_dim
         if hasattr(config, "num_key_value_heads"):
             fields["num_key_value_heads"] = kv_heads
     if mlps:

@@ -15,7 +15,7 @@ import torch
 from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.heads import HeadGroup
 from utils import LLAMA_VOCAB as VOCAB
-from utils import TINY_HF_VIT
+from utils import TINY_HF_VIT, tiny_deepseek
 
 transformers = pytest.importorskip("transformers")
 
@@ -710,6 +710,70 @@ def test_modernbert_fused_qkv_heads_and_glu_mlp_export_exactly():
     for layer in exported.layers:
         assert (layer.attn.Wqkv.out_features, layer.attn.Wo.in_features) == (48, 16)
         assert (layer.mlp.Wi.out_features, layer.mlp.Wo.in_features) == (64, 32)
+
+
+@pytest.mark.parametrize(
+    "version, q_lora_rank", [(3, 20), (3, None), (2, 20)], ids=["v3", "v3-q_proj", "v2"]
+)
+def test_latent_attention_heads_export_exactly_without_the_channel_graph(
+    version, q_lora_rank, tmp_path
+):
+    """DeepSeek's multi-head latent attention (q_b_proj or q_proj, kv_b_proj, o_proj per
+    head; the latents shared): heads prune although Torch-Pruning's graph cannot follow
+    the model (it fails on V3, its search on V2's kv_a_proj_with_mqa); the export keeps
+    exactly the rows and columns of the kept heads, equals the hard-masked model under
+    SDPA and eager attention, generates, and its config (heads; head_dim, the rotary
+    one, untouched) round-trips through save_pretrained."""
+    model, inputs = tiny_deepseek(version, q_lora_rank), (tokens(),)
+    dense = {n: m.weight.detach().clone() for n, m in model.named_modules() if hasattr(m, "weight")}
+    pruner = DTPPruner(model, inputs, {"heads": 0.5})
+    assert [(g.name, g.size, g.latent) for g in pruner.groups] == [
+        (f"model.layers.{i}.self_attn", 4, True) for i in (0, 1)
+    ]
+    with torch.no_grad():
+        pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
+    masks = pruner.hard_masks()
+    exported = export_checked(pruner, model, inputs)
+    query = "q_b_proj" if q_lora_rank else "q_proj"
+    for i, (layer, mask) in enumerate(zip(exported.model.layers, masks, strict=True)):
+        kept, attn, prefix = (
+            mask.nonzero().flatten(),
+            layer.self_attn,
+            f"model.layers.{i}.self_attn",
+        )
+        for part, per_head, dim in ((query, 12, 0), ("kv_b_proj", 14, 0), ("o_proj", 6, 1)):
+            index = (kept[:, None] * per_head + torch.arange(per_head)).flatten()
+            want = dense[f"{prefix}.{part}"].index_select(dim, index)
+            torch.testing.assert_close(getattr(attn, part).weight, want, rtol=0, atol=0)
+        assert attn.num_heads == 2
+        assert attn.kv_a_proj_with_mqa.weight.shape == dense[f"{prefix}.kv_a_proj_with_mqa"].shape
+    config = exported.config
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (2, 2, 4)
+    params, _ = pruner.predicted_counts()
+    assert params == sum(p.numel() for p in exported.parameters())
+    with torch.no_grad():
+        sdpa = exported(*inputs).logits
+        exported.set_attn_implementation("eager")
+        torch.testing.assert_close(exported(*inputs).logits, sdpa, rtol=1e-5, atol=1e-5)
+    assert exported.generate(inputs[0][:1], max_new_tokens=3, do_sample=False).shape == (1, 12)
+    exported.save_pretrained(tmp_path)
+    loaded = type(exported).from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(*inputs).logits, exported(*inputs).logits)
+
+
+def test_latent_attention_is_recognised_by_all_its_parts_and_checked_whole():
+    """Without its key/value latent it is not latent attention; a value head size that
+    does not divide o_proj's inputs is an error naming the layer."""
+    from dtp_kernels.pruning.heads import _latent
+
+    attn = tiny_deepseek().model.layers[0].self_attn
+    assert _latent("attn", attn).units == 4
+    attn.v_head_dim = 5
+    with pytest.raises(ValueError, match=r"latent attention layer 'attn': .* not 4 heads"):
+        _latent("attn", attn)
+    del attn.kv_a_proj_with_mqa
+    assert _latent("attn", attn) is None
 
 
 def test_a_layer_whose_coupled_channel_search_fails_is_named():

@@ -15,6 +15,7 @@ from dtp_kernels.pruning import DTPPruner, L1Pruner
 from dtp_kernels.pruning.cost import ExpertMatmul, count_flops, trace_layers
 from dtp_kernels.pruning.experts import WIDTH_ATTRIBUTES, ExpertGroup, expert_layout
 from utils import LLAMA_VOCAB as VOCAB
+from utils import tiny_deepseek
 
 transformers = pytest.importorskip("transformers")
 
@@ -380,35 +381,13 @@ def test_ignored_experts_stay_whole_and_a_model_without_experts_says_so():
         DTPPruner(llama, (tokens(),), {"experts": 0.5})
 
 
-def deepseek_v3() -> tuple[nn.Module, tuple]:
-    """A dense first layer, then experts beside a shared expert; latent attention."""
-    config = transformers.DeepseekV3Config(
-        **{**SIZES, "num_key_value_heads": 4},
-        num_hidden_layers=2,
-        first_k_dense_replace=1,
-        intermediate_size=64,
-        q_lora_rank=20,
-        kv_lora_rank=12,
-        qk_rope_head_dim=4,
-        qk_nope_head_dim=8,
-        v_head_dim=6,
-        moe_intermediate_size=16,
-        n_routed_experts=EXPERTS,
-        num_experts_per_tok=TOP_K,
-        n_group=1,
-        topk_group=1,
-    )
-    return transformers.DeepseekV3ForCausalLM(config), (tokens(),)
-
-
 @pytest.mark.parametrize("ratios", [{"experts": 0.5}, {"model.layers.1.mlp.experts.*": 0.5}])
 def test_experts_prune_where_the_channel_graph_cannot_follow_the_model(ratios):
     """Torch-Pruning's graph fails on DeepSeek-V3's latent attention; heads and experts
     do not need it, so ratios for experts alone prune them: export equal to the
     hard-masked model, counts exact. (Its shared experts are moe_intermediate_size wide
     too, so the config cannot describe the routed experts pruned alone.)"""
-    torch.manual_seed(0)
-    model, inputs = deepseek_v3()
+    model, inputs = tiny_deepseek(), (tokens(),)
     pruner = randomised(DTPPruner(model, inputs, ratios))
     assert [g.name for g in pruner.groups] == [
         f"model.layers.1.mlp.experts.{e}" for e in range(EXPERTS)
@@ -424,11 +403,13 @@ def test_experts_prune_where_the_channel_graph_cannot_follow_the_model(ratios):
     )
 
 
-@pytest.mark.parametrize("ratios", [0.5, {"experts": 0.5, "mlp": 0.5}, {"model.layers.0.*": 0.5}])
+@pytest.mark.parametrize(
+    "ratios", [0.5, {"experts": 0.5, "mlp": 0.5}, {"model.layers.0.mlp.*": 0.5}]
+)
 def test_ratios_that_need_the_channel_graph_say_it_fails(ratios):
     """What needs the graph (a float, MLP neurons, a layer outside the heads and
     experts) raises its failure, naming the model and what works without it."""
-    model, inputs = deepseek_v3()
+    model, inputs = tiny_deepseek(), (tokens(),)
     with pytest.raises(
         ValueError, match=r"DeepseekV3ForCausalLM: Torch-Pruning's.*'experts' alone"
     ):
