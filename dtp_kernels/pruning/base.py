@@ -1,8 +1,9 @@
 """What every channel pruner here shares: groups, ratios, hard masks, report, export.
 
-A pruner decides which channels of each group to keep (`select`); the base class finds
+A pruner scores the channels of each group (`channel_scores`); the base class finds
 the groups, turns ratios into exact kept counts, predicts parameters and FLOPs after
-pruning, and exports the physically smaller network with Torch-Pruning.
+pruning, and exports the physically smaller network (channel groups with Torch-Pruning,
+attention heads and experts by cutting their rows and columns directly).
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         convs = [name for name, m in model.named_modules() if isinstance(m, nn.Conv2d)]
         if self._graph_error is not None and not _without_channels(ratios, all_groups):
             raise self._graph_error
+        self._graph_error = None  # its traceback would hold the failed trace's frames
         kinds = {g.name: _kind(g) for g in all_groups}
         per_group = ratio_rules.resolve(
             ratios,
