@@ -20,7 +20,7 @@ from torch import nn
 # (the decoder's alike); GPT-2 (when set); DistilBERT; T5
 MLP_FIELDS = ("intermediate_size", "ffn_dim", "n_inner", "hidden_dim", "d_ff")
 # the experts' width: its own field where the family has dense MLPs too (Qwen3-MoE,
-# DeepSeek), else the MLP's (Mixtral, OLMoE, GPT-OSS)
+# DeepSeek), else the MLP's (Mixtral, OLMoE, GPT-OSS); the one holding the experts' width
 EXPERT_FIELDS = ("moe_intermediate_size", "intermediate_size")
 
 
@@ -63,11 +63,12 @@ def config_fields(config, groups: list[tuple[str, object]], masks: list) -> dict
             return None
         fields[mlp_field] = size
     experts = [
-        int(m.sum()) for (kind, _), m in zip(groups, masks, strict=True) if kind == "experts"
+        (g, int(m.sum())) for (kind, g), m in zip(groups, masks, strict=True) if kind == "experts"
     ]
     if experts:  # whether every block was pruned is left to the rebuild check
-        field = next((f for f in EXPERT_FIELDS if isinstance(getattr(config, f, None), int)), None)
-        size = _uniform(experts)
+        width = experts[0][0].size
+        field = next((f for f in EXPERT_FIELDS if getattr(config, f, None) == width), None)
+        size = _uniform([kept for _, kept in experts])
         if field is None or size is None or fields.get(field, size) != size:
             return None
         fields[field] = size

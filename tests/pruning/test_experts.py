@@ -233,6 +233,19 @@ def test_a_float_ratio_prunes_heads_and_experts_together(tmp_path):
         torch.testing.assert_close(loaded(*inputs).logits, got)
 
 
+def test_the_config_field_written_is_the_one_holding_the_experts_width():
+    """A config may hold moe_intermediate_size beside the intermediate_size its experts
+    are built from (DeepSeek-V4's; here set on a Mixtral): the field written is the one
+    equal to the experts' width."""
+    torch.manual_seed(0)
+    model, inputs = moe("Mixtral", **MIXTRAL)
+    model.config.moe_intermediate_size = 16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the config describes the export
+        exported = DTPPruner(model, inputs, {"experts": 0.5}).export()
+    assert (exported.config.intermediate_size, exported.config.moe_intermediate_size) == (32, 16)
+
+
 def test_the_l1_baseline_keeps_each_experts_largest_neurons():
     """L1Pruner (one shot, same groups) keeps in every expert the neurons of largest
     gate and up L1 norm."""
