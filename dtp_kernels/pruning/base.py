@@ -12,6 +12,7 @@ import abc
 import contextlib
 import copy
 import fnmatch
+import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -48,6 +49,26 @@ def _without_channels(ratios, groups: list) -> bool:
         key in ("heads", "experts") or any(fnmatch.fnmatchcase(name, key) for name in names)
         for key in ratios
     )
+
+
+def _warn_idle_layers(model: nn.Module, layers: list, ignored: list) -> None:
+    """Warn about conv and linear layers the example forward never ran: no group can be
+    found for them, so they stay whole whatever the ratios say (the experts of a
+    ModuleList no example token was routed to, a branch the example does not take)."""
+    ran = {layer.module for layer in layers}
+    idle = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, COSTED) and module not in ran and module not in ignored
+    ]
+    if idle:
+        warnings.warn(
+            f"{len(idle)} conv/linear layers did not run on example_inputs, so they are "
+            f"left whole: {idle[:6]}{' ...' if len(idle) > 6 else ''}. Give example inputs "
+            "that run them (enough tokens to reach every expert, every branch) to prune them",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 class ExportMismatchError(ValueError):
@@ -159,6 +180,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         self._base_params = count_params(model)
         self._layers = trace_layers(model, inputs)  # the cost model's view of the model
         self._base_flops = flops_after(self._layers, {})
+        _warn_idle_layers(model, self._layers, list(ignored_layers))
 
     def _find_groups(self, model: nn.Module, inputs: tuple, ignored: list) -> list:
         """The prunable groups (filter pruning) in the model's module order: attention

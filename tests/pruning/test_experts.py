@@ -430,6 +430,66 @@ def test_ratios_that_need_the_channel_graph_say_it_fails(ratios):
     assert not any(nn.utils.parametrize.is_parametrized(m) for m in model.modules())
 
 
+class ListedExpert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w3, self.w2 = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class ListedExperts(nn.Module):
+    """A mixture of experts as research code writes it: a ModuleList of gated MLPs, each
+    run on the tokens routed to it (top-1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.router = nn.Linear(4, 8), nn.Linear(8, EXPERTS)
+        self.experts = nn.ModuleList(ListedExpert() for _ in range(EXPERTS))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        weight, chosen = self.router(h).softmax(-1).max(-1)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            rows = (chosen == e).nonzero().flatten()
+            if len(rows):  # only the experts a token was routed to run
+                out = out.index_add(0, rows, expert(h[rows]) * weight[rows, None])
+        return self.head(h + out)
+
+
+def test_listed_experts_are_gated_groups_and_unrouted_ones_are_named():
+    """Each expert of a ModuleList is a gated MLP group of its own (its own count). An
+    expert no example token reaches never runs, so no group can be found for it: the
+    pruner warns, naming it, instead of leaving it whole unsaid."""
+    torch.manual_seed(0)
+    model = ListedExperts()
+    many = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pruner = randomised(DTPPruner(model, many, 0.5))
+    assert [g.name for g in pruner.groups] == [f"experts.{e}.w1" for e in range(EXPERTS)]
+    model.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(many)
+    exported = pruner.export().eval()
+    torch.testing.assert_close(exported(many), want, rtol=1e-5, atol=1e-6)
+    assert [e.w2.in_features for e in exported.experts] == [8] * EXPERTS
+    pruner.remove()
+    one = many[:1]
+    chosen = int(model.router(model.embed(one)).argmax())
+    idle = [f"'experts.{e}.w{i}'" for e in range(EXPERTS) if e != chosen for i in (1, 3, 2)]
+    with pytest.warns(UserWarning, match=r"9 conv/linear layers did not run") as caught:
+        DTPPruner(model, one, 0.5).remove()
+    assert all(name in str(caught[0].message) for name in idle[:6])
+    left = [m for e, expert in enumerate(model.experts) if e != chosen for m in expert.children()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # layers left whole on purpose are not named
+        DTPPruner(model, one, 0.5, ignored_layers=left)
+
+
 class DenseRoutedExperts(nn.Module):
     """Experts in transformers' layout whose forward gets dense routing weights only (no
     tensor of chosen experts): their FLOPs cannot be counted."""
