@@ -22,7 +22,13 @@ from torch.nn.utils import parametrize
 from . import ratios as ratio_rules
 from .conv1d import is_conv1d
 from .cost import COSTED, PER_CHANNEL_AFFINE, count_params, flops_after, params_after, trace_layers
-from .experts import ExpertGroup, check_expert_ratios, find_expert_groups, prune_experts
+from .experts import (
+    ExpertGroup,
+    check_expert_ratios,
+    find_expert_groups,
+    prune_experts,
+    run_misaligned_experts,
+)
 from .groups import ChannelGraphError, find_groups, out_channel_handler, traced_graph
 from .heads import HeadGroup, find_head_groups, prune_heads
 from .hf_config import update_config
@@ -327,6 +333,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         layouts = {g.module_name: g.layout for g in self.groups if isinstance(g, ExpertGroup)}
         for name, block_masks in expert_masks.items():  # after Torch-Pruning's changes
             prune_experts(names[name], layouts[name], block_masks)
+        run_misaligned_experts(pruned, {name: names[name] for name in expert_masks})
         described = update_config(pruned, [(_kind(g), g) for g in self.groups], masks)
         if not described and any(getattr(g, "heads_from_config", False) for g in self.groups):
             raise ExportMismatchError(

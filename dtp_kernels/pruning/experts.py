@@ -17,6 +17,7 @@ experts of a block keep the same count (one ratio, budget "layer"; the pruner ch
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -135,9 +136,10 @@ def find_expert_groups(model: nn.Module, ignored: list[nn.Module]) -> list[Exper
 
 
 def check_expert_ratios(groups: list[ExpertGroup], ratios: dict[str, float], budget: str) -> None:
-    """Every expert of a block has the same ratio, and a pruned block has budget "layer":
-    one 3-D parameter holds the experts, so they keep the same count. ValueError naming
-    the block otherwise, before any mask."""
+    """Every expert of a block has the same ratio, and no pruned block is under budget
+    "global" (one segment over all groups, counts free per group): one 3-D parameter
+    holds the experts, so they keep the same count. ValueError naming the block
+    otherwise, before any mask. (Budget "flops" learns one ratio per block: tied_units.)"""
     blocks: dict[str, dict[str, float]] = {}
     for group in groups:
         blocks.setdefault(group.module_name, {})[group.name] = ratios[group.name]
@@ -149,13 +151,28 @@ def check_expert_ratios(groups: list[ExpertGroup], ratios: dict[str, float], bud
                 f"neurons; give them one ratio (the pattern '{block}.*' or the kind "
                 "'experts')"
             )
-        if budget != "layer" and max(per_expert.values()) > 0:
+        if budget == "global" and max(per_expert.values()) > 0:
             raise ValueError(
                 f"budget = {budget!r} would keep a different number of neurons in each "
                 f"expert of {block!r}, which one 3-D parameter cannot hold; use "
-                "budget='layer', or leave the experts whole with the ratio "
+                "budget='layer' or 'flops', or leave the experts whole with the ratio "
                 "{'experts': 0, ...}"
             )
+
+
+def tied_units(groups: list) -> list[int] | None:
+    """Per group, the index of its learned kept ratio under budget "flops": the experts
+    of one block share one (they keep one count), every other group has its own. None
+    when no groups share."""
+    units, block_unit = [], {}
+    for group in groups:
+        block = group.module_name if isinstance(group, ExpertGroup) else None
+        if block not in block_unit:
+            unit = len(set(units))  # a new unit: the next index
+            if block is not None:
+                block_unit[block] = unit
+        units.append(block_unit.get(block, unit))
+    return None if len(set(units)) == len(groups) else units
 
 
 def intermediate_index(layout: Layout, units: torch.Tensor) -> torch.Tensor:
@@ -189,3 +206,34 @@ def prune_experts(experts: nn.Module, layout: Layout, masks: list[torch.Tensor])
     for attribute in WIDTH_ATTRIBUTES:
         if getattr(experts, attribute, None) == layout.width:
             setattr(experts, attribute, width)
+
+
+# torch's grouped_mm, transformers' default experts implementation, reads rows of a
+# multiple of 16 bytes: 8 neurons per expert in bf16 / fp16, 4 in fp32
+GROUPED_MM_ROW_BYTES = 16
+
+
+def run_misaligned_experts(model: nn.Module, blocks: dict[str, nn.Module]) -> None:
+    """Switch an exported model whose experts keep a width grouped_mm cannot read (not a
+    multiple of 16 bytes) from grouped_mm to batched_mm, with a warning naming them: it
+    would fail at its first forward otherwise."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_experts_implementation", None) != "grouped_mm":
+        return
+    misaligned = {
+        name: expert_layout(block).width
+        for name, block in blocks.items()
+        if expert_layout(block).width * block.down_proj.element_size() % GROUPED_MM_ROW_BYTES
+    }
+    if not misaligned:
+        return
+    model.set_experts_implementation("batched_mm")
+    warnings.warn(
+        f"the experts of {misaligned} (block: neurons kept per expert) keep a width torch's "
+        f"grouped_mm cannot run (rows of a multiple of {GROUPED_MM_ROW_BYTES} bytes: 8 "
+        "neurons in bf16/fp16, 4 in fp32), so the exported model runs its experts with "
+        "batched_mm; load it with from_pretrained(..., experts_implementation='batched_mm'), "
+        "or choose ratios that keep such multiples to keep grouped_mm",
+        UserWarning,
+        stacklevel=4,
+    )

@@ -31,7 +31,7 @@ from ..transport_state import TransportState
 from . import nm as nm_rules
 from .base import ChannelPruner, ExportMismatchError
 from .cost import COSTED, FlopsRatio
-from .experts import ExpertGroup
+from .experts import ExpertGroup, tied_units
 from .groups import out_width, output_tensors
 from .heads import HeadGroup
 from .masking import (
@@ -94,8 +94,9 @@ class DTPPruner(ChannelPruner):
             "[0, 0.5, 0.5, 0.5]" (per ResNet stage) or "[0:0, 1-15:0.5]" (per convolution
             index); each in [0, 1).
         budget: "layer" (one transport segment per group), "global" (one over all), or
-            "flops": learned kept ratios sigmoid(theta) per group (started at 1 - ratio),
-            the kept count k = n sigmoid(theta) differentiable through `keep`; add
+            "flops": learned kept ratios sigmoid(theta) per group (started at 1 - ratio;
+            the experts of a block share one), the kept count k = n sigmoid(theta)
+            differentiable through `keep`; add
             `pruner.penalty(target)` to the loss.
         granularity: "filter" (structured: channels, exported physically smaller),
             "weight" (unstructured: one segment per conv/linear weight, scores from |w|
@@ -188,6 +189,11 @@ class DTPPruner(ChannelPruner):
         device = next(model.parameters()).device
         if budget == "flops":  # learned kept ratios, started at the ratios' kept fractions
             alpha = torch.tensor([k / n for k, n in zip(self.kept, self.sizes, strict=True)])
+            tie = tied_units(self.groups)  # a block's experts learn one ratio
+            if tie is not None:
+                first = {unit: index for index, unit in reversed(list(enumerate(tie)))}
+                alpha = alpha[[first[unit] for unit in range(len(first))]]
+            self.register_buffer("_tie", None if tie is None else torch.tensor(tie, device=device))
             self.theta = nn.Parameter(torch.logit(alpha.clamp(1e-4, 1 - 1e-4)).to(device))
             self._flops = FlopsRatio(self._layers, self.groups)
         if scores == "magnitude":  # no parameter: _scores() reads |w| every forward
@@ -313,7 +319,7 @@ class DTPPruner(ChannelPruner):
         N:M the one N of the ``keep`` buffer, expand()ed over the blocks (a view the
         kernels read at stride 0), the same view every step while the buffer stays."""
         if self.budget == "flops":
-            return torch.sigmoid(self.theta) * self._sizes
+            return self._kept_fractions() * self._sizes
         if self.nm is None:
             return self.keep
         keep, view = self._buffers["keep"], self._keep_view  # (Module.__getattr__ is slow)
@@ -333,7 +339,12 @@ class DTPPruner(ChannelPruner):
         FLOPs, differentiable in theta (budget='flops' only)."""
         if self.budget != "flops":
             raise ValueError("flops_ratio() and penalty() need budget='flops'")
-        return self._flops(torch.sigmoid(self.theta))
+        return self._flops(self._kept_fractions())
+
+    def _kept_fractions(self) -> torch.Tensor:
+        """sigmoid(theta) per group (budget='flops'; a block's experts share one theta)."""
+        alpha = torch.sigmoid(self.theta)
+        return alpha if self._tie is None else alpha[self._tie]
 
     def penalty(self, target: float) -> torch.Tensor:
         """||F - B||^2 for a FLOPs budget B in (0, 1] (the fraction of dense FLOPs kept)."""

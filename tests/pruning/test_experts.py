@@ -180,6 +180,8 @@ def test_experts_export_the_kept_neurons_of_every_expert(family, tmp_path):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     described = not any("config cannot describe" in str(w.message) for w in caught)
     assert described == config_follows
+    # widths of a multiple of 16 bytes: the experts implementation stays as it was
+    assert exported.config._experts_implementation == model.config._experts_implementation
 
     # exactly the kept neurons, each expert its own: gate and up rows, down columns, biases
     pruned_blocks = experts_modules(exported)
@@ -370,14 +372,53 @@ def test_experts_of_one_block_with_different_ratios_are_refused_by_name():
     DTPPruner(model, inputs, {"model.layers.0.mlp.experts.*": 0.5}).remove()  # one ratio
 
 
-@pytest.mark.parametrize("budget", ["global", "flops"])
-def test_budgets_that_give_each_expert_its_own_count_are_refused(budget):
+def test_a_global_budget_over_experts_is_refused():
+    """One segment over all groups would keep a count per expert."""
     torch.manual_seed(0)
     model, inputs = moe("Mixtral", **MIXTRAL)
-    with pytest.raises(ValueError, match=rf"budget = '{budget}' .* 'model.layers.0.mlp.exp"):
-        DTPPruner(model, inputs, 0.5, budget=budget)
-    pruner = DTPPruner(model, inputs, {"heads": 0.5}, budget=budget)  # experts left whole
+    with pytest.raises(ValueError, match=r"budget = 'global' .* 'model.layers.0.mlp.experts'"):
+        DTPPruner(model, inputs, 0.5, budget="global")
+    pruner = DTPPruner(model, inputs, {"heads": 0.5}, budget="global")  # experts left whole
     assert not any(isinstance(g, ExpertGroup) for g in pruner.groups)
+
+
+def test_a_flops_budget_learns_one_ratio_per_block_of_experts():
+    """Under budget "flops" the experts of a block share one learned kept ratio, so they
+    keep one count whatever theta learns; F(alpha) at the kept counts is the exported
+    FLOPs ratio, the penalty reaches every theta and the export is exact."""
+    torch.manual_seed(0)
+    model, inputs = moe("Mixtral", **MIXTRAL)
+    pruner = randomised(DTPPruner(model, inputs, 0.5, budget="flops"))
+    heads_and_blocks = 2 + 2
+    assert pruner.theta.shape == (heads_and_blocks,)
+    report = pruner.report()
+    torch.testing.assert_close(
+        pruner.flops_ratio().item(), report["flops_after"] / report["flops_before"]
+    )
+    pruner.penalty(0.3).backward()
+    assert (pruner.theta.grad != 0).all()
+    with torch.no_grad():
+        pruner.theta.copy_(torch.tensor([0.0, 1.0, -1.0, 2.0]))
+    kept = pruner.kept_counts()
+    assert kept == [
+        round(n * float(torch.sigmoid(torch.tensor(t))))
+        for n, t in zip(
+            pruner.sizes, [0.0] + [1.0] * EXPERTS + [-1.0] + [2.0] * EXPERTS, strict=True
+        )
+    ]
+    assert [int(m.sum()) for m in pruner.hard_masks()] == kept
+    # widths grouped_mm cannot read (not a multiple of 4 in fp32): the export says so
+    # and runs its experts with batched_mm; the model pruned keeps its implementation
+    assert kept[1] % 4 and model.config._experts_implementation == "grouped_mm"
+    with pytest.warns(UserWarning, match=r"'model.layers.0.mlp.experts': 47.*batched_mm"):
+        exported, got, want = hard_masked_and_exported(pruner, model, inputs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert exported.config._experts_implementation == "batched_mm"
+    assert model.config._experts_implementation == "grouped_mm"
+    assert [layer.mlp.experts.down_proj.shape[2] for layer in exported.model.layers] == [
+        kept[1],
+        kept[1 + EXPERTS + 1],
+    ]
 
 
 def test_ignored_experts_stay_whole_and_a_model_without_experts_says_so():
