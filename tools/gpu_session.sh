@@ -4,14 +4,15 @@
 # go to $OUT/session.tar (one file: the device tool brings back at most 8), written again
 # after every step.
 #
-#   OUT=/tmp/gpu bash tools/gpu_session.sh [tests|host|bench|train|vit|pipeline|pipeline-compiled|profile-pipeline|scale|all]...
+#   OUT=/tmp/gpu bash tools/gpu_session.sh [tests|host|bench|train|vit|moe|pipeline|pipeline-compiled|profile-pipeline|scale|all]...
 #
 # tests: every test marked cuda but not slow (on $WORKERS pytest-xdist workers, default 4)
 # and, at the same time, `dtp prune` on the GPU (tests/pipeline/test_pipeline_gpu.py, on 3
 # more workers): neither times anything, so they share the GPU; host: the mask step's and
 # the pruner's host cost; bench: the kernel benchmarks and host; train: the training step
 # (eager, CUDA graph, profiled; DTP with folded masks, each GPU backend); vit: a ViT step
-# with head and neuron masks (bench_vit_step.py); scale: mask-step scaling, iterations,
+# with head and neuron masks (bench_vit_step.py); moe: a Mixtral step with expert and head
+# masks, grouped_mm and eager (bench_moe_step.py; transformers, in .whl if absent); scale: mask-step scaling, iterations,
 # N:M steps with each kernel's share (profile_nm_step.py) and 2:4 semi-structured
 # layers; pipeline: whole epochs with the data loader (bench_pipeline.py);
 # pipeline-compiled: the same under torch.compile (not in all: its
@@ -125,6 +126,9 @@ for step in $steps; do
     ;;&
   vit | all)
     run bench_vit_step 200 $PY benchmarks/bench_vit_step.py --device cuda --rounds 50 --save
+    ;;&
+  moe | all)
+    run bench_moe_step 200 $PY benchmarks/bench_moe_step.py --device cuda --rounds 30 --save
     ;;&
   pipeline | all)
     run bench_pipeline 400 $PY benchmarks/bench_pipeline.py --device cuda \

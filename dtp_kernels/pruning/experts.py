@@ -12,7 +12,9 @@ projection (2j and 2j + 1 when interleaved) and column j of its down projection.
 Each expert is one group and one transport segment. The mask goes on the down
 projection's columns: exact whatever the activation computes from neuron j's gate and
 up. Export keeps the kept neurons of every expert in one smaller 3-D parameter, so all
-experts of a block keep the same count (one ratio, budget "layer"; the pruner checks).
+experts of a block keep the same count: one ratio per block, under budget "layer" or
+"flops" (one learned ratio per block); the pruner checks. A kept width torch's
+grouped_mm cannot read makes the exported model run its experts with batched_mm.
 """
 
 from __future__ import annotations
