@@ -225,3 +225,17 @@ def markdown(sweep: Sweep, rows: list[dict], env: dict) -> str:
         )
     note = f"\n`x vs P`: P's median over this row's (> 1: faster than P). {sweep.note}\n"
     return "\n".join(lines) + "\n" + note
+
+
+def report_overhead(rows: list[dict], rounds: int, save: bool, path: Path) -> None:
+    """Print DTP's overhead over the dense step per sweep point, median(dtp) /
+    median(dense) - 1, and with `save` append it to the markdown report at `path`."""
+    lines = ["", f"DTP overhead (medians of {rounds} interleaved rounds):"]
+    for shape in dict.fromkeys(row["shape"] for row in rows):
+        median = {row["provider"]: row["median_us"] for row in rows if row["shape"] == shape}
+        lines.append(f"- {shape}: {median['dtp'] / median['dense'] - 1:+.2%}")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if save:
+        with path.open("a") as report:
+            report.write(text)

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _harness import RESULTS, Sweep, run_sweep
+from _harness import RESULTS, Sweep, report_overhead, run_sweep
 
 from dtp_kernels import prepare
 
@@ -111,15 +111,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     rows = run_sweep(sweep(device), device, args.rounds, args.save, "moe_step")
-    lines = ["", f"DTP overhead (medians of {args.rounds} interleaved rounds):"]
-    for shape in dict.fromkeys(row["shape"] for row in rows):
-        median = {row["provider"]: row["median_us"] for row in rows if row["shape"] == shape}
-        lines.append(f"- {shape}: {median['dtp'] / median['dense'] - 1:+.2%}")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.save:
-        with (RESULTS / f"moe_step_{device.type}.md").open("a") as report:
-            report.write(text)
+    report_overhead(rows, args.rounds, args.save, RESULTS / f"moe_step_{device.type}.md")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _harness import RESULTS, Sweep, run_sweep
+from _harness import RESULTS, Sweep, report_overhead, run_sweep
 
 from dtp_kernels import prepare
 
@@ -95,15 +95,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     rows = run_sweep(sweep(device), device, args.rounds, args.save, "vit_step")
-    median = {row["provider"]: row["median_us"] for row in rows}
-    line = (
-        f"\nDTP overhead: {median['dtp'] / median['dense'] - 1:+.2%} "
-        f"(medians of {args.rounds} interleaved rounds)\n"
-    )
-    print(line)
-    if args.save:
-        with (RESULTS / f"vit_step_{device.type}.md").open("a") as report:
-            report.write(line)
+    report_overhead(rows, args.rounds, args.save, RESULTS / f"vit_step_{device.type}.md")
 
 
 if __name__ == "__main__":
