@@ -571,3 +571,25 @@ def test_experts_whose_routing_cannot_be_read_are_named():
 
     with pytest.raises(ValueError, match=r"DenseRoutedExperts got no integer tensor"):
         DTPPruner(Block(), torch.randn(3, 4), {"experts": 0.5})
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_experts_train_and_export_on_the_gpu(implementation):
+    """On a GPU, under each experts implementation: a bf16-autocast training step reaches
+    every routed expert's scores with finite gradients, and the fp32 export (IEEE
+    matmuls) equals the hard-masked model."""
+    torch.manual_seed(0)
+    model, inputs = moe("Mixtral", **MIXTRAL)
+    model.config._experts_implementation = implementation
+    model, inputs = model.cuda(), tuple(t.cuda() for t in inputs)
+    pruner = randomised(DTPPruner(model, inputs, {"experts": 0.5, "heads": 0.5}))
+    model.train()
+    with torch.autocast("cuda", torch.bfloat16):
+        loss = model(*inputs, labels=inputs[0]).loss
+    loss.backward()
+    grads = pruner.scores.grad
+    assert torch.isfinite(grads).all() and (grads != 0).any()
+    exported, got, want = hard_masked_and_exported(pruner, model, inputs)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert exported.model.layers[0].mlp.experts.down_proj.is_cuda
