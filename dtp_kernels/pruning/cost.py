@@ -148,8 +148,11 @@ def count_flops(model: nn.Module, example_inputs: torch.Tensor | tuple) -> int:
     return sum(layer.flops() for layer in trace_layers(model, example_inputs))
 
 
-def flops_after(layers: list[Layer | ExpertMatmul], lost: dict[nn.Module, tuple[int, int]]) -> int:
-    """FLOPs with each layer's (output, input) channels reduced by `lost`."""
+def flops_after(
+    layers: list[Layer | ExpertMatmul], lost: dict[nn.Module | ExpertProjection, tuple[int, int]]
+) -> int:
+    """FLOPs with each layer's (output, input) channels reduced by `lost` (keyed by the
+    layer's module, or the expert's projection)."""
     return sum(layer.flops(*lost.get(layer.module, (0, 0))) for layer in layers)
 
 

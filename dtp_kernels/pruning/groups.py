@@ -346,8 +346,8 @@ EXPIRY_REPEAT_SECONDS = 0.05
 def _bounded_search(graph: tp.DependencyGraph, names: dict[nn.Module, str]) -> Iterator[None]:
     """Within the block, each graph.get_pruning_group call ends within GROUP_SEARCH_SECONDS
     or raises a ChannelGraphError naming its root layer, as it does when Torch-Pruning's
-    search itself fails. The bound is a SIGALRM timer: only in the main thread, and only when no
-    other timer is set (else the search is unbounded)."""
+    search itself fails. The bound is a SIGALRM timer: only in the main thread, and only
+    when no other timer is set (else the search is unbounded)."""
     timed = (
         hasattr(signal, "setitimer")
         and threading.current_thread() is threading.main_thread()

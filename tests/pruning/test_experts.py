@@ -158,6 +158,9 @@ def intermediate(weight: torch.Tensor, transposed: bool, up: bool) -> torch.Tens
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_experts_export_the_kept_neurons_of_every_expert(family, tmp_path):
+    """One group per expert; the export equals the hard-masked model and keeps exactly
+    each expert's kept neurons (gate and up rows, down columns, biases) in every layout;
+    parameters, FLOPs, the width attribute and, where it can, the config follow."""
     sizes, width, (parts, concatenated, transposed, bias), config_follows = FAMILIES[family]
     torch.manual_seed(0)
     model, inputs = moe(family, **sizes)
@@ -219,6 +222,8 @@ def test_experts_export_the_kept_neurons_of_every_expert(family, tmp_path):
 
 
 def test_a_float_ratio_prunes_heads_and_experts_together(tmp_path):
+    """A float asks for every group: heads and experts export together and the config
+    describes both."""
     torch.manual_seed(0)
     model, inputs = moe("Mixtral", **MIXTRAL)
     pruner = randomised(DTPPruner(model, inputs, 0.5))
