@@ -227,15 +227,27 @@ def markdown(sweep: Sweep, rows: list[dict], env: dict) -> str:
     return "\n".join(lines) + "\n" + note
 
 
-def report_overhead(rows: list[dict], rounds: int, save: bool, path: Path) -> None:
-    """Print DTP's overhead over the dense step per sweep point, median(dtp) /
-    median(dense) - 1, and with `save` append it to the markdown report at `path`."""
-    lines = ["", f"DTP overhead (medians of {rounds} interleaved rounds):"]
+def step_overhead_main(
+    doc: str, sweep: Callable[[torch.device], Sweep], name: str, rounds: int
+) -> None:
+    """The command line of a training-step benchmark (`--device`, `--rounds`, `--save`):
+    time `sweep`'s dense and dtp steps interleaved, then print DTP's overhead per point,
+    median(dtp) / median(dense) - 1, appended with `--save` to results/<name>_<device>.md."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--save", action="store_true")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    rows = run_sweep(sweep(device), device, args.rounds, args.save, name)
+    lines = ["", f"DTP overhead (medians of {args.rounds} interleaved rounds):"]
     for shape in dict.fromkeys(row["shape"] for row in rows):
         median = {row["provider"]: row["median_us"] for row in rows if row["shape"] == shape}
         lines.append(f"- {shape}: {median['dtp'] / median['dense'] - 1:+.2%}")
     text = "\n".join(lines) + "\n"
     print(text)
-    if save:
-        with path.open("a") as report:
+    if args.save:
+        with (RESULTS / f"{name}_{device.type}.md").open("a") as report:
             report.write(text)

@@ -16,7 +16,6 @@ writes benchmarks/results/moe_step_<device>.md and appends to moe_step.csv.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _harness import RESULTS, Sweep, report_overhead, run_sweep
+from _harness import Sweep, step_overhead_main
 
 from dtp_kernels import prepare
 
@@ -103,16 +102,5 @@ def sweep(device: torch.device) -> Sweep:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--save", action="store_true")
-    args = parser.parse_args()
-    device = torch.device(args.device)
-    rows = run_sweep(sweep(device), device, args.rounds, args.save, "moe_step")
-    report_overhead(rows, args.rounds, args.save, RESULTS / f"moe_step_{device.type}.md")
-
-
 if __name__ == "__main__":
-    main()
+    step_overhead_main(__doc__, sweep, "moe_step", rounds=20)

@@ -14,7 +14,6 @@ benchmarks/results/vit_step_<device>.md and appends to vit_step.csv.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _harness import RESULTS, Sweep, report_overhead, run_sweep
+from _harness import Sweep, step_overhead_main
 
 from dtp_kernels import prepare
 
@@ -87,16 +86,5 @@ def sweep(device: torch.device) -> Sweep:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--save", action="store_true")
-    args = parser.parse_args()
-    device = torch.device(args.device)
-    rows = run_sweep(sweep(device), device, args.rounds, args.save, "vit_step")
-    report_overhead(rows, args.rounds, args.save, RESULTS / f"vit_step_{device.type}.md")
-
-
 if __name__ == "__main__":
-    main()
+    step_overhead_main(__doc__, sweep, "vit_step", rounds=30)
