@@ -24,6 +24,7 @@ from .conv1d import is_conv1d
 from .cost import COSTED, PER_CHANNEL_AFFINE, count_params, flops_after, params_after, trace_layers
 from .experts import (
     ExpertGroup,
+    Layout,
     check_expert_ratios,
     find_expert_groups,
     prune_experts,
@@ -306,7 +307,8 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         masks = self.hard_masks()
         self._check_shared_head_counts(masks)
         pruned = self._unmasked_copy()
-        expert_masks: dict[str, list[torch.Tensor]] = {}  # per experts module, in expert order
+        # per experts module: its layout and its experts' masks in order
+        expert_masks: dict[str, tuple[Layout, list[torch.Tensor]]] = {}
         needs_graph = any(not isinstance(g, (HeadGroup, ExpertGroup)) for g in self.groups)
         graph_or_none = (
             traced_graph(pruned, self.example_inputs) if needs_graph else contextlib.nullcontext()
@@ -319,7 +321,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                     prune_heads(group, names, original_names, mask)
                     continue
                 if isinstance(group, ExpertGroup):
-                    expert_masks.setdefault(group.module_name, []).append(mask)
+                    expert_masks.setdefault(group.module_name, (group.layout, []))[1].append(mask)
                     continue
                 dropped_units = (mask == 0).nonzero().flatten()
                 if not len(dropped_units):
@@ -330,9 +332,8 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                 if group.group_norm is not None:  # whole groups went: as many fewer groups
                     norm = names[original_names[group.group_norm]]
                     norm.num_groups -= len(dropped_units)
-        layouts = {g.module_name: g.layout for g in self.groups if isinstance(g, ExpertGroup)}
-        for name, block_masks in expert_masks.items():  # after Torch-Pruning's changes
-            prune_experts(names[name], layouts[name], block_masks)
+        for name, (layout, block_masks) in expert_masks.items():  # after Torch-Pruning's
+            prune_experts(names[name], layout, block_masks)
         run_misaligned_experts(pruned, {name: names[name] for name in expert_masks})
         described = update_config(pruned, [(_kind(g), g) for g in self.groups], masks)
         if not described and any(getattr(g, "heads_from_config", False) for g in self.groups):

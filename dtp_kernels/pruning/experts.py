@@ -222,10 +222,11 @@ def run_misaligned_experts(model: nn.Module, blocks: dict[str, nn.Module]) -> No
     config = getattr(model, "config", None)
     if getattr(config, "_experts_implementation", None) != "grouped_mm":
         return
+    widths = {name: expert_layout(block).width for name, block in blocks.items()}
     misaligned = {
-        name: expert_layout(block).width
-        for name, block in blocks.items()
-        if expert_layout(block).width * block.down_proj.element_size() % GROUPED_MM_ROW_BYTES
+        name: width
+        for name, width in widths.items()
+        if width * blocks[name].down_proj.element_size() % GROUPED_MM_ROW_BYTES
     }
     if not misaligned:
         return

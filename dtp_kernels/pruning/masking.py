@@ -133,6 +133,7 @@ class ScaleExperts(nn.Module):
         super().__init__()
         self.source, self.first, self.experts, self.dim = source, first, experts, dim
         self.offset = sum(source.sizes[:first])
+        self.length = sum(source.sizes[first : first + experts])
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         source, last = self.source, self.first + self.experts
@@ -144,7 +145,7 @@ class ScaleExperts(nn.Module):
         if source.hard is not None:
             mask = torch.stack(source.hard[self.first : last])
         else:
-            mask = source.flat.narrow(0, self.offset, sum(source.sizes[self.first : last]))
+            mask = source.flat.narrow(0, self.offset, self.length)
         shape = [self.experts, 1, 1]
         shape[self.dim] = -1
         product = weight * mask.to(weight.dtype).view(shape)
