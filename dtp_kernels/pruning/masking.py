@@ -68,7 +68,9 @@ class MaskSource:
         self.products: dict[nn.Module, tuple[torch.Tensor, int, torch.Tensor]] = {}
 
     def set(self, flat: torch.Tensor) -> None:
-        self.flat, self._split, self.products = flat, None, {}
+        self.flat, self._split = flat, None
+        if self.products:  # (no new dict per step for models without experts)
+            self.products = {}
 
     def set_folded(self, products: list[torch.Tensor], originals: list[torch.Tensor]) -> None:
         """This forward's masked BN parameters, one per slot, and what they came from."""
@@ -91,7 +93,8 @@ class MaskSource:
         if self.flat is not None and self.flat.requires_grad:
             self.set(self.flat.detach())
             self.folded = None
-        self.products = {}
+        if self.products:
+            self.products = {}
 
 
 class ScaleRows(nn.Module):
