@@ -33,6 +33,7 @@ from .experts import (
 from .groups import ChannelGraphError, find_groups, out_channel_handler, traced_graph
 from .heads import HeadGroup, find_head_groups, prune_heads
 from .hf_config import update_config
+from .mlps import FormMLPGroup, find_form_mlps, prune_form_mlp
 
 
 def _kind(group) -> str:
@@ -46,22 +47,24 @@ def _kind(group) -> str:
     return "mlp" if isinstance(group.layer, nn.Linear) else "channels"
 
 
-def _without_channels(ratios, groups: list) -> bool:
-    """Whether `ratios` asks for heads and experts only (a dict whose every key is one of
-    those kinds or names some of `groups`, the model's heads and experts)."""
+def _without_graph(ratios, groups: list) -> bool:
+    """Whether `ratios` asks only for what is found without Torch-Pruning's graph (a dict
+    whose every key is "heads", "experts", "mlp" or names some of `groups`, the model's
+    heads, experts and MLP modules found by their form)."""
     if not isinstance(ratios, Mapping):
         return False
     names = [g.name for g in groups]
     return all(
-        key in ("heads", "experts") or any(fnmatch.fnmatchcase(name, key) for name in names)
+        key in ("heads", "experts", "mlp") or any(fnmatch.fnmatchcase(name, key) for name in names)
         for key in ratios
     )
 
 
 def _warn_idle_layers(model: nn.Module, layers: list, ignored: list) -> None:
-    """Warn about conv and linear layers the example forward never ran: no group can be
-    found for them, so they stay whole whatever the ratios say (the experts of a
-    ModuleList no example token was routed to, a branch the example does not take)."""
+    """Warn about conv and linear layers the example forward never called: no group can
+    be found for them, so they stay whole whatever the ratios say (the experts of a
+    ModuleList no example token was routed to, a branch the example does not take, a
+    layer whose weight the model's code reads without calling it)."""
     ran = {layer.module for layer in layers}
     idle = [
         name
@@ -70,9 +73,11 @@ def _warn_idle_layers(model: nn.Module, layers: list, ignored: list) -> None:
     ]
     if idle:
         warnings.warn(
-            f"{len(idle)} conv/linear layers did not run on example_inputs, so they are "
-            f"left whole: {idle[:6]}{' ...' if len(idle) > 6 else ''}. Give example inputs "
-            "that run them (enough tokens to reach every expert, every branch) to prune them",
+            f"{len(idle)} conv/linear layers were not called on example_inputs, so they "
+            f"are left whole: {idle[:6]}{' ...' if len(idle) > 6 else ''}. Give example "
+            "inputs that run them (enough tokens to reach every expert, every branch) to "
+            "prune them; a layer whose weight the model reads without calling it (Mamba's "
+            "conv1d) stays whole whatever the inputs",
             UserWarning,
             stacklevel=3,
         )
@@ -137,7 +142,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         finally:
             model.train(was_training)  # Torch-Pruning's tracing leaves the model in eval mode
         convs = [name for name, m in model.named_modules() if isinstance(m, nn.Conv2d)]
-        if self._graph_error is not None and not _without_channels(ratios, all_groups):
+        if self._graph_error is not None and not _without_graph(ratios, all_groups):
             raise self._graph_error
         self._graph_error = None  # its traceback would hold the failed trace's frames
         kinds = {g.name: _kind(g) for g in all_groups}
@@ -191,15 +196,17 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
 
     def _find_groups(self, model: nn.Module, inputs: tuple, ignored: list) -> list:
         """The prunable groups (filter pruning) in the model's module order: attention
-        heads, the experts of mixture-of-experts blocks and channel groups."""
+        heads, the experts of mixture-of-experts blocks and channel groups (where
+        Torch-Pruning's graph fails: MLP modules found by their form)."""
         heads = find_head_groups(model, ignored, inputs)
         experts = find_expert_groups(model, ignored)
         projections = [layer for g in heads for layer in (*g.kept_out, g.layer)]
         try:
             with traced_graph(model, inputs) as graph:
                 channels = find_groups(model, graph, ignored + projections, self.prune_coupled)
-        except ChannelGraphError as error:  # raised unless ratios ask for heads/experts only
-            channels, self._graph_error = [], error
+        except ChannelGraphError as error:  # raised unless the ratios need no graph
+            self._graph_error = error
+            channels = find_form_mlps(model, ignored + projections, inputs)
         order = {name: index for index, (name, _) in enumerate(model.named_modules())}
 
         def position(group) -> tuple[int, int]:  # a block's experts in turn, together
@@ -309,7 +316,9 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         pruned = self._unmasked_copy()
         # per experts module: its layout and its experts' masks in order
         expert_masks: dict[str, tuple[Layout, list[torch.Tensor]]] = {}
-        needs_graph = any(not isinstance(g, (HeadGroup, ExpertGroup)) for g in self.groups)
+        needs_graph = any(
+            not isinstance(g, (HeadGroup, ExpertGroup, FormMLPGroup)) for g in self.groups
+        )
         graph_or_none = (
             traced_graph(pruned, self.example_inputs) if needs_graph else contextlib.nullcontext()
         )
@@ -319,6 +328,9 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             for group, mask in zip(self.groups, masks, strict=True):
                 if isinstance(group, HeadGroup):
                     prune_heads(group, names, original_names, mask)
+                    continue
+                if isinstance(group, FormMLPGroup):
+                    prune_form_mlp(group, names, original_names, mask)
                     continue
                 if isinstance(group, ExpertGroup):
                     expert_masks.setdefault(group.module_name, (group.layout, []))[1].append(mask)

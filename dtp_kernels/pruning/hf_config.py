@@ -35,7 +35,6 @@ def _uniform(kept: list[int]) -> int | None:
 def config_fields(config, groups: list[tuple[str, object]], masks: list) -> dict | None:
     """The config fields the exported sizes need; None when one size per kind cannot
     describe them (layers pruned to different sizes)."""
-    layers = getattr(config, "num_hidden_layers", None)
     heads = [
         (g, int(m.sum())) for (kind, g), m in zip(groups, masks, strict=True) if kind == "heads"
     ]
@@ -50,16 +49,19 @@ def config_fields(config, groups: list[tuple[str, object]], masks: list) -> dict
         units = _uniform([k for _, k in heads])
         per_unit = _uniform([g.query_heads_per_unit for g, _ in heads])
         kv_heads = _uniform([1 if g.shared_kv else k for g, k in heads])  # multi-query: 1
-        if units is None or per_unit is None or kv_heads is None or len(heads) != layers:
+        # whether every attention layer was pruned is left to the rebuild check (a hybrid
+        # model's attention is one layer in a few: Jamba's)
+        if units is None or per_unit is None or kv_heads is None:
             return None
         fields["num_attention_heads"] = units * per_unit
         if not any(g.latent for g, _ in heads):  # latent attention keeps the config's
             fields["head_dim"] = heads[0][0].head_dim
         if hasattr(config, "num_key_value_heads"):
             fields["num_key_value_heads"] = kv_heads
-    if mlps:
+    if mlps:  # whether every MLP was pruned is left to the rebuild check (DeepSeek's
+        # first layers are dense, the others mixtures of experts)
         size = _uniform(mlps)
-        if size is None or len(mlps) != layers:
+        if size is None:
             return None
         fields[mlp_field] = size
     experts = [

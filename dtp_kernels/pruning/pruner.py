@@ -14,7 +14,6 @@ columns, GroupNorm groups on the norm's rows.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import warnings
 from collections.abc import Mapping, Sequence
@@ -46,6 +45,7 @@ from .masking import (
     read_folded_first,
     strip_parametrizations,
 )
+from .precision import ieee_fp32
 
 MASK_AT = ("auto", "parameters", "activation")
 GRANULARITIES = ("filter", "weight", "n:m")
@@ -62,25 +62,6 @@ class LayerWeights:
     size: int
     # zeroed weights export exactly as they were masked, whatever follows the layer
     norms: tuple = ()
-
-
-@contextlib.contextmanager
-def ieee_fp32():
-    """Float32 convolutions and matrix products in full precision while the block runs.
-
-    On GPUs cuDNN runs float32 convolutions in TF32 by default (10-bit mantissa): the
-    masked and the exported model, whose convolutions differ in size and algorithm, then
-    differ by ~1e-3, far beyond the export check's float32 tolerance. Set and restored
-    through torch's fp32_precision settings, which work whichever TF32 API the user
-    chose (reading the legacy ``allow_tf32`` after the new API was used raises).
-    """
-    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
-    before = matmul.fp32_precision, conv.fp32_precision
-    matmul.fp32_precision = conv.fp32_precision = "ieee"
-    try:
-        yield
-    finally:
-        matmul.fp32_precision, conv.fp32_precision = before
 
 
 class DTPPruner(ChannelPruner):

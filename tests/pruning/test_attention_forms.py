@@ -159,7 +159,7 @@ FAMILIES = {
     "gemma3": (lambda: decoder("Gemma3Text", model="Gemma3", **GQA), 2, 2, True),
     # a relative position bias table in every self-attention layer, cut per head; its
     # gated MLP's tanh GELU adds within each channel
-    "umt5": (lambda: t5("UMT5"), 6, 4, False),
+    "umt5": (lambda: t5("UMT5"), 6, 4, True),
 }
 
 

@@ -463,15 +463,14 @@ def test_experts_prune_where_the_channel_graph_cannot_follow_the_model(ratios):
 
 
 @pytest.mark.parametrize(
-    "ratios", [0.5, {"experts": 0.5, "mlp": 0.5}, {"model.layers.0.mlp.*": 0.5}]
+    "ratios",
+    [0.5, {"experts": 0.5, "channels": 0.5}, {"model.layers.0.self_attn.q_a_proj": 0.5}],
 )
 def test_ratios_that_need_the_channel_graph_say_it_fails(ratios):
-    """What needs the graph (a float, MLP neurons, a layer outside the heads and
-    experts) raises its failure, naming the model and what works without it."""
+    """What needs the graph (a float, channels, a layer outside the heads, experts and
+    MLPs) raises its failure, naming the model and what works without it."""
     model, inputs = tiny_deepseek(), (tokens(),)
-    with pytest.raises(
-        ValueError, match=r"DeepseekV3ForCausalLM: Torch-Pruning's.*'experts' alone"
-    ):
+    with pytest.raises(ValueError, match=r"DeepseekV3ForCausalLM: Torch-Pruning's.*'mlp' alone"):
         DTPPruner(model, inputs, ratios)
     assert not any(nn.utils.parametrize.is_parametrized(m) for m in model.modules())
 
@@ -527,7 +526,7 @@ def test_listed_experts_are_gated_groups_and_unrouted_ones_are_named():
     one = many[:1]
     chosen = int(model.router(model.embed(one)).argmax())
     idle = [f"'experts.{e}.w{i}'" for e in range(EXPERTS) if e != chosen for i in (1, 3, 2)]
-    with pytest.warns(UserWarning, match=r"9 conv/linear layers did not run") as caught:
+    with pytest.warns(UserWarning, match=r"9 conv/linear layers were not called") as caught:
         DTPPruner(model, one, 0.5).remove()
     assert all(name in str(caught[0].message) for name in idle[:6])
     left = [m for e, expert in enumerate(model.experts) if e != chosen for m in expert.children()]

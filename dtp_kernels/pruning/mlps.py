@@ -1,0 +1,188 @@
+"""MLP modules found by their form, where Torch-Pruning's graph cannot follow the model.
+
+When the DependencyGraph fails on a model (DeepSeek-V3's build, DeepSeek-V2's latent
+key/value projection, Jamba's Mamba layers), the hidden neurons of its MLPs can still be
+pruned: an MLP module is recognised by its parameters alone, and proven on its own input.
+
+The form: every parameter of the module belongs to two or three of its own linear layers,
+the producers (one, or a gate and an up projection of the same shape) widening the input
+to a hidden width and the consumer (the down projection) reading that width back. The
+proof: on the input the example forward gave it, the module with the consumer's columns
+of half its neurons zeroed computes what the module with those neurons removed computes
+(the producers' rows and the consumer's columns cut). That is the pruner's invariant on
+this module; a module that mixes its hidden neurons (a norm or a softmax over them, a
+reshape) fails it and is not grouped. The mask goes on the consumer's columns, as for a
+gated MLP the graph finds: exact whatever the activation computes.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .groups import ChannelGroup, _without_cache, output_tensors
+from .precision import ieee_fp32
+
+
+class FormMLPGroup(ChannelGroup):
+    """The hidden neurons of an MLP module found by its form (not by Torch-Pruning's
+    graph): the producers in `kept_out`, the consumer in `kept_in`, the mask on the
+    consumer's input columns (`gated`). Export cuts the rows and columns directly."""
+
+
+# an MLP module's form: the names of its producers and of its consumer
+Form = tuple[tuple[str, ...], str]
+
+
+def _forms(module: nn.Module) -> list[Form]:
+    """The ways `module` can be the form above: every parameter in two or three of its
+    direct linear children, one of them (the consumer) reading the others' output width.
+    Empty for any other module. (Shapes alone may fit twice: 8 -> 10 -> 8 read either
+    way; the proof tells them apart.)"""
+    linears = {name: m for name, m in module.named_children() if isinstance(m, nn.Linear)}
+    if len(linears) not in (2, 3):
+        return []
+    owned = {id(p) for m in linears.values() for p in m.parameters()}
+    if any(id(p) not in owned for p in module.parameters()):
+        return []  # a norm, an embedding or a parameter of its own is in it too
+    forms = []
+    for consumer in reversed(linears):  # the down projection is most often registered last
+        producers = tuple(name for name in linears if name != consumer)
+        width, first = linears[consumer].in_features, linears[producers[0]]
+        if width > 1 and all(
+            linears[p].in_features == first.in_features and linears[p].out_features == width
+            for p in producers
+        ):
+            forms.append((producers, consumer))
+    return forms
+
+
+def _cut(layer: nn.Linear, keep: torch.Tensor, dim: int) -> None:
+    """Keep the rows (dim 0) or columns (dim 1) `keep` of `layer`, in place."""
+    with torch.no_grad():
+        layer.weight = nn.Parameter(
+            layer.weight.index_select(dim, keep.to(layer.weight.device)).clone(),
+            requires_grad=layer.weight.requires_grad,
+        )
+        if dim == 0 and layer.bias is not None:
+            layer.bias = nn.Parameter(
+                layer.bias.index_select(0, keep.to(layer.bias.device)).clone(),
+                requires_grad=layer.bias.requires_grad,
+            )
+    if dim == 0:
+        layer.out_features = len(keep)
+    else:
+        layer.in_features = len(keep)
+
+
+def cut_hidden(
+    module: nn.Module, producers: Sequence[nn.Linear], consumer: nn.Linear, keep: torch.Tensor
+) -> None:
+    """Remove the hidden neurons not in `keep` (sorted indices) from an MLP module: its
+    producers' rows, its consumer's columns, and the module's attributes that held the
+    old width (DeepSeek's and Llama's `intermediate_size`)."""
+    width = consumer.in_features
+    for layer in producers:
+        _cut(layer, keep, 0)
+    _cut(consumer, keep, 1)
+    for name in ("intermediate_size", "hidden_features", "ffn_dim"):
+        if getattr(module, name, None) == width:
+            setattr(module, name, len(keep))
+
+
+def _cuts_exactly(module: nn.Module, form: Form, args: tuple, kwargs: dict) -> bool:
+    """Whether `module` with half its hidden neurons removed computes, on this input, what
+    it computes with those neurons' consumer columns zeroed (copies; `module` unchanged)."""
+    producers, consumer = form
+    width = getattr(module, consumer).in_features
+    order = torch.randperm(width, generator=torch.Generator().manual_seed(0))
+    keep, drop = order[: width // 2].sort().values, order[width // 2 :]
+    masked, cut = copy.deepcopy(module).eval(), copy.deepcopy(module).eval()
+    with torch.no_grad(), ieee_fp32():  # TF32 would round the two apart
+        weight = getattr(masked, consumer).weight
+        weight[:, drop.to(weight.device)] = 0
+        cut_hidden(cut, [getattr(cut, p) for p in producers], getattr(cut, consumer), keep)
+        try:
+            want = output_tensors(masked(*args, **kwargs))
+            got = output_tensors(cut(*args, **kwargs))
+        except Exception:  # its code reads the old width, or the module is read another way
+            return False
+    if not want or len(got) != len(want):
+        return False
+    for g, w in zip(got, want, strict=True):
+        g, w = g.double(), w.double()
+        scale = max(1.0, float(w.abs().max())) if w.numel() else 1.0
+        if g.shape != w.shape or not torch.allclose(g, w, rtol=1e-4, atol=1e-5 * scale):
+            return False
+    return True
+
+
+def find_form_mlps(model: nn.Module, ignored: list[nn.Module], inputs: tuple) -> list[FormMLPGroup]:
+    """The MLP modules of `model` in the form above that run on `inputs` and cut exactly,
+    none of whose layers is in `ignored`, in model order."""
+    names = {module: name for name, module in model.named_modules()}
+    ignored_set = set(ignored)
+    candidates = {
+        module: forms
+        for module in model.modules()
+        if (forms := _forms(module))
+        and module not in ignored_set
+        and not any(isinstance(m, nn.Linear) and m in ignored_set for m in module.children())
+    }
+    seen: dict[nn.Module, tuple[tuple, dict]] = {}
+
+    def capture(module, args, kwargs):
+        seen.setdefault(module, (args, kwargs))
+
+    handles = [m.register_forward_pre_hook(capture, with_kwargs=True) for m in candidates]
+    was_training = model.training
+    try:
+        with torch.no_grad(), _without_cache(model):  # the proof runs each module again
+            model.eval()
+            model(*inputs)
+    finally:
+        model.train(was_training)
+        for handle in handles:
+            handle.remove()
+    groups = []
+    for module, forms in candidates.items():
+        if module not in seen:  # never ran on the example: _warn_idle_layers names it
+            continue
+        proven = next((f for f in forms if _cuts_exactly(module, f, *seen[module])), None)
+        if proven is None:
+            continue
+        producer_names, consumer_name = proven
+        producers = [getattr(module, p) for p in producer_names]
+        root = producers[0]
+        groups.append(
+            FormMLPGroup(
+                names[root],
+                root,
+                None,
+                root.out_features,
+                producers,
+                [getattr(module, consumer_name)],
+                gated=True,
+            )
+        )
+    return groups
+
+
+def prune_form_mlp(
+    group: FormMLPGroup,
+    names: dict[str, nn.Module],
+    original_names: dict[nn.Module, str],
+    mask: torch.Tensor,
+) -> None:
+    """Cut the neurons whose hard mask is 0 from the exported copy's MLP module (`names`:
+    the copy's modules by name; `original_names`: the pruned model's names)."""
+    keep = mask.nonzero().flatten()
+    if len(keep) == len(mask):
+        return
+    producers = [names[original_names[m]] for m in group.kept_out]
+    consumer = names[original_names[group.kept_in[0]]]
+    parent = names[group.name.rpartition(".")[0]]
+    cut_hidden(parent, producers, consumer, keep)
