@@ -8,7 +8,9 @@ does not follow the per-head reshapes):
   GPT-J) or ``dense`` (Phi), with ``head_dim``; DistilBERT's ``q_lin``, ``k_lin``,
   ``v_lin``, ``out_lin`` with ``attention_head_size``; T5's and UMT5's ``q``, ``k``,
   ``v``, ``o`` with ``key_value_proj_dim``. A normalization of the queries or keys over
-  all heads (OLMo 2's ``q_norm``, not Qwen3's per head) refuses the group;
+  all heads (OLMo 2's ``q_norm``, not Qwen3's per head) refuses the group; an output
+  gate of the query width (AFMoE's ``gate_proj``) is cut with the heads, and any other
+  linear layer computing the query width from the layer's input refuses the group;
 - one fused ``qkv`` projection and ``proj``, with ``num_heads`` and ``head_dim``, as
   timm's ViT and DeiT write them; GPT-2's ``c_attn`` and ``c_proj`` with ``split_size``
   (its Conv1D layers made ``nn.Linear`` by :func:`conv1d_to_linear` first); Phi-3's
@@ -121,6 +123,11 @@ class HeadGroup:
         self.kept_out = [p.layer for p in self.rows]
         self.kept_in = [self.out.layer]
         self.width = {p.layer: sum(p.block_sizes) for p in [*self.rows, self.out]}
+
+    def add_rows(self, projection: Projection) -> None:
+        """One more projection whose rows are the units' (an output gate)."""
+        self.rows.append(projection)
+        self.__post_init__()
 
     @property
     def size(self) -> int:
@@ -561,6 +568,7 @@ def find_head_groups(
             continue
         if not group.latent:  # a latent's norms act before the heads' own projections
             group.norms = _norms_over_all_heads(group.module, group.head_dim)
+            group.refusal = group.refusal or _other_linears(group)
         parent = group.name.rpartition(".")[0]  # the block holding the attention layer
         group.tables, mixed = _per_head_tables(group, modules[parent] if parent else None)
         group.refusal = group.refusal or mixed
@@ -569,6 +577,35 @@ def find_head_groups(
     for group in groups:
         group.refusal = group.refusal or outside.get(group.module, "")
     return groups
+
+
+# an attention layer's linear layer of the query width that gates the attention output
+# channel by channel before the output projection (AFMoE's, Beam's)
+OUTPUT_GATES = ("gate_proj",)
+
+
+def _other_linears(group: HeadGroup) -> str:
+    """Add the attention layer's output gate to `group`'s rows; why another linear layer
+    of the layer's that computes the query width from the layer's input refuses it, or
+    ""."""
+    width = group.units * group.query_heads_per_unit * group.head_dim  # the query width
+    known = {group.out.layer, *(p.layer for p in group.rows)}
+    for name, child in group.module.named_children():
+        if (
+            not isinstance(child, nn.Linear)
+            or child in known
+            or child.out_features != width
+            or child.in_features != group.rows[0].layer.in_features
+        ):
+            continue
+        if name not in OUTPUT_GATES:
+            return (
+                f"its linear layer {name!r} computes the query width ({width}) from the "
+                "layer's input for a use the head forms do not know, so removing heads "
+                "would leave it the wrong size"
+            )
+        group.add_rows(Projection(child, 1, group.query_heads_per_unit * group.head_dim))
+    return ""
 
 
 # the arguments by which attention layers receive a bias per head computed outside them:
@@ -629,8 +666,10 @@ def _per_head_tables(
     projections, as (owner module, name, dimension): export cuts them to the kept heads.
     They are looked for in the attention layer (Swin's relative position bias table, the
     rows of Swin V2's per-head bias MLP output) and, as raw parameters, in the block
-    holding it and its direct children (BEiT's bias table; not deeper, where a mixture of
-    experts keeps its raw per-expert weights). A parameter with several such dimensions
+    holding it and its direct children that hold no linear layer (BEiT's bias table; not
+    an MLP or a mixture of experts, whose per-expert biases may have as many entries as
+    there are heads: AFMoE's; not deeper, where experts keep their raw weights). A
+    parameter with several such dimensions
     (heads mixed with heads) makes the second item say why the heads cannot be pruned
     ("" when they can)."""
     heads = group.units * group.query_heads_per_unit
@@ -649,6 +688,8 @@ def _per_head_tables(
     for owner_name, owner in beside:
         if owner in inside or isinstance(owner, NOT_TABLES) or is_norm(owner):
             continue
+        if owner_name and any(isinstance(m, nn.Linear) for m in owner.modules()):
+            continue  # an MLP or a mixture of experts beside the attention layer
         candidates += [(owner, owner_name, n, p) for n, p in owner.named_parameters(recurse=False)]
     tables, mixed = [], []
     for owner, owner_name, name, p in candidates:

@@ -160,6 +160,23 @@ FAMILIES = {
     # a relative position bias table in every self-attention layer, cut per head; its
     # gated MLP's tanh GELU adds within each channel
     "umt5": (lambda: t5("UMT5"), 6, 4, True),
+    # an output gate of the query width (gate_proj) cut with the heads; beside the second
+    # layer's 4 experts, whose bias has as many entries as there are heads and stays
+    "afmoe": (
+        lambda: decoder(
+            "Afmoe",
+            head_dim=8,
+            num_key_value_heads=4,
+            moe_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_shared_experts=1,
+            num_dense_layers=1,
+        ),
+        2,
+        4,
+        False,
+    ),
 }
 
 
@@ -224,6 +241,17 @@ def test_heads_export_with_exact_counts_equal_to_the_hard_masked_model(family, t
         loaded = type(exported).from_pretrained(tmp_path).eval()
         with torch.no_grad():
             torch.testing.assert_close(logits(loaded(*inputs)), logits(exported(*inputs)))
+
+
+def test_an_unknown_linear_layer_of_the_query_width_refuses_the_heads():
+    """A linear layer of the attention layer computing the query width from its input,
+    other than the projections and an output gate, is of a form the pruner does not know:
+    asking for the heads is refused by name, before any mask."""
+    model, inputs = decoder("Llama", layers=1)
+    model.model.layers[0].self_attn.side = torch.nn.Linear(32, 32)
+    with pytest.raises(ValueError, match=r"linear layer 'side' computes the query width \(32\)"):
+        DTPPruner(model, inputs, {"heads": 0.5})
+    assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
 
 
 def test_a_query_norm_over_all_heads_refuses_heads_and_leaves_the_mlp():
