@@ -283,3 +283,24 @@ def tiny_deepseek(version: int = 3, q_lora_rank: int | None = 20, seed: int = 0)
     )
     torch.manual_seed(seed)
     return getattr(transformers, f"DeepseekV{version}ForCausalLM")(config)
+
+
+def randomised(pruner):
+    """The pruner with its scores drawn at random (seeded), away from their initial order,
+    so the kept units differ from group to group."""
+    with torch.no_grad():
+        pruner.scores.copy_(
+            torch.rand(pruner.scores.shape, generator=torch.Generator().manual_seed(3))
+        )
+    return pruner
+
+
+def hard_masked_and_exported(pruner, model, inputs: tuple):
+    """(exported model, its logits, the hard-masked model's logits) on `inputs`."""
+    model.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(*inputs).logits
+    exported = pruner.export().eval()
+    with torch.no_grad():
+        got = exported(*inputs).logits
+    return exported, got, want

@@ -33,13 +33,17 @@ from .experts import (
 from .groups import ChannelGraphError, find_groups, out_channel_handler, traced_graph
 from .heads import HeadGroup, find_head_groups, prune_heads
 from .hf_config import update_config
+from .mamba import MambaGroup, find_mamba_groups, prune_mamba
 from .mlps import FormMLPGroup, find_form_mlps, prune_form_mlp
 
 
 def _kind(group) -> str:
-    """The group's kind for ratio dicts: "heads", "experts", "coupled", "mlp", "channels"."""
+    """The group's kind for ratio dicts: "heads", "experts", "mamba", "coupled", "mlp",
+    "channels"."""
     if isinstance(group, HeadGroup):
         return "heads"
+    if isinstance(group, MambaGroup):
+        return "mamba"
     if isinstance(group, ExpertGroup):
         return "experts"
     if getattr(group, "producers", None):
@@ -47,15 +51,19 @@ def _kind(group) -> str:
     return "mlp" if isinstance(group.layer, nn.Linear) else "channels"
 
 
+# the kinds of group found without Torch-Pruning's graph (MLPs: where it fails, by form)
+GRAPHLESS_KINDS = ("heads", "experts", "mamba", "mlp")
+
+
 def _without_graph(ratios, groups: list) -> bool:
     """Whether `ratios` asks only for what is found without Torch-Pruning's graph (a dict
-    whose every key is "heads", "experts", "mlp" or names some of `groups`, the model's
-    heads, experts and MLP modules found by their form)."""
+    whose every key is "heads", "experts", "mamba", "mlp" or names some of `groups`, the
+    model's heads, experts, Mamba mixers and MLP modules found by their form)."""
     if not isinstance(ratios, Mapping):
         return False
     names = [g.name for g in groups]
     return all(
-        key in ("heads", "experts", "mlp") or any(fnmatch.fnmatchcase(name, key) for name in names)
+        key in GRAPHLESS_KINDS or any(fnmatch.fnmatchcase(name, key) for name in names)
         for key in ratios
     )
 
@@ -192,7 +200,12 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         self._base_params = count_params(model)
         self._layers = trace_layers(model, inputs)  # the cost model's view of the model
         self._base_flops = flops_after(self._layers, {})
-        _warn_idle_layers(model, self._layers, list(ignored_layers))
+        pruned = [  # a Mamba mixer's conv1d and dt_proj are read, not called
+            m
+            for g in self.groups
+            for m in (*getattr(g, "kept_out", ()), *getattr(g, "kept_in", ()))
+        ]
+        _warn_idle_layers(model, self._layers, [*ignored_layers, *pruned])
 
     def _find_groups(self, model: nn.Module, inputs: tuple, ignored: list) -> list:
         """The prunable groups (filter pruning) in the model's module order: attention
@@ -200,7 +213,8 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         Torch-Pruning's graph fails: MLP modules found by their form)."""
         heads = find_head_groups(model, ignored, inputs)
         experts = find_expert_groups(model, ignored)
-        projections = [layer for g in heads for layer in (*g.kept_out, g.layer)]
+        mixers = find_mamba_groups(model, ignored, inputs)
+        projections = [layer for g in heads + mixers for layer in (*g.kept_out, *g.kept_in)]
         try:
             with traced_graph(model, inputs) as graph:
                 channels = find_groups(model, graph, ignored + projections, self.prune_coupled)
@@ -214,7 +228,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                 return order[group.module_name], group.expert
             return order[group.name], 0
 
-        return sorted([*heads, *experts, *channels], key=position)
+        return sorted([*heads, *experts, *mixers, *channels], key=position)
 
     # -- what a pruner decides -----------------------------------------------------------
     @abc.abstractmethod
@@ -284,9 +298,10 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         for group, mask in zip(self.groups, masks, strict=True):
             if isinstance(group, ExpertGroup):  # raw 3-D parameters: no layer formula
                 params -= group.removed_params(int(mask.numel() - mask.sum()))
-            for owner, name, dim in getattr(group, "tables", ()):  # per-head tables
+            # per-head tables; a Mamba mixer's per-channel parameters
+            for owner, name, dim in getattr(group, "tables", ()):
                 table = getattr(owner, name)
-                removed = int(mask.numel() - mask.sum()) * group.query_heads_per_unit
+                removed = int(mask.numel() - mask.sum()) * getattr(group, "query_heads_per_unit", 1)
                 params -= table.numel() // table.shape[dim] * removed
         return params, flops_after(self._layers, lost)
 
@@ -317,7 +332,8 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         # per experts module: its layout and its experts' masks in order
         expert_masks: dict[str, tuple[Layout, list[torch.Tensor]]] = {}
         needs_graph = any(
-            not isinstance(g, (HeadGroup, ExpertGroup, FormMLPGroup)) for g in self.groups
+            not isinstance(g, (HeadGroup, ExpertGroup, FormMLPGroup, MambaGroup))
+            for g in self.groups
         )
         graph_or_none = (
             traced_graph(pruned, self.example_inputs) if needs_graph else contextlib.nullcontext()
@@ -331,6 +347,9 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                     continue
                 if isinstance(group, FormMLPGroup):
                     prune_form_mlp(group, names, original_names, mask)
+                    continue
+                if isinstance(group, MambaGroup):
+                    prune_mamba(group, names, mask)
                     continue
                 if isinstance(group, ExpertGroup):
                     expert_masks.setdefault(group.module_name, (group.layout, []))[1].append(mask)

@@ -270,10 +270,10 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
             raise ChannelGraphError(
                 f"cannot find the prunable groups of {type(model).__name__}: Torch-Pruning's "
                 f"DependencyGraph, which follows its channels, fails on it "
-                f"({type(error).__name__}: {error}). Heads, experts and MLP modules do not "
-                "need it: a dict of ratios for 'heads', 'experts' and 'mlp' alone (or their "
-                "layers' names) prunes those. The models dtp_kernels prunes are listed in "
-                "docs/pruning.md and the README's 'What it prunes'"
+                f"({type(error).__name__}: {error}). Heads, experts, Mamba mixers and MLP "
+                "modules do not need it: a dict of ratios for 'heads', 'experts', 'mamba' and "
+                "'mlp' alone (or their layers' names) prunes those. The models dtp_kernels "
+                "prunes are listed in docs/pruning.md and the README's 'What it prunes'"
             ) from error
     try:
         yield graph

@@ -64,6 +64,12 @@ def config_fields(config, groups: list[tuple[str, object]], masks: list) -> dict
         if size is None:
             return None
         fields[mlp_field] = size
+    mixers = [int(m.sum()) for (kind, _), m in zip(groups, masks, strict=True) if kind == "mamba"]
+    if mixers:
+        found = _mamba_fields(config, groups, _uniform(mixers))
+        if found is None:
+            return None
+        fields |= found
     experts = [
         (g, int(m.sum())) for (kind, g), m in zip(groups, masks, strict=True) if kind == "experts"
     ]
@@ -75,6 +81,23 @@ def config_fields(config, groups: list[tuple[str, object]], masks: list) -> dict
             return None
         fields[field] = size
     return fields
+
+
+def _mamba_fields(config, groups: list[tuple[str, object]], kept: int | None) -> dict | None:
+    """The config field of the Mamba mixers' inner width: intermediate_size (Mamba,
+    FalconMamba), or the expansion over hidden_size (Jamba's mamba_expand) when the kept
+    width is a whole multiple of it; None when no field describes `kept`."""
+    width = next(g.size for kind, g in groups if kind == "mamba")
+    if kept is None:
+        return None
+    if getattr(config, "intermediate_size", None) == width:
+        return {"intermediate_size": kept}
+    hidden = getattr(config, "hidden_size", None)
+    for name in ("mamba_expand", "expand"):
+        expand = getattr(config, name, None)
+        if isinstance(expand, int) and isinstance(hidden, int) and expand * hidden == width:
+            return {name: kept // hidden} if kept % hidden == 0 else None
+    return None
 
 
 def _shapes(model: nn.Module) -> dict[str, tuple]:
@@ -97,7 +120,7 @@ def update_config(model: nn.Module, groups: list[tuple[str, object]], masks: lis
     """Write the exported sizes into `model.config` when a model built from it matches;
     whether the config describes the exported model (False without a config)."""
     config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "num_attention_heads"):
+    if config is None or not hasattr(config, "to_dict"):  # not a transformers config
         return False
     fields = config_fields(config, groups, masks)
     if fields == {} and _rebuilds(model, config):

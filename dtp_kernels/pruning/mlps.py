@@ -1,30 +1,27 @@
 """MLP modules found by their form, where Torch-Pruning's graph cannot follow the model.
 
 When the DependencyGraph fails on a model (DeepSeek-V3's build, DeepSeek-V2's latent
-key/value projection, Jamba's Mamba layers), the hidden neurons of its MLPs can still be
-pruned: an MLP module is recognised by its parameters alone, and proven on its own input.
+key/value projection), the hidden neurons of its MLPs can still be pruned: an MLP module
+is recognised by its parameters alone, and proven on its own input (proof.py).
 
 The form: every parameter of the module belongs to two or three of its own linear layers,
 the producers (one, or a gate and an up projection of the same shape) widening the input
 to a hidden width and the consumer (the down projection) reading that width back. The
 proof: on the input the example forward gave it, the module with the consumer's columns
 of half its neurons zeroed computes what the module with those neurons removed computes
-(the producers' rows and the consumer's columns cut). That is the pruner's invariant on
-this module; a module that mixes its hidden neurons (a norm or a softmax over them, a
-reshape) fails it and is not grouped. The mask goes on the consumer's columns, as for a
-gated MLP the graph finds: exact whatever the activation computes.
+(the producers' rows and the consumer's columns cut). The mask goes on the consumer's
+columns, as for a gated MLP the graph finds: exact whatever the activation computes.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from .groups import ChannelGroup, _without_cache, output_tensors
-from .precision import ieee_fp32
+from .groups import ChannelGroup
+from .proof import cuts_exactly, dropped, example_calls
 
 
 class FormMLPGroup(ChannelGroup):
@@ -93,33 +90,6 @@ def cut_hidden(
             setattr(module, name, len(keep))
 
 
-def _cuts_exactly(module: nn.Module, form: Form, args: tuple, kwargs: dict) -> bool:
-    """Whether `module` with half its hidden neurons removed computes, on this input, what
-    it computes with those neurons' consumer columns zeroed (copies; `module` unchanged)."""
-    producers, consumer = form
-    width = getattr(module, consumer).in_features
-    order = torch.randperm(width, generator=torch.Generator().manual_seed(0))
-    keep, drop = order[: width // 2].sort().values, order[width // 2 :]
-    masked, cut = copy.deepcopy(module).eval(), copy.deepcopy(module).eval()
-    with torch.no_grad(), ieee_fp32():  # TF32 would round the two apart
-        weight = getattr(masked, consumer).weight
-        weight[:, drop.to(weight.device)] = 0
-        cut_hidden(cut, [getattr(cut, p) for p in producers], getattr(cut, consumer), keep)
-        try:
-            want = output_tensors(masked(*args, **kwargs))
-            got = output_tensors(cut(*args, **kwargs))
-        except Exception:  # its code reads the old width, or the module is read another way
-            return False
-    if not want or len(got) != len(want):
-        return False
-    for g, w in zip(got, want, strict=True):
-        g, w = g.double(), w.double()
-        scale = max(1.0, float(w.abs().max())) if w.numel() else 1.0
-        if g.shape != w.shape or not torch.allclose(g, w, rtol=1e-4, atol=1e-5 * scale):
-            return False
-    return True
-
-
 def find_form_mlps(model: nn.Module, ignored: list[nn.Module], inputs: tuple) -> list[FormMLPGroup]:
     """The MLP modules of `model` in the form above that run on `inputs` and cut exactly,
     none of whose layers is in `ignored`, in model order."""
@@ -132,26 +102,12 @@ def find_form_mlps(model: nn.Module, ignored: list[nn.Module], inputs: tuple) ->
         and module not in ignored_set
         and not any(isinstance(m, nn.Linear) and m in ignored_set for m in module.children())
     }
-    seen: dict[nn.Module, tuple[tuple, dict]] = {}
-
-    def capture(module, args, kwargs):
-        seen.setdefault(module, (args, kwargs))
-
-    handles = [m.register_forward_pre_hook(capture, with_kwargs=True) for m in candidates]
-    was_training = model.training
-    try:
-        with torch.no_grad(), _without_cache(model):  # the proof runs each module again
-            model.eval()
-            model(*inputs)
-    finally:
-        model.train(was_training)
-        for handle in handles:
-            handle.remove()
+    calls = example_calls(model, list(candidates), inputs)
     groups = []
     for module, forms in candidates.items():
-        if module not in seen:  # never ran on the example: _warn_idle_layers names it
+        if module not in calls:  # never ran on the example: _warn_idle_layers names it
             continue
-        proven = next((f for f in forms if _cuts_exactly(module, f, *seen[module])), None)
+        proven = next((f for f in forms if _proven(module, f, calls[module])), None)
         if proven is None:
             continue
         producer_names, consumer_name = proven
@@ -169,6 +125,21 @@ def find_form_mlps(model: nn.Module, ignored: list[nn.Module], inputs: tuple) ->
             )
         )
     return groups
+
+
+def _proven(module: nn.Module, form: Form, call: tuple[tuple, dict]) -> bool:
+    """Whether `module`, read as `form`, cuts exactly on its example call (proof.py)."""
+    producers, consumer = form
+
+    def zero(copy: nn.Module, keep: torch.Tensor) -> None:
+        weight = getattr(copy, consumer).weight
+        weight[:, dropped(weight.shape[1], keep, weight.device)] = 0
+
+    def cut(copy: nn.Module, keep: torch.Tensor) -> None:
+        layers = [getattr(copy, p) for p in producers]
+        cut_hidden(copy, layers, getattr(copy, consumer), keep)
+
+    return cuts_exactly(module, call, getattr(module, consumer).in_features, zero, cut)
 
 
 def prune_form_mlp(

@@ -33,6 +33,7 @@ from .cost import COSTED, FlopsRatio
 from .experts import ExpertGroup, tied_units
 from .groups import out_width, output_tensors
 from .heads import HeadGroup
+from .mamba import MambaGroup
 from .masking import (
     FoldPlan,
     HardMasks,
@@ -245,6 +246,11 @@ class DTPPruner(ChannelPruner):
                 dim = 1 if group.layout.transposed else 2
                 scale = ScaleExperts(self._source, index, group.layout.experts, dim)
                 parametrize.register_parametrization(group.experts, "down_proj", scale)
+            return
+        if isinstance(group, MambaGroup):  # conv1d's rows: fused kernels read its weight
+            for name in ("weight", "bias") if group.rows.bias is not None else ("weight",):
+                scale = ScaleRows(self._source, index)
+                parametrize.register_parametrization(group.rows, name, scale)
             return
         if isinstance(group, HeadGroup):  # the output projection's columns, per unit
             scale = ScaleColumns(self._source, index, group.out.per_unit)
@@ -524,8 +530,8 @@ class DTPPruner(ChannelPruner):
         channels Torch-Pruning removed in coupled sets: fewer kept, equal outputs)."""
         modules = dict(pruned.named_modules())
         for group, mask in zip(self.groups, self.hard_masks(), strict=True):
-            if isinstance(group, (HeadGroup, ExpertGroup)):
-                continue  # prune_heads / prune_experts cut exactly the kept units
+            if isinstance(group, (HeadGroup, ExpertGroup, MambaGroup)):
+                continue  # prune_heads / prune_experts / prune_mamba cut the kept units
             width = out_width(modules[group.name])
             want = int(mask.sum()) * group.channels_per_unit * group.parts
             if width != want:

@@ -92,7 +92,7 @@ def check_ratio_syntax(ratios: object) -> None:
 
 # conv output channels; linear layers' output features; attention heads; residual widths;
 # the intermediate neurons of mixture-of-experts blocks' experts
-KINDS = ("channels", "mlp", "heads", "coupled", "experts")
+KINDS = ("channels", "mlp", "heads", "coupled", "experts", "mamba")
 
 
 def _key_for(name: str, ratios: Mapping, matched: dict, kind: str | None) -> str | None:
@@ -117,7 +117,7 @@ def resolve(
 
     A dict's keys are module names, fnmatch patterns over them ("layer3.*"), or a kind
     of group (KINDS: "channels": convolutions, "mlp": linear layers, "heads", "coupled",
-    "experts"); a name beats a pattern,
+    "experts", "mamba": Mamba mixers' inner channels); a name beats a pattern,
     a pattern beats a kind. `kinds` maps each group name to its kind."""
     if isinstance(ratios, (int, float)) and not isinstance(ratios, bool):
         ratio = check_ratio(ratios, "ratios")

@@ -15,7 +15,7 @@ from dtp_kernels.pruning import DTPPruner, L1Pruner
 from dtp_kernels.pruning.cost import ExpertMatmul, count_flops, trace_layers
 from dtp_kernels.pruning.experts import WIDTH_ATTRIBUTES, ExpertGroup, expert_layout
 from utils import LLAMA_VOCAB as VOCAB
-from utils import tiny_deepseek
+from utils import hard_masked_and_exported, randomised, tiny_deepseek
 
 transformers = pytest.importorskip("transformers")
 
@@ -128,25 +128,6 @@ FAMILIES = {
 
 def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if n.endswith(".experts")}
-
-
-def randomised(pruner: DTPPruner) -> DTPPruner:
-    """Scores away from their initial order, so the kept neurons differ per expert."""
-    with torch.no_grad():
-        pruner.scores.copy_(
-            torch.rand(pruner.scores.shape, generator=torch.Generator().manual_seed(3))
-        )
-    return pruner
-
-
-def hard_masked_and_exported(pruner: DTPPruner, model: nn.Module, inputs: tuple):
-    model.eval()
-    with torch.no_grad(), pruner.hard_masked():
-        want = model(*inputs).logits
-    exported = pruner.export().eval()
-    with torch.no_grad():
-        got = exported(*inputs).logits
-    return exported, got, want
 
 
 def intermediate(weight: torch.Tensor, transposed: bool, up: bool) -> torch.Tensor:

@@ -2,8 +2,8 @@
 the modules whose hidden neurons cut exactly are grouped (gated and plain, in any
 registration order), those that mix their neurons are not, the export equals the
 hard-masked model with exact counts, and on the models the graph fails on (DeepSeek-V3,
-DeepSeek-V2, Jamba; tiny configurations built here) heads, experts and MLPs prune
-together and the config describes the result."""
+DeepSeek-V2; tiny configurations built here) heads, experts and MLPs prune together and
+the config describes the result."""
 
 import pytest
 import torch
@@ -14,7 +14,7 @@ from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.cost import count_flops
 from dtp_kernels.pruning.mlps import FormMLPGroup
 from utils import LLAMA_VOCAB as VOCAB
-from utils import tiny_deepseek
+from utils import hard_masked_and_exported, randomised, tiny_deepseek
 
 
 class Gated(nn.Module):
@@ -111,14 +111,6 @@ def graph_fails(monkeypatch):
     monkeypatch.setattr(tp.DependencyGraph, "build_dependency", fail)
 
 
-def randomised(pruner: DTPPruner) -> DTPPruner:
-    with torch.no_grad():
-        pruner.scores.copy_(
-            torch.rand(pruner.scores.shape, generator=torch.Generator().manual_seed(3))
-        )
-    return pruner
-
-
 def test_mlps_that_cut_exactly_are_found_and_export_their_kept_neurons(graph_fails):
     """Without the graph, the gated MLP and the plain one (down projection registered
     first) are groups; the softmaxed, rolled, normed and scaled ones are not. The export equals
@@ -185,29 +177,6 @@ def tokens() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
 
 
-def tiny_jamba() -> nn.Module:
-    """Mamba, attention, Mamba, attention; dense MLPs and 4 experts alternating."""
-    config = transformers.JambaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=48,
-        num_experts=4,
-        num_experts_per_tok=2,
-        expert_layer_period=2,
-        expert_layer_offset=1,
-        attn_layer_period=2,
-        attn_layer_offset=1,
-        mamba_d_state=4,
-        mamba_dt_rank=4,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    return transformers.JambaForCausalLM(config)
-
-
 # builder -> (kinds in order, config fields after pruning half of each, where the first
 # dense MLP is)
 MODELS = {
@@ -223,16 +192,9 @@ MODELS = {
         {"intermediate_size": 32, "moe_intermediate_size": 8, "num_attention_heads": 2},
         "model.layers.0.mlp",
     ),
-    "jamba": (
-        tiny_jamba,
-        ["mlp", "heads", *["experts"] * 4, "mlp", "heads", *["experts"] * 4],
-        {"intermediate_size": 24, "num_attention_heads": 2, "num_key_value_heads": 1},
-        "model.layers.0.feed_forward",
-    ),
 }
 
 
-@pytest.mark.filterwarnings("ignore:.*were not called on example_inputs")  # Mamba's conv1d
 @pytest.mark.parametrize("name", MODELS)
 def test_heads_experts_and_mlps_prune_where_the_graph_fails(name, tmp_path):
     """On models Torch-Pruning's graph fails on, heads, experts and MLPs (dense and
@@ -246,12 +208,7 @@ def test_heads_experts_and_mlps_prune_where_the_graph_fails(name, tmp_path):
     assert [type(g).__name__ for g in pruner.groups] == [
         {"heads": "HeadGroup", "experts": "ExpertGroup", "mlp": "FormMLPGroup"}[k] for k in kinds
     ]
-    model.eval()
-    with torch.no_grad(), pruner.hard_masked():
-        want = model(*inputs).logits
-    exported = pruner.export().eval()
-    with torch.no_grad():
-        got = exported(*inputs).logits
+    exported, got, want = hard_masked_and_exported(pruner, model, inputs)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     params, flops = pruner.predicted_counts()
     assert params == sum(p.numel() for p in exported.parameters())

@@ -1,0 +1,82 @@
+"""Whether removing units from a module computes what masking them does, shown on the
+input the example forward gave the module.
+
+Groups found by a module's form rather than by Torch-Pruning's graph (MLP modules where
+the graph fails, Mamba mixers) are kept only when this holds: half the units, drawn at
+random, are zeroed the way the hard mask zeroes them in one copy of the module and cut
+the way export cuts them in another, and both copies run on the module's example input.
+A module that mixes its units (a norm or a softmax over them, a shift) fails and is not
+grouped; `export()` checks the whole model again.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .groups import _without_cache, output_tensors
+from .precision import ieee_fp32
+
+# what a proof does to a copy of the module: zero (or cut) every unit but `keep`
+Edit = Callable[[nn.Module, torch.Tensor], None]
+
+
+def example_calls(
+    model: nn.Module, modules: list[nn.Module], inputs: tuple
+) -> dict[nn.Module, tuple[tuple, dict]]:
+    """The (args, kwargs) of each of `modules`' first call in one eval forward of
+    `model` on `inputs`, without key/value caches (the proof runs each module again);
+    a module the forward does not call is absent."""
+    seen: dict[nn.Module, tuple[tuple, dict]] = {}
+
+    def capture(module, args, kwargs):
+        seen.setdefault(module, (args, kwargs))
+
+    handles = [m.register_forward_pre_hook(capture, with_kwargs=True) for m in modules]
+    was_training = model.training
+    try:
+        with torch.no_grad(), _without_cache(model):
+            model.eval()
+            model(*inputs)
+    finally:
+        model.train(was_training)
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def cuts_exactly(
+    module: nn.Module, call: tuple[tuple, dict], units: int, zero: Edit, cut: Edit
+) -> bool:
+    """Whether `module` with all but a random half of its `units` cut (`cut`) computes,
+    on the example call, what it computes with them zeroed (`zero`); copies only."""
+    order = torch.randperm(units, generator=torch.Generator().manual_seed(0))
+    keep = order[: units // 2].sort().values
+    masked, smaller = copy.deepcopy(module).eval(), copy.deepcopy(module).eval()
+    args, kwargs = call
+    with torch.no_grad(), ieee_fp32():  # TF32 would round the two apart
+        zero(masked, keep)
+        cut(smaller, keep)
+        try:
+            want = output_tensors(masked(*args, **kwargs))
+            got = output_tensors(smaller(*args, **kwargs))
+        except Exception:  # its code reads the old width, or the units are not these
+            return False
+    if not want or len(got) != len(want):
+        return False
+    for g, w in zip(got, want, strict=True):
+        g, w = g.double(), w.double()
+        scale = max(1.0, float(w.abs().max())) if w.numel() else 1.0
+        if g.shape != w.shape or not torch.allclose(g, w, rtol=1e-4, atol=1e-5 * scale):
+            return False
+    return True
+
+
+def dropped(width: int, keep: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The indices of [0, width) not in `keep`, on `device`."""
+    mask = torch.ones(width, dtype=torch.bool)
+    mask[keep] = False
+    return mask.nonzero().flatten().to(device)
