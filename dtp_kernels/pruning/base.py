@@ -215,6 +215,9 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         experts = find_expert_groups(model, ignored)
         mixers = find_mamba_groups(model, ignored, inputs)
         projections = [layer for g in heads + mixers for layer in (*g.kept_out, *g.kept_in)]
+        # a linear layer computing one output per head (a table cut with the heads: Swin
+        # V2's bias MLP, Laguna's gate per head) is no group root of its own
+        projections += [o for g in heads for o, _, _ in g.tables if isinstance(o, nn.Linear)]
         try:
             with traced_graph(model, inputs) as graph:
                 channels = find_groups(model, graph, ignored + projections, self.prune_coupled)

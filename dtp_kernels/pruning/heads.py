@@ -56,6 +56,7 @@ from torch import nn
 
 from .cost import run_hooked
 from .groups import is_norm
+from .proof import cuts_exactly, dropped, example_calls
 
 
 @dataclass
@@ -576,7 +577,63 @@ def find_head_groups(
     outside = _biases_from_outside(model, inputs, [g for g in groups if not g.refusal])
     for group in groups:
         group.refusal = group.refusal or outside.get(group.module, "")
+    if inputs:
+        _prove(model, [g for g in groups if not g.refusal], inputs)
     return groups
+
+
+def _proof_scope(group: HeadGroup, model: nn.Module) -> nn.Module | None:
+    """The module a proof of `group` runs: its attention layer, or the block holding it
+    when a table or the output projection lies beside it (BERT's output.dense, BEiT's
+    bias table); None where no proof is made: torch's MultiheadAttention (replaced at
+    export), a head count read from the shared config (Phi-3), a table further out, or a
+    single unit."""
+    if isinstance(group.module, nn.MultiheadAttention) or group.heads_from_config:
+        return None
+    if group.units < 2:
+        return None
+    needed = {group.out.layer, *(p.layer for p in group.rows), *(o for o, _, _ in group.tables)}
+    names = {m: n for n, m in model.named_modules()}
+    name = names[group.module]
+    for scope_name in (name, name.rpartition(".")[0]):
+        scope = model.get_submodule(scope_name)
+        if needed <= set(scope.modules()):
+            return scope if scope is not model else None
+    return None
+
+
+def _prove(model: nn.Module, groups: list[HeadGroup], inputs: tuple) -> None:
+    """Refuse each group whose attention layer, with half its units removed as export
+    removes them, does not compute on its example input what it computes with their
+    output columns zeroed as the hard mask zeroes them (proof.py): a head form the
+    layer's code does not follow (a differential attention pairing its heads, a
+    projection of the heads' width the forms do not know)."""
+    scopes = [(g, s) for g in groups if (s := _proof_scope(g, model)) is not None]
+    calls = example_calls(model, list({id(s): s for _, s in scopes}.values()), inputs)
+    for group, scope in scopes:
+        if scope not in calls:
+            continue  # never ran on the example: export's check still runs
+        names = {m: n for n, m in scope.named_modules()}
+
+        def zero(copy: nn.Module, keep: torch.Tensor, group=group, names=names) -> None:
+            out = copy.get_submodule(names[group.out.layer])
+            units = dropped(group.units, keep, torch.device("cpu"))
+            columns = group.out.kept(group.units, units).to(out.weight.device)
+            out.weight[:, columns] = 0
+
+        def cut(copy: nn.Module, keep: torch.Tensor, group=group, names=names) -> None:
+            mask = torch.zeros(group.units)
+            mask[keep] = 1
+            prune_heads(group, dict(copy.named_modules()), names, mask)
+
+        if not cuts_exactly(scope, calls[scope], group.units, zero, cut, first_output=True):
+            group.refusal = (
+                "with some of its heads removed it does not compute what it computes with "
+                "them masked, on the example inputs: its code treats its heads in a way "
+                "the head forms do not know (a differential attention pairing them, a "
+                "projection of their width, a reshape to the model width, a table of "
+                "them shared by all layers)"
+            )
 
 
 # an attention layer's linear layer of the query width that gates the attention output
@@ -732,6 +789,8 @@ def prune_heads(
         table = getattr(target, name).detach()
         kept_entries = table.index_select(dim, query_heads.to(table.device)).clone()
         setattr(target, name, nn.Parameter(kept_entries))
+        if isinstance(target, nn.Linear) and name == "weight":  # one output per head
+            target.out_features = len(query_heads)
     if isinstance(group.module, nn.MultiheadAttention):  # replaced: its width is fixed
         parent, _, attr = names[group.module].rpartition(".")
         source = copy[names[group.module]]

@@ -243,6 +243,49 @@ def test_heads_export_with_exact_counts_equal_to_the_hard_masked_model(family, t
             torch.testing.assert_close(logits(loaded(*inputs)), logits(exported(*inputs)))
 
 
+@pytest.mark.parametrize("family", ["DiffLlama", "Doge"])
+def test_heads_the_layer_code_treats_otherwise_fail_their_proof_by_name(family):
+    """Attention layers in a recognised form whose code treats the heads otherwise
+    (DiffLlama pairs them for its differential attention; Doge computes a mask per head
+    from the values through a projection of their width): with half the heads removed
+    the layer does not compute what it computes with them masked on its example input,
+    so the heads are refused by name when the pruner is made, not at export; their
+    MLPs prune."""
+    model, inputs = decoder(family, num_key_value_heads=2, head_dim=8)
+    with pytest.raises(ValueError, match=r"layer 'model.layers.0.self_attn': with some of"):
+        DTPPruner(model, inputs, {"heads": 0.5})
+    assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
+    export_checked(DTPPruner(model, inputs, {"mlp": 0.5}), model, inputs)
+
+
+def test_a_linear_layer_of_one_output_per_head_is_cut_with_the_heads(monkeypatch):
+    """Laguna gates each head's output by a linear layer of one output per head
+    (`g_proj`), a table cut with the heads. It is no group root of its own: Torch-Pruning's
+    search from it does not end (bounded here to 5 s), and a float ratio prunes heads,
+    experts and MLPs together, exported equal to the hard-masked model."""
+    from dtp_kernels.pruning import groups
+
+    monkeypatch.setattr(groups, "GROUP_SEARCH_SECONDS", 5.0)
+    torch.manual_seed(0)
+    model, inputs = decoder(
+        "Laguna",
+        num_key_value_heads=2,
+        head_dim=8,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    pruner = DTPPruner(model, inputs, 0.5)
+    attention = model.model.layers[0].self_attn
+    heads = [g for g in pruner.groups if isinstance(g, HeadGroup)]
+    assert (attention.g_proj, "weight", 0) in heads[0].tables
+    assert {type(g).__name__ for g in pruner.groups} == {"HeadGroup", "ExpertGroup", "ChannelGroup"}
+    with torch.no_grad():
+        pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
+    exported = export_checked(pruner, model, inputs)
+    assert exported.model.layers[0].self_attn.g_proj.out_features == 2
+
+
 def test_an_unknown_linear_layer_of_the_query_width_refuses_the_heads():
     """A linear layer of the attention layer computing the query width from its input,
     other than the projections and an output gate, is of a form the pruner does not know:
@@ -640,16 +683,15 @@ def test_a_parameter_mixing_heads_with_heads_is_refused_by_name():
         DTPPruner(model, (torch.randn(2, 5, 32),), {"heads": 0.5})
 
 
-def test_a_table_all_layers_share_fails_export_by_name():
+def test_a_table_all_layers_share_refuses_the_heads_by_name():
     """BEiT's shared relative position bias lives outside every attention layer and their
-    blocks: export cannot cut it for each layer's heads, and says so instead of returning
-    a model that fails."""
-    from dtp_kernels.pruning import ExportMismatchError
-
+    blocks: export could not cut it for each layer's heads. The proof on each layer's
+    example input shows removing heads differs from masking them, so the heads are
+    refused by name when the pruner is made, before any mask."""
     model, inputs = beit(shared=True)
-    pruner = DTPPruner(model, inputs, {"heads": 0.5})
-    with pytest.raises(ExportMismatchError, match=r"fails on the example inputs"):
-        pruner.export()
+    with pytest.raises(ValueError, match=r"layer 'beit.layers.0.attention': with some"):
+        DTPPruner(model, inputs, {"heads": 0.5})
+    assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
 
 
 def test_mlp_width_under_each_family_config_field_round_trips(tmp_path):

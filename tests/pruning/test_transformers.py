@@ -175,6 +175,26 @@ def test_hugging_face_vit_heads_and_mlp_round_trip(tmp_path):
         torch.testing.assert_close(loaded(x).logits, exported(x).logits)
 
 
+def test_a_proof_runs_over_the_block_holding_the_output_projection():
+    """BERT's output projection lies beside its self-attention, in the block holding
+    both: the proof runs there. A BERT whose output shifts the heads' features by one
+    before that projection is refused by name when the pruner is made."""
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4
+    )
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config)
+    output = model.bert.encoder.layer[0].attention.output
+
+    def shifted(hidden_states, input_tensor):
+        hidden = output.dense(hidden_states.roll(1, dims=-1))
+        return output.LayerNorm(output.dropout(hidden) + input_tensor)
+
+    output.forward = shifted
+    with pytest.raises(ValueError, match=r"'bert.encoder.layer.0.attention.self': with some"):
+        DTPPruner(model, (tokens(),), {"heads": 0.5})
+
+
 def test_bert_heads_export_and_a_config_that_cannot_say_so_is_kept():
     """BERT derives its head size from hidden_size / heads, so no config describes fewer
     heads of the same size: the model is exported right and the config left unchanged,

@@ -248,10 +248,9 @@ def test_a_split_the_graph_does_not_couple_and_a_reshape_to_the_model_width_are_
     """timm's EVA: its GluMlp chunks fc1 into value and gate, which Torch-Pruning follows
     here without coupling channel i with its pair, so its export would cut fc2's inputs at
     the wrong indices: the MLP is left whole. Its attention reshapes the heads' output
-    to the embedding width, so export of fewer heads fails, and says so by name."""
+    to the embedding width, so fewer heads fail its proof (proof.py) and are refused by
+    name when the pruner is made."""
     from timm.models.eva import Eva
-
-    from dtp_kernels.pruning import ExportMismatchError
 
     torch.manual_seed(0)
     model = Eva(
@@ -267,10 +266,8 @@ def test_a_split_the_graph_does_not_couple_and_a_reshape_to_the_model_width_are_
     x = torch.randn(1, 3, 16, 16)
     with pytest.raises(ValueError, match=r"no group of that kind \(its groups' kinds: \['heads'\]"):
         DTPPruner(model, x, {"mlp": 0.5})
-    pruner = DTPPruner(model, x, {"heads": 0.5})
-    assert [g.name for g in pruner.groups] == ["blocks.0.attn"]
-    with pytest.raises(ExportMismatchError, match=r"fails on the example inputs"):
-        pruner.export()
+    with pytest.raises(ValueError, match=r"layer 'blocks.0.attn': with some of its heads"):
+        DTPPruner(model, x, {"heads": 0.5})
 
 
 class _Ghost(torch.nn.Module):
