@@ -31,7 +31,7 @@ from .experts import (
     run_misaligned_experts,
 )
 from .groups import ChannelGraphError, find_groups, out_channel_handler, traced_graph
-from .heads import HeadGroup, find_head_groups, prune_heads
+from .heads import HeadGroup, find_head_groups, prove_head_groups, prune_heads
 from .hf_config import update_config
 from .mamba import MambaGroup, find_mamba_groups, prune_mamba
 from .mlps import FormMLPGroup, find_form_mlps, prune_form_mlp
@@ -179,6 +179,9 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                 "changes the rest; leave these layers whole with ignored_layers=[...] or a "
                 "ratio of 0 for them"
             )
+        # the heads to prune are proven on the example (a copy of each attention layer)
+        heads = [g for g in self.groups if isinstance(g, HeadGroup) and not g.refusal]
+        prove_head_groups(model, heads, inputs)
         refused = [g for g in self.groups if getattr(g, "refusal", "")]
         if refused:
             details = "; ".join(f"layer {g.name!r}: {g.refusal}" for g in refused)

@@ -577,8 +577,6 @@ def find_head_groups(
     outside = _biases_from_outside(model, inputs, [g for g in groups if not g.refusal])
     for group in groups:
         group.refusal = group.refusal or outside.get(group.module, "")
-    if inputs:
-        _prove(model, [g for g in groups if not g.refusal], inputs)
     return groups
 
 
@@ -602,12 +600,12 @@ def _proof_scope(group: HeadGroup, model: nn.Module) -> nn.Module | None:
     return None
 
 
-def _prove(model: nn.Module, groups: list[HeadGroup], inputs: tuple) -> None:
-    """Refuse each group whose attention layer, with half its units removed as export
-    removes them, does not compute on its example input what it computes with their
-    output columns zeroed as the hard mask zeroes them (proof.py): a head form the
-    layer's code does not follow (a differential attention pairing its heads, a
-    projection of the heads' width the forms do not know)."""
+def prove_head_groups(model: nn.Module, groups: list[HeadGroup], inputs: tuple) -> None:
+    """Refuse each of `groups` (the heads to prune) whose attention layer, with half its
+    units removed as export removes them, does not compute on its example input what it
+    computes with their output columns zeroed as the hard mask zeroes them (proof.py):
+    a head form the layer's code does not follow (a differential attention pairing its
+    heads, a projection of the heads' width the forms do not know)."""
     scopes = [(g, s) for g in groups if (s := _proof_scope(g, model)) is not None]
     calls = example_calls(model, list({id(s): s for _, s in scopes}.values()), inputs)
     for group, scope in scopes:
