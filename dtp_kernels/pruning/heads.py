@@ -43,7 +43,9 @@ attention; one query head per unit without it); in multi-query attention, one ke
 head for all, the unit is a query head and the key and value stay whole. Removing a
 unit removes its query, key and value rows and the output projection's input columns of
 its query heads; the heads left attend exactly as before, so masking those output
-columns per unit is exactly what removing the unit does.
+columns per unit is exactly what removing the unit does. Every head group asked to be
+pruned is proven so on its example input before any mask (:func:`prove_head_groups`,
+proof.py), and refused by name when its layer's code treats the heads otherwise.
 """
 
 from __future__ import annotations
@@ -724,9 +726,8 @@ def _per_head_tables(
     holding it and its direct children that hold no linear layer (BEiT's bias table; not
     an MLP or a mixture of experts, whose per-expert biases may have as many entries as
     there are heads: AFMoE's; not deeper, where experts keep their raw weights). A
-    parameter with several such dimensions
-    (heads mixed with heads) makes the second item say why the heads cannot be pruned
-    ("" when they can)."""
+    parameter with several such dimensions (heads mixed with heads) makes the second
+    item say why the heads cannot be pruned ("" when they can)."""
     heads = group.units * group.query_heads_per_unit
     projections = {*group.kept_out, group.layer}
     candidates = []  # (owner, owner's name, parameter name, tensor)

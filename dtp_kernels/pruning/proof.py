@@ -31,6 +31,8 @@ def example_calls(
     `model` on `inputs`, without key/value caches (the proof runs each module again);
     a module the forward does not call is absent."""
     seen: dict[nn.Module, tuple[tuple, dict]] = {}
+    if not modules:  # no forward for nothing
+        return seen
 
     def capture(module, args, kwargs):
         seen.setdefault(module, (args, kwargs))
