@@ -144,6 +144,17 @@ def test_mlps_that_cut_exactly_are_found_and_export_their_kept_neurons(graph_fai
     assert flops == count_flops(exported, (x,)) < pruner.report()["flops_before"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_proof_tells_the_same_modules_apart_in_half_precision(graph_fails, dtype):
+    """A model held in half precision (as LLMs are loaded): its outputs round to the
+    dtype, and the proof allows the dtype's rounding, so the same MLPs are found and the
+    same mixing ones are not."""
+    torch.manual_seed(0)
+    model = Blocks().to(dtype)
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1)).to(dtype)
+    assert [g.name for g in DTPPruner(model, x, {"mlp": 0.5}).groups] == FOUND
+
+
 def test_form_mlps_train_through_the_consumers_columns(graph_fails):
     """The soft mask scales the consumer's columns: a loss reaches every group's scores."""
     torch.manual_seed(0)
