@@ -557,17 +557,23 @@ def find_head_groups(
     for name, module in model.named_modules():
         if module in ignored:
             continue
-        group = (
-            _separate(name, module)
-            or _fused(name, module)
-            or _per_head_fused(name, module)
-            or _phi3(name, module)
-            or _gpt2(name, module)
-            or _bert(name, module)
-            or _latent(name, module)
-            or _torch_mha(name, module)
-        )
+        try:
+            group = (
+                _separate(name, module)
+                or _fused(name, module)
+                or _per_head_fused(name, module)
+                or _phi3(name, module)
+                or _gpt2(name, module)
+                or _bert(name, module)
+                or _latent(name, module)
+                or _torch_mha(name, module)
+            )
+        except ValueError as error:  # the form's names, but not its shapes
+            group = _unsplit(name, module, str(error))
         if group is None or any(layer in ignored for layer in [*group.kept_out, group.layer]):
+            continue
+        if group.refusal:  # not split into heads: refused when asked for, nothing to find
+            groups.append(group)
             continue
         if not group.latent:  # a latent's norms act before the heads' own projections
             group.norms = _norms_over_all_heads(group.module, group.head_dim)
@@ -580,6 +586,19 @@ def find_head_groups(
     for group in groups:
         group.refusal = group.refusal or outside.get(group.module, "")
     return groups
+
+
+def _unsplit(name: str, module: nn.Module, why: str) -> HeadGroup | None:
+    """A refused group for an attention layer with a form's names whose shapes do not
+    split into its heads (a value head size other than the query's: MiMo-V2-Flash's):
+    refused by name when its heads are asked for, so a ratio for the MLPs alone still
+    prunes the model. None (the error raised) when the layer has no linear layer."""
+    linears = [m for m in module.children() if isinstance(m, nn.Linear)]
+    if not linears:
+        raise ValueError(why)
+    out = Projection(linears[-1], 1, 1)  # its output projection: never cut
+    reason = why.split(": ", 1)[-1].split("; leave ", 1)[0]  # the refusal gives the advice
+    return HeadGroup(name, module, [], out, 1, 1, 1, refusal=reason)
 
 
 def _proof_scope(group: HeadGroup, model: nn.Module) -> nn.Module | None:

@@ -286,6 +286,20 @@ def test_a_linear_layer_of_one_output_per_head_is_cut_with_the_heads(monkeypatch
     assert exported.model.layers[0].self_attn.g_proj.out_features == 2
 
 
+def test_an_attention_layer_that_does_not_split_into_heads_leaves_the_mlps_prunable():
+    """MiMo-V2-Flash's value heads are wider than its query heads, so its projections do
+    not split into heads of `head_dim`: asking for its heads (a float asks for them too)
+    is refused by name with the shapes, and a ratio for the MLPs alone still prunes and
+    exports exactly."""
+    model, inputs = decoder("MiMoV2Flash", num_key_value_heads=2, head_dim=8)
+    for ratios in ({"heads": 0.5}, 0.5):
+        with pytest.raises(ValueError, match=r"'model.layers.0.self_attn': q_proj \(32\), k_proj"):
+            DTPPruner(model, inputs, ratios)
+    pruner = DTPPruner(model, inputs, {"mlp": 0.5})
+    assert [g.name for g in pruner.groups] == ["model.layers.0.mlp.gate_proj"]
+    export_checked(pruner, model, inputs)
+
+
 def test_an_unknown_linear_layer_of_the_query_width_refuses_the_heads():
     """A linear layer of the attention layer computing the query width from its input,
     other than the projections and an output gate, is of a form the pruner does not know:

@@ -156,7 +156,7 @@ class OddAttention(torch.nn.Module):
 
 def test_heads_that_do_not_split_are_refused_by_name():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), OddAttention())
-    with pytest.raises(ValueError, match=r"attention layer '1'.*head_dim 5"):
+    with pytest.raises(ValueError, match=r"layer '1': q_proj.*head_dim 5"):
         DTPPruner(model, (torch.randn(2, 8),), {"heads": 0.5})
 
 

@@ -160,7 +160,7 @@ def test_a_norm_over_all_heads_is_refused_by_name():
         img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=4, num_classes=5
     )
     model.blocks[0].attn.norm = torch.nn.LayerNorm(32)
-    with pytest.raises(ValueError, match=r"attention layer 'blocks.0.attn': its norm"):
+    with pytest.raises(ValueError, match=r"layer 'blocks.0.attn': its norm"):
         DTPPruner(model, (torch.randn(1, 3, 16, 16),), {"heads": 0.5})
 
 
