@@ -224,7 +224,7 @@ def _traced_outputs(output) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def _without_cache(model: nn.Module) -> Iterator[None]:
+def without_cache(model: nn.Module) -> Iterator[None]:
     """The Hugging Face models in `model` run without their key/value cache within the
     block: the cache serves generation, and Torch-Pruning cannot follow the
     concatenations into it (GPT-2's) or never ends its search through them (Phi-3's)."""
@@ -258,7 +258,7 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
     checks that none is left.
     """
     # the graph is traced through autograd: also when called under torch.no_grad()
-    with torch.enable_grad(), warnings.catch_warnings(), _without_cache(model):
+    with torch.enable_grad(), warnings.catch_warnings(), without_cache(model):
         # norms that are not nn.LayerNorm (RMSNorm) are "unwrapped parameters" to it;
         # groups through them are refused or left alone here, never pruned
         warnings.filterwarnings("ignore", message="Unwrapped parameters detected")

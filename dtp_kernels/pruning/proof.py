@@ -2,11 +2,12 @@
 input the example forward gave the module.
 
 Groups found by a module's form rather than by Torch-Pruning's graph (MLP modules where
-the graph fails, Mamba mixers) are kept only when this holds: half the units, drawn at
-random, are zeroed the way the hard mask zeroes them in one copy of the module and cut
-the way export cuts them in another, and both copies run on the module's example input.
-A module that mixes its units (a norm or a softmax over them, a shift) fails and is not
-grouped; `export()` checks the whole model again.
+the graph fails, Mamba mixers, the attention heads asked to be pruned) are kept only
+when this holds: half the units, drawn at random, are zeroed the way the hard mask
+zeroes them in one copy of the module and cut the way export cuts them in another, and
+both copies run on the module's example input. A module that mixes its units (a norm or
+a softmax over them, a shift) fails and is not grouped (heads: refused by name);
+`export()` checks the whole model again.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .groups import _without_cache, output_tensors
+from .groups import output_tensors, without_cache
 from .precision import ieee_fp32
 
 # what a proof does to a copy of the module: zero (or cut) every unit but `keep`
@@ -45,7 +46,7 @@ def example_calls(
     handles = [m.register_forward_pre_hook(capture, with_kwargs=True) for m in modules]
     was_training = model.training
     try:
-        with torch.no_grad(), _without_cache(model):
+        with torch.no_grad(), without_cache(model):
             model.eval()
             model(*inputs)
     finally:
