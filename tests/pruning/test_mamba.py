@@ -208,3 +208,24 @@ def test_a_mixer_is_grouped_only_when_its_channels_cut_exactly(rolled):
     with torch.no_grad():
         torch.testing.assert_close(exported(x), want, rtol=1e-5, atol=1e-6)
     assert exported.conv1d.weight.shape == (6, 1, 3)
+
+
+@pytest.mark.cuda
+def test_jamba_trains_and_exports_on_the_gpu():
+    """On a GPU: a bf16-autocast training step of Jamba reaches every mixer's scores with
+    finite gradients, and the fp32 export (IEEE matmuls) equals the hard-masked model."""
+    model, inputs = tiny_jamba().cuda(), (tokens().cuda(),)
+    pruner = randomised(DTPPruner(model, inputs, 0.5))
+    model.train()
+    with torch.autocast("cuda", torch.bfloat16):
+        loss = model(*inputs, labels=inputs[0]).loss
+    loss.backward()
+    grads = pruner.scores.grad.split(pruner.sizes)
+    mixers = [
+        g for g, group in zip(grads, pruner.groups, strict=True) if isinstance(group, MambaGroup)
+    ]
+    assert len(mixers) == 2
+    assert all(torch.isfinite(g).all() and (g != 0).any() for g in mixers)
+    exported, got, want = hard_masked_and_exported(pruner, model, inputs)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert exported.model.layers[0].mamba.conv1d.weight.is_cuda
