@@ -227,6 +227,41 @@ def markdown(sweep: Sweep, rows: list[dict], env: dict) -> str:
     return "\n".join(lines) + "\n" + note
 
 
+def training_step_cases(
+    base: torch.nn.Module,
+    loss: Callable[[torch.nn.Module], torch.Tensor],
+    example_inputs: tuple,
+    ratios: dict,
+    amp: torch.dtype | None,
+) -> dict:
+    """A training-step benchmark's cases: SGD steps of a copy of `base` (forward under
+    autocast to `amp` when set, `loss(model)`, backward, optimizer step) without masks
+    ("dense") and with DTP's masks at `ratios` made by `prepare` ("dtp")."""
+    import copy
+
+    from dtp_kernels import prepare
+
+    device_type = next(base.parameters()).device.type
+
+    def case(pruned: bool) -> Callable[[], None]:
+        model = copy.deepcopy(base)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        if pruned:
+            prepare(model, optimizer, example_inputs, ratios)
+        model.train()
+
+        def step() -> None:
+            with torch.autocast(device_type, amp, enabled=amp is not None):
+                value = loss(model)
+            optimizer.zero_grad(set_to_none=True)
+            value.backward()
+            optimizer.step()  # DTP's commit runs as the optimizer's step hook
+
+        return step
+
+    return {("dense", "train"): (case(False), 1), ("dtp", "train"): (case(True), 1)}
+
+
 def step_overhead_main(
     doc: str, sweep: Callable[[torch.device], Sweep], name: str, rounds: int
 ) -> None:

@@ -16,7 +16,6 @@ writes benchmarks/results/moe_step_<device>.md and appends to moe_step.csv.
 
 from __future__ import annotations
 
-import copy
 import sys
 from pathlib import Path
 
@@ -25,9 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _harness import Sweep, step_overhead_main
-
-from dtp_kernels import prepare
+from _harness import Sweep, step_overhead_main, training_step_cases
 
 SIZES = {
     "cpu": dict(hidden=256, heads=8, kv=4, layers=2, width=512, batch=4, tokens=64, amp=None),
@@ -58,23 +55,13 @@ def setup(point: dict, device: torch.device) -> dict:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (point["batch"], point["tokens"]), generator=gen).to(device)
 
-    def case(pruned: bool):
-        model = copy.deepcopy(base)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        if pruned:
-            prepare(model, optimizer, (ids[:1],), {"heads": 0.5, "experts": 0.5})
-        model.train()
-
-        def step() -> None:
-            with torch.autocast(device.type, point["amp"], enabled=point["amp"] is not None):
-                loss = model(ids, labels=ids).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()  # DTP's commit runs as the optimizer's step hook
-
-        return step
-
-    return {("dense", "train"): (case(False), 1), ("dtp", "train"): (case(True), 1)}
+    return training_step_cases(
+        base,
+        lambda model: model(ids, labels=ids).loss,
+        (ids[:1],),
+        {"heads": 0.5, "experts": 0.5},
+        point["amp"],
+    )
 
 
 def sweep(device: torch.device) -> Sweep:

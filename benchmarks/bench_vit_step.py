@@ -14,7 +14,6 @@ benchmarks/results/vit_step_<device>.md and appends to vit_step.csv.
 
 from __future__ import annotations
 
-import copy
 import sys
 from pathlib import Path
 
@@ -23,9 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _harness import Sweep, step_overhead_main
-
-from dtp_kernels import prepare
+from _harness import Sweep, step_overhead_main, training_step_cases
 
 POINTS = {
     "cpu": dict(embed=192, heads=4, depth=4, image=32, patch=4, batch=32, amp=None),
@@ -50,23 +47,13 @@ def setup(point: dict, device: torch.device) -> dict:
     labels = torch.randint(0, 10, (point["batch"],), generator=gen)
     images, labels = images.to(device), labels.to(device)
 
-    def case(pruned: bool):
-        model = copy.deepcopy(base)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        if pruned:
-            prepare(model, optimizer, (images[:1],), {"heads": 0.5, "mlp": 0.5})
-        model.train()
-
-        def step() -> None:
-            with torch.autocast(device.type, point["amp"], enabled=point["amp"] is not None):
-                loss = torch.nn.functional.cross_entropy(model(images), labels)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()  # DTP's commit runs as the optimizer's step hook
-
-        return step
-
-    return {("dense", "train"): (case(False), 1), ("dtp", "train"): (case(True), 1)}
+    return training_step_cases(
+        base,
+        lambda model: torch.nn.functional.cross_entropy(model(images), labels),
+        (images[:1],),
+        {"heads": 0.5, "mlp": 0.5},
+        point["amp"],
+    )
 
 
 def sweep(device: torch.device) -> Sweep:
