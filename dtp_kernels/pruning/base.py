@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from . import masking
 from . import ratios as ratio_rules
 from .conv1d import is_conv1d
 from .cost import COSTED, PER_CHANNEL_AFFINE, count_params, flops_after, params_after, trace_layers
@@ -35,11 +36,21 @@ from .heads import HeadGroup, find_head_groups, prove_head_groups, prune_heads
 from .hf_config import update_config
 from .mamba import MambaGroup, find_mamba_groups, prune_mamba
 from .mlps import FormMLPGroup, find_form_mlps, prune_form_mlp
+from .whole_experts import (
+    MaskedRouting,
+    WholeExpertsGroup,
+    check_whole_expert_ratios,
+    find_whole_expert_groups,
+    prune_whole_experts,
+    set_model_counts,
+)
 
 
 def _kind(group) -> str:
-    """The group's kind for ratio dicts: "heads", "experts", "mamba", "coupled", "mlp",
-    "channels"."""
+    """The group's kind for ratio dicts: "heads", "experts", "whole_experts", "mamba",
+    "coupled", "mlp", "channels"."""
+    if isinstance(group, WholeExpertsGroup):
+        return "whole_experts"
     if isinstance(group, HeadGroup):
         return "heads"
     if isinstance(group, MambaGroup):
@@ -52,13 +63,13 @@ def _kind(group) -> str:
 
 
 # the kinds of group found without Torch-Pruning's graph (MLPs: where it fails, by form)
-GRAPHLESS_KINDS = ("heads", "experts", "mamba", "mlp")
+GRAPHLESS_KINDS = ("heads", "experts", "whole_experts", "mamba", "mlp")
 
 
 def _without_graph(ratios, groups: list) -> bool:
     """Whether `ratios` asks only for what is found without Torch-Pruning's graph (a dict
-    whose every key is "heads", "experts", "mamba", "mlp" or names some of `groups`, the
-    model's heads, experts, Mamba mixers and MLP modules found by their form)."""
+    whose every key is one of GRAPHLESS_KINDS or names some of `groups`, the model's
+    heads, experts, Mamba mixers and MLP modules found by their form)."""
     if not isinstance(ratios, Mapping):
         return False
     names = [g.name for g in groups]
@@ -95,6 +106,18 @@ class ExportMismatchError(ValueError):
     """export() produced a model that does not compute what the hard-masked one does."""
 
 
+def _carries_masks(module: nn.Module) -> bool:
+    """Whether a pruner's masks are on `module` (a parametrization of masking.py, a
+    router's masked forward)."""
+    if isinstance(vars(module).get("forward"), MaskedRouting):
+        return True
+    return parametrize.is_parametrized(module) and any(
+        type(p).__module__ == masking.__name__
+        for plist in module.parametrizations.values()
+        for p in plist
+    )
+
+
 def _as_tuple(example_inputs) -> tuple:
     return example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
 
@@ -127,6 +150,12 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                 f"({conv1d[0]!r} and {len(conv1d) - 1} more), which the pruner does not mask "
                 "or export; convert them with dtp_kernels.conv1d_to_linear(model) first, "
                 "before making the optimizer (the layers get new parameters)"
+            )
+        masked = [name for name, module in model.named_modules() if _carries_masks(module)]
+        if masked:
+            raise ValueError(
+                f"the model already carries a pruner's masks ({masked[0]!r} and "
+                f"{len(masked) - 1} more layers): call remove() on that pruner first"
             )
         inputs = _as_tuple(example_inputs)
         was_training = model.training
@@ -163,6 +192,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         )
         experts = [g for g in all_groups if isinstance(g, ExpertGroup)]
         check_expert_ratios(experts, per_group, budget)
+        check_whole_expert_ratios(all_groups, per_group, budget)
         self.groups = [g for g in all_groups if per_group[g.name] > 0]
         refused = [g for g in self.groups if g.norms]
         if refused:
@@ -184,10 +214,11 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         prove_head_groups(model, heads, inputs)
         refused = [g for g in self.groups if getattr(g, "refusal", "")]
         if refused:
-            details = "; ".join(f"layer {g.name!r}: {g.refusal}" for g in refused)
+            what = {"heads": "the heads of attention layer", "whole_experts": "whole experts of"}
+            details = "; ".join(f"{what[_kind(g)]} {g.name!r}: {g.refusal}" for g in refused)
             raise ValueError(
-                f"cannot prune the heads of these attention layers: {details}. Leave them "
-                "whole with ignored_layers=[...] or a ratio of 0 for them"
+                f"cannot prune {details}. Leave them whole with ignored_layers=[...] or a "
+                "ratio of 0 for them"
             )
         if not self.groups:
             raise ValueError("the ratios prune nothing of this model")
@@ -216,8 +247,11 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         Torch-Pruning's graph fails: MLP modules found by their form)."""
         heads = find_head_groups(model, ignored, inputs)
         experts = find_expert_groups(model, ignored)
+        whole = find_whole_expert_groups(model, ignored, inputs)
         mixers = find_mamba_groups(model, ignored, inputs)
         projections = [layer for g in heads + mixers for layer in (*g.kept_out, *g.kept_in)]
+        # a router that is a linear layer is cut with its experts, no group of its own
+        projections += [g.router for g in whole if isinstance(g.router, nn.Linear)]
         # a linear layer computing one output per head (a table cut with the heads: Swin
         # V2's bias MLP, Laguna's gate per head) is no group root of its own
         projections += [o for g in heads for o, _, _ in g.tables if isinstance(o, nn.Linear)]
@@ -234,7 +268,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                 return order[group.module_name], group.expert
             return order[group.name], 0
 
-        return sorted([*heads, *experts, *mixers, *channels], key=position)
+        return sorted([*heads, *whole, *experts, *mixers, *channels], key=position)
 
     # -- what a pruner decides -----------------------------------------------------------
     @abc.abstractmethod
@@ -302,7 +336,8 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         # tied weights are never pruned
         params -= sum(p.numel() * extra for p, extra in owners.items())
         for group, mask in zip(self.groups, masks, strict=True):
-            if isinstance(group, ExpertGroup):  # raw 3-D parameters: no layer formula
+            # raw 3-D parameters: no layer formula
+            if isinstance(group, (ExpertGroup, WholeExpertsGroup)):
                 params -= group.removed_params(int(mask.numel() - mask.sum()))
             # per-head tables; a Mamba mixer's per-channel parameters
             for owner, name, dim in getattr(group, "tables", ()):
@@ -338,7 +373,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         # per experts module: its layout and its experts' masks in order
         expert_masks: dict[str, tuple[Layout, list[torch.Tensor]]] = {}
         needs_graph = any(
-            not isinstance(g, (HeadGroup, ExpertGroup, FormMLPGroup, MambaGroup))
+            not isinstance(g, (HeadGroup, ExpertGroup, WholeExpertsGroup, FormMLPGroup, MambaGroup))
             for g in self.groups
         )
         graph_or_none = (
@@ -357,6 +392,9 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                 if isinstance(group, MambaGroup):
                     prune_mamba(group, names, mask)
                     continue
+                if isinstance(group, WholeExpertsGroup):
+                    prune_whole_experts(group, names, original_names, mask)
+                    continue
                 if isinstance(group, ExpertGroup):
                     expert_masks.setdefault(group.module_name, (group.layout, []))[1].append(mask)
                     continue
@@ -372,6 +410,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         for name, (layout, block_masks) in expert_masks.items():  # after Torch-Pruning's
             prune_experts(names[name], layout, block_masks)
         run_misaligned_experts(pruned, {name: names[name] for name in expert_masks})
+        set_model_counts(pruned, self.groups, masks)
         described = update_config(pruned, [(_kind(g), g) for g in self.groups], masks)
         if not described and any(getattr(g, "heads_from_config", False) for g in self.groups):
             raise ExportMismatchError(

@@ -106,7 +106,9 @@ def trace_layers(
                     output.shape[0] * math.prod(output.shape[2:]),
                 )
             )
-        else:
+        else:  # a Linear subclass may return more (PhiMoE's router: logits first)
+            if not isinstance(output, torch.Tensor):
+                output = next(t for t in output if isinstance(t, torch.Tensor))
             layers.append(Layer(module, 1, output.numel() // max(module.out_features, 1)))
 
     def expert_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -262,11 +262,13 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
         # norms that are not nn.LayerNorm (RMSNorm) are "unwrapped parameters" to it;
         # groups through them are refused or left alone here, never pruned
         warnings.filterwarnings("ignore", message="Unwrapped parameters detected")
+        hooks = {module: set(module._forward_hooks) for module in model.modules()}
         try:
             graph = tp.DependencyGraph().build_dependency(
                 model, example_inputs=example_inputs, output_transform=_traced_outputs
             )
         except Exception as error:  # its own errors say nothing of the model or what to do
+            _remove_new_hooks(hooks)  # a failed trace leaves its hooks on the model
             raise ChannelGraphError(
                 f"cannot find the prunable groups of {type(model).__name__}: Torch-Pruning's "
                 f"DependencyGraph, which follows its channels, fails on it "
@@ -283,6 +285,15 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
             if isinstance(node.module, tp.ops._SliceOp):
                 node.module.grad_fn = None
         vars(graph).clear()
+
+
+def _remove_new_hooks(before: dict[nn.Module, set[int]]) -> None:
+    """Remove the forward hooks each module got since `before` (its hooks' ids then)."""
+    for module, ids in before.items():
+        for hook_id in set(module._forward_hooks) - ids:
+            del module._forward_hooks[hook_id]
+            module._forward_hooks_with_kwargs.pop(hook_id, None)
+            module._forward_hooks_always_called.pop(hook_id, None)
 
 
 def _parameter_owners(model: nn.Module) -> dict[int, nn.Module]:

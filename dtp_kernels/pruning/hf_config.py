@@ -22,6 +22,8 @@ MLP_FIELDS = ("intermediate_size", "ffn_dim", "n_inner", "hidden_dim", "d_ff")
 # the experts' width: its own field where the family has dense MLPs too (Qwen3-MoE,
 # DeepSeek), else the MLP's (Mixtral, OLMoE, GPT-OSS); the one holding the experts' width
 EXPERT_FIELDS = ("moe_intermediate_size", "intermediate_size")
+# the number of experts per block
+COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
 def _mlp_field(config) -> str | None:
@@ -78,6 +80,17 @@ def config_fields(config, groups: list[tuple[str, object]], masks: list) -> dict
         field = next((f for f in EXPERT_FIELDS if getattr(config, f, None) == width), None)
         size = _uniform([kept for _, kept in experts])
         if field is None or size is None or fields.get(field, size) != size:
+            return None
+        fields[field] = size
+    whole = [
+        (g, int(m.sum())) for (k, g), m in zip(groups, masks, strict=True) if k == "whole_experts"
+    ]
+    if whole:  # whether every block was pruned is left to the rebuild check
+        size = _uniform([kept for _, kept in whole])
+        field = next(
+            (f for f in COUNT_FIELDS if getattr(config, f, None) == whole[0][0].size), None
+        )
+        if field is None or size is None:
             return None
         fields[field] = size
     return fields

@@ -47,6 +47,7 @@ from .masking import (
     strip_parametrizations,
 )
 from .precision import ieee_fp32
+from .whole_experts import MaskedRouting, WholeExpertsGroup, mask_router, unmask_router
 
 MASK_AT = ("auto", "parameters", "activation")
 GRANULARITIES = ("filter", "weight", "n:m")
@@ -246,6 +247,9 @@ class DTPPruner(ChannelPruner):
                 dim = 1 if group.layout.transposed else 2
                 scale = ScaleExperts(self._source, index, group.layout.experts, dim)
                 parametrize.register_parametrization(group.experts, "down_proj", scale)
+            return
+        if isinstance(group, WholeExpertsGroup):  # log(mask) on the router's logits
+            mask_router(group.router, self._source, index, group.size)
             return
         if isinstance(group, MambaGroup):  # conv1d's rows: fused kernels read its weight
             for name in ("weight", "bias") if group.rows.bias is not None else ("weight",):
@@ -530,8 +534,8 @@ class DTPPruner(ChannelPruner):
         channels Torch-Pruning removed in coupled sets: fewer kept, equal outputs)."""
         modules = dict(pruned.named_modules())
         for group, mask in zip(self.groups, self.hard_masks(), strict=True):
-            if isinstance(group, (HeadGroup, ExpertGroup, MambaGroup)):
-                continue  # prune_heads / prune_experts / prune_mamba cut the kept units
+            if isinstance(group, (HeadGroup, ExpertGroup, WholeExpertsGroup, MambaGroup)):
+                continue  # prune_heads / prune_experts / ... cut the kept units
             width = out_width(modules[group.name])
             want = int(mask.sum()) * group.channels_per_unit * group.parts
             if width != want:
@@ -597,13 +601,18 @@ class DTPPruner(ChannelPruner):
                 module._forward_hooks.pop(handle.id, None)
             if parametrize.is_parametrized(module):
                 strip_parametrizations(module)
+            if isinstance(module.__dict__.get("forward"), MaskedRouting):
+                unmask_router(module)
         return pruned
 
     def remove(self) -> None:
-        """Detach the pruner from the model: hooks and parametrizations are removed and the
-        unmasked weights restored."""
+        """Detach the pruner from the model: hooks, parametrizations and routers' masks are
+        removed and the unmasked weights restored."""
         for handle in self._handles:
             handle.remove()
+        for group in self.groups:
+            if isinstance(group, WholeExpertsGroup):
+                unmask_router(group.router)
         for module in list(self.model.modules()):
             if parametrize.is_parametrized(module):
                 strip_parametrizations(module)

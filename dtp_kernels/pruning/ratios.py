@@ -91,8 +91,13 @@ def check_ratio_syntax(ratios: object) -> None:
 
 
 # conv output channels; linear layers' output features; attention heads; residual widths;
-# the intermediate neurons of mixture-of-experts blocks' experts
-KINDS = ("channels", "mlp", "heads", "coupled", "experts", "mamba")
+# the intermediate neurons of mixture-of-experts blocks' experts; Mamba mixers' inner
+# channels; whole experts
+KINDS = ("channels", "mlp", "heads", "coupled", "experts", "mamba", "whole_experts")
+# kinds pruned only when a dict names them (their kind or a group's exact name): a float,
+# a pattern or a per-stage list leaves them whole (removing whole experts is a choice of
+# its own, on top of the experts' neurons a float ratio already prunes)
+OPT_IN_KINDS = ("whole_experts",)
 
 
 def _key_for(name: str, ratios: Mapping, matched: dict, kind: str | None) -> str | None:
@@ -117,13 +122,20 @@ def resolve(
 
     A dict's keys are module names, fnmatch patterns over them ("layer3.*"), or a kind
     of group (KINDS: "channels": convolutions, "mlp": linear layers, "heads", "coupled",
-    "experts", "mamba": Mamba mixers' inner channels); a name beats a pattern,
-    a pattern beats a kind. `kinds` maps each group name to its kind."""
+    "experts", "mamba": Mamba mixers' inner channels, "whole_experts"); a name beats a
+    pattern, a pattern beats a kind. `kinds` maps each group name to its kind; groups of
+    OPT_IN_KINDS get a ratio only from their name or their kind in a dict."""
+    opt_in = [name for name in names if kinds.get(name) in OPT_IN_KINDS]
+    if not isinstance(ratios, Mapping):
+        names = [name for name in names if name not in opt_in]
     if isinstance(ratios, (int, float)) and not isinstance(ratios, bool):
         ratio = check_ratio(ratios, "ratios")
-        return {name: ratio for name in names}
+        return {name: ratio for name in names} | dict.fromkeys(opt_in, 0.0)
     if isinstance(ratios, Mapping):
-        matched = {key: [n for n in names if fnmatch.fnmatchcase(n, key)] for key in ratios}
+        matched = {  # a pattern reaches no group of an opt-in kind
+            key: [n for n in names if fnmatch.fnmatchcase(n, key) and (n == key or n not in opt_in)]
+            for key in ratios
+        }
         unknown = sorted(k for k in ratios if not matched[k] and k not in KINDS)
         if unknown:
             raise ValueError(
@@ -171,7 +183,9 @@ def resolve(
                     f"ratios {ratios!r} names convolution indices {missing}, but the model has "
                     f"{all_convs} (0 to {all_convs - 1})"
                 )
-            return {name: per_layer.get(conv_index.get(name, -1), 0.0) for name in names}
+            return {name: per_layer.get(conv_index.get(name, -1), 0.0) for name in names} | (
+                dict.fromkeys(opt_in, 0.0)
+            )
         stages = parse_stage_list(ratios)
         # the model's stages, counted over every convolution (skipped ones included)
         present = max((stage_of(n) for n in [*names, *conv_index]), default=0)
@@ -181,7 +195,7 @@ def resolve(
                 f"ratios {ratios!r} gives {len(stages)} stages, the model has {present + 1} "
                 f"({parts})"
             )
-        return {name: stages[stage_of(name)] for name in names}
+        return {name: stages[stage_of(name)] for name in names} | dict.fromkeys(opt_in, 0.0)
     raise TypeError(
         f"ratios must be a float, a dict from layer name to ratio, or a string like "
         f"'[0, 0.5, 0.5, 0.5]' or '[0:0, 1-15:0.5]', got {ratios!r}"

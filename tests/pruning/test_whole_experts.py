@@ -1,0 +1,340 @@
+"""Whole experts of mixture-of-experts blocks (tiny Hugging Face configurations built
+here, nothing downloaded): kind "whole_experts" learns which experts each block keeps
+through log(mask) on the router's logits; the export removes the others from the router
+and the experts' 3-D parameters, equals the hard-masked model with exact counts, and the
+config follows. Routers whose choice the mask cannot reach are refused by name."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from dtp_kernels.pruning import DTPPruner, L1Pruner
+from dtp_kernels.pruning.experts import expert_layout
+from dtp_kernels.pruning.whole_experts import MaskedRouting, WholeExpertsGroup
+from utils import LLAMA_VOCAB as VOCAB
+from utils import hard_masked_and_exported, randomised, tiny_deepseek
+
+transformers = pytest.importorskip("transformers")
+
+EXPERTS, TOP_K = 8, 2
+SIZES = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+    num_experts_per_tok=TOP_K,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+# family -> its sizes (EXPERTS experts of TOP_K per token) and the config's count field
+FAMILIES = {
+    "Mixtral": (dict(intermediate_size=32, num_local_experts=EXPERTS), "num_local_experts"),
+    "Qwen3Moe": (  # softmax, then the top-k renormalised
+        dict(intermediate_size=32, moe_intermediate_size=16, num_experts=EXPERTS, head_dim=8),
+        "num_experts",
+    ),
+    "Qwen2Moe": (  # beside a shared expert, top-k not renormalised
+        dict(
+            intermediate_size=32,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            num_experts=EXPERTS,
+        ),
+        "num_experts",
+    ),
+    "GptOss": (  # top-k of biased logits, then softmax over them
+        dict(
+            intermediate_size=16,
+            num_local_experts=EXPERTS,
+            head_dim=8,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        "num_local_experts",
+    ),
+    "Phimoe": (dict(intermediate_size=16, num_local_experts=EXPERTS), "num_local_experts"),
+    "Glm4Moe": (  # sigmoid scores and a correction bias added to them for the choice
+        dict(
+            intermediate_size=32,
+            moe_intermediate_size=16,
+            n_routed_experts=EXPERTS,
+            first_k_dense_replace=0,
+            n_group=1,
+            topk_group=1,
+            head_dim=8,
+        ),
+        "n_routed_experts",
+    ),
+    "MiniMaxM2": (  # the block hands its router the correction bias
+        dict(intermediate_size=16, num_local_experts=EXPERTS, head_dim=8),
+        "num_local_experts",
+    ),
+}
+
+
+def tokens(seed: int = 1, length: int = 16) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (2, length), generator=torch.Generator().manual_seed(seed))
+
+
+def moe(family: str) -> nn.Module:
+    sizes, _ = FAMILIES[family]
+    config = getattr(transformers, f"{family}Config")(**SIZES, **sizes)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
+    with torch.no_grad():  # learned per-expert vectors: routers' biases, correction biases
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if "bias" in name and tensor.shape == (EXPERTS,):
+                tensor.copy_(torch.randn(EXPERTS, generator=torch.Generator().manual_seed(2)))
+    return model
+
+
+def pruner_for(model, ratios, **options) -> DTPPruner:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # experts no example token reached stay whole
+        return DTPPruner(model, (tokens(),), ratios, **options)
+
+
+def train(model, pruner, steps: int = 3) -> None:
+    optimizer = torch.optim.SGD([*model.parameters(), *pruner.parameters()], lr=0.5)
+    pruner.attach(optimizer)
+    model.train()
+    for _ in range(steps):
+        model(tokens(), labels=tokens()).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_whole_experts_train_and_export_exactly(family):
+    model = moe(family)
+    pruner = randomised(pruner_for(model, {"whole_experts": 0.5}))
+    groups = [g for g in pruner.groups if isinstance(g, WholeExpertsGroup)]
+    assert groups and len(groups) == len(pruner.groups)
+    before = pruner.scores.detach().clone()
+    train(model, pruner)
+    assert not torch.equal(pruner.scores.detach(), before)  # the logits' mask has a gradient
+    masks = pruner.hard_masks()
+    exported, got, want = hard_masked_and_exported(pruner, model, (tokens(),))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    modules = dict(exported.named_modules())
+    names = {m: n for n, m in model.named_modules()}
+    for group, mask in zip(groups, masks, strict=True):
+        assert int(mask.sum()) == EXPERTS // 2
+        layout = expert_layout(modules[group.name])
+        assert layout.experts == EXPERTS // 2
+        router = modules[names[group.router]]
+        assert router.weight.shape[0] == EXPERTS // 2
+        kept = mask.nonzero().flatten()
+        torch.testing.assert_close(router.weight, group.router.weight[kept])
+        original = getattr(group.experts, group.layout.up)
+        torch.testing.assert_close(getattr(modules[group.name], layout.up), original[kept])
+    assert pruner.predicted_counts()[0] == sum(p.numel() for p in exported.parameters())
+    assert getattr(exported.config, FAMILIES[family][1]) == EXPERTS // 2
+    # a model built from the config loads the exported weights and computes the same
+    rebuilt = type(exported)(exported.config).eval()
+    rebuilt.load_state_dict(exported.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(tokens()).logits, got)
+
+
+def test_soft_mask_scales_each_experts_routing_probability():
+    """softmax(l + log m) = m softmax(l) / sum: the top-k weights of Mixtral's router under
+    a soft mask are those of the mask times the unmasked probabilities, renormalised."""
+    model = moe("Mixtral")
+    pruner = pruner_for(model, {"whole_experts": 0.25})
+    group = pruner.groups[0]
+    router, index = group.router, 0
+    mask = torch.linspace(0.1, 1.0, EXPERTS)
+    hidden = torch.randn(5, 32, generator=torch.Generator().manual_seed(4))
+    pruner._source.hard = [mask, mask]
+    try:
+        _, weights, chosen = router(hidden)
+    finally:
+        pruner._source.hard = None
+    probs = torch.softmax(hidden @ router.weight.t(), dim=-1) * mask
+    top, expected = probs.topk(TOP_K, dim=-1)
+    assert torch.equal(chosen, expected)
+    torch.testing.assert_close(weights, top / top.sum(-1, keepdim=True))
+    assert isinstance(router.forward, MaskedRouting) and index == 0
+
+
+def test_a_float_or_a_pattern_leaves_whole_experts_alone_a_name_reaches_them():
+    model = moe("Mixtral")
+    pruner = pruner_for(model, 0.5)
+    kinds = {type(g).__name__ for g in pruner.groups}
+    assert "WholeExpertsGroup" not in kinds and "ExpertGroup" in kinds
+    with pytest.raises(ValueError, match=r"already carries a pruner's masks"):
+        pruner_for(model, {"whole_experts": 0.5})
+    pruner.remove()
+    pruner = pruner_for(model, {"model.layers.*": 0.5})
+    assert not any(isinstance(g, WholeExpertsGroup) for g in pruner.groups)
+    pruner.remove()
+    pruner = pruner_for(model, {"model.layers.1.mlp.experts": 0.25})
+    assert [g.name for g in pruner.groups] == ["model.layers.1.mlp.experts"]
+    assert pruner.kept == [6]
+
+
+def test_remove_gives_the_router_its_forward_back():
+    model = moe("Qwen3Moe")
+    router = model.model.layers[0].mlp.gate
+    pruner = pruner_for(model, {"whole_experts": 0.5})
+    assert isinstance(router.forward, MaskedRouting)
+    exported = pruner.export()
+    assert not any("forward" in vars(m) for m in exported.modules())
+    pruner.remove()
+    assert "forward" not in vars(router)
+
+
+def test_l1_baseline_removes_whole_experts():
+    model = moe("Mixtral")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pruner = L1Pruner(model, (tokens(),), {"whole_experts": 0.5})
+    exported = pruner.export()
+    assert exported.config.num_local_experts == EXPERTS // 2
+    assert exported.num_experts == EXPERTS // 2  # the load-balancing loss reads it
+    exported.train()
+    exported(tokens(), labels=tokens(), output_router_logits=True).loss.backward()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(ratios={"whole_experts": 0.8}), r"keeps 1 of the 8 experts .* fewer than the 2"),
+        (dict(ratios={"whole_experts": 0.5}, budget="global"), r"budget = 'global' cannot"),
+        (dict(ratios={"whole_experts": 0.5}, budget="flops"), r"budget = 'flops' cannot"),
+        (dict(ratios={"whole_experts": 0.5, "experts": 0.5}), r"prune one of the two per block"),
+        (dict(ratios={"*.experts": 0.5}), r"match no prunable layer"),
+    ],
+)
+def test_what_cannot_be_held_is_refused_before_any_mask(options, message):
+    model = moe("Mixtral")
+    ratios = options.pop("ratios")
+    with pytest.raises(ValueError, match=message):
+        pruner_for(model, ratios, **options)
+    assert not any(isinstance(vars(m).get("forward"), MaskedRouting) for m in model.modules())
+
+
+def test_deepseek_group_limited_routing_is_refused_by_name():
+    """DeepSeek-V3 chooses experts among the best groups of experts: removing half of them
+    changes the groups, so the router with logits at -inf does not route as the smaller
+    one; one group (n_group=1) is proven and prunes."""
+    model = tiny_deepseek()
+    model.config.n_group = model.model.layers[1].mlp.gate.num_group = 2
+    with pytest.raises(ValueError, match=r"whole experts of 'model.layers.1.mlp.experts': its"):
+        pruner_for(model, {"whole_experts": 0.5})
+    model.model.layers[1].mlp.gate.num_group = 1
+    model.config.n_group = 1
+    pruner = randomised(pruner_for(model, {"whole_experts": 0.5}))
+    exported, got, want = hard_masked_and_exported(pruner, model, (tokens(),))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert exported.config.n_routed_experts == 2
+
+
+def test_hash_routing_is_refused_by_name():
+    """DeepSeek-V4's first layers choose experts from a token-id table: the mask on the
+    logits cannot keep a removed expert from being chosen."""
+    config = transformers.DeepseekV4Config(
+        **{**SIZES, "num_key_value_heads": 1},
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        n_routed_experts=EXPERTS,
+        head_dim=8,
+    )
+    torch.manual_seed(0)
+    model = transformers.DeepseekV4ForCausalLM(config)  # its table sends every token to 0
+    with pytest.raises(ValueError, match=r"its router \(DeepseekV4HashRouter\)"):
+        pruner_for(model, {"whole_experts": 0.5})
+
+
+def test_a_correction_bias_the_mask_does_not_reach_is_refused_by_name():
+    """Ernie 4.5 adds its correction bias in a submodule of the router (moe_statics), out
+    of the mask's reach: a removed expert with a large bias would still be chosen."""
+    config = transformers.Ernie4_5_MoeConfig(
+        **SIZES, intermediate_size=32, moe_intermediate_size=16, moe_num_experts=EXPERTS
+    )
+    torch.manual_seed(0)
+    model = transformers.Ernie4_5_MoeForCausalLM(config)
+    with pytest.raises(ValueError, match=r"its router \(Ernie4_5_MoeTopKRouter\)"):
+        pruner_for(model, {"whole_experts": 0.5})
+
+
+class Experts(nn.Module):
+    """EXPERTS gated experts in transformers' layout (the flags it sets)."""
+
+    has_gate, is_concatenated, is_transposed, has_bias = True, True, False, False
+
+    def __init__(self, hidden: int = 8, width: int = 4) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(EXPERTS, 2 * width, hidden))
+        self.down_proj = nn.Parameter(torch.randn(EXPERTS, hidden, width))
+
+    def forward(self, hidden, chosen, weights):
+        out = torch.zeros_like(hidden)
+        for slot in range(chosen.shape[1]):
+            gate, up = torch.einsum("th,tih->ti", hidden, self.gate_up_proj[chosen[:, slot]]).chunk(
+                2, -1
+            )
+            down = torch.einsum(
+                "ti,thi->th", nn.functional.silu(gate) * up, self.down_proj[chosen[:, slot]]
+            )
+            out = out + weights[:, slot, None] * down
+        return out
+
+
+class SigmoidRouter(nn.Module):
+    """Sigmoid scores; the choice adds a correction bias: its own, or the block's."""
+
+    def __init__(self, added: str, hidden: int = 8) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(EXPERTS, hidden))
+        self.correction = nn.Parameter(torch.zeros(EXPERTS))
+        self.top_k, self.added = TOP_K, added
+
+    def forward(self, hidden, handed=None):
+        scores = nn.functional.linear(hidden, self.weight).sigmoid()
+        if self.added == "own":  # the sum the mask joins
+            choice = scores + self.correction
+        elif self.added == "own, scaled":  # a new tensor: out of the mask's reach
+            choice = scores + 1.0 * self.correction
+        else:  # the block's, scaled
+            choice = scores + 1.0 * handed
+        chosen = choice.topk(self.top_k, dim=-1).indices
+        return scores, scores.gather(1, chosen), chosen
+
+
+class Block(nn.Module):
+    def __init__(self, added: str) -> None:
+        super().__init__()
+        self.gate, self.experts = SigmoidRouter(added), Experts()
+        self.handed = nn.Parameter(torch.zeros(EXPERTS))
+
+    def forward(self, hidden):
+        if self.gate.added == "handed":
+            _, weights, chosen = self.gate(hidden, self.handed)
+        else:
+            _, weights, chosen = self.gate(hidden)
+        return self.experts(hidden, chosen, weights)
+
+
+@pytest.mark.parametrize("added", ["own", "own, scaled", "handed"])
+def test_a_correction_bias_is_masked_where_the_choice_adds_it_else_refused(added):
+    """The mask joins a sum with the router's own per-expert vector (GLM-4.5's correction
+    bias); a bias added as a new tensor is out of its reach, and the proof, run with the
+    vector favouring the removed experts, refuses the router by name."""
+    torch.manual_seed(0)
+    block, hidden = Block(added), torch.randn(32, 8)
+    if added != "own":
+        with pytest.raises(ValueError, match=r"whole experts of 'experts': its router"):
+            DTPPruner(block, hidden, {"whole_experts": 0.5})
+        return
+    pruner = randomised(DTPPruner(block, hidden, {"whole_experts": 0.5}))
+    with torch.no_grad():
+        block.gate.correction.copy_(torch.randn(EXPERTS) * 3)
+        with pruner.hard_masked():
+            want = block(hidden)
+        got = pruner.export()(hidden)
+    torch.testing.assert_close(got, want)
