@@ -4,8 +4,8 @@ input the example forward gave the module.
 Groups found by a module's form rather than by Torch-Pruning's graph (MLP modules where
 the graph fails, Mamba mixers, the attention heads asked to be pruned) are kept only
 when this holds: half the units, drawn at random, are zeroed the way the hard mask
-zeroes them in one copy of the module and cut the way export cuts them in another, and
-both copies run on the module's example input. A module that mixes its units (a norm or
+zeroes them in a copy of the module, which runs on the module's example input, then cut
+the way export cuts them, and it runs again. A module that mixes its units (a norm or
 a softmax over them, a shift) fails and is not grouped (heads: refused by name);
 `export()` checks the whole model again.
 """
@@ -65,19 +65,21 @@ def cuts_exactly(
     first_output: bool = False,
 ) -> bool:
     """Whether `module` with all but a random half of its `units` cut (`cut`) computes,
-    on the example call, what it computes with them zeroed (`zero`); copies only. With
-    `first_output` only its first output tensor is compared (an attention layer's
-    output, not its attention weights per head)."""
+    on the example call, what it computes with them zeroed (`zero`). One copy of the
+    module at a time (a 70B model's attention layer is hundreds of MB): zeroed and run,
+    then cut and run again; `zero` touches only the units `cut` removes, so the cut copy
+    is what cutting the module gives. With `first_output` only its first output tensor is
+    compared (an attention layer's output, not its attention weights per head)."""
     order = torch.randperm(units, generator=torch.Generator().manual_seed(0))
     keep = order[: units // 2].sort().values
-    masked, smaller = copy.deepcopy(module).eval(), copy.deepcopy(module).eval()
+    edited = copy.deepcopy(module).eval()
     args, kwargs = call
     with torch.no_grad(), ieee_fp32():  # TF32 would round the two apart
-        zero(masked, keep)
-        cut(smaller, keep)
         try:
-            want = output_tensors(masked(*args, **kwargs))
-            got = output_tensors(smaller(*args, **kwargs))
+            zero(edited, keep)
+            want = output_tensors(edited(*args, **kwargs))
+            cut(edited, keep)
+            got = output_tensors(edited(*args, **kwargs))
         except Exception:  # its code reads the old width, or the units are not these
             return False
     if first_output:

@@ -155,6 +155,33 @@ def test_the_proof_tells_the_same_modules_apart_in_half_precision(graph_fails, d
     assert [g.name for g in DTPPruner(model, x, {"mlp": 0.5}).groups] == FOUND
 
 
+def test_the_proof_holds_one_copy_of_a_module_at_a_time(graph_fails, monkeypatch):
+    """Each proof copies its module once (zeroed and run, then cut and run): an attention
+    layer of a 70B model is hundreds of MB, two copies at once twice that."""
+    import dtp_kernels.pruning.mlps as mlps
+    import dtp_kernels.pruning.proof as proof
+
+    copies, per_proof = [], []
+    deepcopy, prove = proof.copy.deepcopy, mlps.cuts_exactly
+
+    def counted_copy(module, *args):
+        copies.append(module)
+        return deepcopy(module, *args)
+
+    def counted_proof(*args, **kwargs):
+        before = len(copies)
+        proven = prove(*args, **kwargs)
+        per_proof.append(len(copies) - before)
+        return proven
+
+    monkeypatch.setattr(proof.copy, "deepcopy", counted_copy)
+    monkeypatch.setattr(mlps, "cuts_exactly", counted_proof)
+    torch.manual_seed(0)
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+    assert [g.name for g in DTPPruner(Blocks(), x, {"mlp": 0.5}).groups] == FOUND
+    assert len(per_proof) >= 4 and set(per_proof) == {1}
+
+
 def test_form_mlps_train_through_the_consumers_columns(graph_fails):
     """The soft mask scales the consumer's columns: a loss reaches every group's scores."""
     torch.manual_seed(0)
