@@ -366,3 +366,22 @@ def test_the_masked_router_compiles_without_graph_breaks():
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-7)
     assert grads[0].abs().sum() > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", ["Qwen3Moe", "Glm4Moe"])
+def test_whole_experts_train_and_export_on_the_gpu(family):
+    """On a GPU: a bf16-autocast training step reaches every block's expert scores with
+    finite gradients, and the fp32 export (IEEE matmuls) equals the hard-masked model."""
+    model = moe(family).cuda()
+    inputs = (tokens().cuda(),)
+    pruner = randomised(DTPPruner(model, inputs, {"whole_experts": 0.5, "heads": 0.5}))
+    model.train()
+    with torch.autocast("cuda", torch.bfloat16):
+        loss = model(*inputs, labels=inputs[0]).loss
+    loss.backward()
+    grads = pruner.scores.grad
+    assert torch.isfinite(grads).all() and (grads != 0).any()
+    exported, got, want = hard_masked_and_exported(pruner, model, inputs)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert expert_layout(exported.model.layers[0].mlp.experts).experts == EXPERTS // 2
