@@ -5,7 +5,9 @@ baseline at the same kept counts and the same training budget after pruning.
   its heads and half its MLP neurons: test accuracy;
 - a small Llama (Hugging Face transformers) trained on bytes of the Python standard
   library's own source, pruned to half its key/value heads (with their query heads) and
-  half its MLP neurons: perplexity on held-out files.
+  half its MLP neurons: perplexity on held-out files;
+- a small Mixtral (8 experts, 2 per token) on the same bytes, pruned to half its
+  experts (whole experts, the router's rows with them): perplexity on held-out files.
 
 DTP trains the pruning stage with its masks, then the exported model fine-tunes; the
 baseline prunes the same model one-shot and fine-tunes for the pruning stage's steps and
@@ -31,6 +33,7 @@ from .pruning import L1Pruner, prepare
 from .pruning.cost import count_params
 
 RATIOS = {"heads": 0.5, "mlp": 0.5}
+EXPERT_RATIOS = {"whole_experts": 0.5}
 
 
 # ---- data ---------------------------------------------------------------------------
@@ -85,19 +88,20 @@ def compare(
     evaluate: Callable[[nn.Module], float],
     prune_steps: int,
     finetune_steps: int,
+    ratios: dict = RATIOS,
 ) -> list[dict]:
-    """Rows for the dense model, DTP and L1 at RATIOS (same kept counts, same steps)."""
+    """Rows for the dense model, DTP and L1 at `ratios` (same kept counts, same steps)."""
     rows = [{"method": "dense", "metric": evaluate(dense), "params": count_params(dense)}]
     for method in ("dtp", "l1"):
         start = time.perf_counter()
         model = copy.deepcopy(dense)
         if method == "dtp":  # prune stage: the masks learn while the model trains
             optimizer = new_optimizer(model)
-            pruner = prepare(model, optimizer, example, RATIOS)
+            pruner = prepare(model, optimizer, example, ratios)
             train_steps(model, optimizer, prune_steps)
             small, steps = pruner.export(), finetune_steps
         else:
-            small, steps = L1Pruner(model, example, RATIOS).export(), prune_steps + finetune_steps
+            small, steps = L1Pruner(model, example, ratios).export(), prune_steps + finetune_steps
         train_steps(small, new_optimizer(small), steps)
         rows.append(
             {
@@ -161,23 +165,31 @@ class LlamaTask:
     generator: torch.Generator  # draws the training windows; its state can be reset
 
 
-def llama_task(seed: int = 0) -> LlamaTask:
+def llama_task(seed: int = 0, experts: int = 0) -> LlamaTask:
     """The Llama (2 layers, 4 query / 2 key-value heads, hidden 64) from random weights,
-    its training on 32 windows of 64 bytes per step and its held-out perplexity."""
+    its training on 32 windows of 64 bytes per step and its held-out perplexity. With
+    `experts`: a Mixtral, that many experts of 96 neurons (2 per token) for each MLP."""
     import transformers
 
     torch.manual_seed(seed)
     train, held_out = stdlib_bytes(1_500_000)
-    config = transformers.LlamaConfig(
+    sizes = dict(
         vocab_size=256,
         hidden_size=64,
-        intermediate_size=192,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=128,
     )
-    model = transformers.LlamaForCausalLM(config)
+    if experts:
+        config = transformers.MixtralConfig(
+            **sizes, intermediate_size=96, num_local_experts=experts, num_experts_per_tok=2
+        )
+        model = transformers.MixtralForCausalLM(config)
+    else:
+        model = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(**sizes, intermediate_size=192)
+        )
     generator = torch.Generator().manual_seed(seed)
     evaluation = windows(held_out, 64, 256, torch.Generator().manual_seed(seed + 1))
 
@@ -202,9 +214,12 @@ def llama_task(seed: int = 0) -> LlamaTask:
     return LlamaTask(model, train_steps, perplexity, adam, (evaluation[:1],), generator)
 
 
-def llama_stdlib(seed: int = 0, steps: tuple[int, int, int] = (600, 150, 150)) -> list[dict]:
-    """Pretrain the small Llama (llama_task), then compare DTP and L1 (perplexity)."""
-    task = llama_task(seed)
+def llama_stdlib(
+    seed: int = 0, steps: tuple[int, int, int] = (600, 150, 150), experts: int = 0
+) -> list[dict]:
+    """Pretrain the small Llama (llama_task), then compare DTP and L1 (perplexity) at
+    RATIOS; with `experts`, the small Mixtral at EXPERT_RATIOS."""
+    task = llama_task(seed, experts)
     task.train_steps(task.model, task.new_optimizer(task.model), steps[0])
     return compare(
         task.model,
@@ -214,6 +229,7 @@ def llama_stdlib(seed: int = 0, steps: tuple[int, int, int] = (600, 150, 150)) -
         task.perplexity,
         steps[1],
         steps[2],
+        EXPERT_RATIOS if experts else RATIOS,
     )
 
 
@@ -264,6 +280,14 @@ def main(argv: list[str] | None = None) -> None:
         "held-out perplexity",
         "perplexity",
         summarize([llama_stdlib(seed) for seed in args.seeds]),
+        percent=False,
+    )
+    print()
+    print_rows(
+        f"Mixtral (transformers, 2 layers of 8 experts, 2 per token) on stdlib bytes at "
+        f"{EXPERT_RATIOS}: held-out perplexity",
+        "perplexity",
+        summarize([llama_stdlib(seed, experts=8) for seed in args.seeds]),
         percent=False,
     )
 

@@ -27,6 +27,13 @@ def test_llama_stdlib_rows_and_summary(capsys):
     assert "dtp" in capsys.readouterr().out
 
 
+def test_mixtral_stdlib_rows_prune_half_the_experts():
+    rows = transformer_demo.llama_stdlib(seed=0, steps=(4, 2, 2), experts=8)
+    assert [r["method"] for r in rows] == ["dense", "dtp", "l1"]
+    assert rows[1]["params"] == rows[2]["params"] < rows[0]["params"]
+    assert all(1.0 < r["metric"] < 300.0 for r in rows)
+
+
 def test_stdlib_text_is_split_by_file():
     train, held_out = transformer_demo.stdlib_bytes(200_000)
     assert len(train) >= 200_000 and len(held_out) >= 20_000
