@@ -164,12 +164,13 @@ class WholeExpertsGroup:
 
     def removed_params(self, units: int) -> int:
         """Parameters `units` removed experts take with them outside linear layers: their
-        slices of the experts' parameters and, for a router that is not a linear layer,
-        its rows and per-expert entries."""
-        per_expert = sum(_per_expert(self.experts, self.size).values())
+        slices of the experts' parameters, the block's own per-expert entries and, for a
+        router that is not a linear layer, its rows and per-expert entries (what
+        cut_experts cuts)."""
+        modules = [self.experts, self.block]
         if not isinstance(self.router, nn.Linear):
-            per_expert += sum(_per_expert(self.router, self.size).values())
-        return units * per_expert
+            modules.append(self.router)
+        return units * sum(sum(_per_expert(m, self.size).values()) for m in modules)
 
 
 def _per_expert(module: nn.Module, experts: int) -> dict[str, int]:

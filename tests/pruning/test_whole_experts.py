@@ -340,8 +340,11 @@ def test_a_correction_bias_is_masked_where_the_choice_adds_it_else_refused(added
         block.gate.correction.copy_(torch.randn(EXPERTS) * 3)
         with pruner.hard_masked():
             want = block(hidden)
-        got = pruner.export()(hidden)
+        exported = pruner.export()
+        got = exported(hidden)
     torch.testing.assert_close(got, want)
+    # the block's per-expert parameter goes with the router's and the experts'
+    assert pruner.predicted_counts()[0] == sum(p.numel() for p in exported.parameters())
 
 
 @pytest.mark.slow
