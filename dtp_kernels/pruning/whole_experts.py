@@ -355,7 +355,8 @@ def find_whole_expert_groups(
                 f"its router ({type(group.router).__name__}) with the logits of removed "
                 "experts at -inf does not route as the router without them does (a "
                 "per-expert bias added after the logits, such as a score correction bias; "
-                "group-limited routing; logits not computed by one linear map)"
+                "group-limited or hash routing; logits not computed by one linear map; "
+                "the experts chosen outside the router)"
             )
     return found
 
