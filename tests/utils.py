@@ -295,6 +295,19 @@ def randomised(pruner):
     return pruner
 
 
+def bf16_step_and_export(pruner, model, inputs: tuple):
+    """One bf16-autocast training step of a causal LM on the GPU, then its fp32 export
+    (IEEE matmuls) checked equal to the hard-masked model: (the scores' gradients, the
+    exported model)."""
+    model.train()
+    with torch.autocast("cuda", torch.bfloat16):
+        loss = model(*inputs, labels=inputs[0]).loss
+    loss.backward()
+    exported, got, want = hard_masked_and_exported(pruner, model, inputs)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    return pruner.scores.grad, exported
+
+
 def hard_masked_and_exported(pruner, model, inputs: tuple):
     """(exported model, its logits, the hard-masked model's logits) on `inputs`."""
     model.eval()

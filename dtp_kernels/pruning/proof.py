@@ -89,13 +89,16 @@ def cuts_exactly(
         want, got = want[:1], got[:1]
     if not want or len(got) != len(want):
         return False
-    for g, w in zip(got, want, strict=True):
-        rtol, atol = TOLERANCES.get(w.dtype, FP32_TOLERANCE)
-        g, w = g.double(), w.double()
-        scale = max(1.0, float(w.abs().max())) if w.numel() else 1.0
-        if g.shape != w.shape or not torch.allclose(g, w, rtol=rtol, atol=atol * scale):
-            return False
-    return True
+    return all(close(g, w) for g, w in zip(got, want, strict=True))
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether `got` equals `want` within the proof's tolerance for `want`'s dtype (the
+    absolute part scaled by want's largest magnitude)."""
+    rtol, atol = TOLERANCES.get(want.dtype, FP32_TOLERANCE)
+    got, want = got.double(), want.double()
+    scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0
+    return got.shape == want.shape and torch.allclose(got, want, rtol=rtol, atol=atol * scale)
 
 
 def dropped(width: int, keep: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -15,7 +15,7 @@ from dtp_kernels.pruning import DTPPruner, L1Pruner
 from dtp_kernels.pruning.cost import ExpertMatmul, count_flops, trace_layers
 from dtp_kernels.pruning.experts import WIDTH_ATTRIBUTES, ExpertGroup, expert_layout
 from utils import LLAMA_VOCAB as VOCAB
-from utils import hard_masked_and_exported, randomised, tiny_deepseek
+from utils import bf16_step_and_export, hard_masked_and_exported, randomised, tiny_deepseek
 
 transformers = pytest.importorskip("transformers")
 
@@ -591,12 +591,6 @@ def test_experts_train_and_export_on_the_gpu(implementation):
     model.config._experts_implementation = implementation
     model, inputs = model.cuda(), tuple(t.cuda() for t in inputs)
     pruner = randomised(DTPPruner(model, inputs, {"experts": 0.5, "heads": 0.5}))
-    model.train()
-    with torch.autocast("cuda", torch.bfloat16):
-        loss = model(*inputs, labels=inputs[0]).loss
-    loss.backward()
-    grads = pruner.scores.grad
+    grads, exported = bf16_step_and_export(pruner, model, inputs)
     assert torch.isfinite(grads).all() and (grads != 0).any()
-    exported, got, want = hard_masked_and_exported(pruner, model, inputs)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert exported.model.layers[0].mlp.experts.down_proj.is_cuda
