@@ -41,6 +41,7 @@ from .whole_experts import (
     WholeExpertsGroup,
     check_whole_expert_ratios,
     find_whole_expert_groups,
+    prove_whole_expert_groups,
     prune_whole_experts,
     set_model_counts,
 )
@@ -212,6 +213,10 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         # the heads to prune are proven on the example (a copy of each attention layer)
         heads = [g for g in self.groups if isinstance(g, HeadGroup) and not g.refusal]
         prove_head_groups(model, heads, inputs)
+        # and the routers of the blocks to lose experts, at the counts asked for
+        whole = [g for g in self.groups if isinstance(g, WholeExpertsGroup)]
+        kept = {g.name: ratio_rules.kept_count(g.size, per_group[g.name]) for g in whole}
+        prove_whole_expert_groups(model, whole, kept, inputs)
         refused = [g for g in self.groups if getattr(g, "refusal", "")]
         if refused:
             what = {"heads": "the heads of attention layer", "whole_experts": "whole experts of"}
@@ -284,18 +289,20 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
     def hard_masks(self) -> list[torch.Tensor]:
         """0/1 float mask per group: the top-k channels by `channel_scores()`.
 
-        Per layer, exactly k per group. Global: the top-k over all groups, and each group's
-        best channel on top of that if it would otherwise lose every channel.
+        Per layer, exactly k per group (a group of s equal segments, whole experts under
+        group-limited routing: k / s per segment). Global: the top-k over all groups, and
+        each group's best channel on top of that if it would otherwise lose every channel.
         """
         values = self.channel_scores().detach().float().cpu()
         parts = list(values.split(self.sizes))
         kept = self.kept_counts()
         if self.budget != "global":
             masks = []
-            for part, k in zip(parts, kept, strict=True):
-                mask = torch.zeros_like(part)
-                mask[torch.topk(part, k, sorted=False).indices] = 1.0
-                masks.append(mask)
+            for group, part, k in zip(self.groups, parts, kept, strict=True):
+                segments = getattr(group, "segments", 1)
+                mask = torch.zeros(segments, len(part) // segments)
+                top = torch.topk(part.view(segments, -1), k // segments, sorted=False)
+                masks.append(mask.scatter_(1, top.indices, 1.0).flatten())
             return masks
         flat = torch.zeros_like(values)
         flat[torch.topk(values, kept[0], sorted=False).indices] = 1.0

@@ -76,7 +76,8 @@ class DTPPruner(ChannelPruner):
             ("channels", "mlp", "heads", "experts", "coupled") to ratios;
             "[0, 0.5, 0.5, 0.5]" (per ResNet stage) or "[0:0, 1-15:0.5]" (per convolution
             index); each in [0, 1).
-        budget: "layer" (one transport segment per group), "global" (one over all), or
+        budget: "layer" (one transport segment per group, or per group of experts under
+            group-limited routing), "global" (one over all), or
             "flops": learned kept ratios sigmoid(theta) per group (started at 1 - ratio;
             the experts of a block share one), the kept count k = n sigmoid(theta)
             differentiable through `keep`; add
@@ -191,9 +192,12 @@ class DTPPruner(ChannelPruner):
             n, m = self.nm
             # N held once and read by every block (current_keep): not 4 bytes per block
             segments, kept = [m] * (sum(self.sizes) // m), [float(n)]
-        else:
-            segments = [sum(self.sizes)] if budget == "global" else self.sizes
-            kept = self.kept
+        elif budget == "global":
+            segments, kept = [sum(self.sizes)], self.kept
+        else:  # a group's equal segments (group-limited routing) share its count
+            parts = self._segments_per_group()
+            segments = [n // s for n, s in zip(self.sizes, parts, strict=True) for _ in range(s)]
+            kept = [k // s for k, s in zip(self.kept, parts, strict=True) for _ in range(s)]
         self.state = TransportState(segments, device=device)
         self._steps_since_check, self._skipped_seen = 0, [0] * len(self.groups)
         self.register_buffer("keep", torch.tensor(kept, dtype=torch.float32, device=device))
@@ -456,16 +460,20 @@ class DTPPruner(ChannelPruner):
             return ["all groups (global)"] * len(self.groups)
         return [g.name for g in self.groups]
 
+    def _segments_per_group(self) -> list[int]:
+        """Transport segments per group under budget 'layer': N:M's blocks, the groups of
+        experts of group-limited routing, else one."""
+        if self.nm is not None:
+            return [size // self.nm[1] for size in self.sizes]
+        return [getattr(g, "segments", 1) for g in self.groups]
+
     def skipped_steps(self) -> list[int]:
         """Per group: committed steps its transport state skipped for NaN/Inf scores
-        (under N:M, summed over the group's blocks)."""
+        (summed over the group's segments: N:M's blocks, groups of experts)."""
         counts = self.state.skipped_steps
         if self.budget == "global":
             return [int(counts[0])] * len(self.groups)
-        if self.nm is not None:
-            blocks = [size // self.nm[1] for size in self.sizes]
-            return [int(part.sum()) for part in counts.split(blocks)]
-        return counts.tolist()
+        return [int(part.sum()) for part in counts.split(self._segments_per_group())]
 
     @torch.no_grad()
     def hard_masks(self) -> list[torch.Tensor]:

@@ -16,9 +16,16 @@ the choice, GLM-4.5's and DeepSeek-V3's; MiniMax-M2's, handed to the router by i
 block). A router is kept only when proven on its example input (proof.py's rule): with
 the logits of half its experts at -inf and its per-expert vectors favouring those, it
 must choose the same experts with the same weights as the router cut to the other half,
-and again for the other half. Group-limited routing, hash routing and a bias added out
-of the mask's reach fail it and are refused by name. Every block keeps at least top-k
-experts; whole experts are pruned only when a dict names them (ratios.OPT_IN_KINDS).
+again for the other half, and once more keeping the count asked for. Hash routing and a
+bias added out of the mask's reach fail it and are refused by name. Every block keeps at
+least top-k experts; whole experts are pruned only when a dict names them
+(ratios.OPT_IN_KINDS).
+
+Group-limited routing (DeepSeek-V3, Kimi K2, GLM-4.5, Mistral 4: the experts in
+``num_group`` contiguous groups, each token choosing among the ``topk_group`` best groups,
+a group's score the sum of its best experts') stays exact when every group keeps the same
+count: the cut router's groups are then the old groups' kept experts, contiguous again.
+Such a block is one group of ``num_group`` transport segments, each keeping k / num_group.
 """
 
 from __future__ import annotations
@@ -41,6 +48,9 @@ from .ratios import kept_count
 COUNT_ATTRIBUTES = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 # the attributes that hold how many experts each token is routed to
 TOP_K_ATTRIBUTES = ("top_k", "num_experts_per_tok", "topk")
+# group-limited routing: the number of groups of experts, and how many a token chooses
+EXPERT_GROUPS_ATTRIBUTES = ("num_group", "n_group")
+GROUPS_CHOSEN_ATTRIBUTES = ("topk_group",)
 
 
 def logit_bias(mask: torch.Tensor) -> torch.Tensor:
@@ -131,7 +141,9 @@ def unmask_router(router: nn.Module) -> None:
 @dataclass(eq=False)
 class WholeExpertsGroup:
     """The experts of the experts module `name` as units: which of them the block keeps.
-    `router` computes their logits (masked there); `top_k`: experts per token."""
+    `router` computes their logits (masked there); `top_k`: experts per token; under
+    group-limited routing `segments` contiguous groups of experts, of which a token
+    chooses among `groups_chosen` (None: not limited)."""
 
     name: str
     block: nn.Module
@@ -139,6 +151,8 @@ class WholeExpertsGroup:
     experts: nn.Module
     layout: Layout
     top_k: int
+    segments: int = 1  # transport segments of equal size, each keeping size / segments
+    groups_chosen: int | None = None
     refusal: str = ""  # why its experts cannot be removed exactly ("": they can)
 
     norms = ()  # nothing normalises over the experts but the router, which the mask is in
@@ -184,9 +198,10 @@ def _per_expert(module: nn.Module, experts: int) -> dict[str, int]:
     }
 
 
-def _top_k(block: nn.Module, router: nn.Module) -> int | None:
+def _int_attribute(block: nn.Module, router: nn.Module, names: tuple[str, ...]) -> int | None:
+    """The first integer attribute of `names` on the router, else on the block."""
     for module in (router, block):
-        for name in TOP_K_ATTRIBUTES:
+        for name in names:
             value = getattr(module, name, None)
             if isinstance(value, int) and not isinstance(value, bool):
                 return value
@@ -252,21 +267,33 @@ def _favouring(
     return router, favour
 
 
-def routes_exactly(router: nn.Module, call: tuple[tuple, dict], experts: int, top_k: int) -> bool:
-    """Whether `router`, with the logits of some of its experts at -inf, routes every
-    token of the example call as the router cut to the other experts does: the same
-    experts (ids mapped back), the same weights, the same logits of the kept experts;
-    its per-expert vectors favouring the removed ones. Shown twice, for a random half
-    kept (at least `top_k`) and for the other half: a router that chooses the same
-    experts whatever the logits (hash routing) fails one of them."""
-    kept = max(experts // 2, top_k)
-    if kept >= experts:
+def routes_exactly(
+    router: nn.Module, call: tuple[tuple, dict], group: WholeExpertsGroup, kept: int
+) -> bool:
+    """Whether `router` (the group's or a copy), with the logits of some of its experts at
+    -inf, routes every token of the example call as the router cut to the other experts
+    does: the same experts (ids mapped back), the same weights, the same logits of the
+    kept experts; its per-expert vectors favouring the removed ones. Shown for a random
+    half kept (at least top-k) and for the other half, so that a router choosing the same
+    experts whatever the logits (hash routing) fails one of them, and for `kept` experts
+    kept, the count asked for. Under group-limited routing every group of experts keeps
+    the same share."""
+    experts, segments = group.size, group.segments
+    per_segment = experts // segments
+    chosen = group.groups_chosen or segments  # groups a token chooses among
+    half = max(per_segment // 2, -(-group.top_k // chosen))
+    if half >= per_segment:
         return False
-    order = torch.randperm(experts, generator=torch.Generator().manual_seed(0))
-    return all(
-        _routes_exactly(router, call, experts, keep.sort().values)
-        for keep in (order[:kept], order[-kept:])
-    )
+    generator = torch.Generator().manual_seed(0)
+    orders = [
+        s * per_segment + torch.randperm(per_segment, generator=generator) for s in range(segments)
+    ]
+    keeps = [
+        torch.cat([order[:half] for order in orders]),
+        torch.cat([order[-half:] for order in orders]),
+        torch.cat([order[: kept // segments] for order in orders]),
+    ]
+    return all(_routes_exactly(router, call, experts, keep.sort().values) for keep in keeps)
 
 
 def _routes_exactly(
@@ -335,32 +362,59 @@ def find_whole_expert_groups(
             if layout is None or experts in ignored_set:
                 continue
             router = _router(block, experts, layout)
-            top_k = None if router is None else _top_k(block, router)
+            top_k = None if router is None else _int_attribute(block, router, TOP_K_ATTRIBUTES)
             if router is None or router in ignored_set or top_k is None:
                 continue
             name = f"{block_name}.{child_name}" if block_name else child_name
-            found.append(WholeExpertsGroup(name, block, router, experts, layout, top_k))
-    if not found:
-        return []
-    calls = example_calls(model, [g.router for g in found], inputs)
-    for group in found:
+            group = WholeExpertsGroup(name, block, router, experts, layout, top_k)
+            segments = _int_attribute(block, router, EXPERT_GROUPS_ATTRIBUTES)
+            if segments is not None and segments > 1:
+                group.segments = segments
+                group.groups_chosen = _int_attribute(block, router, GROUPS_CHOSEN_ATTRIBUTES)
+                if layout.experts % segments:
+                    group.refusal = (
+                        f"its {layout.experts} experts do not split into its {segments} "
+                        "groups of experts (num_group)"
+                    )
+            found.append(group)
+    return found
+
+
+def prove_whole_expert_groups(
+    model: nn.Module, groups: list[WholeExpertsGroup], kept: dict[str, int], inputs: tuple
+) -> None:
+    """Refuse each of `groups` (the blocks to lose experts) whose router, with the logits
+    of removed experts at -inf, does not route on its example input as the router cut to
+    the kept ones does (routes_exactly), keeping half and `kept[name]` experts."""
+    calls = example_calls(model, [g.router for g in groups if not g.refusal], inputs)
+    for group in groups:
+        if group.refusal:
+            continue
         if group.router not in calls:
             group.refusal = "its router was not called on the example inputs"
-        elif not routes_exactly(group.router, calls[group.router], group.size, group.top_k):
+        elif not routes_exactly(group.router, calls[group.router], group, kept[group.name]):
+            per_group = (
+                f" keeping {kept[group.name] // group.segments} of each of its "
+                f"{group.segments} groups of experts"
+                if group.segments > 1
+                else ""
+            )
             group.refusal = (
                 f"its router ({type(group.router).__name__}) with the logits of removed "
-                "experts at -inf does not route as the router without them does (a "
-                "per-expert bias added after the logits, such as a score correction bias; "
-                "group-limited or hash routing; logits not computed by one linear map; "
-                "the experts chosen outside the router)"
+                f"experts at -inf does not route as the router without them does{per_group} "
+                "(a per-expert bias added after the logits, such as a score correction "
+                "bias; hash routing; a group's score taken over more experts than it "
+                "keeps; logits not computed by one linear map; the experts chosen outside "
+                "the router)"
             )
-    return found
 
 
 def check_whole_expert_ratios(groups: list, ratios: dict[str, float], budget: str) -> None:
     """ValueError, before any mask, when the ratios would remove whole experts under a
-    budget other than "layer", keep fewer experts than a token is routed to, or remove
-    whole experts from a block whose experts' neurons are pruned too."""
+    budget other than "layer", keep fewer experts than a token is routed to (or can
+    choose among the groups it routes to), keep a count that group-limited routing cannot
+    split evenly over its groups of experts, or remove whole experts from a block whose
+    experts' neurons are pruned too."""
     pruned = [g for g in groups if isinstance(g, WholeExpertsGroup) and ratios[g.name] > 0]
     if pruned and budget != "layer":
         raise ValueError(
@@ -379,12 +433,39 @@ def check_whole_expert_ratios(groups: list, ratios: dict[str, float], budget: st
                 f"largest ratio that keeps {group.top_k} is "
                 f"{(group.size - group.top_k) / group.size:g}"
             )
+        _check_group_limited(group, ratios[group.name], kept)
         if group.name in neurons:
             raise ValueError(
                 f"the ratios prune both the neurons of the experts of {group.name!r} (kind "
                 "'experts') and whole experts of it (kind 'whole_experts'); prune one of the "
                 "two per block (give the other a ratio of 0)"
             )
+
+
+def _check_group_limited(group: WholeExpertsGroup, ratio: float, kept: int) -> None:
+    """Under group-limited routing: `kept` splits evenly over the groups of experts, and
+    the groups a token chooses among hold at least top-k of them."""
+    segments = group.segments
+    if segments == 1:
+        return
+    per_segment = group.size // segments
+    if kept % segments:
+        nearest = [k * segments for k in (kept // segments, kept // segments + 1)]
+        options = [f"{1 - k / group.size:g} (keeps {k})" for k in nearest if 0 < k < group.size]
+        raise ValueError(
+            f"ratio {ratio} keeps {kept} of the {group.size} experts of {group.name!r}, whose "
+            f"router chooses among {segments} groups of {per_segment} experts (group-limited "
+            f"routing): every group must keep the same count, so the kept count must be a "
+            f"multiple of {segments}; the nearest ratios that give one: {', '.join(options)}"
+        )
+    chosen = group.groups_chosen or segments
+    if kept // segments * chosen < group.top_k:
+        raise ValueError(
+            f"ratio {ratio} keeps {kept // segments} of the {per_segment} experts of each of "
+            f"the {segments} groups of {group.name!r}; a token chooses its {group.top_k} "
+            f"experts among {chosen} groups (topk_group), which would then hold "
+            f"{kept // segments * chosen}: keep at least {-(-group.top_k // chosen) * segments}"
+        )
 
 
 def prune_whole_experts(

@@ -222,20 +222,111 @@ def test_what_cannot_be_held_is_refused_before_any_mask(options, message):
     assert not any(isinstance(vars(m).get("forward"), MaskedRouting) for m in model.modules())
 
 
-def test_deepseek_group_limited_routing_is_refused_by_name():
-    """DeepSeek-V3 chooses experts among the best groups of experts: removing half of them
-    changes the groups, so the router with logits at -inf does not route as the smaller
-    one; one group (n_group=1) is proven and prunes."""
-    model = tiny_deepseek()
-    model.config.n_group = model.model.layers[1].mlp.gate.num_group = 2
-    with pytest.raises(ValueError, match=r"whole experts of 'model.layers.1.mlp.experts': its"):
-        pruner_for(model, {"whole_experts": 0.5})
-    model.model.layers[1].mlp.gate.num_group = 1
-    model.config.n_group = 1
+GROUPED = 16  # experts in 4 groups of 4 (group-limited routing)
+
+
+def grouped(family: str, top_k: int = 4, topk_group: int = 2) -> nn.Module:
+    """A causal LM of `family` whose MoE blocks route each token to `top_k` of 16 experts
+    within its `topk_group` best of 4 groups of experts; learned correction biases."""
+    sizes = dict(
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        n_routed_experts=GROUPED,
+        num_experts_per_tok=top_k,
+        n_group=4,
+        topk_group=topk_group,
+        first_k_dense_replace=0,
+        head_dim=8,
+    )
+    if family == "DeepseekV3":
+        del sizes["head_dim"]  # latent attention, as tiny_deepseek's
+        sizes.update(num_key_value_heads=4, q_lora_rank=20, kv_lora_rank=12)
+        sizes.update(qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=6)
+    config = getattr(transformers, f"{family}Config")(**{**SIZES, **sizes})
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if "correction_bias" in name:
+                buffer.copy_(torch.randn(GROUPED, generator=torch.Generator().manual_seed(2)))
+    return model
+
+
+@pytest.mark.parametrize("family", ["DeepseekV3", "Glm4Moe"])
+def test_group_limited_routing_keeps_the_same_count_in_every_group(family):
+    """DeepSeek-V3 and GLM-4.5 route each token within its best groups of experts (a
+    group's score: the sum of its best two). Every group keeping the same count, the cut
+    router's groups are the old groups' kept experts: one transport segment per group of
+    experts, each keeping its share, and the export equals the hard-masked model."""
+    model = grouped(family)
     pruner = randomised(pruner_for(model, {"whole_experts": 0.5}))
+    blocks = len(pruner.groups)
+    assert blocks == 2 and pruner.state.sizes == (4,) * 4 * blocks
+    assert pruner.current_keep().tolist() == [2.0] * 4 * blocks
+    train(model, pruner)
+    with torch.no_grad():
+        soft = pruner._transport(update=False)
+    torch.testing.assert_close(soft.view(-1, 4).sum(1), torch.full((4 * blocks,), 2.0))
+    masks = pruner.hard_masks()
+    for mask in masks:  # two of every group of four
+        assert mask.view(4, 4).sum(1).tolist() == [2.0] * 4
     exported, got, want = hard_masked_and_exported(pruner, model, (tokens(),))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    assert exported.config.n_routed_experts == 2
+    assert exported.config.n_routed_experts == GROUPED // 2 and exported.config.n_group == 4
+    names = {m: n for n, m in model.named_modules()}
+    for group, mask in zip(pruner.groups, masks, strict=True):
+        router = exported.get_submodule(names[group.router])
+        assert router.num_experts == GROUPED // 2 and router.num_group == 4
+        kept = mask.nonzero().flatten()
+        torch.testing.assert_close(
+            router.e_score_correction_bias, group.router.e_score_correction_bias[kept]
+        )
+    assert pruner.predicted_counts()[0] == sum(p.numel() for p in exported.parameters())
+    rebuilt = type(exported)(exported.config).eval()
+    rebuilt.load_state_dict(exported.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(tokens()).logits, got)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        l1 = L1Pruner(grouped(family), (tokens(),), {"whole_experts": 0.25})
+    assert all(m.view(4, 4).sum(1).tolist() == [3.0] * 4 for m in l1.hard_masks())
+
+
+@pytest.mark.parametrize(
+    ("top_k", "topk_group", "ratio", "message"),
+    [
+        (
+            4,
+            2,
+            0.3,
+            r"keeps 11 of the 16 .* multiple of 4; the nearest ratios that give one: "
+            r"0.5 \(keeps 8\), 0.25 \(keeps 12\)",
+        ),
+        (4, 2, 0.75, r"keeps 1 of the 4 experts of each .* among 2 groups .* keep at least 8"),
+        # a group's score is the sum of its best two: one kept per group cannot give it
+        (
+            2,
+            2,
+            0.75,
+            r"whole experts of 'model.layers.0.mlp.experts': .* keeping 1 of each "
+            r"of its 4 groups of experts",
+        ),
+    ],
+)
+def test_group_limited_counts_that_cannot_hold_are_refused(top_k, topk_group, ratio, message):
+    model = grouped("DeepseekV3", top_k, topk_group)
+    with pytest.raises(ValueError, match=message):
+        pruner_for(model, {"whole_experts": ratio})
+    assert not any(isinstance(vars(m).get("forward"), MaskedRouting) for m in model.modules())
+
+
+def test_two_experts_per_group_cannot_lose_any():
+    """4 experts in 2 groups: half a group is one expert, less than a group's score takes."""
+    model = tiny_deepseek()
+    gate = model.model.layers[1].mlp.gate
+    model.config.n_group = model.config.topk_group = gate.num_group = gate.topk_group = 2
+    with pytest.raises(ValueError, match=r"whole experts of 'model.layers.1.mlp.experts': its"):
+        pruner_for(model, {"whole_experts": 0.5})
 
 
 def test_hash_routing_is_refused_by_name():
