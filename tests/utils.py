@@ -236,12 +236,12 @@ TINY_HF_VIT = dict(
 )
 
 
-def tiny_llama(heads=4, kv_heads=2, layers=2, seed=0):
+def tiny_llama(heads=4, kv_heads=2, layers=2, seed=0, vocab=LLAMA_VOCAB):
     """A Llama of head_dim 8, hidden MLP 48 (Hugging Face transformers, built here)."""
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=LLAMA_VOCAB,
+        vocab_size=vocab,
         hidden_size=8 * heads,  # head_dim 8
         intermediate_size=48,
         num_hidden_layers=layers,

@@ -1,5 +1,7 @@
-"""The model a recipe prunes: a built-in architecture, a torchvision one, or the user's
-own (any `package.module:function`), with the user's pretrained weights.
+"""The model a recipe prunes: a built-in architecture, a torchvision one, the user's
+own (any `package.module:function`) with the user's pretrained weights, or a Hugging
+Face causal language model saved with save_pretrained (`source: huggingface`, `path:
+DIR`: its weights with it, read locally, never downloaded).
 
     model:
       source: python                       # builtin (default) | torchvision | python
@@ -21,17 +23,20 @@ from ..models import get_model
 from ..pruning.built_model import build
 from .errors import UsageError
 
-SOURCES = ("builtin", "torchvision", "python")
+SOURCES = ("builtin", "torchvision", "python", "huggingface")
 RANDOM = "random"  # model.weights: start from the architecture's random initialisation
 WEIGHT_KEYS = ("state_dict", "model")  # where a checkpoint file may hold the state_dict
 
 
 def build_model(spec: Mapping) -> nn.Module:
-    """The recipe's `model` section as a module with random weights (see load_weights)."""
+    """The recipe's `model` section as a module with random weights (see load_weights),
+    or, for source "huggingface", the pretrained model in `path`."""
     source = spec.get("source", "builtin")
     kwargs = dict(spec.get("kwargs") or {})
     if source not in SOURCES:
         raise UsageError(f"model.source = {source!r}; allowed: {list(SOURCES)}")
+    if source == "huggingface":
+        return pretrained_causal_lm(spec.get("path"), kwargs)
     if source == "builtin":
         return get_model(spec["name"], spec["num_classes"], **kwargs)
     if source == "torchvision":
@@ -45,6 +50,34 @@ def build_model(spec: Mapping) -> nn.Module:
         kwargs.setdefault("num_classes", spec["num_classes"])
         return builder(weights=None, **kwargs)
     return build(spec.get("entry"), kwargs, field="model.entry")
+
+
+def pretrained_causal_lm(path: str | Path | None, kwargs: dict) -> nn.Module:
+    """transformers' AutoModelForCausalLM from the local directory `path`, in float32
+    (the stages train float32 weights; run.amp gives bf16/fp16 compute). `kwargs` go to
+    from_pretrained (attn_implementation, ...)."""
+    config = Path(path or "") / "config.json"
+    if path is None or not config.is_file():
+        raise FileNotFoundError(
+            f"model.path = {path!r}: no {config.name} there; give the directory a causal "
+            "language model was saved to with save_pretrained (config.json and the weights)"
+        )
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, **{"dtype": torch.float32, **kwargs}
+        )
+    except (OSError, ValueError) as error:
+        raise UsageError(
+            f"model.path = {str(path)!r} does not load as a causal language model: "
+            f"{type(error).__name__}: {error}"
+        ) from None
+
+
+def vocabulary_size(model: nn.Module) -> int:
+    """The number of token ids a language model's input embedding takes."""
+    return model.get_input_embeddings().num_embeddings
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:

@@ -20,7 +20,15 @@ from pathlib import Path
 from .errors import UsageError
 
 # What a run writes into its directory (see run.run).
-OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "pruned.pt", "plots", "tensorboard")
+OUTPUTS = (
+    "checkpoints",
+    "metrics.jsonl",
+    "summary.json",
+    "pruned.pt",
+    "pruned",  # a language model's save_pretrained directory
+    "plots",
+    "tensorboard",
+)
 LOCK = ".dtp-run.lock"
 
 

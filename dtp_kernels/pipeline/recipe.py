@@ -16,7 +16,9 @@ DEFAULTS = {
     "seed": 0,
     # augment: the paper's training augmentation (CIFAR: random crop 32 with padding 4 and
     # flip; ImageFolder: RandomResizedCrop and flip). num_workers null: data.default_workers.
-    # pin_memory null: on when the run's device is CUDA.
+    # pin_memory null: on when the run's device is CUDA. text (causal language models):
+    # root holds train.txt and val.txt, cut into blocks of seq_len tokens; tokenizer:
+    # model (the one in model.path) | bytes (token id = byte value).
     "data": {
         "name": "digits",
         "root": None,
@@ -31,9 +33,13 @@ DEFAULTS = {
         # skip_bad_files: an unreadable image file is counted and left out instead of
         # stopping the run (ImageFolder); the summary gives the count.
         "skip_bad_files": False,
+        "seq_len": 128,
+        "tokenizer": "model",
     },
     # source: builtin | torchvision | python (entry "package.module:function" + kwargs);
     # weights: the dense model's state_dict file, or "random" to prune a random network.
+    # huggingface: a causal language model saved with save_pretrained in the directory
+    # path (its weights with it; read locally, never downloaded).
     "model": {
         "name": "digits_cnn",
         "num_classes": 10,
@@ -42,8 +48,17 @@ DEFAULTS = {
         "kwargs": {},
         "weights": None,
         "input_shape": None,
+        "path": None,
     },
-    "pretrain": {"epochs": 0, "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4},
+    # optimizer (every stage): sgd (momentum, weight_decay) | adamw (weight_decay; the
+    # default betas)
+    "pretrain": {
+        "epochs": 0,
+        "optimizer": "sgd",
+        "lr": 0.1,
+        "momentum": 0.9,
+        "weight_decay": 5e-4,
+    },
     # skip: module names (globs) never pruned; penalty_weight: of the FLOPs penalty.
     # granularity: filter | weight | n:m (nm: [N, M], N of every M weights kept).
     # scores: learned (a parameter of the pruner) | magnitude (|w|, weight and n:m only).
@@ -58,6 +73,7 @@ DEFAULTS = {
         "iters": 1,
         "skip": [],
         "epochs": 10,
+        "optimizer": "sgd",
         "lr": 0.1,
         "momentum": 0.9,
         "weight_decay": 5e-4,
@@ -67,6 +83,7 @@ DEFAULTS = {
     },
     "finetune": {
         "epochs": 10,
+        "optimizer": "sgd",
         "lr": 0.01,
         "momentum": 0.9,
         "weight_decay": 5e-4,

@@ -18,23 +18,28 @@ from ..models import CIFAR_MODELS, TORCHVISION_MODELS
 from ..pruning import DTPPruner, L1Pruner, RandomPruner, save_pruned
 from ..pruning.cost import count_flops, count_params
 from . import data as datasets
-from . import distributed, plots, schema
+from . import distributed, plots, schema, text_data
 from . import out_dir as out_dir_rules
 from .device import resolve_device
 from .errors import DivergedError, UsageError
-from .model_source import RANDOM, build_model, example_input, load_weights
+from .model_source import RANDOM, build_model, example_input, load_weights, vocabulary_size
 from .preemption import PreemptionGuard
-from .train import Checkpointing, MetricsLog, RunOptions, evaluate, train
+from .train import Checkpointing, MetricsLog, RunOptions, evaluate, perplexity, train
 
 METHODS = ("dtp", "l1", "random")
 
 
-def build_data(recipe: dict, device: torch.device | None = None):
+def build_data(recipe: dict, device: torch.device | None = None, vocab_size: int | None = None):
     """The training and test loaders of the recipe's `data` section, for a run on
-    `device` (CPU by default: it decides pinned memory)."""
+    `device` (CPU by default: it decides pinned memory); text for a language model of
+    `vocab_size` token ids."""
     spec = recipe["data"]
     device = torch.device(device or "cpu")
-    if spec["name"] == "digits":
+    if spec["name"] == "text":
+        train_set, test_set = text_data.text(
+            spec["root"], spec["seq_len"], spec["tokenizer"], recipe["model"]["path"], vocab_size
+        )
+    elif spec["name"] == "digits":
         train_set, test_set = datasets.digits(seed=recipe["seed"])
     elif spec["name"] in ("cifar10", "cifar100"):
         train_set, test_set = datasets.cifar(spec["root"], spec["name"], spec["augment"])
@@ -44,7 +49,7 @@ def build_data(recipe: dict, device: torch.device | None = None):
         )
     else:
         raise UsageError(
-            f"data.name = {spec['name']!r}; allowed: digits, cifar10, cifar100, imagefolder"
+            f"data.name = {spec['name']!r}; allowed: digits, cifar10, cifar100, imagefolder, text"
         )
     pin = spec["pin_memory"] if spec["pin_memory"] is not None else device.type == "cuda"
     return datasets.loaders(
@@ -63,6 +68,8 @@ def build_data(recipe: dict, device: torch.device | None = None):
 def check_starting_point(recipe: dict) -> None:
     """Refuse, before any work, a run that would prune a network nobody trained."""
     weights = recipe["model"]["weights"]
+    if recipe["model"]["source"] == "huggingface":
+        return  # its weights are in model.path (build_model reads them)
     if weights is None and not recipe["pretrain"]["epochs"]:
         raise UsageError(
             "model.weights is not set and pretrain.epochs is 0: the run would prune a "
@@ -223,6 +230,8 @@ def prune_and_finetune(
     pruned = pruner.export()
     times["export"] = time.perf_counter() - start
     before_finetune = evaluate(pruned, test_loader, options)  # the paper's star point
+    language = options.task == "causal_lm"
+    perplexity_before = perplexity(pruned, test_loader, options) if language else None
     zeros = zero_pattern(pruned) if settings["granularity"] != "filter" else None
     saving = stage_checkpoint(checkpoints, recipe, "finetune", resume)
     result = train(
@@ -241,7 +250,7 @@ def prune_and_finetune(
     params, flops = count_params(pruned), count_flops(pruned, example)
     if zeros is not None:  # unstructured: the same shapes, pruned weights held at zero
         params -= sum(int((~keep).sum()) for keep in zeros.values())
-    return {
+    summary = {
         "method": method,
         "ratios": settings["ratios"],
         "accuracy_before_finetune": before_finetune,
@@ -254,6 +263,10 @@ def prune_and_finetune(
         "groups": groups,
         "model": pruned,
     }
+    if language:  # next-token accuracy above; perplexity on the evaluation text
+        summary["perplexity_before_finetune"] = perplexity_before
+        summary["perplexity"] = perplexity(pruned, test_loader, options)
+    return summary
 
 
 def zero_pattern(model: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
@@ -297,7 +310,9 @@ def write_plots(summary: dict, rows: list[dict], where: Path, recipe: dict) -> l
     """Fig. 3a (from the mask-trace rows of a DTP run) and Fig. 7 as PNG files."""
     where.mkdir(parents=True, exist_ok=True)
     prune = recipe["prune"]
-    label = f"{recipe['model']['name']}, {prune['method']} {prune['ratios']} ({prune['budget']})"
+    model = recipe["model"]
+    name = Path(model["path"]).name if model["source"] == "huggingface" else model["name"]
+    label = f"{name}, {prune['method']} {prune['ratios']} ({prune['budget']})"
     written = []
     traces = [r for r in rows if r["stage"] == "mask-trace"]
     if traces:
@@ -342,6 +357,7 @@ def run(
         settings["compile"],
         checkpoint_minutes=settings["checkpoint_minutes"],
         checkpoint_steps=settings["checkpoint_steps"],
+        task="causal_lm" if recipe["data"]["name"] == "text" else "classify",
     )
     check_starting_point(recipe)
     out = Path(out_dir) if out_dir is not None else None
@@ -376,8 +392,10 @@ def _run(recipe: dict, out: Path | None, resume: bool, options: RunOptions, main
         writes = out is not None and main  # rank 0 writes the files
         tensorboard = out / "tensorboard" if writes and settings["tensorboard"] else None
         log = MetricsLog(out / "metrics.jsonl" if writes else None, tensorboard)
-        train_loader, test_loader = build_data(recipe, device)
         model = build_model(recipe["model"])
+        language = options.task == "causal_lm"
+        vocab = vocabulary_size(model) if language else None
+        train_loader, test_loader = build_data(recipe, device, vocab)
         if recipe["model"]["weights"] not in (None, RANDOM):
             load_weights(model, recipe["model"]["weights"])
         model.to(device)
@@ -398,22 +416,40 @@ def _run(recipe: dict, out: Path | None, resume: bool, options: RunOptions, main
             )
         else:
             dense = {"seconds": 0.0, "accuracy": evaluate(model, test_loader, options)}
+        if language:
+            dense["perplexity"] = perplexity(model, test_loader, options)
         summary = prune_and_finetune(
             model, recipe, train_loader, test_loader, log, checkpoints, resume, options, example
         )
     summary["dense_accuracy"] = dense["accuracy"]
+    if language:
+        summary["dense_perplexity"] = dense["perplexity"]
     summary["device"] = str(device)
     summary["seconds"]["pretrain"] = dense["seconds"]
     summary["skipped_files"] = datasets.skipped_files(train_loader, test_loader)
     check_finite(summary["model"])
-    if writes:
+    if writes and language:  # a directory from_pretrained reads, its tokenizer with it
+        save_language_model(summary["model"], recipe, out / "pruned")
+    elif writes:
         metadata = {"method": summary["method"], "ratios": str(summary["ratios"])}
         save_pruned(out / "pruned.pt", summary["model"], saved_architecture(recipe), metadata)
+    if writes:
         if settings["plots"]:
             write_plots(summary, log.rows, out / "plots", recipe)
         printable = {k: v for k, v in summary.items() if k != "model"}
         (out / "summary.json").write_text(json.dumps(printable, indent=2, allow_nan=False))
     return summary
+
+
+def save_language_model(model: nn.Module, recipe: dict, where: Path) -> None:
+    """save_pretrained of the pruned causal language model (its config holds the pruned
+    sizes), with the tokenizer of model.path when the data used it."""
+    model.save_pretrained(where)
+    if recipe["data"]["tokenizer"] == "model":
+        from transformers import AutoTokenizer
+
+        path = recipe["model"]["path"]
+        AutoTokenizer.from_pretrained(path, local_files_only=True).save_pretrained(where)
 
 
 def check_finite(model: nn.Module) -> None:

@@ -127,6 +127,7 @@ def ratios() -> Check:
 
 
 SCHEDULE = choice("cosine", "step")
+OPTIMIZER = choice("sgd", "adamw")
 LR = number(0, low_open=True)
 MOMENTUM = number(0, 1, high_open=True)
 DECAY = number(0)
@@ -134,7 +135,7 @@ MILESTONES = list_of(integer(1), "epochs >= 1, increasing")
 
 FIELDS: dict[str, Check] = {
     "seed": integer(0),
-    "data.name": choice("digits", "cifar10", "cifar100", "imagefolder"),
+    "data.name": choice("digits", "cifar10", "cifar100", "imagefolder", "text"),
     "data.root": text(optional=True, describe="a directory"),
     "data.batch_size": integer(1),
     "data.eval_batch_size": integer(1),
@@ -145,16 +146,20 @@ FIELDS: dict[str, Check] = {
     "data.persistent_workers": boolean(),
     "data.prefetch_factor": integer(1, optional=True),
     "data.skip_bad_files": boolean(),
+    "data.seq_len": integer(1),
+    "data.tokenizer": choice("model", "bytes"),
     "model.name": text(describe="a model name"),
     "model.num_classes": integer(1),
-    "model.source": choice("builtin", "torchvision", "python"),
+    "model.source": choice("builtin", "torchvision", "python", "huggingface"),
     "model.entry": text(
         optional=True, pattern=r"[\w.]+:[\w.]+", describe="'package.module:function'"
     ),
     "model.kwargs": mapping(),
     "model.weights": text(optional=True, describe="a file, or 'random'"),
     "model.input_shape": list_of(integer(1), "sizes >= 1", optional=True),
+    "model.path": text(optional=True, describe="a directory"),
     "pretrain.epochs": integer(0),
+    "pretrain.optimizer": OPTIMIZER,
     "pretrain.lr": LR,
     "pretrain.momentum": MOMENTUM,
     "pretrain.weight_decay": DECAY,
@@ -171,6 +176,7 @@ FIELDS: dict[str, Check] = {
     "prune.iters": integer(1),
     "prune.skip": list_of(text(), "module names or globs"),
     "prune.epochs": integer(0),
+    "prune.optimizer": OPTIMIZER,
     "prune.lr": LR,
     "prune.momentum": MOMENTUM,
     "prune.weight_decay": DECAY,
@@ -178,6 +184,7 @@ FIELDS: dict[str, Check] = {
     "prune.flops_target": number(0, 1, low_open=True, optional=True),
     "prune.penalty_weight": number(0),
     "finetune.epochs": integer(0),
+    "finetune.optimizer": OPTIMIZER,
     "finetune.lr": LR,
     "finetune.momentum": MOMENTUM,
     "finetune.weight_decay": DECAY,
@@ -265,3 +272,34 @@ def validate(recipe: Mapping, sources: Mapping[str, str] | None = None) -> None:
         )
     if values["model.source"] == "python" and values["model.entry"] is None:
         raise RecipeError("model.source = 'python' needs model.entry = 'package.module:function'")
+    _check_causal_lm(values, sources)
+
+
+def _check_causal_lm(values: Mapping, sources: Mapping[str, str] | None) -> None:
+    """data.name 'text' and model.source 'huggingface' go together (a causal language
+    model and its text), with model.path, without separate weights or channels_last."""
+    text, hugging = values["data.name"] == "text", values["model.source"] == "huggingface"
+    if text != hugging:
+        given = "data.name = 'text'" if text else "model.source = 'huggingface'"
+        where = _source("data.name" if text else "model.source", sources)
+        raise RecipeError(
+            f"{given} (from {where}) needs "
+            + ("model.source = 'huggingface'" if text else "data.name = 'text'")
+            + ": text trains a causal language model, saved with save_pretrained in "
+            "model.path, and such a model trains on text"
+        )
+    if not hugging:
+        return
+    if values["model.path"] is None:
+        raise RecipeError(
+            "model.source = 'huggingface' needs model.path, the directory the model was "
+            "saved to with save_pretrained (config.json and the weights)"
+        )
+    if values["model.weights"] is not None:
+        raise RecipeError(
+            f"model.weights = {values['model.weights']!r} (from "
+            f"{_source('model.weights', sources)}): a huggingface model's weights are read "
+            "from model.path; leave model.weights null"
+        )
+    if values["run.channels_last"]:
+        raise RecipeError("run.channels_last is for images; a language model's inputs are tokens")

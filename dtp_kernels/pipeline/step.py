@@ -9,6 +9,7 @@ device value back to the host (tests/reliability/test_no_host_sync.py, on the CP
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -24,10 +25,13 @@ def training_step(
     penalty_weight: float = 10.0,
     amp: torch.dtype | None = None,
     scaler: torch.amp.GradScaler | None = None,
+    outputs: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Run one step and return the loss, detached and left on the device.
 
-    flops_target adds `penalty_weight * pruner.penalty(flops_target)` (budget="flops");
+    The loss is the cross-entropy of `outputs(model, images)` (default: model(images);
+    RunOptions.outputs gives a causal language model's logits, classes in dim 1) against
+    `labels`. flops_target adds `penalty_weight * pruner.penalty(flops_target)` (budget="flops");
     amp runs the forward under torch.autocast with that dtype (bf16 or fp16); scaler (for
     fp16) scales the loss and skips the optimizer step, and so the transport-state
     commit, when a gradient is not finite.
@@ -40,7 +44,8 @@ def training_step(
         else contextlib.nullcontext()
     )
     with autocast:
-        loss = nn.functional.cross_entropy(model(images), labels)
+        logits = model(images) if outputs is None else outputs(model, images)
+        loss = nn.functional.cross_entropy(logits, labels)
     if flops_target is not None:
         loss = loss + penalty_weight * pruner.penalty(flops_target)
     optimizer.zero_grad(set_to_none=True)

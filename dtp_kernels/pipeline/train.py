@@ -29,6 +29,9 @@ from .errors import DivergedError, UsageError
 from .preemption import Preempted, PreemptionGuard
 from .step import compile_model, training_step
 
+TASKS = ("classify", "causal_lm")
+OPTIMIZERS = ("sgd", "adamw")
+
 
 class MetricsLog:
     """Appends one JSON object per line to `path` (or keeps them in memory only), and
@@ -78,7 +81,9 @@ class RunOptions:
     """How stages run: the device, mixed precision ("bf16", "fp16" or None),
     channels_last memory format, torch.compile of the training step, tqdm progress bars,
     how often a checkpoint is written within an epoch (minutes and/or steps; None: not
-    within epochs), and the guard that stops a stage at a preemption signal."""
+    within epochs), the guard that stops a stage at a preemption signal, and the task:
+    "classify" (the model returns class logits) or "causal_lm" (a transformers causal
+    language model: its logits per token, against the next tokens)."""
 
     amp: str | None = None
     channels_last: bool = False
@@ -88,11 +93,21 @@ class RunOptions:
     preemption: PreemptionGuard | None = None
     checkpoint_minutes: float | None = None
     checkpoint_steps: int | None = None
+    task: str = "classify"
 
     def __post_init__(self) -> None:
         if self.amp not in (None, "bf16", "fp16"):
             raise UsageError(f"run.amp = {self.amp!r}; allowed: null, 'bf16', 'fp16'")
+        if self.task not in TASKS:
+            raise UsageError(f"task = {self.task!r}; allowed: {list(TASKS)}")
         self.device = torch.device(self.device)
+
+    def outputs(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+        """The model's logits on `inputs` with the classes in dim 1: a causal language
+        model's (batch, vocabulary, tokens), without its key/value cache."""
+        if self.task == "causal_lm":
+            return model(inputs, use_cache=False).logits.transpose(1, 2)
+        return model(inputs)
 
     @property
     def amp_dtype(self) -> torch.dtype | None:
@@ -110,25 +125,52 @@ class RunOptions:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: DataLoader, options: RunOptions | None = None) -> float:
-    """Top-1 accuracy in [0, 1], counted on the device (one read at the end)."""
+    """Top-1 accuracy in [0, 1] (a language model's: of the next token, over every
+    position), counted on the device (one read at the end)."""
     options = options or RunOptions()
     was_training = model.training
     model.eval()
     correct = torch.zeros((), dtype=torch.int64, device=options.device)
     total = 0
     for images, labels in loader:
-        correct += (model(options.images(images)).argmax(1) == options.labels(labels)).sum()
-        total += len(labels)
+        logits = options.outputs(model, options.images(images))
+        correct += (logits.argmax(1) == options.labels(labels)).sum()
+        total += labels.numel()
     model.train(was_training)
     return int(correct) / max(total, 1)
 
 
+@torch.no_grad()
+def perplexity(model: nn.Module, loader: DataLoader, options: RunOptions) -> float:
+    """exp of the mean next-token cross-entropy over every target token of `loader`
+    (a causal language model), summed on the device in float64 (one read at the end)."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=options.device)
+    count = 0
+    for inputs, targets in loader:
+        logits = options.outputs(model, options.images(inputs)).float()
+        loss = nn.functional.cross_entropy(logits, options.labels(targets), reduction="sum")
+        total += loss.double()
+        count += targets.numel()
+    model.train(was_training)
+    return math.exp(float(total) / max(count, 1))
+
+
 def make_optimizer(model: nn.Module, settings: dict, pruner: nn.Module | None = None):
+    """The stage's optimizer (settings["optimizer"]: "sgd", the default, or "adamw")."""
     groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
     # the pruner's scores and learned ratios (none for magnitude scores): no weight decay
     extra = list(pruner.parameters()) if pruner is not None else []
     if extra:
         groups.append({"params": extra, "weight_decay": 0.0})
+    kind = settings.get("optimizer", "sgd")
+    if kind not in OPTIMIZERS:
+        raise UsageError(f"optimizer = {kind!r}; allowed: {list(OPTIMIZERS)}")
+    if kind == "adamw":
+        return torch.optim.AdamW(
+            groups, lr=settings["lr"], weight_decay=settings.get("weight_decay", 0.01)
+        )
     return torch.optim.SGD(
         groups,
         lr=settings["lr"],
@@ -294,6 +336,7 @@ def train(
                 settings.get("penalty_weight", 10.0),
                 options.amp_dtype,
                 scaler,
+                options.outputs,
             )
             bar.update()
             schedule.step()

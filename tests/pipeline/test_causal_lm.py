@@ -1,0 +1,167 @@
+"""`dtp prune` on a Hugging Face causal language model (data.name text, model.source
+huggingface): a tiny Llama saved here with save_pretrained, text written here, nothing
+downloaded. The pruned model is saved with save_pretrained, loads with from_pretrained
+at the exact kept counts, and the summary's perplexity is that model's."""
+
+from __future__ import annotations
+
+import json
+import math
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtp_kernels.cli import main
+from dtp_kernels.pipeline import recipe
+from dtp_kernels.pipeline.errors import RecipeError, UsageError
+from dtp_kernels.pipeline.run import build_data, run
+from dtp_kernels.pipeline.train import make_optimizer
+from utils import tiny_llama
+
+transformers = pytest.importorskip("transformers")
+
+CONFIGS = Path(__file__).resolve().parents[2] / "dtp_kernels" / "configs"
+SEQ = 32
+
+
+def save_llama(where: Path, vocab: int = 256) -> Path:
+    """A tiny Llama (4 heads, 2 key/value heads, MLP 48) saved with save_pretrained."""
+    tiny_llama(vocab=vocab).save_pretrained(where)
+    return where
+
+
+def write_text(where: Path, train_bytes: int = 12000, val_bytes: int = 3000) -> Path:
+    """train.txt and val.txt: Python source of the standard library (ASCII)."""
+    source = b""
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        source += path.read_bytes().decode("ascii", "ignore").encode()
+        if len(source) >= train_bytes + val_bytes:
+            break
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "train.txt").write_bytes(source[:train_bytes])
+    (where / "val.txt").write_bytes(source[train_bytes : train_bytes + val_bytes])
+    return where
+
+
+def lm_recipe(model: Path, text: Path, *overrides: str) -> dict:
+    return recipe.load(
+        CONFIGS / "causal_lm.yaml",
+        [
+            f"model.path={model}",
+            f"data.root={text}",
+            "data.tokenizer=bytes",
+            f"data.seq_len={SEQ}",
+            "run.amp=null",
+            "run.device=cpu",
+            "run.progress=false",
+            "prune.lr=0.003",
+            "finetune.lr=0.003",
+            *overrides,
+        ],
+    )
+
+
+def blocks(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.tensor(list(path.read_bytes()))
+    count = (len(ids) - 1) // SEQ
+    return ids[: count * SEQ].view(count, SEQ), ids[1 : count * SEQ + 1].view(count, SEQ)
+
+
+def test_prune_command_prunes_a_causal_lm_and_saves_it_for_from_pretrained(tmp_path):
+    model_dir, text = save_llama(tmp_path / "llama"), write_text(tmp_path / "text")
+    out = tmp_path / "run"
+    sets = [
+        f"model.path={model_dir}",
+        f"data.root={text}",
+        "data.tokenizer=bytes",
+        f"data.seq_len={SEQ}",
+        "run.amp=null",
+        "run.device=cpu",
+        "prune.lr=0.003",
+    ]
+    argv = ["prune", "--config", str(CONFIGS / "causal_lm.yaml"), "--out", str(out)]
+    assert main([*argv, *[a for s in sets for a in ("--set", s)], "--no-progress"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    heads = [g for g in summary["groups"] if g["name"].endswith("self_attn")]
+    mlps = [g for g in summary["groups"] if g["name"].endswith("gate_proj")]
+    assert [(g["n"], g["k"]) for g in heads] == [(2, 1)] * 2  # key/value heads
+    assert [(g["n"], g["k"]) for g in mlps] == [(48, 24)] * 2
+    pruned = transformers.AutoModelForCausalLM.from_pretrained(out / "pruned").eval()
+    config = pruned.config
+    assert (config.num_attention_heads, config.num_key_value_heads) == (2, 1)
+    assert config.intermediate_size == 24
+    assert sum(p.numel() for p in pruned.parameters()) == summary["params"]
+    # the summary's perplexity and next-token accuracy are the saved model's on val.txt
+    inputs, targets = blocks(text / "val.txt")
+    with torch.no_grad():
+        logits = pruned(inputs).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    assert summary["perplexity"] == pytest.approx(math.exp(float(loss)), rel=1e-4)
+    accuracy = float((logits.argmax(-1) == targets).float().mean())
+    assert summary["accuracy"] == pytest.approx(accuracy, abs=1e-6)
+    for key in ("dense_perplexity", "perplexity_before_finetune"):
+        assert math.isfinite(summary[key]) and summary[key] > 1
+    assert summary["perplexity"] < summary["dense_perplexity"]  # it trained on the text
+
+
+def test_the_models_own_tokenizer_reads_the_text_and_is_saved_with_it(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    text = write_text(tmp_path / "text")
+    words = sorted(
+        set((text / "train.txt").read_text().split()) | set((text / "val.txt").read_text().split())
+    )
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    model_dir = save_llama(tmp_path / "llama", vocab=len(vocab))
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]")
+    tokenizer.save_pretrained(model_dir)
+    settings = lm_recipe(model_dir, text, "data.tokenizer=model", "prune.method=l1")
+    settings["data"]["seq_len"] = 16
+    _, test_loader = build_data(settings, vocab_size=len(vocab))
+    ids = tokenizer((text / "val.txt").read_text(), add_special_tokens=False)["input_ids"]
+    inputs, targets = test_loader.dataset.tensors
+    assert inputs[0].tolist() == ids[:16] and targets[0].tolist() == ids[1:17]
+    assert len(inputs) == (len(ids) - 1) // 16
+    run(settings, tmp_path / "run")
+    saved = transformers.AutoTokenizer.from_pretrained(tmp_path / "run" / "pruned")
+    assert saved("def return")["input_ids"] == tokenizer("def return")["input_ids"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "message"),
+    [
+        (["model.source=builtin", "model.path=null"], RecipeError, r"needs model.source"),
+        (["model.path=null"], RecipeError, r"model.source = 'huggingface' needs model.path"),
+        (["model.weights=dense.pt"], RecipeError, r"read from model.path"),
+        (["run.channels_last=true"], RecipeError, r"channels_last is for images"),
+        (["prune.optimizer=adam"], RecipeError, r"prune.optimizer = 'adam'"),
+        (["model.path={empty}"], FileNotFoundError, r"no config.json there"),
+        (["data.root={empty}"], FileNotFoundError, r"has no train.txt or val.txt"),
+        (["data.seq_len=4000"], UsageError, r"val.txt holds 3000 tokens, fewer than"),
+        (["model.path={small}"], UsageError, r"token id \d+ .* vocabulary of 100"),
+        (["data.tokenizer=model"], UsageError, r"no tokenizer could be read from model.path"),
+    ],
+)
+def test_what_cannot_run_is_refused_naming_the_field(tmp_path, overrides, error, message):
+    model_dir, text = save_llama(tmp_path / "llama"), write_text(tmp_path / "text")
+    places = {
+        "empty": tmp_path / "empty",
+        "small": save_llama(tmp_path / "small", vocab=100),
+    }
+    places["empty"].mkdir()
+    overrides = [o.format(**places) for o in overrides]
+    with pytest.raises(error, match=message):
+        run(lm_recipe(model_dir, text, *overrides), tmp_path / "run")
+    assert not (tmp_path / "run" / "pruned").exists()
+
+
+@pytest.mark.parametrize(("kind", "cls"), [("sgd", torch.optim.SGD), ("adamw", torch.optim.AdamW)])
+def test_each_stage_names_its_optimizer(kind, cls):
+    model = torch.nn.Linear(3, 2)
+    settings = {"optimizer": kind, "lr": 0.01, "momentum": 0.9, "weight_decay": 0.1}
+    optimizer = make_optimizer(model, settings)
+    assert type(optimizer) is cls and optimizer.defaults["weight_decay"] == 0.1
