@@ -108,7 +108,9 @@ DEFAULTS = {
         "checkpoint_steps": None,
     },
 }
-FREE_FORM = ("model.kwargs",)  # dict fields whose keys are the user's, replaced whole
+# dict fields whose keys are the user's, replaced whole (a ratio map set by --set
+# replaces the recipe's, never merges into it)
+FREE_FORM = ("model.kwargs", "prune.ratios")
 
 
 def merge(base: dict, update: dict, where: str = "") -> dict:

@@ -165,3 +165,33 @@ def test_each_stage_names_its_optimizer(kind, cls):
     settings = {"optimizer": kind, "lr": 0.01, "momentum": 0.9, "weight_decay": 0.1}
     optimizer = make_optimizer(model, settings)
     assert type(optimizer) is cls and optimizer.defaults["weight_decay"] == 0.1
+
+
+def test_whole_experts_of_a_mixtral_through_the_command_line(tmp_path):
+    """{whole_experts: 0.5} on a saved Mixtral (8 experts, top-2): the saved config holds
+    4 experts per block and from_pretrained builds the pruned model from it."""
+    config = transformers.MixtralConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=2 * SEQ,
+    )
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "mixtral")
+    text = write_text(tmp_path / "text")
+    settings = lm_recipe(tmp_path / "mixtral", text, "prune.ratios={whole_experts: 0.5}")
+    summary = run(settings, tmp_path / "run")
+    assert [(g["n"], g["k"]) for g in summary["groups"]] == [(8, 4)] * 2
+    pruned = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "pruned")
+    assert pruned.config.num_local_experts == 4
+    inputs, targets = blocks(text / "val.txt")
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy(
+            pruned.eval()(inputs).logits.flatten(0, 1), targets.flatten()
+        )
+    assert summary["perplexity"] == pytest.approx(math.exp(float(loss)), rel=1e-4)

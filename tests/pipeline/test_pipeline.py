@@ -30,6 +30,9 @@ def test_overrides_and_unknown_fields():
         recipe.load(None, ["prune.ratio=0.9"])
     with pytest.raises(ValueError, match=r"section\.key=value"):
         recipe.load(None, ["prune.ratios"])
+    # a ratio map replaces the recipe's whole: its keys are the user's, not fields
+    maps = ["prune.ratios={heads: 0.5, mlp: 0.5}", "prune.ratios={whole_experts: 0.25}"]
+    assert recipe.load(None, maps)["prune"]["ratios"] == {"whole_experts": 0.25}
 
 
 def test_missing_cifar_directory_names_path_and_layout(tmp_path):

@@ -105,3 +105,22 @@ def test_torchrun_with_nccl(tmp_path, cifar):
         pytest.fail(f"torchrun did not finish in 240 s; its stderr ends:\n{stderr[-3000:]}")
     assert process.returncode == 0, stderr[-3000:]
     assert json.loads((out / "summary.json").read_text())["device"] == "cuda:0"
+
+
+@pytest.mark.parametrize("amp", ["null", "bf16"], ids=["fp32", "bf16"])
+def test_prune_a_causal_lm_on_cuda(tmp_path, amp):
+    """A tiny Llama saved with save_pretrained, pruned on the GPU from text
+    (tests/pipeline/test_causal_lm.py runs the same on the CPU)."""
+    pytest.importorskip("transformers")
+    from test_causal_lm import lm_recipe, save_llama, write_text
+
+    from dtp_kernels.pipeline.run import run
+
+    settings = lm_recipe(
+        save_llama(tmp_path / "llama"), write_text(tmp_path / "text"), "run.device=cuda"
+    )
+    settings["run"]["amp"] = None if amp == "null" else amp
+    summary = run(settings, tmp_path / "run")
+    assert summary["device"].startswith("cuda")
+    assert summary["perplexity"] < summary["dense_perplexity"]
+    assert (tmp_path / "run" / "pruned" / "config.json").is_file()
