@@ -253,6 +253,19 @@ def tiny_llama(heads=4, kv_heads=2, layers=2, seed=0, vocab=LLAMA_VOCAB):
     return transformers.LlamaForCausalLM(config)
 
 
+def tiny_mixtral(vocab=LLAMA_VOCAB, experts=8, top_k=2, seed=0):
+    """A Mixtral of 4 heads (2 key/value), `experts` experts of 32 (`top_k` per token)."""
+    import transformers
+
+    sizes = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
+    config = transformers.MixtralConfig(
+        **sizes, vocab_size=vocab, intermediate_size=32, num_hidden_layers=2
+    )
+    config.num_local_experts, config.num_experts_per_tok = experts, top_k
+    torch.manual_seed(seed)
+    return transformers.MixtralForCausalLM(config)
+
+
 def tiny_deepseek(version: int = 3, q_lora_rank: int | None = 20, seed: int = 0):
     """A DeepSeek-V{version} causal LM with latent attention of 4 heads (query 8 + 4 rotary,
     value 6; query latent `q_lora_rank`, or a plain q_proj with None), a dense first

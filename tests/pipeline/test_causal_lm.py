@@ -18,7 +18,7 @@ from dtp_kernels.pipeline import recipe
 from dtp_kernels.pipeline.errors import RecipeError, UsageError
 from dtp_kernels.pipeline.run import build_data, run
 from dtp_kernels.pipeline.train import make_optimizer
-from utils import tiny_llama
+from utils import tiny_llama, tiny_mixtral
 
 transformers = pytest.importorskip("transformers")
 
@@ -170,19 +170,7 @@ def test_each_stage_names_its_optimizer(kind, cls):
 def test_whole_experts_of_a_mixtral_through_the_command_line(tmp_path):
     """{whole_experts: 0.5} on a saved Mixtral (8 experts, top-2): the saved config holds
     4 experts per block and from_pretrained builds the pruned model from it."""
-    config = transformers.MixtralConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        max_position_embeddings=2 * SEQ,
-    )
-    torch.manual_seed(0)
-    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "mixtral")
+    tiny_mixtral(vocab=256).save_pretrained(tmp_path / "mixtral")
     text = write_text(tmp_path / "text")
     settings = lm_recipe(tmp_path / "mixtral", text, "prune.ratios={whole_experts: 0.5}")
     summary = run(settings, tmp_path / "run")
