@@ -24,7 +24,7 @@ from .device import resolve_device
 from .errors import DivergedError, UsageError
 from .model_source import RANDOM, build_model, example_input, load_weights, vocabulary_size
 from .preemption import PreemptionGuard
-from .train import Checkpointing, MetricsLog, RunOptions, evaluate, perplexity, train
+from .train import Checkpointing, MetricsLog, RunOptions, metrics, train
 
 METHODS = ("dtp", "l1", "random")
 
@@ -229,9 +229,7 @@ def prune_and_finetune(
     start = time.perf_counter()
     pruned = pruner.export()
     times["export"] = time.perf_counter() - start
-    before_finetune = evaluate(pruned, test_loader, options)  # the paper's star point
-    language = options.task == "causal_lm"
-    perplexity_before = perplexity(pruned, test_loader, options) if language else None
+    before_finetune = metrics(pruned, test_loader, options)  # the paper's star point
     zeros = zero_pattern(pruned) if settings["granularity"] != "filter" else None
     saving = stage_checkpoint(checkpoints, recipe, "finetune", resume)
     result = train(
@@ -253,8 +251,8 @@ def prune_and_finetune(
     summary = {
         "method": method,
         "ratios": settings["ratios"],
-        "accuracy_before_finetune": before_finetune,
-        "accuracy": evaluate(pruned, test_loader, options),
+        "accuracy_before_finetune": before_finetune["accuracy"],
+        **metrics(pruned, test_loader, options),  # a language model's perplexity too
         "params": params,
         "flops": flops,
         "sparsity": 1 - params / base_params,
@@ -263,9 +261,8 @@ def prune_and_finetune(
         "groups": groups,
         "model": pruned,
     }
-    if language:  # next-token accuracy above; perplexity on the evaluation text
-        summary["perplexity_before_finetune"] = perplexity_before
-        summary["perplexity"] = perplexity(pruned, test_loader, options)
+    if "perplexity" in before_finetune:
+        summary["perplexity_before_finetune"] = before_finetune["perplexity"]
     return summary
 
 
@@ -415,14 +412,12 @@ def _run(recipe: dict, out: Path | None, resume: bool, options: RunOptions, main
                 options=options,
             )
         else:
-            dense = {"seconds": 0.0, "accuracy": evaluate(model, test_loader, options)}
-        if language:
-            dense["perplexity"] = perplexity(model, test_loader, options)
+            dense = {"seconds": 0.0, **metrics(model, test_loader, options)}
         summary = prune_and_finetune(
             model, recipe, train_loader, test_loader, log, checkpoints, resume, options, example
         )
     summary["dense_accuracy"] = dense["accuracy"]
-    if language:
+    if "perplexity" in dense:
         summary["dense_perplexity"] = dense["perplexity"]
     summary["device"] = str(device)
     summary["seconds"]["pretrain"] = dense["seconds"]

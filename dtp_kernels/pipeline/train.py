@@ -141,20 +141,34 @@ def evaluate(model: nn.Module, loader: DataLoader, options: RunOptions | None = 
 
 
 @torch.no_grad()
-def perplexity(model: nn.Module, loader: DataLoader, options: RunOptions) -> float:
-    """exp of the mean next-token cross-entropy over every target token of `loader`
-    (a causal language model), summed on the device in float64 (one read at the end)."""
+def evaluate_lm(model: nn.Module, loader: DataLoader, options: RunOptions) -> dict:
+    """A causal language model's next-token accuracy and perplexity (exp of the mean
+    cross-entropy) over every target token of `loader`, in one pass, summed on the
+    device (the loss in float64; one read at the end)."""
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=options.device)
+    correct = torch.zeros((), dtype=torch.int64, device=options.device)
     count = 0
     for inputs, targets in loader:
         logits = options.outputs(model, options.images(inputs)).float()
-        loss = nn.functional.cross_entropy(logits, options.labels(targets), reduction="sum")
-        total += loss.double()
+        targets = options.labels(targets)
+        total += nn.functional.cross_entropy(logits, targets, reduction="sum").double()
+        correct += (logits.argmax(1) == targets).sum()
         count += targets.numel()
     model.train(was_training)
-    return math.exp(float(total) / max(count, 1))
+    return {
+        "accuracy": int(correct) / max(count, 1),
+        "perplexity": math.exp(float(total) / max(count, 1)),
+    }
+
+
+def metrics(model: nn.Module, loader: DataLoader, options: RunOptions) -> dict:
+    """What a stage reports on the test set: {"accuracy"}, and for a causal language
+    model {"accuracy" (of the next token), "perplexity"}."""
+    if options.task == "causal_lm":
+        return evaluate_lm(model, loader, options)
+    return {"accuracy": evaluate(model, loader, options)}
 
 
 def make_optimizer(model: nn.Module, settings: dict, pruner: nn.Module | None = None):
@@ -219,7 +233,8 @@ def train(
     on_epoch: Callable[[int], None] | None = None,
     keep_zero: dict[nn.Parameter, torch.Tensor] | None = None,
 ) -> dict:
-    """Train for settings["epochs"]; log loss and accuracy per epoch; return the summary.
+    """Train for settings["epochs"]; log the loss and the test metrics (`metrics`) per
+    epoch; return the summary.
 
     keep_zero maps parameters to boolean masks of their kept entries; the others are set
     back to zero after every optimizer step (fine-tuning an unstructured pruned model).
@@ -352,19 +367,19 @@ def train(
                 check_losses(epoch, step + 1)
                 save(epoch, step + 1, False)
         check_losses(epoch, steps)
-        accuracy = evaluate(model, test_loader, options)
-        log.write(stage=stage, epoch=epoch, loss=losses.sum().item() / steps, accuracy=accuracy)
+        scores = metrics(model, test_loader, options)
+        log.write(stage=stage, epoch=epoch, loss=losses.sum().item() / steps, **scores)
         losses = torch.zeros(steps, device=options.device)
         if on_epoch is not None:
             on_epoch(epoch)
-        result = {"seconds": time.perf_counter() - start, "accuracy": accuracy}
+        result = {"seconds": time.perf_counter() - start, **scores}
         save(epoch + 1, 0, epoch + 1 == epochs)
     bar.close()
     if first_epoch < epochs:  # the last epoch's evaluation: no second pass over the test set
         return result
     return {
         "seconds": time.perf_counter() - start,
-        "accuracy": evaluate(model, test_loader, options),
+        **metrics(model, test_loader, options),
     }
 
 

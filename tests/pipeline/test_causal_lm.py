@@ -104,6 +104,9 @@ def test_prune_command_prunes_a_causal_lm_and_saves_it_for_from_pretrained(tmp_p
     for key in ("dense_perplexity", "perplexity_before_finetune"):
         assert math.isfinite(summary[key]) and summary[key] > 1
     assert summary["perplexity"] < summary["dense_perplexity"]  # it trained on the text
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if r["stage"].startswith("finetune")][-1]
+    assert last["perplexity"] == pytest.approx(summary["perplexity"], rel=1e-6)
 
 
 def test_the_models_own_tokenizer_reads_the_text_and_is_saved_with_it(tmp_path):
@@ -126,7 +129,11 @@ def test_the_models_own_tokenizer_reads_the_text_and_is_saved_with_it(tmp_path):
     inputs, targets = test_loader.dataset.tensors
     assert inputs[0].tolist() == ids[:16] and targets[0].tolist() == ids[1:17]
     assert len(inputs) == (len(ids) - 1) // 16
-    run(settings, tmp_path / "run")
+    settings["pretrain"].update(epochs=1, optimizer="adamw", lr=0.003)
+    summary = run(settings, tmp_path / "run")
+    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    pretrained = [json.loads(r) for r in rows if json.loads(r)["stage"] == "pretrain"][-1]
+    assert summary["dense_perplexity"] == pytest.approx(pretrained["perplexity"], rel=1e-6)
     saved = transformers.AutoTokenizer.from_pretrained(tmp_path / "run" / "pruned")
     assert saved("def return")["input_ids"] == tokenizer("def return")["input_ids"]
 
