@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -392,7 +393,17 @@ def _bounded_search(graph: tp.DependencyGraph, names: dict[nn.Module, str]) -> I
         if searching[0]:  # not in the clean-up after the search
             raise _SearchExpiredError
 
+    hook = sys.unraisablehook
+
+    def drop_expiry(unraisable) -> None:
+        # an expiry that struck a finalizer was ignored there and the alarm repeats: not
+        # the user's to see ("Exception ignored in ..."), nor a test runner's to report
+        if not isinstance(unraisable.exc_value, _SearchExpiredError):
+            hook(unraisable)
+
     previous = signal.signal(signal.SIGALRM, expire) if timed else None
+    if timed:
+        sys.unraisablehook = drop_expiry
     graph.get_pruning_group = bounded  # get_all_groups calls it through the instance
     try:
         yield
@@ -407,6 +418,7 @@ def _bounded_search(graph: tp.DependencyGraph, names: dict[nn.Module, str]) -> I
         if timed:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
+            sys.unraisablehook = hook
         del graph.get_pruning_group
 
 
