@@ -21,11 +21,12 @@ bias added out of the mask's reach fail it and are refused by name. Every block 
 least top-k experts; whole experts are pruned only when a dict names them
 (ratios.OPT_IN_KINDS).
 
-Group-limited routing (DeepSeek-V3, Kimi K2, GLM-4.5, Mistral 4: the experts in
-``num_group`` contiguous groups, each token choosing among the ``topk_group`` best groups,
-a group's score the sum of its best experts') stays exact when every group keeps the same
-count: the cut router's groups are then the old groups' kept experts, contiguous again.
-Such a block is one group of ``num_group`` transport segments, each keeping k / num_group.
+Group-limited routing (DeepSeek-V3 and the models built on it, GLM-4.5, Dots1, Mistral
+4: the experts in ``num_group`` contiguous groups, each token choosing among the
+``topk_group`` best groups, a group's score the sum of its best experts') stays exact
+when every group keeps the same count: the cut router's groups are then the old groups'
+kept experts, contiguous again. Such a block is one group of ``num_group`` transport
+segments, each keeping k / num_group.
 """
 
 from __future__ import annotations
