@@ -1,7 +1,8 @@
 """The model a recipe prunes: a built-in architecture, a torchvision one, the user's
 own (any `package.module:function`) with the user's pretrained weights, or a Hugging
-Face causal language model saved with save_pretrained (`source: huggingface`, `path:
-DIR`: its weights with it, read locally, never downloaded).
+Face model saved with save_pretrained (`source: huggingface`, `path: DIR`: its weights
+with it, read locally, never downloaded): a causal language model for text, an image
+classifier for images.
 
     model:
       source: python                       # builtin (default) | torchvision | python
@@ -28,15 +29,16 @@ RANDOM = "random"  # model.weights: start from the architecture's random initial
 WEIGHT_KEYS = ("state_dict", "model")  # where a checkpoint file may hold the state_dict
 
 
-def build_model(spec: Mapping) -> nn.Module:
+def build_model(spec: Mapping, task: str = "classify") -> nn.Module:
     """The recipe's `model` section as a module with random weights (see load_weights),
-    or, for source "huggingface", the pretrained model in `path`."""
+    or, for source "huggingface", the pretrained model in `path` (task "causal_lm": a
+    causal language model; else an image classifier)."""
     source = spec.get("source", "builtin")
     kwargs = dict(spec.get("kwargs") or {})
     if source not in SOURCES:
         raise UsageError(f"model.source = {source!r}; allowed: {list(SOURCES)}")
     if source == "huggingface":
-        return pretrained_causal_lm(spec.get("path"), kwargs)
+        return pretrained(spec.get("path"), kwargs, task)
     if source == "builtin":
         return get_model(spec["name"], spec["num_classes"], **kwargs)
     if source == "torchvision":
@@ -52,27 +54,45 @@ def build_model(spec: Mapping) -> nn.Module:
     return build(spec.get("entry"), kwargs, field="model.entry")
 
 
-def pretrained_causal_lm(path: str | Path | None, kwargs: dict) -> nn.Module:
-    """transformers' AutoModelForCausalLM from the local directory `path`, in float32
-    (the stages train float32 weights; run.amp gives bf16/fp16 compute). `kwargs` go to
-    from_pretrained (attn_implementation, ...)."""
+def pretrained(path: str | Path | None, kwargs: dict, task: str) -> nn.Module:
+    """transformers' AutoModelForCausalLM (task "causal_lm") or
+    AutoModelForImageClassification from the local directory `path`, in float32 (the
+    stages train float32 weights; run.amp gives bf16/fp16 compute). `kwargs` go to
+    from_pretrained (attn_implementation; num_labels with ignore_mismatched_sizes for a
+    new classifier head)."""
     config = Path(path or "") / "config.json"
     if path is None or not config.is_file():
         raise FileNotFoundError(
-            f"model.path = {path!r}: no {config.name} there; give the directory a causal "
-            "language model was saved to with save_pretrained (config.json and the weights)"
+            f"model.path = {path!r}: no {config.name} there; give the directory a model "
+            "was saved to with save_pretrained (config.json and the weights)"
         )
-    from transformers import AutoModelForCausalLM
+    import transformers
 
+    auto, what = (
+        (transformers.AutoModelForCausalLM, "a causal language model")
+        if task == "causal_lm"
+        else (transformers.AutoModelForImageClassification, "an image classifier")
+    )
     try:
-        return AutoModelForCausalLM.from_pretrained(
+        return auto.from_pretrained(
             path, local_files_only=True, **{"dtype": torch.float32, **kwargs}
         )
     except (OSError, ValueError) as error:
         raise UsageError(
-            f"model.path = {str(path)!r} does not load as a causal language model: "
-            f"{type(error).__name__}: {error}"
+            f"model.path = {str(path)!r} does not load as {what}: {type(error).__name__}: {error}"
         ) from None
+
+
+def check_labels(model: nn.Module, num_classes: int) -> None:
+    """A Hugging Face image classifier's labels match model.num_classes (the data's)."""
+    labels = model.config.num_labels
+    if labels != num_classes:
+        raise UsageError(
+            f"the classifier in model.path has {labels} labels and model.num_classes is "
+            f"{num_classes}: set model.num_classes to the data's classes, and for a new "
+            f"classifier head give model.kwargs {{num_labels: {num_classes}, "
+            "ignore_mismatched_sizes: true}"
+        )
 
 
 def vocabulary_size(model: nn.Module) -> int:

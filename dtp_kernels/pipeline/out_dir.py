@@ -25,7 +25,7 @@ OUTPUTS = (
     "metrics.jsonl",
     "summary.json",
     "pruned.pt",
-    "pruned",  # a language model's save_pretrained directory
+    "pruned",  # a Hugging Face model's save_pretrained directory
     "plots",
     "tensorboard",
 )

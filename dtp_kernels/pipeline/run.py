@@ -22,7 +22,14 @@ from . import distributed, plots, schema, text_data
 from . import out_dir as out_dir_rules
 from .device import resolve_device
 from .errors import DivergedError, UsageError
-from .model_source import RANDOM, build_model, example_input, load_weights, vocabulary_size
+from .model_source import (
+    RANDOM,
+    build_model,
+    check_labels,
+    example_input,
+    load_weights,
+    vocabulary_size,
+)
 from .preemption import PreemptionGuard
 from .train import Checkpointing, MetricsLog, RunOptions, metrics, train
 
@@ -389,8 +396,11 @@ def _run(recipe: dict, out: Path | None, resume: bool, options: RunOptions, main
         writes = out is not None and main  # rank 0 writes the files
         tensorboard = out / "tensorboard" if writes and settings["tensorboard"] else None
         log = MetricsLog(out / "metrics.jsonl" if writes else None, tensorboard)
-        model = build_model(recipe["model"])
+        model = build_model(recipe["model"], options.task)
         language = options.task == "causal_lm"
+        hugging = recipe["model"]["source"] == "huggingface"
+        if hugging and not language:
+            check_labels(model, recipe["model"]["num_classes"])
         vocab = vocabulary_size(model) if language else None
         train_loader, test_loader = build_data(recipe, device, vocab)
         if recipe["model"]["weights"] not in (None, RANDOM):
@@ -423,8 +433,8 @@ def _run(recipe: dict, out: Path | None, resume: bool, options: RunOptions, main
     summary["seconds"]["pretrain"] = dense["seconds"]
     summary["skipped_files"] = datasets.skipped_files(train_loader, test_loader)
     check_finite(summary["model"])
-    if writes and language:  # a directory from_pretrained reads, its tokenizer with it
-        save_language_model(summary["model"], recipe, out / "pruned")
+    if writes and hugging:  # a directory from_pretrained reads (a tokenizer with it)
+        save_hugging_face(summary["model"], recipe, out / "pruned")
     elif writes:
         metadata = {"method": summary["method"], "ratios": str(summary["ratios"])}
         save_pruned(out / "pruned.pt", summary["model"], saved_architecture(recipe), metadata)
@@ -436,11 +446,11 @@ def _run(recipe: dict, out: Path | None, resume: bool, options: RunOptions, main
     return summary
 
 
-def save_language_model(model: nn.Module, recipe: dict, where: Path) -> None:
-    """save_pretrained of the pruned causal language model (its config holds the pruned
-    sizes), with the tokenizer of model.path when the data used it."""
+def save_hugging_face(model: nn.Module, recipe: dict, where: Path) -> None:
+    """save_pretrained of the pruned Hugging Face model (its config holds the pruned
+    sizes), with the tokenizer of model.path when the text data used it."""
     model.save_pretrained(where)
-    if recipe["data"]["tokenizer"] == "model":
+    if recipe["data"]["name"] == "text" and recipe["data"]["tokenizer"] == "model":
         from transformers import AutoTokenizer
 
         path = recipe["model"]["path"]

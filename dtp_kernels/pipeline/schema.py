@@ -272,21 +272,18 @@ def validate(recipe: Mapping, sources: Mapping[str, str] | None = None) -> None:
         )
     if values["model.source"] == "python" and values["model.entry"] is None:
         raise RecipeError("model.source = 'python' needs model.entry = 'package.module:function'")
-    _check_causal_lm(values, sources)
+    _check_huggingface(values, sources)
 
 
-def _check_causal_lm(values: Mapping, sources: Mapping[str, str] | None) -> None:
-    """data.name 'text' and model.source 'huggingface' go together (a causal language
-    model and its text), with model.path, without separate weights or channels_last."""
+def _check_huggingface(values: Mapping, sources: Mapping[str, str] | None) -> None:
+    """data.name 'text' needs model.source 'huggingface' (a causal language model); that
+    source needs model.path and no separate weights; text takes no channels_last."""
     text, hugging = values["data.name"] == "text", values["model.source"] == "huggingface"
-    if text != hugging:
-        given = "data.name = 'text'" if text else "model.source = 'huggingface'"
-        where = _source("data.name" if text else "model.source", sources)
+    if text and not hugging:
         raise RecipeError(
-            f"{given} (from {where}) needs "
-            + ("model.source = 'huggingface'" if text else "data.name = 'text'")
-            + ": text trains a causal language model, saved with save_pretrained in "
-            "model.path, and such a model trains on text"
+            f"data.name = 'text' (from {_source('data.name', sources)}) needs model.source "
+            "= 'huggingface': text trains a causal language model, saved with "
+            "save_pretrained in model.path"
         )
     if not hugging:
         return
@@ -301,5 +298,5 @@ def _check_causal_lm(values: Mapping, sources: Mapping[str, str] | None) -> None
             f"{_source('model.weights', sources)}): a huggingface model's weights are read "
             "from model.path; leave model.weights null"
         )
-    if values["run.channels_last"]:
+    if text and values["run.channels_last"]:
         raise RecipeError("run.channels_last is for images; a language model's inputs are tokens")

@@ -104,10 +104,12 @@ class RunOptions:
 
     def outputs(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
         """The model's logits on `inputs` with the classes in dim 1: a causal language
-        model's (batch, vocabulary, tokens), without its key/value cache."""
+        model's (batch, vocabulary, tokens), without its key/value cache; a Hugging Face
+        classifier's `logits`."""
         if self.task == "causal_lm":
             return model(inputs, use_cache=False).logits.transpose(1, 2)
-        return model(inputs)
+        out = model(inputs)
+        return out if isinstance(out, torch.Tensor) else out.logits
 
     @property
     def amp_dtype(self) -> torch.dtype | None:

@@ -127,3 +127,56 @@ def test_prune_the_users_own_model_from_its_weights(tmp_path):
     model = load_pruned(out / "pruned.pt", trusted=True)
     assert sum(p.numel() for p in model.parameters()) == summary["params"]
     assert 0 <= summary["accuracy_before_finetune"] <= 1
+
+
+def save_vit(where: Path, labels: int = 10) -> Path:
+    """A tiny Hugging Face ViT for the 8x8 digits (patches of 2, 4 heads), saved."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ViTConfig(image_size=8, patch_size=2, num_channels=1, num_labels=labels)
+    config.hidden_size, config.num_hidden_layers, config.num_attention_heads = 32, 2, 4
+    config.intermediate_size = 64
+    torch.manual_seed(0)
+    transformers.ViTForImageClassification(config).save_pretrained(where)
+    return where
+
+
+def test_a_hugging_face_image_classifier_prunes_and_saves_for_from_pretrained(tmp_path):
+    """model.source huggingface on images: AutoModelForImageClassification from
+    model.path, its logits read from the output; the pruned model is written with
+    save_pretrained and computes the summary's accuracy."""
+    transformers = pytest.importorskip("transformers")
+    settings = recipe.load(
+        DIGITS_RECIPE,
+        [
+            "model.source=huggingface",
+            f"model.path={save_vit(tmp_path / 'vit')}",
+            "prune.ratios={heads: 0.5, mlp: 0.5}",
+            "pretrain.epochs=0",
+            "prune.epochs=1",
+            "finetune.epochs=1",
+            "run.progress=false",
+        ],
+    )
+    for stage in ("prune", "finetune"):
+        settings[stage].update(optimizer="adamw", lr=0.003)
+    summary = run.run(settings, tmp_path / "run")
+    assert [(g["n"], g["k"]) for g in summary["groups"]] == [(4, 2), (64, 32)] * 2
+    pruned = transformers.AutoModelForImageClassification.from_pretrained(
+        tmp_path / "run" / "pruned"
+    )
+    assert (pruned.config.num_attention_heads, pruned.config.intermediate_size) == (2, 32)
+    assert sum(p.numel() for p in pruned.parameters()) == summary["params"]
+    _, test_loader = run.build_data(settings)
+    correct = total = 0
+    with torch.no_grad():
+        for images, labels in test_loader:
+            correct += int((pruned.eval()(images).logits.argmax(1) == labels).sum())
+            total += len(labels)
+    assert summary["accuracy"] == pytest.approx(correct / total)
+    assert not (tmp_path / "run" / "pruned.pt").exists()
+
+
+def test_a_hugging_face_classifier_of_other_labels_is_refused_with_the_way_out(tmp_path):
+    overrides = ["model.source=huggingface", f"model.path={save_vit(tmp_path / 'vit', 7)}"]
+    with pytest.raises(ValueError, match=r"has 7 labels and model.num_classes is 10.*num_labels"):
+        run.run(recipe.load(DIGITS_RECIPE, overrides), tmp_path / "run")
