@@ -31,10 +31,10 @@ def training_step(
 
     The loss is the cross-entropy of `outputs(model, images)` (default: model(images);
     RunOptions.outputs gives a causal language model's logits, classes in dim 1) against
-    `labels`. flops_target adds `penalty_weight * pruner.penalty(flops_target)` (budget="flops");
-    amp runs the forward under torch.autocast with that dtype (bf16 or fp16); scaler (for
-    fp16) scales the loss and skips the optimizer step, and so the transport-state
-    commit, when a gradient is not finite.
+    `labels`. flops_target adds `penalty_weight * pruner.penalty(flops_target)`
+    (budget="flops"); amp runs the forward under torch.autocast with that dtype (bf16 or
+    fp16); scaler (for fp16) scales the loss and skips the optimizer step, and so the
+    transport-state commit, when a gradient is not finite.
     """
     # No autocast weight cache: every weight is cast once per forward anyway, and cached
     # casts made during CUDA-graph capture must not outlive it (torch's CUDA-graph notes).

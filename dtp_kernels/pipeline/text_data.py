@@ -67,10 +67,15 @@ def blocks(ids: torch.Tensor, seq_len: int, path: Path) -> TensorDataset:
 
 
 def text(
-    root: str | Path | None, seq_len: int, kind: str, model_path: str | Path, vocab_size: int
+    root: str | Path | None,
+    seq_len: int,
+    kind: str,
+    model_path: str | Path,
+    vocab_size: int | None = None,
 ) -> tuple[TensorDataset, TensorDataset]:
     """The training and evaluation blocks of `root`'s train.txt and val.txt; a token id
-    outside the model's vocabulary (`vocab_size`) is an error naming the file."""
+    outside the model's vocabulary (`vocab_size`, when given) is an error naming the
+    file."""
     if root is None:
         raise UsageError(
             "data.name = 'text' needs data.root, a directory with train.txt and val.txt"
@@ -86,7 +91,7 @@ def text(
     sets = []
     for name in FILES:
         ids = encode(root / name)
-        if len(ids) and int(ids.max()) >= vocab_size:
+        if vocab_size is not None and len(ids) and int(ids.max()) >= vocab_size:
             raise UsageError(
                 f"{root / name} has token id {int(ids.max())} under data.tokenizer = "
                 f"{kind!r}, outside the model's vocabulary of {vocab_size} (bytes need 256)"
