@@ -125,52 +125,42 @@ class RunOptions:
         return labels.to(self.device, non_blocking=True)
 
 
-@torch.no_grad()
 def evaluate(model: nn.Module, loader: DataLoader, options: RunOptions | None = None) -> float:
     """Top-1 accuracy in [0, 1] (a language model's: of the next token, over every
     position), counted on the device (one read at the end)."""
-    options = options or RunOptions()
-    was_training = model.training
-    model.eval()
-    correct = torch.zeros((), dtype=torch.int64, device=options.device)
-    total = 0
-    for images, labels in loader:
-        logits = options.outputs(model, options.images(images))
-        correct += (logits.argmax(1) == options.labels(labels)).sum()
-        total += labels.numel()
-    model.train(was_training)
-    return int(correct) / max(total, 1)
+    return _test_pass(model, loader, options or RunOptions())["accuracy"]
 
 
 @torch.no_grad()
-def evaluate_lm(model: nn.Module, loader: DataLoader, options: RunOptions) -> dict:
-    """A causal language model's next-token accuracy and perplexity (exp of the mean
-    cross-entropy) over every target token of `loader`, in one pass, summed on the
-    device (the loss in float64; one read at the end)."""
+def _test_pass(
+    model: nn.Module, loader: DataLoader, options: RunOptions, perplexity: bool = False
+) -> dict:
+    """{"accuracy"} and, with `perplexity`, {"perplexity"} over every target of `loader`,
+    summed on the device (the loss in float64; one read at the end)."""
     was_training = model.training
     model.eval()
-    total = torch.zeros((), dtype=torch.float64, device=options.device)
     correct = torch.zeros((), dtype=torch.int64, device=options.device)
+    loss = torch.zeros((), dtype=torch.float64, device=options.device)
     count = 0
     for inputs, targets in loader:
-        logits = options.outputs(model, options.images(inputs)).float()
+        logits = options.outputs(model, options.images(inputs))
         targets = options.labels(targets)
-        total += nn.functional.cross_entropy(logits, targets, reduction="sum").double()
         correct += (logits.argmax(1) == targets).sum()
+        if perplexity:
+            loss += nn.functional.cross_entropy(logits.float(), targets, reduction="sum").double()
         count += targets.numel()
     model.train(was_training)
-    return {
-        "accuracy": int(correct) / max(count, 1),
-        "perplexity": math.exp(float(total) / max(count, 1)),
-    }
+    result = {"accuracy": int(correct) / max(count, 1)}
+    if perplexity:
+        result["perplexity"] = math.exp(float(loss) / max(count, 1))
+    return result
 
 
 def metrics(model: nn.Module, loader: DataLoader, options: RunOptions) -> dict:
     """What a stage reports on the test set: {"accuracy"}, and for a causal language
-    model {"accuracy" (of the next token), "perplexity"}."""
-    if options.task == "causal_lm":
-        return evaluate_lm(model, loader, options)
-    return {"accuracy": evaluate(model, loader, options)}
+    model {"accuracy" (of the next token), "perplexity" (exp of the mean cross-entropy)},
+    in one pass."""
+    return _test_pass(model, loader, options, perplexity=options.task == "causal_lm")
 
 
 def make_optimizer(model: nn.Module, settings: dict, pruner: nn.Module | None = None):
