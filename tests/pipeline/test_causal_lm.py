@@ -45,22 +45,23 @@ def write_text(where: Path, train_bytes: int = 12000, val_bytes: int = 3000) -> 
     return where
 
 
+def lm_overrides(model: Path, text: Path) -> list[str]:
+    """configs/causal_lm.yaml set for the tiny model and text, fp32 on the CPU."""
+    return [
+        f"model.path={model}",
+        f"data.root={text}",
+        "data.tokenizer=bytes",
+        f"data.seq_len={SEQ}",
+        "run.amp=null",
+        "run.device=cpu",
+        "run.progress=false",
+        "prune.lr=0.003",
+        "finetune.lr=0.003",
+    ]
+
+
 def lm_recipe(model: Path, text: Path, *overrides: str) -> dict:
-    return recipe.load(
-        CONFIGS / "causal_lm.yaml",
-        [
-            f"model.path={model}",
-            f"data.root={text}",
-            "data.tokenizer=bytes",
-            f"data.seq_len={SEQ}",
-            "run.amp=null",
-            "run.device=cpu",
-            "run.progress=false",
-            "prune.lr=0.003",
-            "finetune.lr=0.003",
-            *overrides,
-        ],
-    )
+    return recipe.load(CONFIGS / "causal_lm.yaml", [*lm_overrides(model, text), *overrides])
 
 
 def blocks(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,17 +73,9 @@ def blocks(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
 def test_prune_command_prunes_a_causal_lm_and_saves_it_for_from_pretrained(tmp_path):
     model_dir, text = save_llama(tmp_path / "llama"), write_text(tmp_path / "text")
     out = tmp_path / "run"
-    sets = [
-        f"model.path={model_dir}",
-        f"data.root={text}",
-        "data.tokenizer=bytes",
-        f"data.seq_len={SEQ}",
-        "run.amp=null",
-        "run.device=cpu",
-        "prune.lr=0.003",
-    ]
+    sets = [a for s in lm_overrides(model_dir, text) for a in ("--set", s)]
     argv = ["prune", "--config", str(CONFIGS / "causal_lm.yaml"), "--out", str(out)]
-    assert main([*argv, *[a for s in sets for a in ("--set", s)], "--no-progress"]) == 0
+    assert main([*argv, *sets]) == 0
     summary = json.loads((out / "summary.json").read_text())
     heads = [g for g in summary["groups"] if g["name"].endswith("self_attn")]
     mlps = [g for g in summary["groups"] if g["name"].endswith("gate_proj")]
