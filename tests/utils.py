@@ -193,6 +193,20 @@ def subprocess_environment() -> dict:
     return checkout_environment(OMP_NUM_THREADS="2")
 
 
+def lose_the_node_at(call: int, function):
+    """`function`, except that its `call`-th call raises RuntimeError("node lost") (a
+    crash with no signal: nothing is saved at it)."""
+    calls = [0]
+
+    def wrapped(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == call:
+            raise RuntimeError("node lost")
+        return function(*args, **kwargs)
+
+    return wrapped
+
+
 def final_state(out: Path) -> dict[str, torch.Tensor]:
     """Every tensor a finished run ends with: each stage's model, and the DTP stage's
     pruner (scores, transport state)."""

@@ -362,6 +362,7 @@ def run(
         checkpoint_minutes=settings["checkpoint_minutes"],
         checkpoint_steps=settings["checkpoint_steps"],
         task="causal_lm" if recipe["data"]["name"] == "text" else "classify",
+        accumulate=recipe["data"]["accumulate"],
     )
     check_starting_point(recipe)
     out = Path(out_dir) if out_dir is not None else None

@@ -139,6 +139,7 @@ FIELDS: dict[str, Check] = {
     "data.root": text(optional=True, describe="a directory"),
     "data.batch_size": integer(1),
     "data.eval_batch_size": integer(1),
+    "data.accumulate": integer(1),
     "data.augment": boolean(),
     "data.image_size": integer(1),
     "data.num_workers": integer(0, optional=True),

@@ -26,6 +26,10 @@ def training_step(
     amp: torch.dtype | None = None,
     scaler: torch.amp.GradScaler | None = None,
     outputs: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+    *,
+    weight: float = 1.0,
+    first: bool = True,
+    last: bool = True,
 ) -> torch.Tensor:
     """Run one step and return the loss, detached and left on the device.
 
@@ -35,6 +39,12 @@ def training_step(
     (budget="flops"); amp runs the forward under torch.autocast with that dtype (bf16 or
     fp16); scaler (for fp16) scales the loss and skips the optimizer step, and so the
     transport-state commit, when a gradient is not finite.
+
+    Under gradient accumulation a call is one micro-batch of an optimizer step: `first`
+    clears the gradients, `last` runs the optimizer step (and with it the transport-state
+    commit), and the loss's gradient is scaled by `weight`, the micro-batch's share of the
+    step's samples. Every micro-batch's forward computes the same masks: the transport
+    state only changes at the commit.
     """
     # No autocast weight cache: every weight is cast once per forward anyway, and cached
     # casts made during CUDA-graph capture must not outlive it (torch's CUDA-graph notes).
@@ -48,14 +58,18 @@ def training_step(
         loss = nn.functional.cross_entropy(logits, labels)
     if flops_target is not None:
         loss = loss + penalty_weight * pruner.penalty(flops_target)
-    optimizer.zero_grad(set_to_none=True)
+    scaled = loss if weight == 1.0 else loss * weight
+    if first:
+        optimizer.zero_grad(set_to_none=True)
     if scaler is None:
-        loss.backward()
-        optimizer.step()
+        scaled.backward()
+        if last:
+            optimizer.step()
     else:
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
+        scaler.scale(scaled).backward()
+        if last:
+            scaler.step(optimizer)
+            scaler.update()
     return loss.detach()
 
 

@@ -3,6 +3,7 @@ pruner's scores in their own parameter group, metrics as JSONL lines."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -81,9 +82,10 @@ class RunOptions:
     """How stages run: the device, mixed precision ("bf16", "fp16" or None),
     channels_last memory format, torch.compile of the training step, tqdm progress bars,
     how often a checkpoint is written within an epoch (minutes and/or steps; None: not
-    within epochs), the guard that stops a stage at a preemption signal, and the task:
+    within epochs), the guard that stops a stage at a preemption signal, the task:
     "classify" (the model returns class logits) or "causal_lm" (a transformers causal
-    language model: its logits per token, against the next tokens)."""
+    language model: its logits per token, against the next tokens), and `accumulate`,
+    the batches whose gradients make one optimizer step (data.accumulate)."""
 
     amp: str | None = None
     channels_last: bool = False
@@ -94,8 +96,13 @@ class RunOptions:
     checkpoint_minutes: float | None = None
     checkpoint_steps: int | None = None
     task: str = "classify"
+    accumulate: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int):
+            raise UsageError(f"data.accumulate = {self.accumulate!r}; allowed: an integer >= 1")
+        if self.accumulate < 1:
+            raise UsageError(f"data.accumulate = {self.accumulate}; allowed: an integer >= 1")
         if self.amp not in (None, "bf16", "fp16"):
             raise UsageError(f"run.amp = {self.amp!r}; allowed: null, 'bf16', 'fp16'")
         if self.task not in TASKS:
@@ -193,6 +200,21 @@ def make_schedule(optimizer: torch.optim.Optimizer, settings: dict, steps: int):
     return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones, settings.get("gamma", 0.1))
 
 
+def accumulation_plan(samples: int, batch: int, accumulate: int) -> list[tuple[float, bool, bool]]:
+    """For each batch of an epoch (`samples` samples on this rank, in batches of `batch`,
+    the last one possibly smaller): its share of its optimizer step's samples, whether it
+    opens the step and whether it closes it. Steps take `accumulate` batches in order; an
+    epoch's last step takes what is left. Weighting by samples makes a step's gradient
+    that of one batch of all its samples (for a loss that is a mean over samples)."""
+    sizes = [min(batch, samples - start) for start in range(0, samples, batch)]
+    plan = []
+    for begin in range(0, len(sizes), accumulate):
+        group = sizes[begin : begin + accumulate]
+        total = sum(group)
+        plan += [(n / total, i == 0, i == len(group) - 1) for i, n in enumerate(group)]
+    return plan
+
+
 @dataclass
 class Checkpointing:
     """Where a stage's checkpoint goes, what it must match, and whether to resume."""
@@ -235,15 +257,27 @@ def train(
     after the current step); with `checkpoint.resume` and a checkpoint present, it
     continues from there (a finished stage returns at once) and ends bitwise where an
     uninterrupted run ends. The loader's sampler must be an EpochSampler (data.loaders).
+
+    With `options.accumulate` = k > 1, every k batches make one optimizer step (their
+    gradients weighted by their samples); the schedule counts optimizer steps, and
+    checkpoints and preemption stops fall between optimizer steps.
     """
     epochs = settings["epochs"]
     options = options or RunOptions()
+    steps, batch = len(train_loader), train_loader.batch_size
+    if options.accumulate > steps:
+        raise UsageError(
+            f"data.accumulate = {options.accumulate} is more than the {steps} batches of an "
+            f"epoch{' on each rank' if distributed.active() else ''}; allowed: 1 to {steps} "
+            "(or lower data.batch_size)"
+        )
+    plan = accumulation_plan(len(train_loader.sampler), batch, options.accumulate)
     if options.channels_last:
         model.to(memory_format=torch.channels_last)
     scaler = torch.amp.GradScaler(options.device.type) if options.amp == "fp16" else None
     optimizer = make_optimizer(model, settings, pruner)
-    steps = len(train_loader)
-    schedule = make_schedule(optimizer, settings, epochs * steps)
+    updates = sum(last for _, _, last in plan)
+    schedule = make_schedule(optimizer, settings, epochs * updates)
     if pruner is not None:
         if distributed.active():  # same scores on every rank: same masks and state
             optimizer.register_step_pre_hook(lambda *_: distributed.average_gradients(pruner))
@@ -271,7 +305,7 @@ def train(
         disable=not options.progress,
         leave=False,
     )
-    net = distributed.wrap(model)
+    net = ddp = distributed.wrap(model)
     if options.compile:  # default mode: the pruner's hooks and ops trace without breaks
         net = compile_model(net)
     guard = options.preemption
@@ -328,26 +362,35 @@ def train(
         )
 
     last_save = (time.monotonic(), first_epoch * steps + first_step)
-    batch = train_loader.batch_size
     for epoch in range(first_epoch, epochs):
         begin = first_step if epoch == first_epoch else 0
         train_loader.sampler.set_epoch(epoch, start=begin * batch)
         for step, (images, labels) in enumerate(train_loader, start=begin):
-            loss = training_step(
-                net,
-                optimizer,
-                options.images(images),
-                options.labels(labels),
-                pruner,
-                flops_target,
-                settings.get("penalty_weight", 10.0),
-                options.amp_dtype,
-                scaler,
-                options.outputs,
-            )
+            weight, first, last = plan[step]
+            # DDP all-reduces the gradients at the backward of an optimizer step's last
+            # batch only; the others accumulate locally.
+            sync = ddp.no_sync() if not last and ddp is not model else contextlib.nullcontext()
+            with sync:
+                loss = training_step(
+                    net,
+                    optimizer,
+                    options.images(images),
+                    options.labels(labels),
+                    pruner,
+                    flops_target,
+                    settings.get("penalty_weight", 10.0),
+                    options.amp_dtype,
+                    scaler,
+                    options.outputs,
+                    weight=weight,
+                    first=first,
+                    last=last,
+                )
             bar.update()
-            schedule.step()
             losses[step] = loss.detach().float()
+            if not last:
+                continue
+            schedule.step()
             signum = guard.requested() if guard is not None else None
             if signum:
                 check_losses(epoch, step + 1)

@@ -311,21 +311,14 @@ def test_torchrun_restarts_a_lost_rank_and_ends_bitwise_equal(tmp_path):
 def test_a_crash_mid_epoch_resumes_from_the_last_step_checkpoint_bitwise(tmp_path, monkeypatch):
     from dtp_kernels.pipeline import train
     from dtp_kernels.pipeline.run import run
-    from utils import final_state
+    from utils import final_state, lose_the_node_at
 
     recipe = recipes.load(DIGITS_RECIPE, [*QUICK, "pretrain.epochs=2", "run.checkpoint_steps=5"])
     recipe["run"]["progress"] = False
     run(recipe, tmp_path / "reference")
-    real_step, calls = train.training_step, [0]
-
-    def lose_the_node_at_step_30(*args, **kwargs):  # no signal: nothing saved at the crash
-        calls[0] += 1
-        if calls[0] == 30:
-            raise RuntimeError("node lost")
-        return real_step(*args, **kwargs)
-
+    real_step = train.training_step
     out = tmp_path / "crashed"
-    monkeypatch.setattr(train, "training_step", lose_the_node_at_step_30)
+    monkeypatch.setattr(train, "training_step", lose_the_node_at(30, real_step))
     with pytest.raises(RuntimeError, match="node lost"):
         run(recipe, out)
     monkeypatch.setattr(train, "training_step", real_step)
