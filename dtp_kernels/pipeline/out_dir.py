@@ -26,6 +26,7 @@ OUTPUTS = (
     "summary.json",
     "pruned.pt",
     "pruned",  # a Hugging Face model's save_pretrained directory
+    "tokenizer",  # beside pruned.pt: a Hugging Face model's config cannot describe it
     "plots",
     "tensorboard",
 )

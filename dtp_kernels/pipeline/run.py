@@ -17,6 +17,7 @@ from torch import nn
 from ..models import CIFAR_MODELS, TORCHVISION_MODELS
 from ..pruning import DTPPruner, L1Pruner, RandomPruner, save_pruned
 from ..pruning.cost import count_flops, count_params
+from ..pruning.hf_config import describes
 from . import data as datasets
 from . import distributed, plots, schema, text_data
 from . import out_dir as out_dir_rules
@@ -291,7 +292,7 @@ def saved_architecture(recipe: dict) -> dict | None:
     name = spec["name"]
     if spec["source"] == "torchvision":
         name = "torchvision." + name.removeprefix("torchvision.")
-    if spec["source"] == "python" or spec["kwargs"]:
+    if spec["source"] in ("python", "huggingface") or spec["kwargs"]:
         return None
     if name in CIFAR_MODELS or name.removeprefix("torchvision.") in TORCHVISION_MODELS:
         return {"name": name, "num_classes": spec["num_classes"]}
@@ -434,11 +435,19 @@ def _run(recipe: dict, out: Path | None, resume: bool, options: RunOptions, main
     summary["seconds"]["pretrain"] = dense["seconds"]
     summary["skipped_files"] = datasets.skipped_files(train_loader, test_loader)
     check_finite(summary["model"])
-    if writes and hugging:  # a directory from_pretrained reads (a tokenizer with it)
+    # A Hugging Face model goes to a directory from_pretrained reads when its config can
+    # describe the pruned sizes; one with layers of different sizes cannot, and goes to
+    # pruned.pt (a pickled module) instead of a save_pretrained that would not load.
+    pretrained = hugging and describes(summary["model"])
+    if writes:
+        summary["saved"] = "pruned" if pretrained else "pruned.pt"
+    if writes and pretrained:
         save_hugging_face(summary["model"], recipe, out / "pruned")
     elif writes:
         metadata = {"method": summary["method"], "ratios": str(summary["ratios"])}
         save_pruned(out / "pruned.pt", summary["model"], saved_architecture(recipe), metadata)
+        if hugging:
+            save_tokenizer(recipe, out / "tokenizer")
     if writes:
         if settings["plots"]:
             write_plots(summary, log.rows, out / "plots", recipe)
@@ -451,6 +460,11 @@ def save_hugging_face(model: nn.Module, recipe: dict, where: Path) -> None:
     """save_pretrained of the pruned Hugging Face model (its config holds the pruned
     sizes), with the tokenizer of model.path when the text data used it."""
     model.save_pretrained(where)
+    save_tokenizer(recipe, where)
+
+
+def save_tokenizer(recipe: dict, where: Path) -> None:
+    """The tokenizer of model.path, saved to `where`, when the text data used it."""
     if recipe["data"]["name"] == "text" and recipe["data"]["tokenizer"] == "model":
         from transformers import AutoTokenizer
 

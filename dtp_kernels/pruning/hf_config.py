@@ -117,6 +117,13 @@ def _shapes(model: nn.Module) -> dict[str, tuple]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
+def describes(model: nn.Module) -> bool:
+    """Whether `model.config` (a transformers config) builds a model of `model`'s class
+    with its parameter and buffer shapes: what save_pretrained's files need to load."""
+    config = getattr(model, "config", None)
+    return config is not None and hasattr(config, "to_dict") and _rebuilds(model, config)
+
+
 def _rebuilds(model: nn.Module, config) -> bool:
     """Whether a model built from `config` has `model`'s parameter and buffer shapes."""
     try:

@@ -102,22 +102,30 @@ def test_prune_command_prunes_a_causal_lm_and_saves_it_for_from_pretrained(tmp_p
     assert last["perplexity"] == pytest.approx(summary["perplexity"], rel=1e-6)
 
 
-def test_the_models_own_tokenizer_reads_the_text_and_is_saved_with_it(tmp_path):
+def llama_with_word_tokenizer(where: Path, text: Path):
+    """A tiny Llama saved with its own tokenizer (WordLevel over the words of the text,
+    built here); the tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    text = write_text(tmp_path / "text")
     words = sorted(
         set((text / "train.txt").read_text().split()) | set((text / "val.txt").read_text().split())
     )
     vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
     core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    model_dir = save_llama(tmp_path / "llama", vocab=len(vocab))
+    save_llama(where, vocab=len(vocab))
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]")
-    tokenizer.save_pretrained(model_dir)
+    tokenizer.save_pretrained(where)
+    return tokenizer
+
+
+def test_the_models_own_tokenizer_reads_the_text_and_is_saved_with_it(tmp_path):
+    text = write_text(tmp_path / "text")
+    model_dir = tmp_path / "llama"
+    tokenizer = llama_with_word_tokenizer(model_dir, text)
     settings = lm_recipe(model_dir, text, "data.tokenizer=model", "prune.method=l1")
     settings["data"]["seq_len"] = 16
-    _, test_loader = build_data(settings, vocab_size=len(vocab))
+    _, test_loader = build_data(settings, vocab_size=len(tokenizer))
     ids = tokenizer((text / "val.txt").read_text(), add_special_tokens=False)["input_ids"]
     inputs, targets = test_loader.dataset.tensors
     assert inputs[0].tolist() == ids[:16] and targets[0].tolist() == ids[1:17]
@@ -128,6 +136,33 @@ def test_the_models_own_tokenizer_reads_the_text_and_is_saved_with_it(tmp_path):
     pretrained = [json.loads(r) for r in rows if json.loads(r)["stage"] == "pretrain"][-1]
     assert summary["dense_perplexity"] == pytest.approx(pretrained["perplexity"], rel=1e-6)
     saved = transformers.AutoTokenizer.from_pretrained(tmp_path / "run" / "pruned")
+    assert saved("def return")["input_ids"] == tokenizer("def return")["input_ids"]
+
+
+def test_layers_of_different_sizes_are_saved_as_a_module_with_the_tokenizer(tmp_path):
+    """The two MLPs keep 24 and 12 of 48 neurons: the config's one intermediate_size
+    cannot describe that and save_pretrained's files would not load, so the run writes
+    pruned.pt (a pickled module) and the tokenizer to tokenizer/."""
+    from dtp_kernels import load_pruned
+
+    text = write_text(tmp_path / "text")
+    model_dir = tmp_path / "llama"
+    tokenizer = llama_with_word_tokenizer(model_dir, text)
+    ratios = "prune.ratios={mlp: 0.5, model.layers.1.mlp.gate_proj: 0.75}"
+    settings = lm_recipe(model_dir, text, "data.tokenizer=model", ratios, "data.seq_len=16")
+    summary = run(settings, tmp_path / "run")
+    assert [(g["n"], g["k"]) for g in summary["groups"]] == [(48, 24), (48, 12)]
+    assert summary["saved"] == "pruned.pt"
+    assert not (tmp_path / "run" / "pruned").exists()
+    pruned = load_pruned(tmp_path / "run" / "pruned.pt", trusted=True).eval()
+    assert [layer.mlp.down_proj.in_features for layer in pruned.model.layers] == [24, 12]
+    assert sum(p.numel() for p in pruned.parameters()) == summary["params"]
+    _, test_loader = build_data(settings, vocab_size=len(tokenizer))
+    inputs, targets = test_loader.dataset.tensors
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy(pruned(inputs).logits.transpose(1, 2), targets)
+    assert summary["perplexity"] == pytest.approx(math.exp(float(loss)), rel=1e-4)
+    saved = transformers.AutoTokenizer.from_pretrained(tmp_path / "run" / "tokenizer")
     assert saved("def return")["input_ids"] == tokenizer("def return")["input_ids"]
 
 

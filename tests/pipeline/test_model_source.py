@@ -129,54 +129,108 @@ def test_prune_the_users_own_model_from_its_weights(tmp_path):
     assert 0 <= summary["accuracy_before_finetune"] <= 1
 
 
-def save_vit(where: Path, labels: int = 10) -> Path:
-    """A tiny Hugging Face ViT for the 8x8 digits (patches of 2, 4 heads), saved."""
+# Tiny Hugging Face image classifiers for the 8x8 digits (one channel, patches of 2)
+DIGITS_IMAGES = dict(image_size=8, patch_size=2, num_channels=1)
+HF_CLASSIFIERS = {
+    "vit": ("ViT", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4)),
+    "deit": ("DeiT", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4)),
+    # stages of 2 and 4 heads in windows of 2 x 2 patches
+    "swin": ("Swin", dict(embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=2)),
+    "resnet": (
+        "ResNet",
+        dict(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic"),
+    ),
+}
+
+
+def save_classifier(where: Path, kind: str = "vit", labels: int = 10) -> Path:
+    """A tiny Hugging Face image classifier of HF_CLASSIFIERS, saved."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.ViTConfig(image_size=8, patch_size=2, num_channels=1, num_labels=labels)
-    config.hidden_size, config.num_hidden_layers, config.num_attention_heads = 32, 2, 4
-    config.intermediate_size = 64
+    family, sizes = HF_CLASSIFIERS[kind]
+    config = getattr(transformers, f"{family}Config")(**DIGITS_IMAGES, num_labels=labels, **sizes)
+    if kind in ("vit", "deit"):
+        config.intermediate_size = 64
     torch.manual_seed(0)
-    transformers.ViTForImageClassification(config).save_pretrained(where)
+    getattr(transformers, f"{family}ForImageClassification")(config).save_pretrained(where)
     return where
 
 
-def test_a_hugging_face_image_classifier_prunes_and_saves_for_from_pretrained(tmp_path):
-    """model.source huggingface on images: AutoModelForImageClassification from
-    model.path, its logits read from the output; the pruned model is written with
-    save_pretrained and computes the summary's accuracy."""
-    transformers = pytest.importorskip("transformers")
+def prune_classifier(tmp_path: Path, kind: str, ratios: str) -> tuple[dict, dict]:
+    """One DTP epoch and one fine-tuning epoch of a saved classifier on the digits; the
+    recipe and the summary."""
     settings = recipe.load(
         DIGITS_RECIPE,
         [
             "model.source=huggingface",
-            f"model.path={save_vit(tmp_path / 'vit')}",
-            "prune.ratios={heads: 0.5, mlp: 0.5}",
+            f"model.path={save_classifier(tmp_path / kind, kind)}",
+            f"prune.ratios={ratios}",
             "pretrain.epochs=0",
             "prune.epochs=1",
             "finetune.epochs=1",
             "run.progress=false",
+            "run.plots=false",
         ],
     )
     for stage in ("prune", "finetune"):
         settings[stage].update(optimizer="adamw", lr=0.003)
-    summary = run.run(settings, tmp_path / "run")
+    return settings, run.run(settings, tmp_path / "run")
+
+
+def digits_accuracy(model: torch.nn.Module, settings: dict) -> float:
+    """`model`'s top-1 accuracy on the recipe's test set (a Hugging Face output's logits)."""
+    _, test_loader = run.build_data(settings)
+    correct = total = 0
+    with torch.no_grad():
+        for images, labels in test_loader:
+            correct += int((model.eval()(images).logits.argmax(1) == labels).sum())
+            total += len(labels)
+    return correct / total
+
+
+@pytest.mark.parametrize("kind", ["vit", "deit"])
+def test_a_hugging_face_image_classifier_prunes_and_saves_for_from_pretrained(tmp_path, kind):
+    """model.source huggingface on images: AutoModelForImageClassification from
+    model.path, its logits read from the output; the pruned model is written with
+    save_pretrained and computes the summary's accuracy."""
+    transformers = pytest.importorskip("transformers")
+    settings, summary = prune_classifier(tmp_path, kind, "{heads: 0.5, mlp: 0.5}")
     assert [(g["n"], g["k"]) for g in summary["groups"]] == [(4, 2), (64, 32)] * 2
     pruned = transformers.AutoModelForImageClassification.from_pretrained(
         tmp_path / "run" / "pruned"
     )
     assert (pruned.config.num_attention_heads, pruned.config.intermediate_size) == (2, 32)
     assert sum(p.numel() for p in pruned.parameters()) == summary["params"]
-    _, test_loader = run.build_data(settings)
-    correct = total = 0
-    with torch.no_grad():
-        for images, labels in test_loader:
-            correct += int((pruned.eval()(images).logits.argmax(1) == labels).sum())
-            total += len(labels)
-    assert summary["accuracy"] == pytest.approx(correct / total)
+    assert summary["accuracy"] == pytest.approx(digits_accuracy(pruned, settings))
+    assert summary["saved"] == "pruned"
     assert not (tmp_path / "run" / "pruned.pt").exists()
 
 
+@pytest.mark.parametrize(
+    ("kind", "ratios", "kept"),
+    [
+        ("swin", "{heads: 0.5, mlp: 0.5}", [(2, 1), (64, 32), (4, 2), (128, 64)]),
+        ("resnet", "0.5", [(8, 4), (16, 8)]),
+    ],
+)
+def test_a_classifier_its_config_cannot_describe_is_saved_as_a_module(tmp_path, kind, ratios, kept):
+    """Pruned Swin stages keep 1 and 2 heads, a ResNet's blocks narrower inner convs: no
+    config field holds those sizes, so save_pretrained's files would not load. The run
+    writes pruned.pt (a pickled module) instead, and it computes the summary's accuracy."""
+    from dtp_kernels import load_pruned
+
+    settings, summary = prune_classifier(tmp_path, kind, ratios)
+    assert [(g["n"], g["k"]) for g in summary["groups"]] == kept
+    assert summary["saved"] == "pruned.pt"
+    assert not (tmp_path / "run" / "pruned").exists()
+    pruned = load_pruned(tmp_path / "run" / "pruned.pt", trusted=True)
+    assert sum(p.numel() for p in pruned.parameters()) == summary["params"]
+    assert summary["accuracy"] == pytest.approx(digits_accuracy(pruned, settings))
+
+
 def test_a_hugging_face_classifier_of_other_labels_is_refused_with_the_way_out(tmp_path):
-    overrides = ["model.source=huggingface", f"model.path={save_vit(tmp_path / 'vit', 7)}"]
+    overrides = [
+        "model.source=huggingface",
+        f"model.path={save_classifier(tmp_path / 'vit', labels=7)}",
+    ]
     with pytest.raises(ValueError, match=r"has 7 labels and model.num_classes is 10.*num_labels"):
         run.run(recipe.load(DIGITS_RECIPE, overrides), tmp_path / "run")
