@@ -166,6 +166,35 @@ def test_layers_of_different_sizes_are_saved_as_a_module_with_the_tokenizer(tmp_
     assert saved("def return")["input_ids"] == tokenizer("def return")["input_ids"]
 
 
+@pytest.mark.slow
+def test_a_compiled_dtp_stage_of_a_causal_lm_matches_eager_without_graph_breaks(tmp_path):
+    """run.compile on a transformers Llama: the DTP stage's step compiles whole (the
+    pruner's hooks, the attention and the loss; no graph break) and trains as eager."""
+    from torch._dynamo.utils import counters
+
+    model_dir = save_llama(tmp_path / "llama")
+    text = write_text(tmp_path / "text", train_bytes=SEQ * 16 * 4 + 1)  # 4 batches of 16
+    summaries, graphs, breaks = {}, {}, {}
+    for compiled in (False, True):
+        before = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+        settings = lm_recipe(
+            model_dir,
+            text,
+            f"run.compile={str(compiled).lower()}",
+            "prune.epochs=1",
+            "finetune.epochs=0",
+            "data.batch_size=16",
+        )
+        summaries[compiled] = run(settings, tmp_path / f"run-{compiled}")
+        graphs[compiled] = counters["stats"]["unique_graphs"] - before[0]
+        breaks[compiled] = sum(counters["graph_break"].values()) - before[1]
+    assert graphs[False] == 0 and graphs[True] >= 1 and breaks[True] == 0
+    eager, compiled = summaries[False], summaries[True]
+    kept = [[(g["name"], g["n"], g["k"]) for g in summaries[c]["groups"]] for c in (0, 1)]
+    assert kept[0] == kept[1]
+    assert compiled["perplexity"] == pytest.approx(eager["perplexity"], rel=1e-5)
+
+
 @pytest.mark.parametrize(
     ("overrides", "error", "message"),
     [
