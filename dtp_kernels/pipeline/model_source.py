@@ -83,6 +83,17 @@ def pretrained(path: str | Path | None, kwargs: dict, task: str) -> nn.Module:
         ) from None
 
 
+def checkpoint_activations(model: nn.Module) -> None:
+    """run.activation_checkpointing: transformers' non-reentrant activation checkpointing
+    on a Hugging Face model (DTP's masks need it non-reentrant; docs/pruning.md)."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise UsageError(
+            f"run.activation_checkpointing = true, but {type(model).__name__} (model.path) "
+            "does not support transformers' gradient checkpointing; set it to false"
+        )
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def check_labels(model: nn.Module, num_classes: int) -> None:
     """A Hugging Face image classifier's labels match model.num_classes (the data's)."""
     labels = model.config.num_labels

@@ -99,6 +99,8 @@ DEFAULTS = {
     # GradScaler). compile: torch.compile the training step (default mode).
     # checkpoint_minutes / checkpoint_steps: a mid-epoch checkpoint at least this often
     # (either may be null; both null: only at the end of every epoch and at a signal).
+    # activation_checkpointing: a huggingface model's layers recomputed in the backward
+    # (transformers' gradient_checkpointing_enable, non-reentrant): less memory, more time.
     "run": {
         "device": "auto",
         "amp": None,
@@ -109,6 +111,7 @@ DEFAULTS = {
         "plots": True,
         "checkpoint_minutes": 10.0,
         "checkpoint_steps": None,
+        "activation_checkpointing": False,
     },
 }
 # dict fields whose keys are the user's, replaced whole (a ratio map set by --set

@@ -27,6 +27,7 @@ from .model_source import (
     RANDOM,
     build_model,
     check_labels,
+    checkpoint_activations,
     example_input,
     load_weights,
     vocabulary_size,
@@ -403,6 +404,8 @@ def _run(recipe: dict, out: Path | None, resume: bool, options: RunOptions, main
         hugging = recipe["model"]["source"] == "huggingface"
         if hugging and not language:
             check_labels(model, recipe["model"]["num_classes"])
+        if settings["activation_checkpointing"]:
+            checkpoint_activations(model)
         vocab = vocabulary_size(model) if language else None
         train_loader, test_loader = build_data(recipe, device, vocab)
         if recipe["model"]["weights"] not in (None, RANDOM):

@@ -196,6 +196,7 @@ FIELDS: dict[str, Check] = {
     "run.amp": choice(None, "bf16", "fp16"),
     "run.channels_last": boolean(),
     "run.compile": boolean(),
+    "run.activation_checkpointing": boolean(),
     "run.progress": boolean(),
     "run.tensorboard": boolean(),
     "run.plots": boolean(),
@@ -277,8 +278,8 @@ def validate(recipe: Mapping, sources: Mapping[str, str] | None = None) -> None:
 
 
 def _check_huggingface(values: Mapping, sources: Mapping[str, str] | None) -> None:
-    """data.name 'text' needs model.source 'huggingface' (a causal language model); that
-    source needs model.path and no separate weights; text takes no channels_last."""
+    """data.name 'text' and run.activation_checkpointing need model.source 'huggingface';
+    that source needs model.path and no separate weights; text takes no channels_last."""
     text, hugging = values["data.name"] == "text", values["model.source"] == "huggingface"
     if text and not hugging:
         raise RecipeError(
@@ -287,6 +288,13 @@ def _check_huggingface(values: Mapping, sources: Mapping[str, str] | None) -> No
             "save_pretrained in model.path"
         )
     if not hugging:
+        if values["run.activation_checkpointing"]:
+            raise RecipeError(
+                f"run.activation_checkpointing = true (from "
+                f"{_source('run.activation_checkpointing', sources)}) needs model.source = "
+                "'huggingface' (transformers' gradient_checkpointing_enable); in your own "
+                "code wrap blocks in torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+            )
         return
     if values["model.path"] is None:
         raise RecipeError(

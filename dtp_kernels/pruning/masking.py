@@ -49,6 +49,22 @@ def folded_products(mask: torch.Tensor, plan: FoldPlan, params: list[torch.Tenso
     return [p for pair in zip(products[:half], products[half:], strict=True) for p in pair]
 
 
+def refuse_no_grad_read(source: MaskSource, mask: torch.Tensor) -> None:
+    """RuntimeError if masks that need gradients are read under torch.no_grad() within
+    the model's forward: a reentrant activation checkpoint (or a no_grad block around
+    pruned layers), where the scores would get no gradient from the forward and the
+    recomputation would run the masks' backward once per checkpointed segment."""
+    if source.in_forward and mask.requires_grad and not torch.is_grad_enabled():
+        raise RuntimeError(
+            "DTP's masks were read under torch.no_grad() in a forward that trains them: "
+            "reentrant activation checkpointing (use_reentrant=True) or a no_grad block "
+            "around pruned layers, where the pruner's scores cannot learn. Checkpoint "
+            "with torch.utils.checkpoint(..., use_reentrant=False) (Hugging Face: "
+            "gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+            "{'use_reentrant': False}))"
+        )
+
+
 class MaskSource:
     """The masks of the current forward, shared by the parametrizations and hooks, and
     the BN parameters already multiplied by them (all at once; see
@@ -58,6 +74,7 @@ class MaskSource:
     def __init__(self, sizes: Sequence[int]) -> None:
         self.sizes = list(sizes)
         self.flat: torch.Tensor | None = None
+        self.in_forward = False  # between the model's forward pre-hook and forward hook
         self._split: tuple[torch.Tensor, ...] | None = None
         self.hard: list[torch.Tensor] | None = None  # set: evaluate the hard-masked model
         # per slot: the masked parameter, the original it was computed from, its version
@@ -69,8 +86,7 @@ class MaskSource:
 
     def set(self, flat: torch.Tensor) -> None:
         self.flat, self._split = flat, None
-        if self.products:  # (no new dict per step for models without experts)
-            self.products = {}
+        self.drop_products()
 
     def set_folded(self, products: list[torch.Tensor], originals: list[torch.Tensor]) -> None:
         """This forward's masked BN parameters, one per slot, and what they came from."""
@@ -80,21 +96,28 @@ class MaskSource:
     @property
     def masks(self) -> tuple[torch.Tensor, ...]:
         if self._split is None:
+            refuse_no_grad_read(self, self.flat)
             self._split = self.flat.split(self.sizes)
         return self._split
 
     def get(self, index: int) -> torch.Tensor:
         return self.hard[index] if self.hard is not None else self.masks[index]
 
+    def drop_products(self) -> None:
+        """Forget the masked expert weights of this forward (a copy of every expert's
+        projection, not to be held past the forward)."""
+        if self.products:  # (no new dict per step for models without experts)
+            self.products = {}
+
     def release_graph(self) -> None:
-        """Keep the values, drop the autograd graph of this forward's masks: held past the
-        forward it would keep the scores' and BN parameters' gradient accumulators alive
-        into the next step (stream mismatches under CUDA-graph capture)."""
+        """Keep the values, drop the autograd graph of this forward's masks, once its
+        backward has run: held into the next step it would keep the scores' and BN
+        parameters' gradient accumulators alive (stream mismatches under CUDA-graph
+        capture)."""
         if self.flat is not None and self.flat.requires_grad:
             self.set(self.flat.detach())
             self.folded = None
-        if self.products:
-            self.products = {}
+        self.drop_products()
 
 
 class ScaleRows(nn.Module):
@@ -148,6 +171,7 @@ class ScaleExperts(nn.Module):
         if source.hard is not None:
             mask = torch.stack(source.hard[self.first : last])
         else:
+            refuse_no_grad_read(source, source.flat)
             mask = source.flat.narrow(0, self.offset, self.length)
         shape = [self.experts, 1, 1]
         shape[self.dim] = -1
@@ -175,6 +199,8 @@ def read_folded_first(module: nn.Module, name: str, source: MaskSource, slot: in
                 folded is not None
                 and source.folded_from[slot]._version == source.folded_versions[slot]
             ):
+                if not torch.is_grad_enabled():  # (one call per read: 66 a ResNet-50 step)
+                    refuse_no_grad_read(source, folded[slot])
                 return folded[slot]
         return slow.fget(self)
 

@@ -208,17 +208,23 @@ class DTPPruner(ChannelPruner):
         self._fold_plan: FoldPlan | None = None
         with torch.no_grad():  # masks exist before the first forward (parametrize checks)
             self._compute_masks(model, ())
+        self._source.in_forward = False
+        # The forward's masks keep their autograd graph until the optimizer step (attach):
+        # activation checkpointing recomputes layers in the backward and must read the
+        # very masks the forward read. Masked expert weights made once per forward go at
+        # its end: a recomputation makes them again, as the forward did.
         self._handles = [
             model.register_forward_pre_hook(self._compute_masks),
             # eager even under torch.compile: a frame of its own there (guards, a graph
-            # call) cost more than the detach and views it runs
-            model.register_forward_hook(torch.compiler.disable(self._release_graph)),
+            # call) costs more than the check it runs
+            model.register_forward_hook(torch.compiler.disable(self._forward_done)),
         ]
         for index, group in enumerate(self.groups):
             self._attach_mask(index, group)
 
-    def _release_graph(self, *_) -> None:
-        self._source.release_graph()
+    def _forward_done(self, *_) -> None:
+        self._source.in_forward = False
+        self._source.drop_products()
 
     def _check_nm_groups(self) -> None:
         """Every layer N:M prunes has an input dimension divisible by M and the ratio
@@ -358,6 +364,7 @@ class DTPPruner(ChannelPruner):
         """
         mask = self._transport(update=model.training and torch.is_grad_enabled())
         self._source.set(mask)
+        self._source.in_forward = True
         self._fold_masks()
 
     def _fold_masks(self) -> None:
@@ -423,12 +430,16 @@ class DTPPruner(ChannelPruner):
     def attach(self, optimizer: torch.optim.Optimizer):
         """Commit the transport state after every `optimizer.step()`; returns the handle.
 
+        The step also drops the autograd graph of the last forward's masks (its backward
+        has run): held into the next step it would keep the scores' and BN parameters'
+        gradient accumulators alive, which breaks a CUDA-graph capture of that step.
         Every NONFINITE_CHECK_EVERY steps it also reads the skipped-step counts (the only
         host read of a DTP step) and warns, at most once per check, when a group skipped
         steps since the last check because its scores were NaN or Inf.
         """
 
         def after_step(*_) -> None:
+            self._source.release_graph()
             self.state.commit()
             self._steps_since_check += 1
             if self.NONFINITE_CHECK_EVERY and (

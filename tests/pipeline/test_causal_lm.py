@@ -195,6 +195,32 @@ def test_a_compiled_dtp_stage_of_a_causal_lm_matches_eager_without_graph_breaks(
     assert compiled["perplexity"] == pytest.approx(eager["perplexity"], rel=1e-5)
 
 
+def test_activation_checkpointing_trains_as_without_it(tmp_path):
+    """run.activation_checkpointing: the layers run under transformers' non-reentrant
+    checkpointing in every stage, and the run ends where the run without it ends."""
+    model_dir, text = save_llama(tmp_path / "llama"), write_text(tmp_path / "text")
+    summaries = {}
+    for on in (False, True):
+        settings = lm_recipe(model_dir, text, f"run.activation_checkpointing={str(on).lower()}")
+        summaries[on] = run(settings, tmp_path / f"run-{on}")
+    checkpointed = [
+        getattr(m, "gradient_checkpointing", False) for m in summaries[True]["model"].modules()
+    ]
+    assert any(checkpointed)  # the exported model, fine-tuned, still checkpoints
+    for key in ("perplexity_before_finetune", "perplexity"):
+        assert summaries[True][key] == pytest.approx(summaries[False][key], rel=1e-5)
+
+
+def test_activation_checkpointing_is_refused_where_it_cannot_run():
+    from dtp_kernels.pipeline.model_source import checkpoint_activations
+    from utils import DIGITS_RECIPE
+
+    with pytest.raises(RecipeError, match=r"run.activation_checkpointing = true .* needs model"):
+        recipe.load(DIGITS_RECIPE, ["run.activation_checkpointing=true"])
+    with pytest.raises(UsageError, match=r"Linear \(model.path\) does not support"):
+        checkpoint_activations(torch.nn.Linear(2, 2))
+
+
 @pytest.mark.parametrize(
     ("overrides", "error", "message"),
     [
