@@ -92,7 +92,19 @@ def test_prepare_learns_the_flops_ratios_too():
     assert optimizer.param_groups[-1]["params"] == [pruner.scores, pruner.theta]
 
 
-def test_hugging_face_trainer_callback_prunes_a_llama(tmp_path):
+TRAINER_OPTIONS = {
+    "plain": {},
+    # the Trainer's own activation checkpointing (non-reentrant by default) and two
+    # batches per optimizer step
+    "checkpointing-accumulation": {
+        "gradient_checkpointing": True,
+        "gradient_accumulation_steps": 2,
+    },
+}
+
+
+@pytest.mark.parametrize("options", TRAINER_OPTIONS.values(), ids=TRAINER_OPTIONS.keys())
+def test_hugging_face_trainer_callback_prunes_a_llama(tmp_path, options):
     transformers = pytest.importorskip("transformers")
     from dtp_kernels.integrations.huggingface import DTPTrainerCallback
 
@@ -110,11 +122,13 @@ def test_hugging_face_trainer_callback_prunes_a_llama(tmp_path):
         logging_strategy="no",
         use_cpu=True,
         disable_tqdm=True,
+        **options,
     )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
     trainer.train()
     pruner = callback.pruner
     assert int(pruner.state.steps) == 4  # committed after each of the Trainer's steps
+    assert pruner.state.log_odds.abs().sum() > 0  # the scores learned
     exported = pruner.export()
     assert (exported.config.num_attention_heads, exported.config.intermediate_size) == (2, 24)
     exported.save_pretrained(tmp_path / "pruned")
