@@ -136,7 +136,9 @@ def test_hugging_face_trainer_callback_prunes_a_llama(tmp_path, options):
     assert count_params(loaded) == count_params(exported)
 
 
-def test_lightning_callback_prunes_a_module():
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_lightning_callback_prunes_a_module(accumulate):
+    """One commit per optimizer step, also when Lightning accumulates two batches."""
     lightning = pytest.importorskip("lightning")
     from dtp_kernels.integrations.lightning import DTPCallback
 
@@ -167,6 +169,7 @@ def test_lightning_callback_prunes_a_module():
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[callback],
+        accumulate_grad_batches=accumulate,
     )
     start = module.net[0].weight.detach().norm(dim=1)  # the scores' initial values
     trainer.fit(module, loader)
