@@ -54,13 +54,16 @@ DEFAULTS = {
         "path": None,
     },
     # optimizer (every stage): sgd (momentum, weight_decay) | adamw (weight_decay; the
-    # default betas)
+    # default betas). warmup_steps: a linear learning-rate warm-up over that many
+    # optimizer steps; max_grad_norm: the model's gradients clipped to that total norm.
     "pretrain": {
         "epochs": 0,
         "optimizer": "sgd",
         "lr": 0.1,
         "momentum": 0.9,
         "weight_decay": 5e-4,
+        "warmup_steps": 0,
+        "max_grad_norm": None,
     },
     # skip: module names (globs) never pruned; penalty_weight: of the FLOPs penalty.
     # granularity: filter | weight | n:m (nm: [N, M], N of every M weights kept).
@@ -83,6 +86,8 @@ DEFAULTS = {
         "schedule": "cosine",
         "flops_target": None,
         "penalty_weight": 10.0,
+        "warmup_steps": 0,
+        "max_grad_norm": None,
     },
     "finetune": {
         "epochs": 10,
@@ -93,6 +98,8 @@ DEFAULTS = {
         "schedule": "step",
         "milestones": [],
         "gamma": 0.1,
+        "warmup_steps": 0,
+        "max_grad_norm": None,
     },
     # device: auto (CUDA when available) | cpu | cuda | cuda:N; under torchrun each rank
     # takes cuda:LOCAL_RANK. amp: null, "bf16" or "fp16" (torch.autocast; fp16 with a

@@ -132,6 +132,8 @@ LR = number(0, low_open=True)
 MOMENTUM = number(0, 1, high_open=True)
 DECAY = number(0)
 MILESTONES = list_of(integer(1), "epochs >= 1, increasing")
+WARMUP = integer(0)
+MAX_NORM = number(0, low_open=True, optional=True)
 
 FIELDS: dict[str, Check] = {
     "seed": integer(0),
@@ -164,6 +166,8 @@ FIELDS: dict[str, Check] = {
     "pretrain.lr": LR,
     "pretrain.momentum": MOMENTUM,
     "pretrain.weight_decay": DECAY,
+    "pretrain.warmup_steps": WARMUP,
+    "pretrain.max_grad_norm": MAX_NORM,
     "prune.method": choice("dtp", "l1", "random"),
     "prune.ratios": ratios(),
     "prune.budget": choice("layer", "global", "flops"),
@@ -184,6 +188,8 @@ FIELDS: dict[str, Check] = {
     "prune.schedule": SCHEDULE,
     "prune.flops_target": number(0, 1, low_open=True, optional=True),
     "prune.penalty_weight": number(0),
+    "prune.warmup_steps": WARMUP,
+    "prune.max_grad_norm": MAX_NORM,
     "finetune.epochs": integer(0),
     "finetune.optimizer": OPTIMIZER,
     "finetune.lr": LR,
@@ -192,6 +198,8 @@ FIELDS: dict[str, Check] = {
     "finetune.schedule": SCHEDULE,
     "finetune.milestones": MILESTONES,
     "finetune.gamma": number(0, 1, low_open=True),
+    "finetune.warmup_steps": WARMUP,
+    "finetune.max_grad_norm": MAX_NORM,
     "run.device": text(pattern=r"auto|cpu|cuda(:\d+)?", describe="auto, cpu, cuda or cuda:N"),
     "run.amp": choice(None, "bf16", "fp16"),
     "run.channels_last": boolean(),

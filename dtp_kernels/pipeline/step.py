@@ -30,6 +30,7 @@ def training_step(
     weight: float = 1.0,
     first: bool = True,
     last: bool = True,
+    clip: tuple[list[torch.Tensor], float] | None = None,
 ) -> torch.Tensor:
     """Run one step and return the loss, detached and left on the device.
 
@@ -45,6 +46,10 @@ def training_step(
     commit), and the loss's gradient is scaled by `weight`, the micro-batch's share of the
     step's samples. Every micro-batch's forward computes the same masks: the transport
     state only changes at the commit.
+
+    clip = (parameters, max_norm) scales those parameters' gradients to a total norm of
+    at most max_norm before the optimizer step (after unscaling them, under a scaler),
+    on the device: no host read.
     """
     # No autocast weight cache: every weight is cast once per forward anyway, and cached
     # casts made during CUDA-graph capture must not outlive it (torch's CUDA-graph notes).
@@ -64,10 +69,15 @@ def training_step(
     if scaler is None:
         scaled.backward()
         if last:
+            if clip is not None:
+                nn.utils.clip_grad_norm_(*clip)
             optimizer.step()
     else:
         scaler.scale(scaled).backward()
         if last:
+            if clip is not None:
+                scaler.unscale_(optimizer)
+                nn.utils.clip_grad_norm_(*clip)
             scaler.step(optimizer)
             scaler.update()
     return loss.detach()

@@ -193,11 +193,23 @@ def make_optimizer(model: nn.Module, settings: dict, pruner: nn.Module | None = 
 
 
 def make_schedule(optimizer: torch.optim.Optimizer, settings: dict, steps: int):
+    """The stage's learning-rate schedule over `steps` optimizer steps: "cosine" to 0, or
+    "step" (x gamma at each of `milestones`, in epochs); with `warmup_steps` = w > 0,
+    times a linear warm-up from 1/(w+1) to 1 over the first w steps."""
     if settings.get("schedule", "cosine") == "cosine":
-        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(steps, 1))
-    per_epoch = max(steps // max(settings["epochs"], 1), 1)
-    milestones = [m * per_epoch for m in settings.get("milestones", [])]
-    return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones, settings.get("gamma", 0.1))
+        main = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(steps, 1))
+    else:
+        per_epoch = max(steps // max(settings["epochs"], 1), 1)
+        milestones = [m * per_epoch for m in settings.get("milestones", [])]
+        main = torch.optim.lr_scheduler.MultiStepLR(
+            optimizer, milestones, settings.get("gamma", 0.1)
+        )
+    warmup = settings.get("warmup_steps", 0)
+    if not warmup:
+        return main
+    # both multiply the learning rate step by step, so chained they give the product
+    ramp = torch.optim.lr_scheduler.LinearLR(optimizer, 1 / (warmup + 1), total_iters=warmup)
+    return torch.optim.lr_scheduler.ChainedScheduler([ramp, main], optimizer)
 
 
 def accumulation_plan(samples: int, batch: int, accumulate: int) -> list[tuple[float, bool, bool]]:
@@ -305,6 +317,8 @@ def train(
         disable=not options.progress,
         leave=False,
     )
+    max_norm = settings.get("max_grad_norm")
+    clip = ([p for p in model.parameters() if p.requires_grad], max_norm) if max_norm else None
     net = ddp = distributed.wrap(model)
     if options.compile:  # default mode: the pruner's hooks and ops trace without breaks
         net = compile_model(net)
@@ -385,6 +399,7 @@ def train(
                     weight=weight,
                     first=first,
                     last=last,
+                    clip=clip,
                 )
             bar.update()
             losses[step] = loss.detach().float()

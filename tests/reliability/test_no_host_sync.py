@@ -119,6 +119,43 @@ def test_dtp_training_step_reads_nothing_back(budget, mask_at, backend):
     assert torch.isfinite(loss)
 
 
+def clipped_accumulated_setup(device: torch.device):
+    """A DTP ResNet-20 and a function running one optimizer step of two batches,
+    clipped, on it; the pruner and that function."""
+    model, pruner, optimizer, images, labels = dtp_training_setup("cpu", device=device, batch=4)
+    clip = (list(model.parameters()), 0.5)
+
+    def step() -> None:
+        for weight, first, last in [(0.5, True, False), (0.5, False, True)]:
+            training_step(
+                model,
+                optimizer,
+                images,
+                labels,
+                pruner,
+                weight=weight,
+                first=first,
+                last=last,
+                clip=clip,
+            )
+
+    return pruner, step
+
+
+def test_clipped_and_accumulated_steps_read_nothing_back():
+    """Gradient clipping (on the device) and the batches of an accumulated step. The
+    clip moves its coefficient to each gradient's device: `to(cpu)` here, a no-op on
+    CPU tensors (test_clipped_steps_do_not_sync_on_cuda checks the CUDA step)."""
+    pruner, step = clipped_accumulated_setup(torch.device("cpu"))
+    step()  # warm-up: per-state caches
+    with count_host_reads() as counts:
+        step()
+        step()
+    del counts["to(cpu)"]
+    assert counts == Counter(), f"host reads in a clipped, accumulated step: {dict(counts)}"
+    assert int(pruner.state.steps) == 3
+
+
 def _accumulator(parameter: torch.Tensor):
     """The parameter's gradient accumulator: the live one if any node still holds it."""
     return parameter.view_as(parameter).grad_fn.next_functions[0][0]
@@ -176,6 +213,20 @@ def test_training_step_has_no_host_sync_on_cuda(backend, mask_at, budget):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert int(pruner.state.steps) == 4
+
+
+@pytest.mark.cuda
+def test_clipped_steps_do_not_sync_on_cuda():
+    pruner, step = clipped_accumulated_setup(CUDA)
+    step()  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert int(pruner.state.steps) == 3
 
 
 @pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "bf16-channels-last"])
