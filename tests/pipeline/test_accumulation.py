@@ -117,6 +117,7 @@ def test_accumulate_is_checked_before_training():
         assert torch.equal(want, got)
 
 
+@pytest.mark.slow
 def test_a_crash_resumes_from_the_last_step_boundary_bitwise(tmp_path, monkeypatch):
     from dtp_kernels.pipeline import train as training
     from dtp_kernels.pipeline.run import run
