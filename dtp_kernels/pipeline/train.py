@@ -99,10 +99,9 @@ class RunOptions:
     accumulate: int = 1
 
     def __post_init__(self) -> None:
-        if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int):
-            raise UsageError(f"data.accumulate = {self.accumulate!r}; allowed: an integer >= 1")
-        if self.accumulate < 1:
-            raise UsageError(f"data.accumulate = {self.accumulate}; allowed: an integer >= 1")
+        count = self.accumulate
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise UsageError(f"data.accumulate = {count!r}; allowed: an integer >= 1")
         if self.amp not in (None, "bf16", "fp16"):
             raise UsageError(f"run.amp = {self.amp!r}; allowed: null, 'bf16', 'fp16'")
         if self.task not in TASKS:

@@ -117,11 +117,17 @@ def _shapes(model: nn.Module) -> dict[str, tuple]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
+def _transformers_config(model: nn.Module):
+    """`model.config` when it is a transformers config, else None."""
+    config = getattr(model, "config", None)
+    return config if config is not None and hasattr(config, "to_dict") else None
+
+
 def describes(model: nn.Module) -> bool:
     """Whether `model.config` (a transformers config) builds a model of `model`'s class
     with its parameter and buffer shapes: what save_pretrained's files need to load."""
-    config = getattr(model, "config", None)
-    return config is not None and hasattr(config, "to_dict") and _rebuilds(model, config)
+    config = _transformers_config(model)
+    return config is not None and _rebuilds(model, config)
 
 
 def _rebuilds(model: nn.Module, config) -> bool:
@@ -139,8 +145,8 @@ def _rebuilds(model: nn.Module, config) -> bool:
 def update_config(model: nn.Module, groups: list[tuple[str, object]], masks: list) -> bool:
     """Write the exported sizes into `model.config` when a model built from it matches;
     whether the config describes the exported model (False without a config)."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "to_dict"):  # not a transformers config
+    config = _transformers_config(model)
+    if config is None:
         return False
     fields = config_fields(config, groups, masks)
     if fields == {} and _rebuilds(model, config):

@@ -190,7 +190,7 @@ def test_a_compiled_dtp_stage_of_a_causal_lm_matches_eager_without_graph_breaks(
         breaks[compiled] = sum(counters["graph_break"].values()) - before[1]
     assert graphs[False] == 0 and graphs[True] >= 1 and breaks[True] == 0
     eager, compiled = summaries[False], summaries[True]
-    kept = [[(g["name"], g["n"], g["k"]) for g in summaries[c]["groups"]] for c in (0, 1)]
+    kept = [[(g["name"], g["n"], g["k"]) for g in s["groups"]] for s in (eager, compiled)]
     assert kept[0] == kept[1]
     assert compiled["perplexity"] == pytest.approx(eager["perplexity"], rel=1e-5)
 
