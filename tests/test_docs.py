@@ -6,6 +6,7 @@ added to the docs without an entry here fails the first test."""
 
 import math
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ def blocks() -> dict[tuple[str, int], str]:
     found = {}
     for path in sorted(DOCS.glob("*.md")):
         for index, code in enumerate(re.findall(r"```python\n(.*?)```", path.read_text(), re.S)):
-            found[(path.name, index)] = code
+            found[(path.name, index)] = textwrap.dedent(code)  # a block inside a list item
     return found
 
 
@@ -124,7 +125,42 @@ def trainer_callback(tmp_path, monkeypatch):
     assert loaded.config.num_attention_heads == 2  # half the key/value heads, with their queries
 
 
+def pretokenize(tmp_path, monkeypatch):
+    """docs/pipeline.md: token ids written with the model's tokenizer to train.npy and
+    val.npy, read back by data.tokenizer: pretokenized as those tokens in blocks."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from dtp_kernels.pipeline import recipe
+    from dtp_kernels.pipeline.run import build_data
+
+    texts = {"train": ["a b c a b", "c c b a " * 40], "val": ["b a c " * 30, "a a"]}
+    vocab = {"[UNK]": 0, "a": 1, "b": 2, "c": 3}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    model_dir = tmp_path / "model"
+    tiny_llama(vocab=len(vocab)).save_pretrained(model_dir)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=core).save_pretrained(model_dir)
+    (tmp_path / "text").mkdir()
+    names = {"model_dir": str(model_dir), "text_dir": str(tmp_path / "text")}
+    run(("pipeline.md", 0), {**names, "train_texts": texts["train"], "val_texts": texts["val"]})
+    settings = recipe.load(
+        DOCS.parent / "dtp_kernels" / "configs" / "causal_lm.yaml",
+        [
+            f"model.path={model_dir}",
+            f"data.root={tmp_path / 'text'}",
+            "data.seq_len=8",
+            "data.tokenizer=pretokenized",
+        ],
+    )
+    _, test = build_data(settings, vocab_size=len(vocab))
+    words = " ".join(texts["val"]).split()
+    assert test.dataset[0][0].tolist() == [vocab[w] for w in words[:8]]
+    assert test.dataset[0][1].tolist() == [vocab[w] for w in words[1:9]]
+
+
 ENTRIES = {
+    ("pipeline.md", 0): pretokenize,
     ("ops.md", 0): ops_loop,
     ("pruning.md", 0): pruner_loop,
     ("pruning.md", 1): prepare_llama,

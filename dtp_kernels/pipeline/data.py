@@ -30,6 +30,7 @@ from torchvision import datasets
 
 from .errors import UsageError
 from .safe_pickle import load_data_pickle
+from .text_data import TokenBlocks
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -290,8 +291,9 @@ class SeededSamples(Dataset):
 
 def default_workers(dataset: Dataset) -> int:
     """Loader workers when data.num_workers is null: none for a data set held in memory
-    as tensors (nothing to decode), else this process's share of the cores, at most 8."""
-    if isinstance(dataset, TensorDataset):
+    as tensors or token ids (nothing to decode), else this process's share of the cores,
+    at most 8."""
+    if isinstance(dataset, TensorDataset | TokenBlocks):
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     share = (cores or 1) // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)

@@ -18,7 +18,8 @@ DEFAULTS = {
     # flip; ImageFolder: RandomResizedCrop and flip). num_workers null: data.default_workers.
     # pin_memory null: on when the run's device is CUDA. text (causal language models):
     # root holds train.txt and val.txt, cut into blocks of seq_len tokens; tokenizer:
-    # model (the one in model.path) | bytes (token id = byte value). accumulate: batches
+    # model (the one in model.path) | bytes (token id = byte value) | pretokenized (root
+    # holds train.npy and val.npy, token ids, memory-mapped). accumulate: batches
     # whose gradients make one optimizer step (a step's batch: batch_size x accumulate x
     # the number of processes).
     "data": {

@@ -467,12 +467,20 @@ def save_hugging_face(model: nn.Module, recipe: dict, where: Path) -> None:
 
 
 def save_tokenizer(recipe: dict, where: Path) -> None:
-    """The tokenizer of model.path, saved to `where`, when the text data used it."""
-    if recipe["data"]["name"] == "text" and recipe["data"]["tokenizer"] == "model":
-        from transformers import AutoTokenizer
+    """The tokenizer of model.path, saved to `where`, when the text data used it, or,
+    for token ids read as they are (pretokenized), when model.path holds one."""
+    kind = recipe["data"]["tokenizer"]
+    if recipe["data"]["name"] != "text" or kind == "bytes":
+        return
+    from transformers import AutoTokenizer
 
-        path = recipe["model"]["path"]
-        AutoTokenizer.from_pretrained(path, local_files_only=True).save_pretrained(where)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(recipe["model"]["path"], local_files_only=True)
+    except (OSError, ValueError):
+        if kind == "model":
+            raise
+        return  # pretokenized ids and no tokenizer beside the model: nothing to copy
+    tokenizer.save_pretrained(where)
 
 
 def check_finite(model: nn.Module) -> None:

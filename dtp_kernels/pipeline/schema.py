@@ -150,7 +150,7 @@ FIELDS: dict[str, Check] = {
     "data.prefetch_factor": integer(1, optional=True),
     "data.skip_bad_files": boolean(),
     "data.seq_len": integer(1),
-    "data.tokenizer": choice("model", "bytes"),
+    "data.tokenizer": choice("model", "bytes", "pretokenized"),
     "model.name": text(describe="a model name"),
     "model.num_classes": integer(1),
     "model.source": choice("builtin", "torchvision", "python", "huggingface"),

@@ -70,6 +70,12 @@ def blocks(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[: count * SEQ].view(count, SEQ), ids[1 : count * SEQ + 1].view(count, SEQ)
 
 
+def stacked(dataset) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every block of a text data set: inputs and targets, stacked."""
+    inputs, targets = zip(*(dataset[i] for i in range(len(dataset))), strict=True)
+    return torch.stack(inputs), torch.stack(targets)
+
+
 def test_prune_command_prunes_a_causal_lm_and_saves_it_for_from_pretrained(tmp_path):
     model_dir, text = save_llama(tmp_path / "llama"), write_text(tmp_path / "text")
     out = tmp_path / "run"
@@ -127,7 +133,7 @@ def test_the_models_own_tokenizer_reads_the_text_and_is_saved_with_it(tmp_path):
     settings["data"]["seq_len"] = 16
     _, test_loader = build_data(settings, vocab_size=len(tokenizer))
     ids = tokenizer((text / "val.txt").read_text(), add_special_tokens=False)["input_ids"]
-    inputs, targets = test_loader.dataset.tensors
+    inputs, targets = stacked(test_loader.dataset)
     assert inputs[0].tolist() == ids[:16] and targets[0].tolist() == ids[1:17]
     assert len(inputs) == (len(ids) - 1) // 16
     settings["pretrain"].update(epochs=1, optimizer="adamw", lr=0.003)
@@ -158,7 +164,7 @@ def test_layers_of_different_sizes_are_saved_as_a_module_with_the_tokenizer(tmp_
     assert [layer.mlp.down_proj.in_features for layer in pruned.model.layers] == [24, 12]
     assert sum(p.numel() for p in pruned.parameters()) == summary["params"]
     _, test_loader = build_data(settings, vocab_size=len(tokenizer))
-    inputs, targets = test_loader.dataset.tensors
+    inputs, targets = stacked(test_loader.dataset)
     with torch.no_grad():
         loss = torch.nn.functional.cross_entropy(pruned(inputs).logits.transpose(1, 2), targets)
     assert summary["perplexity"] == pytest.approx(math.exp(float(loss)), rel=1e-4)
