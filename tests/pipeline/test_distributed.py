@@ -5,6 +5,7 @@ they drift apart (the control)."""
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -151,3 +152,43 @@ def test_sigterm_under_torchrun_stops_every_rank_after_one_step_and_resumes(tmp_
     want, got = final_state(reference), final_state(out)
     for key in want:
         assert torch.equal(want[key], got[key]), f"{key} differs"
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_torchrun_prunes_a_hugging_face_language_model_as_one_process(tmp_path):
+    """A tiny Llama on memory-mapped token ids: 2 torchrun processes of 8 blocks a batch
+    end where one process with batches of 16 ends (DDP averages the gradients of the
+    model and the pruner), and rank 0 alone writes the from_pretrained directory."""
+    transformers = pytest.importorskip("transformers")
+    import numpy as np
+    from test_causal_lm import CONFIGS, lm_overrides, save_llama, write_text
+
+    from dtp_kernels.pipeline import recipe
+    from dtp_kernels.pipeline.run import run
+
+    model_dir = save_llama(tmp_path / "llama")
+    text = write_text(tmp_path / "text", train_bytes=32 * 16 * 23 + 1)  # 23 whole batches
+    ids = tmp_path / "ids"
+    ids.mkdir()
+    for name in ("train", "val"):
+        np.save(ids / f"{name}.npy", np.frombuffer((text / f"{name}.txt").read_bytes(), np.uint8))
+    sets = [*lm_overrides(model_dir, ids), "data.tokenizer=pretokenized", "finetune.epochs=1"]
+    out = tmp_path / "two"
+    argv = ["prune", "--config", str(CONFIGS / "causal_lm.yaml"), "--out", str(out)]
+    command = [
+        sys.executable,
+        *["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
+        *["-m", "dtp_kernels", *argv, "--no-progress"],
+        *[a for s in [*sets, "data.batch_size=8"] for a in ("--set", s)],
+    ]
+    env = checkout_environment(OMP_NUM_THREADS="1")
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    two = json.loads((out / "summary.json").read_text())
+    one = run(recipe.load(CONFIGS / "causal_lm.yaml", [*sets, "data.batch_size=16"]), None)
+    assert [g["k"] for g in two["groups"]] == [g["k"] for g in one["groups"]]
+    for key in ("dense_perplexity", "perplexity_before_finetune", "perplexity"):
+        assert two[key] == pytest.approx(one[key], rel=1e-6), key
+    saved = transformers.AutoModelForCausalLM.from_pretrained(out / "pruned")
+    for name, tensor in one["model"].state_dict().items():
+        torch.testing.assert_close(saved.state_dict()[name], tensor, rtol=1e-5, atol=1e-6)
