@@ -59,8 +59,9 @@ def barrier() -> None:
 
 
 def wrap(model: nn.Module) -> nn.Module:
-    """DistributedDataParallel around `model` when running distributed, else `model`."""
-    if not active():
+    """DistributedDataParallel around `model` when running distributed and some of its
+    parameters train, else `model` (frozen weights have no gradients to average)."""
+    if not active() or not any(p.requires_grad for p in model.parameters()):
         return model
     device = next(model.parameters()).device
     ids = [device.index] if device.type == "cuda" else None

@@ -38,7 +38,8 @@ def build_model(spec: Mapping, task: str = "classify") -> nn.Module:
     if source not in SOURCES:
         raise UsageError(f"model.source = {source!r}; allowed: {list(SOURCES)}")
     if source == "huggingface":
-        return pretrained(spec.get("path"), kwargs, task)
+        dtype = getattr(torch, spec.get("dtype", "float32"))
+        return pretrained(spec.get("path"), kwargs, task, dtype)
     if source == "builtin":
         return get_model(spec["name"], spec["num_classes"], **kwargs)
     if source == "torchvision":
@@ -54,12 +55,14 @@ def build_model(spec: Mapping, task: str = "classify") -> nn.Module:
     return build(spec.get("entry"), kwargs, field="model.entry")
 
 
-def pretrained(path: str | Path | None, kwargs: dict, task: str) -> nn.Module:
+def pretrained(
+    path: str | Path | None, kwargs: dict, task: str, dtype: torch.dtype = torch.float32
+) -> nn.Module:
     """transformers' AutoModelForCausalLM (task "causal_lm") or
-    AutoModelForImageClassification from the local directory `path`, in float32 (the
-    stages train float32 weights; run.amp gives bf16/fp16 compute). `kwargs` go to
-    from_pretrained (attn_implementation; num_labels with ignore_mismatched_sizes for a
-    new classifier head)."""
+    AutoModelForImageClassification from the local directory `path`, its parameters in
+    `dtype` (model.dtype: float32 by default, the weights the stages train; run.amp gives
+    bf16/fp16 compute). `kwargs` go to from_pretrained (attn_implementation; num_labels
+    with ignore_mismatched_sizes for a new classifier head)."""
     config = Path(path or "") / "config.json"
     if path is None or not config.is_file():
         raise FileNotFoundError(
@@ -74,9 +77,7 @@ def pretrained(path: str | Path | None, kwargs: dict, task: str) -> nn.Module:
         else (transformers.AutoModelForImageClassification, "an image classifier")
     )
     try:
-        return auto.from_pretrained(
-            path, local_files_only=True, **{"dtype": torch.float32, **kwargs}
-        )
+        return auto.from_pretrained(path, local_files_only=True, dtype=dtype, **kwargs)
     except (OSError, ValueError) as error:
         raise UsageError(
             f"model.path = {str(path)!r} does not load as {what}: {type(error).__name__}: {error}"

@@ -53,6 +53,9 @@ DEFAULTS = {
         "weights": None,
         "input_shape": None,
         "path": None,
+        # dtype: the parameters' type, float32 | bfloat16 (huggingface only: half the
+        # memory of weights, gradients and optimizer state; updated in bfloat16).
+        "dtype": "float32",
     },
     # optimizer (every stage): sgd (momentum, weight_decay) | adamw (weight_decay; the
     # default betas). warmup_steps: a linear learning-rate warm-up over that many
@@ -89,6 +92,9 @@ DEFAULTS = {
         "penalty_weight": 10.0,
         "warmup_steps": 0,
         "max_grad_norm": None,
+        # train_weights false: the DTP stage learns the masks alone, the model's weights
+        # frozen (no gradients or optimizer state for them); fine-tuning trains them.
+        "train_weights": True,
     },
     "finetune": {
         "epochs": 10,

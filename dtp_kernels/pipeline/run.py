@@ -9,6 +9,7 @@ import fnmatch
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -176,18 +177,22 @@ def prune_and_finetune(
     resume: bool = False,
     options: RunOptions | None = None,
     example: torch.Tensor | None = None,
+    copy_model: bool = True,
 ) -> dict:
     """Prune a copy of `dense` per recipe["prune"], fine-tune it; return the summary.
-    `example` is one input for tracing (default: the first test image)."""
+    `example` is one input for tracing (default: the first test image). With
+    `copy_model=False`, `dense` itself is pruned (no second copy of a large model; the
+    caller no longer uses it)."""
     settings = recipe["prune"]
     method = settings["method"]
     if method not in METHODS:
         raise UsageError(f"prune.method = {method!r}; allowed: {list(METHODS)}")
     options = options or RunOptions()
-    model = copy.deepcopy(dense)
     if example is None:
         example = next(iter(test_loader))[0][:1]
     example = example.to(options.device)
+    base_params, base_flops = count_params(dense), count_flops(dense, example)
+    model = copy.deepcopy(dense) if copy_model else dense
     skip = skipped_modules(model, settings["skip"])
     times = {}
     start = time.perf_counter()
@@ -218,19 +223,20 @@ def prune_and_finetune(
             log.write(stage="mask-trace", epoch=epoch, masks=sample_masks(pruner))
 
         trace(-1)
-        result = train(
-            model,
-            train_loader,
-            test_loader,
-            settings,
-            log,
-            f"dtp-{settings['ratios']}",
-            pruner=pruner,
-            flops_target=settings["flops_target"],
-            checkpoint=stage_checkpoint(checkpoints, recipe, "dtp", resume),
-            options=options,
-            on_epoch=trace,
-        )
+        with frozen(model, not settings.get("train_weights", True)):
+            result = train(
+                model,
+                train_loader,
+                test_loader,
+                settings,
+                log,
+                f"dtp-{settings['ratios']}",
+                pruner=pruner,
+                flops_target=settings["flops_target"],
+                checkpoint=stage_checkpoint(checkpoints, recipe, "dtp", resume),
+                options=options,
+                on_epoch=trace,
+            )
         times["prune"] = result["seconds"]  # the whole stage's, across resumes
     else:
         times["prune"] = time.perf_counter() - start
@@ -253,7 +259,6 @@ def prune_and_finetune(
         keep_zero=zeros,
     )
     times["finetune"] = result["seconds"]
-    base_params, base_flops = count_params(dense), count_flops(dense, example)
     params, flops = count_params(pruned), count_flops(pruned, example)
     if zeros is not None:  # unstructured: the same shapes, pruned weights held at zero
         params -= sum(int((~keep).sum()) for keep in zeros.values())
@@ -273,6 +278,21 @@ def prune_and_finetune(
     if "perplexity" in before_finetune:
         summary["perplexity_before_finetune"] = before_finetune["perplexity"]
     return summary
+
+
+@contextlib.contextmanager
+def frozen(model: nn.Module, freeze: bool) -> Iterator[None]:
+    """With `freeze`, the model's trainable parameters take no gradient inside the block
+    (prune.train_weights: false; the stage's optimizer then holds the pruner's scores
+    alone) and train again after it."""
+    weights = [p for p in model.parameters() if p.requires_grad] if freeze else []
+    for weight in weights:
+        weight.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for weight in weights:
+            weight.requires_grad_(True)
 
 
 def zero_pattern(model: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
@@ -429,7 +449,16 @@ def _run(recipe: dict, out: Path | None, resume: bool, options: RunOptions, main
         else:
             dense = {"seconds": 0.0, **metrics(model, test_loader, options)}
         summary = prune_and_finetune(
-            model, recipe, train_loader, test_loader, log, checkpoints, resume, options, example
+            model,
+            recipe,
+            train_loader,
+            test_loader,
+            log,
+            checkpoints,
+            resume,
+            options,
+            example,
+            copy_model=False,
         )
     summary["dense_accuracy"] = dense["accuracy"]
     if "perplexity" in dense:

@@ -161,6 +161,7 @@ FIELDS: dict[str, Check] = {
     "model.weights": text(optional=True, describe="a file, or 'random'"),
     "model.input_shape": list_of(integer(1), "sizes >= 1", optional=True),
     "model.path": text(optional=True, describe="a directory"),
+    "model.dtype": choice("float32", "bfloat16"),
     "pretrain.epochs": integer(0),
     "pretrain.optimizer": OPTIMIZER,
     "pretrain.lr": LR,
@@ -190,6 +191,7 @@ FIELDS: dict[str, Check] = {
     "prune.penalty_weight": number(0),
     "prune.warmup_steps": WARMUP,
     "prune.max_grad_norm": MAX_NORM,
+    "prune.train_weights": boolean(),
     "finetune.epochs": integer(0),
     "finetune.optimizer": OPTIMIZER,
     "finetune.lr": LR,
@@ -282,6 +284,15 @@ def validate(recipe: Mapping, sources: Mapping[str, str] | None = None) -> None:
         )
     if values["model.source"] == "python" and values["model.entry"] is None:
         raise RecipeError("model.source = 'python' needs model.entry = 'package.module:function'")
+    if not values["prune.train_weights"] and (
+        values["prune.method"] != "dtp" or values["prune.scores"] != "learned"
+    ):
+        raise RecipeError(
+            f"prune.train_weights = false (from {_source('prune.train_weights', sources)}) "
+            "freezes the weights while DTP learns its masks: it needs prune.method = 'dtp' "
+            f"with prune.scores = 'learned', not {values['prune.method']!r} with "
+            f"{values['prune.scores']!r} (nothing would train)"
+        )
     _check_huggingface(values, sources)
 
 
@@ -296,6 +307,12 @@ def _check_huggingface(values: Mapping, sources: Mapping[str, str] | None) -> No
             "save_pretrained in model.path"
         )
     if not hugging:
+        if values["model.dtype"] != "float32":
+            raise RecipeError(
+                f"model.dtype = {values['model.dtype']!r} (from "
+                f"{_source('model.dtype', sources)}) needs model.source = 'huggingface'; "
+                "other sources train float32 weights (run.amp gives bf16 compute)"
+            )
         if values["run.activation_checkpointing"]:
             raise RecipeError(
                 f"run.activation_checkpointing = true (from "
@@ -317,3 +334,15 @@ def _check_huggingface(values: Mapping, sources: Mapping[str, str] | None) -> No
         )
     if text and values["run.channels_last"]:
         raise RecipeError("run.channels_last is for images; a language model's inputs are tokens")
+    given = [key for key in ("dtype", "torch_dtype") if key in values["model.kwargs"]]
+    if given:
+        raise RecipeError(
+            f"model.kwargs.{given[0]} (from {_source('model.kwargs', sources)}): give the "
+            "parameters' type as model.dtype (float32 or bfloat16)"
+        )
+    if values["model.dtype"] == "bfloat16" and values["run.amp"] == "fp16":
+        raise RecipeError(
+            f"run.amp = 'fp16' (from {_source('run.amp', sources)}) with model.dtype = "
+            "'bfloat16': fp16 compute would round bfloat16 weights to fp16; use run.amp = "
+            "'bf16' or null"
+        )

@@ -60,7 +60,9 @@ def training_step(
     )
     with autocast:
         logits = model(images) if outputs is None else outputs(model, images)
-        loss = nn.functional.cross_entropy(logits, labels)
+        # float32 logits: bfloat16 weights (model.dtype) give bfloat16 logits, whose
+        # log-softmax would lose the loss's precision (autocast upcasts it alike)
+        loss = nn.functional.cross_entropy(logits.float(), labels)
     if flops_target is not None:
         loss = loss + penalty_weight * pruner.penalty(flops_target)
     scaled = loss if weight == 1.0 else loss * weight

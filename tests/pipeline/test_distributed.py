@@ -155,10 +155,12 @@ def test_sigterm_under_torchrun_stops_every_rank_after_one_step_and_resumes(tmp_
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-def test_torchrun_prunes_a_hugging_face_language_model_as_one_process(tmp_path):
+@pytest.mark.parametrize("train_weights", ["true", "false"])
+def test_torchrun_prunes_a_hugging_face_language_model_as_one_process(tmp_path, train_weights):
     """A tiny Llama on memory-mapped token ids: 2 torchrun processes of 8 blocks a batch
     end where one process with batches of 16 ends (DDP averages the gradients of the
-    model and the pruner), and rank 0 alone writes the from_pretrained directory."""
+    model and the pruner; with the weights frozen in the DTP stage, no DDP there and the
+    pruner's alone), and rank 0 alone writes the from_pretrained directory."""
     transformers = pytest.importorskip("transformers")
     import numpy as np
     from test_causal_lm import CONFIGS, lm_overrides, save_llama, write_text
@@ -172,7 +174,12 @@ def test_torchrun_prunes_a_hugging_face_language_model_as_one_process(tmp_path):
     ids.mkdir()
     for name in ("train", "val"):
         np.save(ids / f"{name}.npy", np.frombuffer((text / f"{name}.txt").read_bytes(), np.uint8))
-    sets = [*lm_overrides(model_dir, ids), "data.tokenizer=pretokenized", "finetune.epochs=1"]
+    sets = [
+        *lm_overrides(model_dir, ids),
+        "data.tokenizer=pretokenized",
+        "finetune.epochs=1",
+        f"prune.train_weights={train_weights}",
+    ]
     out = tmp_path / "two"
     argv = ["prune", "--config", str(CONFIGS / "causal_lm.yaml"), "--out", str(out)]
     command = [
@@ -191,4 +198,5 @@ def test_torchrun_prunes_a_hugging_face_language_model_as_one_process(tmp_path):
         assert two[key] == pytest.approx(one[key], rel=1e-6), key
     saved = transformers.AutoModelForCausalLM.from_pretrained(out / "pruned")
     for name, tensor in one["model"].state_dict().items():
-        torch.testing.assert_close(saved.state_dict()[name], tensor, rtol=1e-5, atol=1e-6)
+        # float sums in another order, through AdamW: a few 1e-6 (batches of 8 alone: 0.1)
+        torch.testing.assert_close(saved.state_dict()[name], tensor, rtol=1e-4, atol=1e-5)
