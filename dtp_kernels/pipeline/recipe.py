@@ -59,7 +59,10 @@ DEFAULTS = {
     },
     # optimizer (every stage): sgd (momentum, weight_decay) | adamw (weight_decay; the
     # default betas). warmup_steps: a linear learning-rate warm-up over that many
-    # optimizer steps; max_grad_norm: the model's gradients clipped to that total norm.
+    # optimizer steps; max_grad_norm: the model's gradients clipped to that total norm;
+    # max_steps: the stage ends after its epochs or that many optimizer steps, whichever
+    # come first (the schedule spans the steps run; a large corpus need not be a whole
+    # epoch).
     "pretrain": {
         "epochs": 0,
         "optimizer": "sgd",
@@ -68,6 +71,7 @@ DEFAULTS = {
         "weight_decay": 5e-4,
         "warmup_steps": 0,
         "max_grad_norm": None,
+        "max_steps": None,
     },
     # skip: module names (globs) never pruned; penalty_weight: of the FLOPs penalty.
     # granularity: filter | weight | n:m (nm: [N, M], N of every M weights kept).
@@ -92,6 +96,7 @@ DEFAULTS = {
         "penalty_weight": 10.0,
         "warmup_steps": 0,
         "max_grad_norm": None,
+        "max_steps": None,
         # train_weights false: the DTP stage learns the masks alone, the model's weights
         # frozen (no gradients or optimizer state for them); fine-tuning trains them.
         "train_weights": True,
@@ -107,6 +112,7 @@ DEFAULTS = {
         "gamma": 0.1,
         "warmup_steps": 0,
         "max_grad_norm": None,
+        "max_steps": None,
     },
     # device: auto (CUDA when available) | cpu | cuda | cuda:N; under torchrun each rank
     # takes cuda:LOCAL_RANK. amp: null, "bf16" or "fp16" (torch.autocast; fp16 with a

@@ -134,6 +134,7 @@ DECAY = number(0)
 MILESTONES = list_of(integer(1), "epochs >= 1, increasing")
 WARMUP = integer(0)
 MAX_NORM = number(0, low_open=True, optional=True)
+MAX_STEPS = integer(1, optional=True)
 
 FIELDS: dict[str, Check] = {
     "seed": integer(0),
@@ -169,6 +170,7 @@ FIELDS: dict[str, Check] = {
     "pretrain.weight_decay": DECAY,
     "pretrain.warmup_steps": WARMUP,
     "pretrain.max_grad_norm": MAX_NORM,
+    "pretrain.max_steps": MAX_STEPS,
     "prune.method": choice("dtp", "l1", "random"),
     "prune.ratios": ratios(),
     "prune.budget": choice("layer", "global", "flops"),
@@ -191,6 +193,7 @@ FIELDS: dict[str, Check] = {
     "prune.penalty_weight": number(0),
     "prune.warmup_steps": WARMUP,
     "prune.max_grad_norm": MAX_NORM,
+    "prune.max_steps": MAX_STEPS,
     "prune.train_weights": boolean(),
     "finetune.epochs": integer(0),
     "finetune.optimizer": OPTIMIZER,
@@ -202,6 +205,7 @@ FIELDS: dict[str, Check] = {
     "finetune.gamma": number(0, 1, low_open=True),
     "finetune.warmup_steps": WARMUP,
     "finetune.max_grad_norm": MAX_NORM,
+    "finetune.max_steps": MAX_STEPS,
     "run.device": text(pattern=r"auto|cpu|cuda(:\d+)?", describe="auto, cpu, cuda or cuda:N"),
     "run.amp": choice(None, "bf16", "fp16"),
     "run.channels_last": boolean(),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -191,14 +192,17 @@ def make_optimizer(model: nn.Module, settings: dict, pruner: nn.Module | None = 
     )
 
 
-def make_schedule(optimizer: torch.optim.Optimizer, settings: dict, steps: int):
+def make_schedule(
+    optimizer: torch.optim.Optimizer, settings: dict, steps: int, per_epoch: int | None = None
+):
     """The stage's learning-rate schedule over `steps` optimizer steps: "cosine" to 0, or
-    "step" (x gamma at each of `milestones`, in epochs); with `warmup_steps` = w > 0,
-    times a linear warm-up from 1/(w+1) to 1 over the first w steps."""
+    "step" (x gamma at each of `milestones`, in epochs of `per_epoch` optimizer steps;
+    default: `steps` over the stage's epochs); with `warmup_steps` = w > 0, times a
+    linear warm-up from 1/(w+1) to 1 over the first w steps."""
     if settings.get("schedule", "cosine") == "cosine":
         main = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(steps, 1))
     else:
-        per_epoch = max(steps // max(settings["epochs"], 1), 1)
+        per_epoch = per_epoch or max(steps // max(settings["epochs"], 1), 1)
         milestones = [m * per_epoch for m in settings.get("milestones", [])]
         main = torch.optim.lr_scheduler.MultiStepLR(
             optimizer, milestones, settings.get("gamma", 0.1)
@@ -258,8 +262,9 @@ def train(
     on_epoch: Callable[[int], None] | None = None,
     keep_zero: dict[nn.Parameter, torch.Tensor] | None = None,
 ) -> dict:
-    """Train for settings["epochs"]; log the loss and the test metrics (`metrics`) per
-    epoch; return the summary.
+    """Train for settings["epochs"], or settings["max_steps"] optimizer steps if that
+    ends sooner (the last epoch then cut short); log the loss and the test metrics
+    (`metrics`) per epoch run; return the summary.
 
     keep_zero maps parameters to boolean masks of their kept entries; the others are set
     back to zero after every optimizer step (fine-tuning an unstructured pruned model).
@@ -283,12 +288,22 @@ def train(
             "(or lower data.batch_size)"
         )
     plan = accumulation_plan(len(train_loader.sampler), batch, options.accumulate)
+    # The stage's optimizer steps: its epochs', or settings["max_steps"] if fewer; the
+    # last epoch run then ends after `cut` batches, the batch that closes its last step.
+    updates = sum(last for _, _, last in plan)
+    total = min(epochs * updates, settings.get("max_steps") or epochs * updates)
+    run_epochs = -(-total // updates)
+    closing = [index + 1 for index, (_, _, last) in enumerate(plan) if last]
+    cut = closing[total - (run_epochs - 1) * updates - 1] if total else steps
+
+    def batches(epoch: int) -> int:
+        return cut if epoch == run_epochs - 1 else steps
+
     if options.channels_last:
         model.to(memory_format=torch.channels_last)
     scaler = torch.amp.GradScaler(options.device.type) if options.amp == "fp16" else None
     optimizer = make_optimizer(model, settings, pruner)
-    updates = sum(last for _, _, last in plan)
-    schedule = make_schedule(optimizer, settings, epochs * updates)
+    schedule = make_schedule(optimizer, settings, total, per_epoch=updates)
     if pruner is not None:
         if distributed.active():  # same scores on every rank: same masks and state
             optimizer.register_step_pre_hook(lambda *_: distributed.average_gradients(pruner))
@@ -310,7 +325,7 @@ def train(
     start = time.perf_counter() - seconds
     model.train()
     bar = tqdm(
-        total=epochs * steps,
+        total=(run_epochs - 1) * steps + cut if run_epochs else 0,
         initial=first_epoch * steps + first_step,
         desc=stage,
         disable=not options.progress,
@@ -375,10 +390,13 @@ def train(
         )
 
     last_save = (time.monotonic(), first_epoch * steps + first_step)
-    for epoch in range(first_epoch, epochs):
+    for epoch in range(first_epoch, run_epochs):
+        length = batches(epoch)
         begin = first_step if epoch == first_epoch else 0
         train_loader.sampler.set_epoch(epoch, start=begin * batch)
-        for step, (images, labels) in enumerate(train_loader, start=begin):
+        # the epoch's batches from `begin` to `length` (fewer than all under max_steps)
+        left = itertools.islice(enumerate(train_loader, start=begin), max(length - begin, 0))
+        for step, (images, labels) in left:
             weight, first, last = plan[step]
             # DDP all-reduces the gradients at the backward of an optimizer step's last
             # batch only; the others accumulate locally.
@@ -412,19 +430,19 @@ def train(
                 bar.close()
                 where = checkpoint.path if checkpoint is not None else None
                 raise Preempted(signum, stage, epoch, step + 1, where)
-            if step + 1 < steps and due(epoch, step + 1):
+            if step + 1 < length and due(epoch, step + 1):
                 check_losses(epoch, step + 1)
                 save(epoch, step + 1, False)
-        check_losses(epoch, steps)
+        check_losses(epoch, length)
         scores = metrics(model, test_loader, options)
-        log.write(stage=stage, epoch=epoch, loss=losses.sum().item() / steps, **scores)
+        log.write(stage=stage, epoch=epoch, loss=losses.sum().item() / length, **scores)
         losses = torch.zeros(steps, device=options.device)
         if on_epoch is not None:
             on_epoch(epoch)
         result = {"seconds": time.perf_counter() - start, **scores}
-        save(epoch + 1, 0, epoch + 1 == epochs)
+        save(epoch + 1, 0, epoch + 1 == run_epochs)
     bar.close()
-    if first_epoch < epochs:  # the last epoch's evaluation: no second pass over the test set
+    if first_epoch < run_epochs:  # the last epoch's evaluation: no second pass over the test set
         return result
     return {
         "seconds": time.perf_counter() - start,
