@@ -103,6 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     prune.add_argument("--channels-last", action="store_true", help="channels_last memory format")
     prune.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    prune.add_argument(
+        "--plan",
+        action="store_true",
+        help="check the recipe, model, data and --out, print what would be pruned and the "
+        "training state per stage, and stop: nothing trains, nothing is written",
+    )
     paper = sub.add_parser("paper", help="run a paper experiment's rows over seeds")
     paper.add_argument("experiment", nargs="?", help="its name; none: list them")
     paper.add_argument("--seeds", type=int, nargs="+", default=[0])
@@ -168,6 +174,17 @@ def _dispatch(args: argparse.Namespace, argv: list[str] | None) -> int:
     from .pipeline import distributed
     from .pipeline.preemption import Preempted
 
+    if args.plan:
+        from pathlib import Path
+
+        from .pipeline import out_dir
+        from .pipeline.plan import plan
+
+        recipe = recipes.load(args.config, overrides)
+        if args.out is not None:
+            out_dir.check(Path(args.out), args.resume, args.overwrite)
+        print(json.dumps(plan(recipe), indent=2))
+        return 0
     try:
         recipe = recipes.load(args.config, overrides)
         summary = run(recipe, args.out, resume=args.resume, overwrite=args.overwrite)

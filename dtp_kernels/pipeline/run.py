@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from ..models import CIFAR_MODELS, TORCHVISION_MODELS
 from ..pruning import DTPPruner, L1Pruner, RandomPruner, save_pruned
@@ -167,6 +168,29 @@ def stage_checkpoint(
     return Checkpointing(checkpoints / f"{stage}.pt", stage_fields(recipe, stage), resume)
 
 
+def make_pruner(model: nn.Module, settings: dict, example: torch.Tensor) -> nn.Module:
+    """The pruner of the recipe's `prune` section (`settings`) on `model`."""
+    skip = skipped_modules(model, settings["skip"])
+    if settings["method"] == "dtp" or settings["granularity"] != "filter":
+        # Under weight or n:m granularity l1 is one-shot magnitude pruning at the same
+        # pattern: this pruner untrained, whose scores start at |w| (schema.validate
+        # refuses random there).
+        return DTPPruner(
+            model,
+            example,
+            settings["ratios"],
+            budget=settings["budget"],
+            granularity=settings["granularity"],
+            nm=tuple(settings["nm"]),
+            scores=settings["scores"],
+            eps=settings["eps"],
+            iters=settings["iters"],
+            ignored_layers=skip,
+        )
+    cls = L1Pruner if settings["method"] == "l1" else RandomPruner
+    return cls(model, example, settings["ratios"], budget=settings["budget"], ignored_layers=skip)
+
+
 def prune_and_finetune(
     dense: nn.Module,
     recipe: dict,
@@ -193,30 +217,9 @@ def prune_and_finetune(
     example = example.to(options.device)
     base_params, base_flops = count_params(dense), count_flops(dense, example)
     model = copy.deepcopy(dense) if copy_model else dense
-    skip = skipped_modules(model, settings["skip"])
     times = {}
     start = time.perf_counter()
-    if method == "dtp" or settings["granularity"] != "filter":
-        # Under weight or n:m granularity l1 is one-shot magnitude pruning at the same
-        # pattern: this pruner untrained, whose scores start at |w| (schema.validate
-        # refuses random there).
-        pruner = DTPPruner(
-            model,
-            example,
-            settings["ratios"],
-            budget=settings["budget"],
-            granularity=settings["granularity"],
-            nm=tuple(settings["nm"]),
-            scores=settings["scores"],
-            eps=settings["eps"],
-            iters=settings["iters"],
-            ignored_layers=skip,
-        )
-    else:
-        cls = L1Pruner if method == "l1" else RandomPruner
-        pruner = cls(
-            model, example, settings["ratios"], budget=settings["budget"], ignored_layers=skip
-        )
+    pruner = make_pruner(model, settings, example)
     if method == "dtp":
 
         def trace(epoch: int) -> None:  # soft masks of sample filters, for the Fig. 3a plot
@@ -354,6 +357,22 @@ def write_plots(summary: dict, rows: list[dict], where: Path, recipe: dict) -> l
     return written
 
 
+def run_options(recipe: dict, device: torch.device) -> RunOptions:
+    """The RunOptions of the recipe's `run` and `data` sections, on `device`."""
+    settings = recipe["run"]
+    return RunOptions(
+        settings["amp"],
+        settings["channels_last"],
+        settings["progress"],
+        device,
+        settings["compile"],
+        checkpoint_minutes=settings["checkpoint_minutes"],
+        checkpoint_steps=settings["checkpoint_steps"],
+        task="causal_lm" if recipe["data"]["name"] == "text" else "classify",
+        accumulate=recipe["data"]["accumulate"],
+    )
+
+
 def run(
     recipe: dict,
     out_dir: str | Path | None = None,
@@ -373,19 +392,8 @@ def run(
     the checkpoints the failed attempt left. A recipe field that is not allowed raises
     RecipeError before any work; a training loss that is not finite, DivergedError."""
     schema.validate(recipe)
-    settings = recipe["run"]
-    device = resolve_device(settings["device"])
-    options = RunOptions(
-        settings["amp"],
-        settings["channels_last"],
-        settings["progress"],
-        device,
-        settings["compile"],
-        checkpoint_minutes=settings["checkpoint_minutes"],
-        checkpoint_steps=settings["checkpoint_steps"],
-        task="causal_lm" if recipe["data"]["name"] == "text" else "classify",
-        accumulate=recipe["data"]["accumulate"],
-    )
+    device = resolve_device(recipe["run"]["device"])
+    options = run_options(recipe, device)
     check_starting_point(recipe)
     out = Path(out_dir) if out_dir is not None else None
     if (resume or overwrite) and out is None:
@@ -408,6 +416,28 @@ def run(
         return _run(recipe, out, resume, options, main)
 
 
+def prepare(
+    recipe: dict, options: RunOptions
+) -> tuple[nn.Module, DataLoader, DataLoader, torch.Tensor]:
+    """The recipe's model (its weights loaded, on the run's device), its training and
+    test loaders and an example input, with the pruning plan checked against the model."""
+    model = build_model(recipe["model"], options.task)
+    language = options.task == "causal_lm"
+    if recipe["model"]["source"] == "huggingface" and not language:
+        check_labels(model, recipe["model"]["num_classes"])
+    if recipe["run"]["activation_checkpointing"]:
+        checkpoint_activations(model)
+    vocab = vocabulary_size(model) if language else None
+    train_loader, test_loader = build_data(recipe, options.device, vocab)
+    if recipe["model"]["weights"] not in (None, RANDOM):
+        load_weights(model, recipe["model"]["weights"])
+    model.to(options.device)
+    sample = None if recipe["model"]["input_shape"] else next(iter(test_loader))[0]
+    example = example_input(recipe["model"], sample)
+    check_pruning_plan(model, recipe["prune"], example.to(options.device))
+    return model, train_loader, test_loader, example
+
+
 def _run(recipe: dict, out: Path | None, resume: bool, options: RunOptions, main: bool) -> dict:
     settings = recipe["run"]
     device = options.device
@@ -419,21 +449,8 @@ def _run(recipe: dict, out: Path | None, resume: bool, options: RunOptions, main
         writes = out is not None and main  # rank 0 writes the files
         tensorboard = out / "tensorboard" if writes and settings["tensorboard"] else None
         log = MetricsLog(out / "metrics.jsonl" if writes else None, tensorboard)
-        model = build_model(recipe["model"], options.task)
-        language = options.task == "causal_lm"
+        model, train_loader, test_loader, example = prepare(recipe, options)
         hugging = recipe["model"]["source"] == "huggingface"
-        if hugging and not language:
-            check_labels(model, recipe["model"]["num_classes"])
-        if settings["activation_checkpointing"]:
-            checkpoint_activations(model)
-        vocab = vocabulary_size(model) if language else None
-        train_loader, test_loader = build_data(recipe, device, vocab)
-        if recipe["model"]["weights"] not in (None, RANDOM):
-            load_weights(model, recipe["model"]["weights"])
-        model.to(device)
-        sample = None if recipe["model"]["input_shape"] else next(iter(test_loader))[0]
-        example = example_input(recipe["model"], sample)
-        check_pruning_plan(model, recipe["prune"], example.to(device))
         if recipe["pretrain"]["epochs"]:
             saving = stage_checkpoint(checkpoints, recipe, "pretrain", resume)
             dense = train(

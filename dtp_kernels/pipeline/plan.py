@@ -1,0 +1,75 @@
+"""`dtp prune --plan`: what a recipe will do, before any training.
+
+The recipe, the model (its weights loaded) and the data are read and checked as a run
+reads them, on the CPU; the pruner is built on the model and reports each group's size
+and kept count, the parameters and FLOPs before and after pruning, and the memory each
+stage's training state takes. Nothing is trained and nothing is written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import schema
+from .run import check_starting_point, make_pruner, prepare, run_options
+
+
+def state_bytes(params: int, element: int, settings: dict, trains: bool = True) -> int:
+    """Bytes of `params` parameters of `element` bytes each in a training stage: the
+    weights, and when they train their gradients and the optimizer's state (AdamW: two
+    moments; SGD: a momentum buffer when momentum > 0)."""
+    if not trains:
+        return params * element
+    if settings.get("optimizer", "sgd") == "adamw":
+        states = 2
+    else:
+        states = 1 if settings.get("momentum", 0.9) > 0 else 0
+    return params * element * (2 + states)
+
+
+def plan(recipe: dict) -> dict:
+    """What `run(recipe)` will prune and the training state each stage holds, from the
+    model and the pruner built as the run builds them (on the CPU; nothing trains)."""
+    schema.validate(recipe)
+    check_starting_point(recipe)
+    options = run_options(recipe, torch.device("cpu"))
+    model, _, _, example = prepare(recipe, options)
+    settings = recipe["prune"]
+    pruner = make_pruner(model, settings, example)
+    report = pruner.report()
+    element = next(model.parameters()).element_size()
+    scores = sum(p.numel() for p in pruner.parameters())
+    state = sum(b.numel() * b.element_size() for b in pruner.buffers())
+    frozen = not settings["train_weights"]
+    learned = settings["method"] == "dtp" and settings["budget"] != "layer"
+    # unstructured and N:M pruning keep the shapes: the zeros are still held
+    kept = (
+        report["params_after"] if settings["granularity"] == "filter" else report["params_before"]
+    )
+    memory = {
+        "pretrain": state_bytes(report["params_before"], element, recipe["pretrain"]),
+        "prune": state_bytes(report["params_before"], element, settings, trains=not frozen)
+        + state_bytes(scores, 4, settings)  # float32 scores, in the stage's optimizer
+        + state,
+        "finetune": state_bytes(kept, element, recipe["finetune"]),
+    }
+    return {
+        "method": settings["method"],
+        "ratios": settings["ratios"],
+        "budget": settings["budget"],
+        # under a global or FLOPs budget DTP learns each layer's count; the total is fixed
+        "kept_counts": "learned per group" if learned else "fixed",
+        "groups": [{k: g[k] for k in ("name", "n", "k")} for g in report["groups"]],
+        "params_before": report["params_before"],
+        "params_after": report["params_after"],
+        "flops_before": report["flops_before"],
+        "flops_after": report["flops_after"],
+        "speedup": report["speedup"],
+        "parameter_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        # parameters, gradients and optimizer state; activations come on top
+        "training_state_bytes": {
+            stage: count
+            for stage, count in memory.items()
+            if stage != "pretrain" or recipe["pretrain"]["epochs"]
+        },
+    }
