@@ -12,6 +12,7 @@ import torch
 
 from . import schema
 from .run import check_starting_point, make_pruner, prepare, run_options
+from .train import accumulation_plan, stage_steps
 
 
 def state_bytes(params: int, element: int, settings: dict, trains: bool = True) -> int:
@@ -33,7 +34,10 @@ def plan(recipe: dict) -> dict:
     schema.validate(recipe)
     check_starting_point(recipe)
     options = run_options(recipe, torch.device("cpu"))
-    model, _, _, example = prepare(recipe, options)
+    model, train_loader, _, example = prepare(recipe, options)
+    batches = accumulation_plan(
+        len(train_loader.sampler), train_loader.batch_size, recipe["data"]["accumulate"]
+    )
     settings = recipe["prune"]
     pruner = make_pruner(model, settings, example)
     report = pruner.report()
@@ -71,5 +75,12 @@ def plan(recipe: dict) -> dict:
             stage: count
             for stage, count in memory.items()
             if stage != "pretrain" or recipe["pretrain"]["epochs"]
+        },
+        # on this process's share of the data (under torchrun: per rank); l1 and random
+        # prune in one shot, with no training stage
+        "optimizer_steps": {
+            "pretrain": stage_steps(batches, recipe["pretrain"]),
+            "prune": stage_steps(batches, settings) if settings["method"] == "dtp" else 0,
+            "finetune": stage_steps(batches, recipe["finetune"]),
         },
     }

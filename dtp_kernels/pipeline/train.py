@@ -230,6 +230,13 @@ def accumulation_plan(samples: int, batch: int, accumulate: int) -> list[tuple[f
     return plan
 
 
+def stage_steps(plan: list[tuple[float, bool, bool]], settings: dict) -> int:
+    """The optimizer steps of a stage whose epochs follow `plan` (accumulation_plan):
+    its epochs', or settings["max_steps"] if that is fewer."""
+    every = settings["epochs"] * sum(last for _, _, last in plan)
+    return min(every, settings.get("max_steps") or every)
+
+
 @dataclass
 class Checkpointing:
     """Where a stage's checkpoint goes, what it must match, and whether to resume."""
@@ -278,7 +285,6 @@ def train(
     gradients weighted by their samples); the schedule counts optimizer steps, and
     checkpoints and preemption stops fall between optimizer steps.
     """
-    epochs = settings["epochs"]
     options = options or RunOptions()
     steps, batch = len(train_loader), train_loader.batch_size
     if options.accumulate > steps:
@@ -288,10 +294,9 @@ def train(
             "(or lower data.batch_size)"
         )
     plan = accumulation_plan(len(train_loader.sampler), batch, options.accumulate)
-    # The stage's optimizer steps: its epochs', or settings["max_steps"] if fewer; the
-    # last epoch run then ends after `cut` batches, the batch that closes its last step.
     updates = sum(last for _, _, last in plan)
-    total = min(epochs * updates, settings.get("max_steps") or epochs * updates)
+    total = stage_steps(plan, settings)
+    # the last epoch run ends after `cut` batches, the batch that closes its last step
     run_epochs = -(-total // updates)
     closing = [index + 1 for index, (_, _, last) in enumerate(plan) if last]
     cut = closing[total - (run_epochs - 1) * updates - 1] if total else steps

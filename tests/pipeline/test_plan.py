@@ -51,7 +51,8 @@ def held(checkpoint, scores: bool) -> int:
 
 
 def test_the_plan_of_a_cnn_is_what_the_run_prunes(tmp_path):
-    overrides = ["model.weights=random", "prune.epochs=1", "finetune.epochs=1"]
+    overrides = ["model.weights=random", "prune.epochs=2", "prune.max_steps=15"]
+    overrides += ["finetune.epochs=1", "data.accumulate=2"]
     settings = recipe.load(DIGITS_RECIPE, [*overrides, "run.plots=false"])
     predicted = plan(settings)
     summary = run(settings, tmp_path / "run")
@@ -61,6 +62,12 @@ def test_the_plan_of_a_cnn_is_what_the_run_prunes(tmp_path):
     assert predicted["params_after"] == summary["params"]
     assert predicted["speedup"] == pytest.approx(summary["speedup"], rel=1e-12)
     assert predicted["kept_counts"] == "fixed"
+    steps, checkpoints = predicted["optimizer_steps"], tmp_path / "run" / "checkpoints"
+    saved = torch.load(checkpoints / "dtp.pt", weights_only=True)
+    assert steps["prune"] == int(saved["pruner"]["state.steps"]) == 15  # max_steps
+    for stage in ("pretrain", "finetune"):
+        saved = torch.load(checkpoints / f"{stage}.pt", weights_only=True)
+        assert steps[stage] == saved["scheduler"]["last_epoch"] > 0, stage
     for stage in ("prune", "finetune"):
         name = "dtp" if stage == "prune" else stage
         saved = torch.load(tmp_path / "run" / "checkpoints" / f"{name}.pt", weights_only=True)
