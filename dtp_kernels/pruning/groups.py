@@ -258,8 +258,14 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
     in a process that has imported transformers); tests/reliability/test_no_host_sync.py
     checks that none is left.
     """
-    # the graph is traced through autograd: also when called under torch.no_grad()
-    with torch.enable_grad(), warnings.catch_warnings(), without_cache(model):
+    # the graph is traced through autograd: also when called under torch.no_grad(), and
+    # through frozen parameters (requires_grad False), which autograd would not record
+    with (
+        torch.enable_grad(),
+        warnings.catch_warnings(),
+        without_cache(model),
+        all_parameters_recorded(model),
+    ):
         # norms that are not nn.LayerNorm (RMSNorm) are "unwrapped parameters" to it;
         # groups through them are refused or left alone here, never pruned
         warnings.filterwarnings("ignore", message="Unwrapped parameters detected")
@@ -286,6 +292,20 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
             if isinstance(node.module, tp.ops._SliceOp):
                 node.module.grad_fn = None
         vars(graph).clear()
+
+
+@contextlib.contextmanager
+def all_parameters_recorded(model: nn.Module) -> Iterator[None]:
+    """Every parameter of `model` requires a gradient inside the block, so that autograd
+    records the operations on frozen ones too; each frozen one is frozen again after."""
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    for parameter in frozen:
+        parameter.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for parameter in frozen:
+            parameter.requires_grad_(False)
 
 
 def _remove_new_hooks(before: dict[nn.Module, set[int]]) -> None:

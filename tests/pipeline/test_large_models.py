@@ -177,3 +177,31 @@ def test_a_hugging_face_image_classifier_trains_in_bfloat16(tmp_path):
     summary = run(settings, tmp_path / "run")
     assert {p.dtype for p in summary["model"].parameters()} == {torch.bfloat16}
     assert summary["accuracy"] > summary["dense_accuracy"] + 0.05  # it trained
+
+
+def test_in_your_own_loop_the_masks_learn_with_the_weights_frozen():
+    """docs/pruning.md: requires_grad_(False), an optimizer over the pruner's scores
+    alone, attach(); the weights stay as they were, the scores and state move."""
+    from dtp_kernels import DTPPruner
+    from utils import tiny_llama
+
+    model = tiny_llama(vocab=256)
+    model.requires_grad_(False)
+    tokens = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    pruner = DTPPruner(model, tokens[:1], {"heads": 0.5, "mlp": 0.5})
+    weights = list(model.parameters())
+    assert not any(w.requires_grad for w in weights)  # frozen again after the tracing
+    before = [w.detach().clone() for w in weights]
+    scores = [p.detach().clone() for p in pruner.parameters()]
+    optimizer = torch.optim.AdamW(pruner.parameters(), lr=0.01)
+    pruner.attach(optimizer)
+    for _ in range(3):
+        optimizer.zero_grad()
+        logits = model(tokens[:, :-1]).logits
+        torch.nn.functional.cross_entropy(logits.transpose(1, 2), tokens[:, 1:]).backward()
+        optimizer.step()
+    assert all(torch.equal(w, b) for w, b in zip(weights, before, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(scores, pruner.parameters(), strict=True))
+    assert int(pruner.state.steps) == 3
+    small = pruner.export()
+    assert small.config.intermediate_size == 24

@@ -971,3 +971,27 @@ def test_gated_mlp_is_masked_on_the_consumer_columns(mlp):
     exported = pruner.export()  # raises unless equal to the hard-masked model
     assert (exported.gate.out_features, exported.up.out_features) == (12, 12)
     assert exported.down.in_features == 12
+
+
+@pytest.mark.parametrize("make", ["resnet20", "llama"])
+def test_a_frozen_model_has_the_groups_of_a_trainable_one(make):
+    """The channel graph is traced through autograd: parameters with requires_grad False
+    (a model loaded for inference, or frozen to learn the masks alone) are traced as
+    trainable ones, and stay frozen."""
+    from utils import tiny_llama
+
+    def pruner(frozen: bool) -> DTPPruner:
+        torch.manual_seed(0)
+        if make == "llama":
+            model, example = tiny_llama(vocab=64), torch.randint(0, 64, (1, 8))
+        else:
+            model, example = resnet20(), torch.randn(1, 3, 32, 32)
+        model.requires_grad_(not frozen)
+        result = DTPPruner(model, example, 0.5)
+        assert all(p.requires_grad != frozen for p in model.parameters())
+        return result
+
+    trainable, frozen = pruner(False), pruner(True)
+    assert [(g.name, g.size) for g in frozen.groups] == [(g.name, g.size) for g in trainable.groups]
+    kinds = {type(g).__name__ for g in frozen.groups}
+    assert kinds == ({"HeadGroup", "ChannelGroup"} if make == "llama" else {"ChannelGroup"})
