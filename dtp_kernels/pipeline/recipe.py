@@ -121,6 +121,8 @@ DEFAULTS = {
     # (either may be null; both null: only at the end of every epoch and at a signal).
     # activation_checkpointing: a huggingface model's layers recomputed in the backward
     # (transformers' gradient_checkpointing_enable, non-reentrant): less memory, more time.
+    # eval_every_steps: also evaluate (a metrics line with "step") every that many
+    # optimizer steps within an epoch; null: at the end of every epoch only.
     "run": {
         "device": "auto",
         "amp": None,
@@ -131,6 +133,7 @@ DEFAULTS = {
         "plots": True,
         "checkpoint_minutes": 10.0,
         "checkpoint_steps": None,
+        "eval_every_steps": None,
         "activation_checkpointing": False,
     },
 }

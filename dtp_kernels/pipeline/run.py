@@ -368,6 +368,7 @@ def run_options(recipe: dict, device: torch.device) -> RunOptions:
         settings["compile"],
         checkpoint_minutes=settings["checkpoint_minutes"],
         checkpoint_steps=settings["checkpoint_steps"],
+        eval_every_steps=settings["eval_every_steps"],
         task="causal_lm" if recipe["data"]["name"] == "text" else "classify",
         accumulate=recipe["data"]["accumulate"],
     )

@@ -216,6 +216,7 @@ FIELDS: dict[str, Check] = {
     "run.plots": boolean(),
     "run.checkpoint_minutes": number(0, low_open=True, optional=True),
     "run.checkpoint_steps": integer(1, optional=True),
+    "run.eval_every_steps": integer(1, optional=True),
 }
 
 

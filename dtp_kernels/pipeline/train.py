@@ -53,9 +53,16 @@ class MetricsLog:
             with self.path.open("a") as f:
                 f.write(json.dumps(row, allow_nan=False) + "\n")
         if self.writer is not None:
+            # an evaluation within an epoch (run.eval_every_steps) is plotted against the
+            # optimizer step, under tags of its own; the epochs' against the epoch
+            where, x = (
+                (f"{row['stage']}/steps", row["step"])
+                if "step" in row
+                else (row["stage"], row.get("epoch", 0))
+            )
             for key, value in row.items():
-                if isinstance(value, (int, float)) and key != "epoch":
-                    self.writer.add_scalar(f"{row['stage']}/{key}", value, row.get("epoch", 0))
+                if isinstance(value, (int, float)) and key not in ("epoch", "step"):
+                    self.writer.add_scalar(f"{where}/{key}", value, x)
             self.writer.flush()
 
     def restore(self, rows: list[dict]) -> None:
@@ -85,8 +92,9 @@ class RunOptions:
     how often a checkpoint is written within an epoch (minutes and/or steps; None: not
     within epochs), the guard that stops a stage at a preemption signal, the task:
     "classify" (the model returns class logits) or "causal_lm" (a transformers causal
-    language model: its logits per token, against the next tokens), and `accumulate`,
-    the batches whose gradients make one optimizer step (data.accumulate)."""
+    language model: its logits per token, against the next tokens), `accumulate`, the
+    batches whose gradients make one optimizer step (data.accumulate), and
+    `eval_every_steps`, how often (in optimizer steps) to evaluate within an epoch too."""
 
     amp: str | None = None
     channels_last: bool = False
@@ -96,6 +104,7 @@ class RunOptions:
     preemption: PreemptionGuard | None = None
     checkpoint_minutes: float | None = None
     checkpoint_steps: int | None = None
+    eval_every_steps: int | None = None
     task: str = "classify"
     accumulate: int = 1
 
@@ -300,6 +309,8 @@ def train(
     run_epochs = -(-total // updates)
     closing = [index + 1 for index, (_, _, last) in enumerate(plan) if last]
     cut = closing[total - (run_epochs - 1) * updates - 1] if total else steps
+    # the optimizer steps an epoch has made when batch b (counted from 1) closes one
+    made = {batches: number for number, batches in enumerate(closing, start=1)}
 
     def batches(epoch: int) -> int:
         return cut if epoch == run_epochs - 1 else steps
@@ -428,6 +439,13 @@ def train(
             if not last:
                 continue
             schedule.step()
+            # before a stop's checkpoint, which then holds the line, as a resumed run would
+            every = options.eval_every_steps
+            done = epoch * updates + made[step + 1]
+            if every and done % every == 0 and step + 1 < length:  # the epoch's end evaluates
+                scores = metrics(model, test_loader, options)
+                mean = losses[: step + 1].sum().item() / (step + 1)  # the epoch's so far
+                log.write(stage=stage, epoch=epoch, step=done, loss=mean, **scores)
             signum = guard.requested() if guard is not None else None
             if signum:
                 check_losses(epoch, step + 1)

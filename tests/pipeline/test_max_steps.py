@@ -35,8 +35,9 @@ def data_loaders(samples: int = 100, batch: int = 16):
     return loaders(data, data, batch, num_workers=0)
 
 
-def counted_train(monkeypatch, settings: dict, accumulate: int = 1, **kwargs):
-    """train() on the MLP, recording each step call's (lr, closes-a-step, loss)."""
+def counted_train(monkeypatch, settings: dict, accumulate: int = 1, every=None, **kwargs):
+    """train() on the MLP, recording each step call's (lr, closes-a-step, loss);
+    `every`: RunOptions.eval_every_steps."""
     calls = []
     step = training.training_step
 
@@ -49,7 +50,7 @@ def counted_train(monkeypatch, settings: dict, accumulate: int = 1, **kwargs):
     monkeypatch.setattr(training, "training_step", counting)
     model, log = mlp(), MetricsLog()
     train_loader, test_loader = data_loaders()
-    options = RunOptions(accumulate=accumulate)
+    options = RunOptions(accumulate=accumulate, eval_every_steps=every)
     train(model, train_loader, test_loader, settings, log, "t", options=options, **kwargs)
     return model, log, calls
 
