@@ -50,6 +50,11 @@ def plan(recipe: dict) -> dict:
     kept = (
         report["params_after"] if settings["granularity"] == "filter" else report["params_before"]
     )
+    trains = {
+        "pretrain": recipe["pretrain"]["epochs"] > 0,
+        "prune": settings["method"] == "dtp",
+        "finetune": recipe["finetune"]["epochs"] > 0,
+    }
     memory = {
         "pretrain": state_bytes(report["params_before"], element, recipe["pretrain"]),
         "prune": state_bytes(report["params_before"], element, settings, trains=not frozen)
@@ -70,17 +75,12 @@ def plan(recipe: dict) -> dict:
         "flops_after": report["flops_after"],
         "speedup": report["speedup"],
         "parameter_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        # parameters, gradients and optimizer state; activations come on top
-        "training_state_bytes": {
-            stage: count
-            for stage, count in memory.items()
-            if stage != "pretrain" or recipe["pretrain"]["epochs"]
-        },
-        # on this process's share of the data (under torchrun: per rank); l1 and random
-        # prune in one shot, with no training stage
+        # parameters, gradients and optimizer state of each stage that trains (l1 and
+        # random prune in one shot); activations come on top
+        "training_state_bytes": {stage: count for stage, count in memory.items() if trains[stage]},
+        # on this process's share of the data (under torchrun: per rank)
         "optimizer_steps": {
-            "pretrain": stage_steps(batches, recipe["pretrain"]),
-            "prune": stage_steps(batches, settings) if settings["method"] == "dtp" else 0,
-            "finetune": stage_steps(batches, recipe["finetune"]),
+            stage: stage_steps(batches, recipe[stage]) if trains[stage] else 0
+            for stage in ("pretrain", "prune", "finetune")
         },
     }

@@ -116,6 +116,14 @@ def test_the_command_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     assert "prune.ratios" in capsys.readouterr().err
 
 
+def test_one_shot_pruning_has_no_dtp_stage_to_hold():
+    settings = recipe.load(DIGITS_RECIPE, ["prune.method=l1", "finetune.epochs=0"])
+    predicted = plan(settings)
+    assert set(predicted["training_state_bytes"]) == {"pretrain"}
+    steps = predicted["optimizer_steps"]
+    assert steps["prune"] == steps["finetune"] == 0 < steps["pretrain"]
+
+
 def test_a_global_budget_says_the_counts_are_learned(tmp_path):
     settings = recipe.load(DIGITS_RECIPE, ["model.weights=random", "prune.budget=global"])
     predicted = plan(settings)
