@@ -155,26 +155,9 @@ def test_the_loss_of_bfloat16_logits_is_taken_in_float32():
 
 def test_a_hugging_face_image_classifier_trains_in_bfloat16(tmp_path):
     """Images stay float32 in the loader; the model takes them into its bfloat16 layers."""
-    from test_model_source import save_classifier
+    from test_model_source import prune_classifier
 
-    from utils import DIGITS_RECIPE
-
-    settings = recipe.load(
-        DIGITS_RECIPE,
-        [
-            "model.source=huggingface",
-            f"model.path={save_classifier(tmp_path / 'vit')}",
-            "model.dtype=bfloat16",
-            "prune.ratios={heads: 0.5}",
-            "pretrain.epochs=0",
-            "prune.epochs=1",
-            "finetune.epochs=1",
-            "run.plots=false",
-        ],
-    )
-    for stage in ("prune", "finetune"):
-        settings[stage].update(optimizer="adamw", lr=0.003)
-    summary = run(settings, tmp_path / "run")
+    _, summary = prune_classifier(tmp_path, "vit", "{heads: 0.5}", "model.dtype=bfloat16")
     assert {p.dtype for p in summary["model"].parameters()} == {torch.bfloat16}
     assert summary["accuracy"] > summary["dense_accuracy"] + 0.05  # it trained
 

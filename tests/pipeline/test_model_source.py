@@ -155,9 +155,9 @@ def save_classifier(where: Path, kind: str = "vit", labels: int = 10) -> Path:
     return where
 
 
-def prune_classifier(tmp_path: Path, kind: str, ratios: str) -> tuple[dict, dict]:
-    """One DTP epoch and one fine-tuning epoch of a saved classifier on the digits; the
-    recipe and the summary."""
+def prune_classifier(tmp_path: Path, kind: str, ratios: str, *overrides: str) -> tuple[dict, dict]:
+    """One DTP epoch and one fine-tuning epoch of a saved classifier on the digits (with
+    `overrides` of the recipe); the recipe and the summary."""
     settings = recipe.load(
         DIGITS_RECIPE,
         [
@@ -169,6 +169,7 @@ def prune_classifier(tmp_path: Path, kind: str, ratios: str) -> tuple[dict, dict
             "finetune.epochs=1",
             "run.progress=false",
             "run.plots=false",
+            *overrides,
         ],
     )
     for stage in ("prune", "finetune"):
