@@ -18,13 +18,15 @@ from .train import accumulation_plan, stage_steps
 def state_bytes(params: int, element: int, settings: dict, trains: bool = True) -> int:
     """Bytes of `params` parameters of `element` bytes each in a training stage: the
     weights, and when they train their gradients and the optimizer's state (AdamW: two
-    moments; SGD: a momentum buffer when momentum > 0)."""
+    moments; SGD: a momentum buffer when momentum > 0; for weights of 2 bytes, the
+    compensation buffer of compensated_optim.py)."""
     if not trains:
         return params * element
     if settings.get("optimizer", "sgd") == "adamw":
         states = 2
     else:
         states = 1 if settings.get("momentum", 0.9) > 0 else 0
+    states += element == 2
     return params * element * (2 + states)
 
 

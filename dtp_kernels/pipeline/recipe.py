@@ -54,7 +54,7 @@ DEFAULTS = {
         "input_shape": None,
         "path": None,
         # dtype: the parameters' type, float32 | bfloat16 (huggingface only: half the
-        # memory of weights, gradients and optimizer state; updated in bfloat16).
+        # memory of weights, gradients and optimizer state; compensated updates).
         "dtype": "float32",
     },
     # optimizer (every stage): sgd (momentum, weight_decay) | adamw (weight_decay; the

@@ -27,6 +27,7 @@ from .checkpoint import (
     make_payload,
     save_atomic,
 )
+from .compensated_optim import LOW_PRECISION, CompensatedAdamW, CompensatedSGD
 from .errors import DivergedError, UsageError
 from .preemption import Preempted, PreemptionGuard
 from .step import compile_model, training_step
@@ -180,8 +181,13 @@ def metrics(model: nn.Module, loader: DataLoader, options: RunOptions) -> dict:
 
 
 def make_optimizer(model: nn.Module, settings: dict, pruner: nn.Module | None = None):
-    """The stage's optimizer (settings["optimizer"]: "sgd", the default, or "adamw")."""
+    """The stage's optimizer (settings["optimizer"]: "sgd", the default, or "adamw").
+
+    When weights that train are bfloat16 or float16 (model.dtype), it is the
+    compensated version (compensated_optim.py), so updates below a weight's spacing add
+    up instead of rounding away."""
     groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    low = any(p.dtype in LOW_PRECISION for p in groups[0]["params"])
     # the pruner's scores and learned ratios (none for magnitude scores): no weight decay
     extra = list(pruner.parameters()) if pruner is not None else []
     if extra:
@@ -190,10 +196,10 @@ def make_optimizer(model: nn.Module, settings: dict, pruner: nn.Module | None = 
     if kind not in OPTIMIZERS:
         raise UsageError(f"optimizer = {kind!r}; allowed: {list(OPTIMIZERS)}")
     if kind == "adamw":
-        return torch.optim.AdamW(
+        return (CompensatedAdamW if low else torch.optim.AdamW)(
             groups, lr=settings["lr"], weight_decay=settings.get("weight_decay", 0.01)
         )
-    return torch.optim.SGD(
+    return (CompensatedSGD if low else torch.optim.SGD)(
         groups,
         lr=settings["lr"],
         momentum=settings.get("momentum", 0.9),

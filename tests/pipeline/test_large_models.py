@@ -66,16 +66,20 @@ def test_fine_tuning_after_a_frozen_dtp_stage_trains_the_weights(tmp_path):
 
 def test_bfloat16_weights_train_and_are_saved_in_bfloat16(tmp_path):
     """model.dtype bfloat16 with no autocast: every parameter, gradient and optimizer
-    state is bfloat16 (2 bytes, AdamW's two moments 4 more), the loss is taken on float32
-    logits, the run trains, and from_pretrained reads the saved model as bfloat16."""
+    state is bfloat16 (2 bytes, AdamW's two moments and the compensation 6 more), the
+    loss is taken on float32 logits, the run trains, and from_pretrained reads the saved
+    model as bfloat16."""
     model_dir, text = save_llama(tmp_path / "llama"), write_text(tmp_path / "text")
     settings = lm_recipe(model_dir, text, "model.dtype=bfloat16", "run.amp=null")
     summary = run(settings, tmp_path / "run")
     assert {p.dtype for p in summary["model"].parameters()} == {torch.bfloat16}
     assert summary["perplexity"] < summary["dense_perplexity"]
     saved = torch.load(tmp_path / "run" / "checkpoints" / "finetune.pt", weights_only=True)
-    moments = [t for s in saved["optimizer"]["state"].values() for k, t in s.items() if k != "step"]
+    states = saved["optimizer"]["state"].values()
+    moments = [t for s in states for k, t in s.items() if k != "step"]
     assert moments and {t.dtype for t in moments} == {torch.bfloat16}
+    # updates below a weight's spacing are kept (compensated_optim.py)
+    assert all("compensation" in s for s in states)
     config = json.loads((tmp_path / "run" / "pruned" / "config.json").read_text())
     assert config["dtype"] == "bfloat16"
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "pruned")

@@ -1,0 +1,184 @@
+"""CompensatedSGD and CompensatedAdamW (dtp_kernels/pipeline/compensated_optim.py): a
+float32 parameter is updated bitwise as torch.optim updates it; a bfloat16 or float16
+one follows the float32 trajectory to within one of its spacings where torch.optim's
+update rounds away; chunks, strides and a state_dict round trip change nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dtp_kernels.pipeline.compensated_optim import CompensatedAdamW, CompensatedSGD
+from dtp_kernels.pipeline.train import make_optimizer
+
+OPTIMIZERS = {
+    "sgd": (CompensatedSGD, torch.optim.SGD, {"lr": 0.05, "momentum": 0.0}),
+    "sgd-momentum": (
+        CompensatedSGD,
+        torch.optim.SGD,
+        {"lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4},
+    ),
+    "adamw": (CompensatedAdamW, torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+}
+
+
+def gradients(shape: tuple[int, ...], steps: int, seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator) for _ in range(steps)]
+
+
+def train(optimizer_class, settings, weight: torch.Tensor, grads, **extra) -> torch.Tensor:
+    """`weight` (a copy of it) after one optimizer step per gradient of `grads`."""
+    param = torch.nn.Parameter(weight.clone())
+    optimizer = optimizer_class([param], **settings, **extra)
+    for grad in grads:
+        param.grad = grad.to(param.dtype)
+        optimizer.step()
+    return param.detach()
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_float32_parameters_are_updated_bitwise_as_torch_updates_them(name):
+    ours, theirs, settings = OPTIMIZERS[name]
+    weight, grads = torch.randn(37, 29), gradients((37, 29), 25)
+    expected = train(theirs, settings, weight, grads, foreach=False)
+    for chunk_size in (1 << 22, 100, 7):  # chunk edges inside rows
+        got = train(ours, settings, weight, grads, chunk_size=chunk_size)
+        assert torch.equal(got, expected), chunk_size
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_the_gradient_and_a_float32_state_are_not_written_through(name):
+    """.float() of a float32 tensor is the tensor itself: the update must not change the
+    caller's gradient."""
+    ours, _, settings = OPTIMIZERS[name]
+    param = torch.nn.Parameter(torch.randn(50))
+    optimizer = ours([param], **settings)
+    for grad in gradients((50,), 3):
+        param.grad = grad.clone()
+        optimizer.step()
+        assert torch.equal(param.grad, grad)
+
+
+def spacing(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The distance between neighbouring numbers of `dtype` at each of `values`."""
+    _, exponent = torch.frexp(values.float())
+    epsilon = torch.full_like(values.float(), torch.finfo(dtype).eps)  # spacing at 1
+    return torch.ldexp(epsilon, exponent - 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_low_precision_weights_follow_the_float32_trajectory(name, dtype):
+    """Every step moves a weight by less than half its spacing, steadily one way: torch's
+    update rounds every step away and the weights stay where they started; the
+    compensated weights end within one spacing of the float32 run, which moved them
+    by several spacings."""
+    ours, theirs, settings = OPTIMIZERS[name]
+    # steps of at most 5e-4 in bfloat16 (SGD's momentum makes them 10x the gradient's),
+    # 16x smaller in float16; the weights stay above 0.85, where half a spacing is more
+    lr = {"sgd": 2.5e-4, "sgd-momentum": 2.5e-5, "adamw": 2.5e-4}[name]
+    settings = {**settings, "lr": lr if dtype == torch.bfloat16 else lr / 16}
+    generator = torch.Generator().manual_seed(1)
+    start = (torch.rand(256, generator=generator) / 2 + 1).to(dtype)  # in [1, 1.5)
+    # the same sign every step, varying size: a drift to follow
+    direction = torch.randn(256, generator=generator).sign()
+    grads = [(direction * (1 + torch.rand(256, generator=generator))).to(dtype) for _ in range(400)]
+    exact = train(theirs, settings, start.float(), [g.float() for g in grads], foreach=False)
+    plain = train(theirs, settings, start, grads, foreach=False)
+    compensated = train(ours, settings, start, grads)
+    step = spacing(exact, dtype)
+    moved = (exact - start.float()).abs() / step
+    assert moved.min() > 4  # the float32 run left the starting spacing far behind
+    assert torch.equal(plain, start)  # every update rounded away
+    error = (compensated.float() - exact).abs() / step
+    assert error.max() <= 1.0, float(error.max())
+
+
+def test_the_compensation_holds_what_the_weight_could_not():
+    """weight + compensation is the float32 trajectory to well within one spacing."""
+    ours, theirs, settings = OPTIMIZERS["sgd-momentum"]
+    settings = {**settings, "lr": 1e-4}
+    start = torch.linspace(0.5, 1.5, 64).bfloat16()
+    grads = [g.bfloat16() for g in gradients((64,), 200, seed=2)]
+    exact = train(theirs, settings, start.float(), [g.float() for g in grads], foreach=False)
+    param = torch.nn.Parameter(start.clone())
+    optimizer = ours([param], **settings)
+    for grad in grads:
+        param.grad = grad
+        optimizer.step()
+    compensation = optimizer.state[param]["compensation"]
+    assert compensation.dtype == torch.bfloat16
+    total = param.detach().float() + compensation.float()
+    error = (total - exact).abs() / spacing(exact, torch.bfloat16)
+    assert error.max() < 0.05, float(error.max())
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_chunks_and_strides_give_the_same_bits(name):
+    ours, _, settings = OPTIMIZERS[name]
+    weight = torch.randn(6, 5, 3, 3).bfloat16()
+    grads = gradients(weight.shape, 10, seed=3)
+    whole = train(ours, settings, weight, grads)
+    assert torch.equal(train(ours, settings, weight, grads, chunk_size=11), whole)
+    # a channels_last weight (not contiguous) is updated whole, to the same values
+    strided = weight.contiguous(memory_format=torch.channels_last)
+    param = torch.nn.Parameter(strided.clone())
+    optimizer = ours([param], **settings, chunk_size=11)
+    for grad in grads:
+        param.grad = grad.bfloat16().contiguous(memory_format=torch.channels_last)
+        optimizer.step()
+    assert not param.is_contiguous()
+    assert torch.equal(param.detach(), whole)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_state_dict_round_trip_continues_bitwise(name):
+    ours, _, settings = OPTIMIZERS[name]
+    weight, grads = torch.randn(40).bfloat16(), gradients((40,), 20, seed=4)
+    straight = train(ours, settings, weight, grads)
+    param = torch.nn.Parameter(weight.clone())
+    optimizer = ours([param], **settings)
+    for grad in grads[:10]:
+        param.grad = grad.bfloat16()
+        optimizer.step()
+    saved = optimizer.state_dict()
+    param = torch.nn.Parameter(param.detach().clone())
+    resumed = ours([param], **settings)
+    resumed.load_state_dict(saved)
+    assert resumed.state[param]["compensation"].dtype == torch.bfloat16
+    for grad in grads[10:]:
+        param.grad = grad.bfloat16()
+        resumed.step()
+    assert torch.equal(param.detach(), straight)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: CompensatedSGD(p, lr=-1.0), r"lr = -1.0; allowed: >= 0.0"),
+        (lambda p: CompensatedSGD(p, lr=0.1, momentum=1.0), r"momentum = 1.0; allowed: \[0.0"),
+        (lambda p: CompensatedAdamW(p, betas=(0.9, 1.5)), r"betas\[1\] = 1.5"),
+        (lambda p: CompensatedAdamW(p, eps=-1e-8), r"eps = -1e-08"),
+        (lambda p: CompensatedAdamW(p, weight_decay=-0.1), r"weight_decay = -0.1"),
+        (lambda p: CompensatedAdamW(p, chunk_size=0), r"chunk_size = 0; allowed: an integer"),
+    ],
+)
+def test_bad_settings_are_refused_naming_them(make, message):
+    with pytest.raises(ValueError, match=message):
+        make([torch.nn.Parameter(torch.zeros(3))])
+
+
+@pytest.mark.parametrize(
+    ("dtype", "optimizer", "expected"),
+    [
+        (torch.float32, "sgd", torch.optim.SGD),
+        (torch.float32, "adamw", torch.optim.AdamW),
+        (torch.bfloat16, "sgd", CompensatedSGD),
+        (torch.bfloat16, "adamw", CompensatedAdamW),
+    ],
+)
+def test_the_pipeline_compensates_low_precision_weights_only(dtype, optimizer, expected):
+    model = torch.nn.Linear(4, 3).to(dtype)
+    made = make_optimizer(model, {"optimizer": optimizer, "lr": 0.1})
+    assert type(made) is expected
