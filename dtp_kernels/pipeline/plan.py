@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 
 from . import schema
+from .activation_memory import saved_activation_bytes
 from .run import check_starting_point, make_pruner, prepare, run_options
+from .run import frozen as run_frozen
 from .train import accumulation_plan, stage_steps
 
 
@@ -30,6 +32,12 @@ def state_bytes(params: int, element: int, settings: dict, trains: bool = True) 
     return params * element * (2 + states)
 
 
+def _activations(model, shapes, options) -> int:
+    return saved_activation_bytes(
+        model, *shapes, options.amp_dtype, options.outputs, options.images
+    )
+
+
 def plan(recipe: dict) -> dict:
     """What `run(recipe)` will prune and the training state each stage holds, from the
     model and the pruner built as the run builds them (on the CPU; nothing trains)."""
@@ -41,12 +49,22 @@ def plan(recipe: dict) -> dict:
         len(train_loader.sampler), train_loader.batch_size, recipe["data"]["accumulate"]
     )
     settings = recipe["prune"]
+    frozen = not settings["train_weights"]
+    sample, target = train_loader.dataset[0, 0]  # (index, seed): SeededSamples
+    batch = train_loader.batch_size
+    shapes = (
+        ((batch, *sample.shape), sample.dtype),
+        ((batch, *torch.as_tensor(target).shape), torch.long),
+    )
+    activations = {"dense": _activations(model, shapes, options)}
     pruner = make_pruner(model, settings, example)
     report = pruner.report()
+    if settings["method"] == "dtp":
+        with run_frozen(model, frozen):
+            activations["dtp"] = _activations(model, shapes, options)
     element = next(model.parameters()).element_size()
     scores = sum(p.numel() for p in pruner.parameters())
     state = sum(b.numel() * b.element_size() for b in pruner.buffers())
-    frozen = not settings["train_weights"]
     learned = settings["method"] == "dtp" and settings["budget"] != "layer"
     # unstructured and N:M pruning keep the shapes: the zeros are still held
     kept = (
@@ -80,6 +98,10 @@ def plan(recipe: dict) -> dict:
         # parameters, gradients and optimizer state of each stage that trains (l1 and
         # random prune in one shot); activations come on top
         "training_state_bytes": {stage: count for stage, count in memory.items() if trains[stage]},
+        # what one batch of data.batch_size keeps for the backward pass: the dense model
+        # (pre-training; fine-tuning's smaller model keeps at most this) and the model
+        # with DTP's masks (activation_memory.py)
+        "saved_activation_bytes": activations,
         # on this process's share of the data (under torchrun: per rank)
         "optimizer_steps": {
             stage: stage_steps(batches, recipe[stage]) if trains[stage] else 0

@@ -15,6 +15,29 @@ import torch
 from torch import nn
 
 
+def forward_loss(
+    model: nn.Module,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    amp: torch.dtype | None = None,
+    outputs: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """A training step's forward: the cross-entropy of `outputs(model, images)` (default:
+    model(images)) against `labels`, under torch.autocast with `amp` when given."""
+    # No autocast weight cache: every weight is cast once per forward anyway, and cached
+    # casts made during CUDA-graph capture must not outlive it (torch's CUDA-graph notes).
+    autocast = (
+        torch.autocast(images.device.type, dtype=amp, cache_enabled=False)
+        if amp is not None
+        else contextlib.nullcontext()
+    )
+    with autocast:
+        logits = model(images) if outputs is None else outputs(model, images)
+        # float32 logits: bfloat16 weights (model.dtype) give bfloat16 logits, whose
+        # log-softmax would lose the loss's precision (autocast upcasts it alike)
+        return nn.functional.cross_entropy(logits.float(), labels)
+
+
 def training_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -51,18 +74,7 @@ def training_step(
     at most max_norm before the optimizer step (after unscaling them, under a scaler),
     on the device: no host read.
     """
-    # No autocast weight cache: every weight is cast once per forward anyway, and cached
-    # casts made during CUDA-graph capture must not outlive it (torch's CUDA-graph notes).
-    autocast = (
-        torch.autocast(images.device.type, dtype=amp, cache_enabled=False)
-        if amp is not None
-        else contextlib.nullcontext()
-    )
-    with autocast:
-        logits = model(images) if outputs is None else outputs(model, images)
-        # float32 logits: bfloat16 weights (model.dtype) give bfloat16 logits, whose
-        # log-softmax would lose the loss's precision (autocast upcasts it alike)
-        loss = nn.functional.cross_entropy(logits.float(), labels)
+    loss = forward_loss(model, images, labels, amp, outputs)
     if flops_target is not None:
         loss = loss + penalty_weight * pruner.penalty(flops_target)
     scaled = loss if weight == 1.0 else loss * weight

@@ -1,7 +1,8 @@
 """`dtp prune --plan` (dtp_kernels/pipeline/plan.py): the groups, kept counts,
 parameters and FLOPs it predicts are the run's, and the training state it gives per
 stage is the bytes of the weights, gradients and optimizer state the run's checkpoints
-hold; it trains and writes nothing."""
+hold; it reports the activations of the dense and the masked model (measured as
+tests/pipeline/test_activation_memory.py checks); it trains and writes nothing."""
 
 from __future__ import annotations
 
@@ -62,6 +63,8 @@ def test_the_plan_of_a_cnn_is_what_the_run_prunes(tmp_path):
     assert predicted["params_after"] == summary["params"]
     assert predicted["speedup"] == pytest.approx(summary["speedup"], rel=1e-12)
     assert predicted["kept_counts"] == "fixed"
+    activations = predicted["saved_activation_bytes"]  # tests/pipeline/test_activation_memory.py
+    assert set(activations) == {"dense", "dtp"} and activations["dtp"] > activations["dense"]
     steps, checkpoints = predicted["optimizer_steps"], tmp_path / "run" / "checkpoints"
     saved = torch.load(checkpoints / "dtp.pt", weights_only=True)
     assert steps["prune"] == int(saved["pruner"]["state.steps"]) == 15  # max_steps
@@ -96,6 +99,9 @@ def test_the_plan_of_a_language_model_is_what_the_run_holds(tmp_path, overrides)
         "finetune": held(finetune, scores=False),
     }
     assert predicted["parameter_dtype"] == ("bfloat16" if overrides else "float32")
+    activations = predicted["saved_activation_bytes"]
+    # frozen weights: a linear layer keeps no input for its weight's gradient
+    assert (activations["dtp"] < activations["dense"]) == bool(overrides)
 
 
 def test_the_command_prints_the_plan_and_writes_nothing(tmp_path, capsys):
@@ -120,6 +126,7 @@ def test_one_shot_pruning_has_no_dtp_stage_to_hold():
     settings = recipe.load(DIGITS_RECIPE, ["prune.method=l1", "finetune.epochs=0"])
     predicted = plan(settings)
     assert set(predicted["training_state_bytes"]) == {"pretrain"}
+    assert set(predicted["saved_activation_bytes"]) == {"dense"}
     steps = predicted["optimizer_steps"]
     assert steps["prune"] == steps["finetune"] == 0 < steps["pretrain"]
 
