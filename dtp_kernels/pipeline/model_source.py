@@ -92,7 +92,7 @@ def checkpoint_activations(model: nn.Module) -> None:
             f"run.activation_checkpointing = true, but {type(model).__name__} (model.path) "
             "does not support transformers' gradient checkpointing; set it to false"
         )
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
 def check_labels(model: nn.Module, num_classes: int) -> None:

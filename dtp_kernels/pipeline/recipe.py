@@ -120,7 +120,7 @@ DEFAULTS = {
     # checkpoint_minutes / checkpoint_steps: a mid-epoch checkpoint at least this often
     # (either may be null; both null: only at the end of every epoch and at a signal).
     # activation_checkpointing: a huggingface model's layers recomputed in the backward
-    # (transformers' gradient_checkpointing_enable, non-reentrant): less memory, more time.
+    # (transformers' activation_checkpointing_enable, non-reentrant): less memory, more time.
     # eval_every_steps: also evaluate (a metrics line with "step") every that many
     # optimizer steps within an epoch; null: at the end of every epoch only.
     "run": {

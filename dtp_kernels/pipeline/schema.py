@@ -322,7 +322,7 @@ def _check_huggingface(values: Mapping, sources: Mapping[str, str] | None) -> No
             raise RecipeError(
                 f"run.activation_checkpointing = true (from "
                 f"{_source('run.activation_checkpointing', sources)}) needs model.source = "
-                "'huggingface' (transformers' gradient_checkpointing_enable); in your own "
+                "'huggingface' (transformers' activation_checkpointing_enable); in your own "
                 "code wrap blocks in torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
             )
         return

@@ -60,7 +60,7 @@ def refuse_no_grad_read(source: MaskSource, mask: torch.Tensor) -> None:
             "reentrant activation checkpointing (use_reentrant=True) or a no_grad block "
             "around pruned layers, where the pruner's scores cannot learn. Checkpoint "
             "with torch.utils.checkpoint(..., use_reentrant=False) (Hugging Face: "
-            "gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+            "activation_checkpointing_enable(activation_checkpointing_kwargs="
             "{'use_reentrant': False}))"
         )
 

@@ -97,7 +97,7 @@ TRAINER_OPTIONS = {
     # the Trainer's own activation checkpointing (non-reentrant by default) and two
     # batches per optimizer step
     "checkpointing-accumulation": {
-        "gradient_checkpointing": True,
+        "activation_checkpointing": True,
         "gradient_accumulation_steps": 2,
     },
 }
