@@ -146,7 +146,9 @@ def test_activation_checkpointing_keeps_the_layers_inputs_and_one_layer():
     for layers in (1, 2, 4):
         model = tiny_llama(layers=layers)
         whole[layers] = estimate(model, tokens, labels, outputs=llama_forward)
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
         checkpointed[layers] = estimate(model, tokens, labels, outputs=llama_forward)
     hidden = 4 * 64 * 32 * 4
     assert checkpointed[2] - checkpointed[1] == hidden

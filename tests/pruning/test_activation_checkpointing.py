@@ -43,7 +43,9 @@ def causal_lm(family: str, checkpointed: bool):
     ratios = {"heads": 0.5, "mlp": 0.5} if family == "llama" else {"experts": 0.5}
     pruner = DTPPruner(model, (tokens[:1],), ratios)
     if checkpointed:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
     return model, pruner, lambda: model(tokens, labels=tokens, use_cache=False).loss
 
 
@@ -89,7 +91,9 @@ def test_reentrant_checkpoints_are_refused_with_the_way_out(kind):
         checkpoint_blocks([*model.layer1, *model.layer2, *model.layer3], reentrant=True)
     else:
         model, pruner, loss = causal_lm("llama", False)
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": True}
+        )
     model.train()
     scores = pruner.scores.detach().clone()
     with pytest.raises(RuntimeError, match=r"use_reentrant=False"):
