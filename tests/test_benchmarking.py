@@ -117,3 +117,23 @@ def test_nm_step_profile_names_each_cases_kernels():
         timeout=300,
     )
     assert bad.returncode != 0 and "--numel must be positive multiples of 4" in bad.stderr
+
+
+def test_compensated_optimizer_benchmark_times_its_four_providers():
+    """benchmarks/bench_compensated_optim.py runs and reports every provider per
+    optimizer."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_compensated_optim.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--no-save", "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    for optimizer in ("adamw", "sgd"):
+        for provider in ("torch bf16", "torch fp32", "compensated bf16", "compensated bf16 eager"):
+            assert f"| {optimizer} | {provider} |" in done.stdout, (optimizer, provider)

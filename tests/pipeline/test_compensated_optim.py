@@ -1,13 +1,15 @@
 """CompensatedSGD and CompensatedAdamW (dtp_kernels/pipeline/compensated_optim.py): a
 float32 parameter is updated bitwise as torch.optim updates it; a bfloat16 or float16
 one follows the float32 trajectory to within one of its spacings where torch.optim's
-update rounds away; chunks, strides and a state_dict round trip change nothing."""
+update rounds away, compiled (fused) and eager; chunks, strides and a state_dict round
+trip change nothing; a compiler missing falls back to eager with a warning."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from dtp_kernels.pipeline import compensated_optim
 from dtp_kernels.pipeline.compensated_optim import CompensatedAdamW, CompensatedSGD
 from dtp_kernels.pipeline.train import make_optimizer
 
@@ -67,9 +69,10 @@ def spacing(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.ldexp(epsilon, exponent - 1)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "eager"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_low_precision_weights_follow_the_float32_trajectory(name, dtype):
+def test_low_precision_weights_follow_the_float32_trajectory(name, dtype, fused):
     """Every step moves a weight by less than half its spacing, steadily one way: torch's
     update rounds every step away and the weights stay where they started; the
     compensated weights end within one spacing of the float32 run, which moved them
@@ -86,7 +89,7 @@ def test_low_precision_weights_follow_the_float32_trajectory(name, dtype):
     grads = [(direction * (1 + torch.rand(256, generator=generator))).to(dtype) for _ in range(400)]
     exact = train(theirs, settings, start.float(), [g.float() for g in grads], foreach=False)
     plain = train(theirs, settings, start, grads, foreach=False)
-    compensated = train(ours, settings, start, grads)
+    compensated = train(ours, settings, start, grads, fused=fused)
     step = spacing(exact, dtype)
     moved = (exact - start.float()).abs() / step
     assert moved.min() > 4  # the float32 run left the starting spacing far behind
@@ -112,6 +115,71 @@ def test_the_compensation_holds_what_the_weight_could_not():
     total = param.detach().float() + compensation.float()
     error = (total - exact).abs() / spacing(exact, torch.bfloat16)
     assert error.max() < 0.05, float(error.max())
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_fused_and_eager_updates_agree(name):
+    """The compiled kernel computes what the eager update computes, up to float32
+    rounding: the weights agree to one bfloat16 spacing, the compensations closely."""
+    ours, _, settings = OPTIMIZERS[name]
+    weight, grads = torch.randn(300).bfloat16(), gradients((300,), 20, seed=5)
+    results = []
+    for fused in (True, False):
+        param = torch.nn.Parameter(weight.clone())
+        optimizer = ours([param], **settings, fused=fused)
+        for grad in grads:
+            param.grad = grad.bfloat16()
+            optimizer.step()
+        total = param.detach().float() + optimizer.state[param]["compensation"].float()
+        results.append(total)
+    assert torch.allclose(results[0], results[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_fused_runs_the_compiled_update_and_eager_does_not(monkeypatch, fused):
+    calls = []
+    compiled = compensated_optim.FUSED[compensated_optim.adamw_low_precision]
+    monkeypatch.setattr(compiled, "compiled", lambda *args: calls.append(args))
+    ours, _, settings = OPTIMIZERS["adamw"]
+    train(ours, settings, torch.randn(10).bfloat16(), gradients((10,), 2), fused=fused)
+    assert len(calls) == (2 if fused else 0)
+
+
+def test_a_new_learning_rate_compiles_nothing_more():
+    ours, _, settings = OPTIMIZERS["adamw"]
+    params = [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in [(64, 3), (50,)]]
+    optimizer = ours(params, **settings)
+    compiled = []
+    for step in range(4):
+        for param in params:
+            param.grad = torch.randn_like(param)
+        optimizer.param_groups[0]["lr"] = 0.01 / (step + 1)
+        optimizer.step()
+        compiled.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert compiled[0] == compiled[-1], compiled
+
+
+def test_without_a_compiler_the_update_warns_once_and_runs_eager(monkeypatch):
+    """torch.compile failing to build the kernel (no C++ compiler, no Triton) is a
+    warning; the eager update gives the same steps as an optimizer that never tried."""
+
+    def cannot_compile(update, *args, **kwargs):
+        def fail(*_):
+            raise torch._dynamo.exc.BackendCompilerFailed(
+                update, RuntimeError("no C++ compiler"), None
+            )
+
+        return fail
+
+    monkeypatch.setattr(compensated_optim.torch, "compile", cannot_compile)
+    failing = compensated_optim._Fused(compensated_optim.sgd_low_precision)
+    monkeypatch.setitem(compensated_optim.FUSED, compensated_optim.sgd_low_precision, failing)
+    ours, _, settings = OPTIMIZERS["sgd-momentum"]
+    weight, grads = torch.randn(40).bfloat16(), gradients((40,), 3, seed=6)
+    with pytest.warns(RuntimeWarning, match="torch.compile failed .* run eager") as caught:
+        got = train(ours, settings, weight, grads, fused=True)
+    assert len(caught) == 1
+    assert torch.equal(got, train(ours, settings, weight, grads, fused=False))
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
@@ -162,6 +230,7 @@ def test_a_state_dict_round_trip_continues_bitwise(name):
         (lambda p: CompensatedAdamW(p, eps=-1e-8), r"eps = -1e-08"),
         (lambda p: CompensatedAdamW(p, weight_decay=-0.1), r"weight_decay = -0.1"),
         (lambda p: CompensatedAdamW(p, chunk_size=0), r"chunk_size = 0; allowed: an integer"),
+        (lambda p: CompensatedSGD(p, lr=0.1, fused=1), r"fused = 1; allowed: True or False"),
     ],
 )
 def test_bad_settings_are_refused_naming_them(make, message):
