@@ -9,7 +9,8 @@
 # tests: every test marked cuda but not slow (on $WORKERS pytest-xdist workers, default 4)
 # and, at the same time, `dtp prune` on the GPU (tests/pipeline/test_pipeline_gpu.py, on 3
 # more workers): neither times anything, so they share the GPU; host: the mask step's and
-# the pruner's host cost; bench: the kernel benchmarks and host; train: the training step
+# the pruner's host cost; bench: the kernel benchmarks, the compensated bfloat16 optimizer
+# step (bench_compensated_optim.py) and host; train: the training step
 # (eager, CUDA graph, profiled; DTP with folded masks, each GPU backend); vit: a ViT step
 # with head and neuron masks (bench_vit_step.py); moe: a Mixtral step with expert and head
 # masks, grouped_mm and eager (bench_moe_step.py; transformers, in .whl if absent); scale: mask-step scaling, iterations,
@@ -116,6 +117,7 @@ for step in $steps; do
   bench | all)
     run bench_transport 120 $PY benchmarks/bench_transport.py --device cuda
     run bench_epilogue 120 $PY benchmarks/bench_epilogue.py --device cuda
+    run bench_compensated_optim 120 $PY benchmarks/bench_compensated_optim.py --device cuda
     ;;&
   train | all)
     fold=(--provider fold/cuda --provider fold/triton)

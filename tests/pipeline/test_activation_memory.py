@@ -160,3 +160,27 @@ def test_activation_checkpointing_keeps_the_layers_inputs_and_one_layer():
     assert held + batch <= checkpointed[4] < 0.6 * whole[4]
     # and the checkpointing is switched back on after the estimate
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_on_a_gpu_the_cpu_estimate_is_the_memory_a_forward_keeps(amp):
+    """What --plan does: the estimate on the CPU's fake tensors, against the memory a
+    real forward on the GPU leaves allocated (its allocations less its frees), the batch
+    allocated before it; within the caching allocator's rounding (512-byte blocks) and,
+    under autocast, the CPU's autocast rules standing in for the GPU's."""
+    torch.manual_seed(0)
+    model = resnet20()
+    DTPPruner(model, torch.randn(1, 3, 32, 32), 0.5)
+    inputs, labels = torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
+    predicted = estimate(model, inputs, labels, amp)
+    model.cuda().train()
+    inputs, labels = inputs.cuda(), labels.cuda()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    loss = forward_loss(model, inputs, labels, amp)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    del loss
+    batch = inputs.numel() * 4 + labels.numel() * 8
+    assert held + batch == pytest.approx(predicted, rel=0.03), (held + batch, predicted)
