@@ -82,15 +82,19 @@ class _Fused:
     it (no C++ compiler for the CPU, no Triton for the GPU) it warns once and runs eager."""
 
     def __init__(self, update: Callable) -> None:
-        self.update = update
-        # emulate_precision_casts: round to bfloat16 where the code rounds; by default
-        # inductor keeps the float32 value, and the compensation would always be zero
-        self.compiled = torch.compile(
-            update, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True}
-        )
+        self.update, self.compiled, self.eager = update, None, False
 
     def __call__(self, *args) -> None:
-        if self.compiled is not None:
+        if self.compiled is None and not self.eager:  # made here: importing stays light
+            # emulate_precision_casts: round to bfloat16 where the code rounds; by default
+            # inductor keeps the float32 value, and the compensation would always be zero
+            self.compiled = torch.compile(
+                self.update,
+                dynamic=True,
+                fullgraph=True,
+                options={"emulate_precision_casts": True},
+            )
+        if not self.eager:
             try:
                 return self.compiled(*args)
             except torch._dynamo.exc.BackendCompilerFailed as error:
@@ -103,7 +107,7 @@ class _Fused:
                     RuntimeWarning,
                     stacklevel=3,
                 )
-                self.compiled = None
+                self.eager = True
         return self.update(*args)
 
 
@@ -169,12 +173,12 @@ class CompensatedSGD(_Compensated):
 
     Args:
         params: parameters or parameter groups, as for torch.optim.SGD.
-        lr: learning rate, > 0.
+        lr: learning rate, >= 0.
         momentum: momentum factor in [0, 1); 0 keeps no buffer.
         weight_decay: L2 penalty >= 0, added to the gradient.
         chunk_size: elements updated at once (bounds the float32 working memory).
-        fused: the low-precision update under torch.compile, one kernel per chunk
-            (compiled at the first step; several times faster than eager, False).
+        fused: the low-precision update compiled by torch.compile, one kernel per chunk
+            (at the first step); False runs it eager, several times slower.
     """
 
     def __init__(
@@ -214,13 +218,13 @@ class CompensatedAdamW(_Compensated):
 
     Args:
         params: parameters or parameter groups, as for torch.optim.AdamW.
-        lr: learning rate, > 0.
+        lr: learning rate, >= 0.
         betas: the moments' decay rates, each in [0, 1).
-        eps: added to the second moment's root, > 0.
+        eps: added to the second moment's root, >= 0.
         weight_decay: decoupled weight decay >= 0.
         chunk_size: elements updated at once (bounds the float32 working memory).
-        fused: the low-precision update under torch.compile, one kernel per chunk
-            (compiled at the first step; several times faster than eager, False).
+        fused: the low-precision update compiled by torch.compile, one kernel per chunk
+            (at the first step); False runs it eager, several times slower.
     """
 
     def __init__(

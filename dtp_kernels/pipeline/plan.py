@@ -8,6 +8,8 @@ stage's training state takes. Nothing is trained and nothing is written.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from . import schema
@@ -32,10 +34,23 @@ def state_bytes(params: int, element: int, settings: dict, trains: bool = True) 
     return params * element * (2 + states)
 
 
-def _activations(model, shapes, options) -> int:
-    return saved_activation_bytes(
-        model, *shapes, options.amp_dtype, options.outputs, options.images
-    )
+def measure_activations(model, shapes, options) -> int | str:
+    """saved_activation_bytes for the run's batch shapes, or why it could not be measured
+    (a forward that does not run on fake tensors: a transformers mixture of experts'
+    grouped matmul in float32, for one)."""
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # its failed op would be logged as an error first
+    try:
+        return saved_activation_bytes(
+            model, *shapes, options.amp_dtype, options.outputs, options.images
+        )
+    except Exception as error:
+        first = (str(error).strip().splitlines() or [""])[0]
+        cause = f"{type(error).__name__}: {first}"
+        return f"not measured: the forward does not run on fake tensors ({cause})"
+    finally:
+        quiet.setLevel(level)
 
 
 def plan(recipe: dict) -> dict:
@@ -56,12 +71,12 @@ def plan(recipe: dict) -> dict:
         ((batch, *sample.shape), sample.dtype),
         ((batch, *torch.as_tensor(target).shape), torch.long),
     )
-    activations = {"dense": _activations(model, shapes, options)}
+    activations = {"dense": measure_activations(model, shapes, options)}
     pruner = make_pruner(model, settings, example)
     report = pruner.report()
     if settings["method"] == "dtp":
         with run_frozen(model, frozen):
-            activations["dtp"] = _activations(model, shapes, options)
+            activations["dtp"] = measure_activations(model, shapes, options)
     element = next(model.parameters()).element_size()
     scores = sum(p.numel() for p in pruner.parameters())
     state = sum(b.numel() * b.element_size() for b in pruner.buffers())

@@ -15,8 +15,10 @@ from torch.profiler import ProfilerActivity, profile
 from dtp_kernels import DTPPruner
 from dtp_kernels.models.cifar_resnet import resnet20
 from dtp_kernels.pipeline.activation_memory import saved_activation_bytes
+from dtp_kernels.pipeline.plan import measure_activations
 from dtp_kernels.pipeline.step import forward_loss
-from utils import tiny_llama
+from dtp_kernels.pipeline.train import RunOptions
+from utils import tiny_llama, tiny_mixtral
 
 
 def real_saved(model, inputs, labels, amp=None, outputs=None) -> int:
@@ -122,6 +124,19 @@ def test_a_pruner_trains_on_after_an_estimate_as_without_it():
 
 def llama_forward(model, tokens):
     return model(tokens, use_cache=False).logits.transpose(1, 2)
+
+
+def test_a_forward_that_cannot_run_on_fake_tensors_is_reported_not_measured(capfd):
+    """A transformers Mixtral's experts run a grouped matmul that torch's fake kernel
+    takes in bfloat16 only: --plan says so instead of failing, and logs no error."""
+    model = tiny_mixtral()
+    shapes = (((2, 16), torch.long), ((2, 16), torch.long))
+    options = RunOptions(task="causal_lm")
+    measured = measure_activations(model, shapes, options)
+    assert measured.startswith("not measured: the forward does not run on fake tensors")
+    assert "RuntimeError" in measured
+    assert "Traceback" not in capfd.readouterr().err
+    assert isinstance(measure_activations(tiny_llama(), shapes, options), int)
 
 
 def test_a_transformers_model_is_estimated_above_its_eager_run_by_a_bounded_part():

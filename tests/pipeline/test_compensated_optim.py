@@ -140,6 +140,7 @@ def test_fused_runs_the_compiled_update_and_eager_does_not(monkeypatch, fused):
     calls = []
     compiled = compensated_optim.FUSED[compensated_optim.adamw_low_precision]
     monkeypatch.setattr(compiled, "compiled", lambda *args: calls.append(args))
+    monkeypatch.setattr(compiled, "eager", False)
     ours, _, settings = OPTIMIZERS["adamw"]
     train(ours, settings, torch.randn(10).bfloat16(), gradients((10,), 2), fused=fused)
     assert len(calls) == (2 if fused else 0)
