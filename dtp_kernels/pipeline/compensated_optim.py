@@ -11,10 +11,10 @@ of a float32 master copy. Float32 (and float64) parameters are updated exactly a
 torch.optim.SGD and AdamW update them, with no buffer.
 
 The moments (AdamW) and momentum buffer (SGD) are held in the parameter's dtype, as
-torch.optim holds them. Large parameters are updated in chunks of `chunk_size`
-elements, so the float32 working copies stay small whatever the layer's size. Each
-chunk's update is one compiled kernel (torch.compile: C++ on the CPU, Triton on a GPU;
-`fused=False`: eager, a dozen passes over memory).
+torch.optim holds them. Each weight's update is one compiled kernel (torch.compile: C++
+on the CPU, Triton on a GPU), its float32 values never held in memory; with
+`fused=False` it runs eager, a dozen passes over memory, in chunks of `chunk_size`
+elements so that the float32 working copies stay small whatever the layer's size.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 def _pieces(tensors: list[torch.Tensor], chunk_size: int) -> Iterator[list[torch.Tensor]]:
     """The same element range of every tensor of `tensors` (all of one shape), in flat
-    chunks of `chunk_size` elements when all are contiguous, else whole."""
+    chunks of `chunk_size` elements when all are contiguous, else whole. (A kernel of
+    one dimension: the compiled update's sizes stay one symbol.)"""
     if not all(t.is_contiguous() for t in tensors):
         yield tensors
         return
@@ -76,8 +77,8 @@ def adamw_low_precision(
 
 
 class _Fused:
-    """`update` under torch.compile, one kernel per chunk (the float32 working values stay
-    in registers), compiled at its first call in a process. Chunk sizes and settings are
+    """`update` under torch.compile, one kernel per weight (the float32 working values stay
+    in registers), compiled at its first call in a process. Sizes and settings are
     symbolic: a new learning rate never compiles again. Where torch.compile cannot build
     it (no C++ compiler for the CPU, no Triton for the GPU) it warns once and runs eager."""
 
@@ -131,8 +132,12 @@ class _Compensated(torch.optim.Optimizer):
         self.chunk_size, self.fused = chunk_size, fused
         super().__init__(params, defaults)
 
-    def _low_precision(self, update: Callable) -> Callable:
-        return FUSED[update] if self.fused else update
+    def _low_precision(self, update: Callable, tensors: list[torch.Tensor]):
+        """`update` (compiled when fused) and the pieces of `tensors` it takes: each whole
+        when fused (no float32 copies to bound), else chunks of chunk_size."""
+        if self.fused:
+            return FUSED[update], _pieces(tensors, max(tensors[0].numel(), 1))
+        return update, _pieces(tensors, self.chunk_size)
 
     def _state(self, p: torch.Tensor, names: tuple[str, ...]) -> list[torch.Tensor | None]:
         """The parameter's state tensors `names`, created as zeros on its first step, and
@@ -176,8 +181,9 @@ class CompensatedSGD(_Compensated):
         lr: learning rate, >= 0.
         momentum: momentum factor in [0, 1); 0 keeps no buffer.
         weight_decay: L2 penalty >= 0, added to the gradient.
-        chunk_size: elements updated at once (bounds the float32 working memory).
-        fused: the low-precision update compiled by torch.compile, one kernel per chunk
+        chunk_size: elements the eager update takes at once (bounds its float32
+            working memory; the fused kernel takes each weight whole).
+        fused: the low-precision update compiled by torch.compile, one kernel per weight
             (at the first step); False runs it eager, several times slower.
     """
 
@@ -206,9 +212,9 @@ class CompensatedSGD(_Compensated):
                 change = buffers[0]
             p.add_(change, alpha=-lr)
             return
-        update = self._low_precision(sgd_low_precision)
-        for piece in _pieces([p, p.grad, *buffers, compensation], self.chunk_size):
-            weight, grad, *buffer, kept = piece
+        tensors = [p, p.grad, *buffers, compensation]
+        update, pieces = self._low_precision(sgd_low_precision, tensors)
+        for weight, grad, *buffer, kept in pieces:
             update(weight, grad, buffer[0] if buffer else None, kept, lr, momentum, decay)
 
 
@@ -222,8 +228,9 @@ class CompensatedAdamW(_Compensated):
         betas: the moments' decay rates, each in [0, 1).
         eps: added to the second moment's root, >= 0.
         weight_decay: decoupled weight decay >= 0.
-        chunk_size: elements updated at once (bounds the float32 working memory).
-        fused: the low-precision update compiled by torch.compile, one kernel per chunk
+        chunk_size: elements the eager update takes at once (bounds its float32
+            working memory; the fused kernel takes each weight whole).
+        fused: the low-precision update compiled by torch.compile, one kernel per weight
             (at the first step); False runs it eager, several times slower.
     """
 
@@ -258,7 +265,8 @@ class CompensatedAdamW(_Compensated):
             denominator = (square.sqrt() / root).add_(eps)
             p.mul_(1 - lr * decay).addcdiv_(mean, denominator, value=-step_size)
             return
-        update = self._low_precision(adamw_low_precision)
         settings = (lr, beta1, beta2, eps, step_size, root, decay)
-        for piece in _pieces([p, p.grad, mean, square, compensation], self.chunk_size):
+        tensors = [p, p.grad, mean, square, compensation]
+        update, pieces = self._low_precision(adamw_low_precision, tensors)
+        for piece in pieces:
             update(*piece, *settings)

@@ -137,13 +137,22 @@ def test_fused_and_eager_updates_agree(name):
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_fused_runs_the_compiled_update_and_eager_does_not(monkeypatch, fused):
-    calls = []
-    compiled = compensated_optim.FUSED[compensated_optim.adamw_low_precision]
+    calls, eager_calls = [], []
+    update = compensated_optim.adamw_low_precision
+    compiled = compensated_optim.FUSED[update]
     monkeypatch.setattr(compiled, "compiled", lambda *args: calls.append(args))
     monkeypatch.setattr(compiled, "eager", False)
+    monkeypatch.setattr(
+        compensated_optim,
+        "adamw_low_precision",
+        lambda *args: eager_calls.append(args) or update(*args),
+    )
+    monkeypatch.setitem(compensated_optim.FUSED, compensated_optim.adamw_low_precision, compiled)
     ours, _, settings = OPTIMIZERS["adamw"]
-    train(ours, settings, torch.randn(10).bfloat16(), gradients((10,), 2), fused=fused)
-    assert len(calls) == (2 if fused else 0)
+    weight = torch.randn(10).bfloat16()
+    train(ours, settings, weight, gradients((10,), 2), fused=fused, chunk_size=3)
+    # fused: the weight whole, once a step; eager: 4 chunks of at most 3 a step
+    assert (len(calls), len(eager_calls)) == ((2, 0) if fused else (0, 8))
 
 
 def test_a_new_learning_rate_compiles_nothing_more():
@@ -184,16 +193,18 @@ def test_without_a_compiler_the_update_warns_once_and_runs_eager(monkeypatch):
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_chunks_and_strides_give_the_same_bits(name):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "eager"])
+def test_chunks_and_strides_give_the_same_bits(name, fused):
+    """The eager update in chunks equals it whole; the fused one ignores chunk_size; a
+    channels_last weight (not contiguous) is updated whole, to the same values."""
     ours, _, settings = OPTIMIZERS[name]
     weight = torch.randn(6, 5, 3, 3).bfloat16()
     grads = gradients(weight.shape, 10, seed=3)
-    whole = train(ours, settings, weight, grads)
-    assert torch.equal(train(ours, settings, weight, grads, chunk_size=11), whole)
-    # a channels_last weight (not contiguous) is updated whole, to the same values
+    whole = train(ours, settings, weight, grads, fused=fused)
+    assert torch.equal(train(ours, settings, weight, grads, chunk_size=11, fused=fused), whole)
     strided = weight.contiguous(memory_format=torch.channels_last)
     param = torch.nn.Parameter(strided.clone())
-    optimizer = ours([param], **settings, chunk_size=11)
+    optimizer = ours([param], **settings, chunk_size=11, fused=fused)
     for grad in grads:
         param.grad = grad.bfloat16().contiguous(memory_format=torch.channels_last)
         optimizer.step()
