@@ -120,7 +120,7 @@ def test_the_compensation_holds_what_the_weight_could_not():
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_fused_and_eager_updates_agree(name):
     """The compiled kernel computes what the eager update computes, up to float32
-    rounding: the weights agree to one bfloat16 spacing, the compensations closely."""
+    rounding: weight + compensation agree to 1e-5 relative after 20 steps."""
     ours, _, settings = OPTIMIZERS[name]
     weight, grads = torch.randn(300).bfloat16(), gradients((300,), 20, seed=5)
     results = []
