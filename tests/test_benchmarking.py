@@ -67,21 +67,23 @@ def test_interleaved_reverses_the_order_every_other_round():
     assert {name: len(times) for name, times in samples.items()} == {"a": 4, "b": 4, "c": 4}
 
 
-def test_triton_host_benchmark_times_both_paths_without_launches():
-    """benchmarks/bench_triton_host.py runs (launches left out, TRITON_INTERPRET set by
-    the script) and reports the eager Function, the custom op and the floor."""
+def run_script(name: str, *args: str, timeout: int = 300):
+    """benchmarks/<name> run in a fresh interpreter; its completed process."""
     import subprocess
     import sys
     from pathlib import Path
 
-    pytest.importorskip("triton")
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_triton_host.py"
-    done = subprocess.run(
-        [sys.executable, str(script), "--no-save", "--rounds", "1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / name
+    return subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout
     )
+
+
+def test_triton_host_benchmark_times_both_paths_without_launches():
+    """benchmarks/bench_triton_host.py runs (launches left out, TRITON_INTERPRET set by
+    the script) and reports the eager Function, the custom op and the floor."""
+    pytest.importorskip("triton")
+    done = run_script("bench_triton_host.py", "--no-save", "--rounds", "1")
     assert done.returncode == 0, done.stderr[-2000:]
     for provider in ("| floor |", "| triton |", "| triton, through the custom op |"):
         assert provider in done.stdout, provider
@@ -91,17 +93,7 @@ def test_nm_step_profile_names_each_cases_kernels():
     """benchmarks/profile_nm_step.py profiles the 2:4 and one-segment steps against the
     copy and lists the operators of each; a size that is no whole number of 2:4 blocks is
     refused by name."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_nm_step.py"
-    done = subprocess.run(
-        [sys.executable, str(script), "--numel", "4096", "--steps", "1", "--no-save"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_script("profile_nm_step.py", "--numel", "4096", "--steps", "1", "--no-save")
     assert done.returncode == 0, done.stderr[-2000:]
     backend = dtp_kernels.available_backends("cpu")[-1]  # "cpu", or "torch" without _C
     for case in ("copy of the step's bytes", f"2:4, {backend}", f"one segment, {backend}"):
@@ -110,29 +102,14 @@ def test_nm_step_profile_names_each_cases_kernels():
             assert f"{case}: per step" in done.stdout, case
     if backend == "cpu":
         assert "| dtp::transport_mask_backward |" in done.stdout
-    bad = subprocess.run(
-        [sys.executable, str(script), "--numel", "4098", "--no-save"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    bad = run_script("profile_nm_step.py", "--numel", "4098", "--no-save")
     assert bad.returncode != 0 and "--numel must be positive multiples of 4" in bad.stderr
 
 
 def test_compensated_optimizer_benchmark_times_its_four_providers():
     """benchmarks/bench_compensated_optim.py runs and reports every provider per
     optimizer."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_compensated_optim.py"
-    done = subprocess.run(
-        [sys.executable, str(script), "--no-save", "--rounds", "1"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = run_script("bench_compensated_optim.py", "--no-save", "--rounds", "1", timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     for optimizer in ("adamw", "sgd"):
         for provider in ("torch bf16", "torch fp32", "compensated bf16", "compensated bf16 eager"):

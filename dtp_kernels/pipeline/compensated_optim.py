@@ -122,7 +122,8 @@ def _check(name: str, value: float, low: float, high: float | None = None) -> No
 
 
 class _Compensated(torch.optim.Optimizer):
-    """Shared parts: the step loop over low-precision and full-precision parameters."""
+    """Shared parts: the step loop over low-precision and full-precision parameters;
+    each subclass's `_update(p, group)` updates one parameter."""
 
     def __init__(self, params: Iterable, defaults: dict, chunk_size: int, fused: bool) -> None:
         if not isinstance(chunk_size, int) or chunk_size < 1:
@@ -167,9 +168,6 @@ class _Compensated(torch.optim.Optimizer):
                     raise ValueError(f"{type(self).__name__} does not take sparse gradients")
                 self._update(p, group)
         return loss
-
-    def _update(self, p: torch.Tensor, group: dict) -> None:
-        raise NotImplementedError
 
 
 class CompensatedSGD(_Compensated):
