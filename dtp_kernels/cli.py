@@ -2,6 +2,7 @@
 
 dtp prune --config dtp_kernels/configs/digits.yaml --set prune.ratios=0.9 --out runs/digits
 dtp paper table1-resnet56 --seeds 0 1 2 --set data.root=DIR --set model.weights=FILE
+dtp tokenize TEXT_DIR --tokenizer MODEL_DIR   # train.txt/val.txt -> train.npy/val.npy
 dtp check            # every backend present against the literal reference
 dtp bench            # the mask step of every backend present, timed interleaved
 dtp demo             # DTP vs L1 on digits at 50% and 90%
@@ -74,6 +75,49 @@ def paper_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def tokenize_command(args: argparse.Namespace) -> int:
+    """Write the token ids of a text directory's train.txt and val.txt as .npy files."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from .pipeline.errors import UsageError
+    from .pipeline.text_data import ID_FILES, TEXT_FILES
+    from .pipeline.tokenize_text import id_dtype, model_encoder, token_arrays, write_npy
+
+    root, out = Path(args.root), Path(args.out or args.root)
+    sources = [root / name for name in TEXT_FILES]
+    targets = [out / name for name in ID_FILES]
+    missing = [str(path) for path in sources if not path.is_file()]
+    if missing:
+        raise UsageError(f"dtp tokenize: no {' or '.join(missing)} (UTF-8 text)")
+    if not out.is_dir():
+        raise UsageError(f"dtp tokenize: --out {str(out)!r} is not a directory")
+    there = [str(path) for path in targets if path.exists()]
+    if there and not args.overwrite:
+        raise UsageError(f"dtp tokenize: {', '.join(there)} exist; --overwrite replaces them")
+    if args.tokenizer == "bytes":
+        dtype = np.dtype(np.uint8)
+
+        def arrays(path: Path):
+            with open(path, "rb") as file:
+                while block := file.read(1 << 20):
+                    yield np.frombuffer(block, np.uint8)
+    else:
+        encode, vocab_size = model_encoder(args.tokenizer, "--tokenizer", "--tokenizer bytes")
+        dtype = id_dtype(vocab_size)
+
+        def arrays(path: Path):
+            return token_arrays(path, encode, dtype)
+
+    written = {}
+    for source, target in zip(sources, targets, strict=True):
+        count = write_npy(arrays(source), target, dtype)
+        written[str(target)] = {"tokens": count, "dtype": dtype.name}
+    print(json.dumps(written, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dtp", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -121,6 +165,19 @@ def main(argv: list[str] | None = None) -> int:
         help="override a field of every row's recipe",
     )
     paper.add_argument("--out", default=None, help="output directory (runs/paper/<name>)")
+    tokenize = sub.add_parser(
+        "tokenize",
+        help="write a text directory's train.txt and val.txt as token ids (train.npy, val.npy) "
+        "for data.tokenizer=pretokenized",
+    )
+    tokenize.add_argument("root", help="the directory holding train.txt and val.txt")
+    tokenize.add_argument(
+        "--tokenizer",
+        required=True,
+        help="a directory holding a saved tokenizer (the model's, save_pretrained), or 'bytes'",
+    )
+    tokenize.add_argument("--out", default=None, help="where train.npy and val.npy go (root)")
+    tokenize.add_argument("--overwrite", action="store_true", help="replace .npy files there")
     sub.add_parser("check", help="compare every backend with the reference")
     bench = sub.add_parser("bench", help="time the mask step of every backend present")
     bench.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -156,6 +213,8 @@ def _dispatch(args: argparse.Namespace, argv: list[str] | None) -> int:
         return bench_command(args.device, args.rounds)
     if args.command == "paper":
         return paper_command(args)
+    if args.command == "tokenize":
+        return tokenize_command(args)
     if args.command == "demo":
         from .demo import main as demo_main
 

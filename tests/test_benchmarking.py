@@ -114,3 +114,13 @@ def test_compensated_optimizer_benchmark_times_its_four_providers():
     for optimizer in ("adamw", "sgd"):
         for provider in ("torch bf16", "torch fp32", "compensated bf16", "compensated bf16 eager"):
             assert f"| {optimizer} | {provider} |" in done.stdout, (optimizer, provider)
+
+
+def test_tokenize_benchmark_times_both_ways_on_the_same_ids():
+    """benchmarks/bench_tokenize.py runs both ways in fresh processes and exits 0 only
+    when their ids agree."""
+    pytest.importorskip("tokenizers")
+    done = run_script("bench_tokenize.py", "--mb", "0.25", "--rounds", "1", "--no-save")
+    assert done.returncode == 0, done.stderr[-2000:]
+    for way in ("| whole |", "| chunked |"):
+        assert way in done.stdout, way

@@ -2,9 +2,10 @@
 
 ``data.root`` holds the training and evaluation text, in one of two forms:
 
-- ``train.txt`` and ``val.txt``, UTF-8 text, each tokenized whole by the model's own
-  tokenizer (``data.tokenizer: model``, read from ``model.path``, never downloaded) or as
-  bytes (``bytes``: a token's id is the byte's value, for byte-level models);
+- ``train.txt`` and ``val.txt``, UTF-8 text, tokenized by the model's own tokenizer
+  (``data.tokenizer: model``, read from ``model.path``, never downloaded; in chunks cut
+  where the tokens do not change, tokenize_text.py) or as bytes (``bytes``: a token's
+  id is the byte's value, for byte-level models);
 - ``train.npy`` and ``val.npy`` (``data.tokenizer: pretokenized``), one-dimensional
   integer arrays of token ids written by the user's own tokenization (``numpy.save``),
   memory-mapped, never read whole into memory: for corpora larger than memory, and so
@@ -27,6 +28,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .errors import UsageError
+from .tokenize_text import model_encoder, text_ids
 
 TEXT_FILES = ("train.txt", "val.txt")  # training, evaluation
 ID_FILES = ("train.npy", "val.npy")
@@ -87,26 +89,8 @@ def tokenizer(kind: str, model_path: str | Path) -> Callable[[Path], np.ndarray]
         return lambda path: np.frombuffer(path.read_bytes(), np.uint8)
     if kind == "pretokenized":
         return read_ids
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-    except (OSError, ValueError) as error:
-        raise UsageError(
-            f"data.tokenizer = 'model': no tokenizer could be read from model.path = "
-            f"{str(model_path)!r} ({type(error).__name__}: {error}); save the model's "
-            "tokenizer there (tokenizer.save_pretrained), or use data.tokenizer=bytes for "
-            "a byte-level model"
-        ) from None
-
-    def encode(path: Path) -> np.ndarray:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as error:
-            raise UsageError(f"{path} is not UTF-8 text: {error}") from None
-        return compact(np.asarray(tok(text, add_special_tokens=False)["input_ids"], np.int64))
-
-    return encode
+    encode, vocab_size = model_encoder(model_path)
+    return lambda path: compact(text_ids(path, encode, vocab_size))
 
 
 def read_ids(path: Path) -> np.ndarray:
