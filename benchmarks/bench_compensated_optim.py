@@ -1,5 +1,6 @@
 """One optimizer step over a transformer block's weights: CompensatedAdamW and
-CompensatedSGD on bfloat16 weights (compiled and eager) against torch.optim on the same
+CompensatedSGD on bfloat16 weights (compiled and eager; state in bfloat16 and in
+float32) against torch.optim on the same
 bfloat16 weights (whose small updates round away) and on float32 weights, interleaved.
 
     python benchmarks/bench_compensated_optim.py [--device cuda] [--rounds N] [--no-save]
@@ -47,6 +48,10 @@ def setup(point: dict, device: torch.device) -> Cases:
         ("torch bf16", kind): (stepper(theirs, torch.bfloat16), 3),
         ("torch fp32", kind): (stepper(theirs, torch.float32), 3),
         ("compensated bf16", kind): (stepper(ours, torch.bfloat16), 3),
+        ("compensated bf16, fp32 state", kind): (
+            stepper(ours, torch.bfloat16, state_dtype=torch.float32),
+            3,
+        ),
         ("compensated bf16 eager", kind): (stepper(ours, torch.bfloat16, fused=False), 3),
     }
 
@@ -63,7 +68,9 @@ SWEEP = Sweep(
     note=(
         "mode: the optimizer (SGD with momentum 0.9). x vs a baseline > 1: faster than it. "
         "torch bf16 loses every update below half a weight's spacing; compensated keeps "
-        "them (tests/pipeline/test_compensated_optim.py)."
+        "them (tests/pipeline/test_compensated_optim.py). compensated bf16 holds its "
+        "moments or momentum in bfloat16, as torch does; fp32 state holds them in float32 "
+        "(`dtp prune`'s default, model.optimizer_state_dtype)."
     ),
 )
 

@@ -106,13 +106,19 @@ def test_nm_step_profile_names_each_cases_kernels():
     assert bad.returncode != 0 and "--numel must be positive multiples of 4" in bad.stderr
 
 
-def test_compensated_optimizer_benchmark_times_its_four_providers():
+def test_compensated_optimizer_benchmark_times_its_five_providers():
     """benchmarks/bench_compensated_optim.py runs and reports every provider per
     optimizer."""
     done = run_script("bench_compensated_optim.py", "--no-save", "--rounds", "1", timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     for optimizer in ("adamw", "sgd"):
-        for provider in ("torch bf16", "torch fp32", "compensated bf16", "compensated bf16 eager"):
+        for provider in (
+            "torch bf16",
+            "torch fp32",
+            "compensated bf16",
+            "compensated bf16, fp32 state",
+            "compensated bf16 eager",
+        ):
             assert f"| {optimizer} | {provider} |" in done.stdout, (optimizer, provider)
 
 

@@ -11,10 +11,15 @@ of a float32 master copy. Float32 (and float64) parameters are updated exactly a
 torch.optim.SGD and AdamW update them, with no buffer.
 
 The moments (AdamW) and momentum buffer (SGD) are held in the parameter's dtype, as
-torch.optim holds them. Each weight's update is one compiled kernel (torch.compile: C++
-on the CPU, Triton on a GPU), its float32 values never held in memory; with
-`fused=False` it runs eager, a dozen passes over memory, in chunks of `chunk_size`
-elements so that the float32 working copies stay small whatever the layer's size.
+torch.optim holds them, or with `state_dtype=torch.float32` in float32, for 4 more
+bytes a weight each: a bfloat16 second moment cannot follow its gradients (with beta2 =
+0.999 a step moves it by 0.1% of the difference, below half its spacing, so it rises
+only when g**2 is several times it and never falls), a float32 one can.
+
+Each weight's update is one compiled kernel (torch.compile: C++ on the CPU, Triton on a
+GPU), its float32 values never held in memory; with `fused=False` it runs eager, a
+dozen passes over memory, in chunks of `chunk_size` elements so that the float32
+working copies stay small whatever the layer's size.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+STATE_NAMES = ("momentum_buffer", "exp_avg", "exp_avg_sq")  # held in state_dtype
 
 
 def _pieces(tensors: list[torch.Tensor], chunk_size: int) -> Iterator[list[torch.Tensor]]:
@@ -46,8 +52,9 @@ def _compensate(weight: torch.Tensor, exact: torch.Tensor, compensation: torch.T
     compensation.copy_(exact.sub_(weight))
 
 
-# The low-precision updates work on float32 copies (.float() of a bfloat16 or float16
-# tensor is a new tensor), in place to spare memory passes in eager mode.
+# The low-precision updates work on float32 copies, in place to spare memory passes in
+# eager mode. A float32 state tensor's .float() is the tensor itself: its new value is
+# made out of place (mul, lerp), written back with copy_.
 
 
 def sgd_low_precision(weight, grad, buffer, compensation, lr, momentum, decay) -> None:
@@ -56,7 +63,7 @@ def sgd_low_precision(weight, grad, buffer, compensation, lr, momentum, decay) -
     w = weight.float()
     change = grad.float().add_(w * decay)
     if buffer is not None:
-        change = buffer.float().mul_(momentum).add_(change)
+        change = buffer.float().mul(momentum).add_(change)
         buffer.copy_(change)
     _compensate(weight, change.mul_(-lr).add_(compensation.float()).add_(w), compensation)
 
@@ -67,8 +74,8 @@ def adamw_low_precision(
     """One AdamW update of a low-precision `weight` and its moments, computed in float32
     with the carried `compensation`."""
     g, w = grad.float(), weight.float()
-    m = mean.float().lerp_(g, 1 - beta1)
-    v = square.float().mul_(beta2).add_(g.mul_(g).mul_(1 - beta2))
+    m = mean.float().lerp(g, 1 - beta1)
+    v = square.float().mul(beta2).add_(g.mul_(g).mul_(1 - beta2))
     mean.copy_(m)
     square.copy_(v)
     change = m.div_(v.sqrt_().div_(root).add_(eps)).mul_(-step_size)
@@ -125,12 +132,24 @@ class _Compensated(torch.optim.Optimizer):
     """Shared parts: the step loop over low-precision and full-precision parameters;
     each subclass's `_update(p, group)` updates one parameter."""
 
-    def __init__(self, params: Iterable, defaults: dict, chunk_size: int, fused: bool) -> None:
+    def __init__(
+        self,
+        params: Iterable,
+        defaults: dict,
+        chunk_size: int,
+        fused: bool,
+        state_dtype: torch.dtype | None,
+    ) -> None:
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size = {chunk_size!r}; allowed: an integer >= 1")
         if not isinstance(fused, bool):
             raise ValueError(f"fused = {fused!r}; allowed: True or False")
-        self.chunk_size, self.fused = chunk_size, fused
+        if state_dtype not in (None, torch.float32):
+            raise ValueError(
+                f"state_dtype = {state_dtype!r}; allowed: None (the parameter's dtype) or "
+                "torch.float32"
+            )
+        self.chunk_size, self.fused, self.state_dtype = chunk_size, fused, state_dtype
         super().__init__(params, defaults)
 
     def _low_precision(self, update: Callable, tensors: list[torch.Tensor]):
@@ -147,11 +166,25 @@ class _Compensated(torch.optim.Optimizer):
         if not state:
             state["step"] = torch.tensor(0.0)
             for name in names:
-                state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state[name] = torch.zeros_like(
+                    p, dtype=self.state_dtype or p.dtype, memory_format=torch.preserve_format
+                )
             if p.dtype in LOW_PRECISION:
                 state["compensation"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["step"] += 1
         return [state[name] for name in names] + [state.get("compensation")]
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load, which casts every floating state tensor to its parameter's dtype,
+        then the moments and momentum buffers as they were saved (float32 under
+        state_dtype=torch.float32)."""
+        super().load_state_dict(state_dict)
+        saved = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, p in zip(saved, params, strict=True):
+            for name, value in state_dict["state"].get(index, {}).items():
+                if name in STATE_NAMES and value.dtype != self.state[p][name].dtype:
+                    self.state[p][name] = value.to(device=p.device, copy=True)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
@@ -183,6 +216,8 @@ class CompensatedSGD(_Compensated):
             working memory; the fused kernel takes each weight whole).
         fused: the low-precision update compiled by torch.compile, one kernel per weight
             (at the first step); False runs it eager, several times slower.
+        state_dtype: the momentum buffer's dtype: None, the parameter's (as torch), or
+            torch.float32.
     """
 
     def __init__(
@@ -193,12 +228,13 @@ class CompensatedSGD(_Compensated):
         weight_decay: float = 0.0,
         chunk_size: int = 1 << 22,
         fused: bool = True,
+        state_dtype: torch.dtype | None = None,
     ) -> None:
         _check("lr", lr, 0.0)
         _check("momentum", momentum, 0.0, 1.0)
         _check("weight_decay", weight_decay, 0.0)
         defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
-        super().__init__(params, defaults, chunk_size, fused)
+        super().__init__(params, defaults, chunk_size, fused, state_dtype)
 
     def _update(self, p: torch.Tensor, group: dict) -> None:
         lr, momentum, decay = group["lr"], group["momentum"], group["weight_decay"]
@@ -230,6 +266,8 @@ class CompensatedAdamW(_Compensated):
             working memory; the fused kernel takes each weight whole).
         fused: the low-precision update compiled by torch.compile, one kernel per weight
             (at the first step); False runs it eager, several times slower.
+        state_dtype: the moments' dtype: None, the parameter's (as torch), or
+            torch.float32 (a bfloat16 second moment cannot follow its gradients).
     """
 
     def __init__(
@@ -241,6 +279,7 @@ class CompensatedAdamW(_Compensated):
         weight_decay: float = 0.01,
         chunk_size: int = 1 << 22,
         fused: bool = True,
+        state_dtype: torch.dtype | None = None,
     ) -> None:
         _check("lr", lr, 0.0)
         _check("betas[0]", betas[0], 0.0, 1.0)
@@ -248,7 +287,7 @@ class CompensatedAdamW(_Compensated):
         _check("eps", eps, 0.0)
         _check("weight_decay", weight_decay, 0.0)
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-        super().__init__(params, defaults, chunk_size, fused)
+        super().__init__(params, defaults, chunk_size, fused, state_dtype)
 
     def _update(self, p: torch.Tensor, group: dict) -> None:
         lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]

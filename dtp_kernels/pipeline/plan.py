@@ -19,19 +19,23 @@ from .run import frozen as run_frozen
 from .train import accumulation_plan, stage_steps
 
 
-def state_bytes(params: int, element: int, settings: dict, trains: bool = True) -> int:
+def state_bytes(
+    params: int, element: int, settings: dict, trains: bool = True, state_element: int = 4
+) -> int:
     """Bytes of `params` parameters of `element` bytes each in a training stage: the
     weights, and when they train their gradients and the optimizer's state (AdamW: two
     moments; SGD: a momentum buffer when momentum > 0; for weights of 2 bytes, the
-    compensation buffer of compensated_optim.py)."""
+    compensation buffer of compensated_optim.py, and the moments or buffer in
+    `state_element` bytes each, model.optimizer_state_dtype)."""
     if not trains:
         return params * element
     if settings.get("optimizer", "sgd") == "adamw":
         states = 2
     else:
         states = 1 if settings.get("momentum", 0.9) > 0 else 0
-    states += element == 2
-    return params * element * (2 + states)
+    if element != 2:
+        return params * element * (2 + states)
+    return params * (element * 3 + states * state_element)
 
 
 def measure_activations(model, shapes, options) -> int | str:
@@ -90,12 +94,13 @@ def plan(recipe: dict) -> dict:
         "prune": settings["method"] == "dtp",
         "finetune": recipe["finetune"]["epochs"] > 0,
     }
+    moment = 4 if recipe["model"]["optimizer_state_dtype"] == "float32" else element
     memory = {
-        "pretrain": state_bytes(report["params_before"], element, recipe["pretrain"]),
-        "prune": state_bytes(report["params_before"], element, settings, trains=not frozen)
+        "pretrain": state_bytes(report["params_before"], element, recipe["pretrain"], True, moment),
+        "prune": state_bytes(report["params_before"], element, settings, not frozen, moment)
         + state_bytes(scores, 4, settings)  # float32 scores, in the stage's optimizer
         + state,
-        "finetune": state_bytes(kept, element, recipe["finetune"]),
+        "finetune": state_bytes(kept, element, recipe["finetune"], True, moment),
     }
     return {
         "method": settings["method"],

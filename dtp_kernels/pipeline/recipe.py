@@ -54,8 +54,12 @@ DEFAULTS = {
         "input_shape": None,
         "path": None,
         # dtype: the parameters' type, float32 | bfloat16 (huggingface only: half the
-        # memory of weights, gradients and optimizer state; compensated updates).
+        # memory of weights and gradients; compensated updates).
         "dtype": "float32",
+        # optimizer_state_dtype: the moments' and momentum buffers' type, float32 |
+        # bfloat16 (with dtype bfloat16: 2 bytes a weight less per moment, but a
+        # bfloat16 second moment cannot follow its gradients).
+        "optimizer_state_dtype": "float32",
     },
     # optimizer (every stage): sgd (momentum, weight_decay) | adamw (weight_decay; the
     # default betas). warmup_steps: a linear learning-rate warm-up over that many

@@ -371,6 +371,9 @@ def run_options(recipe: dict, device: torch.device) -> RunOptions:
         eval_every_steps=settings["eval_every_steps"],
         task="causal_lm" if recipe["data"]["name"] == "text" else "classify",
         accumulate=recipe["data"]["accumulate"],
+        optimizer_state_dtype=(
+            torch.float32 if recipe["model"]["optimizer_state_dtype"] == "float32" else None
+        ),
     )
 
 

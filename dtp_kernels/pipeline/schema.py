@@ -163,6 +163,7 @@ FIELDS: dict[str, Check] = {
     "model.input_shape": list_of(integer(1), "sizes >= 1", optional=True),
     "model.path": text(optional=True, describe="a directory"),
     "model.dtype": choice("float32", "bfloat16"),
+    "model.optimizer_state_dtype": choice("float32", "bfloat16"),
     "pretrain.epochs": integer(0),
     "pretrain.optimizer": OPTIMIZER,
     "pretrain.lr": LR,
@@ -297,6 +298,12 @@ def validate(recipe: Mapping, sources: Mapping[str, str] | None = None) -> None:
             "freezes the weights while DTP learns its masks: it needs prune.method = 'dtp' "
             f"with prune.scores = 'learned', not {values['prune.method']!r} with "
             f"{values['prune.scores']!r} (nothing would train)"
+        )
+    if values["model.optimizer_state_dtype"] == "bfloat16" and values["model.dtype"] != "bfloat16":
+        raise RecipeError(
+            f"model.optimizer_state_dtype = 'bfloat16' (from "
+            f"{_source('model.optimizer_state_dtype', sources)}) needs model.dtype = "
+            "'bfloat16': float32 weights keep float32 optimizer state"
         )
     _check_huggingface(values, sources)
 

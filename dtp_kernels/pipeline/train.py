@@ -95,7 +95,9 @@ class RunOptions:
     "classify" (the model returns class logits) or "causal_lm" (a transformers causal
     language model: its logits per token, against the next tokens), `accumulate`, the
     batches whose gradients make one optimizer step (data.accumulate), and
-    `eval_every_steps`, how often (in optimizer steps) to evaluate within an epoch too."""
+    `eval_every_steps`, how often (in optimizer steps) to evaluate within an epoch too,
+    and `optimizer_state_dtype`, the optimizer state's dtype for low-precision weights
+    (None: the weights' own; model.optimizer_state_dtype)."""
 
     amp: str | None = None
     channels_last: bool = False
@@ -108,6 +110,7 @@ class RunOptions:
     eval_every_steps: int | None = None
     task: str = "classify"
     accumulate: int = 1
+    optimizer_state_dtype: torch.dtype | None = torch.float32
 
     def __post_init__(self) -> None:
         count = self.accumulate
@@ -180,12 +183,18 @@ def metrics(model: nn.Module, loader: DataLoader, options: RunOptions) -> dict:
     return _test_pass(model, loader, options, perplexity=options.task == "causal_lm")
 
 
-def make_optimizer(model: nn.Module, settings: dict, pruner: nn.Module | None = None):
+def make_optimizer(
+    model: nn.Module,
+    settings: dict,
+    pruner: nn.Module | None = None,
+    state_dtype: torch.dtype | None = torch.float32,
+):
     """The stage's optimizer (settings["optimizer"]: "sgd", the default, or "adamw").
 
     When weights that train are bfloat16 or float16 (model.dtype), it is the
     compensated version (compensated_optim.py), so updates below a weight's spacing add
-    up instead of rounding away."""
+    up instead of rounding away, with its moments or momentum in `state_dtype` (None:
+    the weights' dtype)."""
     groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
     low = any(p.dtype in LOW_PRECISION for p in groups[0]["params"])
     # the pruner's scores and learned ratios (none for magnitude scores): no weight decay
@@ -196,14 +205,16 @@ def make_optimizer(model: nn.Module, settings: dict, pruner: nn.Module | None = 
     if kind not in OPTIMIZERS:
         raise UsageError(f"optimizer = {kind!r}; allowed: {list(OPTIMIZERS)}")
     if kind == "adamw":
+        extra = {"state_dtype": state_dtype} if low else {}
         return (CompensatedAdamW if low else torch.optim.AdamW)(
-            groups, lr=settings["lr"], weight_decay=settings.get("weight_decay", 0.01)
+            groups, lr=settings["lr"], weight_decay=settings.get("weight_decay", 0.01), **extra
         )
     return (CompensatedSGD if low else torch.optim.SGD)(
         groups,
         lr=settings["lr"],
         momentum=settings.get("momentum", 0.9),
         weight_decay=settings.get("weight_decay", 5e-4),
+        **({"state_dtype": state_dtype} if low else {}),
     )
 
 
@@ -324,7 +335,7 @@ def train(
     if options.channels_last:
         model.to(memory_format=torch.channels_last)
     scaler = torch.amp.GradScaler(options.device.type) if options.amp == "fp16" else None
-    optimizer = make_optimizer(model, settings, pruner)
+    optimizer = make_optimizer(model, settings, pruner, options.optimizer_state_dtype)
     schedule = make_schedule(optimizer, settings, total, per_epoch=updates)
     if pruner is not None:
         if distributed.active():  # same scores on every rank: same masks and state

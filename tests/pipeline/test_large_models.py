@@ -66,10 +66,10 @@ def test_fine_tuning_after_a_frozen_dtp_stage_trains_the_weights(tmp_path):
 
 
 def test_bfloat16_weights_train_and_are_saved_in_bfloat16(tmp_path):
-    """model.dtype bfloat16 with no autocast: every parameter, gradient and optimizer
-    state is bfloat16 (2 bytes, AdamW's two moments and the compensation 6 more), the
-    loss is taken on float32 logits, the run trains, and from_pretrained reads the saved
-    model as bfloat16."""
+    """model.dtype bfloat16 with no autocast: every parameter and gradient is bfloat16,
+    AdamW's two moments float32 (model.optimizer_state_dtype's default) and the
+    compensation bfloat16, the loss is taken on float32 logits, the run trains, and
+    from_pretrained reads the saved model as bfloat16."""
     model_dir, text = save_llama(tmp_path / "llama"), write_text(tmp_path / "text")
     settings = lm_recipe(model_dir, text, "model.dtype=bfloat16", "run.amp=null")
     summary = run(settings, tmp_path / "run")
@@ -77,10 +77,10 @@ def test_bfloat16_weights_train_and_are_saved_in_bfloat16(tmp_path):
     assert summary["perplexity"] < summary["dense_perplexity"]
     saved = torch.load(tmp_path / "run" / "checkpoints" / "finetune.pt", weights_only=True)
     states = saved["optimizer"]["state"].values()
-    moments = [t for s in states for k, t in s.items() if k != "step"]
-    assert moments and {t.dtype for t in moments} == {torch.bfloat16}
+    moments = [t for s in states for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
+    assert moments and {t.dtype for t in moments} == {torch.float32}
     # updates below a weight's spacing are kept (compensated_optim.py)
-    assert all("compensation" in s for s in states)
+    assert {s["compensation"].dtype for s in states} == {torch.bfloat16}
     config = json.loads((tmp_path / "run" / "pruned" / "config.json").read_text())
     assert config["dtype"] == "bfloat16"
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "pruned")
@@ -104,9 +104,23 @@ def test_bfloat16_fine_tuning_with_a_small_learning_rate_moves_the_weights(tmp_p
         return sum(int((v != b).sum()) for v, b in pairs) / sum(v.numel() for v, _ in pairs)
 
     compensated = moved(run(lm_recipe(model_dir, text, *common))["model"])
-    monkeypatch.setattr(train_module, "CompensatedAdamW", torch.optim.AdamW)
+    monkeypatch.setattr(
+        train_module, "CompensatedAdamW", lambda *a, state_dtype, **k: torch.optim.AdamW(*a, **k)
+    )
     plain = moved(run(lm_recipe(model_dir, text, *common))["model"])
     assert compensated > 0.5 and plain < 0.2, (compensated, plain)
+
+
+def test_bfloat16_optimizer_state_is_held_in_bfloat16_when_asked(tmp_path):
+    model_dir, text = save_llama(tmp_path / "llama"), write_text(tmp_path / "text")
+    overrides = ["model.dtype=bfloat16", "model.optimizer_state_dtype=bfloat16"]
+    overrides += ["prune.train_weights=false", "finetune.max_steps=2"]
+    run(lm_recipe(model_dir, text, *overrides), tmp_path / "run")
+    saved = torch.load(tmp_path / "run" / "checkpoints" / "finetune.pt", weights_only=True)
+    states = saved["optimizer"]["state"].values()
+    assert {s[k].dtype for s in states for k in ("exp_avg", "exp_avg_sq")} == {torch.bfloat16}
+    with pytest.raises(RecipeError, match=r"model\.optimizer_state_dtype = 'bfloat16'.*needs"):
+        lm_recipe(model_dir, text, "model.optimizer_state_dtype=bfloat16")
 
 
 def test_bfloat16_and_frozen_keep_two_bytes_a_weight_in_the_dtp_stage(tmp_path):

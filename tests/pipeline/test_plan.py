@@ -79,8 +79,16 @@ def test_the_plan_of_a_cnn_is_what_the_run_prunes(tmp_path):
 
 @pytest.mark.parametrize(
     "overrides",
-    [[], ["model.dtype=bfloat16", "prune.train_weights=false"]],
-    ids=["float32", "bfloat16-frozen"],
+    [
+        [],
+        ["model.dtype=bfloat16", "prune.train_weights=false"],
+        [
+            "model.dtype=bfloat16",
+            "prune.train_weights=false",
+            "model.optimizer_state_dtype=bfloat16",
+        ],
+    ],
+    ids=["float32", "bfloat16-frozen", "bfloat16-frozen-bfloat16-state"],
 )
 def test_the_plan_of_a_language_model_is_what_the_run_holds(tmp_path, overrides):
     model_dir, text = save_llama(tmp_path / "llama"), write_text(tmp_path / "text")
