@@ -12,9 +12,10 @@ pretokenized``.
 A chunk ends only where cutting leaves the tokens as they are: at a boundary between a
 whitespace and a non-whitespace character (never inside a word or a run of spaces or
 newlines) whose ``WINDOW`` characters either side tokenize to the same ids cut and
-whole. Byte-level BPE (GPT-2's, Llama 3's) passes after a newline, SentencePiece-style
-tokenizers that prefix every call with "▁" pass before a space; a tokenizer that passes
-nowhere tokenizes its text as one chunk, as it would whole.
+whole. Byte-level BPE (GPT-2's kind) and SentencePiece-style tokenizers (a "▁" put
+before every call's text) pass before most spaces, which they join to the word after
+them; a tokenizer that passes nowhere tokenizes its text as one chunk, as it would
+whole.
 """
 
 from __future__ import annotations
