@@ -322,9 +322,10 @@ def test_the_pipeline_compensates_low_precision_weights_only(dtype, optimizer, e
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("state_dtype", [None, torch.float32], ids=["own-state", "fp32-state"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "eager"])
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_on_a_gpu_bfloat16_weights_follow_the_float32_trajectory(name, fused):
+def test_on_a_gpu_bfloat16_weights_follow_the_float32_trajectory(name, fused, state_dtype):
     """The same drift as on the CPU, on CUDA tensors (the fused update compiled by Triton):
     torch's update rounds it away, the compensated weights end within one spacing of a
     float32 run on the GPU."""
@@ -340,7 +341,7 @@ def test_on_a_gpu_bfloat16_weights_follow_the_float32_trajectory(name, fused):
     ]
     exact = train(theirs, settings, start.float(), [g.float() for g in grads])
     plain = train(theirs, settings, start, grads)
-    compensated = train(ours, settings, start, grads, fused=fused)
+    compensated = train(ours, settings, start, grads, fused=fused, state_dtype=state_dtype)
     step = spacing(exact, torch.bfloat16)
     assert ((exact - start.float()).abs() / step).min() > 4
     assert torch.equal(plain, start)
