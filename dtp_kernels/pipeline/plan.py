@@ -115,6 +115,8 @@ def plan(recipe: dict) -> dict:
         "flops_after": report["flops_after"],
         "speedup": report["speedup"],
         "parameter_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        # the moments' and momentum buffers' (model.optimizer_state_dtype for 2-byte weights)
+        "optimizer_state_dtype": "float32" if moment == 4 else "bfloat16",
         # parameters, gradients and optimizer state of each stage that trains (l1 and
         # random prune in one shot); activations come on top
         "training_state_bytes": {stage: count for stage, count in memory.items() if trains[stage]},

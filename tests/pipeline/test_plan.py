@@ -107,6 +107,8 @@ def test_the_plan_of_a_language_model_is_what_the_run_holds(tmp_path, overrides)
         "finetune": held(finetune, scores=False),
     }
     assert predicted["parameter_dtype"] == ("bfloat16" if overrides else "float32")
+    state = "bfloat16" if "model.optimizer_state_dtype=bfloat16" in overrides else "float32"
+    assert predicted["optimizer_state_dtype"] == state
     activations = predicted["saved_activation_bytes"]
     # frozen weights: a linear layer keeps no input for its weight's gradient
     assert (activations["dtp"] < activations["dense"]) == bool(overrides)
