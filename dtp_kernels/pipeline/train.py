@@ -204,8 +204,8 @@ def make_optimizer(
     kind = settings.get("optimizer", "sgd")
     if kind not in OPTIMIZERS:
         raise UsageError(f"optimizer = {kind!r}; allowed: {list(OPTIMIZERS)}")
+    extra = {"state_dtype": state_dtype} if low else {}  # torch's optimizers take none
     if kind == "adamw":
-        extra = {"state_dtype": state_dtype} if low else {}
         return (CompensatedAdamW if low else torch.optim.AdamW)(
             groups, lr=settings["lr"], weight_decay=settings.get("weight_decay", 0.01), **extra
         )
@@ -214,7 +214,7 @@ def make_optimizer(
         lr=settings["lr"],
         momentum=settings.get("momentum", 0.9),
         weight_decay=settings.get("weight_decay", 5e-4),
-        **({"state_dtype": state_dtype} if low else {}),
+        **extra,
     )
 
 

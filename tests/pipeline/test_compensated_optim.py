@@ -319,6 +319,10 @@ def test_the_pipeline_compensates_low_precision_weights_only(dtype, optimizer, e
     model = torch.nn.Linear(4, 3).to(dtype)
     made = make_optimizer(model, {"optimizer": optimizer, "lr": 0.1})
     assert type(made) is expected
+    if dtype == torch.bfloat16:  # the state in float32 unless asked otherwise
+        assert made.state_dtype == torch.float32
+        asked = make_optimizer(model, {"optimizer": optimizer, "lr": 0.1}, state_dtype=None)
+        assert asked.state_dtype is None
 
 
 @pytest.mark.cuda
