@@ -28,6 +28,8 @@ import torch
 import torch_pruning as tp
 from torch import nn
 
+from .concat_widths import unknown_concat_widths_left_unmapped
+
 
 @dataclass
 class ChannelGroup:
@@ -258,40 +260,42 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
     in a process that has imported transformers); tests/reliability/test_no_host_sync.py
     checks that none is left.
     """
-    # the graph is traced through autograd: also when called under torch.no_grad(), and
-    # through frozen parameters (requires_grad False), which autograd would not record
-    with (
-        torch.enable_grad(),
-        warnings.catch_warnings(),
-        without_cache(model),
-        all_parameters_recorded(model),
-    ):
-        # norms that are not nn.LayerNorm (RMSNorm) are "unwrapped parameters" to it;
-        # groups through them are refused or left alone here, never pruned
-        warnings.filterwarnings("ignore", message="Unwrapped parameters detected")
-        hooks = {module: set(module._forward_hooks) for module in model.modules()}
+    # Torch-Pruning updates its index mappings on every search too, not only when built
+    with unknown_concat_widths_left_unmapped():
+        # the graph is traced through autograd: also when called under torch.no_grad(), and
+        # through frozen parameters (requires_grad False), which autograd would not record
+        with (
+            torch.enable_grad(),
+            warnings.catch_warnings(),
+            without_cache(model),
+            all_parameters_recorded(model),
+        ):
+            # norms that are not nn.LayerNorm (RMSNorm) are "unwrapped parameters" to it;
+            # groups through them are refused or left alone here, never pruned
+            warnings.filterwarnings("ignore", message="Unwrapped parameters detected")
+            hooks = {module: set(module._forward_hooks) for module in model.modules()}
+            try:
+                graph = tp.DependencyGraph().build_dependency(
+                    model, example_inputs=example_inputs, output_transform=_traced_outputs
+                )
+            except Exception as error:  # its own errors say nothing of the model or what to do
+                _remove_new_hooks(hooks)  # a failed trace leaves its hooks on the model
+                raise ChannelGraphError(
+                    f"cannot find the prunable groups of {type(model).__name__}: Torch-Pruning's "
+                    f"DependencyGraph, which follows its channels, fails on it "
+                    f"({type(error).__name__}: {error}). Heads, experts, Mamba mixers and MLP "
+                    "modules do not need it: a dict of ratios for 'heads', 'experts', 'mamba' and "
+                    "'mlp' alone (or their layers' names) prunes those. The models dtp_kernels "
+                    "prunes are listed in docs/pruning.md and the README's 'What it prunes'"
+                ) from error
         try:
-            graph = tp.DependencyGraph().build_dependency(
-                model, example_inputs=example_inputs, output_transform=_traced_outputs
-            )
-        except Exception as error:  # its own errors say nothing of the model or what to do
-            _remove_new_hooks(hooks)  # a failed trace leaves its hooks on the model
-            raise ChannelGraphError(
-                f"cannot find the prunable groups of {type(model).__name__}: Torch-Pruning's "
-                f"DependencyGraph, which follows its channels, fails on it "
-                f"({type(error).__name__}: {error}). Heads, experts, Mamba mixers and MLP "
-                "modules do not need it: a dict of ratios for 'heads', 'experts', 'mamba' and "
-                "'mlp' alone (or their layers' names) prunes those. The models dtp_kernels "
-                "prunes are listed in docs/pruning.md and the README's 'What it prunes'"
-            ) from error
-    try:
-        yield graph
-    finally:
-        for node in graph.module2node.values():
-            node.grad_fn = None
-            if isinstance(node.module, tp.ops._SliceOp):
-                node.module.grad_fn = None
-        vars(graph).clear()
+            yield graph
+        finally:
+            for node in graph.module2node.values():
+                node.grad_fn = None
+                if isinstance(node.module, tp.ops._SliceOp):
+                    node.module.grad_fn = None
+            vars(graph).clear()
 
 
 @contextlib.contextmanager

@@ -5,9 +5,10 @@ does not follow the per-head reshapes):
 
 - separate projections, as Hugging Face writes them: ``q_proj``, ``k_proj``, ``v_proj``
   and ``o_proj`` (Llama, Mistral, Qwen, Gemma), ``out_proj`` (OPT, BART, Whisper, CLIP,
-  GPT-J) or ``dense`` (Phi), with ``head_dim``; DistilBERT's ``q_lin``, ``k_lin``,
-  ``v_lin``, ``out_lin`` with ``attention_head_size``; T5's and UMT5's ``q``, ``k``,
-  ``v``, ``o`` with ``key_value_proj_dim``. A normalization of the queries or keys over
+  GPT-J, XGLM), ``dense`` (Phi) or ``Wo`` (ModernBERT's decoder), with ``head_dim``;
+  DistilBERT's ``q_lin``, ``k_lin``, ``v_lin``, ``out_lin`` with
+  ``attention_head_size``; T5's and UMT5's ``q``, ``k``, ``v``, ``o`` with
+  ``key_value_proj_dim``. A normalization of the queries or keys over
   all heads (OLMo 2's ``q_norm``, not Qwen3's per head) refuses the group; an output
   gate of the query width (AFMoE's ``gate_proj``) is cut with the heads, and any other
   linear layer computing the query width from the layer's input refuses the group;
@@ -45,7 +46,9 @@ unit removes its query, key and value rows and the output projection's input col
 its query heads; the heads left attend exactly as before, so masking those output
 columns per unit is exactly what removing the unit does. Every head group asked to be
 pruned is proven so on its example input before any mask (:func:`prove_head_groups`,
-proof.py), and refused by name when its layer's code treats the heads otherwise.
+proof.py), and refused by name when its layer's code treats the heads otherwise. A
+layer whose code reshapes its output to its own ``embed_dim`` (XGLM's) is proven, where
+the plain cut fails, with that attribute set to the kept width, which export then writes.
 """
 
 from __future__ import annotations
@@ -117,6 +120,10 @@ class HeadGroup:
     # latent attention: its norms act on the latents all heads share, not over heads, and
     # `head_dim` (the value head's) is not the config's head_dim
     latent: bool = False
+    # the layer's attribute holding the width its code reshapes the attention output to
+    # (XGLM's `embed_dim`, read where others write -1), set by the proof when the cut
+    # computes what the mask does only with it rewritten; export writes the kept width
+    output_width: str = ""
     kept_out: list[nn.Module] = field(init=False)
     kept_in: list[nn.Module] = field(init=False)
     # channels a module loses per unit removed: the cost model counts channels
@@ -169,6 +176,7 @@ SEPARATE_FORMS = (
     (("q_proj", "k_proj", "v_proj", "o_proj"), "head_dim"),  # Llama, Mistral, Qwen, Gemma
     (("q_proj", "k_proj", "v_proj", "out_proj"), "head_dim"),  # OPT, BART, CLIP, GPT-J
     (("q_proj", "k_proj", "v_proj", "dense"), "head_dim"),  # Phi
+    (("q_proj", "k_proj", "v_proj", "Wo"), "head_dim"),  # ModernBERT's decoder
     (("q_lin", "k_lin", "v_lin", "out_lin"), "attention_head_size"),  # DistilBERT
     (("q", "k", "v", "o"), "key_value_proj_dim"),  # T5, UMT5
 )
@@ -645,7 +653,7 @@ def prove_head_groups(model: nn.Module, groups: list[HeadGroup], inputs: tuple) 
             mask[keep] = 1
             prune_heads(group, dict(copy.named_modules()), names, mask)
 
-        if not cuts_exactly(scope, calls[scope], group.units, zero, cut, first_output=True):
+        if not _proven(group, scope, calls[scope], zero, cut):
             group.refusal = (
                 "with some of its heads removed it does not compute what it computes with "
                 "them masked, on the example inputs: its code treats its heads in a way "
@@ -653,6 +661,30 @@ def prove_head_groups(model: nn.Module, groups: list[HeadGroup], inputs: tuple) 
                 "projection of their width, a reshape to the model width, a table of "
                 "them shared by all layers)"
             )
+
+
+# attributes an attention layer's code may reshape its output to, holding the query width
+# (the model width as it is built): XGLM's, MVP's, SpeechT5's, InternVL's vision tower
+OUTPUT_WIDTH_ATTRIBUTES = ("embed_dim",)
+
+
+def _proven(group: HeadGroup, scope: nn.Module, call: tuple, zero, cut) -> bool:
+    """Whether cutting `group`'s units computes what zeroing them does on `call`: as
+    export cuts them, or else with the layer's attribute of the output width rewritten
+    (which `group.output_width` then names for export). An attribute is tried only where
+    the plain cut fails, so a layer whose code reads it as the model width is left as
+    it is."""
+    if cuts_exactly(scope, call, group.units, zero, cut, first_output=True):
+        return True
+    width = group.units * group.query_heads_per_unit * group.head_dim
+    for attribute in OUTPUT_WIDTH_ATTRIBUTES:
+        if getattr(group.module, attribute, None) != width:
+            continue
+        group.output_width = attribute
+        if cuts_exactly(scope, call, group.units, zero, cut, first_output=True):
+            return True
+        group.output_width = ""
+    return False
 
 
 # an attention layer's linear layer of the query width that gates the attention output
@@ -831,6 +863,8 @@ def prune_heads(
         "split_size": heads * group.head_dim,
         "inner_dim": heads * group.head_dim,
     }
+    if group.output_width:
+        sizes[group.output_width] = heads * group.head_dim
     if group.shared_kv:  # the one key/value head stays; it serves fewer query heads
         sizes["num_key_value_groups"] = heads
     else:

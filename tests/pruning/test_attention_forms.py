@@ -139,6 +139,13 @@ def t5(family: str = "T5"):
     return model, (tokens(), None, tokens(2, 5))
 
 
+def xglm():  # reshapes its attention output to its own embed_dim, not to -1
+    config = transformers.XGLMConfig(
+        vocab_size=VOCAB, d_model=32, ffn_dim=64, num_layers=2, attention_heads=4, **TOKEN_IDS
+    )
+    return transformers.XGLMForCausalLM(config), (tokens(),)
+
+
 GQA = {"num_key_value_heads": 2, "head_dim": 8}
 
 # family: (builder, attention layers, units per layer, whether the config can describe
@@ -153,6 +160,7 @@ FAMILIES = {
     "gptj": (gptj, 2, 4, False),
     "whisper": (whisper, 3, 4, False),
     "phi": (lambda: decoder("Phi"), 2, 4, True),  # output projection "dense"
+    "xglm": (xglm, 2, 4, False),
     # q_norm and k_norm over each head's head_dim; head_dim 4 equals the head count, so
     # a norm's weight must not be taken for a per-head table
     "qwen3": (lambda: decoder("Qwen3", num_key_value_heads=2, head_dim=4), 2, 2, True),
@@ -230,6 +238,16 @@ def test_heads_export_with_exact_counts_equal_to_the_hard_masked_model(family, t
                 assert getattr(attention, attr) == kept * group.query_heads_per_unit, attr
         if hasattr(attention, "inner_dim"):  # UMT5's
             assert attention.inner_dim == width * group.query_heads_per_unit
+        # the width its output is reshaped to is rewritten only where the cut needs it
+        assert group.output_width == ("embed_dim" if family == "xglm" else "")
+        if group.output_width:
+            assert attention.embed_dim == width * group.query_heads_per_unit
+            assert model.get_submodule(group.name).embed_dim == 32
+    if any(g.output_width for g in heads):  # generation's cached path reads it too
+        with torch.no_grad(), pruner.hard_masked():
+            want = model.generate(*inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        got = exported.generate(*inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        assert torch.equal(got, want)
     params, _ = pruner.predicted_counts()
     assert params == sum(p.numel() for p in exported.parameters())
     with torch.no_grad():  # the eager attention code computes the same
@@ -767,19 +785,14 @@ def test_attention_sinks_are_cut_with_their_heads_and_the_experts_stay_whole():
     assert params == sum(p.numel() for p in exported.parameters())
 
 
+# the sizes ModernBERT's encoder and decoder share
+MODERNBERT = dict(DECODER, num_hidden_layers=2, cls_token_id=1, sep_token_id=2)
+
+
 def test_modernbert_fused_qkv_heads_and_glu_mlp_export_exactly():
     """ModernBERT's Wqkv (query, key and value blocks; no head-count attribute) and Wo
     are heads; its Wi, chunked into input and gate, is a group of pairs."""
-    config = transformers.ModernBertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        cls_token_id=1,
-        sep_token_id=2,
-        **TOKEN_IDS,
-    )
+    config = transformers.ModernBertConfig(**MODERNBERT)
     torch.manual_seed(0)
     model, inputs = transformers.ModernBertModel(config), (tokens(),)
     pruner = DTPPruner(model, inputs, {"heads": 0.5, "mlp": 0.5})
@@ -792,6 +805,29 @@ def test_modernbert_fused_qkv_heads_and_glu_mlp_export_exactly():
     for layer in exported.layers:
         assert (layer.attn.Wqkv.out_features, layer.attn.Wo.in_features) == (48, 16)
         assert (layer.mlp.Wi.out_features, layer.mlp.Wo.in_features) == (64, 32)
+
+
+def test_modernbert_decoder_separate_projections_with_wo_export_exactly():
+    """ModernBERT's decoder writes q_proj, k_proj and v_proj with the output projection
+    Wo; its LM head's dense layer feeds a LayerNorm over all channels (refused by name
+    when asked for, so it is left whole here)."""
+    config = transformers.ModernBertDecoderConfig(**MODERNBERT)
+    torch.manual_seed(0)
+    model, inputs = transformers.ModernBertDecoderForCausalLM(config), (tokens(),)
+    with pytest.raises(ValueError, match=r"layer 'lm_head.dense' feeds LayerNorm 'lm_head.norm'"):
+        DTPPruner(model, inputs, {"heads": 0.5, "mlp": 0.5})
+    pruner = DTPPruner(model, inputs, {"heads": 0.5, "mlp": 0.5, "lm_head.dense": 0})
+    assert [(g.name, type(g).__name__, g.size) for g in pruner.groups][::2] == [
+        (f"model.layers.{i}.attn", "HeadGroup", 4) for i in (0, 1)
+    ]
+    with torch.no_grad():
+        pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
+    exported = export_checked(pruner, model, inputs)
+    for layer in exported.model.layers:
+        attention = layer.attn
+        assert [attention.q_proj.out_features, attention.Wo.in_features] == [16, 16]
+        assert attention.k_proj.out_features == attention.v_proj.out_features == 16
+        assert attention.num_heads == 2 and attention.all_head_size == 16
 
 
 @pytest.mark.parametrize(
