@@ -28,7 +28,7 @@ import torch
 import torch_pruning as tp
 from torch import nn
 
-from .concat_widths import unknown_concat_widths_left_unmapped
+from .graph_workarounds import tuple_returning_linears, unknown_concat_widths_left_unmapped
 
 
 @dataclass
@@ -276,7 +276,10 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
             hooks = {module: set(module._forward_hooks) for module in model.modules()}
             try:
                 graph = tp.DependencyGraph().build_dependency(
-                    model, example_inputs=example_inputs, output_transform=_traced_outputs
+                    model,
+                    example_inputs=example_inputs,
+                    output_transform=_traced_outputs,
+                    ignored_layers=tuple_returning_linears(model, example_inputs),
                 )
             except Exception as error:  # its own errors say nothing of the model or what to do
                 _remove_new_hooks(hooks)  # a failed trace leaves its hooks on the model

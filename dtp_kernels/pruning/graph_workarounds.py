@@ -1,0 +1,78 @@
+"""Where Torch-Pruning 1.6.1's graph fails on code it could follow, and how the pruner
+lets it through.
+
+- A concatenation one of whose inputs has a width it cannot infer (an addition of
+  tensors no layer produced, as rotary embeddings and position tables make): its code
+  leaves such a concatenation unmapped, but it sums the widths before it checks them,
+  and the sum of an int and None fails the whole graph (MiniMax's, ProphetNet's). Inside
+  `unknown_concat_widths_left_unmapped()` the concatenation is left unmapped, as its
+  code means to: the groups that meet a concatenation are left whole by the pruner
+  anyway (groups.py), and export checks the rest.
+- A subclass of `nn.Linear` whose forward returns a tuple (the routers of PhiMoE and
+  Llama 4, which return their logits with the experts chosen): its tracing hook reads
+  `.shape` of a linear layer's output before it unpacks a tuple, and fails.
+  `tuple_returning_linears()` names them, to be left out of the trace (their outputs
+  are routing logits, one per expert, never a prunable width).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch_pruning.dependency import index_mapping
+
+
+@contextlib.contextmanager
+def unknown_concat_widths_left_unmapped() -> Iterator[None]:
+    """Within the block, a concatenation whose input widths Torch-Pruning cannot all infer
+    gets no index mapping instead of failing the graph; any other error stays."""
+    update = index_mapping.update_concat_index_mapping
+
+    def tolerant(graph, node) -> None:
+        try:
+            update(graph, node)
+        except TypeError:
+            widths = getattr(node.module, "concat_sizes", None)
+            if widths is None or None not in widths:
+                raise
+
+    index_mapping.update_concat_index_mapping = tolerant
+    try:
+        yield
+    finally:
+        index_mapping.update_concat_index_mapping = update
+
+
+def tuple_returning_linears(model: nn.Module, example_inputs: tuple) -> list[nn.Module]:
+    """The `nn.Linear` subclasses in `model` with a forward of their own that returns a
+    tuple on `example_inputs`, found in one eval forward (run under the caller's
+    settings: groups.py traces without the key/value cache); without such a subclass no
+    forward is run."""
+    candidates = [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.Linear) and type(m).forward is not nn.Linear.forward
+    ]
+    if not candidates:
+        return []
+    outputs: dict[nn.Module, object] = {}
+
+    def record(module, args, output):
+        outputs.setdefault(module, output)
+
+    handles = [m.register_forward_hook(record) for m in candidates]
+    try:
+        with torch.no_grad():
+            was_training = model.training
+            model.eval()
+            try:
+                model(*example_inputs)
+            finally:
+                model.train(was_training)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [m for m in candidates if isinstance(outputs.get(m), tuple)]
