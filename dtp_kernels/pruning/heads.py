@@ -5,7 +5,8 @@ does not follow the per-head reshapes):
 
 - separate projections, as Hugging Face writes them: ``q_proj``, ``k_proj``, ``v_proj``
   and ``o_proj`` (Llama, Mistral, Qwen, Gemma), ``out_proj`` (OPT, BART, Whisper, CLIP,
-  GPT-J, XGLM), ``dense`` (Phi) or ``Wo`` (ModernBERT's decoder), with ``head_dim``;
+  GPT-J, XGLM), ``dense`` (Phi), ``Wo`` (ModernBERT's decoder) or ``projection_layer``
+  (InternVL's and Janus's vision towers), with ``head_dim``;
   DistilBERT's ``q_lin``, ``k_lin``, ``v_lin``, ``out_lin`` with
   ``attention_head_size``; T5's and UMT5's ``q``, ``k``, ``v``, ``o`` with
   ``key_value_proj_dim``. A normalization of the queries or keys over
@@ -177,6 +178,7 @@ SEPARATE_FORMS = (
     (("q_proj", "k_proj", "v_proj", "out_proj"), "head_dim"),  # OPT, BART, CLIP, GPT-J
     (("q_proj", "k_proj", "v_proj", "dense"), "head_dim"),  # Phi
     (("q_proj", "k_proj", "v_proj", "Wo"), "head_dim"),  # ModernBERT's decoder
+    (("q_proj", "k_proj", "v_proj", "projection_layer"), "head_dim"),  # InternVL's, Janus's
     (("q_lin", "k_lin", "v_lin", "out_lin"), "attention_head_size"),  # DistilBERT
     (("q", "k", "v", "o"), "key_value_proj_dim"),  # T5, UMT5
 )
@@ -664,7 +666,7 @@ def prove_head_groups(model: nn.Module, groups: list[HeadGroup], inputs: tuple) 
 
 
 # attributes an attention layer's code may reshape its output to, holding the query width
-# (the model width as it is built): XGLM's, MVP's, SpeechT5's, InternVL's vision tower
+# (the model width as it is built): XGLM's, MVP's, InternVL's vision tower's
 OUTPUT_WIDTH_ATTRIBUTES = ("embed_dim",)
 
 
