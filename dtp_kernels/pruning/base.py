@@ -47,6 +47,18 @@ from .whole_experts import (
 )
 
 
+def _zero_ratios(ratios, names: list[str]) -> str:
+    """The ratios that leave the groups `names` whole and prune the rest as `ratios` asks,
+    for an error message: a float p becomes {"*": p, name: 0, ...} (a name beats a
+    pattern), a dict gains name: 0 entries; any other form is named as is."""
+    zeros = {name: 0 for name in names}
+    if isinstance(ratios, (int, float)) and not isinstance(ratios, bool):
+        return f"ratios={ {'*': ratios, **zeros} }"
+    if isinstance(ratios, dict):
+        return f"ratios={ {**ratios, **zeros} }"
+    return f"the keys {list(zeros)} with 0"
+
+
 def _kind(group) -> str:
     """The group's kind for ratio dicts: "heads", "experts", "whole_experts", "mamba",
     "coupled", "mlp", "channels"."""
@@ -208,7 +220,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                 f"{details}. A normalization over all channels (LayerNorm, RMSNorm, a second "
                 "GroupNorm) computes every channel from all the others, so removing any "
                 "changes the rest; leave these layers whole with ignored_layers=[...] or a "
-                "ratio of 0 for them"
+                f"ratio of 0 for them: {_zero_ratios(ratios, [g.name for g in refused])}"
             )
         # the heads to prune are proven on the example (a copy of each attention layer)
         heads = [g for g in self.groups if isinstance(g, HeadGroup) and not g.refusal]
@@ -223,7 +235,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             details = "; ".join(f"{what[_kind(g)]} {g.name!r}: {g.refusal}" for g in refused)
             raise ValueError(
                 f"cannot prune {details}. Leave them whole with ignored_layers=[...] or a "
-                "ratio of 0 for them"
+                f"ratio of 0 for them: {_zero_ratios(ratios, [g.name for g in refused])}"
             )
         if not self.groups:
             raise ValueError("the ratios prune nothing of this model")

@@ -7,6 +7,7 @@ heads are groups, the export keeps exactly the heads asked for and computes what
 hard-masked model computes, and the config follows when it can describe the pruned
 model."""
 
+import ast
 import warnings
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.heads import HeadGroup
 from utils import LLAMA_VOCAB as VOCAB
-from utils import TINY_HF_VIT, tiny_deepseek
+from utils import TINY_HF_VIT, randomised, tiny_deepseek
 
 transformers = pytest.importorskip("transformers")
 
@@ -325,6 +326,42 @@ def test_an_attention_layer_that_does_not_split_into_heads_leaves_the_mlps_pruna
     pruner = DTPPruner(model, inputs, {"mlp": 0.5})
     assert [g.name for g in pruner.groups] == ["model.layers.0.mlp.gate_proj"]
     export_checked(pruner, model, inputs)
+
+
+def bert_masked_lm():  # its LM head's dense layer feeds a LayerNorm over all channels
+    config = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        **TOKEN_IDS,
+    )
+    return transformers.BertForMaskedLM(config), (tokens(),)
+
+
+@pytest.mark.parametrize(
+    "build, ratios",
+    [
+        (bert_masked_lm, 0.5),
+        (bert_masked_lm, {"heads": 0.5, "mlp": 0.25}),
+        (lambda: decoder("DiffLlama", num_key_value_heads=2, head_dim=8), 0.5),
+    ],
+    ids=["bert-float", "bert-dict", "diffllama-float"],
+)
+def test_a_refusal_names_ratios_that_leave_the_refused_whole_and_prune_the_rest(build, ratios):
+    """The error for groups that cannot be pruned (through a LayerNorm; heads failing
+    their proof) ends with the ratios that leave just those whole: they prune the rest."""
+    model, inputs = build()
+    with pytest.raises(ValueError, match=r"ratio of 0 for them: ratios=") as refusal:
+        DTPPruner(model, inputs, ratios)
+    suggested = ast.literal_eval(str(refusal.value).rpartition("ratios=")[2])
+    zeros = {name for name, ratio in suggested.items() if ratio == 0}
+    assert zeros and all(name in str(refusal.value).rpartition(":")[0] for name in zeros)
+    pruner = DTPPruner(model, inputs, suggested)
+    assert {g.name for g in pruner.groups}.isdisjoint(zeros)
+    assert {type(g).__name__ for g in pruner.groups} >= {"ChannelGroup"}
+    export_checked(randomised(pruner), model, inputs)
 
 
 def test_an_unknown_linear_layer_of_the_query_width_refuses_the_heads():
