@@ -250,6 +250,16 @@ TINY_HF_VIT = dict(
 )
 
 
+# a Hugging Face BERT's config fields, tiny: two layers of 4 heads of 8 and MLPs of 64
+TINY_BERT = dict(
+    vocab_size=LLAMA_VOCAB,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+)
+
+
 def tiny_llama(heads=4, kv_heads=2, layers=2, seed=0, vocab=LLAMA_VOCAB):
     """A Llama of head_dim 8, hidden MLP 48 (Hugging Face transformers, built here)."""
     import transformers

@@ -16,7 +16,7 @@ import torch
 from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.heads import HeadGroup
 from utils import LLAMA_VOCAB as VOCAB
-from utils import TINY_HF_VIT, randomised, tiny_deepseek
+from utils import TINY_BERT, TINY_HF_VIT, randomised, tiny_deepseek
 
 transformers = pytest.importorskip("transformers")
 
@@ -329,14 +329,7 @@ def test_an_attention_layer_that_does_not_split_into_heads_leaves_the_mlps_pruna
 
 
 def bert_masked_lm():  # its LM head's dense layer feeds a LayerNorm over all channels
-    config = transformers.BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        **TOKEN_IDS,
-    )
+    config = transformers.BertConfig(**TINY_BERT, **TOKEN_IDS)
     return transformers.BertForMaskedLM(config), (tokens(),)
 
 

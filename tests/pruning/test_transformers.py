@@ -8,7 +8,7 @@ import torch
 from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.heads import HeadGroup
 from utils import LLAMA_VOCAB as VOCAB
-from utils import TINY_HF_VIT, tiny_llama
+from utils import TINY_BERT, TINY_HF_VIT, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -199,13 +199,7 @@ def test_bert_heads_export_and_a_config_that_cannot_say_so_is_kept():
     """BERT derives its head size from hidden_size / heads, so no config describes fewer
     heads of the same size: the model is exported right and the config left unchanged,
     with a warning (a model rebuilt from a changed config would differ)."""
-    config = transformers.BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-    )
+    config = transformers.BertConfig(**TINY_BERT)
     torch.manual_seed(0)
     model = transformers.BertForSequenceClassification(config)
     ids = tokens()
