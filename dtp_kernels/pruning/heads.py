@@ -6,10 +6,9 @@ does not follow the per-head reshapes):
 - separate projections, as Hugging Face writes them: ``q_proj``, ``k_proj``, ``v_proj``
   and ``o_proj`` (Llama, Mistral, Qwen, Gemma), ``out_proj`` (OPT, BART, Whisper, CLIP,
   GPT-J, XGLM), ``dense`` (Phi), ``Wo`` (ModernBERT's decoder) or ``projection_layer``
-  (InternVL's and Janus's vision towers), with ``head_dim``;
-  DistilBERT's ``q_lin``, ``k_lin``, ``v_lin``, ``out_lin`` with
-  ``attention_head_size``; T5's and UMT5's ``q``, ``k``, ``v``, ``o`` with
-  ``key_value_proj_dim``. A normalization of the queries or keys over
+  (InternVL's vision tower), with ``head_dim``; DistilBERT's ``q_lin``, ``k_lin``,
+  ``v_lin``, ``out_lin`` with ``attention_head_size``; T5's and UMT5's ``q``, ``k``,
+  ``v``, ``o`` with ``key_value_proj_dim``. A normalization of the queries or keys over
   all heads (OLMo 2's ``q_norm``, not Qwen3's per head) refuses the group; an output
   gate of the query width (AFMoE's ``gate_proj``) is cut with the heads, and any other
   linear layer computing the query width from the layer's input refuses the group;
@@ -178,7 +177,7 @@ SEPARATE_FORMS = (
     (("q_proj", "k_proj", "v_proj", "out_proj"), "head_dim"),  # OPT, BART, CLIP, GPT-J
     (("q_proj", "k_proj", "v_proj", "dense"), "head_dim"),  # Phi
     (("q_proj", "k_proj", "v_proj", "Wo"), "head_dim"),  # ModernBERT's decoder
-    (("q_proj", "k_proj", "v_proj", "projection_layer"), "head_dim"),  # InternVL's, Janus's
+    (("q_proj", "k_proj", "v_proj", "projection_layer"), "head_dim"),  # InternVL's vision tower
     (("q_lin", "k_lin", "v_lin", "out_lin"), "attention_head_size"),  # DistilBERT
     (("q", "k", "v", "o"), "key_value_proj_dim"),  # T5, UMT5
 )
