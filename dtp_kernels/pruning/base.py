@@ -30,6 +30,7 @@ from .experts import (
     find_expert_groups,
     prune_experts,
     run_misaligned_experts,
+    unrecognised_experts,
 )
 from .groups import ChannelGraphError, find_groups, out_channel_handler, traced_graph
 from .heads import HeadGroup, find_head_groups, prove_head_groups, prune_heads
@@ -257,6 +258,15 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             for m in (*getattr(g, "kept_out", ()), *getattr(g, "kept_in", ()))
         ]
         _warn_idle_layers(model, self._layers, [*ignored_layers, *pruned])
+        unknown = unrecognised_experts(model, list(ignored_layers))
+        if unknown:
+            warnings.warn(
+                f"the experts of {unknown} are kept in raw 3-D parameters in a layout the "
+                "pruner does not recognise (it reads transformers' experts layout, described "
+                "by use_experts_implementation), so they are left whole",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def _find_groups(self, model: nn.Module, inputs: tuple, ignored: list) -> list:
         """The prunable groups (filter pruning) in the model's module order: attention

@@ -137,6 +137,20 @@ def find_expert_groups(model: nn.Module, ignored: list[nn.Module]) -> list[Exper
     return groups
 
 
+def unrecognised_experts(model: nn.Module, ignored: list[nn.Module]) -> list[str]:
+    """Names of the modules not in `ignored` that hold experts in raw 3-D parameters (a
+    `down_proj` of their own, experts first) in a layout `expert_layout` does not
+    recognise: no group is found for them, so they stay whole (Llama 4's)."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(getattr(module, "down_proj", None), nn.Parameter)
+        and module.down_proj.dim() == 3
+        and module not in ignored
+        and expert_layout(module) is None
+    ]
+
+
 def check_expert_ratios(groups: list[ExpertGroup], ratios: dict[str, float], budget: str) -> None:
     """Every expert of a block has the same ratio, and no pruned block is under budget
     "global" (one segment over all groups, counts free per group): one 3-D parameter

@@ -6,6 +6,8 @@ then prunes these models (tiny configurations built here, nothing downloaded): e
 group keeps exactly its count and the export computes what the hard-masked model
 computes."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -75,7 +77,7 @@ def llama4():  # a dense layer, then one of experts whose router returns a tuple
 
 # the groups a float ratio finds: heads, each expert's neurons, MLP neurons (ProphetNet's
 # feed-forward layers; Llama 4's dense MLP and shared expert: its routed experts, in a
-# layout of its own, stay whole)
+# layout of its own, stay whole, with a warning)
 GROUPS = {
     minimax: {"HeadGroup": 1, "ExpertGroup": 8},  # heads of its one full-attention layer
     prophetnet: {"ChannelGroup": 2},
@@ -89,7 +91,14 @@ def test_a_float_ratio_prunes_models_whose_graph_failed(build):
     torch.manual_seed(0)
     model = build().eval()
     ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
-    pruner = DTPPruner(model, (ids,), 0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pruner = DTPPruner(model, (ids,), 0.5)
+    whole = [str(w.message) for w in caught if "raw 3-D parameters" in str(w.message)]
+    if build is llama4:  # its routed experts are named as left whole
+        assert len(whole) == 1 and "['model.layers.1.feed_forward.experts']" in whole[0]
+    else:
+        assert not whole
     kinds = [type(g).__name__ for g in pruner.groups]
     assert {kind: kinds.count(kind) for kind in kinds} == GROUPS[build]
     with torch.no_grad():  # scores away from their initial order
