@@ -8,12 +8,14 @@ hard-masked model computes, and the config follows when it can describe the prun
 model."""
 
 import ast
+import math
 import warnings
 
 import pytest
 import torch
 
 from dtp_kernels.pruning import DTPPruner
+from dtp_kernels.pruning.base import _zero_ratios
 from dtp_kernels.pruning.heads import HeadGroup
 from utils import LLAMA_VOCAB as VOCAB
 from utils import TINY_BERT, TINY_HF_VIT, randomised, tiny_deepseek
@@ -354,7 +356,19 @@ def test_a_refusal_names_ratios_that_leave_the_refused_whole_and_prune_the_rest(
     pruner = DTPPruner(model, inputs, suggested)
     assert {g.name for g in pruner.groups}.isdisjoint(zeros)
     assert {type(g).__name__ for g in pruner.groups} >= {"ChannelGroup"}
-    export_checked(randomised(pruner), model, inputs)
+    randomised(pruner)
+    pruned = [math.ceil(g.size * pruner.ratios[g.name]) for g in pruner.groups]
+    assert [int(m.sum()) for m in pruner.hard_masks()] == [
+        g.size - p for g, p in zip(pruner.groups, pruned, strict=True)
+    ]
+    export_checked(pruner, model, inputs)
+
+
+def test_a_refusal_under_ratios_of_another_form_names_the_keys_to_set_to_0():
+    """Per-stage lists and strings cannot take a name: the message names the keys."""
+    assert _zero_ratios([0, 0.5], ["a.b"]) == "the keys ['a.b'] with 0"
+    assert _zero_ratios("[0:0, 1-15:0.5]", ["a"]) == "the keys ['a'] with 0"
+    assert _zero_ratios(1, ["a"]) == "ratios={'*': 1, 'a': 0}"
 
 
 def test_an_unknown_linear_layer_of_the_query_width_refuses_the_heads():
