@@ -368,6 +368,9 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             # raw 3-D parameters: no layer formula
             if isinstance(group, (ExpertGroup, WholeExpertsGroup)):
                 params -= group.removed_params(int(mask.numel() - mask.sum()))
+            # a norm over all heads loses the removed units' channels
+            for rescaled in getattr(group, "rescaled", ()):
+                params -= int(mask.numel() - mask.sum()) * rescaled.per_unit
             # per-head tables; a Mamba mixer's per-channel parameters
             for owner, name, dim in getattr(group, "tables", ()):
                 table = getattr(owner, name)

@@ -8,8 +8,9 @@ does not follow the per-head reshapes):
   GPT-J, XGLM), ``dense`` (Phi), ``Wo`` (ModernBERT's decoder) or ``projection_layer``
   (InternVL's vision tower), with ``head_dim``; DistilBERT's ``q_lin``, ``k_lin``,
   ``v_lin``, ``out_lin`` with ``attention_head_size``; T5's and UMT5's ``q``, ``k``,
-  ``v``, ``o`` with ``key_value_proj_dim``. A normalization of the queries or keys over
-  all heads (OLMo 2's ``q_norm``, not Qwen3's per head) refuses the group; an output
+  ``v``, ``o`` with ``key_value_proj_dim``. An RMS normalization of the queries or keys
+  over all heads (OLMo 2's ``q_norm``, not Qwen3's per head) is kept exact as heads go
+  (head_norms.py); any other normalization over all heads refuses the group; an output
   gate of the query width (AFMoE's ``gate_proj``) is cut with the heads, and any other
   linear layer computing the query width from the layer's input refuses the group;
 - one fused ``qkv`` projection and ``proj``, with ``num_heads`` and ``head_dim``, as
@@ -61,6 +62,7 @@ from torch import nn
 
 from .cost import run_hooked
 from .groups import is_norm
+from .head_norms import RescaledNorm, cut_norm, fed_norms, norms_over_all_heads, rescales_exactly
 from .proof import cuts_exactly, dropped, example_calls
 
 
@@ -105,6 +107,9 @@ class HeadGroup:
     head_dim: int
     # normalizations over all heads (the pruner refuses the group when asked to prune it)
     norms: tuple = ()
+    # RMS normalizations over all the rows of a projection: the mask zeroes the removed
+    # units' rows before them too, and export rescales them (head_norms.py)
+    rescaled: list[RescaledNorm] = field(default_factory=list)
     # why removing heads would change what the others compute, or "" (the pruner refuses
     # the group when asked to prune it)
     refusal: str = ""
@@ -254,19 +259,6 @@ def _latent(name: str, module: nn.Module) -> HeadGroup | None:
         )
     rows = [Projection(query, 1, nope + rope), Projection(kv_up, 1, nope + value)]
     return HeadGroup(name, module, rows, Projection(out, 1, value), heads, 1, value, latent=True)
-
-
-def _norms_over_all_heads(module: nn.Module, head_dim: int) -> tuple[nn.Module, ...]:
-    """The normalizations of the queries or keys over all heads together (OLMo 2's q_norm):
-    removing a head changes what they compute for the others, so the pruner refuses the
-    group when it is asked to prune it. One per head (Qwen3's, Gemma 3's) is fine."""
-    return tuple(
-        child
-        for child in module.children()
-        if is_norm(child)
-        and isinstance(getattr(child, "weight", None), torch.Tensor)
-        and child.weight.numel() != head_dim
-    )
 
 
 # one fused projection of query, key and value blocks and the output projection
@@ -585,7 +577,7 @@ def find_head_groups(
             groups.append(group)
             continue
         if not group.latent:  # a latent's norms act before the heads' own projections
-            group.norms = _norms_over_all_heads(group.module, group.head_dim)
+            group.norms = norms_over_all_heads(group.module, group.head_dim)
             group.refusal = group.refusal or _other_linears(group)
         parent = group.name.rpartition(".")[0]  # the block holding the attention layer
         group.tables, mixed = _per_head_tables(group, modules[parent] if parent else None)
@@ -594,7 +586,26 @@ def find_head_groups(
     outside = _biases_from_outside(model, inputs, [g for g in groups if not g.refusal])
     for group in groups:
         group.refusal = group.refusal or outside.get(group.module, "")
+    _rescale_norms(model, inputs, [g for g in groups if g.norms and not g.refusal])
     return groups
+
+
+def _rescale_norms(model: nn.Module, inputs: tuple, groups: list[HeadGroup]) -> None:
+    """Move each norm of `groups` that normalizes one projection's output as it is (seen
+    in one forward on `inputs`) and stays exact cut and rescaled (an RMS norm) from the
+    group's refused `norms` to its `rescaled`."""
+    candidates = {
+        norm: [(p.layer, p.per_unit) for p in g.rows if p.blocks == 1 and not p.shared_rows]
+        for g in groups
+        for norm in g.norms
+    }
+    if not candidates or not inputs:
+        return
+    fed = fed_norms(model, inputs, candidates)
+    for group in groups:
+        exact = [n for n in group.norms if n in fed and rescales_exactly(n)]
+        group.rescaled = [RescaledNorm(n, *fed[n]) for n in exact]
+        group.norms = tuple(n for n in group.norms if n not in exact)
 
 
 def _unsplit(name: str, module: nn.Module, why: str) -> HeadGroup | None:
@@ -648,6 +659,12 @@ def prove_head_groups(model: nn.Module, groups: list[HeadGroup], inputs: tuple) 
             units = dropped(group.units, keep, torch.device("cpu"))
             columns = group.out.kept(group.units, units).to(out.weight.device)
             out.weight[:, columns] = 0
+            for rescaled in group.rescaled:  # the hard mask zeroes their rows too
+                rows = copy.get_submodule(names[rescaled.rows])
+                removed = Projection(rows, 1, rescaled.per_unit).kept(group.units, units)
+                for tensor in (rows.weight, rows.bias):
+                    if tensor is not None:
+                        tensor[removed.to(tensor.device)] = 0
 
         def cut(copy: nn.Module, keep: torch.Tensor, group=group, names=names) -> None:
             mask = torch.zeros(group.units)
@@ -852,6 +869,9 @@ def prune_heads(
     for projection in group.rows:
         _keep_rows(copy[names[projection.layer]], projection.kept(group.units, kept))
     _keep_columns(copy[names[group.out.layer]], group.out.kept(group.units, kept))
+    for rescaled in group.rescaled:  # their rows are cut: the norms follow, rescaled
+        rows = Projection(rescaled.rows, 1, rescaled.per_unit).kept(group.units, kept)
+        cut_norm(copy[names[rescaled.norm]], copy[names[rescaled.rows]], rows)
     # the attributes implementations read (the others reshape with -1)
     heads = len(kept) * group.query_heads_per_unit
     module = copy[names[group.module]]

@@ -47,6 +47,7 @@ from .masking import (
     strip_parametrizations,
 )
 from .precision import ieee_fp32
+from .proof import FP32_TOLERANCE, TOLERANCES, close
 from .whole_experts import MaskedRouting, WholeExpertsGroup, mask_router, unmask_router
 
 MASK_AT = ("auto", "parameters", "activation")
@@ -269,6 +270,11 @@ class DTPPruner(ChannelPruner):
         if isinstance(group, HeadGroup):  # the output projection's columns, per unit
             scale = ScaleColumns(self._source, index, group.out.per_unit)
             parametrize.register_parametrization(group.layer, "weight", scale)
+            for rescaled in group.rescaled:  # and the rows a norm over all heads reads
+                rows = rescaled.rows
+                for name in ("weight", "bias") if rows.bias is not None else ("weight",):
+                    scale = ScaleRows(self._source, index, rescaled.per_unit)
+                    parametrize.register_parametrization(rows, name, scale)
             return
         if group.producers:  # a residual width: every producer's last affine rows
             for _layer, target in group.producers:
@@ -564,8 +570,6 @@ class DTPPruner(ChannelPruner):
                     "whole with ignored_layers=[...]"
                 )
 
-    EXPORT_RTOL, EXPORT_ATOL = 1e-4, 1e-5  # fp32: sums over fewer (zero) terms round apart
-
     @torch.no_grad()
     def _check_export(self, pruned: nn.Module) -> None:
         """Raise ExportMismatchError unless `pruned` computes what the hard-masked model does."""
@@ -595,16 +599,15 @@ class DTPPruner(ChannelPruner):
                 f"the exported model returns {len(got)} tensors, the masked one {len(want)}"
             )
         for g, w in zip(got, want, strict=True):
-            g, w = g.double(), w.double()
-            scale = max(1.0, float(w.abs().max())) if w.numel() else 1.0
-            if g.shape != w.shape or not torch.allclose(
-                g, w, rtol=self.EXPORT_RTOL, atol=self.EXPORT_ATOL * scale
-            ):
+            # the proof's tolerance for the output's dtype: sums over fewer (zero) terms,
+            # and a norm's rescaled weights (head_norms.py), round apart in half precision
+            rtol, atol = TOLERANCES.get(w.dtype, FP32_TOLERANCE)
+            if not close(g, w):
                 error = float((g - w).abs().max()) if g.shape == w.shape else float("inf")
                 raise ExportMismatchError(
                     f"the exported model's output differs from the hard-masked model's by "
-                    f"{error:.3g} (allowed {self.EXPORT_RTOL} relative, {self.EXPORT_ATOL} "
-                    f"absolute); some layer after the pruned groups "
+                    f"{error:.3g} (allowed {rtol} relative, {atol} times its largest "
+                    f"magnitude absolute); some layer after the pruned groups "
                     f"{[g.name for g in self.groups][:8]} changes what removing channels does "
                     "(a normalization over channels, a reshape, a custom op): leave the "
                     "groups that reach it whole with ignored_layers=[...]"

@@ -154,6 +154,7 @@ def internvl_vision():  # its output projection is projection_layer
 
 
 WIDTH_REWRITTEN = ("xglm", "mvp", "internvl_vision")
+NORMS_OVER_ALL_HEADS = ("olmo2", "olmo2_mha", "olmo3")  # q_norm and k_norm
 
 
 GQA = {"num_key_value_heads": 2, "head_dim": 8}
@@ -177,6 +178,12 @@ FAMILIES = {
     # a norm's weight must not be taken for a per-head table
     "qwen3": (lambda: decoder("Qwen3", num_key_value_heads=2, head_dim=4), 2, 2, True),
     "gemma3": (lambda: decoder("Gemma3Text", model="Gemma3", **GQA), 2, 2, True),
+    # q_norm and k_norm over all heads: the heads' rows masked before them, and the cut
+    # norms rescaled (head_norms.py); without grouped queries q, k and v have one width,
+    # with biases
+    "olmo2": (lambda: decoder("Olmo2", **GQA), 2, 2, True),
+    "olmo2_mha": (lambda: decoder("Olmo2", attention_bias=True), 2, 4, True),
+    "olmo3": (lambda: decoder("Olmo3", **GQA), 2, 2, True),
     # a relative position bias table in every self-attention layer, cut per head; its
     # gated MLP's tanh GELU adds within each channel
     "umt5": (lambda: t5("UMT5"), 6, 4, True),
@@ -250,6 +257,12 @@ def test_heads_export_with_exact_counts_equal_to_the_hard_masked_model(family, t
                 assert getattr(attention, attr) == kept * group.query_heads_per_unit, attr
         if hasattr(attention, "inner_dim"):  # UMT5's
             assert attention.inner_dim == width * group.query_heads_per_unit
+        # a norm over all heads reads the rows the mask zeroes, and is cut with them
+        assert len(group.rescaled) == (2 if family in NORMS_OVER_ALL_HEADS else 0)
+        for rescaled in group.rescaled:
+            assert torch.nn.utils.parametrize.is_parametrized(rescaled.rows, "weight")
+            cut = modules[names[rescaled.norm]].weight.numel()
+            assert cut == modules[names[rescaled.rows]].out_features == rescaled.per_unit * kept
         # the width its output is reshaped to is rewritten only where the cut needs it
         assert group.output_width == ("embed_dim" if family in WIDTH_REWRITTEN else "")
         if group.output_width:
@@ -382,15 +395,24 @@ def test_an_unknown_linear_layer_of_the_query_width_refuses_the_heads():
     assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
 
 
-def test_a_query_norm_over_all_heads_refuses_heads_and_leaves_the_mlp():
-    """OLMo 2 normalizes the queries (and keys) of all heads together: without a head the
-    others' normalization changes, so heads are refused by name; its MLPs still prune,
-    and exported equal to the hard-masked model."""
+@pytest.mark.parametrize("norm", ["LayerNorm", "Gemma3RMSNorm"])
+def test_a_norm_over_all_heads_that_rescaling_cannot_keep_refuses_heads_not_the_mlp(norm):
+    """OLMo 2's queries normalized over all heads by a norm whose cut cannot be rescaled
+    to compute what it did: a LayerNorm (it subtracts the mean, which the removed heads'
+    zeros change) or Gemma's RMS norm (its weight is read as 1 + w). Heads are refused
+    by name, before any mask; the MLPs still prune, exported equal to the hard-masked
+    model."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
     model, inputs = decoder("Olmo2", layers=1, num_key_value_heads=2)
+    attention = model.model.layers[0].self_attn
+    make = {"LayerNorm": torch.nn.LayerNorm, "Gemma3RMSNorm": Gemma3RMSNorm}[norm]
+    attention.q_norm = make(attention.q_proj.out_features)
+    with torch.no_grad():
+        attention.q_norm.weight.uniform_(0.5, 1.5)
     with pytest.raises(
         ValueError,
-        match=r"layer 'model.layers.0.self_attn' feeds Olmo2RMSNorm "
-        r"'model.layers.0.self_attn.q_norm', Olmo2RMSNorm 'model.layers.0.self_attn.k_norm'",
+        match=rf"layer 'model.layers.0.self_attn' feeds {norm} 'model.layers.0.self_attn.q_norm'\.",
     ):
         DTPPruner(model, inputs, {"heads": 0.5})
     assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())

@@ -14,6 +14,7 @@ from torch import nn
 from dtp_kernels.pruning import DTPPruner, L1Pruner
 from dtp_kernels.pruning.cost import ExpertMatmul, count_flops, trace_layers
 from dtp_kernels.pruning.experts import WIDTH_ATTRIBUTES, ExpertGroup, expert_layout
+from dtp_kernels.pruning.heads import HeadGroup
 from utils import LLAMA_VOCAB as VOCAB
 from utils import bf16_step_and_export, hard_masked_and_exported, randomised, tiny_deepseek
 
@@ -202,16 +203,29 @@ def test_experts_export_the_kept_neurons_of_every_expert(family, tmp_path):
             torch.testing.assert_close(loaded(*inputs).logits, got)
 
 
-def test_a_float_ratio_prunes_heads_and_experts_together(tmp_path):
+@pytest.mark.parametrize("family", ["Mixtral", "Olmoe"])
+def test_a_float_ratio_prunes_heads_and_experts_together(family, tmp_path):
     """A float asks for every group: heads and experts export together and the config
-    describes both."""
+    describes both. OLMoE normalizes the queries of all heads together (its norms cut
+    and rescaled with them), a norm its code builds from hidden_size: its config cannot
+    describe fewer heads, so it stays, with a warning."""
     torch.manual_seed(0)
-    model, inputs = moe("Mixtral", **MIXTRAL)
+    sizes = {k: v for k, v in FAMILIES[family][0].items() if k != "num_key_value_heads"}
+    model, inputs = moe(family, **sizes)
     pruner = randomised(DTPPruner(model, inputs, 0.5))
     kinds = [type(g).__name__ for g in pruner.groups]
     assert kinds == (["HeadGroup"] + ["ExpertGroup"] * EXPERTS) * 2
-    exported, got, want = hard_masked_and_exported(pruner, model, inputs)
+    rescaled = [len(g.rescaled) for g in pruner.groups if isinstance(g, HeadGroup)]
+    assert rescaled == [2 if family == "Olmoe" else 0] * 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exported, got, want = hard_masked_and_exported(pruner, model, inputs)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    params, _ = pruner.predicted_counts()
+    assert params == sum(p.numel() for p in exported.parameters())
+    if family == "Olmoe":
+        assert any("config cannot describe" in str(w.message) for w in caught)
+        return
     config = exported.config
     assert (config.num_attention_heads, config.num_key_value_heads) == (2, 1)
     assert config.intermediate_size == 32

@@ -1,0 +1,119 @@
+"""RMS normalizations over all the heads of an attention layer (OLMo 2's, OLMo 3's,
+OLMoE's and MiniMax-M2's ``q_norm`` and ``k_norm``), kept exact when heads go.
+
+Such a norm computes every query from the mean square of all heads' queries, so a head
+masked only at the output projection would still count in it. Its projection's rows are
+masked too (the hard mask zeroes the removed units' queries before the norm), and then
+removing them changes nothing: with the queries x of the K kept rows of N,
+
+    w * x / sqrt(sum(x**2) / N + eps)  ==  (w / c) * (c * x) / sqrt(sum((c * x)**2) / K + eps)
+
+for c = sqrt(K / N). Export cuts the norm to the kept rows, scales the projection's kept
+rows by c and the norm's weight by 1 / c: weights only, so the config's epsilon still
+describes the model. A norm for which this does not hold on a random input (a LayerNorm,
+which subtracts the mean; Gemma's 1 + weight) is left among those the pruner refuses.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .cost import run_hooked
+from .groups import is_norm
+from .proof import close
+
+
+@dataclass
+class RescaledNorm:
+    """A norm over all the rows of one projection of an attention layer's heads (`rows`:
+    one block, `per_unit` rows per unit), which the group's mask also masks."""
+
+    norm: nn.Module
+    rows: nn.Linear
+    per_unit: int
+
+
+def norms_over_all_heads(module: nn.Module, head_dim: int) -> tuple[nn.Module, ...]:
+    """The normalizations among `module`'s children with a weight of other than `head_dim`
+    entries: over all heads together (OLMo 2's q_norm), not one per head (Qwen3's)."""
+    return tuple(
+        child
+        for child in module.children()
+        if is_norm(child)
+        and isinstance(getattr(child, "weight", None), torch.Tensor)
+        and child.weight.numel() != head_dim
+    )
+
+
+def fed_norms(
+    model: nn.Module, inputs: tuple, candidates: dict[nn.Module, list[tuple[nn.Linear, int]]]
+) -> dict[nn.Module, tuple[nn.Linear, int]]:
+    """For each norm of `candidates` (norm: its attention layer's single-block projections,
+    with their rows per unit), the projection whose output it normalizes as it is, seen
+    in one eval forward of `model` on `inputs`; a norm reading anything else is absent."""
+    last: dict[nn.Module, torch.Tensor] = {}  # each projection's latest output
+    fed: dict[nn.Module, tuple[nn.Linear, int]] = {}
+
+    def produced(module, _args, output):
+        last[module] = output
+
+    def normalizes(norm, args):
+        for layer, per_unit in candidates[norm]:
+            if args and args[0] is last.get(layer):
+                fed.setdefault(norm, (layer, per_unit))
+
+    layers = {layer for options in candidates.values() for layer, _ in options}
+    handles = [layer.register_forward_hook(produced) for layer in layers]
+    handles += [norm.register_forward_pre_hook(normalizes) for norm in candidates]
+    with torch.no_grad():
+        run_hooked(model, inputs, handles)
+    return fed
+
+
+def cut_norm(norm: nn.Module, rows: nn.Linear, kept: torch.Tensor) -> None:
+    """Keep the `kept` channels of `norm` and the rows of `rows` already cut to them (in
+    place), scaled so that the norm computes on them what it computed on all its channels
+    with the others zero (see the module docstring)."""
+    width = norm.weight.shape[0]
+    scale = math.sqrt(len(kept) / width)
+    kept = kept.to(norm.weight.device)
+    norm.weight = nn.Parameter(_scaled(norm.weight.detach()[kept], 1 / scale))
+    if isinstance(getattr(norm, "normalized_shape", None), tuple):  # torch's nn.RMSNorm
+        norm.normalized_shape = (len(kept),)
+    rows.weight = nn.Parameter(_scaled(rows.weight.detach(), scale))
+    if rows.bias is not None:
+        rows.bias = nn.Parameter(_scaled(rows.bias.detach(), scale))
+
+
+def _scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    return (tensor.float() * factor).to(tensor.dtype)  # one rounding in half precision
+
+
+def rescales_exactly(norm: nn.Module) -> bool:
+    """Whether `norm`, cut to a random half of its channels by `cut_norm`, computes on
+    them what it computes on all of them with the others zero: shown on a copy with a
+    random weight (so a weight read as 1 + w shows), on a random input."""
+    width = norm.weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    kept = torch.randperm(width, generator=generator)[: max(1, width // 2)].sort().values
+    dtype, device = norm.weight.dtype, norm.weight.device
+    x = torch.randn(3, width, generator=generator).to(device, dtype)
+    zeroed = torch.zeros_like(x)
+    zeroed[:, kept.to(device)] = x[:, kept.to(device)]
+    probe = copy.deepcopy(norm).eval()
+    rows = nn.Linear(width, width, bias=False).to(device, dtype)
+    try:
+        with torch.no_grad():
+            probe.weight.copy_(torch.rand(width, generator=generator) + 0.5)
+            want = probe(zeroed)[:, kept.to(device)]
+            rows.weight = nn.Parameter(torch.eye(width, dtype=dtype, device=device)[kept])
+            cut_norm(probe, rows, kept)
+            got = probe(rows(x))
+    except Exception:  # its code reads the old width
+        return False
+    return close(got, want)
