@@ -6,7 +6,8 @@ FLOPs follow the paper's appendix (Eq. flops_comput, after ChipNet): a convoluti
 feature-map area, +1 for the bias term); a linear layer (n_in + 1) * n_out per output
 row; nonlinearities, BN and pooling are ignored. A depthwise convolution loses its input
 and output channels together. An expert of a mixture-of-experts block counts as its two
-linear layers over the tokens the example forward routed to it.
+linear layers over the tokens the example forward routed to it (over every token where
+every expert computes on every token: Llama 4's).
 """
 
 from __future__ import annotations
@@ -114,7 +115,12 @@ def trace_layers(
     def expert_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         layout = expert_layout(module)
         up_out = layout.parts * layout.width
-        for e, rows in enumerate(_routed(module, layout.experts, args, kwargs)):
+        if layout.every_token:  # its input: every token once per expert
+            tokens = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+            routed = [tokens.numel() // (layout.hidden * layout.experts)] * layout.experts
+        else:
+            routed = _routed(module, layout.experts, args, kwargs)
+        for e, rows in enumerate(routed):
             up = ExpertProjection(module, layout.up, e)
             layers.append(ExpertMatmul(up, up_out, layout.hidden, rows))
             down = ExpertProjection(module, "down_proj", e)

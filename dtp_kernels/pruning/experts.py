@@ -5,8 +5,9 @@ Hugging Face's mixture-of-experts families keep all experts of a block in raw 3-
 parameters, experts first: the gate and up projections `gate_up_proj` [E, 2I, H] (or
 `up_proj` [E, I, H] without a gate) and the down projection `down_proj` [E, H, I], or
 both transposed. transformers' ``use_experts_implementation`` describes the layout on the
-module (has_gate, is_concatenated, is_transposed, has_bias); only modules carrying it are
-recognised. Intermediate neuron j of expert e is row j and I + j of its gate/up
+module (has_gate, is_concatenated, is_transposed, has_bias); the modules carrying it are
+recognised, and those of KNOWN_LAYOUTS by their class (Llama 4's, whose every expert
+computes on every token). Intermediate neuron j of expert e is row j and I + j of its gate/up
 projection (2j and 2j + 1 when interleaved) and column j of its down projection.
 
 Each expert is one group and one transport segment. The mask goes on the down
@@ -29,6 +30,14 @@ from torch import nn
 LAYOUT_FLAGS = ("has_gate", "is_concatenated", "is_transposed", "has_bias")
 # an experts module's attributes that hold its intermediate width
 WIDTH_ATTRIBUTES = ("intermediate_dim", "intermediate_size", "expert_dim")
+# experts modules without those flags, by class name: their flags (in LAYOUT_FLAGS order)
+# and whether every expert computes on every token
+KNOWN_LAYOUTS = {
+    # gate_up_proj [E, H, 2I] chunked into gate and up, down_proj [E, I, H]; the block
+    # hands each expert a copy of every token weighted by its router score (0 where the
+    # expert was not chosen), viewed [E, tokens, H]
+    "Llama4TextExperts": ((True, True, True, False), True),
+}
 
 
 @dataclass(frozen=True)
@@ -43,14 +52,20 @@ class Layout:
     experts: int
     width: int  # I, the intermediate neurons per expert
     hidden: int  # H
+    # every expert computes on every token (its input: experts x tokens rows of H);
+    # else on the tokens routed to it (transformers' experts: the experts chosen per token)
+    every_token: bool = False
 
 
 def expert_layout(module: nn.Module) -> Layout | None:
     """The layout of an experts module in transformers' form; None for any other module
     (or one whose weight shapes do not match its flags)."""
     flags = [getattr(module, name, None) for name in LAYOUT_FLAGS]
+    every_token = False
     if not all(isinstance(flag, bool) for flag in flags):
-        return None
+        if type(module).__name__ not in KNOWN_LAYOUTS:
+            return None
+        flags, every_token = KNOWN_LAYOUTS[type(module).__name__]
     has_gate, concatenated, transposed, bias = flags
     up_name = "gate_up_proj" if has_gate else "up_proj"
     up, down = getattr(module, up_name, None), getattr(module, "down_proj", None)
@@ -64,7 +79,9 @@ def expert_layout(module: nn.Module) -> Layout | None:
     want_up = (experts, hidden, parts * width) if transposed else (experts, parts * width, hidden)
     if tuple(up.shape) != want_up:
         return None
-    return Layout(up_name, parts, concatenated, transposed, bias, experts, width, hidden)
+    return Layout(
+        up_name, parts, concatenated, transposed, bias, experts, width, hidden, every_token
+    )
 
 
 @dataclass(frozen=True)
@@ -140,7 +157,7 @@ def find_expert_groups(model: nn.Module, ignored: list[nn.Module]) -> list[Exper
 def unrecognised_experts(model: nn.Module, ignored: list[nn.Module]) -> list[str]:
     """Names of the modules not in `ignored` that hold experts in raw 3-D parameters (a
     `down_proj` of their own, experts first) in a layout `expert_layout` does not
-    recognise: no group is found for them, so they stay whole (Llama 4's)."""
+    recognise: no group is found for them, so they stay whole."""
     return [
         name
         for name, module in model.named_modules()

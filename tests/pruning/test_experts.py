@@ -36,10 +36,15 @@ def tokens(seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, LENGTH), generator=torch.Generator().manual_seed(seed))
 
 
+# families whose causal LM is not named after their config
+CAUSAL_LM = {"Llama4Text": "Llama4ForCausalLM"}
+
+
 def moe(family: str, **sizes) -> tuple[nn.Module, tuple]:
     """A tiny `{family}ForCausalLM` with EXPERTS experts, TOP_K chosen per token."""
     config = getattr(transformers, f"{family}Config")(**{**SIZES, **sizes})
-    return getattr(transformers, f"{family}ForCausalLM")(config), (tokens(),)
+    causal_lm = CAUSAL_LM.get(family, f"{family}ForCausalLM")
+    return getattr(transformers, causal_lm)(config), (tokens(),)
 
 
 MIXTRAL = dict(num_hidden_layers=2, intermediate_size=64, num_local_experts=EXPERTS)
@@ -110,6 +115,21 @@ FAMILIES = {
         16,
         (1, True, False, False),
         True,
+    ),
+    "Llama4Text": (  # no layout flags (known by its class): stored (in, out), gate and up
+        # chunked; every expert computes on every token; its shared expert is
+        # intermediate_size wide too, so the config cannot describe experts pruned alone
+        dict(
+            num_hidden_layers=2,
+            intermediate_size=16,
+            intermediate_size_mlp=32,
+            num_local_experts=EXPERTS,
+            num_experts_per_tok=1,
+            head_dim=8,
+        ),
+        16,
+        (2, True, True, False),
+        False,
     ),
     "AriaText": (  # stored (in, out); its shared experts are intermediate_size wide too,
         # so the config cannot describe experts pruned alone
@@ -190,8 +210,8 @@ def test_experts_export_the_kept_neurons_of_every_expert(family, tmp_path):
             if bias:
                 old_bias = dense[name][f"{up_name}_bias"][e]
                 torch.testing.assert_close(getattr(block, f"{up_name}_bias")[e], old_bias[rows])
-        widths = [getattr(block, a) for a in WIDTH_ATTRIBUTES if hasattr(block, a)]
-        assert widths == [width // 2]  # the module's own width attribute follows
+        widths = {getattr(block, a) for a in WIDTH_ATTRIBUTES if hasattr(block, a)}
+        assert widths == {width // 2}  # the module's own width attributes follow
 
     params, flops = pruner.predicted_counts()
     assert params == sum(p.numel() for p in exported.parameters())
@@ -362,6 +382,43 @@ def test_the_experts_flops_count_the_tokens_routed_to_each():
         assert len(downs) == EXPERTS
         assert sum(m.rows for m in downs) == BATCH * LENGTH * TOP_K
         assert len({m.rows for m in downs}) > 1  # routing, not an even split
+
+
+def test_experts_that_compute_on_every_token_count_every_token():
+    """Llama 4's block hands every expert every token (weighted by its router score, 0
+    where it was not chosen), and its experts compute on all of them: that is what they
+    cost."""
+    torch.manual_seed(0)
+    model, inputs = moe("Llama4Text", **FAMILIES["Llama4Text"][0])
+    matmuls = [m for m in trace_layers(model, inputs) if isinstance(m, ExpertMatmul)]
+    assert len(matmuls) == 2 * EXPERTS * 2  # up and down, per expert, per layer
+    assert {m.rows for m in matmuls} == {BATCH * LENGTH}
+
+
+def test_raw_experts_of_a_layout_not_recognised_are_named_and_stay_whole():
+    """A module holding experts in a 3-D down_proj without transformers' layout flags and
+    not of a known class: no group is found for it, and a warning names it."""
+
+    class OwnExperts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.randn(2, 8, 4))
+            self.down_proj = nn.Parameter(torch.randn(2, 4, 4))
+
+        def forward(self, x):
+            return torch.einsum("ti,eoi->to", x, self.gate_up_proj[:, :4])
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.experts, self.down = nn.Linear(4, 8), OwnExperts(), nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x))) + self.experts(x)
+
+    with pytest.warns(UserWarning, match=r"the experts of \['experts'\] are kept in raw 3-D"):
+        pruner = DTPPruner(Block(), torch.randn(3, 4), 0.5)
+    assert [g.name for g in pruner.groups] == ["up"]
 
 
 def test_experts_of_one_block_with_different_ratios_are_refused_by_name():
