@@ -220,6 +220,35 @@ def final_state(out: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def tiny_mamba2(groups: int = 2) -> torch.nn.Module:
+    """A Mamba-2 language model of two mixers of 8 heads of 8 channels in `groups` groups
+    (hidden 32, expand 2), its norm weights and conv biases drawn away from 1 and 0
+    (save_pruned's builder entry point "utils:tiny_mamba2")."""
+    import transformers
+
+    config = transformers.Mamba2Config(
+        vocab_size=LLAMA_VOCAB,
+        hidden_size=32,
+        num_heads=8,
+        head_dim=8,
+        n_groups=groups,
+        state_size=8,
+        num_hidden_layers=2,
+        expand=2,
+        chunk_size=8,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = transformers.Mamba2ForCausalLM(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("norm.weight", "conv1d.bias")):
+                parameter.uniform_(0.5, 1.5)
+    return model
+
+
 def group_norm_net(width: int = 8, classes: int = 4) -> torch.nn.Module:
     """conv -> GroupNorm -> ReLU -> conv -> BN -> ReLU -> pool -> linear: a model a user's
     function builds (save_pruned's builder entry point "utils:group_norm_net")."""

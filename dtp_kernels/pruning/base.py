@@ -36,6 +36,7 @@ from .groups import ChannelGraphError, find_groups, out_channel_handler, traced_
 from .heads import HeadGroup, find_head_groups, prove_head_groups, prune_heads
 from .hf_config import update_config
 from .mamba import MambaGroup, find_mamba_groups, prune_mamba
+from .mamba2 import Mamba2Group, check_mamba2_ratios, find_mamba2_groups
 from .mlps import FormMLPGroup, find_form_mlps, prune_form_mlp
 from .whole_experts import (
     MaskedRouting,
@@ -67,7 +68,7 @@ def _kind(group) -> str:
         return "whole_experts"
     if isinstance(group, HeadGroup):
         return "heads"
-    if isinstance(group, MambaGroup):
+    if isinstance(group, (MambaGroup, Mamba2Group)):
         return "mamba"
     if isinstance(group, ExpertGroup):
         return "experts"
@@ -207,6 +208,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         experts = [g for g in all_groups if isinstance(g, ExpertGroup)]
         check_expert_ratios(experts, per_group, budget)
         check_whole_expert_ratios(all_groups, per_group, budget)
+        check_mamba2_ratios(all_groups, per_group, budget)
         self.groups = [g for g in all_groups if per_group[g.name] > 0]
         refused = [g for g in self.groups if g.norms]
         if refused:
@@ -276,6 +278,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         experts = find_expert_groups(model, ignored)
         whole = find_whole_expert_groups(model, ignored, inputs)
         mixers = find_mamba_groups(model, ignored, inputs)
+        mixers += find_mamba2_groups(model, ignored, inputs)
         projections = [layer for g in heads + mixers for layer in (*g.kept_out, *g.kept_in)]
         # a router that is a linear layer is cut with its experts, no group of its own
         projections += [g.router for g in whole if isinstance(g.router, nn.Linear)]
@@ -368,9 +371,9 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             # raw 3-D parameters: no layer formula
             if isinstance(group, (ExpertGroup, WholeExpertsGroup)):
                 params -= group.removed_params(int(mask.numel() - mask.sum()))
-            # a norm over all heads loses the removed units' channels
-            for rescaled in getattr(group, "rescaled", ()):
-                params -= int(mask.numel() - mask.sum()) * rescaled.per_unit
+            # a norm over the units (heads) loses the removed units' channels
+            for _norm, per_unit in getattr(group, "cut_norms", ()):
+                params -= int(mask.numel() - mask.sum()) * per_unit
             # per-head tables; a Mamba mixer's per-channel parameters
             for owner, name, dim in getattr(group, "tables", ()):
                 table = getattr(owner, name)
@@ -405,7 +408,10 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         # per experts module: its layout and its experts' masks in order
         expert_masks: dict[str, tuple[Layout, list[torch.Tensor]]] = {}
         needs_graph = any(
-            not isinstance(g, (HeadGroup, ExpertGroup, WholeExpertsGroup, FormMLPGroup, MambaGroup))
+            not isinstance(
+                g,
+                (HeadGroup, ExpertGroup, WholeExpertsGroup, FormMLPGroup, MambaGroup, Mamba2Group),
+            )
             for g in self.groups
         )
         graph_or_none = (
@@ -421,7 +427,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                 if isinstance(group, FormMLPGroup):
                     prune_form_mlp(group, names, original_names, mask)
                     continue
-                if isinstance(group, MambaGroup):
+                if isinstance(group, (MambaGroup, Mamba2Group)):
                     prune_mamba(group, names, mask)
                     continue
                 if isinstance(group, WholeExpertsGroup):

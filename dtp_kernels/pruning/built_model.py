@@ -2,11 +2,12 @@
 
 The file is a safetensors file. Its header names the builder, an entry point
 "package.module:function" (or "package.module:Class", or "...:Class.method") and the
-keyword arguments that build the dense model, as JSON; the integer attributes that
-export changed (channel counts, ``num_heads``, a GroupNorm's ``num_groups``, ...), per
-module; and the caller's metadata. Loading imports and calls the builder, checks that every
-saved tensor belongs to the model and is no larger than the dense one, gives each module
-its saved attributes and shapes, and only then reads the weights.
+keyword arguments that build the dense model, as JSON; the integer and float attributes
+that export changed (channel counts, ``num_heads``, a GroupNorm's ``num_groups``, a
+Mamba-2 norm's epsilon, ...), per module; and the caller's metadata. Loading imports and
+calls the builder, checks that every saved tensor belongs to the model and is no larger
+than the dense one, gives each module its saved attributes and shapes, and only then
+reads the weights.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 from torch import nn
 
 VERSION = "3"  # pruned-model format version of a builder + safetensors file
-ATTRIBUTE_TYPES = (int, tuple)  # what export changes: counts and shapes
+# what export changes: counts and shapes, and a Mamba-2 norm's rescaled epsilon
+ATTRIBUTE_TYPES = (int, float, tuple)
 
 
 def build(builder: str, kwargs: dict, field: str = "builder") -> nn.Module:
@@ -60,7 +62,8 @@ def _attributes(model: nn.Module) -> dict[str, dict]:
 
 
 def changed_attributes(dense: nn.Module, pruned: nn.Module, path) -> dict[str, dict]:
-    """Per module name, the integer attributes `pruned` has that `dense` does not."""
+    """Per module name, the integer and float attributes `pruned` has that `dense` does
+    not."""
     before, after = _attributes(dense), _attributes(pruned)
     if set(before) != set(after):
         extra = sorted(set(after) - set(before))[:3]

@@ -139,6 +139,11 @@ class HeadGroup:
         self.kept_in = [self.out.layer]
         self.width = {p.layer: sum(p.block_sizes) for p in [*self.rows, self.out]}
 
+    @property
+    def cut_norms(self) -> list[tuple[nn.Module, int]]:
+        """The norms cut with the units: (norm, channels per unit)."""
+        return [(r.norm, r.per_unit) for r in self.rescaled]
+
     def add_rows(self, projection: Projection) -> None:
         """One more projection whose rows are the units' (an output gate)."""
         self.rows.append(projection)

@@ -164,11 +164,16 @@ def update_config(model: nn.Module, groups: list[tuple[str, object]], masks: lis
             pass
         for name, value in before.items():
             setattr(config, name, value)
+    why = (
+        "no field of it holds them: layers pruned to different sizes, a width no field "
+        "holds, or a Mamba-2 mixer's norm epsilon, rescaled in each layer"
+        if fields is None
+        else f"a model built from the updated config {fields} would not have the exported shapes"
+    )
     warnings.warn(
-        "the exported model's config cannot describe its sizes (layers pruned to different "
-        f"sizes, or a model built from the updated config {fields} would not have the "
-        "exported shapes); the config is unchanged. The model is right; save it with "
-        "dtp_kernels.save_pruned, not save_pretrained",
+        f"the exported model's config cannot describe its sizes ({why}); the config is "
+        "unchanged. The model is right; save it with dtp_kernels.save_pruned, not "
+        "save_pretrained",
         UserWarning,
         stacklevel=3,
     )

@@ -15,7 +15,7 @@ The mask goes on ``conv1d``'s rows and bias as a parametrization: the mixers han
 ``conv1d.weight`` to fused kernels instead of calling the layer, and a parametrization
 is what every read of the weight sees. A mixer is recognised by those attributes and
 their shapes and kept only when proven on its example input (proof.py). Mamba-2 mixers
-(heads of channels, a norm over them) are not this form.
+(heads of channels, a norm over them) are mamba2.py's.
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ class MambaGroup(ChannelGroup):
 
     def channels(self, units: torch.Tensor) -> torch.Tensor:
         return units
+
+    def cut(self, mixer: nn.Module, keep: torch.Tensor) -> None:
+        cut_channels(mixer, keep)
 
 
 def _width(mixer: nn.Module) -> int | None:
@@ -84,7 +87,8 @@ def _zero(mixer: nn.Module, keep: torch.Tensor) -> None:
         conv.bias[drop] = 0
 
 
-def _rows(tensor: torch.Tensor, keep: torch.Tensor, dim: int = 0) -> nn.Parameter:
+def kept_rows(tensor: torch.Tensor, keep: torch.Tensor, dim: int = 0) -> nn.Parameter:
+    """A new parameter of `tensor`'s entries `keep` along `dim`."""
     kept = tensor.detach().index_select(dim, keep.to(tensor.device)).clone()
     return nn.Parameter(kept, requires_grad=tensor.requires_grad)
 
@@ -95,25 +99,25 @@ def cut_channels(mixer: nn.Module, keep: torch.Tensor) -> None:
     keep = keep.cpu()
     in_proj, conv = mixer.in_proj, mixer.conv1d
     both = torch.cat([keep, keep + width])  # channel j's input row and its gate row
-    in_proj.weight = _rows(in_proj.weight, both)
+    in_proj.weight = kept_rows(in_proj.weight, both)
     if in_proj.bias is not None:
-        in_proj.bias = _rows(in_proj.bias, both)
+        in_proj.bias = kept_rows(in_proj.bias, both)
     in_proj.out_features = len(both)
-    conv.weight = _rows(conv.weight, keep)
+    conv.weight = kept_rows(conv.weight, keep)
     if conv.bias is not None:
-        conv.bias = _rows(conv.bias, keep)
+        conv.bias = kept_rows(conv.bias, keep)
     conv.in_channels = conv.out_channels = conv.groups = len(keep)
-    mixer.x_proj.weight = _rows(mixer.x_proj.weight, keep, dim=1)
+    mixer.x_proj.weight = kept_rows(mixer.x_proj.weight, keep, dim=1)
     mixer.x_proj.in_features = len(keep)
     dt_proj = mixer.dt_proj
-    dt_proj.weight = _rows(dt_proj.weight, keep)
+    dt_proj.weight = kept_rows(dt_proj.weight, keep)
     if dt_proj.bias is not None:
-        dt_proj.bias = _rows(dt_proj.bias, keep)
+        dt_proj.bias = kept_rows(dt_proj.bias, keep)
     dt_proj.out_features = len(keep)
-    mixer.out_proj.weight = _rows(mixer.out_proj.weight, keep, dim=1)
+    mixer.out_proj.weight = kept_rows(mixer.out_proj.weight, keep, dim=1)
     mixer.out_proj.in_features = len(keep)
-    mixer.A_log = _rows(mixer.A_log, keep)
-    mixer.D = _rows(mixer.D, keep)
+    mixer.A_log = kept_rows(mixer.A_log, keep)
+    mixer.D = kept_rows(mixer.D, keep)
     if getattr(mixer, "intermediate_size", None) == width:
         mixer.intermediate_size = len(keep)
 
@@ -155,9 +159,9 @@ def find_mamba_groups(
     return groups
 
 
-def prune_mamba(group: MambaGroup, names: dict[str, nn.Module], mask: torch.Tensor) -> None:
-    """Cut the channels whose hard mask is 0 from the exported copy's mixer (`names`: the
-    copy's modules by name)."""
+def prune_mamba(group, names: dict[str, nn.Module], mask: torch.Tensor) -> None:
+    """Cut the units (a Mamba mixer's channels, a Mamba-2 mixer's heads) whose hard mask
+    is 0 from the exported copy's mixer (`names`: the copy's modules by name)."""
     keep = mask.nonzero().flatten()
     if len(keep) < len(mask):
-        cut_channels(names[group.name], keep)
+        group.cut(names[group.name], keep)

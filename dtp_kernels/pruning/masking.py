@@ -140,6 +140,18 @@ class ScaleRows(nn.Module):
         return (grouped * mask.view(shape)).view_as(weight)
 
 
+class ScaleLeadingRows(ScaleRows):
+    """ScaleRows over the first `rows` rows, the others kept as they are (a Mamba-2
+    conv1d: its heads' x channels, then the B and C channels all heads read)."""
+
+    def __init__(self, source: MaskSource, index: int, per_unit: int, rows: int) -> None:
+        super().__init__(source, index, per_unit)
+        self.rows = rows
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return torch.cat([super().forward(weight[: self.rows]), weight[self.rows :]])
+
+
 class ScaleColumns(ScaleRows):
     """The same over a linear layer's input columns (dim 1): an attention unit's columns,
     or the features of a gated MLP."""

@@ -34,6 +34,7 @@ from .experts import ExpertGroup, tied_units
 from .groups import out_width, output_tensors
 from .heads import HeadGroup
 from .mamba import MambaGroup
+from .mamba2 import Mamba2Group
 from .masking import (
     FoldPlan,
     HardMasks,
@@ -41,6 +42,7 @@ from .masking import (
     ScaleColumns,
     ScaleEach,
     ScaleExperts,
+    ScaleLeadingRows,
     ScaleRows,
     folded_products,
     read_folded_first,
@@ -261,6 +263,12 @@ class DTPPruner(ChannelPruner):
             return
         if isinstance(group, WholeExpertsGroup):  # log(mask) on the router's logits
             mask_router(group.router, self._source, index, group.size)
+            return
+        if isinstance(group, Mamba2Group):  # conv1d's x rows, per head; B and C stay
+            conv, rows = group.rows, group.form.inner
+            for name in ("weight", "bias") if conv.bias is not None else ("weight",):
+                scale = ScaleLeadingRows(self._source, index, group.form.head_dim, rows)
+                parametrize.register_parametrization(conv, name, scale)
             return
         if isinstance(group, MambaGroup):  # conv1d's rows: fused kernels read its weight
             for name in ("weight", "bias") if group.rows.bias is not None else ("weight",):
@@ -559,7 +567,9 @@ class DTPPruner(ChannelPruner):
         channels Torch-Pruning removed in coupled sets: fewer kept, equal outputs)."""
         modules = dict(pruned.named_modules())
         for group, mask in zip(self.groups, self.hard_masks(), strict=True):
-            if isinstance(group, (HeadGroup, ExpertGroup, WholeExpertsGroup, MambaGroup)):
+            if isinstance(
+                group, (HeadGroup, ExpertGroup, WholeExpertsGroup, MambaGroup, Mamba2Group)
+            ):
                 continue  # prune_heads / prune_experts / ... cut the kept units
             width = out_width(modules[group.name])
             want = int(mask.sum()) * group.channels_per_unit * group.parts
