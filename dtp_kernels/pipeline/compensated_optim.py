@@ -33,14 +33,38 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 STATE_NAMES = ("momentum_buffer", "exp_avg", "exp_avg_sq")  # held in state_dtype
 
 
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s elements fill its memory with no gap or overlap, in some order
+    of its dimensions (contiguous, channels_last, ...)."""
+    expected = 1
+    dims = zip(tensor.stride(), tensor.shape, strict=True)
+    for stride, size in sorted((stride, n) for stride, n in dims if n > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D tensor over `tensor`'s dense memory, in memory order: not a view of it (set_
+    on its storage), so a compiled update does not guard on the shape it came from."""
+    flat = tensor.new_empty(0)
+    return flat.set_(tensor.untyped_storage(), tensor.storage_offset(), (tensor.numel(),), (1,))
+
+
 def _pieces(tensors: list[torch.Tensor], chunk_size: int) -> Iterator[list[torch.Tensor]]:
     """The same element range of every tensor of `tensors` (all of one shape), in flat
-    chunks of `chunk_size` elements when all are contiguous, else whole. (A kernel of
-    one dimension: the compiled update's sizes stay one symbol.)"""
-    if not all(t.is_contiguous() for t in tensors):
+    chunks of `chunk_size` elements in memory order when all are laid out alike in dense
+    memory (contiguous, or all channels_last), else whole. The updates are elementwise,
+    so a flat view computes what the shaped tensors do, and the compiled update sees one
+    dimension of one stride whatever the layer's rank and memory format: one compilation
+    where each would guard on its own (eight of them stop a fullgraph compile)."""
+    first = tensors[0]
+    alike = all(t.shape == first.shape and t.stride() == first.stride() for t in tensors)
+    if not (alike and _dense(first)):
         yield tensors
         return
-    flat = [t.view(-1) for t in tensors]
+    flat = [_flat(t) for t in tensors]
     for start in range(0, flat[0].numel(), chunk_size):
         yield [t[start : start + chunk_size] for t in flat]
 
@@ -83,6 +107,9 @@ def adamw_low_precision(
     _compensate(weight, change, compensation)
 
 
+RECOMPILE_LIMIT = 64  # compilations of one fused update in a process
+
+
 class _Fused:
     """`update` under torch.compile, one kernel per weight (the float32 working values stay
     in registers), compiled at its first call in a process. Sizes and settings are
@@ -104,7 +131,11 @@ class _Fused:
             )
         if not self.eager:
             try:
-                return self.compiled(*args)
+                # one function serves every weight: a compilation per layout of dtypes
+                # (weight, gradient, state) and momentum or none, more than the 8 torch
+                # allows a function by default in a run that mixes them
+                with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                    return self.compiled(*args)
             except torch._dynamo.exc.BackendCompilerFailed as error:
                 cause = error.inner_exception
                 first = (str(cause).strip().splitlines() or [""])[0]

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..models import get_model
 from ..pruning.built_model import build
+from ..pruning.conv1d import conv1d_to_linear
 from .errors import UsageError
 
 SOURCES = ("builtin", "torchvision", "python", "huggingface")
@@ -77,11 +78,13 @@ def pretrained(
         else (transformers.AutoModelForImageClassification, "an image classifier")
     )
     try:
-        return auto.from_pretrained(path, local_files_only=True, dtype=dtype, **kwargs)
+        model = auto.from_pretrained(path, local_files_only=True, dtype=dtype, **kwargs)
     except (OSError, ValueError) as error:
         raise UsageError(
             f"model.path = {str(path)!r} does not load as {what}: {type(error).__name__}: {error}"
         ) from None
+    # GPT-2's Conv1D layers as the nn.Linear layers the pruner takes (export puts them back)
+    return conv1d_to_linear(model)
 
 
 def checkpoint_activations(model: nn.Module) -> None:

@@ -21,7 +21,7 @@ from torch.nn.utils import parametrize
 
 from . import masking
 from . import ratios as ratio_rules
-from .conv1d import is_conv1d
+from .conv1d import is_conv1d, linear_to_conv1d
 from .cost import COSTED, PER_CHANNEL_AFFINE, count_params, flops_after, params_after, trace_layers
 from .experts import (
     ExpertGroup,
@@ -449,6 +449,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             prune_experts(names[name], layout, block_masks)
         run_misaligned_experts(pruned, {name: names[name] for name in expert_masks})
         set_model_counts(pruned, self.groups, masks)
+        linear_to_conv1d(pruned)  # GPT-2's layers in its own layout again (conv1d.py)
         described = update_config(pruned, [(_kind(g), g) for g in self.groups], masks)
         if not described and any(getattr(g, "heads_from_config", False) for g in self.groups):
             raise ExportMismatchError(

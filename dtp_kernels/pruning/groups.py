@@ -28,6 +28,7 @@ import torch
 import torch_pruning as tp
 from torch import nn
 
+from .conv1d import is_conv1d
 from .graph_workarounds import tuple_returning_linears, unknown_concat_widths_left_unmapped
 
 
@@ -182,7 +183,10 @@ def _per_channel_width(module: nn.Module) -> int:
 
 
 def out_width(layer: nn.Module) -> int:
-    """A group root's output channels (a convolution) or features (a linear layer)."""
+    """A group root's output channels (a convolution) or features (a linear layer, or
+    the transformers Conv1D an exported GPT-2 has back)."""
+    if is_conv1d(layer):
+        return layer.nf
     return layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
 
 

@@ -29,6 +29,7 @@ from ..transport_mask import transport_mask
 from ..transport_state import TransportState
 from . import nm as nm_rules
 from .base import ChannelPruner, ExportMismatchError
+from .conv1d import linear_to_conv1d
 from .cost import COSTED, FlopsRatio
 from .experts import ExpertGroup, tied_units
 from .groups import out_width, output_tensors
@@ -244,10 +245,34 @@ class DTPPruner(ChannelPruner):
     def _find_groups(self, model: nn.Module, inputs: tuple, ignored: list) -> list:
         if self.granularity == "filter":
             return super()._find_groups(model, inputs, ignored)
-        return [
-            LayerWeights(name, module, module.weight.numel())
+        owners: dict[nn.Parameter, list[str]] = {}
+        for name, module in model.named_modules():
+            for parameter in module.parameters(recurse=False):
+                owners.setdefault(parameter, []).append(name)
+        layers = [
+            (name, module)
             for name, module in model.named_modules()
             if isinstance(module, COSTED) and module not in ignored
+        ]
+        # a weight tied to another module's (an output layer's to the embedding) would be
+        # masked in one of its uses and exported zero in both: left whole
+        tied = {
+            name: [other for other in owners[module.weight] if other != name]
+            for name, module in layers
+            if len(owners[module.weight]) > 1
+        }
+        if tied:
+            warnings.warn(
+                f"the weights of {list(tied)} are tied to other modules' (layer: those "
+                f"modules, {tied}): a mask would reach one use of them, so they are left "
+                "whole",
+                UserWarning,
+                stacklevel=3,
+            )
+        return [
+            LayerWeights(name, module, module.weight.numel())
+            for name, module in layers
+            if name not in tied
         ]
 
     def _attach_mask(self, index: int, group) -> None:
@@ -558,6 +583,7 @@ class DTPPruner(ChannelPruner):
                     mask = mask.to(weight.device, weight.dtype)
                     shaped = nm_rules.to_weight(mask, weight) if self.nm else mask.view_as(weight)
                     weight.mul_(shaped)
+            linear_to_conv1d(pruned)  # GPT-2's layers in its own layout again (conv1d.py)
         self._check_export(pruned)
         return pruned
 

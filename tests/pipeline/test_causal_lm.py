@@ -172,6 +172,35 @@ def test_layers_of_different_sizes_are_saved_as_a_module_with_the_tokenizer(tmp_
     assert saved("def return")["input_ids"] == tokenizer("def return")["input_ids"]
 
 
+def save_gpt2(where: Path, vocab: int = 256) -> Path:
+    """A tiny GPT-2 (transformers' Conv1D layers; 4 heads, MLP 64) saved with
+    save_pretrained."""
+    config = transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_inner=64)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(where)
+    return where
+
+
+def test_prune_command_prunes_gpt2_and_saves_it_in_its_own_layout(tmp_path):
+    """GPT-2's Conv1D layers are taken as nn.Linear to prune and put back at export:
+    with its MLPs pruned the run saves it with save_pretrained and GPT2LMHeadModel loads
+    it at the kept width; with its heads too (a head size its config cannot describe)
+    it goes to pruned.pt, Conv1D layers and all."""
+    from dtp_kernels import load_pruned
+
+    model_dir, text = save_gpt2(tmp_path / "gpt2"), write_text(tmp_path / "text")
+    summary = run(lm_recipe(model_dir, text, "prune.ratios={mlp: 0.5}"), tmp_path / "mlp")
+    assert summary["saved"] == "pruned"
+    pruned = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "mlp" / "pruned")
+    assert pruned.config.n_inner == 32 and pruned.transformer.h[0].mlp.c_fc.nf == 32
+    assert sum(p.numel() for p in pruned.parameters()) == summary["params"]
+    summary = run(lm_recipe(model_dir, text), tmp_path / "both")
+    assert summary["saved"] == "pruned.pt"
+    pruned = load_pruned(tmp_path / "both" / "pruned.pt", trusted=True)
+    attention = pruned.transformer.h[0].attn
+    assert type(attention.c_attn).__name__ == "Conv1D" and attention.num_heads == 2
+
+
 @pytest.mark.slow
 def test_a_compiled_dtp_stage_of_a_causal_lm_matches_eager_without_graph_breaks(tmp_path):
     """run.compile on a transformers Llama: the DTP stage's step compiles whole (the

@@ -215,6 +215,38 @@ def test_chunks_and_strides_give_the_same_bits(name, fused):
     assert torch.equal(param.detach(), whole)
 
 
+@torch._dynamo.config.patch(recompile_limit=1)
+def test_one_run_mixing_dtypes_and_layouts_compiles_once_per_mix_past_torchs_limit():
+    """One fused function updates every weight of a run: each mix of weight and momentum
+    buffer dtypes (or no buffer) compiles it once, and a model's layers of every rank and memory
+    format (their gradients and state laid out as they are) share that compilation;
+    past torch's limit of compilations per function (set to 1 here, 8 by default) it
+    still compiles, to the eager update's bits."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    before, mixes = counters["stats"]["unique_graphs"], set()
+    for dtype in (torch.bfloat16, torch.float16):
+        for state_dtype in (None, torch.float32):
+            for momentum in (0.0, 0.9):  # no momentum: no buffer, whatever its dtype
+                mixes.add((dtype, momentum and (state_dtype or dtype)))
+                settings = {"lr": 0.05, "momentum": momentum, "state_dtype": state_dtype}
+                for shape in [(40,), (6, 5, 3, 3), (7, 3)]:
+                    weight = torch.randn(shape).to(dtype)
+                    if len(shape) == 4:
+                        weight = weight.contiguous(memory_format=torch.channels_last)
+                    got = []
+                    for fused in (True, False):
+                        param = torch.nn.Parameter(weight.clone())
+                        optimizer = CompensatedSGD([param], **settings, fused=fused)
+                        for grad in gradients(shape, 2, seed=8):
+                            param.grad = torch.empty_like(param).copy_(grad)  # its layout
+                            optimizer.step()
+                        got.append(param.detach())
+                    assert torch.equal(*got)
+    assert counters["stats"]["unique_graphs"] - before == len(mixes) == 6
+
+
 @pytest.mark.parametrize("state_dtype", [None, torch.float32], ids=["bf16-state", "fp32-state"])
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_a_state_dict_round_trip_continues_bitwise(name, state_dtype):

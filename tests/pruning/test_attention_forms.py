@@ -453,6 +453,8 @@ def test_gpt2_conv1d_layers_are_refused_until_converted_to_equal_linear_layers()
 
 
 def test_gpt2_heads_and_mlp_export_equal_to_the_hard_masked_model_and_generate():
+    """Converted to nn.Linear to prune, GPT-2 exports with its Conv1D layers back (cut),
+    equal to the hard-masked model, and generates."""
     from dtp_kernels import conv1d_to_linear
 
     torch.manual_seed(0)
@@ -469,12 +471,33 @@ def test_gpt2_heads_and_mlp_export_equal_to_the_hard_masked_model_and_generate()
     for block in exported.transformer.h:
         attention = block.attn
         assert (attention.num_heads, attention.split_size) == (2, 16)
-        assert attention.c_attn.out_features == 48 and attention.c_proj.in_features == 16
-        assert block.mlp.c_fc.out_features == block.mlp.c_proj.in_features == 32
+        assert attention.c_attn.nf == 48 and attention.c_proj.nx == 16  # Conv1D again
+        assert block.mlp.c_fc.nf == block.mlp.c_proj.nx == 32
+    assert not any(type(m) is torch.nn.Linear for m in exported.transformer.modules())
+    assert type(model.transformer.h[0].attn.c_attn) is torch.nn.Linear  # the model stays
     params, _ = pruner.predicted_counts()
     assert params == sum(p.numel() for p in exported.parameters())
     generated = exported.generate(ids[:1], max_new_tokens=4, do_sample=False)
     assert generated.shape == (1, ids.shape[1] + 4)
+
+
+def test_gpt2_weights_pruned_one_by_one_export_in_its_own_layout():
+    """Under granularity='weight' the export is a copy with the pruned weights zero,
+    with GPT-2's Conv1D layers back too (the zeros transposed with them). Its output
+    layer's weight is the embedding's: a mask would reach one of its two uses, so it is
+    left whole, with a warning naming it."""
+    from dtp_kernels import conv1d_to_linear
+
+    torch.manual_seed(0)
+    model, ids = conv1d_to_linear(gpt2()), tokens()
+    with pytest.warns(UserWarning, match=r"\['lm_head'\] are tied to .*'transformer.wte'"):
+        pruner = DTPPruner(model, (ids,), 0.5, granularity="weight")
+    assert "lm_head" not in [g.name for g in pruner.groups]
+    exported = pruner.export()  # checked equal to the hard-masked model
+    layer, linear = exported.transformer.h[0].mlp.c_fc, model.transformer.h[0].mlp.c_fc
+    assert type(layer).__name__ == "Conv1D"
+    mask = pruner.hard_masks()[[g.name for g in pruner.groups].index("transformer.h.0.mlp.c_fc")]
+    assert torch.equal(layer.weight != 0, mask.view_as(linear.weight).t().bool())
 
 
 class _CrossAttending(torch.nn.Module):
@@ -503,7 +526,7 @@ def test_gpt2_cross_attention_heads_export_equal_to_the_hard_masked_model():
         pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
     exported = export_checked(pruner, model, inputs)
     cross = exported.gpt2.transformer.h[0].crossattention
-    assert (cross.q_attn.out_features, cross.c_attn.out_features, cross.split_size) == (16, 32, 16)
+    assert (cross.q_attn.nf, cross.c_attn.nf, cross.split_size) == (16, 32, 16)
 
 
 def falcon(**form):  # multi-query attention unless `form` says otherwise
@@ -799,31 +822,31 @@ def test_a_table_all_layers_share_refuses_the_heads_by_name():
     assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
 
 
-def test_mlp_width_under_each_family_config_field_round_trips(tmp_path):
-    """OPT names its MLP width ffn_dim: pruning the MLPs alone writes it, and
+@pytest.mark.parametrize("family, field", [("opt", "ffn_dim"), ("gpt2", "n_inner")])
+def test_mlp_width_under_each_family_config_field_round_trips(family, field, tmp_path):
+    """OPT names its MLP width ffn_dim, GPT-2 n_inner (pruned as nn.Linear layers,
+    exported with its Conv1D layers back): pruning the MLPs alone writes it, and
     from_pretrained rebuilds the exported model, without a warning."""
+    from dtp_kernels import conv1d_to_linear
+
     torch.manual_seed(0)
-    model, inputs = opt()
+    model, inputs = opt() if family == "opt" else (conv1d_to_linear(gpt2()), (tokens(),))
     pruner = DTPPruner(model, inputs, {"mlp": 0.5})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         exported = export_checked(pruner, model, inputs)
-    assert exported.config.ffn_dim == 32
+    assert getattr(exported.config, field) == 32
     exported.save_pretrained(tmp_path)
-    loaded = transformers.OPTForCausalLM.from_pretrained(tmp_path).eval()
+    loaded = type(exported).from_pretrained(tmp_path).eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(*inputs).logits, exported(*inputs).logits)
 
 
-@pytest.mark.parametrize("family", ["bart", "gpt2"])
-def test_a_config_that_cannot_rebuild_the_export_warns_even_with_nothing_to_write(family):
-    """BART's MLP widths are two fields (encoder, decoder), and a GPT-2 made of
-    nn.Linear layers is not what GPT2LMHeadModel builds: save_pretrained would write what
-    from_pretrained cannot load, so export says so."""
-    from dtp_kernels import conv1d_to_linear
-
+def test_a_config_that_cannot_rebuild_the_export_warns_even_with_nothing_to_write():
+    """BART's MLP widths are two fields (encoder, decoder): save_pretrained would write
+    what from_pretrained cannot load, so export says so."""
     torch.manual_seed(0)
-    model, inputs = bart() if family == "bart" else (conv1d_to_linear(gpt2()), (tokens(),))
+    model, inputs = bart()
     pruner = DTPPruner(model, inputs, {"mlp": 0.5})
     with pytest.warns(UserWarning, match=r"config cannot describe its sizes"):
         pruner.export()
