@@ -1,5 +1,5 @@
-"""RMS normalizations over all the heads of an attention layer (OLMo 2's, OLMo 3's,
-OLMoE's and MiniMax-M2's ``q_norm`` and ``k_norm``), kept exact when heads go.
+"""RMS normalizations over all the heads of an attention layer (the ``q_norm`` and
+``k_norm`` of OLMo 2, OLMo 3, OLMoE, FlexOlmo and MiniMax-M2), kept exact when heads go.
 
 Such a norm computes every query from the mean square of all heads' queries, so a head
 masked only at the output projection would still count in it. Its projection's rows are
