@@ -84,7 +84,9 @@ def linear_to_conv1d(model: nn.Module) -> nn.Module:
     `model` holds an ``nn.Linear`` (of any size: pruned or not) at a place its class
     builds a Conv1D (found by building the class from its config on the meta device),
     each computing what it did; return `model`. The inverse of :func:`conv1d_to_linear`:
-    the model then has the layout ``save_pretrained`` and ``from_pretrained`` expect."""
+    the model then has the layout ``save_pretrained`` and ``from_pretrained`` expect. A
+    Linear used at several places becomes one Conv1D."""
+    made: dict[nn.Linear, nn.Module] = {}
     for sub in [m for m in model.modules() if _builds_conv1d(m)]:
         try:
             with torch.device("meta"):
@@ -93,7 +95,10 @@ def linear_to_conv1d(model: nn.Module) -> nn.Module:
             continue
         layers = dict(sub.named_modules())
         for name, built in fresh.named_modules():
-            if is_conv1d(built) and type(layers.get(name)) is nn.Linear:
+            linear = layers.get(name)
+            if is_conv1d(built) and type(linear) is nn.Linear:
+                if linear not in made:
+                    made[linear] = _as_conv1d(linear)
                 parent, _, attribute = name.rpartition(".")
-                setattr(sub.get_submodule(parent), attribute, _as_conv1d(layers[name]))
+                setattr(sub.get_submodule(parent), attribute, made[linear])
     return model

@@ -481,6 +481,26 @@ def test_gpt2_heads_and_mlp_export_equal_to_the_hard_masked_model_and_generate()
     assert generated.shape == (1, ids.shape[1] + 4)
 
 
+def test_linear_layers_go_back_to_the_conv1d_layers_gpt2_builds():
+    """linear_to_conv1d undoes conv1d_to_linear: the same outputs, Conv1D where GPT-2
+    builds one (a Linear shared by two places: one Conv1D), other Linear layers left."""
+    from dtp_kernels import conv1d_to_linear
+    from dtp_kernels.pruning.conv1d import linear_to_conv1d
+
+    torch.manual_seed(0)
+    model, ids = conv1d_to_linear(gpt2()).eval(), tokens()
+    blocks = model.transformer.h
+    blocks[1].mlp.c_fc = blocks[0].mlp.c_fc
+    with torch.no_grad():
+        want = model(ids).logits
+        assert linear_to_conv1d(model) is model
+        got = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert type(blocks[0].attn.c_attn).__name__ == "Conv1D"
+    assert blocks[1].mlp.c_fc is blocks[0].mlp.c_fc
+    assert type(model.lm_head) is torch.nn.Linear  # GPT-2 builds it as a Linear
+
+
 def test_gpt2_weights_pruned_one_by_one_export_in_its_own_layout():
     """Under granularity='weight' the export is a copy with the pruned weights zero,
     with GPT-2's Conv1D layers back too (the zeros transposed with them). Its output
