@@ -1,7 +1,8 @@
 """`dtp prune` on a Hugging Face causal language model (data.name text, model.source
-huggingface): a tiny Llama saved here with save_pretrained, text written here, nothing
-downloaded. The pruned model is saved with save_pretrained, loads with from_pretrained
-at the exact kept counts, and the summary's perplexity is that model's."""
+huggingface): a tiny Llama (and GPT-2, OLMo 2, Mamba-2, Mixtral) saved here with
+save_pretrained, text written here, nothing downloaded. The pruned model is saved with
+save_pretrained, loads with from_pretrained at the exact kept counts, and the summary's
+perplexity is that model's."""
 
 from __future__ import annotations
 
@@ -199,6 +200,58 @@ def test_prune_command_prunes_gpt2_and_saves_it_in_its_own_layout(tmp_path):
     pruned = load_pruned(tmp_path / "both" / "pruned.pt", trusted=True)
     attention = pruned.transformer.h[0].attn
     assert type(attention.c_attn).__name__ == "Conv1D" and attention.num_heads == 2
+
+
+def save_olmo2(where: Path, vocab: int = 256) -> Path:
+    """A tiny OLMo 2 (q_norm and k_norm over all heads; 4 heads, 2 key/value heads)."""
+    config = transformers.Olmo2Config(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+    )
+    torch.manual_seed(0)
+    transformers.Olmo2ForCausalLM(config).save_pretrained(where)
+    return where
+
+
+def save_mamba2(where: Path, vocab: int = 256) -> Path:
+    """A tiny Mamba-2 (2 mixers of 8 heads in 2 groups)."""
+    from utils import tiny_mamba2
+
+    model = tiny_mamba2()
+    model.resize_token_embeddings(vocab, mean_resizing=False)
+    model.save_pretrained(where)
+    return where
+
+
+@pytest.mark.parametrize(
+    "save, ratios, saved",
+    [(save_olmo2, [], "pruned"), (save_mamba2, ["prune.ratios={mamba: 0.5}"], "pruned.pt")],
+    ids=["olmo2", "mamba2"],
+)
+def test_prune_command_prunes_norms_over_all_heads_and_mamba2_mixers(save, ratios, saved, tmp_path):
+    """OLMo 2's heads with their norms over all heads (its config describes the export:
+    save_pretrained) and Mamba-2 mixers' heads (each norm's epsilon its own: pruned.pt)
+    prune end to end; the saved model computes the summary's perplexity."""
+    from dtp_kernels import load_pruned
+
+    model_dir, text = save(tmp_path / "model"), write_text(tmp_path / "text")
+    summary = run(lm_recipe(model_dir, text, *ratios), tmp_path / "run")
+    assert summary["saved"] == saved
+    assert all(g["k"] == g["n"] // 2 for g in summary["groups"])
+    if saved == "pruned":
+        pruned = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / saved)
+    else:
+        pruned = load_pruned(tmp_path / "run" / saved, trusted=True)
+    inputs, targets = blocks(text / "val.txt")
+    with torch.no_grad():
+        logits = pruned.eval()(inputs).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    assert summary["perplexity"] == pytest.approx(math.exp(float(loss)), rel=1e-4)
+    assert summary["perplexity"] < summary["dense_perplexity"]
 
 
 @pytest.mark.slow
