@@ -220,6 +220,16 @@ def final_state(out: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def causal_lm(family: str, sizes: dict, seed: int = 0) -> torch.nn.Module:
+    """transformers' `{family}ForCausalLM` built from a `{family}Config` of `sizes`
+    (save_pruned's builder entry point "utils:causal_lm")."""
+    import transformers
+
+    config = getattr(transformers, f"{family}Config")(**sizes)
+    torch.manual_seed(seed)
+    return getattr(transformers, f"{family}ForCausalLM")(config)
+
+
 def tiny_mamba2(groups: int = 2) -> torch.nn.Module:
     """A Mamba-2 language model of two mixers of 8 heads of 8 channels in `groups` groups
     (hidden 32, expand 2), its norm weights and conv biases drawn away from 1 and 0

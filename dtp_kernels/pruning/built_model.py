@@ -78,6 +78,29 @@ def changed_attributes(dense: nn.Module, pruned: nn.Module, path) -> dict[str, d
     }
 
 
+def _check_unsaved_buffers(dense: nn.Module, pruned: nn.Module, path) -> None:
+    """ValueError when export changed the shape of a buffer the file does not hold (not
+    in the state dict: Falcon-H1's `mup_vector`): the loaded model would have the dense
+    one, of the wrong size."""
+    built = dict(dense.named_modules())
+    changed = [
+        f"{name}.{key}".lstrip(".")
+        for name, module in pruned.named_modules()
+        for key in module._non_persistent_buffers_set
+        if name in built
+        and isinstance(getattr(module, key, None), torch.Tensor)
+        and isinstance(getattr(built[name], key, None), torch.Tensor)
+        and getattr(module, key).shape != getattr(built[name], key).shape
+    ]
+    if changed:
+        raise ValueError(
+            f"{path}: the pruned model's buffers {changed[:3]} changed shape and are not "
+            "saved in its state dict, so a model loaded from its builder would have the "
+            "dense ones; save it without a builder (the pickled module, loaded with "
+            "trusted=True)"
+        )
+
+
 def save_built(
     path: str | Path, model: nn.Module, builder: str, kwargs: dict, metadata: dict, header: dict
 ) -> None:
@@ -85,6 +108,7 @@ def save_built(
     from safetensors.torch import save_model
 
     dense = build(builder, kwargs)
+    _check_unsaved_buffers(dense, model, path)
     fields = {
         **header,
         "version": VERSION,

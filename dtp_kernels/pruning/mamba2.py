@@ -20,8 +20,10 @@ pass through the activation). Every group keeps the same number of heads (one ep
 per norm): the heads are G transport segments of H / G, each keeping k / G, under budget
 "layer" (a count that does not split over the groups is refused by name). The epsilon is
 the mixer's own, so the model's config cannot describe the exported mixers: save them
-with ``save_pruned``. A mixer is recognised by its attributes and shapes and kept only
-when proven on its example input (proof.py), a head drawn in each group alike.
+with ``save_pruned``. Falcon-H1's mixer is this form with its norm optional (nothing to
+rescale without it) and a buffer of muP multipliers per in_proj output (``mup_vector``),
+cut with in_proj's rows. A mixer is recognised by its attributes and shapes and kept
+only when proven on its example input (proof.py), a head drawn in each group alike.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class Mamba2Form:
     head_dim: int
     groups: int
     state: int
+    normed: bool = True  # a gated RMS norm over each group's channels (Falcon-H1's optional)
 
     @property
     def inner(self) -> int:  # I: z's, x's and the norm's channels
@@ -63,30 +66,48 @@ def mamba2_form(mixer: nn.Module) -> Mamba2Form | None:
     state = getattr(mixer, "ssm_state_size", None)
     if not all(isinstance(x, int) and x > 0 for x in (*sizes, state)):
         return None
-    form = Mamba2Form(*sizes, state)
-    in_proj, conv, out_proj = (getattr(mixer, n, None) for n in ("in_proj", "conv1d", "out_proj"))
     norm = getattr(mixer, "norm", None)
+    form = Mamba2Form(*sizes, state, normed=not isinstance(norm, nn.Identity))
+    in_proj, conv, out_proj = (getattr(mixer, n, None) for n in ("in_proj", "conv1d", "out_proj"))
     tables = [getattr(mixer, n, None) for n in ("A_log", "D", "dt_bias")]
     if not (
         isinstance(in_proj, nn.Linear)
         and isinstance(out_proj, nn.Linear)
         and isinstance(conv, nn.Conv1d)
-        and isinstance(getattr(norm, "weight", None), torch.Tensor)
         and all(isinstance(t, nn.Parameter) and tuple(t.shape) == (form.heads,) for t in tables)
-    ):
-        return None
-    if not (
-        form.heads % form.groups == 0
+        and form.heads % form.groups == 0
         and getattr(mixer, "intermediate_size", None) == form.inner
         and conv.groups == conv.in_channels == conv.out_channels == form.conv_dim
         and in_proj.out_features == form.inner + form.conv_dim + form.heads
         and out_proj.in_features == form.inner
-        and tuple(norm.weight.shape) == (form.inner,)
-        and getattr(norm, "group_size", None) == form.inner // form.groups
-        and isinstance(getattr(norm, "variance_epsilon", None), float)
+        and (not form.normed or _group_norm(norm, form))
     ):
         return None
     return form
+
+
+def _group_norm(norm: nn.Module, form: Mamba2Form) -> bool:
+    """Whether `norm` is an RMS norm of the form's channels in its groups: their size in
+    `group_size` (Mamba2's) or their count in `n_groups` (Falcon-H1's)."""
+    weight = getattr(norm, "weight", None)
+    return (
+        isinstance(weight, torch.Tensor)
+        and tuple(weight.shape) == (form.inner,)
+        and (
+            getattr(norm, "group_size", None) == form.inner // form.groups
+            or getattr(norm, "n_groups", None) == form.groups
+        )
+        and isinstance(getattr(norm, "variance_epsilon", None), float)
+    )
+
+
+def in_proj_tables(mixer: nn.Module) -> list[str]:
+    """The mixer's own buffers with an entry per in_proj output along their last
+    dimension, cut with its rows (Falcon-H1's muP multipliers, `mup_vector`). (A
+    parameter of that width is not cut: the proof then fails and the mixer stays whole.)"""
+    width = mixer.in_proj.out_features
+    own = mixer.named_buffers(recurse=False)
+    return [name for name, t in own if t is not None and t.dim() and t.shape[-1] == width]
 
 
 @dataclass(eq=False)
@@ -111,7 +132,7 @@ class Mamba2Group(ChannelGroup):
     @property
     def cut_norms(self) -> list[tuple[nn.Module, int]]:
         """The norm over the heads' channels, cut with them: (norm, channels per head)."""
-        return [(self.mixer.norm, self.form.head_dim)]
+        return [(self.mixer.norm, self.form.head_dim)] if self.form.normed else []
 
     @property
     def tables(self) -> list[tuple[nn.Module, str, int]]:
@@ -142,6 +163,7 @@ def head_channels(form: Mamba2Form, heads: torch.Tensor) -> torch.Tensor:
 def cut_heads(mixer: nn.Module, form: Mamba2Form, keep: torch.Tensor) -> None:
     """Remove the heads not in `keep` (sorted; as many in each group) from a Mamba-2
     mixer, rescaling its norm (see the module docstring)."""
+    multipliers = in_proj_tables(mixer)  # found while in_proj has all its rows
     keep = keep.cpu()
     channels = head_channels(form, keep)
     inner, shared = form.inner, torch.arange(form.inner, form.conv_dim)  # B and C stay
@@ -158,13 +180,18 @@ def cut_heads(mixer: nn.Module, form: Mamba2Form, keep: torch.Tensor) -> None:
     conv.in_channels = conv.out_channels = conv.groups = len(conv_rows)
     out_proj.weight = kept_rows(out_proj.weight, channels, dim=1)
     out_proj.in_features = len(channels)
+    for name in multipliers:
+        table = getattr(mixer, name)
+        setattr(mixer, name, table.index_select(-1, in_rows.to(table.device)))
     for name in ("A_log", "D", "dt_bias"):
         setattr(mixer, name, kept_rows(getattr(mixer, name), keep))
-    ratio = form.heads / len(keep)  # N / K in every group
-    weight = norm.weight.detach()[channels.to(norm.weight.device)]
-    norm.weight = nn.Parameter((weight.float() * math.sqrt(ratio)).to(weight.dtype))
-    norm.variance_epsilon *= ratio
-    norm.group_size = len(channels) // form.groups
+    if form.normed:
+        ratio = form.heads / len(keep)  # N / K in every group
+        weight = norm.weight.detach()[channels.to(norm.weight.device)]
+        norm.weight = nn.Parameter((weight.float() * math.sqrt(ratio)).to(weight.dtype))
+        norm.variance_epsilon *= ratio
+        if isinstance(getattr(norm, "group_size", None), int):
+            norm.group_size = len(channels) // form.groups
     mixer.num_heads, mixer.intermediate_size = len(keep), len(channels)
     if isinstance(getattr(mixer, "conv_dim", None), int):
         mixer.conv_dim = len(conv_rows)

@@ -14,7 +14,7 @@ from torch import nn
 from dtp_kernels.pruning import DTPPruner, load_pruned, save_pruned
 from dtp_kernels.pruning.mamba2 import Mamba2Group, mamba2_form
 from utils import LLAMA_VOCAB as VOCAB
-from utils import bf16_step_and_export, hard_masked_and_exported, randomised
+from utils import bf16_step_and_export, causal_lm, hard_masked_and_exported, randomised
 from utils import tiny_mamba2 as mamba2
 
 transformers = pytest.importorskip("transformers")
@@ -84,10 +84,23 @@ HYBRIDS = {
 }
 
 
+def falcon_h1(rms_norm: bool) -> dict:
+    """Falcon-H1: per-projection-row muP multipliers (a buffer), its norm optional."""
+    sizes = dict(num_hidden_layers=2, head_dim=8, mamba_d_ssm=64, mamba_chunk_size=8)
+    return dict(mamba_rms_norm=rms_norm, **sizes, **HYBRID, **ATTENTION)
+
+
+HYBRIDS |= {
+    f"FalconH1{'-norm' if norm else ''}": (
+        falcon_h1(norm),
+        {"Mamba2Group": 2, "HeadGroup": 2, "ChannelGroup": 2},
+    )
+    for norm in (False, True)
+}
+
+
 def hybrid(family: str) -> nn.Module:
-    config = getattr(transformers, f"{family}Config")(**SIZES, **HYBRIDS[family][0])
-    torch.manual_seed(0)
-    return getattr(transformers, f"{family}ForCausalLM")(config)
+    return causal_lm(family.partition("-")[0], {**SIZES, **HYBRIDS[family][0]})
 
 
 @pytest.mark.parametrize("groups", [1, 2])
@@ -176,6 +189,20 @@ def test_hybrids_on_the_mamba2_mixer_prune_with_a_float(family):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     params, _ = pruner.predicted_counts()
     assert params == sum(p.numel() for p in exported.parameters())
+
+
+def test_falcon_h1s_multipliers_are_cut_and_a_builder_file_is_refused(tmp_path):
+    """Falcon-H1 scales in_proj's outputs by a buffer (muP multipliers) that its state
+    dict leaves out: export cuts it with the rows, and save_pruned with a builder, whose
+    file would load the dense one, is refused naming it."""
+    model, ids = hybrid("FalconH1"), tokens()
+    exported = randomised(DTPPruner(model, (ids,), 0.5)).export()
+    mixer = exported.model.layers[0].mamba
+    assert mixer.mup_vector.shape[-1] == mixer.in_proj.out_features == 32 + 32 + 32 + 4
+    kwargs = {"family": "FalconH1", "sizes": {**SIZES, **HYBRIDS["FalconH1"][0]}}
+    with pytest.raises(ValueError, match=r"buffers \['model.layers.0.mamba.mup_vector'"):
+        save_pruned(tmp_path / "f", exported, builder="utils:causal_lm", builder_kwargs=kwargs)
+    assert not (tmp_path / "f").exists()
 
 
 def test_counts_the_groups_of_heads_cannot_keep_alike_are_refused_by_name():
