@@ -17,7 +17,8 @@ kept, its mean square over the kept ones is the sum over K / N, so export cuts i
 kept channels, scales its weight by sqrt(N / K) and its epsilon by N / K, which computes
 exactly what it computed (no weight of the mixer scales its input linearly: x, B and C
 pass through the activation). Every group keeps the same number of heads (one epsilon
-per norm): the heads are G transport segments of H / G, each keeping k / G, under budget
+per norm, and the scan gives head h the group h // (H / G), by position): the heads are
+G transport segments of H / G, each keeping k / G, under budget
 "layer" (a count that does not split over the groups is refused by name). The epsilon is
 the mixer's own, so the model's config cannot describe the exported mixers: save them
 with ``save_pruned``. Falcon-H1's mixer is this form with its norm optional (nothing to
