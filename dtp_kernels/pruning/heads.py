@@ -61,6 +61,7 @@ import torch
 from torch import nn
 
 from .cost import run_hooked
+from .cuts import cut_linear
 from .groups import is_norm
 from .head_norms import RescaledNorm, cut_norm, fed_norms, norms_over_all_heads, rescales_exactly
 from .proof import cuts_exactly, dropped, example_calls
@@ -835,20 +836,6 @@ def _per_head_tables(
     return tables, ""
 
 
-def _keep_rows(layer: nn.Linear, rows: torch.Tensor) -> None:
-    rows = rows.to(layer.weight.device)
-    layer.weight = nn.Parameter(layer.weight.detach()[rows].clone())
-    if layer.bias is not None:
-        layer.bias = nn.Parameter(layer.bias.detach()[rows].clone())
-    layer.out_features = len(rows)
-
-
-def _keep_columns(layer: nn.Linear, columns: torch.Tensor) -> None:
-    columns = columns.to(layer.weight.device)
-    layer.weight = nn.Parameter(layer.weight.detach()[:, columns].clone())
-    layer.in_features = len(columns)
-
-
 def prune_heads(
     group: HeadGroup, copy: dict[str, nn.Module], names: dict[nn.Module, str], mask: torch.Tensor
 ) -> None:
@@ -868,12 +855,12 @@ def prune_heads(
         parent, _, attr = names[group.module].rpartition(".")
         source = copy[names[group.module]]
         rows = group.rows[0].kept(group.units, kept)
-        _keep_columns(source.out_proj, group.out.kept(group.units, kept))
+        cut_linear(source.out_proj, group.out.kept(group.units, kept), dim=1)
         setattr(copy[parent], attr, PrunedMultiheadAttention(source, rows))
         return
     for projection in group.rows:
-        _keep_rows(copy[names[projection.layer]], projection.kept(group.units, kept))
-    _keep_columns(copy[names[group.out.layer]], group.out.kept(group.units, kept))
+        cut_linear(copy[names[projection.layer]], projection.kept(group.units, kept))
+    cut_linear(copy[names[group.out.layer]], group.out.kept(group.units, kept), dim=1)
     for rescaled in group.rescaled:  # their rows are cut: the norms follow, rescaled
         rows = Projection(rescaled.rows, 1, rescaled.per_unit).kept(group.units, kept)
         cut_norm(copy[names[rescaled.norm]], copy[names[rescaled.rows]], rows)

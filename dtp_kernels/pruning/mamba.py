@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .cuts import cut_depthwise, cut_linear, kept_rows
 from .groups import ChannelGroup
 from .proof import cuts_exactly, dropped, example_calls
 
@@ -87,35 +88,15 @@ def _zero(mixer: nn.Module, keep: torch.Tensor) -> None:
         conv.bias[drop] = 0
 
 
-def kept_rows(tensor: torch.Tensor, keep: torch.Tensor, dim: int = 0) -> nn.Parameter:
-    """A new parameter of `tensor`'s entries `keep` along `dim`."""
-    kept = tensor.detach().index_select(dim, keep.to(tensor.device)).clone()
-    return nn.Parameter(kept, requires_grad=tensor.requires_grad)
-
-
 def cut_channels(mixer: nn.Module, keep: torch.Tensor) -> None:
     """Remove the inner channels not in `keep` (sorted indices) from a Mamba mixer."""
     width = mixer.conv1d.out_channels
     keep = keep.cpu()
-    in_proj, conv = mixer.in_proj, mixer.conv1d
-    both = torch.cat([keep, keep + width])  # channel j's input row and its gate row
-    in_proj.weight = kept_rows(in_proj.weight, both)
-    if in_proj.bias is not None:
-        in_proj.bias = kept_rows(in_proj.bias, both)
-    in_proj.out_features = len(both)
-    conv.weight = kept_rows(conv.weight, keep)
-    if conv.bias is not None:
-        conv.bias = kept_rows(conv.bias, keep)
-    conv.in_channels = conv.out_channels = conv.groups = len(keep)
-    mixer.x_proj.weight = kept_rows(mixer.x_proj.weight, keep, dim=1)
-    mixer.x_proj.in_features = len(keep)
-    dt_proj = mixer.dt_proj
-    dt_proj.weight = kept_rows(dt_proj.weight, keep)
-    if dt_proj.bias is not None:
-        dt_proj.bias = kept_rows(dt_proj.bias, keep)
-    dt_proj.out_features = len(keep)
-    mixer.out_proj.weight = kept_rows(mixer.out_proj.weight, keep, dim=1)
-    mixer.out_proj.in_features = len(keep)
+    cut_linear(mixer.in_proj, torch.cat([keep, keep + width]))  # input and gate rows
+    cut_depthwise(mixer.conv1d, keep)
+    cut_linear(mixer.x_proj, keep, dim=1)
+    cut_linear(mixer.dt_proj, keep)
+    cut_linear(mixer.out_proj, keep, dim=1)
     mixer.A_log = kept_rows(mixer.A_log, keep)
     mixer.D = kept_rows(mixer.D, keep)
     if getattr(mixer, "intermediate_size", None) == width:

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .cuts import cut_depthwise, cut_linear, kept_rows
 from .groups import ChannelGroup
-from .mamba import kept_rows
 from .proof import cuts_exactly, example_calls
 from .ratios import kept_count
 
@@ -170,17 +170,10 @@ def cut_heads(mixer: nn.Module, form: Mamba2Form, keep: torch.Tensor) -> None:
     inner, shared = form.inner, torch.arange(form.inner, form.conv_dim)  # B and C stay
     conv_rows = torch.cat([channels, shared])
     in_rows = torch.cat([channels, inner + conv_rows, inner + form.conv_dim + keep])
-    in_proj, conv, out_proj, norm = mixer.in_proj, mixer.conv1d, mixer.out_proj, mixer.norm
-    in_proj.weight = kept_rows(in_proj.weight, in_rows)
-    if in_proj.bias is not None:
-        in_proj.bias = kept_rows(in_proj.bias, in_rows)
-    in_proj.out_features = len(in_rows)
-    conv.weight = kept_rows(conv.weight, conv_rows)
-    if conv.bias is not None:
-        conv.bias = kept_rows(conv.bias, conv_rows)
-    conv.in_channels = conv.out_channels = conv.groups = len(conv_rows)
-    out_proj.weight = kept_rows(out_proj.weight, channels, dim=1)
-    out_proj.in_features = len(channels)
+    cut_linear(mixer.in_proj, in_rows)
+    cut_depthwise(mixer.conv1d, conv_rows)
+    cut_linear(mixer.out_proj, channels, dim=1)
+    norm = mixer.norm
     for name in multipliers:
         table = getattr(mixer, name)
         setattr(mixer, name, table.index_select(-1, in_rows.to(table.device)))

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .cuts import cut_linear
 from .groups import ChannelGroup
 from .proof import cuts_exactly, dropped, example_calls
 
@@ -57,24 +58,6 @@ def _forms(module: nn.Module) -> list[Form]:
     return forms
 
 
-def _cut(layer: nn.Linear, keep: torch.Tensor, dim: int) -> None:
-    """Keep the rows (dim 0) or columns (dim 1) `keep` of `layer`, in place."""
-    with torch.no_grad():
-        layer.weight = nn.Parameter(
-            layer.weight.index_select(dim, keep.to(layer.weight.device)).clone(),
-            requires_grad=layer.weight.requires_grad,
-        )
-        if dim == 0 and layer.bias is not None:
-            layer.bias = nn.Parameter(
-                layer.bias.index_select(0, keep.to(layer.bias.device)).clone(),
-                requires_grad=layer.bias.requires_grad,
-            )
-    if dim == 0:
-        layer.out_features = len(keep)
-    else:
-        layer.in_features = len(keep)
-
-
 def cut_hidden(
     module: nn.Module, producers: Sequence[nn.Linear], consumer: nn.Linear, keep: torch.Tensor
 ) -> None:
@@ -83,8 +66,8 @@ def cut_hidden(
     old width (DeepSeek's and Llama's `intermediate_size`)."""
     width = consumer.in_features
     for layer in producers:
-        _cut(layer, keep, 0)
-    _cut(consumer, keep, 1)
+        cut_linear(layer, keep, 0)
+    cut_linear(consumer, keep, 1)
     for name in ("intermediate_size", "hidden_features", "ffn_dim"):
         if getattr(module, name, None) == width:
             setattr(module, name, len(keep))

@@ -1,0 +1,34 @@
+"""Cutting a layer to the units export keeps: the one place a linear layer or a depthwise
+convolution loses rows or columns (heads, MLPs found by form, Mamba and Mamba-2 mixers).
+Each cut makes new parameters, keeping whether they train."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def kept_rows(tensor: torch.Tensor, keep: torch.Tensor, dim: int = 0) -> nn.Parameter:
+    """A new parameter of `tensor`'s entries `keep` along `dim`."""
+    kept = tensor.detach().index_select(dim, keep.to(tensor.device)).clone()
+    return nn.Parameter(kept, requires_grad=tensor.requires_grad)
+
+
+def cut_linear(layer: nn.Linear, keep: torch.Tensor, dim: int = 0) -> None:
+    """Keep the rows (dim 0: outputs, with the bias) or columns (dim 1: inputs) `keep`
+    of `layer`, in place."""
+    layer.weight = kept_rows(layer.weight, keep, dim)
+    if dim == 0:
+        if layer.bias is not None:
+            layer.bias = kept_rows(layer.bias, keep)
+        layer.out_features = len(keep)
+    else:
+        layer.in_features = len(keep)
+
+
+def cut_depthwise(conv: nn.Conv1d, keep: torch.Tensor) -> None:
+    """Keep the channels `keep` of a depthwise convolution, in place."""
+    conv.weight = kept_rows(conv.weight, keep)
+    if conv.bias is not None:
+        conv.bias = kept_rows(conv.bias, keep)
+    conv.in_channels = conv.out_channels = conv.groups = len(keep)
