@@ -24,6 +24,7 @@ working copies stay small whatever the layer's size.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 
@@ -131,11 +132,7 @@ class _Fused:
             )
         if not self.eager:
             try:
-                # one function serves every weight: a compilation per layout of dtypes
-                # (weight, gradient, state) and momentum or none, more than the 8 torch
-                # allows a function by default in a run that mixes them
-                with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                    return self.compiled(*args)
+                return self.compiled(*args)
             except torch._dynamo.exc.BackendCompilerFailed as error:
                 cause = error.inner_exception
                 first = (str(cause).strip().splitlines() or [""])[0]
@@ -224,13 +221,22 @@ class _Compensated(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise ValueError(f"{type(self).__name__} does not take sparse gradients")
-                self._update(p, group)
+        # one fused function serves every weight: a compilation per mix of dtypes (weight,
+        # gradient, state) and momentum or none, more than the 8 torch allows a function
+        # by default in a run that mixes them (set once a step: 18 us a patch)
+        limit = (
+            torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)
+            if self.fused
+            else contextlib.nullcontext()
+        )
+        with limit:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    if p.grad.is_sparse:
+                        raise ValueError(f"{type(self).__name__} does not take sparse gradients")
+                    self._update(p, group)
         return loss
 
 
