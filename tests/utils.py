@@ -230,6 +230,33 @@ def causal_lm(family: str, sizes: dict, seed: int = 0) -> torch.nn.Module:
     return getattr(transformers, f"{family}ForCausalLM")(config)
 
 
+def tiny_t5(family: str = "T5", model: str | None = None, seed: int = 0, **sizes):
+    """transformers' `{model or family}ForConditionalGeneration` of 2 encoder and 2
+    decoder layers of 4 heads of 8 from a `{family}Config` (T5 v1.1's gated MLP unless
+    `sizes` says otherwise), with example inputs (input ids, no attention mask, decoder
+    input ids)."""
+    import transformers
+
+    options = dict(
+        feed_forward_proj="gated-gelu",
+        vocab_size=LLAMA_VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=2,
+    )
+    config = getattr(transformers, f"{family}Config")(**(options | sizes))
+    torch.manual_seed(seed)
+    built = getattr(transformers, f"{model or family}ForConditionalGeneration")(config)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, LLAMA_VOCAB, (2, 9), generator=generator)
+    return built, (ids, None, torch.randint(0, LLAMA_VOCAB, (2, 5), generator=generator))
+
+
 def tiny_mamba2(groups: int = 2) -> torch.nn.Module:
     """A Mamba-2 language model of two mixers of 8 heads of 8 channels in `groups` groups
     (hidden 32, expand 2), its norm weights and conv biases drawn away from 1 and 0

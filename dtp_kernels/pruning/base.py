@@ -38,6 +38,7 @@ from .hf_config import update_config
 from .mamba import MambaGroup, find_mamba_groups, prune_mamba
 from .mamba2 import Mamba2Group, check_mamba2_ratios, find_mamba2_groups
 from .mlps import FormMLPGroup, find_form_mlps, prune_form_mlp
+from .tied_heads import tie_chains
 from .whole_experts import (
     MaskedRouting,
     WholeExpertsGroup,
@@ -114,6 +115,23 @@ def _warn_idle_layers(model: nn.Module, layers: list, ignored: list) -> None:
             "conv1d) stays whole whatever the inputs",
             UserWarning,
             stacklevel=3,
+        )
+
+
+def _check_tied_names(ratios, groups: list) -> None:
+    """A ratios dict may not name a layer whose heads are tied to another's (T5's, whose
+    first layer of a stack computes the bias per head for the others: tied_heads.py):
+    ValueError naming the layer the ratio goes to."""
+    if not isinstance(ratios, Mapping):
+        return
+    first = {m.name: g.name for g in groups for m in getattr(g, "tied", ())[1:]}
+    named = {key: first[key] for key in ratios if key in first}
+    if named:
+        key, to = next(iter(named.items()))
+        raise ValueError(
+            f"ratios names {sorted(named)}: the heads of {key!r} are tied to those of "
+            f"{to!r}, which computes the bias per head its stack's layers add, so they "
+            f"are one group, named {to!r}: give the ratio to that name (or to 'heads')"
         )
 
 
@@ -198,6 +216,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             raise self._graph_error
         self._graph_error = None  # its traceback would hold the failed trace's frames
         kinds = {g.name: _kind(g) for g in all_groups}
+        _check_tied_names(ratios, all_groups)
         per_group = ratio_rules.resolve(
             ratios,
             [g.name for g in all_groups],
@@ -274,7 +293,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         """The prunable groups (filter pruning) in the model's module order: attention
         heads, the experts of mixture-of-experts blocks and channel groups (where
         Torch-Pruning's graph fails: MLP modules found by their form)."""
-        heads = find_head_groups(model, ignored, inputs)
+        heads = tie_chains(model, find_head_groups(model, ignored, inputs), inputs)
         experts = find_expert_groups(model, ignored)
         whole = find_whole_expert_groups(model, ignored, inputs)
         mixers = find_mamba_groups(model, ignored, inputs)

@@ -75,6 +75,34 @@ def fed_norms(
     return fed
 
 
+def input_norms(
+    model: nn.Module, inputs: tuple, candidates: dict[nn.Module, list[nn.Linear]]
+) -> set[nn.Module]:
+    """The norms of `candidates` (norm: its attention layer's query, key and value
+    projections) whose output one of those projections reads as its input, seen in one
+    eval forward of `model` on `inputs`: a norm of the layer's input (LongT5's norm of
+    its global tokens, of the model width), not over the heads."""
+    last: dict[nn.Module, torch.Tensor] = {}  # each norm's latest output
+    found: set[nn.Module] = set()
+
+    def produced(norm, _args, output):
+        last[norm] = output
+
+    def reads(layer, args):
+        found.update(
+            n
+            for n, options in candidates.items()
+            if layer in options and args and args[0] is last.get(n)
+        )
+
+    layers = {layer for options in candidates.values() for layer in options}
+    handles = [norm.register_forward_hook(produced) for norm in candidates]
+    handles += [layer.register_forward_pre_hook(reads) for layer in layers]
+    with torch.no_grad():
+        run_hooked(model, inputs, handles)
+    return found
+
+
 def cut_norm(norm: nn.Module, rows: nn.Linear, kept: torch.Tensor) -> None:
     """Keep the `kept` channels of `norm` and the rows of `rows` already cut to them (in
     place), scaled so that the norm computes on them what it computed on all its channels

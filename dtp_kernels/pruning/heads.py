@@ -36,9 +36,9 @@ does not follow the per-head reshapes):
 
 Some are found only to be refused by name when their heads are asked for: GPT-BigCode's
 multi-query attention (its code splits the fused projection at the model width), and
-layers handed a bias for all heads computed outside them (ALiBi; T5's relative position
-bias, which the first layer of a stack computes for the others), which would not lose
-the removed heads.
+layers handed a bias for all heads computed outside them (ALiBi), which would not lose
+the removed heads. T5's layers, handed the relative position bias the first layer of
+their stack computes, are one group with that layer (tied_heads.py).
 
 The unit is a key/value head together with the query heads that share it (grouped-query
 attention; one query head per unit without it); in multi-query attention, one key/value
@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
@@ -63,7 +64,14 @@ from torch import nn
 from .cost import run_hooked
 from .cuts import cut_linear
 from .groups import is_norm
-from .head_norms import RescaledNorm, cut_norm, fed_norms, norms_over_all_heads, rescales_exactly
+from .head_norms import (
+    RescaledNorm,
+    cut_norm,
+    fed_norms,
+    input_norms,
+    norms_over_all_heads,
+    rescales_exactly,
+)
 from .proof import cuts_exactly, dropped, example_calls
 
 
@@ -144,6 +152,12 @@ class HeadGroup:
     def cut_norms(self) -> list[tuple[nn.Module, int]]:
         """The norms cut with the units: (norm, channels per unit)."""
         return [(r.norm, r.per_unit) for r in self.rescaled]
+
+    @property
+    def members(self) -> list[HeadGroup]:
+        """The attention layers whose heads are these units: this one (a chain of layers
+        sharing one bias per head: tied_heads.py)."""
+        return [self]
 
     def add_rows(self, projection: Projection) -> None:
         """One more projection whose rows are the units' (an output gate)."""
@@ -592,6 +606,11 @@ def find_head_groups(
     outside = _biases_from_outside(model, inputs, [g for g in groups if not g.refusal])
     for group in groups:
         group.refusal = group.refusal or outside.get(group.module, "")
+    normed = [g for g in groups if g.norms and not g.refusal]
+    if normed and inputs:  # a norm of the layer's input is no norm over its heads
+        before = input_norms(model, inputs, {n: g.kept_out for g in normed for n in g.norms})
+        for group in normed:
+            group.norms = tuple(n for n in group.norms if n not in before)
     _rescale_norms(model, inputs, [g for g in groups if g.norms and not g.refusal])
     return groups
 
@@ -653,11 +672,13 @@ def prove_head_groups(model: nn.Module, groups: list[HeadGroup], inputs: tuple) 
     computes with their output columns zeroed as the hard mask zeroes them (proof.py):
     a head form the layer's code does not follow (a differential attention pairing its
     heads, a projection of the heads' width the forms do not know)."""
-    scopes = [(g, s) for g in groups if (s := _proof_scope(g, model)) is not None]
-    calls = example_calls(model, list({id(s): s for _, s in scopes}.values()), inputs)
-    for group, scope in scopes:
-        if scope not in calls:
-            continue  # never ran on the example: export's check still runs
+    scopes = [
+        (g, m, s) for g in groups for m in g.members if (s := _proof_scope(m, model)) is not None
+    ]
+    calls = example_calls(model, list({id(s): s for _, _, s in scopes}.values()), inputs)
+    for tied, group, scope in scopes:
+        if scope not in calls or tied.refusal:
+            continue  # never ran on the example (export's check still runs), or refused
         names = {m: n for n, m in scope.named_modules()}
 
         def zero(copy: nn.Module, keep: torch.Tensor, group=group, names=names) -> None:
@@ -677,8 +698,11 @@ def prove_head_groups(model: nn.Module, groups: list[HeadGroup], inputs: tuple) 
             mask[keep] = 1
             prune_heads(group, dict(copy.named_modules()), names, mask)
 
-        if not _proven(group, scope, calls[scope], zero, cut):
-            group.refusal = (
+        # a layer of a chain is handed the bias cut as the exported first layer hands it
+        cut_call = partial(tied.cut_call, group) if hasattr(tied, "cut_call") else None
+        if not _proven(group, scope, calls[scope], zero, cut, cut_call):
+            where = "" if group is tied else f"its tied layer {group.name!r}: "
+            tied.refusal = where + (
                 "with some of its heads removed it does not compute what it computes with "
                 "them masked, on the example inputs: its code treats its heads in a way "
                 "the head forms do not know (a differential attention pairing them, a "
@@ -692,20 +716,20 @@ def prove_head_groups(model: nn.Module, groups: list[HeadGroup], inputs: tuple) 
 OUTPUT_WIDTH_ATTRIBUTES = ("embed_dim",)
 
 
-def _proven(group: HeadGroup, scope: nn.Module, call: tuple, zero, cut) -> bool:
+def _proven(group: HeadGroup, scope: nn.Module, call: tuple, zero, cut, cut_call=None) -> bool:
     """Whether cutting `group`'s units computes what zeroing them does on `call`: as
     export cuts them, or else with the layer's attribute of the output width rewritten
     (which `group.output_width` then names for export). An attribute is tried only where
     the plain cut fails, so a layer whose code reads it as the model width is left as
     it is."""
-    if cuts_exactly(scope, call, group.units, zero, cut, first_output=True):
+    if cuts_exactly(scope, call, group.units, zero, cut, first_output=True, cut_call=cut_call):
         return True
     width = group.units * group.query_heads_per_unit * group.head_dim
     for attribute in OUTPUT_WIDTH_ATTRIBUTES:
         if getattr(group.module, attribute, None) != width:
             continue
         group.output_width = attribute
-        if cuts_exactly(scope, call, group.units, zero, cut, first_output=True):
+        if cuts_exactly(scope, call, group.units, zero, cut, first_output=True, cut_call=cut_call):
             return True
         group.output_width = ""
     return False
@@ -740,11 +764,9 @@ def _other_linears(group: HeadGroup) -> str:
     return ""
 
 
-# the arguments by which attention layers receive a bias per head computed outside them:
-# T5's position_bias (the stack's first layer computes it and passes it to all the
-# others; MPT's ALiBi too): always; ALiBi (BLOOM; Falcon's when config.alibi): when the
-# example inputs hand a tensor to the layer
-ALWAYS_FROM_OUTSIDE = ("position_bias",)
+# the arguments by which attention layers receive a bias per head computed outside them
+# (ALiBi: BLOOM's; Falcon's when config.alibi) when the example inputs hand them a tensor
+# (T5's `position_bias`, and MPT's: tied_heads.py)
 WHEN_GIVEN = ("alibi",)
 
 
@@ -757,14 +779,7 @@ def _biases_from_outside(
     found, watched = {}, {}
     for group in groups:
         forward = inspect.signature(group.module.forward).parameters
-        always = [a for a in ALWAYS_FROM_OUTSIDE if a in forward]
-        if always:
-            found[group.module] = (
-                f"its forward takes `{always[0]}`, a bias for all heads that one layer "
-                "computes and hands to the others (T5's relative position bias, MPT's "
-                "ALiBi): it would not lose the heads removed from one layer"
-            )
-        elif any(a in forward for a in WHEN_GIVEN):
+        if any(a in forward for a in WHEN_GIVEN):
             watched[group.module] = [a for a in WHEN_GIVEN if a in forward]
     if not watched or not inputs:
         return found
@@ -806,8 +821,15 @@ def _per_head_tables(
     heads = group.units * group.query_heads_per_unit
     projections = {*group.kept_out, group.layer}
     candidates = []  # (owner, owner's name, parameter name, tensor)
+    # an embedding of one column per head (T5's relative position bias of a few dozen
+    # buckets: their number may equal the heads')
+    tables = [
+        (owner, "weight", 1)
+        for owner in group.module.modules()
+        if isinstance(owner, nn.Embedding) and owner.embedding_dim == heads
+    ]
     for owner_name, owner in group.module.named_modules():
-        if owner in projections or is_norm(owner):
+        if owner in projections or is_norm(owner) or isinstance(owner, nn.Embedding):
             continue
         if isinstance(owner, nn.Linear):  # a layer computing one output per head
             if owner.out_features == heads:
@@ -822,7 +844,7 @@ def _per_head_tables(
         if owner_name and any(isinstance(m, nn.Linear) for m in owner.modules()):
             continue  # an MLP or a mixture of experts beside the attention layer
         candidates += [(owner, owner_name, n, p) for n, p in owner.named_parameters(recurse=False)]
-    tables, mixed = [], []
+    mixed = []
     for owner, owner_name, name, p in candidates:
         if p.shape.count(heads) == 1:
             tables.append((owner, name, p.shape.index(heads)))
@@ -839,8 +861,17 @@ def _per_head_tables(
 def prune_heads(
     group: HeadGroup, copy: dict[str, nn.Module], names: dict[nn.Module, str], mask: torch.Tensor
 ) -> None:
-    """Remove the units whose mask is 0 from a copy of the model, in place. `copy` maps the
-    copy's module names to its modules; `names` the original modules to their names."""
+    """Remove the units whose mask is 0 from a copy of the model, in place, in every layer
+    of the group. `copy` maps the copy's module names to its modules; `names` the
+    original modules to their names."""
+    for member in group.members:
+        _prune_layer_heads(member, copy, names, mask)
+
+
+def _prune_layer_heads(
+    group: HeadGroup, copy: dict[str, nn.Module], names: dict[nn.Module, str], mask: torch.Tensor
+) -> None:
+    """prune_heads for one attention layer."""
     kept = mask.nonzero().flatten().cpu()
     per_unit = group.query_heads_per_unit
     query_heads = (kept[:, None] * per_unit + torch.arange(per_unit)).flatten()
@@ -851,6 +882,8 @@ def prune_heads(
         setattr(target, name, nn.Parameter(kept_entries))
         if isinstance(target, nn.Linear) and name == "weight":  # one output per head
             target.out_features = len(query_heads)
+        if isinstance(target, nn.Embedding):  # one column per head
+            target.embedding_dim = len(query_heads)
     if isinstance(group.module, nn.MultiheadAttention):  # replaced: its width is fixed
         parent, _, attr = names[group.module].rpartition(".")
         source = copy[names[group.module]]

@@ -43,7 +43,15 @@ def example_calls(
     def capture(module, args, kwargs):
         seen.setdefault(module, (args, kwargs))
 
-    handles = [m.register_forward_pre_hook(capture, with_kwargs=True) for m in modules]
+    run_watched(
+        model, inputs, [m.register_forward_pre_hook(capture, with_kwargs=True) for m in modules]
+    )
+    return seen
+
+
+def run_watched(model: nn.Module, inputs: tuple, handles: list) -> None:
+    """One eval forward of `model` on `inputs` without gradients or key/value caches, for
+    the hooks of `handles`, removed after it; the mode restored."""
     was_training = model.training
     try:
         with torch.no_grad(), without_cache(model):
@@ -53,7 +61,6 @@ def example_calls(
         model.train(was_training)
         for handle in handles:
             handle.remove()
-    return seen
 
 
 def cuts_exactly(
@@ -63,13 +70,16 @@ def cuts_exactly(
     zero: Edit,
     cut: Edit,
     first_output: bool = False,
+    cut_call: Callable[[tuple[tuple, dict], torch.Tensor], tuple[tuple, dict]] | None = None,
 ) -> bool:
     """Whether `module` with all but a random half of its `units` cut (`cut`) computes,
     on the example call, what it computes with them zeroed (`zero`). One copy of the
     module at a time (a 70B model's attention layer is hundreds of MB): zeroed and run,
     then cut and run again; `zero` touches only the units `cut` removes, so the cut copy
     is what cutting the module gives. With `first_output` only its first output tensor is
-    compared (an attention layer's output, not its attention weights per head)."""
+    compared (an attention layer's output, not its attention weights per head).
+    `cut_call` gives the call the cut module runs on (an input of the units' width cut
+    to the kept units: the bias a tied attention layer is handed)."""
     order = torch.randperm(units, generator=torch.Generator().manual_seed(0))
     keep = order[: units // 2].sort().values
     edited = copy.deepcopy(module).eval()
@@ -81,6 +91,8 @@ def cuts_exactly(
         except Exception:  # the units are not these
             return False
         cut(edited, keep)
+        if cut_call is not None:
+            args, kwargs = cut_call(call, keep)
         try:
             got = output_tensors(edited(*args, **kwargs))
         except Exception:  # its code reads the old width, or the units are not these

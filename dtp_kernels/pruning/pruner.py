@@ -301,13 +301,14 @@ class DTPPruner(ChannelPruner):
                 parametrize.register_parametrization(group.rows, name, scale)
             return
         if isinstance(group, HeadGroup):  # the output projection's columns, per unit
-            scale = ScaleColumns(self._source, index, group.out.per_unit)
-            parametrize.register_parametrization(group.layer, "weight", scale)
-            for rescaled in group.rescaled:  # and the rows a norm over all heads reads
-                rows = rescaled.rows
-                for name in ("weight", "bias") if rows.bias is not None else ("weight",):
-                    scale = ScaleRows(self._source, index, rescaled.per_unit)
-                    parametrize.register_parametrization(rows, name, scale)
+            for layer in group.members:  # every layer of a chain tied by its bias
+                scale = ScaleColumns(self._source, index, layer.out.per_unit)
+                parametrize.register_parametrization(layer.layer, "weight", scale)
+                for rescaled in layer.rescaled:  # and the rows a norm over all heads reads
+                    rows = rescaled.rows
+                    for name in ("weight", "bias") if rows.bias is not None else ("weight",):
+                        scale = ScaleRows(self._source, index, rescaled.per_unit)
+                        parametrize.register_parametrization(rows, name, scale)
             return
         if group.producers:  # a residual width: every producer's last affine rows
             for _layer, target in group.producers:

@@ -18,7 +18,7 @@ from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.base import _zero_ratios
 from dtp_kernels.pruning.heads import HeadGroup
 from utils import LLAMA_VOCAB as VOCAB
-from utils import TINY_BERT, TINY_HF_VIT, randomised, tiny_deepseek
+from utils import TINY_BERT, TINY_HF_VIT, randomised, tiny_deepseek, tiny_t5
 
 transformers = pytest.importorskip("transformers")
 
@@ -116,25 +116,6 @@ def opt():  # its MLP width is ffn_dim
     return transformers.OPTForCausalLM(config), (tokens(),)
 
 
-def t5(family: str = "T5"):
-    """Encoder self-, decoder self- and cross-attention; the gated MLP of T5 v1.1 and
-    Flan-T5 (UMT5's default)."""
-    config = getattr(transformers, f"{family}Config")(
-        feed_forward_proj="gated-gelu",
-        vocab_size=VOCAB,
-        d_model=32,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_heads=4,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        eos_token_id=2,
-    )
-    model = getattr(transformers, f"{family}ForConditionalGeneration")(config)
-    return model, (tokens(), None, tokens(2, 5))
-
-
 # these reshape their attention output to their own embed_dim, not to -1
 def xglm():
     config = transformers.XGLMConfig(
@@ -186,7 +167,7 @@ FAMILIES = {
     "olmo3": (lambda: decoder("Olmo3", **GQA), 2, 2, True),
     # a relative position bias table in every self-attention layer, cut per head; its
     # gated MLP's tanh GELU adds within each channel
-    "umt5": (lambda: t5("UMT5"), 6, 4, True),
+    "umt5": (lambda: tiny_t5("UMT5"), 6, 4, True),
     # an output gate of the query width (gate_proj) cut with the heads; beside the second
     # layer's 4 experts, whose bias has as many entries as there are heads and stays
     "afmoe": (
@@ -741,21 +722,15 @@ REFUSED_HEADS = {
         "transformer.blocks.{}.attn",
         "transformer.blocks.{}.ffn.up_proj",
     ),
-    "t5": (
-        t5,
-        "takes `position_bias`",
-        "encoder.block.{}.layer.0.SelfAttention",
-        "encoder.block.{}.layer.1.DenseReluDense.wi_0",
-    ),
 }
 
 
 @pytest.mark.parametrize("family", REFUSED_HEADS)
 def test_heads_that_cannot_export_exactly_are_refused_by_name_and_the_mlp_prunes(family):
     """GPT-BigCode's multi-query code splits c_attn at the model width; ALiBi (BLOOM, MPT,
-    Falcon with alibi) and T5's relative position bias are computed for all heads
-    outside the layer that uses them. Asking for their heads names every layer and why,
-    the model untouched; their MLPs prune and export exactly."""
+    Falcon with alibi) is computed for all heads outside the layer that uses them.
+    Asking for their heads names every layer and why, the model untouched; their MLPs
+    prune and export exactly."""
     build, why, attention, mlp = REFUSED_HEADS[family]
     torch.manual_seed(0)
     model, inputs = build()

@@ -1,0 +1,210 @@
+"""Attention heads tied across the layers of a stack: T5's relative position bias.
+
+The first self-attention layer of a T5 stack computes a bias per head from its table
+(``relative_attention_bias``) and hands that tensor to every later layer of the stack,
+whose head h adds it to its scores; the first cross-attention layer hands on its zero
+bias likewise. Removing heads from one of these layers alone would leave it the other
+heads' biases. Removing the same heads from every layer of such a chain, with the
+table's columns of them, leaves each head its own bias: the chain is one group
+(:class:`TiedHeadGroup`), one unit per key/value head, one mask on every layer's output
+columns, one transport segment, named after the chain's first layer.
+
+Chains are found in one forward of the example inputs (:func:`tie_chains`): a layer
+handed no bias that returns one starts a chain; a layer handed that very tensor belongs
+to it. A layer handed a bias no such layer returned (MPT's ALiBi, which the model
+computes for all heads) is refused by name, as is a chain whose layers' heads differ.
+Each layer of a chain is proven as every head group is (heads.py), a later layer with
+the bias it is handed cut to the kept heads, as the exported first layer hands it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field, fields
+
+import torch
+from torch import nn
+
+from .heads import HeadGroup
+from .proof import run_watched
+
+# the argument by which an attention layer is handed the bias of another layer (T5, mT5,
+# LongT5, Switch Transformers, Pop2Piano; MPT's ALiBi comes by the same name from the
+# model)
+BIAS_ARGUMENT = "position_bias"
+
+
+@dataclass
+class TiedHeadGroup(HeadGroup):
+    """The heads of a chain of attention layers that share one bias per head: the
+    chain's first layer's fields (its name, projections, table), the same units
+    removed from every layer of `tied` (the first included)."""
+
+    tied: list[HeadGroup] = field(default_factory=list)
+    # per later layer: the dimension of the heads in the bias it is handed
+    bias_dims: dict[nn.Module, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.tied:  # no chain given: the first layer's own group
+            super().__post_init__()
+            return
+        self.kept_out = [layer for g in self.tied for layer in g.kept_out]
+        self.kept_in = [layer for g in self.tied for layer in g.kept_in]
+        self.width = {m: w for g in self.tied for m, w in g.width.items()}
+
+    @classmethod
+    def of(cls, chain: list[HeadGroup], bias_dims: dict[nn.Module, int]) -> TiedHeadGroup:
+        """The group of `chain` (its first layer first), whose layers have equal heads."""
+        first = chain[0]
+        own = {f.name: getattr(first, f.name) for f in fields(HeadGroup) if f.init}
+        own["tables"] = [t for g in chain for t in g.tables]
+        own["rescaled"] = [r for g in chain for r in g.rescaled]
+        own["norms"] = tuple(n for g in chain for n in g.norms)
+        own["refusal"] = next(
+            (f"its tied layer {g.name!r}: {g.refusal}" for g in chain[1:] if g.refusal),
+            first.refusal,
+        )
+        return cls(**own, tied=chain, bias_dims=bias_dims)
+
+    @property
+    def members(self) -> list[HeadGroup]:
+        return self.tied
+
+    def unit_weights(self) -> torch.Tensor:
+        """Every layer's output columns of the unit, side by side (the unit's filter)."""
+        return torch.cat([HeadGroup.unit_weights(g) for g in self.tied], dim=1)
+
+    def cut_call(self, member: HeadGroup, call: tuple, keep: torch.Tensor) -> tuple:
+        """`member`'s example call with the bias it is handed cut to the query heads of
+        the units `keep` (what the exported first layer hands it); the first layer's call
+        as it is."""
+        dim = self.bias_dims.get(member.module)
+        if dim is None:
+            return call
+        args, kwargs = call
+        per_unit = member.query_heads_per_unit
+        heads = (keep[:, None] * per_unit + torch.arange(per_unit)).flatten()
+        bound = inspect.signature(member.module.forward).bind_partial(*args, **kwargs)
+        bias = bound.arguments[BIAS_ARGUMENT]
+        bound.arguments[BIAS_ARGUMENT] = bias.index_select(dim, heads.to(bias.device))
+        return bound.args, bound.kwargs
+
+
+def _bias_dim(bias: torch.Tensor, heads: int) -> int | None:
+    """The dimension of the heads in a bias handed to a layer of `heads` query heads: 1
+    in the (batch, heads, queries, keys) layout of attention scores, else the one
+    dimension of that size (LongT5's blocks); None when none is."""
+    if bias.dim() > 1 and bias.shape[1] == heads:
+        return 1
+    sized = [d for d, size in enumerate(bias.shape) if size == heads]
+    return sized[0] if len(sized) == 1 else None
+
+
+def tie_chains(model: nn.Module, groups: list[HeadGroup], inputs: tuple) -> list[HeadGroup]:
+    """`groups` with the layers of each chain (see the module's docstring) replaced by
+    one TiedHeadGroup where its first layer stood; a layer handed a bias from outside
+    any chain refused by name. Runs the model once on `inputs`, only when a layer takes
+    the bias argument."""
+    takers = [
+        g
+        for g in groups
+        if not g.refusal and BIAS_ARGUMENT in inspect.signature(g.module.forward).parameters
+    ]
+    if not takers:
+        return groups
+    names = {m: n for n, m in model.named_modules()}
+    receivers = [m for m in names if BIAS_ARGUMENT in inspect.signature(m.forward).parameters]
+    handed, returned = _watch(model, inputs, receivers)
+    # the tensors each layer handed no bias returned, by identity (`returned` holds them)
+    firsts = {
+        id(out): g for g in takers if handed.get(g.module, 0) is None for out in returned[g.module]
+    }
+    chains: dict[nn.Module, list[HeadGroup]] = {}  # by the first layer's module
+    bias_dims: dict[nn.Module, dict[nn.Module, int]] = {}
+    for group in takers:
+        bias = handed.get(group.module, 0)  # 0: never called
+        if bias is None:
+            chains.setdefault(group.module, [group])
+            continue
+        first = firsts.get(id(bias)) if isinstance(bias, torch.Tensor) else None
+        heads = group.units * group.query_heads_per_unit
+        if first is None:
+            group.refusal = (
+                f"its forward takes `{BIAS_ARGUMENT}`, and the example inputs hand it a "
+                "bias for all heads that no attention layer computed (MPT's ALiBi, "
+                "computed by the model), or none: it would not lose the heads removed "
+                "from the layer"
+            )
+            continue
+        dim = _bias_dim(bias, heads)
+        shape = (group.units, group.query_heads_per_unit, group.head_dim)
+        if dim is None or shape != (first.units, first.query_heads_per_unit, first.head_dim):
+            group.refusal = (
+                f"it adds the bias {first.name!r} computes for its heads, so its heads are "
+                f"tied to that layer's, but its {heads} heads of {group.head_dim} (a bias "
+                f"of shape {tuple(bias.shape)}) are not that layer's "
+                f"{first.units * first.query_heads_per_unit} of {first.head_dim}"
+            )
+            continue
+        chains.setdefault(first.module, [first]).append(group)
+        bias_dims.setdefault(first.module, {})[group.module] = dim
+    _refuse_chains_reaching_others(chains, firsts, handed, names)
+    tied = {
+        module: TiedHeadGroup.of(chain, bias_dims[module])
+        for module, chain in chains.items()
+        if len(chain) > 1
+    }
+    later = {m.module for chain in chains.values() for m in chain[1:]}
+    return [tied.get(g.module, g) for g in groups if g.module not in later]
+
+
+def _refuse_chains_reaching_others(
+    chains: dict[nn.Module, list[HeadGroup]],
+    firsts: dict[int, HeadGroup],
+    handed: dict[nn.Module, object],
+    names: dict[nn.Module, str],
+) -> None:
+    """Refuse each chain whose first layer's bias is handed to a module holding no layer
+    of the chain it reaches (T5's blocks hold theirs): a layer left whole (ignored, or
+    not in a recognised form) that export would hand a bias of fewer heads."""
+    layers = {m.module for chain in chains.values() for m in chain}
+    left: dict[nn.Module, list[nn.Module]] = {}  # per first layer: the modules left whole
+    for module, bias in handed.items():
+        first = firsts.get(id(bias)) if isinstance(bias, torch.Tensor) else None
+        if first is None or module in layers or first.module not in chains:
+            continue
+        if not any(m in layers and handed.get(m) is bias for m in module.modules()):
+            left.setdefault(first.module, []).append(module)
+    for first_module, modules in left.items():
+        first = chains[first_module][0]
+        # the innermost: the attention layer itself, not the block holding it
+        inner = next(m for m in modules if not any(o in modules for o in m.modules() if o is not m))
+        first.refusal = first.refusal or (
+            f"the bias per head it computes is handed to {names[inner]!r} too, which is "
+            "left whole (ignored, or not an attention layer in a form the pruner knows): "
+            "removing heads from the chain would hand it a bias of fewer heads"
+        )
+
+
+def _watch(
+    model: nn.Module, inputs: tuple, modules: list[nn.Module]
+) -> tuple[dict[nn.Module, object], dict[nn.Module, list[torch.Tensor]]]:
+    """For each of `modules`, at its first call in one eval forward on `inputs`: the bias
+    argument it was handed (a tensor, or None) and the tensors it returned."""
+    handed: dict[nn.Module, object] = {}
+    returned: dict[nn.Module, list[torch.Tensor]] = {}
+
+    def before(module, args, kwargs):
+        if module not in handed:
+            given = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+            handed[module] = given.get(BIAS_ARGUMENT)
+
+    def after(module, _args, _kwargs, output):
+        if module not in returned:
+            items = output if isinstance(output, tuple) else (output,)
+            returned[module] = [t for t in items if isinstance(t, torch.Tensor)]
+
+    handles = [m.register_forward_pre_hook(before, with_kwargs=True) for m in modules]
+    handles += [m.register_forward_hook(after, with_kwargs=True) for m in modules]
+    run_watched(model, inputs, handles)
+    return handed, returned
