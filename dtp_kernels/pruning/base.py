@@ -32,6 +32,7 @@ from .experts import (
     run_misaligned_experts,
     unrecognised_experts,
 )
+from .gated_deltanet import LinearAttentionGroup, find_linear_attention_groups
 from .groups import ChannelGraphError, find_groups, out_channel_handler, traced_graph
 from .heads import HeadGroup, find_head_groups, prove_head_groups, prune_heads
 from .hf_config import update_config
@@ -63,10 +64,12 @@ def _zero_ratios(ratios, names: list[str]) -> str:
 
 
 def _kind(group) -> str:
-    """The group's kind for ratio dicts: "heads", "experts", "whole_experts", "mamba",
-    "coupled", "mlp", "channels"."""
+    """The group's kind for ratio dicts: "heads", "linear_attention", "experts",
+    "whole_experts", "mamba", "coupled", "mlp", "channels"."""
     if isinstance(group, WholeExpertsGroup):
         return "whole_experts"
+    if isinstance(group, LinearAttentionGroup):
+        return "linear_attention"
     if isinstance(group, HeadGroup):
         return "heads"
     if isinstance(group, (MambaGroup, Mamba2Group)):
@@ -79,7 +82,7 @@ def _kind(group) -> str:
 
 
 # the kinds of group found without Torch-Pruning's graph (MLPs: where it fails, by form)
-GRAPHLESS_KINDS = ("heads", "experts", "whole_experts", "mamba", "mlp")
+GRAPHLESS_KINDS = ("heads", "linear_attention", "experts", "whole_experts", "mamba", "mlp")
 
 
 def _without_graph(ratios, groups: list) -> bool:
@@ -253,7 +256,11 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         prove_whole_expert_groups(model, whole, kept, inputs)
         refused = [g for g in self.groups if getattr(g, "refusal", "")]
         if refused:
-            what = {"heads": "the heads of attention layer", "whole_experts": "whole experts of"}
+            what = {
+                "heads": "the heads of attention layer",
+                "linear_attention": "the heads of linear-attention layer",
+                "whole_experts": "whole experts of",
+            }
             details = "; ".join(f"{what[_kind(g)]} {g.name!r}: {g.refusal}" for g in refused)
             raise ValueError(
                 f"cannot prune {details}. Leave them whole with ignored_layers=[...] or a "
@@ -293,7 +300,9 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         """The prunable groups (filter pruning) in the model's module order: attention
         heads, the experts of mixture-of-experts blocks and channel groups (where
         Torch-Pruning's graph fails: MLP modules found by their form)."""
-        heads = tie_chains(model, find_head_groups(model, ignored, inputs), inputs)
+        linear = find_linear_attention_groups(model, ignored)  # no attention form of theirs
+        found = find_head_groups(model, ignored + [g.module for g in linear], inputs)
+        heads = tie_chains(model, found, inputs) + linear
         experts = find_expert_groups(model, ignored)
         whole = find_whole_expert_groups(model, ignored, inputs)
         mixers = find_mamba_groups(model, ignored, inputs)

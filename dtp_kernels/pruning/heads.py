@@ -62,7 +62,7 @@ import torch
 from torch import nn
 
 from .cost import run_hooked
-from .cuts import cut_linear
+from .cuts import cut_depthwise, cut_linear
 from .groups import is_norm
 from .head_norms import (
     RescaledNorm,
@@ -138,15 +138,21 @@ class HeadGroup:
     # (XGLM's `embed_dim`, read where others write -1), set by the proof when the cut
     # computes what the mask does only with it rewritten; export writes the kept width
     output_width: str = ""
+    # depthwise convolutions whose channels are the units' (a linear attention's conv1d
+    # over its queries, keys and values), cut with them
+    convs: list[Projection] = field(default_factory=list)
+    # the layer's attributes of its sizes, each set at export to the kept units times its
+    # value here, in place of the attention forms' (a linear attention's head counts)
+    attributes: dict[str, int] = field(default_factory=dict)
     kept_out: list[nn.Module] = field(init=False)
     kept_in: list[nn.Module] = field(init=False)
     # channels a module loses per unit removed: the cost model counts channels
     width: dict[nn.Module, int] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.kept_out = [p.layer for p in self.rows]
+        self.kept_out = [p.layer for p in [*self.rows, *self.convs]]
         self.kept_in = [self.out.layer]
-        self.width = {p.layer: sum(p.block_sizes) for p in [*self.rows, self.out]}
+        self.width = {p.layer: sum(p.block_sizes) for p in [*self.rows, *self.convs, self.out]}
 
     @property
     def cut_norms(self) -> list[tuple[nn.Module, int]]:
@@ -218,29 +224,33 @@ def _separate(name: str, module: nn.Module) -> HeadGroup | None:
     else:
         return None
     q, k, v, o = layers
+    # each query head's rows followed by as many of its output gate's (Qwen3-Next's and
+    # Qwen3.5's gated attention: sigmoid(gate) scales the head's output channel by channel)
+    gated = q.out_features == 2 * o.in_features
     if not (
-        q.out_features % head_dim == 0
+        o.in_features % head_dim == 0
         and k.out_features % head_dim == 0
         and k.out_features == v.out_features
-        and o.in_features == q.out_features
+        and (o.in_features == q.out_features or gated)
     ):
         raise ValueError(
             f"attention layer {name!r}: {names[0]} ({q.out_features}), {names[1]} "
             f"({k.out_features}), {names[2]} ({v.out_features}) outputs and {names[3]} "
             f"({o.in_features}) inputs do not split into heads of {size} {head_dim}"
         )
-    heads, units = q.out_features // head_dim, k.out_features // head_dim
+    heads, units = o.in_features // head_dim, k.out_features // head_dim
     if heads % units:
         raise ValueError(
             f"attention layer {name!r}: {heads} query heads do not share {units} key/value "
             "heads evenly"
         )
+    query_rows = 2 * head_dim if gated else head_dim  # per query head
     if units == 1 and heads > 1:  # multi-query: a unit is a query head; k and v stay whole
-        rows, out = [Projection(q, 1, head_dim)], Projection(o, 1, head_dim)
+        rows, out = [Projection(q, 1, query_rows)], Projection(o, 1, head_dim)
         return HeadGroup(name, module, rows, out, heads, 1, head_dim, shared_kv=True)
     per_unit = heads // units
     rows = [
-        Projection(q, 1, per_unit * head_dim),
+        Projection(q, 1, per_unit * query_rows),
         Projection(k, 1, head_dim),
         Projection(v, 1, head_dim),
     ]
@@ -897,6 +907,12 @@ def _prune_layer_heads(
     for rescaled in group.rescaled:  # their rows are cut: the norms follow, rescaled
         rows = Projection(rescaled.rows, 1, rescaled.per_unit).kept(group.units, kept)
         cut_norm(copy[names[rescaled.norm]], copy[names[rescaled.rows]], rows)
+    for conv in group.convs:
+        cut_depthwise(copy[names[conv.layer]], conv.kept(group.units, kept))
+    if group.attributes:  # the layer's own sizes
+        for attr, per_unit in group.attributes.items():
+            setattr(copy[names[group.module]], attr, len(kept) * per_unit)
+        return
     # the attributes implementations read (the others reshape with -1)
     heads = len(kept) * group.query_heads_per_unit
     module = copy[names[group.module]]

@@ -22,6 +22,8 @@ MLP_FIELDS = ("intermediate_size", "ffn_dim", "n_inner", "hidden_dim", "d_ff")
 # the experts' width: its own field where the family has dense MLPs too (Qwen3-MoE,
 # DeepSeek), else the MLP's (Mixtral, OLMoE, GPT-OSS); the one holding the experts' width
 EXPERT_FIELDS = ("moe_intermediate_size", "intermediate_size")
+# the module name of a shared expert and its config field
+SHARED_EXPERT, SHARED_EXPERT_FIELD = "shared_expert.", "shared_expert_intermediate_size"
 # the number of experts per block
 COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
@@ -41,10 +43,18 @@ def config_fields(config, groups: list[tuple[str, object]], masks: list) -> dict
         (g, int(m.sum())) for (kind, g), m in zip(groups, masks, strict=True) if kind == "heads"
     ]
     mlp_field = _mlp_field(config)
+    shared = [  # the shared expert beside the routed ones (Qwen2-MoE's, Qwen3-Next's)
+        int(m.sum())
+        for (kind, g), m in zip(groups, masks, strict=True)
+        if kind == "mlp" and SHARED_EXPERT in g.name and hasattr(config, SHARED_EXPERT_FIELD)
+    ]
     mlps = [
         int(m.sum())
         for (kind, g), m in zip(groups, masks, strict=True)
-        if kind == "mlp" and mlp_field is not None and g.size == getattr(config, mlp_field)
+        if kind == "mlp"
+        and mlp_field is not None
+        and g.size == getattr(config, mlp_field)
+        and not (shared and SHARED_EXPERT in g.name)
     ]
     fields = {}
     if heads:
@@ -66,6 +76,24 @@ def config_fields(config, groups: list[tuple[str, object]], masks: list) -> dict
         if size is None:
             return None
         fields[mlp_field] = size
+    if shared:
+        size = _uniform(shared)
+        if size is None:
+            return None
+        fields[SHARED_EXPERT_FIELD] = size
+    linear = [
+        int(m.sum())
+        for (kind, _), m in zip(groups, masks, strict=True)
+        if kind == "linear_attention"
+    ]
+    if linear:  # Gated DeltaNet: key heads, each with as many value heads as before
+        keys = _uniform(linear)
+        per_key = _uniform(
+            [g.query_heads_per_unit for kind, g in groups if kind == "linear_attention"]
+        )
+        if keys is None or per_key is None:
+            return None
+        fields |= {"linear_num_key_heads": keys, "linear_num_value_heads": keys * per_key}
     mixers = [int(m.sum()) for (kind, _), m in zip(groups, masks, strict=True) if kind == "mamba"]
     if mixers:
         found = _mamba_fields(config, groups, _uniform(mixers))

@@ -92,8 +92,17 @@ def check_ratio_syntax(ratios: object) -> None:
 
 # conv output channels; linear layers' output features; attention heads; residual widths;
 # the intermediate neurons of mixture-of-experts blocks' experts; Mamba mixers' inner
-# channels; whole experts
-KINDS = ("channels", "mlp", "heads", "coupled", "experts", "mamba", "whole_experts")
+# channels; whole experts; linear attention's heads (Gated DeltaNet's)
+KINDS = (
+    "channels",
+    "mlp",
+    "heads",
+    "coupled",
+    "experts",
+    "mamba",
+    "whole_experts",
+    "linear_attention",
+)
 # kinds pruned only when a dict names them (their kind or a group's exact name): a float,
 # a pattern or a per-stage list leaves them whole (removing whole experts is a choice of
 # its own, on top of the experts' neurons a float ratio already prunes)
@@ -122,7 +131,8 @@ def resolve(
 
     A dict's keys are module names, fnmatch patterns over them ("layer3.*"), or a kind
     of group (KINDS: "channels": convolutions, "mlp": linear layers, "heads", "coupled",
-    "experts", "mamba": Mamba mixers' inner channels, "whole_experts"); a name beats a
+    "experts", "mamba": Mamba mixers' inner channels, "whole_experts",
+    "linear_attention": Gated DeltaNet's heads); a name beats a
     pattern, a pattern beats a kind. `kinds` maps each group name to its kind; groups of
     OPT_IN_KINDS get a ratio only from their name or their kind in a dict."""
     opt_in = [name for name in names if kinds.get(name) in OPT_IN_KINDS]

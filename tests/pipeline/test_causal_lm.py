@@ -227,15 +227,46 @@ def save_mamba2(where: Path, vocab: int = 256) -> Path:
     return where
 
 
+def save_qwen3_5(where: Path, vocab: int = 256) -> Path:
+    """A tiny Qwen3.5: 3 Gated DeltaNet layers (4 key heads, 8 value heads) and a gated
+    attention layer (4 heads, 2 key/value heads)."""
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_hidden_layers=4,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+    )
+    torch.manual_seed(0)
+    transformers.Qwen3_5ForCausalLM(config).save_pretrained(where)
+    return where
+
+
+LINEAR_AND_GATED = "prune.ratios={heads: 0.5, linear_attention: 0.5, mlp: 0.5}"
+
+
 @pytest.mark.parametrize(
     "save, ratios, saved",
-    [(save_olmo2, [], "pruned"), (save_mamba2, ["prune.ratios={mamba: 0.5}"], "pruned.pt")],
-    ids=["olmo2", "mamba2"],
+    [
+        (save_olmo2, [], "pruned"),
+        (save_mamba2, ["prune.ratios={mamba: 0.5}"], "pruned.pt"),
+        (save_qwen3_5, [LINEAR_AND_GATED], "pruned"),
+    ],
+    ids=["olmo2", "mamba2", "qwen3_5"],
 )
-def test_prune_command_prunes_norms_over_all_heads_and_mamba2_mixers(save, ratios, saved, tmp_path):
+def test_prune_command_prunes_norms_over_all_heads_and_recurrent_mixers(
+    save, ratios, saved, tmp_path
+):
     """OLMo 2's heads with their norms over all heads (its config describes the export:
-    save_pretrained) and Mamba-2 mixers' heads (each norm's epsilon its own: pruned.pt)
-    prune end to end; the saved model computes the summary's perplexity."""
+    save_pretrained), Mamba-2 mixers' heads (each norm's epsilon its own: pruned.pt) and
+    Qwen3.5's linear-attention and gated-attention heads (save_pretrained) prune end to
+    end; the saved model computes the summary's perplexity."""
     from dtp_kernels import load_pruned
 
     model_dir, text = save(tmp_path / "model"), write_text(tmp_path / "text")

@@ -888,7 +888,10 @@ def test_ratios_by_kind_pattern_and_name():
     }
     pruner = DTPPruner(_mlp(), torch.randn(1, 3, 4, 4), {"[13]": 0.5})  # a pattern
     assert pruner.kept == [16, 12]
-    kinds = r"kinds: \['channels', 'mlp', 'heads', 'coupled', 'experts', 'mamba', 'whole_experts'\]"
+    kinds = (
+        r"kinds: \['channels', 'mlp', 'heads', 'coupled', 'experts', 'mamba', 'whole_experts', "
+        r"'linear_attention'\]"
+    )
     with pytest.raises(ValueError, match=r"match no prunable layer.*" + kinds):
         DTPPruner(_mlp(), torch.randn(1, 3, 4, 4), {"attention": 0.5})
 

@@ -1,0 +1,141 @@
+"""The heads of Gated DeltaNet linear-attention layers (Qwen3-Next, Qwen3.5 and
+Qwen3.5-MoE, OLMo-Hybrid, LaRA-mini): one group per layer, ratio kind
+``"linear_attention"``.
+
+Such a layer projects the hidden state into queries and keys (K key heads of head_k_dim)
+and values (V value heads of head_v_dim, V / K = R per key head, the value heads of key
+head i being i R to i R + R - 1), an output gate z of the values' width, and b and a (one
+per value head); runs a causal depthwise ``conv1d`` over the queries, keys and values;
+runs the gated delta rule per value head (its key head's query and key, L2-normalized
+per head; its own decay from a, ``A_log`` and ``dt_bias``); normalizes each value head's
+output by an RMS norm over that head (one weight all heads share) gated by z; and its
+output projection reads them. Nothing mixes the heads, so a unit is a key head with its
+R value heads, and removing it computes what zeroing its output columns computes: the
+mask goes there, as on an attention layer's heads (heads.py), and export cuts the unit's
+rows of every projection, its conv channels, its entries of ``A_log`` and ``dt_bias``
+and its output columns. The layers name their projections three ways:
+
+- ``in_proj_qkv`` (all queries, all keys, all values), ``in_proj_z``, ``in_proj_b``,
+  ``in_proj_a`` and ``out_proj`` (Qwen3.5, Qwen3.5-MoE, LaRA-mini);
+- ``in_proj_qkvz`` (per key head: its query, key, values and gates) and ``in_proj_ba``
+  (per key head: its b, then its a) with ``out_proj`` (Qwen3-Next);
+- ``q_proj``, ``k_proj``, ``v_proj``, ``g_proj``, ``a_proj``, ``b_proj`` and ``o_proj``
+  (OLMo-Hybrid).
+
+A layer is recognised by these names, its head counts and sizes (``num_k_heads``,
+``num_v_heads``, ``head_k_dim``, ``head_v_dim``) and its shapes, and each group is proven
+on its example input like every head group before any mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from .heads import HeadGroup, Projection
+
+# the rows per unit of each block of a projection, by what they hold: "k" a key head's
+# (head_k_dim), "v" its value heads' (R head_v_dim), "h" one per value head (R)
+LAYOUTS = (
+    (  # Qwen3.5, Qwen3.5-MoE, LaRA-mini
+        (("in_proj_qkv", ("k", "k", "v")), ("in_proj_z", ("v",))),
+        (("in_proj_b", ("h",)), ("in_proj_a", ("h",))),
+        "out_proj",
+    ),
+    (  # Qwen3-Next: one block per key head of its query, key, values and gates; b, a
+        (("in_proj_qkvz", ("kkvv",)),),
+        (("in_proj_ba", ("hh",)),),
+        "out_proj",
+    ),
+    (  # OLMo-Hybrid
+        (("q_proj", ("k",)), ("k_proj", ("k",)), ("v_proj", ("v",)), ("g_proj", ("v",))),
+        (("a_proj", ("h",)), ("b_proj", ("h",))),
+        "o_proj",
+    ),
+)
+SIZES = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
+
+
+@dataclass(eq=False)
+class LinearAttentionGroup(HeadGroup):
+    """A Gated DeltaNet layer's heads: `units` key heads, `query_heads_per_unit` value
+    heads each, `head_dim` the value heads' size."""
+
+
+def _rows(symbols: str, sizes: dict[str, int]) -> int:
+    return sum(sizes[s] for s in symbols)
+
+
+def gated_deltanet(name: str, module: nn.Module) -> LinearAttentionGroup | None:
+    """The group of a Gated DeltaNet layer in one of LAYOUTS, or None."""
+    counts = [getattr(module, a, None) for a in SIZES]
+    conv = getattr(module, "conv1d", None)
+    if not all(isinstance(c, int) and c > 0 for c in counts) or not isinstance(conv, nn.Conv1d):
+        return None
+    keys, values, key_dim, value_dim = counts
+    if values % keys:
+        return None
+    per_key = values // keys
+    sizes = {"k": key_dim, "v": per_key * value_dim, "h": per_key}
+    for projections, gates, output in LAYOUTS:
+        layers = {n: getattr(module, n, None) for n, _ in (*projections, *gates)}
+        out = getattr(module, output, None)
+        if not isinstance(out, nn.Linear) or not all(
+            isinstance(x, nn.Linear) for x in layers.values()
+        ):
+            continue
+        rows = [
+            Projection(
+                layers[n],
+                len(blocks),
+                _rows(blocks[0], sizes),
+                tuple(_rows(b, sizes) for b in blocks),
+            )
+            for n, blocks in (*projections, *gates)
+        ]
+        conv_rows = Projection(conv, 3, key_dim, (key_dim, key_dim, sizes["v"]))
+        width = 2 * keys * key_dim + values * value_dim
+        if (
+            any(p.layer.out_features != keys * sum(p.block_sizes) for p in rows)
+            or out.in_features != values * value_dim
+            or not conv.groups == conv.in_channels == conv.out_channels == width
+        ):
+            return None
+        attributes = {
+            "num_k_heads": 1,
+            "num_v_heads": per_key,
+            "key_dim": key_dim,
+            "value_dim": sizes["v"],
+            "conv_dim": 2 * key_dim + sizes["v"],
+        }
+        return LinearAttentionGroup(
+            name,
+            module,
+            rows,
+            Projection(out, 1, sizes["v"]),
+            keys,
+            per_key,
+            value_dim,
+            tables=[(module, t, 0) for t in ("A_log", "dt_bias")],
+            convs=[conv_rows],
+            attributes=attributes,
+        )
+    return None
+
+
+def find_linear_attention_groups(
+    model: nn.Module, ignored: list[nn.Module]
+) -> list[LinearAttentionGroup]:
+    """Every Gated DeltaNet layer of `model` of at least two key heads, none of whose
+    layers is in `ignored`."""
+    ignored_set = set(ignored)
+    groups = []
+    for name, module in model.named_modules():
+        group = gated_deltanet(name, module) if module not in ignored_set else None
+        if group is None or group.units < 2:
+            continue
+        if {*group.kept_out, *group.kept_in} & ignored_set:
+            continue
+        groups.append(group)
+    return groups
