@@ -300,11 +300,15 @@ def _fused(name: str, module: nn.Module) -> HeadGroup | None:
     or else the output projection's inputs over head_dim (timm's ViT and DeiT, MPT,
     ModernBERT)."""
     pair = _fused_pair(module, FUSED_FORMS)
-    head_dim = getattr(module, "head_dim", None)
-    if pair is None or not isinstance(head_dim, int):
+    if pair is None:
         return None
     fused, output, qkv, proj = pair
+    head_dim = getattr(module, "head_dim", None)
     heads = getattr(module, "num_heads", getattr(module, "n_heads", None))
+    if not isinstance(head_dim, int) and isinstance(heads, int) and heads > 0:
+        head_dim = proj.in_features // heads  # timm's Swin keeps only the head count
+    if not isinstance(head_dim, int) or head_dim < 1:
+        return None
     if not isinstance(heads, int):
         heads = proj.in_features // head_dim
     if qkv.out_features != 3 * heads * head_dim or proj.in_features != heads * head_dim:
@@ -722,8 +726,9 @@ def prove_head_groups(model: nn.Module, groups: list[HeadGroup], inputs: tuple) 
 
 
 # attributes an attention layer's code may reshape its output to, holding the query width
-# (the model width as it is built): XGLM's, MVP's, InternVL's vision tower's
-OUTPUT_WIDTH_ATTRIBUTES = ("embed_dim",)
+# (the model width as it is built): XGLM's, MVP's, InternVL's vision tower's; timm's
+# Hiera's `dim_out`
+OUTPUT_WIDTH_ATTRIBUTES = ("embed_dim", "dim_out")
 
 
 def _proven(group: HeadGroup, scope: nn.Module, call: tuple, zero, cut, cut_call=None) -> bool:
@@ -919,6 +924,7 @@ def _prune_layer_heads(
     sizes = {
         "num_heads": heads,
         "n_heads": heads,
+        "heads": heads,  # timm's Hiera
         "num_attention_heads": heads,
         "attn_dim": heads * group.head_dim,
         "all_head_size": heads * group.head_dim,

@@ -1,5 +1,5 @@
 """DTP on the vision models people train, in small configurations built here: torchvision
-ConvNeXt, timm DeiT (ViT) and timm ConvNeXt. For each: the groups found, exact kept
+ConvNeXt, timm DeiT (ViT), Swin, Hiera and ConvNeXt. For each: the groups found, exact kept
 counts, the exported model equal to the hard-masked one, predicted parameters equal to
 the exported ones, a gradient on every score (the same from two backends), and a few
 training steps with the transport state committed."""
@@ -31,8 +31,8 @@ def deit():
 
 
 def timm_cait():
-    """CaiT: talking heads mix the heads' scores (proj_l, proj_w), where Torch-Pruning
-    follows qkv's channels through the matmuls to layers of other widths."""
+    """CaiT: talking heads mix the heads' scores (proj_l, proj_w), so its heads are
+    refused by name when asked for; its MLPs prune."""
     from timm.models.cait import Cait
 
     model = Cait(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=4, depth_token_only=1)
@@ -45,6 +45,37 @@ def timm_convnext():
     # layer scale 1 (the default 1e-6 is an untrained network's: scores would barely move)
     model = ConvNeXt(depths=(1, 1, 1, 1), dims=(8, 16, 24, 32), num_classes=5, ls_init_value=1.0)
     return model, torch.randn(4, 3, 32, 32)
+
+
+def timm_swin():
+    """timm's Swin keeps only the head count (its head size is qkv's width over it), and
+    a relative position bias table per head."""
+    from timm.models.swin_transformer import SwinTransformer
+
+    model = SwinTransformer(
+        img_size=32, patch_size=4, window_size=4, embed_dim=16, depths=(1, 1), num_heads=(2, 4)
+    )
+    return model, torch.randn(4, 3, 32, 32)
+
+
+def timm_hiera():
+    """timm's Hiera: its head count in `heads`, and its output reshaped to `dim_out` (the
+    query width as built, rewritten at export); mask-unit attention in the first stage,
+    global attention with query pooling in the second."""
+    from timm.models.hiera import Hiera
+
+    model = Hiera(
+        img_size=(64, 64),
+        embed_dim=16,
+        num_heads=2,
+        stages=(1, 1),
+        q_pool=1,
+        mask_unit_size=(4, 4),
+        mask_unit_attn=(True, False),
+        num_classes=5,
+    )
+    torch.nn.init.normal_(model.head.fc.weight, std=0.1)  # timm starts it at zero
+    return model, torch.randn(4, 3, 64, 64)
 
 
 def torchvision_convnext():
@@ -73,6 +104,24 @@ MODELS = {
         timm_convnext,
         [(f"stages.{i}.blocks.0.mlp.fc1", "mlp", 4 * d) for i, d in enumerate((8, 16, 24, 32))],
     ),
+    "timm_swin": (
+        timm_swin,
+        [
+            ("layers.0.blocks.0.attn", "heads", 2),
+            ("layers.0.blocks.0.mlp.fc1", "mlp", 64),
+            ("layers.1.blocks.0.attn", "heads", 4),
+            ("layers.1.blocks.0.mlp.fc1", "mlp", 128),
+        ],
+    ),
+    "timm_hiera": (
+        timm_hiera,
+        [
+            ("blocks.0.attn", "heads", 2),
+            ("blocks.0.mlp.fc1", "mlp", 64),
+            ("blocks.1.attn", "heads", 4),
+            ("blocks.1.mlp.fc1", "mlp", 128),
+        ],
+    ),
     "torchvision_convnext": (
         torchvision_convnext,
         [("features.1.0.block.3", "mlp", 64), ("features.3.0.block.3", "mlp", 128)],
@@ -84,6 +133,12 @@ def build(name):
     torch.manual_seed(0)
     model, x = MODELS[name][0]()
     return model, x
+
+
+def ratios_of(name: str) -> dict[str, float]:
+    """0.5 for each kind of group the model's expected groups have (a kind it lacks is
+    an error; CaiT's heads are refused)."""
+    return {kind: 0.5 for _, kind, _ in MODELS[name][1]}
 
 
 def export_random_order(pruner, model, x):
@@ -102,8 +157,7 @@ def export_random_order(pruner, model, x):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_groups_counts_and_export_equal_hard_masked(name):
     model, x = build(name)
-    ratios = {kind: 0.5 for _, kind, _ in MODELS[name][1]}  # a kind it lacks is an error
-    pruner = DTPPruner(model, (x[:1],), ratios)
+    pruner = DTPPruner(model, (x[:1],), ratios_of(name))
     found = [
         (g.name, "heads" if isinstance(g, HeadGroup) else "mlp", g.size) for g in pruner.groups
     ]
@@ -115,6 +169,11 @@ def test_groups_counts_and_export_equal_hard_masked(name):
         for block in exported.blocks:
             assert (block.attn.num_heads, block.attn.attn_dim) == (2, 16)
             assert block.attn.qkv.out_features == 48 and block.attn.proj.in_features == 16
+    if name == "timm_hiera":  # the kept heads and the width its output is reshaped to
+        for block, dense, heads in zip(exported.blocks, model.blocks, (1, 2), strict=True):
+            assert (block.attn.heads, block.attn.dim_out) == (heads, heads * 8)
+            assert block.attn.proj.in_features == heads * 8
+            assert block.attn.proj.out_features == dense.attn.dim_out  # the block's width
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -122,7 +181,7 @@ def test_every_score_gets_the_gradient_of_the_other_backend(name):
     grads = []
     for backend in ("torch", "cpu"):
         model, x = build(name)
-        pruner = DTPPruner(model, (x[:1],), 0.5, backend=backend)
+        pruner = DTPPruner(model, (x[:1],), ratios_of(name), backend=backend)
         model.train()
         model(x).square().mean().backward()
         grads.append(pruner.scores.grad.clone())
@@ -134,7 +193,7 @@ def test_every_score_gets_the_gradient_of_the_other_backend(name):
 def test_training_steps(name):
     model, x = build(name)
     target = torch.randint(0, 5, (x.shape[0],), generator=torch.Generator().manual_seed(2))
-    pruner = DTPPruner(model, (x[:1],), 0.5)
+    pruner = DTPPruner(model, (x[:1],), ratios_of(name))
     optimizer = torch.optim.SGD([*model.parameters(), pruner.scores], lr=0.05, momentum=0.9)
     pruner.attach(optimizer)
     start = pruner.scores.detach().clone()
@@ -423,3 +482,13 @@ def test_an_expiry_the_search_swallows_fires_again(monkeypatch):
     with expired, groups._bounded_search(graph, {layer: "layer"}):
         graph.get_pruning_group(layer, None, [0])
     assert reported == [] and sys.unraisablehook == reported.append
+
+
+def test_talking_heads_are_refused_by_name_and_the_mlps_prune():
+    """CaiT's talking heads mix the heads' attention (proj_l, proj_w: a matrix over
+    heads): asking for its heads, a float too, names the layer and why; its MLPs prune."""
+    model, x = build("timm_cait")
+    with pytest.raises(ValueError, match=r"'blocks.0.attn': its proj_l.weight \(4, 4\)"):
+        DTPPruner(model, (x[:1],), 0.5)
+    assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
+    export_random_order(DTPPruner(model, (x[:1],), {"mlp": 0.5}), model, x)
