@@ -7,7 +7,9 @@ lets it through.
   and the sum of an int and None fails the whole graph (MiniMax's, ProphetNet's). Inside
   `unknown_concat_widths_left_unmapped()` the concatenation is left unmapped, as its
   code means to: the groups that meet a concatenation are left whole by the pruner
-  anyway (groups.py), and export checks the rest.
+  anyway (groups.py), and export checks the rest. So is one whose width inference reads
+  a part of a split it recorded fewer parts of (IndexError: DINOv3's concatenation of
+  its prefix tokens with the rotated patches).
 - A subclass of `nn.Linear` whose forward returns a tuple (the routers of PhiMoE and
   Llama 4, which return their logits with the experts chosen): its tracing hook reads
   `.shape` of a linear layer's output before it unpacks a tuple, and fails.
@@ -38,6 +40,8 @@ def unknown_concat_widths_left_unmapped() -> Iterator[None]:
             widths = getattr(node.module, "concat_sizes", None)
             if widths is None or None not in widths:
                 raise
+        except IndexError:  # a width read from a split it recorded fewer parts of
+            pass
 
     index_mapping.update_concat_index_mapping = tolerant
     try:

@@ -446,12 +446,19 @@ def _gpt2(name: str, module: nn.Module) -> HeadGroup | None:
 
 
 def _bert(name: str, module: nn.Module) -> HeadGroup | None:
-    """A parent holding ``self`` (query, key, value) and ``output.dense`` (BERT); DeBERTa's
+    """A parent holding ``self`` (query, key, value) and ``output.dense`` (BERT; the inner
+    layer named ``attention`` in the ViT layout of Data2Vec's vision model and YOLOS); DeBERTa's
     ``query_proj``, ``key_proj``, ``value_proj``, with the projections of its relative
     position embeddings, ``pos_key_proj`` and ``pos_query_proj``, per head too."""
-    inner, output = getattr(module, "self", None), getattr(module, "output", None)
-    for names in (("query", "key", "value"), ("query_proj", "key_proj", "value_proj")):
-        layers = [_linear(inner, p) for p in names] if inner is not None else [None]
+    output = getattr(module, "output", None)
+    # the inner layer is `self` (BERT), or `attention` (the ViT layout of Data2Vec's
+    # vision model and YOLOS)
+    for inner_name in ("self", "attention"):
+        inner = getattr(module, inner_name, None)
+        for names in (("query", "key", "value"), ("query_proj", "key_proj", "value_proj")):
+            layers = [_linear(inner, p) for p in names] if inner is not None else [None]
+            if all(x is not None for x in layers):
+                break
         if all(x is not None for x in layers):
             break
     out = _linear(output, "dense") if output is not None else None
@@ -470,7 +477,8 @@ def _bert(name: str, module: nn.Module) -> HeadGroup | None:
             f"heads of attention_head_size {head_dim}"
         )
     rows = [Projection(x, 1, head_dim) for x in layers]
-    return HeadGroup(f"{name}.self", inner, rows, Projection(out, 1, head_dim), heads, 1, head_dim)
+    out_rows = Projection(out, 1, head_dim)
+    return HeadGroup(f"{name}.{inner_name}", inner, rows, out_rows, heads, 1, head_dim)
 
 
 def _torch_mha(name: str, module: nn.Module) -> HeadGroup | None:
@@ -727,8 +735,8 @@ def prove_head_groups(model: nn.Module, groups: list[HeadGroup], inputs: tuple) 
 
 # attributes an attention layer's code may reshape its output to, holding the query width
 # (the model width as it is built): XGLM's, MVP's, InternVL's vision tower's; timm's
-# Hiera's `dim_out`
-OUTPUT_WIDTH_ATTRIBUTES = ("embed_dim", "dim_out")
+# Hiera's `dim_out`, Hugging Face Hiera's `hidden_size_output`
+OUTPUT_WIDTH_ATTRIBUTES = ("embed_dim", "dim_out", "hidden_size_output")
 
 
 def _proven(group: HeadGroup, scope: nn.Module, call: tuple, zero, cut, cut_call=None) -> bool:

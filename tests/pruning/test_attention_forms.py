@@ -134,6 +134,30 @@ def internvl_vision():  # its output projection is projection_layer
     return transformers.InternVLVisionModel(config), (torch.randn(2, 3, 16, 16),)
 
 
+# the ViT layout: the inner layer named `attention` beside `output.dense`
+def data2vec_vision():  # with a relative position bias table per layer
+    config = transformers.Data2VecVisionConfig(use_relative_position_bias=True, **TINY_HF_VIT)
+    return transformers.Data2VecVisionForImageClassification(config), (torch.randn(2, 3, 16, 16),)
+
+
+def yolos():  # detection tokens beside the patches
+    config = transformers.YolosConfig(
+        num_detection_tokens=4, **(TINY_HF_VIT | {"image_size": [16, 16]})
+    )
+    return transformers.YolosModel(config), (torch.randn(2, 3, 16, 16),)
+
+
+def mobilevit():  # attention layers between convolutions, three stages
+    config = transformers.MobileViTConfig(
+        image_size=64,
+        hidden_sizes=[16, 24, 32],
+        neck_hidden_sizes=[8, 8, 16, 16, 24, 24, 32],
+        num_attention_heads=4,
+        num_labels=5,
+    )
+    return transformers.MobileViTForImageClassification(config), (torch.randn(2, 3, 64, 64),)
+
+
 WIDTH_REWRITTEN = ("xglm", "mvp", "internvl_vision")
 NORMS_OVER_ALL_HEADS = ("olmo2", "olmo2_mha", "olmo3")  # q_norm and k_norm
 
@@ -155,6 +179,9 @@ FAMILIES = {
     "xglm": (xglm, 2, 4, False),
     "mvp": (mvp, 3, 4, False),
     "internvl_vision": (internvl_vision, 2, 4, False),
+    "data2vec_vision": (data2vec_vision, 2, 4, False),
+    "yolos": (yolos, 2, 4, False),
+    "mobilevit": (mobilevit, 9, 4, False),
     # q_norm and k_norm over each head's head_dim; head_dim 4 equals the head count, so
     # a norm's weight must not be taken for a per-head table
     "qwen3": (lambda: decoder("Qwen3", num_key_value_heads=2, head_dim=4), 2, 2, True),

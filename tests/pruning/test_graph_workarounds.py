@@ -110,6 +110,34 @@ def test_a_float_ratio_prunes_models_whose_graph_failed(build):
     assert params == sum(p.numel() for p in exported.parameters())
 
 
+def test_a_float_ratio_prunes_dinov3_whose_concatenation_reads_a_split_it_recorded_less_of():
+    """DINOv3 concatenates its prefix tokens (class, registers) with the patches its
+    rotary embedding rotated, and Torch-Pruning's width inference then reads a split's
+    size it did not record (IndexError): the concatenation is left unmapped and a float
+    prunes its heads and MLPs, exported equal to the hard-masked model."""
+    config = transformers.DINOv3ViTConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        image_size=32,
+        patch_size=8,
+    )
+    torch.manual_seed(0)
+    model = transformers.DINOv3ViTModel(config).eval()
+    x = torch.randn(2, 3, 32, 32)
+    pruner = DTPPruner(model, (x[:1],), 0.5)
+    kinds = [type(g).__name__ for g in pruner.groups]
+    assert kinds == ["HeadGroup", "ChannelGroup"] * 2
+    with torch.no_grad():
+        pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
+        with pruner.hard_masked():
+            want = model(x).last_hidden_state
+        exported = pruner.export().eval()
+        torch.testing.assert_close(exported(x).last_hidden_state, want, rtol=1e-5, atol=1e-5)
+    assert exported.model.layer[0].attention.num_heads == 2
+
+
 class _Concat:
     def __init__(self, widths):
         self.concat_sizes = widths
@@ -132,6 +160,14 @@ def test_only_an_unknown_width_is_let_through_and_the_library_is_restored(monkey
         with pytest.raises(TypeError):
             index_mapping.update_concat_index_mapping(None, _Node(None))
     assert index_mapping.update_concat_index_mapping is failing
+
+    def short_split(graph, node):  # a split's size it did not record
+        raise IndexError("list index out of range")
+
+    monkeypatch.setattr(index_mapping, "update_concat_index_mapping", short_split)
+    with unknown_concat_widths_left_unmapped():
+        index_mapping.update_concat_index_mapping(None, _Node([16, 8]))  # left unmapped
+    assert index_mapping.update_concat_index_mapping is short_split
 
 
 class _Router(nn.Linear):

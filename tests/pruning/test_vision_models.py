@@ -78,6 +78,39 @@ def timm_hiera():
     return model, torch.randn(4, 3, 64, 64)
 
 
+def hf_hiera():
+    """Hugging Face's Hiera: its output reshaped to `hidden_size_output`, rewritten at
+    export."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.HieraConfig(
+        embed_dim=16,
+        image_size=[64, 64],
+        patch_size=[7, 7],
+        patch_stride=[4, 4],
+        patch_padding=[3, 3],
+        depths=[1, 1],
+        num_heads=[2, 4],
+        query_stride=[2, 2],
+        masked_unit_size=[4, 4],
+        masked_unit_attention=[True, False],
+        embed_dim_multiplier=2.0,
+        num_query_pool=1,
+        num_labels=5,
+    )
+    return HFLogits(transformers.HieraForImageClassification(config)), torch.randn(4, 3, 64, 64)
+
+
+class HFLogits(torch.nn.Module):
+    """A Hugging Face image classifier returning its logits tensor."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x).logits
+
+
 def torchvision_convnext():
     from torchvision.models.convnext import CNBlockConfig, ConvNeXt
 
@@ -120,6 +153,15 @@ MODELS = {
             ("blocks.0.mlp.fc1", "mlp", 64),
             ("blocks.1.attn", "heads", 4),
             ("blocks.1.mlp.fc1", "mlp", 128),
+        ],
+    ),
+    "hf_hiera": (
+        hf_hiera,
+        [
+            ("model.hiera.encoder.stages.0.layers.0.attn", "heads", 2),
+            ("model.hiera.encoder.stages.0.layers.0.mlp.fc1", "mlp", 64),
+            ("model.hiera.encoder.stages.1.layers.0.attn", "heads", 4),
+            ("model.hiera.encoder.stages.1.layers.0.mlp.fc1", "mlp", 128),
         ],
     ),
     "torchvision_convnext": (
@@ -169,6 +211,10 @@ def test_groups_counts_and_export_equal_hard_masked(name):
         for block in exported.blocks:
             assert (block.attn.num_heads, block.attn.attn_dim) == (2, 16)
             assert block.attn.qkv.out_features == 48 and block.attn.proj.in_features == 16
+    if name == "hf_hiera":
+        stages = exported.model.hiera.encoder.stages
+        for stage, heads in zip(stages, (1, 2), strict=True):
+            assert stage.layers[0].attn.hidden_size_output == heads * 8
     if name == "timm_hiera":  # the kept heads and the width its output is reshaped to
         for block, dense, heads in zip(exported.blocks, model.blocks, (1, 2), strict=True):
             assert (block.attn.heads, block.attn.dim_out) == (heads, heads * 8)
