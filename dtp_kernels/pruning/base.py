@@ -23,6 +23,7 @@ from . import masking
 from . import ratios as ratio_rules
 from .conv1d import is_conv1d, linear_to_conv1d
 from .cost import COSTED, PER_CHANNEL_AFFINE, count_params, flops_after, params_after, trace_layers
+from .example_inputs import as_example_inputs, call_model
 from .experts import (
     ExpertGroup,
     Layout,
@@ -80,6 +81,9 @@ def _kind(group) -> str:
         return "coupled"
     return "mlp" if isinstance(group.layer, nn.Linear) else "channels"
 
+
+# the layers of a latent attention (DeepSeek-V2, V3) computing the compressed latents
+LATENT_LAYERS = ("q_a_proj", "kv_a_proj_with_mqa")
 
 # the kinds of group found without Torch-Pruning's graph (MLPs: where it fails, by form)
 GRAPHLESS_KINDS = ("heads", "linear_attention", "experts", "whole_experts", "mamba", "mlp")
@@ -154,10 +158,6 @@ def _carries_masks(module: nn.Module) -> bool:
     )
 
 
-def _as_tuple(example_inputs) -> tuple:
-    return example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-
-
 class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
     """Exact-size filter pruning of `model` (the model is referenced, not owned)."""
 
@@ -166,7 +166,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
     def __init__(
         self,
         model: nn.Module,
-        example_inputs: torch.Tensor | tuple,
+        example_inputs: torch.Tensor | tuple | Mapping,
         ratios: float | Mapping[str, float] | str,
         *,
         budget: str = "layer",
@@ -193,12 +193,12 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                 f"the model already carries a pruner's masks ({masked[0]!r} and "
                 f"{len(masked) - 1} more layers): call remove() on that pruner first"
             )
-        inputs = _as_tuple(example_inputs)
+        inputs = as_example_inputs(example_inputs)
         was_training = model.training
         try:
             with torch.no_grad():
                 model.eval()
-                model(*inputs)
+                call_model(model, inputs)
         except Exception as error:
             raise ValueError(
                 f"example_inputs do not run through the model: {type(error).__name__}: {error}"
@@ -308,6 +308,14 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         mixers = find_mamba_groups(model, ignored, inputs)
         mixers += find_mamba2_groups(model, ignored, inputs)
         projections = [layer for g in heads + mixers for layer in (*g.kept_out, *g.kept_in)]
+        # a latent attention's compressed latents serve all its heads and stay whole
+        projections += [
+            layer
+            for g in heads
+            if g.latent
+            for name in LATENT_LAYERS
+            if isinstance(layer := getattr(g.module, name, None), nn.Linear)
+        ]
         # a router that is a linear layer is cut with its experts, no group of its own
         projections += [g.router for g in whole if isinstance(g.router, nn.Linear)]
         # a linear layer computing one output per head (a table cut with the heads: Swin

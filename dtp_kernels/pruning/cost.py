@@ -13,11 +13,13 @@ every expert computes on every token: Llama 4's).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from .example_inputs import as_example_inputs, call_model
 from .experts import ExpertProjection, expert_layout
 
 CONV = (nn.Conv1d, nn.Conv2d)
@@ -93,7 +95,7 @@ def count_params(model: nn.Module) -> int:
 
 @torch.no_grad()
 def trace_layers(
-    model: nn.Module, example_inputs: torch.Tensor | tuple
+    model: nn.Module, example_inputs: torch.Tensor | tuple | Mapping
 ) -> list[Layer | ExpertMatmul]:
     """The costed layers of one eval-mode forward of `example_inputs`, in call order."""
     layers: list[Layer | ExpertMatmul] = []
@@ -137,21 +139,22 @@ def trace_layers(
 
 
 @torch.no_grad()
-def run_hooked(model: nn.Module, example_inputs: torch.Tensor | tuple, handles: list) -> None:
+def run_hooked(
+    model: nn.Module, example_inputs: torch.Tensor | tuple | Mapping, handles: list
+) -> None:
     """One eval-mode forward of `example_inputs`; the mode restored and the hooks of
     `handles` removed after it."""
     was_training = model.training
     model.eval()
     try:
-        args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-        model(*args)
+        call_model(model, as_example_inputs(example_inputs))
     finally:
         model.train(was_training)
         for handle in handles:
             handle.remove()
 
 
-def count_flops(model: nn.Module, example_inputs: torch.Tensor | tuple) -> int:
+def count_flops(model: nn.Module, example_inputs: torch.Tensor | tuple | Mapping) -> int:
     """FLOPs of one forward of `example_inputs` (batch 1 expected), the paper's convention."""
     return sum(layer.flops() for layer in trace_layers(model, example_inputs))
 

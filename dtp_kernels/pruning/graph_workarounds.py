@@ -26,6 +26,8 @@ import torch
 from torch import nn
 from torch_pruning.dependency import index_mapping
 
+from .example_inputs import call_model
+
 
 @contextlib.contextmanager
 def unknown_concat_widths_left_unmapped() -> Iterator[None]:
@@ -73,7 +75,7 @@ def tuple_returning_linears(model: nn.Module, example_inputs: tuple) -> list[nn.
             was_training = model.training
             model.eval()
             try:
-                model(*example_inputs)
+                call_model(model, example_inputs)
             finally:
                 model.train(was_training)
     finally:

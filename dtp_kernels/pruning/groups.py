@@ -29,6 +29,7 @@ import torch_pruning as tp
 from torch import nn
 
 from .conv1d import is_conv1d
+from .example_inputs import call_model
 from .graph_workarounds import tuple_returning_linears, unknown_concat_widths_left_unmapped
 
 
@@ -282,6 +283,7 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
                 graph = tp.DependencyGraph().build_dependency(
                     model,
                     example_inputs=example_inputs,
+                    forward_fn=lambda model, inputs: call_model(model, inputs),
                     output_transform=_traced_outputs,
                     ignored_layers=tuple_returning_linears(model, example_inputs),
                 )

@@ -69,7 +69,7 @@ def _extend_scheduler(scheduler, lr: float) -> None:
 def prepare(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    example_inputs: torch.Tensor | tuple,
+    example_inputs: torch.Tensor | tuple | Mapping,
     ratios: float | Mapping[str, float] | str,
     *,
     score_lr: float | None = None,

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .example_inputs import call_model
 from .groups import output_tensors, without_cache
 from .precision import ieee_fp32
 
@@ -56,7 +57,7 @@ def run_watched(model: nn.Module, inputs: tuple, handles: list) -> None:
     try:
         with torch.no_grad(), without_cache(model):
             model.eval()
-            model(*inputs)
+            call_model(model, inputs)
     finally:
         model.train(was_training)
         for handle in handles:

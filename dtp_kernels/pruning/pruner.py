@@ -31,6 +31,7 @@ from . import nm as nm_rules
 from .base import ChannelPruner, ExportMismatchError
 from .conv1d import linear_to_conv1d
 from .cost import COSTED, FlopsRatio
+from .example_inputs import call_model
 from .experts import ExpertGroup, tied_units
 from .groups import out_width, output_tensors
 from .heads import HeadGroup
@@ -75,7 +76,9 @@ class DTPPruner(ChannelPruner):
 
     Args:
         model: the network; the pruner attaches masks to it (parametrizations/hooks).
-        example_inputs: a tensor or tuple that runs through the model (batch 1 is enough).
+        example_inputs: what runs through the model (batch 1 is enough): a tensor, a
+            tuple of positional arguments or a dict of keyword arguments (a Hugging Face
+            processor's output: input ids with pixel values).
         ratios: a float; a dict of module names, fnmatch patterns or kinds of group
             ("channels", "mlp", "heads", "experts", "coupled") to ratios;
             "[0, 0.5, 0.5, 0.5]" (per ResNet stage) or "[0:0, 1-15:0.5]" (per convolution
@@ -120,7 +123,7 @@ class DTPPruner(ChannelPruner):
     def __init__(
         self,
         model: nn.Module,
-        example_inputs: torch.Tensor | tuple,
+        example_inputs: torch.Tensor | tuple | Mapping,
         ratios: float | Mapping[str, float] | str,
         *,
         budget: str = "layer",
@@ -615,10 +618,10 @@ class DTPPruner(ChannelPruner):
         pruned.eval()
         try:
             with ieee_fp32(), self.hard_masked():
-                want = output_tensors(self.model(*self.example_inputs))
+                want = output_tensors(call_model(self.model, self.example_inputs))
             with ieee_fp32():
                 try:
-                    got = output_tensors(pruned(*self.example_inputs))
+                    got = output_tensors(call_model(pruned, self.example_inputs))
                 except Exception as error:
                     raise ExportMismatchError(
                         f"the exported model fails on the example inputs "

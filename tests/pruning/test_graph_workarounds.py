@@ -19,6 +19,7 @@ from dtp_kernels.pruning.graph_workarounds import (
     unknown_concat_widths_left_unmapped,
 )
 from utils import LLAMA_VOCAB as VOCAB
+from utils import tiny_deepseek
 
 transformers = pytest.importorskip("transformers")
 
@@ -75,9 +76,20 @@ def llama4():  # a dense layer, then one of experts whose router returns a tuple
     return transformers.Llama4ForCausalLM(config)
 
 
+def deepseek_v2():  # latent attention: its latents stay whole, out of the graph's search
+    return tiny_deepseek(version=2)
+
+
+def deepseek_v3():  # and a concatenation of its rotary part the width inference fails on
+    return tiny_deepseek(version=3)
+
+
 # the groups a float ratio finds: heads, each expert's neurons, MLP neurons (ProphetNet's
-# feed-forward layers; Llama 4's dense MLP and shared expert)
+# feed-forward layers; Llama 4's dense MLP and shared expert; DeepSeek's dense MLP and
+# shared experts)
 GROUPS = {
+    deepseek_v2: {"HeadGroup": 2, "ChannelGroup": 2, "ExpertGroup": 4},
+    deepseek_v3: {"HeadGroup": 2, "ChannelGroup": 2, "ExpertGroup": 4},
     minimax: {"HeadGroup": 1, "ExpertGroup": 8},  # heads of its one full-attention layer
     prophetnet: {"ChannelGroup": 2},
     phimoe: {"HeadGroup": 2, "ExpertGroup": 8},

@@ -1,0 +1,50 @@
+"""The example inputs a pruner runs the model on (to find its groups, prove them, count
+its cost and check the export): a tensor, a tuple of positional arguments, or a dict of
+keyword arguments (a Hugging Face processor's output: input ids with pixel values and
+image grids), kept as one `ExampleInputs` and run by `call_model`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import nn
+
+
+class ExampleInputs(tuple):
+    """The positional example inputs (the tuple itself), with the keyword ones in
+    `kwargs`; true when either holds anything."""
+
+    kwargs: dict
+
+    def __new__(cls, args: tuple = (), kwargs: Mapping | None = None) -> ExampleInputs:
+        inputs = super().__new__(cls, args)
+        inputs.kwargs = dict(kwargs or {})
+        return inputs
+
+    def __bool__(self) -> bool:
+        return len(self) > 0 or bool(self.kwargs)
+
+    def __repr__(self) -> str:
+        return f"ExampleInputs(args={tuple(self)!r}, kwargs={self.kwargs!r})"
+
+
+def as_example_inputs(value: object) -> ExampleInputs:
+    """`value` as example inputs: a dict's items as keyword arguments (its keys must be
+    strings), a tuple's as positional ones, anything else as the one positional input."""
+    if isinstance(value, ExampleInputs):
+        return value
+    if isinstance(value, Mapping):
+        names = [key for key in value if not isinstance(key, str)]
+        if names:
+            raise TypeError(
+                f"example_inputs: a dict's keys are the model's keyword arguments, so they "
+                f"must be strings; got {names[:3]}"
+            )
+        return ExampleInputs((), value)
+    return ExampleInputs(value if isinstance(value, tuple) else (value,))
+
+
+def call_model(model: nn.Module, inputs: tuple):
+    """`model` run on example inputs (an ExampleInputs, or a plain tuple of positional
+    ones)."""
+    return model(*inputs, **getattr(inputs, "kwargs", {}))

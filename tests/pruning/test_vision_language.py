@@ -1,0 +1,152 @@
+"""Vision-language models (LLaVA, Qwen2.5-VL; tiny configurations built here) pruned from
+keyword example inputs, as a processor gives them (input ids with image tokens, pixel
+values, Qwen's image grid): the vision tower's heads and MLPs, the projector and the
+language model prune together, and the export computes what the hard-masked model
+computes and generates as it does. Example inputs in each form run the model alike."""
+
+import warnings
+
+import pytest
+import torch
+
+from dtp_kernels.pruning import DTPPruner
+from dtp_kernels.pruning.cost import count_flops
+from dtp_kernels.pruning.example_inputs import ExampleInputs, as_example_inputs, call_model
+from dtp_kernels.pruning.heads import HeadGroup
+from utils import randomised
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 64  # then the image tokens
+TEXT = dict(
+    vocab_size=VOCAB + 8,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+    head_dim=8,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def llava():
+    """A CLIP vision tower of 16 patches (all 17 tokens fed to the language model), a
+    projector and a Llama."""
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        image_size=16,
+        patch_size=4,
+    )
+    config = transformers.LlavaConfig(
+        vision_config=vision.to_dict() | {"model_type": "clip_vision_model"},
+        text_config=TEXT | {"model_type": "llama"},
+        image_token_index=VOCAB,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+    )
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(config)
+    ids = torch.randint(3, VOCAB, (1, 21), generator=torch.Generator().manual_seed(1))
+    ids[0, 2:19] = VOCAB
+    return model, {"input_ids": ids, "pixel_values": torch.randn(1, 3, 16, 16)}
+
+
+def qwen2_5_vl():
+    """Qwen2.5-VL: a windowed and a full-attention vision block, the patch merger, and
+    the language model with multimodal rotary positions; one image of 4 x 4 patches
+    merged into 4 tokens."""
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=4,
+        out_hidden_size=32,
+        patch_size=4,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=16,
+        fullatt_block_indexes=[1],
+    )
+    rope = {"type": "mrope", "mrope_section": [1, 1, 2]}
+    config = transformers.Qwen2_5_VLConfig(
+        vision_config=vision,
+        text_config=TEXT | {"rope_scaling": rope, "max_position_embeddings": 128},
+        image_token_id=VOCAB,
+        video_token_id=VOCAB + 1,
+        vision_start_token_id=VOCAB + 2,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config)
+    ids = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(1))
+    ids[0, 2], ids[0, 3:7] = VOCAB + 2, VOCAB
+    return model, {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "pixel_values": torch.randn(16, 3 * 2 * 4 * 4),
+        "image_grid_thw": torch.tensor([[1, 4, 4]]),
+    }
+
+
+# family: (builder, the vision tower's attention layers, its MLP roots, the projector's)
+FAMILIES = {
+    "llava": (
+        llava,
+        [f"model.vision_tower.encoder.layers.{i}.self_attn" for i in (0, 1)],
+        "model.multi_modal_projector.linear_1",
+    ),
+    "qwen2_5_vl": (
+        qwen2_5_vl,
+        [f"model.visual.blocks.{i}.attn" for i in (0, 1)],
+        "model.visual.merger.mlp.0",
+    ),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_vision_language_model_prunes_from_keyword_inputs(family):
+    build, vision_heads, projector = FAMILIES[family]
+    model, inputs = build()
+    pruner = randomised(DTPPruner(model, inputs, 0.5))
+    heads = [g.name for g in pruner.groups if isinstance(g, HeadGroup)]
+    language = [f"model.language_model.layers.{i}.self_attn" for i in (0, 1)]
+    assert heads == vision_heads + language
+    assert projector in [g.name for g in pruner.groups]
+    model.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(**inputs).logits
+    with warnings.catch_warnings():  # its config holds the sizes in its parts' configs
+        warnings.simplefilter("ignore")
+        exported = pruner.export().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(**inputs).logits, want, rtol=1e-5, atol=1e-5)
+    params, flops = pruner.predicted_counts()
+    assert params == sum(p.numel() for p in exported.parameters())
+    assert flops == count_flops(exported, inputs) < pruner.report()["flops_before"]
+    with torch.no_grad(), pruner.hard_masked():
+        want = model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    got = exported.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    assert torch.equal(got, want)
+
+
+def test_example_inputs_in_each_form_run_the_model_alike():
+    """A tensor is the one positional input, a tuple the positional ones, a dict the
+    keyword ones (true even with no positional one); a dict whose keys are not strings
+    is refused naming them."""
+
+    def echo(*args, **kwargs):
+        return args, kwargs
+
+    x = torch.ones(2)
+    assert call_model(echo, as_example_inputs(x)) == ((x,), {})
+    assert call_model(echo, as_example_inputs((x, None))) == ((x, None), {})
+    keywords = as_example_inputs({"pixel_values": x})
+    assert call_model(echo, keywords) == ((), {"pixel_values": x})
+    assert keywords and not ExampleInputs() and as_example_inputs(keywords) is keywords
+    with pytest.raises(TypeError, match=r"example_inputs: a dict's keys .* got \[0\]"):
+        as_example_inputs({0: x})
