@@ -6,6 +6,7 @@ DeepSeek-V2; tiny configurations built here) heads, experts and MLPs prune toget
 the config describes the result."""
 
 import contextlib
+
 import pytest
 import torch
 import torch_pruning as tp
