@@ -74,6 +74,36 @@ class ExpertMatmul:
         return (in_c + 1) * out_c * self.rows
 
 
+@dataclass(frozen=True)
+class PackedProjection:
+    """One block (query, key or value) of an attention layer's packed input projection
+    (`in_proj_weight`: nn.MultiheadAttention's, or the pruned one it exports to) as one
+    forward saw it: `rows` tokens (the queries' or the keys')."""
+
+    module: nn.Module  # the attention layer: its units' rows go from every block alike
+    out_c: int  # the block's rows
+    in_c: int
+    rows: int
+    kernel: int = 1
+    depthwise: bool = False
+
+    def channels(self, out_lost: int = 0, in_lost: int = 0) -> tuple[int, int, int]:
+        return self.out_c - out_lost // 3, self.in_c - in_lost, 1  # a third of its rows
+
+    def flops(self, out_lost: int = 0, in_lost: int = 0) -> int:
+        out_c, in_c, _ = self.channels(out_lost, in_lost)
+        return (in_c + 1) * out_c * self.rows
+
+
+def _packed_attention(module: nn.Module) -> bool:
+    """An attention layer with a packed input projection whose forward reads its weights
+    without calling a layer: nn.MultiheadAttention (one embedding width) and the pruned
+    layer it exports to."""
+    return isinstance(getattr(module, "in_proj_weight", None), torch.Tensor) and isinstance(
+        getattr(module, "out_proj", None), nn.Linear
+    )
+
+
 def _routed(module: nn.Module, experts: int, args: tuple, kwargs: dict) -> list[int]:
     """Tokens an experts module's forward routes to each expert: read from its integer
     argument, the experts chosen per token (ids outside [0, experts) are dropped tokens)."""
@@ -96,9 +126,9 @@ def count_params(model: nn.Module) -> int:
 @torch.no_grad()
 def trace_layers(
     model: nn.Module, example_inputs: torch.Tensor | tuple | Mapping
-) -> list[Layer | ExpertMatmul]:
+) -> list[Layer | ExpertMatmul | PackedProjection]:
     """The costed layers of one eval-mode forward of `example_inputs`, in call order."""
-    layers: list[Layer | ExpertMatmul] = []
+    layers: list[Layer | ExpertMatmul | PackedProjection] = []
 
     def hook(module: nn.Module, _inputs, output: torch.Tensor) -> None:
         if isinstance(module, CONV):
@@ -128,7 +158,22 @@ def trace_layers(
             down = ExpertProjection(module, "down_proj", e)
             layers.append(ExpertMatmul(down, layout.hidden, layout.width, rows))
 
+    def attention_hook(module: nn.Module, args: tuple, kwargs: dict, _output) -> None:
+        names = ("query", "key", "value")
+        given = dict(zip(names, args, strict=False)) | {n: kwargs[n] for n in names if n in kwargs}
+        width, block = module.in_proj_weight.shape[1], module.in_proj_weight.shape[0] // 3
+        queries, keys = given["query"].numel() // width, given["key"].numel() // width
+        for tokens in (queries, keys, keys):
+            layers.append(PackedProjection(module, block, width, tokens))
+        if isinstance(module, nn.MultiheadAttention):  # its out_proj is read, not called
+            layers.append(Layer(module.out_proj, 1, queries))
+
     handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, COSTED)]
+    handles += [
+        m.register_forward_hook(attention_hook, with_kwargs=True)
+        for m in model.modules()
+        if _packed_attention(m)
+    ]
     handles += [
         m.register_forward_pre_hook(expert_hook, with_kwargs=True)
         for m in model.modules()
@@ -160,7 +205,8 @@ def count_flops(model: nn.Module, example_inputs: torch.Tensor | tuple | Mapping
 
 
 def flops_after(
-    layers: list[Layer | ExpertMatmul], lost: dict[nn.Module | ExpertProjection, tuple[int, int]]
+    layers: list[Layer | ExpertMatmul | PackedProjection],
+    lost: dict[nn.Module | ExpertProjection, tuple[int, int]],
 ) -> int:
     """FLOPs with each layer's (output, input) channels reduced by `lost` (keyed by the
     layer's module, or the expert's projection)."""
@@ -197,7 +243,7 @@ class FlopsRatio:
     with the kept ratio of the group whose output channels it loses and, unless it is
     depthwise, of the group whose input channels it loses."""
 
-    def __init__(self, layers: list[Layer | ExpertMatmul], groups: list) -> None:
+    def __init__(self, layers: list[Layer | ExpertMatmul | PackedProjection], groups: list) -> None:
         out_group, in_group = {}, {}
         for index, group in enumerate(groups):
             out_group.update(dict.fromkeys(group.kept_out, index))

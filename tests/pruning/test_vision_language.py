@@ -1,8 +1,9 @@
-"""Vision-language models (LLaVA, Qwen2.5-VL; tiny configurations built here) pruned from
-keyword example inputs, as a processor gives them (input ids with image tokens, pixel
-values, Qwen's image grid): the vision tower's heads and MLPs, the projector and the
-language model prune together, and the export computes what the hard-masked model
-computes and generates as it does. Example inputs in each form run the model alike."""
+"""Vision-language models (LLaVA, Qwen2.5-VL, Gemma 3, Qwen3-VL; tiny configurations
+built here) pruned from keyword example inputs, as a processor gives them (input ids
+with image tokens, pixel values, Qwen's image grid): the vision tower's heads and MLPs,
+the projector and the language model prune together, and the export computes what the
+hard-masked model computes and generates as it does. Example inputs in each form run
+the model alike."""
 
 import warnings
 
@@ -93,7 +94,78 @@ def qwen2_5_vl():
     }
 
 
-# family: (builder, the vision tower's attention layers, its MLP roots, the projector's)
+SIGLIP = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_hidden_layers=2,
+    image_size=16,
+    patch_size=4,
+    model_type="siglip_vision_model",
+)
+
+
+def gemma3():
+    """Gemma 3: a SigLIP tower (with its attention-pooling head), 16 patches pooled into
+    4 image tokens, and Gemma 3's language model."""
+    text = TEXT | {"model_type": "gemma3_text", "sliding_window": 8, "query_pre_attn_scalar": 8}
+    config = transformers.Gemma3Config(
+        vision_config=SIGLIP,
+        text_config=text,
+        mm_tokens_per_image=4,
+        image_token_index=VOCAB,
+        boi_token_index=VOCAB + 1,
+        eoi_token_index=VOCAB + 2,
+    )
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    ids = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(1))
+    ids[0, 2:6] = VOCAB
+    return model, {
+        "input_ids": ids,
+        "pixel_values": torch.randn(1, 3, 16, 16),
+        "token_type_ids": (ids == VOCAB).long(),
+    }
+
+
+def qwen3_vl():
+    """Qwen3-VL: the vision blocks, its merger and a deep-stack merger feeding a
+    language-model layer, the language model with interleaved multimodal rotary
+    positions."""
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=4,
+        out_hidden_size=32,
+        patch_size=4,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=16,
+        deepstack_visual_indexes=[1],
+    )
+    rope = {"rope_type": "default", "mrope_section": [1, 1, 2], "mrope_interleaved": True}
+    config = transformers.Qwen3VLConfig(
+        vision_config=vision,
+        text_config=TEXT | {"rope_scaling": rope, "max_position_embeddings": 128},
+        image_token_id=VOCAB,
+        video_token_id=VOCAB + 1,
+        vision_start_token_id=VOCAB + 2,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3VLForConditionalGeneration(config)
+    ids = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(1))
+    ids[0, 2], ids[0, 3:7] = VOCAB + 2, VOCAB
+    return model, {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "pixel_values": torch.randn(16, 3 * 2 * 4 * 4),
+        "image_grid_thw": torch.tensor([[1, 4, 4]]),
+        "mm_token_type_ids": (ids == VOCAB).long(),
+    }
+
+
+# family: (builder, the vision tower's attention layers, a group of its MLPs or projector)
 FAMILIES = {
     "llava": (
         llava,
@@ -104,6 +176,19 @@ FAMILIES = {
         qwen2_5_vl,
         [f"model.visual.blocks.{i}.attn" for i in (0, 1)],
         "model.visual.merger.mlp.0",
+    ),
+    "gemma3": (  # the projector has no group (a raw weight and a norm)
+        gemma3,
+        [
+            *(f"model.vision_tower.encoder.layers.{i}.self_attn" for i in (0, 1)),
+            "model.vision_tower.head.attention",
+        ],
+        "model.vision_tower.encoder.layers.1.mlp.fc1",
+    ),
+    "qwen3_vl": (
+        qwen3_vl,
+        [f"model.visual.blocks.{i}.attn" for i in (0, 1)],
+        "model.visual.deepstack_merger_list.0.linear_fc1",
     ),
 }
 

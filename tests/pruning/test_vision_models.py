@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dtp_kernels.pruning import DTPPruner
-from dtp_kernels.pruning.cost import count_params
+from dtp_kernels.pruning.cost import count_flops, count_params
 from dtp_kernels.pruning.heads import HeadGroup
 
 timm = pytest.importorskip("timm")
@@ -298,6 +298,14 @@ def test_torchvision_vit_heads_export_to_fewer_heads():
     attention = exported.encoder.layers[0].self_attention
     assert isinstance(attention, PrunedMultiheadAttention) and attention.num_heads == 2
     assert count_params(exported) == pruner.report()["params_after"]
+    # the packed input projection and the output projection count, dense and exported
+    # (the paper's convention: (inputs + 1) x outputs per position)
+    patches = (3 * 8 * 8 + 1) * 32 * 16
+    attention = (32 + 1) * 96 * 17 + (32 + 1) * 32 * 17  # 17 tokens: in_proj, out_proj
+    mlp = (32 + 1) * 64 * 17 + (64 + 1) * 32 * 17
+    head = (32 + 1) * 1000
+    assert count_flops(vit, (x[:1],)) == patches + 2 * (attention + mlp) + head
+    assert pruner.report()["flops_after"] == count_flops(exported, (x[:1],))
 
 
 @pytest.mark.parametrize("batch_first", [False, True])
