@@ -58,40 +58,50 @@ def llava():
     return model, {"input_ids": ids, "pixel_values": torch.randn(1, 3, 16, 16)}
 
 
-def qwen2_5_vl():
-    """Qwen2.5-VL: a windowed and a full-attention vision block, the patch merger, and
-    the language model with multimodal rotary positions; one image of 4 x 4 patches
-    merged into 4 tokens."""
-    vision = dict(
-        depth=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=4,
-        out_hidden_size=32,
-        patch_size=4,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        window_size=16,
-        fullatt_block_indexes=[1],
-    )
-    rope = {"type": "mrope", "mrope_section": [1, 1, 2]}
-    config = transformers.Qwen2_5_VLConfig(
-        vision_config=vision,
+# the vision tower both Qwen families share: 4 x 4 patches of 4 pixels merged 2 x 2
+QWEN_VISION = dict(
+    depth=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=4,
+    out_hidden_size=32,
+    patch_size=4,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+)
+
+
+def qwen_vl(family: str, vision: dict, rope: dict) -> tuple:
+    """A Qwen `{family}ForConditionalGeneration` with one image of 4 x 4 patches merged
+    into 4 tokens, and its inputs (Qwen3-VL's with the token types its rotary positions
+    read)."""
+    config = getattr(transformers, f"{family}Config")(
+        vision_config=QWEN_VISION | vision,
         text_config=TEXT | {"rope_scaling": rope, "max_position_embeddings": 128},
         image_token_id=VOCAB,
         video_token_id=VOCAB + 1,
         vision_start_token_id=VOCAB + 2,
     )
     torch.manual_seed(0)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config)
+    model = getattr(transformers, f"{family}ForConditionalGeneration")(config)
     ids = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(1))
     ids[0, 2], ids[0, 3:7] = VOCAB + 2, VOCAB
-    return model, {
+    inputs = {
         "input_ids": ids,
         "attention_mask": torch.ones_like(ids),
         "pixel_values": torch.randn(16, 3 * 2 * 4 * 4),
         "image_grid_thw": torch.tensor([[1, 4, 4]]),
     }
+    if family == "Qwen3VL":
+        inputs["mm_token_type_ids"] = (ids == VOCAB).long()
+    return model, inputs
+
+
+def qwen2_5_vl():
+    """Qwen2.5-VL: a windowed and a full-attention vision block, the patch merger, and
+    the language model with multimodal rotary positions."""
+    vision = {"window_size": 16, "fullatt_block_indexes": [1]}
+    return qwen_vl("Qwen2_5_VL", vision, {"type": "mrope", "mrope_section": [1, 1, 2]})
 
 
 SIGLIP = dict(
@@ -132,37 +142,9 @@ def qwen3_vl():
     """Qwen3-VL: the vision blocks, its merger and a deep-stack merger feeding a
     language-model layer, the language model with interleaved multimodal rotary
     positions."""
-    vision = dict(
-        depth=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=4,
-        out_hidden_size=32,
-        patch_size=4,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        num_position_embeddings=16,
-        deepstack_visual_indexes=[1],
-    )
+    vision = {"num_position_embeddings": 16, "deepstack_visual_indexes": [1]}
     rope = {"rope_type": "default", "mrope_section": [1, 1, 2], "mrope_interleaved": True}
-    config = transformers.Qwen3VLConfig(
-        vision_config=vision,
-        text_config=TEXT | {"rope_scaling": rope, "max_position_embeddings": 128},
-        image_token_id=VOCAB,
-        video_token_id=VOCAB + 1,
-        vision_start_token_id=VOCAB + 2,
-    )
-    torch.manual_seed(0)
-    model = transformers.Qwen3VLForConditionalGeneration(config)
-    ids = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(1))
-    ids[0, 2], ids[0, 3:7] = VOCAB + 2, VOCAB
-    return model, {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "pixel_values": torch.randn(16, 3 * 2 * 4 * 4),
-        "image_grid_thw": torch.tensor([[1, 4, 4]]),
-        "mm_token_type_ids": (ids == VOCAB).long(),
-    }
+    return qwen_vl("Qwen3VL", vision, rope)
 
 
 # family: (builder, the vision tower's attention layers, a group of its MLPs or projector)
