@@ -267,7 +267,16 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                 f"ratio of 0 for them: {_zero_ratios(ratios, [g.name for g in refused])}"
             )
         if not self.groups:
-            raise ValueError("the ratios prune nothing of this model")
+            if all_groups:
+                found = f"its groups: {[g.name for g in all_groups][:8]}"
+            elif prune_coupled:
+                found = "no group was found in it"
+            else:  # every channel meets a residual add (RepVGG's blocks)
+                found = (
+                    "no group was found in it; channels that meet a residual add are "
+                    "groups only with prune_coupled=True"
+                )
+            raise ValueError(f"the ratios prune nothing of this model ({found})")
         self.ratios = {g.name: per_group[g.name] for g in self.groups}
         self.sizes = [g.size for g in self.groups]
         if budget != "global":

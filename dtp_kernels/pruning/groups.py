@@ -348,12 +348,15 @@ def _coupled_producers(
     graph: tp.DependencyGraph, out_layers: list, bns: list
 ) -> list[tuple[nn.Module, nn.Module]]:
     """Each layer writing into a residual-coupled width, with the BN right after it (whose
-    rows take the mask) or itself when none follows."""
+    rows take the mask) or itself when none follows; and each BN of the width after none
+    of them (RepVGG's identity branch, a BN of the block's input added to the sum), whose
+    rows take the mask too: it would give the removed channels its bias back."""
     producers = []
     for layer in out_layers:
         after = [n.module for n in graph.module2node[layer].outputs if n.module in bns]
         producers.append((layer, after[0] if after else layer))
-    return producers
+    masked = {target for _, target in producers}
+    return producers + [(bn, bn) for bn in bns if bn not in masked]
 
 
 def _coupling_problem(ops: list[str], norms: list, params: list, bns: list, rest: list) -> str:

@@ -106,3 +106,35 @@ def test_widths_that_cannot_be_masked_exactly_are_left_whole():
     ]
     with pytest.raises(TypeError, match=r"prune_coupled must be a bool, got str"):
         DTPPruner(resnet, torch.randn(1, 3, 32, 32), 0.5, prune_coupled="yes")
+
+
+def test_a_model_of_coupled_widths_only_says_prune_coupled_prunes_it():
+    """timm's RepVGG sums every block's 3x3, 1x1 and identity branches, so every channel
+    meets a residual add: a float finds no group and says prune_coupled=True prunes
+    them, which it does, exported equal to the hard-masked model: the identity branch's
+    BN, a BN of the block's input, takes the mask too (else its bias comes back)."""
+    pytest.importorskip("timm")
+    from timm.models.byobnet import ByoBlockCfg, ByobNet, ByoModelCfg
+
+    config = ByoModelCfg(
+        blocks=(
+            ByoBlockCfg(type="rep", d=1, c=8, s=1, gs=0, br=1.0),
+            ByoBlockCfg(type="rep", d=2, c=16, s=2, gs=0, br=1.0),
+        ),
+        stem_type="rep",
+        stem_chs=8,
+        num_features=0,
+    )
+    model = with_random_bn(ByobNet(config, num_classes=5)).eval()
+    x = torch.randn(2, 3, 16, 16)
+    with pytest.raises(ValueError, match=r"prune nothing .*prune_coupled=True"):
+        DTPPruner(model, x[:1], 0.5)
+    pruner = DTPPruner(model, x[:1], 0.5, prune_coupled=True)
+    assert [g.size for g in pruner.groups] == [8, 16]
+    identity = model.stages[1][1].identity  # the second block's BN of its input
+    assert any(target is identity for g in pruner.groups for _, target in g.producers)
+    with torch.no_grad():
+        pruner.scores.uniform_(0, 1, generator=torch.Generator().manual_seed(1))
+        with pruner.hard_masked():
+            want = model(x)
+        torch.testing.assert_close(pruner.export().eval()(x), want, rtol=1e-5, atol=1e-5)
