@@ -2,7 +2,9 @@
 ``save_pretrained`` / ``from_pretrained`` rebuild the pruned model.
 
 A config holds one size per kind for all layers (heads, key/value heads, head_dim,
-intermediate_size). The new values are kept only when a model built from the updated
+intermediate_size); a composite model's parts hold theirs in its sub-configs (a
+vision-language model's `text_config` and `vision_config`), each written with the
+groups inside that part. The new values are kept only when a model built from the updated
 config (on the meta device: no memory) has exactly the exported model's shapes;
 otherwise the config is left as it was, with a warning (the exported model itself is
 right; dtp_kernels.save_pruned saves it).
@@ -170,32 +172,69 @@ def _rebuilds(model: nn.Module, config) -> bool:
     return _shapes(fresh) == _shapes(model)
 
 
+def _parts(model: nn.Module, config) -> list[tuple[str, object]]:
+    """(module name, config) of each part of a composite model that holds one of its
+    config's sub-configs as its own (a vision-language model's vision tower and language
+    model: `vision_config`, `text_config`), outermost first; [] for a model of one
+    config."""
+    subs = [getattr(config, key, None) for key in getattr(config, "sub_configs", None) or {}]
+    subs = [sub for sub in subs if sub is not None]
+    parts: list[tuple[str, object]] = []
+    for name, module in model.named_modules():
+        own = getattr(module, "config", None)
+        inside = any(name.startswith(f"{prefix}.") for prefix, _ in parts)
+        if name and not inside and any(own is sub for sub in subs):
+            parts.append((name, own))
+    return parts
+
+
+def _writes(
+    model: nn.Module, config, groups: list, masks: list
+) -> list[tuple[object, dict | None]]:
+    """(config, its fields) for each config the exported sizes go to: each part's
+    sub-config for the groups inside that part, the model's config for the rest."""
+    rest = list(range(len(groups)))
+    writes = []
+    for prefix, sub in _parts(model, config):
+        mine = [i for i in rest if groups[i][1].name.startswith(f"{prefix}.")]
+        rest = [i for i in rest if i not in mine]
+        if mine:
+            fields = config_fields(sub, [groups[i] for i in mine], [masks[i] for i in mine])
+            writes.append((sub, fields))
+    fields = config_fields(config, [groups[i] for i in rest], [masks[i] for i in rest])
+    return [*writes, (config, fields)]
+
+
 def update_config(model: nn.Module, groups: list[tuple[str, object]], masks: list) -> bool:
-    """Write the exported sizes into `model.config` when a model built from it matches;
-    whether the config describes the exported model (False without a config)."""
+    """Write the exported sizes into `model.config` (and, for a composite model, each
+    part's sub-config) when a model built from it matches; whether the config describes
+    the exported model (False without a config)."""
     config = _transformers_config(model)
     if config is None:
         return False
-    fields = config_fields(config, groups, masks)
-    if fields == {} and _rebuilds(model, config):
+    writes = _writes(model, config, groups, masks)
+    described = [fields for _, fields in writes]
+    if all(fields == {} for fields in described) and _rebuilds(model, config):
         return True
-    before = {}
-    if fields:  # None: no one size per kind; {}: nothing to write, and it did not rebuild
+    before = []  # (config, field, value) to restore
+    if None not in described:  # None: no one size per kind; all {}: it did not rebuild
         try:
-            for name, value in fields.items():
-                current = getattr(config, name, None)
-                setattr(config, name, value)  # a read-only field (Falcon's head_dim) raises
-                before[name] = current
+            for target, fields in writes:
+                for name, value in fields.items():
+                    current = getattr(target, name, None)
+                    setattr(target, name, value)  # a read-only field (Falcon's head_dim) raises
+                    before.append((target, name, current))
             if _rebuilds(model, config):
                 return True
         except AttributeError:
             pass
-        for name, value in before.items():
-            setattr(config, name, value)
+        for target, name, value in reversed(before):
+            setattr(target, name, value)
+    fields = {k: v for f in described if f for k, v in f.items()}
     why = (
         "no field of it holds them: layers pruned to different sizes, a width no field "
         "holds, or a Mamba-2 mixer's norm epsilon, rescaled in each layer"
-        if fields is None
+        if None in described
         else f"a model built from the updated config {fields} would not have the exported shapes"
     )
     warnings.warn(

@@ -217,3 +217,32 @@ def test_example_inputs_in_each_form_run_the_model_alike():
     assert keywords and not ExampleInputs() and as_example_inputs(keywords) is keywords
     with pytest.raises(TypeError, match=r"example_inputs: a dict's keys .* got \[0\]"):
         as_example_inputs({0: x})
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3", "qwen3_vl", "qwen2_5_vl"])
+def test_the_language_models_sizes_go_to_its_own_config(family, tmp_path):
+    """The language model's exported sizes are written to the composite config's
+    `text_config`, so save_pretrained / from_pretrained rebuild the pruned model; where
+    that config cannot hold them (Qwen2.5-VL's text attention sizes its heads as the
+    width over their count) it is left unchanged with a warning."""
+    build = FAMILIES[family][0]
+    model, inputs = build()
+    pruner = randomised(DTPPruner(model, inputs, {"model.language_model.*": 0.5}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exported = pruner.export().eval()
+    described = not [w for w in caught if "config cannot describe" in str(w.message)]
+    assert described == (family != "qwen2_5_vl")
+    if not described:
+        assert exported.config.text_config.num_attention_heads == 4  # left as it was
+        return
+    text = exported.config.text_config
+    assert (text.num_attention_heads, text.num_key_value_heads, text.intermediate_size) == (
+        2,
+        1,
+        32,
+    )
+    exported.save_pretrained(tmp_path)
+    loaded = type(exported).from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**inputs).logits, exported(**inputs).logits)
