@@ -55,6 +55,8 @@ LAYOUTS = (
     ),
 )
 SIZES = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
+# the parameters with one entry per value head
+TABLES = ("A_log", "dt_bias")
 
 
 @dataclass(eq=False)
@@ -77,6 +79,11 @@ def gated_deltanet(name: str, module: nn.Module) -> LinearAttentionGroup | None:
     if values % keys:
         return None
     per_key = values // keys
+    if not all(
+        isinstance(t := getattr(module, name, None), nn.Parameter) and tuple(t.shape) == (values,)
+        for name in TABLES
+    ):
+        return None
     sizes = {"k": key_dim, "v": per_key * value_dim, "h": per_key}
     for projections, gates, output in LAYOUTS:
         layers = {n: getattr(module, n, None) for n, _ in (*projections, *gates)}
@@ -102,12 +109,15 @@ def gated_deltanet(name: str, module: nn.Module) -> LinearAttentionGroup | None:
             or not conv.groups == conv.in_channels == conv.out_channels == width
         ):
             return None
-        attributes = {
+        per_unit = {
             "num_k_heads": 1,
             "num_v_heads": per_key,
             "key_dim": key_dim,
             "value_dim": sizes["v"],
             "conv_dim": 2 * key_dim + sizes["v"],
+        }  # those the layer has
+        attributes = {
+            a: n for a, n in per_unit.items() if isinstance(getattr(module, a, None), int)
         }
         return LinearAttentionGroup(
             name,
@@ -117,7 +127,7 @@ def gated_deltanet(name: str, module: nn.Module) -> LinearAttentionGroup | None:
             keys,
             per_key,
             value_dim,
-            tables=[(module, t, 0) for t in ("A_log", "dt_bias")],
+            tables=[(module, t, 0) for t in TABLES],
             convs=[conv_rows],
             attributes=attributes,
         )
