@@ -202,19 +202,25 @@ def test_prune_command_prunes_gpt2_and_saves_it_in_its_own_layout(tmp_path):
     assert type(attention.c_attn).__name__ == "Conv1D" and attention.num_heads == 2
 
 
-def save_olmo2(where: Path, vocab: int = 256) -> Path:
-    """A tiny OLMo 2 (q_norm and k_norm over all heads; 4 heads, 2 key/value heads)."""
-    config = transformers.Olmo2Config(
+def save_lm(where: Path, config: str, model: str, vocab: int, **sizes) -> Path:
+    """transformers' `{model}ForCausalLM` of a `{config}Config` (4 heads, 2 key/value
+    heads, MLPs of 48, and `sizes`) saved with save_pretrained."""
+    built = getattr(transformers, f"{config}Config")(
         vocab_size=vocab,
         hidden_size=32,
         intermediate_size=48,
         num_attention_heads=4,
         num_key_value_heads=2,
-        num_hidden_layers=2,
+        **sizes,
     )
     torch.manual_seed(0)
-    transformers.Olmo2ForCausalLM(config).save_pretrained(where)
+    getattr(transformers, f"{model}ForCausalLM")(built).save_pretrained(where)
     return where
+
+
+def save_olmo2(where: Path, vocab: int = 256) -> Path:
+    """A tiny OLMo 2 (q_norm and k_norm over all heads)."""
+    return save_lm(where, "Olmo2", "Olmo2", vocab, num_hidden_layers=2)
 
 
 def save_mamba2(where: Path, vocab: int = 256) -> Path:
@@ -229,23 +235,16 @@ def save_mamba2(where: Path, vocab: int = 256) -> Path:
 
 def save_qwen3_5(where: Path, vocab: int = 256) -> Path:
     """A tiny Qwen3.5: 3 Gated DeltaNet layers (4 key heads, 8 value heads) and a gated
-    attention layer (4 heads, 2 key/value heads)."""
-    config = transformers.Qwen3_5TextConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=48,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_hidden_layers=4,
+    attention layer."""
+    linear = dict(
         linear_num_key_heads=4,
         linear_num_value_heads=8,
         linear_key_head_dim=8,
         linear_value_head_dim=8,
     )
-    torch.manual_seed(0)
-    transformers.Qwen3_5ForCausalLM(config).save_pretrained(where)
-    return where
+    return save_lm(
+        where, "Qwen3_5Text", "Qwen3_5", vocab, head_dim=8, num_hidden_layers=4, **linear
+    )
 
 
 LINEAR_AND_GATED = "prune.ratios={heads: 0.5, linear_attention: 0.5, mlp: 0.5}"

@@ -14,7 +14,7 @@ from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.cost import count_flops
 from dtp_kernels.pruning.example_inputs import ExampleInputs, as_example_inputs, call_model
 from dtp_kernels.pruning.heads import HeadGroup
-from utils import randomised
+from utils import TINY_HF_VIT, randomised
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,16 +36,8 @@ TEXT = dict(
 def llava():
     """A CLIP vision tower of 16 patches (all 17 tokens fed to the language model), a
     projector and a Llama."""
-    vision = transformers.CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_hidden_layers=2,
-        image_size=16,
-        patch_size=4,
-    )
     config = transformers.LlavaConfig(
-        vision_config=vision.to_dict() | {"model_type": "clip_vision_model"},
+        vision_config=TINY_HF_VIT | {"model_type": "clip_vision_model"},
         text_config=TEXT | {"model_type": "llama"},
         image_token_index=VOCAB,
         vision_feature_layer=-1,
@@ -104,15 +96,7 @@ def qwen2_5_vl():
     return qwen_vl("Qwen2_5_VL", vision, {"type": "mrope", "mrope_section": [1, 1, 2]})
 
 
-SIGLIP = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_attention_heads=4,
-    num_hidden_layers=2,
-    image_size=16,
-    patch_size=4,
-    model_type="siglip_vision_model",
-)
+SIGLIP = TINY_HF_VIT | {"model_type": "siglip_vision_model"}
 
 
 def gemma3():
