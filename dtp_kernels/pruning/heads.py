@@ -165,6 +165,11 @@ class HeadGroup:
         sharing one bias per head: tied_heads.py)."""
         return [self]
 
+    def cut_call(self, member: HeadGroup, call: tuple, keep: torch.Tensor) -> tuple:
+        """The example call `member` runs on once cut to the units `keep`: as it was (a
+        chain's later layers are handed a bias cut with the first's: tied_heads.py)."""
+        return call
+
     def add_rows(self, projection: Projection) -> None:
         """One more projection whose rows are the units' (an output gate)."""
         self.rows.append(projection)
@@ -723,8 +728,7 @@ def prove_head_groups(model: nn.Module, groups: list[HeadGroup], inputs: tuple) 
             prune_heads(group, dict(copy.named_modules()), names, mask)
 
         # a layer of a chain is handed the bias cut as the exported first layer hands it
-        cut_call = partial(tied.cut_call, group) if hasattr(tied, "cut_call") else None
-        if not _proven(group, scope, calls[scope], zero, cut, cut_call):
+        if not _proven(group, scope, calls[scope], zero, cut, partial(tied.cut_call, group)):
             where = "" if group is tied else f"its tied layer {group.name!r}: "
             tied.refusal = where + (
                 "with some of its heads removed it does not compute what it computes with "
@@ -741,7 +745,7 @@ def prove_head_groups(model: nn.Module, groups: list[HeadGroup], inputs: tuple) 
 OUTPUT_WIDTH_ATTRIBUTES = ("embed_dim", "dim_out", "hidden_size_output")
 
 
-def _proven(group: HeadGroup, scope: nn.Module, call: tuple, zero, cut, cut_call=None) -> bool:
+def _proven(group: HeadGroup, scope: nn.Module, call: tuple, zero, cut, cut_call) -> bool:
     """Whether cutting `group`'s units computes what zeroing them does on `call`: as
     export cuts them, or else with the layer's attribute of the output width rewritten
     (which `group.output_width` then names for export). An attribute is tried only where

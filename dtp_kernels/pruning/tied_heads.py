@@ -45,9 +45,6 @@ class TiedHeadGroup(HeadGroup):
     bias_dims: dict[nn.Module, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.tied:  # no chain given: the first layer's own group
-            super().__post_init__()
-            return
         self.kept_out = [layer for g in self.tied for layer in g.kept_out]
         self.kept_in = [layer for g in self.tied for layer in g.kept_in]
         self.width = {m: w for g in self.tied for m, w in g.width.items()}
