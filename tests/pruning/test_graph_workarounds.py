@@ -141,6 +141,7 @@ def test_a_float_ratio_prunes_dinov3_whose_concatenation_reads_a_split_it_record
     pruner = DTPPruner(model, (x[:1],), 0.5)
     kinds = [type(g).__name__ for g in pruner.groups]
     assert kinds == ["HeadGroup", "ChannelGroup"] * 2
+    assert [int(m.sum()) for m in pruner.hard_masks()] == [2, 32, 2, 32]
     with torch.no_grad():
         pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
         with pruner.hard_masked():

@@ -14,6 +14,7 @@ from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.cost import count_flops
 from dtp_kernels.pruning.example_inputs import ExampleInputs, as_example_inputs, call_model
 from dtp_kernels.pruning.heads import HeadGroup
+from dtp_kernels.pruning.ratios import kept_count
 from utils import TINY_HF_VIT, randomised
 
 transformers = pytest.importorskip("transformers")
@@ -168,6 +169,8 @@ def test_a_vision_language_model_prunes_from_keyword_inputs(family):
     language = [f"model.language_model.layers.{i}.self_attn" for i in (0, 1)]
     assert heads == vision_heads + language
     assert projector in [g.name for g in pruner.groups]
+    masks = pruner.hard_masks()  # exactly the counts asked for, each group
+    assert [int(m.sum()) for m in masks] == [kept_count(g.size, 0.5) for g in pruner.groups]
     model.eval()
     with torch.no_grad(), pruner.hard_masked():
         want = model(**inputs).logits
