@@ -40,6 +40,7 @@ from .hf_config import update_config
 from .mamba import MambaGroup, find_mamba_groups, prune_mamba
 from .mamba2 import Mamba2Group, check_mamba2_ratios, find_mamba2_groups
 from .mlps import FormMLPGroup, find_form_mlps, prune_form_mlp
+from .response_norms import adopt_response_norms, rescale_response_norm
 from .tied_heads import tie_chains
 from .whole_experts import (
     MaskedRouting,
@@ -333,6 +334,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         try:
             with traced_graph(model, inputs) as graph:
                 channels = find_groups(model, graph, ignored + projections, self.prune_coupled)
+            adopt_response_norms(model, channels, inputs)
         except ChannelGraphError as error:  # raised unless the ratios need no graph
             self._graph_error = error
             channels = find_form_mlps(model, ignored + projections, inputs)
@@ -416,7 +418,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             # raw 3-D parameters: no layer formula
             if isinstance(group, (ExpertGroup, WholeExpertsGroup)):
                 params -= group.removed_params(int(mask.numel() - mask.sum()))
-            # a norm over the units (heads) loses the removed units' channels
+            # a norm over the units (heads, a GRN) loses the removed units' parameters
             for _norm, per_unit in getattr(group, "cut_norms", ()):
                 params -= int(mask.numel() - mask.sum()) * per_unit
             # per-head tables; a Mamba mixer's per-channel parameters
@@ -487,6 +489,9 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                 layer = names[group.name]
                 drop = group.channels(dropped_units).tolist()
                 graph.get_pruning_group(layer, out_channel_handler(layer), drop).prune()
+                for norm in group.response_norms:  # cut with the channels: rescaled
+                    rescaled = names[original_names[norm]]
+                    rescale_response_norm(rescaled, group.size, group.size - len(drop))
                 if group.group_norm is not None:  # whole groups went: as many fewer groups
                     norm = names[original_names[group.group_norm]]
                     norm.num_groups -= len(dropped_units)

@@ -61,6 +61,12 @@ class ChannelGroup:
     # the root's outputs are this many equal parts combined channel by channel (Phi-3's
     # gate_up_proj, chunked into gate and up): unit i is channel i of every part
     parts: int = 1
+    # the modules owning raw parameters of the group's width (Torch-Pruning cuts them
+    # with it: a GRN's weight and bias, a per-channel scale)
+    param_owners: list[nn.Module] = field(default_factory=list)
+    # a global response normalization the channels pass through (ConvNeXt V2's GRN),
+    # exact when its bias is masked too and export rescales it (response_norms.py)
+    response_norms: list[nn.Module] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.rows is None:
@@ -79,6 +85,12 @@ class ChannelGroup:
             return {self.layer: self.parts}
         per_unit = self.channels_per_unit
         return {} if per_unit == 1 else dict.fromkeys([*self.kept_out, *self.kept_in], per_unit)
+
+    @property
+    def cut_norms(self) -> list[tuple[nn.Module, int]]:
+        """The norms cut with the units: (norm, its parameters per unit)."""
+        norms = self.response_norms
+        return [(n, sum(p.numel() for p in n.parameters()) // self.size) for n in norms]
 
     def unit_weights(self) -> torch.Tensor:
         """The root's weights, one row per unit (its filter, or a GroupNorm group's); of
@@ -484,7 +496,7 @@ def _channel_groups(
     found = {}
     for group in graph.get_all_groups(ignored_layers=list(ignored), root_module_types=roots):
         out_layers, bns, outs, ins, norms, depthwise, ops = [], [], [], [], [], [], []
-        group_norms, params = [], []
+        group_norms, params, param_owners = [], [], []
         for dep, _idxs in group:
             module, handler = dep.target.module, dep.handler
             ops.append(_group_op(graph, module))
@@ -507,6 +519,8 @@ def _channel_groups(
                 norms.append(module)
             elif handler == tp.prune_parameter_out_channels:
                 owner = owners.get(id(module))
+                if owner is not None and owner not in param_owners:
+                    param_owners.append(owner)
                 if owner is not None and is_norm(owner):
                     if owner not in norms:
                         norms.append(owner)
@@ -605,6 +619,16 @@ def _channel_groups(
         else:
             norms.extend(group_norms)
         found[layer] = ChannelGroup(
-            names[layer], layer, bn, size, outs, ins, norms, rows, gated, group_norm
+            names[layer],
+            layer,
+            bn,
+            size,
+            outs,
+            ins,
+            norms,
+            rows,
+            gated,
+            group_norm,
+            param_owners=param_owners,
         )
     return found

@@ -159,6 +159,14 @@ class ScaleColumns(ScaleRows):
     DIM = 1
 
 
+class ScaleLast(ScaleRows):
+    """Parametrization w -> w * mask over the last dimension, by broadcasting (a GRN's
+    bias, of shape (C,) in timm and (1, 1, 1, C) in Hugging Face)."""
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * self.source.get(self.index).to(weight.dtype)
+
+
 class ScaleExperts(nn.Module):
     """Parametrization of a 3-D expert projection (experts first, the intermediate
     neurons along `dim`): each expert's neurons times the mask of its own group, the

@@ -44,6 +44,7 @@ from .masking import (
     ScaleColumns,
     ScaleEach,
     ScaleExperts,
+    ScaleLast,
     ScaleLeadingRows,
     ScaleRows,
     folded_products,
@@ -325,6 +326,8 @@ class DTPPruner(ChannelPruner):
                 scale = ScaleColumns(self._source, index)
                 parametrize.register_parametrization(consumer, "weight", scale)
             return
+        for norm in group.response_norms:  # its bias would give removed channels back
+            parametrize.register_parametrization(norm, "bias", ScaleLast(self._source, index))
         if self.mask_at != "activation" and group.bn is not None and group.bn.affine:
             for name in ("weight", "bias"):
                 slot = len(self._fold)

@@ -1,5 +1,6 @@
 """DTP on the vision models people train, in small configurations built here: torchvision
-ConvNeXt, timm DeiT (ViT), Swin, Hiera and ConvNeXt. For each: the groups found, exact kept
+ConvNeXt, timm DeiT (ViT), Swin, Hiera, ConvNeXt and ConvNeXt V2, Hugging Face's Hiera and
+ConvNeXt V2. For each: the groups found, exact kept
 counts, the exported model equal to the hard-masked one, predicted parameters equal to
 the exported ones, a gradient on every score (the same from two backends), and a few
 training steps with the transport state committed."""
@@ -45,6 +46,38 @@ def timm_convnext():
     # layer scale 1 (the default 1e-6 is an untrained network's: scores would barely move)
     model = ConvNeXt(depths=(1, 1, 1, 1), dims=(8, 16, 24, 32), num_classes=5, ls_init_value=1.0)
     return model, torch.randn(4, 3, 32, 32)
+
+
+def random_response_norms(model):
+    """The model with its GRNs' weights and biases drawn at random: they start at zero
+    (an identity), which would leave their rescaling at export untested."""
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "grn" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    return model
+
+
+def timm_convnextv2():
+    """ConvNeXt V2: a global response normalization between the MLP's layers, cut and
+    rescaled with its neurons (response_norms.py)."""
+    from timm.models.convnext import ConvNeXt
+
+    model = ConvNeXt(
+        depths=(1, 1, 1, 1), dims=(8, 16, 24, 32), num_classes=5, use_grn=True, ls_init_value=None
+    )
+    return random_response_norms(model), torch.randn(4, 3, 32, 32)
+
+
+def hf_convnextv2():
+    """Hugging Face's ConvNeXt V2: its GRN's epsilon is fixed in its code (1e-6)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ConvNextV2Config(
+        num_stages=2, depths=[1, 1], hidden_sizes=[8, 16], num_labels=5, image_size=32
+    )
+    model = HFLogits(transformers.ConvNextV2ForImageClassification(config))
+    return random_response_norms(model), torch.randn(4, 3, 32, 32)
 
 
 def timm_swin():
@@ -136,6 +169,14 @@ MODELS = {
     "timm_convnext": (
         timm_convnext,
         [(f"stages.{i}.blocks.0.mlp.fc1", "mlp", 4 * d) for i, d in enumerate((8, 16, 24, 32))],
+    ),
+    "timm_convnextv2": (
+        timm_convnextv2,
+        [(f"stages.{i}.blocks.0.mlp.fc1", "mlp", 4 * d) for i, d in enumerate((8, 16, 24, 32))],
+    ),
+    "hf_convnextv2": (
+        hf_convnextv2,
+        [(f"model.convnextv2.encoder.stages.{i}.layers.0.pwconv1", "mlp", 32 << i) for i in (0, 1)],
     ),
     "timm_swin": (
         timm_swin,
