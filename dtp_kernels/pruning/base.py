@@ -34,7 +34,13 @@ from .experts import (
     unrecognised_experts,
 )
 from .gated_deltanet import LinearAttentionGroup, find_linear_attention_groups
-from .groups import ChannelGraphError, find_groups, out_channel_handler, traced_graph
+from .groups import (
+    ChannelGraphError,
+    ChannelGroup,
+    find_groups,
+    out_channel_handler,
+    traced_graph,
+)
 from .heads import HeadGroup, find_head_groups, prove_head_groups, prune_heads
 from .hf_config import update_config
 from .mamba import MambaGroup, find_mamba_groups, prune_mamba
@@ -42,6 +48,7 @@ from .mamba2 import Mamba2Group, check_mamba2_ratios, find_mamba2_groups
 from .mlps import FormMLPGroup, find_form_mlps, prune_form_mlp
 from .response_norms import adopt_response_norms, rescale_response_norm
 from .tied_heads import tie_chains
+from .weight_transforms import weight_transform_refusals
 from .whole_experts import (
     MaskedRouting,
     WholeExpertsGroup,
@@ -233,6 +240,21 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         check_whole_expert_ratios(all_groups, per_group, budget)
         check_mamba2_ratios(all_groups, per_group, budget)
         self.groups = [g for g in all_groups if per_group[g.name] > 0]
+        # layers whose forward transforms their weight, proven on the example
+        transformed = weight_transform_refusals(
+            model, [g for g in self.groups if type(g) is ChannelGroup], inputs
+        )
+        if transformed:
+            details = " / ".join(
+                f"layer {name!r}: {'; '.join(lines)}" for name, lines in transformed.items()
+            )
+            raise ValueError(
+                f"cannot prune these groups so that the exported model equals the masked one: "
+                f"{details}. Such a layer transforms its weight in its forward (weight "
+                "standardization normalizes each filter over all its input channels); leave "
+                "these layers whole with ignored_layers=[...] or a ratio of 0 for them: "
+                f"{_zero_ratios(ratios, list(transformed))}"
+            )
         refused = [g for g in self.groups if g.norms]
         if refused:
             names = {m: n for n, m in model.named_modules()}

@@ -1,0 +1,136 @@
+"""Conv and linear layers whose forward transforms their weight before using it, proven
+before their channels are pruned.
+
+Weight standardization (BiT's convs: Hugging Face's WeightStandardizedConv2d, timm's
+StdConv2d; NFNet's ScaledStdConv2d) normalizes each filter over all its input channels,
+so a filter cut to the kept inputs is normalized by other statistics than the masked
+model used, and a mask that scales a filter's rows is divided out again. Either way the
+exported model would not compute what the hard-masked one does, which export() would
+only find after training. A layer of a conv or linear class whose class overrides
+`forward` is therefore proven on a copy, on the input the example forward gave it: as a
+consumer, cut to a random half of its input channels it must compute what it computes
+with the others zeroed; where a mask goes on its rows, scaling them must scale its
+outputs alike. A plain subclass that only pads first (timm's Conv2dSame) passes; a group
+with a layer that fails is refused by name.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .groups import ChannelGroup
+from .precision import ieee_fp32
+from .proof import close, dropped, example_calls
+
+PLAIN_FORWARDS = {cls.forward: cls for cls in (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)}
+
+
+def overrides_forward(module: nn.Module) -> bool:
+    """Whether `module` is a conv or linear layer (not grouped) whose class computes its
+    forward by code of its own."""
+    if not isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        return False
+    return getattr(module, "groups", 1) == 1 and type(module).forward not in PLAIN_FORWARDS
+
+
+def _channel_dim(layer: nn.Module) -> int:
+    return -1 if isinstance(layer, nn.Linear) else 1
+
+
+def _half(width: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randperm(width, generator=generator)[: max(1, width // 2)].sort().values
+
+
+def cuts_inputs_exactly(layer: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `layer`, its weight cut to a random half of its input channels, computes
+    on them what it computes on `x` with the other channels zeroed."""
+    dim = _channel_dim(layer)
+    width = x.shape[dim]
+    keep = _half(width).to(x.device)
+    cut = copy.deepcopy(layer)
+    try:
+        with torch.no_grad(), ieee_fp32():  # TF32 would round the two apart
+            want = layer(x.index_fill(dim, dropped(width, keep, x.device), 0))
+            cut.weight = nn.Parameter(cut.weight.index_select(1, keep))
+            if isinstance(cut, nn.Linear):
+                cut.in_features = len(keep)
+            else:
+                cut.in_channels = len(keep)
+            got = cut(x.index_select(dim, keep))
+    except Exception:  # its code reads the old width
+        return False
+    return isinstance(got, torch.Tensor) and close(got, want)
+
+
+def scales_rows_exactly(layer: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `layer`, its weight's rows (and bias) scaled by a mask of zeros and values
+    in [0.5, 1.5), computes on `x` its outputs scaled by that mask: what a mask on its
+    rows is taken to do."""
+    out = layer.weight.shape[0]
+    generator = torch.Generator().manual_seed(1)
+    mask = torch.rand(out, generator=generator) + 0.5
+    mask[_half(out)] = 0
+    mask = mask.to(device=x.device, dtype=layer.weight.dtype)
+    scaled = copy.deepcopy(layer)
+    shape = (-1,) + (1,) * (layer.weight.dim() - 1)
+    try:
+        with torch.no_grad(), ieee_fp32():
+            scaled.weight.mul_(mask.view(shape))
+            if scaled.bias is not None:
+                scaled.bias.mul_(mask)
+            want = layer(x)
+            view = [1] * want.dim()
+            view[_channel_dim(layer)] = out
+            want = want * mask.view(view)
+            got = scaled(x)
+    except Exception:
+        return False
+    return close(got, want)
+
+
+def _mask_rows(group: ChannelGroup) -> list[nn.Module]:
+    """The conv or linear layers whose rows take the group's mask."""
+    if group.gated or group.bn is not None or group.group_norm is not None:
+        return []
+    targets = [target for _, target in group.producers] or [group.rows]
+    return [t for t in targets if isinstance(t, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))]
+
+
+def weight_transform_refusals(
+    model: nn.Module, groups: Sequence[ChannelGroup], inputs: tuple
+) -> dict[str, list[str]]:
+    """For each group with a layer that fails its proof (see the module docstring), the
+    group's name and what fails, one line a layer."""
+    checks = [
+        (group, layer, check)
+        for group in groups
+        for layers, check in (
+            (group.kept_in, cuts_inputs_exactly),
+            (_mask_rows(group), scales_rows_exactly),
+        )
+        for layer in layers
+        if overrides_forward(layer)
+    ]
+    layers = list({id(layer): layer for _, layer, _ in checks}.values())
+    calls = example_calls(model, layers, inputs)
+    names = {module: name for name, module in model.named_modules()}
+    what = {
+        cuts_inputs_exactly: "cut to fewer input channels, computes other values for the "
+        "kept ones than with the removed ones zeroed",
+        scales_rows_exactly: "whose rows take the mask, does not scale its outputs as its "
+        "filters are scaled",
+    }
+    refused: dict[str, list[str]] = {}
+    for group, layer, check in checks:
+        args, kwargs = calls.get(layer, ((), {}))
+        one_tensor = len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor)
+        if one_tensor and check(layer, args[0]):
+            continue
+        why = what[check] if one_tensor else "is not run on one tensor by the example inputs"
+        refused.setdefault(group.name, []).append(f"{type(layer).__name__} {names[layer]!r}, {why}")
+    return refused
