@@ -94,7 +94,9 @@ def scales_rows_exactly(layer: nn.Module, x: torch.Tensor) -> bool:
 
 
 def _mask_rows(group: ChannelGroup) -> list[nn.Module]:
-    """The conv or linear layers whose rows take the group's mask."""
+    """The conv or linear layers whose rows take the group's mask (with
+    mask_at="activation" the epilogue masks their outputs instead, but the proof does
+    not know the pruner's choice and asks for what "auto" does)."""
     if group.gated or group.bn is not None or group.group_norm is not None:
         return []
     targets = [target for _, target in group.producers] or [group.rows]
