@@ -357,6 +357,9 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             with traced_graph(model, inputs) as graph:
                 channels = find_groups(model, graph, ignored + projections, self.prune_coupled)
             adopt_response_norms(model, channels, inputs)
+            # MLPs with a norm over their hidden width, which the graph leaves out
+            grouped = [m for g in channels for m in (g.layer, *g.kept_out, *g.kept_in)]
+            channels += find_form_mlps(model, ignored + projections + grouped, inputs, True)
         except ChannelGraphError as error:  # raised unless the ratios need no graph
             self._graph_error = error
             channels = find_form_mlps(model, ignored + projections, inputs)

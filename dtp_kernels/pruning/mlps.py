@@ -11,42 +11,83 @@ proof: on the input the example forward gave it, the module with the consumer's 
 of half its neurons zeroed computes what the module with those neurons removed computes
 (the producers' rows and the consumer's columns cut). The mask goes on the consumer's
 columns, as for a gated MLP the graph finds: exact whatever the activation computes.
+
+An RMS norm over the hidden width between them (BitNet's `ffn_sub_norm`: down(norm(act(
+gate) * up))) is part of the form too. The consumer's columns would not keep it exact
+(the removed neurons still count in its mean square), so the mask goes on the rows of
+the producer the norm reads linearly (up, found by the proof: scaling gate's rows does
+not scale act(gate)), and export cuts the norm and rescales it with those rows as
+head_norms.py does for a norm over all heads; Torch-Pruning's graph gives up on such an
+MLP, so it is found by its form even where the graph works.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .cuts import cut_linear
 from .groups import ChannelGroup
+from .head_norms import cut_norm
 from .proof import cuts_exactly, dropped, example_calls
 
 
+@dataclass
 class FormMLPGroup(ChannelGroup):
     """The hidden neurons of an MLP module found by its form (not by Torch-Pruning's
     graph): the producers in `kept_out`, the consumer in `kept_in`, the mask on the
-    consumer's input columns (`gated`). Export cuts the rows and columns directly."""
+    consumer's input columns (`gated`), or with an RMS norm over the hidden width
+    (`norm`) on the rows of the producer it reads linearly (`norm_rows`). Export cuts
+    the rows and columns directly, and the norm rescaled."""
+
+    norm: nn.Module | None = None
+    norm_rows: nn.Linear | None = None
+
+    @property
+    def cut_norms(self) -> list[tuple[nn.Module, int]]:
+        return [(self.norm, 1)] if self.norm is not None else []
 
 
-# an MLP module's form: the names of its producers and of its consumer
-Form = tuple[tuple[str, ...], str]
+# an MLP module's form: the names of its producers and of its consumer, and of an RMS
+# norm over the hidden width with the producer whose rows take the mask (else None)
+Form = tuple[tuple[str, ...], str, str | None, str | None]
+
+
+def _hidden_norm(module: nn.Module, linears: dict[str, nn.Module]) -> str | bool | None:
+    """The name of `module`'s one child outside `linears` that owns parameters, when it
+    has a single 1-D weight (an RMS norm's); None when there is no such child; False when
+    the module has other parameters."""
+    others = [
+        (name, child)
+        for name, child in module.named_children()
+        if name not in linears and any(True for _ in child.parameters())
+    ]
+    if not others:
+        return None
+    params = dict(others[0][1].named_parameters())
+    if len(others) > 1 or set(params) != {"weight"} or params["weight"].dim() != 1:
+        return False
+    return others[0][0]
 
 
 def _forms(module: nn.Module) -> list[Form]:
     """The ways `module` can be the form above: every parameter in two or three of its
-    direct linear children, one of them (the consumer) reading the others' output width.
-    Empty for any other module. (Shapes alone may fit twice: 8 -> 10 -> 8 read either
-    way; the proof tells them apart.)"""
+    direct linear children, one of them (the consumer) reading the others' output width,
+    and maybe in one norm over that width. Empty for any other module. (Shapes alone may
+    fit twice: 8 -> 10 -> 8 read either way; the proof tells them apart.)"""
     linears = {name: m for name, m in module.named_children() if isinstance(m, nn.Linear)}
     if len(linears) not in (2, 3):
         return []
+    norm = _hidden_norm(module, linears)
     owned = {id(p) for m in linears.values() for p in m.parameters()}
-    if any(id(p) not in owned for p in module.parameters()):
-        return []  # a norm, an embedding or a parameter of its own is in it too
-    forms = []
+    if norm is not False and norm is not None:
+        owned |= {id(p) for p in getattr(module, norm).parameters()}
+    if norm is False or any(id(p) not in owned for p in module.parameters()):
+        return []  # an embedding, a parameter of its own, another module is in it too
+    forms: list[Form] = []
     for consumer in reversed(linears):  # the down projection is most often registered last
         producers = tuple(name for name in linears if name != consumer)
         width, first = linears[consumer].in_features, linears[producers[0]]
@@ -54,7 +95,10 @@ def _forms(module: nn.Module) -> list[Form]:
             linears[p].in_features == first.in_features and linears[p].out_features == width
             for p in producers
         ):
-            forms.append((producers, consumer))
+            if norm is None:
+                forms.append((producers, consumer, None, None))
+            elif getattr(module, norm).weight.shape[0] == width:
+                forms += [(producers, consumer, norm, rows) for rows in reversed(producers)]
     return forms
 
 
@@ -73,15 +117,18 @@ def cut_hidden(
             setattr(module, name, len(keep))
 
 
-def find_form_mlps(model: nn.Module, ignored: list[nn.Module], inputs: tuple) -> list[FormMLPGroup]:
+def find_form_mlps(
+    model: nn.Module, ignored: list[nn.Module], inputs: tuple, normed_only: bool = False
+) -> list[FormMLPGroup]:
     """The MLP modules of `model` in the form above that run on `inputs` and cut exactly,
-    none of whose layers is in `ignored`, in model order."""
+    none of whose layers is in `ignored`, in model order; with `normed_only` only those
+    with a norm over the hidden width (where the graph worked: it leaves them out)."""
     names = {module: name for name, module in model.named_modules()}
     ignored_set = set(ignored)
     candidates = {
         module: forms
         for module in model.modules()
-        if (forms := _forms(module))
+        if (forms := [f for f in _forms(module) if f[2] is not None or not normed_only])
         and module not in ignored_set
         and not any(isinstance(m, nn.Linear) and m in ignored_set for m in module.children())
     }
@@ -93,7 +140,7 @@ def find_form_mlps(model: nn.Module, ignored: list[nn.Module], inputs: tuple) ->
         proven = next((f for f in forms if _proven(module, f, calls[module])), None)
         if proven is None:
             continue
-        producer_names, consumer_name = proven
+        producer_names, consumer_name, norm, rows = proven
         producers = [getattr(module, p) for p in producer_names]
         root = producers[0]
         groups.append(
@@ -105,6 +152,8 @@ def find_form_mlps(model: nn.Module, ignored: list[nn.Module], inputs: tuple) ->
                 producers,
                 [getattr(module, consumer_name)],
                 gated=True,
+                norm=getattr(module, norm) if norm is not None else None,
+                norm_rows=getattr(module, rows) if rows is not None else None,
             )
         )
     return groups
@@ -112,15 +161,23 @@ def find_form_mlps(model: nn.Module, ignored: list[nn.Module], inputs: tuple) ->
 
 def _proven(module: nn.Module, form: Form, call: tuple[tuple, dict]) -> bool:
     """Whether `module`, read as `form`, cuts exactly on its example call (proof.py)."""
-    producers, consumer = form
+    producers, consumer, norm, rows = form
 
     def zero(copy: nn.Module, keep: torch.Tensor) -> None:
-        weight = getattr(copy, consumer).weight
-        weight[:, dropped(weight.shape[1], keep, weight.device)] = 0
+        if norm is None:  # the consumer's columns
+            weight = getattr(copy, consumer).weight
+            weight[:, dropped(weight.shape[1], keep, weight.device)] = 0
+            return
+        layer = getattr(copy, rows)  # the rows the norm reads, with their bias
+        gone = dropped(layer.out_features, keep, layer.weight.device)
+        for param in (layer.weight, layer.bias) if layer.bias is not None else (layer.weight,):
+            param[gone] = 0
 
     def cut(copy: nn.Module, keep: torch.Tensor) -> None:
         layers = [getattr(copy, p) for p in producers]
         cut_hidden(copy, layers, getattr(copy, consumer), keep)
+        if norm is not None:
+            cut_norm(getattr(copy, norm), getattr(copy, rows), keep)
 
     return cuts_exactly(module, call, getattr(module, consumer).in_features, zero, cut)
 
@@ -140,3 +197,6 @@ def prune_form_mlp(
     consumer = names[original_names[group.kept_in[0]]]
     parent = names[group.name.rpartition(".")[0]]
     cut_hidden(parent, producers, consumer, keep)
+    if group.norm is not None:  # rescaled with the rows it reads (head_norms.py)
+        norm = names[original_names[group.norm]]
+        cut_norm(norm, names[original_names[group.norm_rows]], keep)

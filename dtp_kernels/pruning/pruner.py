@@ -321,6 +321,11 @@ class DTPPruner(ChannelPruner):
                     scale = ScaleRows(self._source, index)
                     parametrize.register_parametrization(target, name, scale)
             return
+        if getattr(group, "norm", None) is not None:  # a norm between: the rows it reads
+            rows = group.norm_rows
+            for name in ("weight", "bias") if rows.bias is not None else ("weight",):
+                parametrize.register_parametrization(rows, name, ScaleRows(self._source, index))
+            return
         if group.gated:  # the consumer's input columns: exact whatever the gate computes
             for consumer in group.kept_in:
                 scale = ScaleColumns(self._source, index)
