@@ -25,7 +25,7 @@ from torch import nn
 
 from .cost import run_hooked
 from .groups import is_norm
-from .proof import close
+from .proof import close, random_half
 
 
 @dataclass
@@ -128,7 +128,7 @@ def rescales_exactly(norm: nn.Module) -> bool:
     random weight (so a weight read as 1 + w shows), on a random input."""
     width = norm.weight.shape[0]
     generator = torch.Generator().manual_seed(0)
-    kept = torch.randperm(width, generator=generator)[: max(1, width // 2)].sort().values
+    kept = random_half(width, generator)
     dtype, device = norm.weight.dtype, norm.weight.device
     x = torch.randn(3, width, generator=generator).to(device, dtype)
     zeroed = torch.zeros_like(x)

@@ -56,21 +56,19 @@ class FormMLPGroup(ChannelGroup):
 Form = tuple[tuple[str, ...], str, str | None, str | None]
 
 
-def _hidden_norm(module: nn.Module, linears: dict[str, nn.Module]) -> str | bool | None:
-    """The name of `module`'s one child outside `linears` that owns parameters, when it
-    has a single 1-D weight (an RMS norm's); None when there is no such child; False when
-    the module has other parameters."""
+def _hidden_norm(module: nn.Module, linears: dict[str, nn.Module]) -> str | None:
+    """The name of `module`'s one child outside `linears` that owns parameters, when
+    that child's only parameter is a 1-D weight (an RMS norm's); else None (any other
+    parameter then fails the form's ownership check)."""
     others = [
         (name, child)
         for name, child in module.named_children()
         if name not in linears and any(True for _ in child.parameters())
     ]
-    if not others:
+    if len(others) != 1:
         return None
     params = dict(others[0][1].named_parameters())
-    if len(others) > 1 or set(params) != {"weight"} or params["weight"].dim() != 1:
-        return False
-    return others[0][0]
+    return others[0][0] if set(params) == {"weight"} and params["weight"].dim() == 1 else None
 
 
 def _forms(module: nn.Module) -> list[Form]:
@@ -82,10 +80,9 @@ def _forms(module: nn.Module) -> list[Form]:
     if len(linears) not in (2, 3):
         return []
     norm = _hidden_norm(module, linears)
-    owned = {id(p) for m in linears.values() for p in m.parameters()}
-    if norm is not False and norm is not None:
-        owned |= {id(p) for p in getattr(module, norm).parameters()}
-    if norm is False or any(id(p) not in owned for p in module.parameters()):
+    owners = [*linears.values(), *([getattr(module, norm)] if norm is not None else [])]
+    owned = {id(p) for m in owners for p in m.parameters()}
+    if any(id(p) not in owned for p in module.parameters()):
         return []  # an embedding, a parameter of its own, another module is in it too
     forms: list[Form] = []
     for consumer in reversed(linears):  # the down projection is most often registered last

@@ -114,6 +114,11 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return got.shape == want.shape and torch.allclose(got, want, rtol=rtol, atol=atol * scale)
 
 
+def random_half(width: int, generator: torch.Generator) -> torch.Tensor:
+    """A random half of [0, width) (at least one), sorted: the units a proof keeps."""
+    return torch.randperm(width, generator=generator)[: max(1, width // 2)].sort().values
+
+
 def dropped(width: int, keep: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The indices of [0, width) not in `keep`, on `device`."""
     mask = torch.ones(width, dtype=torch.bool)

@@ -34,7 +34,7 @@ from torch import nn
 
 from .groups import ChannelGroup
 from .precision import ieee_fp32
-from .proof import close, dropped, example_calls
+from .proof import close, dropped, example_calls, random_half
 
 
 def _candidate(module: nn.Module, width: int) -> bool:
@@ -72,7 +72,7 @@ def rescales_exactly(norm: nn.Module, x: torch.Tensor) -> bool:
     `x` of the norm's width (its channels)."""
     width = norm.weight.shape[-1]
     generator = torch.Generator().manual_seed(0)
-    keep = torch.randperm(width, generator=generator)[: max(1, width // 2)].sort().values
+    keep = random_half(width, generator)
     probe = copy.deepcopy(norm).eval()
     with torch.no_grad():
         for param in probe.parameters():
@@ -124,6 +124,6 @@ def adopt_response_norms(model: nn.Module, groups: Sequence[ChannelGroup], input
             proven.setdefault(id(group), []).append(norm)
     for group in groups:
         norms = proven.get(id(group), [])
-        if len(norms) == 1:  # two in a row would each need the other's rescaling
+        if len(norms) == 1:  # the one form seen (ConvNeXt V2); two in a row stay refused
             group.response_norms = norms
             group.norms = [n for n in group.norms if n is not norms[0]]

@@ -24,7 +24,7 @@ from torch import nn
 
 from .groups import ChannelGroup
 from .precision import ieee_fp32
-from .proof import close, dropped, example_calls
+from .proof import close, dropped, example_calls, random_half
 
 PLAIN_FORWARDS = {cls.forward: cls for cls in (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)}
 
@@ -41,21 +41,16 @@ def _channel_dim(layer: nn.Module) -> int:
     return -1 if isinstance(layer, nn.Linear) else 1
 
 
-def _half(width: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(0)
-    return torch.randperm(width, generator=generator)[: max(1, width // 2)].sort().values
-
-
 def cuts_inputs_exactly(layer: nn.Module, x: torch.Tensor) -> bool:
     """Whether `layer`, its weight cut to a random half of its input channels, computes
     on them what it computes on `x` with the other channels zeroed."""
     dim = _channel_dim(layer)
     width = x.shape[dim]
-    keep = _half(width).to(x.device)
+    keep = random_half(width, torch.Generator().manual_seed(0)).to(x.device)
     cut = copy.deepcopy(layer)
     try:
         with torch.no_grad(), ieee_fp32():  # TF32 would round the two apart
-            want = layer(x.index_fill(dim, dropped(width, keep, x.device), 0))
+            want = cut(x.index_fill(dim, dropped(width, keep, x.device), 0))
             cut.weight = nn.Parameter(cut.weight.index_select(1, keep))
             if isinstance(cut, nn.Linear):
                 cut.in_features = len(keep)
@@ -74,19 +69,19 @@ def scales_rows_exactly(layer: nn.Module, x: torch.Tensor) -> bool:
     out = layer.weight.shape[0]
     generator = torch.Generator().manual_seed(1)
     mask = torch.rand(out, generator=generator) + 0.5
-    mask[_half(out)] = 0
+    mask[random_half(out, generator)] = 0
     mask = mask.to(device=x.device, dtype=layer.weight.dtype)
     scaled = copy.deepcopy(layer)
     shape = (-1,) + (1,) * (layer.weight.dim() - 1)
     try:
         with torch.no_grad(), ieee_fp32():
-            scaled.weight.mul_(mask.view(shape))
-            if scaled.bias is not None:
-                scaled.bias.mul_(mask)
-            want = layer(x)
+            want = scaled(x)
             view = [1] * want.dim()
             view[_channel_dim(layer)] = out
             want = want * mask.view(view)
+            scaled.weight.mul_(mask.view(shape))
+            if scaled.bias is not None:
+                scaled.bias.mul_(mask)
             got = scaled(x)
     except Exception:
         return False
