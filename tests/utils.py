@@ -388,6 +388,18 @@ def tiny_deepseek(version: int = 3, q_lora_rank: int | None = 20, seed: int = 0)
     return getattr(transformers, f"DeepseekV{version}ForCausalLM")(config)
 
 
+def random_params(model: torch.nn.Module, part: str, std: float = 0.5) -> torch.nn.Module:
+    """The model with every parameter whose name contains `part` drawn from N(0, std)
+    (seeded): a norm's weight and bias start at an identity that would leave its
+    rescaling at export untested."""
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if part in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    return model
+
+
 def randomised(pruner):
     """The pruner with its scores drawn at random (seeded), away from their initial order,
     so the kept units differ from group to group."""

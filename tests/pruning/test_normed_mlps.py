@@ -14,7 +14,7 @@ from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.cost import count_params
 from dtp_kernels.pruning.mlps import FormMLPGroup
 from utils import LLAMA_VOCAB as VOCAB
-from utils import hard_masked_and_exported, randomised
+from utils import causal_lm, hard_masked_and_exported, random_params, randomised
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,18 +51,10 @@ class Net(nn.Module):
         return self.head(x + self.mlp(x))
 
 
-def randomised_norms(model: nn.Module) -> nn.Module:
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(5)))
-    return model
-
-
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_rows_the_norm_reads_take_the_mask_and_export_is_exact(bias):
     torch.manual_seed(0)
-    model, x = randomised_norms(Net(bias=bias)), torch.randn(6, 8)
+    model, x = random_params(Net(bias=bias), "norm"), torch.randn(6, 8)
     pruner = DTPPruner(model, (x[:1],), {"mlp": 0.5})
     (group,) = pruner.groups
     assert isinstance(group, FormMLPGroup) and group.norm is model.mlp.norm
@@ -90,19 +82,10 @@ def test_an_mlp_through_a_norm_that_does_not_rescale_stays_whole(norm):
 
 
 def tiny_bitnet() -> nn.Module:
-    config = transformers.BitNetConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    return randomised_norms(transformers.BitNetForCausalLM(config))
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    heads = dict(num_attention_heads=4, num_key_value_heads=2)
+    tokens = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return random_params(causal_lm("BitNet", sizes | heads | tokens), "norm")
 
 
 def test_bitnet_mlps_prune_export_exactly_and_round_trip(tmp_path):

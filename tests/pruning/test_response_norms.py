@@ -14,6 +14,7 @@ from dtp_kernels.pruning.response_norms import (
     rescale_response_norm,
     rescales_exactly,
 )
+from utils import random_params
 
 timm = pytest.importorskip("timm")
 transformers = pytest.importorskip("transformers")
@@ -162,11 +163,7 @@ def convnextv2(conv_mlp: bool = False) -> nn.Module:
         ls_init_value=None,
         conv_mlp=conv_mlp,
     )
-    for name, param in model.named_parameters():
-        if "grn" in name:
-            with torch.no_grad():
-                param.normal_(0, 0.5)
-    return model
+    return random_params(model, "grn")
 
 
 @pytest.mark.parametrize(

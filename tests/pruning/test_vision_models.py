@@ -18,6 +18,7 @@ import torch
 from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.cost import count_flops, count_params
 from dtp_kernels.pruning.heads import HeadGroup
+from utils import random_params
 
 timm = pytest.importorskip("timm")
 
@@ -48,17 +49,6 @@ def timm_convnext():
     return model, torch.randn(4, 3, 32, 32)
 
 
-def random_response_norms(model):
-    """The model with its GRNs' weights and biases drawn at random: they start at zero
-    (an identity), which would leave their rescaling at export untested."""
-    generator = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "grn" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
-    return model
-
-
 def timm_convnextv2():
     """ConvNeXt V2: a global response normalization between the MLP's layers, cut and
     rescaled with its neurons (response_norms.py)."""
@@ -67,7 +57,7 @@ def timm_convnextv2():
     model = ConvNeXt(
         depths=(1, 1, 1, 1), dims=(8, 16, 24, 32), num_classes=5, use_grn=True, ls_init_value=None
     )
-    return random_response_norms(model), torch.randn(4, 3, 32, 32)
+    return random_params(model, "grn"), torch.randn(4, 3, 32, 32)
 
 
 def hf_convnextv2():
@@ -77,7 +67,7 @@ def hf_convnextv2():
         num_stages=2, depths=[1, 1], hidden_sizes=[8, 16], num_labels=5, image_size=32
     )
     model = HFLogits(transformers.ConvNextV2ForImageClassification(config))
-    return random_response_norms(model), torch.randn(4, 3, 32, 32)
+    return random_params(model, "grn"), torch.randn(4, 3, 32, 32)
 
 
 def timm_swin():
