@@ -230,6 +230,16 @@ def causal_lm(family: str, sizes: dict, seed: int = 0) -> torch.nn.Module:
     return getattr(transformers, f"{family}ForCausalLM")(config)
 
 
+def tiny_bitnet(kv_heads: int = 2) -> torch.nn.Module:
+    """transformers' BitNet of 2 layers of 4 heads of 8 (`kv_heads` key/value heads),
+    its norms' parameters random: RMS norms over its attention output (attn_sub_norm) and
+    its MLPs' hidden width (ffn_sub_norm)."""
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, head_dim=8)
+    heads = dict(num_attention_heads=4, num_key_value_heads=kv_heads)
+    tokens = dict(vocab_size=LLAMA_VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return random_params(causal_lm("BitNet", sizes | heads | tokens), "norm")
+
+
 def tiny_t5(family: str = "T5", model: str | None = None, seed: int = 0, **sizes):
     """transformers' `{model or family}ForConditionalGeneration` of 2 encoder and 2
     decoder layers of 4 heads of 8 from a `{family}Config` (T5 v1.1's gated MLP unless

@@ -1,5 +1,6 @@
 """RMS normalizations over all the heads of an attention layer (the ``q_norm`` and
-``k_norm`` of OLMo 2, OLMo 3, OLMoE, FlexOlmo and MiniMax-M2), kept exact when heads go.
+``k_norm`` of OLMo 2, OLMo 3, OLMoE, FlexOlmo and MiniMax-M2; BitNet's ``attn_sub_norm``
+of the attention output), kept exact when heads go.
 
 Such a norm computes every query from the mean square of all heads' queries, so a head
 masked only at the output projection would still count in it. Its projection's rows are
@@ -10,7 +11,11 @@ removing them changes nothing: with the queries x of the K kept rows of N,
 
 for c = sqrt(K / N). Export cuts the norm to the kept rows, scales the projection's kept
 rows by c and the norm's weight by 1 / c: weights only, so the config's epsilon still
-describes the model. A norm for which this does not hold on a random input (a LayerNorm,
+describes the model. A norm of the attention output is the same with the value
+projection's rows: the attention output is linear in the values, so zeroing a unit's
+value rows zeroes its query heads' outputs and scaling the kept rows by c scales theirs
+(x is then the kept query heads' output channels, more than the value rows under
+grouped-query attention). A norm for which this does not hold on a random input (a LayerNorm,
 which subtracts the mean; Gemma's 1 + weight) is left among those the pruner refuses.
 """
 
@@ -30,12 +35,21 @@ from .proof import close, random_half
 
 @dataclass
 class RescaledNorm:
-    """A norm over all the rows of one projection of an attention layer's heads (`rows`:
-    one block, `per_unit` rows per unit), which the group's mask also masks."""
+    """A norm over all the rows of one projection of an attention layer's heads, or over
+    its output (then `rows` is the value projection): `rows` is one block, `per_unit`
+    rows per unit, which the group's mask also masks."""
 
     norm: nn.Module
     rows: nn.Linear
     per_unit: int
+    # the norm's channels per unit where they are not the rows' (a norm of the attention
+    # output over the query heads, its rows the value projection's: grouped-query
+    # attention has fewer value heads)
+    channels: int = 0
+
+    @property
+    def channels_per_unit(self) -> int:
+        return self.channels or self.per_unit
 
 
 def norms_over_all_heads(module: nn.Module, head_dim: int) -> tuple[nn.Module, ...]:
@@ -73,6 +87,30 @@ def fed_norms(
     with torch.no_grad():
         run_hooked(model, inputs, handles)
     return fed
+
+
+def output_norms(
+    model: nn.Module, inputs: tuple, candidates: dict[nn.Module, nn.Linear]
+) -> set[nn.Module]:
+    """The norms of `candidates` (norm: its attention layer's output projection) whose
+    output that projection reads as its input, seen in one eval forward of `model` on
+    `inputs`: a norm of the attention output (BitNet's attn_sub_norm)."""
+    last: dict[nn.Module, torch.Tensor] = {}  # each norm's latest output
+    found: set[nn.Module] = set()
+
+    def produced(norm, _args, output):
+        last[norm] = output
+
+    def reads(layer, args):
+        found.update(
+            n for n, out in candidates.items() if out is layer and args and args[0] is last.get(n)
+        )
+
+    handles = [norm.register_forward_hook(produced) for norm in candidates]
+    handles += [layer.register_forward_pre_hook(reads) for layer in set(candidates.values())]
+    with torch.no_grad():
+        run_hooked(model, inputs, handles)
+    return found
 
 
 def input_norms(

@@ -70,6 +70,7 @@ from .head_norms import (
     fed_norms,
     input_norms,
     norms_over_all_heads,
+    output_norms,
     rescales_exactly,
 )
 from .proof import cuts_exactly, dropped, example_calls
@@ -157,7 +158,7 @@ class HeadGroup:
     @property
     def cut_norms(self) -> list[tuple[nn.Module, int]]:
         """The norms cut with the units: (norm, channels per unit)."""
-        return [(r.norm, r.per_unit) for r in self.rescaled]
+        return [(r.norm, r.channels_per_unit) for r in self.rescaled]
 
     @property
     def members(self) -> list[HeadGroup]:
@@ -654,10 +655,36 @@ def _rescale_norms(model: nn.Module, inputs: tuple, groups: list[HeadGroup]) -> 
     if not candidates or not inputs:
         return
     fed = fed_norms(model, inputs, candidates)
+    # a norm of the attention output, where a value projection of its own holds the
+    # units' rows: masked and rescaled there (head_norms.py)
+    valued = {n: g.out.layer for g in groups if _value(g) is not None for n in g.norms}
+    after = output_norms(model, inputs, {n: o for n, o in valued.items() if n not in fed})
     for group in groups:
         exact = [n for n in group.norms if n in fed and rescales_exactly(n)]
         group.rescaled = [RescaledNorm(n, *fed[n]) for n in exact]
+        for norm in group.norms:
+            if norm in after and rescales_exactly(norm):
+                value = _value(group)
+                group.rescaled.append(
+                    RescaledNorm(norm, value.layer, value.per_unit, group.out.per_unit)
+                )
+                exact.append(norm)
         group.norms = tuple(n for n in group.norms if n not in exact)
+
+
+def _value(group: HeadGroup) -> Projection | None:
+    """`group`'s value projection when it is a layer of its own, one row block per unit
+    (separate query, key and value projections, in that order), else None."""
+    if group.shared_kv or group.latent or len(group.rows) != 3:
+        return None
+    value = group.rows[2]
+    if (
+        value.blocks != 1
+        or value.shared_rows
+        or any(p.layer is value.layer for p in group.rows[:2])
+    ):
+        return None
+    return value
 
 
 def _unsplit(name: str, module: nn.Module, why: str) -> HeadGroup | None:
@@ -924,8 +951,8 @@ def _prune_layer_heads(
         cut_linear(copy[names[projection.layer]], projection.kept(group.units, kept))
     cut_linear(copy[names[group.out.layer]], group.out.kept(group.units, kept), dim=1)
     for rescaled in group.rescaled:  # their rows are cut: the norms follow, rescaled
-        rows = Projection(rescaled.rows, 1, rescaled.per_unit).kept(group.units, kept)
-        cut_norm(copy[names[rescaled.norm]], copy[names[rescaled.rows]], rows)
+        channels = Projection(rescaled.norm, 1, rescaled.channels_per_unit).kept(group.units, kept)
+        cut_norm(copy[names[rescaled.norm]], copy[names[rescaled.rows]], channels)
     for conv in group.convs:
         cut_depthwise(copy[names[conv.layer]], conv.kept(group.units, kept))
     if group.attributes:  # the layer's own sizes

@@ -1,17 +1,19 @@
-"""Norms over all the heads of an attention layer (OLMo 2's q_norm and k_norm), kept exact
-as heads go: the norm is matched to the projection whose output it reads as it is, only
-an RMS norm of weight times the normalized input is cut and rescaled, and a model held
-in bfloat16 exports within the dtype's rounding of its rescaled weights."""
+"""Norms over all the heads of an attention layer (OLMo 2's q_norm and k_norm; BitNet's
+attn_sub_norm of the attention output), kept exact as heads go: the norm is matched to
+the projection whose output it reads as it is (or to the output projection reading it),
+only an RMS norm of weight times the normalized input is cut and rescaled, and a model
+held in bfloat16 exports within the dtype's rounding of its rescaled weights."""
 
 import pytest
 import torch
 from torch import nn
 
-from dtp_kernels.pruning import DTPPruner
-from dtp_kernels.pruning.head_norms import cut_norm, fed_norms, rescales_exactly
+from dtp_kernels.pruning import DTPPruner, load_pruned, save_pruned
+from dtp_kernels.pruning.cost import count_params
+from dtp_kernels.pruning.head_norms import cut_norm, fed_norms, output_norms, rescales_exactly
 from dtp_kernels.pruning.heads import HeadGroup
 from utils import LLAMA_VOCAB as VOCAB
-from utils import hard_masked_and_exported, randomised
+from utils import hard_masked_and_exported, randomised, tiny_bitnet
 
 transformers = pytest.importorskip("transformers")
 
@@ -35,6 +37,27 @@ def test_a_norm_is_matched_to_the_projection_whose_output_it_reads_as_it_is(as_i
     candidates = {model.norm: [(model.a, 2), (model.b, 2)]}
     fed = fed_norms(model, (torch.randn(3, 4),), candidates)
     assert fed == ({model.norm: (model.b, 2)} if as_it_is else {})
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+class NormedOutput(nn.Module):
+    """A norm of what feeds the output projection, read by it as it is or scaled."""
+
+    def __init__(self, as_it_is: bool) -> None:
+        super().__init__()
+        self.inner, self.norm, self.out = nn.Linear(4, 8), nn.RMSNorm(8), nn.Linear(8, 4)
+        self.as_it_is = as_it_is
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(self.inner(x))
+        return self.out(y if self.as_it_is else 2 * y)
+
+
+@pytest.mark.parametrize("as_it_is", [True, False])
+def test_a_norm_of_the_attention_output_is_one_the_output_projection_reads_as_it_is(as_it_is):
+    model = NormedOutput(as_it_is)
+    found = output_norms(model, (torch.randn(3, 4),), {model.norm: model.out})
+    assert found == ({model.norm} if as_it_is else set())
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
@@ -162,3 +185,61 @@ def test_the_other_families_with_norms_over_all_heads_prune_with_a_float(family,
     assert exported.model.layers[1].self_attn.k_norm.weight.numel() == 8
     params, _ = pruner.predicted_counts()
     assert params == sum(p.numel() for p in exported.parameters())
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4], ids=["grouped-query", "multi-head"])
+def test_bitnet_heads_prune_through_the_norm_of_their_output(kv_heads, tmp_path):
+    """The mask zeroes a removed unit's value rows, so its query heads' outputs are zero
+    before the norm; export cuts the norm to the kept query heads' channels (not the
+    value rows: fewer under grouped-query attention) and rescales it with the values.
+    BitNet sizes attn_sub_norm by hidden_size, so no config describes fewer heads: it
+    is left unchanged, with a warning, and save_pruned keeps the counts."""
+    model = tiny_bitnet(kv_heads)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    pruner = randomised(DTPPruner(model, (ids[:1],), 0.5))
+    heads = [g for g in pruner.groups if isinstance(g, HeadGroup)]
+    attention = model.model.layers[0].self_attn
+    assert [(r.norm, r.rows, r.per_unit) for r in heads[0].rescaled] == [
+        (attention.attn_sub_norm, attention.v_proj, 8)
+    ]
+    assert nn.utils.parametrize.is_parametrized(attention.v_proj, "weight")
+    with pytest.warns(UserWarning, match="the config is unchanged"):
+        exported, got, want = hard_masked_and_exported(pruner, model, (ids,))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    cut = exported.model.layers[0].self_attn
+    assert (cut.attn_sub_norm.weight.numel(), cut.v_proj.out_features) == (16, 4 * kv_heads)
+    assert count_params(exported) == pruner.report()["params_after"]
+    assert exported.config.num_attention_heads == 4
+    kwargs = {"family": "BitNet", "sizes": model.config.to_diff_dict()}
+    save_pruned(tmp_path / "f", exported, builder="utils:causal_lm", builder_kwargs=kwargs)
+    with torch.no_grad():
+        loaded = load_pruned(tmp_path / "f").eval()(ids).logits
+    torch.testing.assert_close(loaded, got, rtol=1e-5, atol=1e-5)
+
+
+def test_bitnet_scores_reach_through_the_value_rows():
+    """The soft mask scales the values before the norm: the scores' gradient differs
+    from the one through the output projection's columns alone."""
+    model = tiny_bitnet(2)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    pruner = DTPPruner(model, (ids,), {"heads": 0.5})
+    model(ids, labels=ids).loss.backward()
+    through_all = pruner.scores.grad.clone()
+    pruner.scores.grad = None
+    nn.utils.parametrize.remove_parametrizations(model.model.layers[0].self_attn.v_proj, "weight")
+    model(ids, labels=ids).loss.backward()
+    assert not torch.allclose(through_all[:2], pruner.scores.grad[:2])
+    torch.testing.assert_close(through_all[2:], pruner.scores.grad[2:])
+
+
+def test_multi_query_bitnet_heads_are_refused_by_name():
+    """With one key/value head for all, a unit is a query head: no value rows are its
+    own to zero before the norm, so its heads are refused by name, nothing mutated."""
+    model = tiny_bitnet(1)
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="attn_sub_norm"):
+        DTPPruner(model, (ids,), 0.5)
+    assert not any(nn.utils.parametrize.is_parametrized(m) for m in model.modules())
+    assert [type(g).__name__ for g in DTPPruner(model, (ids,), {"mlp": 0.5}).groups] == [
+        "FormMLPGroup"
+    ] * 2
