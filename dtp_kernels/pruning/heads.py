@@ -675,7 +675,7 @@ def _rescale_norms(model: nn.Module, inputs: tuple, groups: list[HeadGroup]) -> 
 def _value(group: HeadGroup) -> Projection | None:
     """`group`'s value projection when it is a layer of its own, one row block per unit
     (separate query, key and value projections, in that order), else None."""
-    if group.shared_kv or group.latent or len(group.rows) != 3:
+    if len(group.rows) != 3:  # multi-query attention shares its value head: only the query
         return None
     value = group.rows[2]
     if (

@@ -232,12 +232,24 @@ def test_bitnet_scores_reach_through_the_value_rows():
     torch.testing.assert_close(through_all[2:], pruner.scores.grad[2:])
 
 
-def test_multi_query_bitnet_heads_are_refused_by_name():
+def layer_normed_output(model: nn.Module) -> nn.Module:
+    for layer in model.model.layers:  # subtracts the mean: no rescaling keeps it
+        layer.self_attn.attn_sub_norm = nn.LayerNorm(32)
+    return model
+
+
+@pytest.mark.parametrize(
+    "model",
+    [lambda: tiny_bitnet(1), lambda: layer_normed_output(tiny_bitnet(2))],
+    ids=["multi-query", "layernorm"],
+)
+def test_bitnet_heads_the_norm_cannot_follow_are_refused_by_name(model):
     """With one key/value head for all, a unit is a query head: no value rows are its
-    own to zero before the norm, so its heads are refused by name, nothing mutated."""
-    model = tiny_bitnet(1)
+    own to zero before the norm; a LayerNorm does not rescale. Refused naming the norm,
+    nothing mutated; the MLPs still prune."""
+    model = model()
     ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(1))
-    with pytest.raises(ValueError, match="attn_sub_norm"):
+    with pytest.raises(ValueError, match=r"feeds \w+ 'model.layers.0.self_attn.attn_sub_norm'"):
         DTPPruner(model, (ids,), 0.5)
     assert not any(nn.utils.parametrize.is_parametrized(m) for m in model.modules())
     assert [type(g).__name__ for g in DTPPruner(model, (ids,), {"mlp": 0.5}).groups] == [
