@@ -108,6 +108,11 @@ def gptj():
     return transformers.GPTJForCausalLM(config), (tokens(),)
 
 
+def ctrl():  # Wq, Wk, Wv and dense
+    config = transformers.CTRLConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, dff=64)
+    return transformers.CTRLLMHeadModel(config), (tokens(),)
+
+
 def opt():  # its MLP width is ffn_dim
     sizes = {k: v for k, v in DECODER.items() if k != "intermediate_size"}
     config = transformers.OPTConfig(
@@ -174,6 +179,7 @@ FAMILIES = {
     "bart": (bart, 3, 4, False),
     "clip_vision": (clip_vision, 2, 4, False),
     "gptj": (gptj, 2, 4, False),
+    "ctrl": (ctrl, 2, 4, False),
     "whisper": (whisper, 3, 4, False),
     "phi": (lambda: decoder("Phi"), 2, 4, True),  # output projection "dense"
     "xglm": (xglm, 2, 4, False),
