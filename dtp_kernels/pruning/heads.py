@@ -9,6 +9,7 @@ does not follow the per-head reshapes):
   (InternVL's vision tower), with ``head_dim``; DistilBERT's ``q_lin``, ``k_lin``,
   ``v_lin``, ``out_lin`` with ``attention_head_size``; T5's and UMT5's ``q``, ``k``,
   ``v``, ``o`` with ``key_value_proj_dim``; CTRL's ``Wq``, ``Wk``, ``Wv``, ``dense``
+  with ``head_dim``; XLM's and FlauBERT's ``q_lin``, ``k_lin``, ``v_lin``, ``out_lin``
   with ``head_dim``. An RMS normalization of the queries or keys
   over all heads (OLMo 2's ``q_norm``, not Qwen3's per head) is kept exact as heads go
   (head_norms.py); any other normalization over all heads refuses the group; an output
@@ -219,6 +220,7 @@ SEPARATE_FORMS = (
     (("q_lin", "k_lin", "v_lin", "out_lin"), "attention_head_size"),  # DistilBERT
     (("q", "k", "v", "o"), "key_value_proj_dim"),  # T5, UMT5
     (("Wq", "Wk", "Wv", "dense"), "head_dim"),  # CTRL
+    (("q_lin", "k_lin", "v_lin", "out_lin"), "head_dim"),  # XLM, FlauBERT
 )
 
 

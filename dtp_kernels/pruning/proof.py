@@ -13,6 +13,7 @@ a softmax over them, a shift) fails and is not grouped (heads: refused by name);
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Callable
 
 import torch
@@ -42,12 +43,23 @@ def example_calls(
         return seen
 
     def capture(module, args, kwargs):
+        # a model that makes a cache whatever its config says (XLM) hands it on: each run
+        # of the module would add its keys again, so the calls go without it
+        args = tuple(None if _is_cache(a) else a for a in args)
+        kwargs = {k: None if _is_cache(v) else v for k, v in kwargs.items()}
         seen.setdefault(module, (args, kwargs))
 
     run_watched(
         model, inputs, [m.register_forward_pre_hook(capture, with_kwargs=True) for m in modules]
     )
     return seen
+
+
+def _is_cache(value: object) -> bool:
+    """Whether `value` is a Hugging Face key/value cache (none exists where transformers
+    was never imported)."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    return cache_utils is not None and isinstance(value, cache_utils.Cache)
 
 
 def run_watched(model: nn.Module, inputs: tuple, handles: list) -> None:

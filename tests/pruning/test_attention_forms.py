@@ -113,6 +113,13 @@ def ctrl():  # Wq, Wk, Wv and dense
     return transformers.CTRLLMHeadModel(config), (tokens(),)
 
 
+def xlm(family: str = "XLM"):  # q_lin, k_lin, v_lin and out_lin; a cache made always
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=VOCAB, emb_dim=32, n_layers=2, n_heads=4
+    )
+    return getattr(transformers, f"{family}WithLMHeadModel")(config), (tokens(),)
+
+
 def opt():  # its MLP width is ffn_dim
     sizes = {k: v for k, v in DECODER.items() if k != "intermediate_size"}
     config = transformers.OPTConfig(
@@ -180,6 +187,8 @@ FAMILIES = {
     "clip_vision": (clip_vision, 2, 4, False),
     "gptj": (gptj, 2, 4, False),
     "ctrl": (ctrl, 2, 4, False),
+    "xlm": (xlm, 2, 4, False),
+    "flaubert": (lambda: xlm("Flaubert"), 2, 4, False),
     "whisper": (whisper, 3, 4, False),
     "phi": (lambda: decoder("Phi"), 2, 4, True),  # output projection "dense"
     "xglm": (xglm, 2, 4, False),
