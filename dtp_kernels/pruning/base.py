@@ -160,10 +160,23 @@ def _carries_masks(module: nn.Module) -> bool:
     if isinstance(vars(module).get("forward"), MaskedRouting):
         return True
     return parametrize.is_parametrized(module) and any(
-        type(p).__module__ == masking.__name__
-        for plist in module.parametrizations.values()
-        for p in plist
+        masking.is_mask(p) for plist in module.parametrizations.values() for p in plist
     )
+
+
+def _parametrized_layers(model: nn.Module, groups: list) -> dict[str, dict[str, list[str]]]:
+    """The layers that `groups` cut (or mask) whose tensors the model parametrizes itself
+    (a weight norm: `weight` computed from `original0` and `original1`), by name, with
+    those tensors' parametrizations: export cannot cut a computed tensor."""
+    names = {m: n for n, m in model.named_modules()}
+    found = {}
+    for group in groups:
+        touched = [*getattr(group, "kept_out", ()), *getattr(group, "kept_in", ())]
+        touched.append(getattr(group, "layer", None))
+        for module in touched:
+            if isinstance(module, nn.Module) and (own := masking.foreign_parametrizations(module)):
+                found[names[module]] = own
+    return found
 
 
 class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
@@ -254,6 +267,20 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                 "standardization normalizes each filter over all its input channels); leave "
                 "these layers whole with ignored_layers=[...] or a ratio of 0 for them: "
                 f"{_zero_ratios(ratios, list(transformed))}"
+            )
+        parametrized = _parametrized_layers(model, self.groups)
+        if parametrized:
+            details = "; ".join(
+                f"layer {name!r}: {', '.join(f'{t} by {classes}' for t, classes in own.items())}"
+                for name, own in parametrized.items()
+            )
+            refused = [g.name for g in self.groups if _parametrized_layers(model, [g])]
+            raise ValueError(
+                f"cannot prune these groups: the model parametrizes tensors of layers they "
+                f"cut ({details}), which export cannot cut. Fold the parametrization into "
+                "the tensor first (torch.nn.utils.parametrize.remove_parametrizations(layer, "
+                "name)), or leave these layers whole with ignored_layers=[...] or a ratio of "
+                f"0 for them: {_zero_ratios(ratios, refused)}"
             )
         refused = [g for g in self.groups if g.norms]
         if refused:
@@ -428,12 +455,15 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         lost = self._kept_channels(masks)
         params, owners = 0, {}
         for module in self.model.modules():
-            if isinstance(module, (*COSTED, *PER_CHANNEL_AFFINE, nn.MultiheadAttention)):
+            if masking.foreign_parametrizations(module):  # never cut: its own parameters
+                params += sum(p.numel() for p in module.parameters())
+            elif isinstance(module, (*COSTED, *PER_CHANNEL_AFFINE, nn.MultiheadAttention)):
                 params += params_after(module, *lost.get(module, (0, 0)))
             elif not isinstance(module, parametrize.ParametrizationList):  # owner counts it
                 params += sum(p.numel() for p in module.parameters(recurse=False))
                 if parametrize.is_parametrized(module):  # an experts block's masked weight
-                    params += sum(p.original.numel() for p in module.parametrizations.values())
+                    lists = module.parametrizations.values()
+                    params += sum(p.numel() for plist in lists for p in plist.parameters())
             for p in module.parameters(recurse=False):
                 owners[p] = owners.get(p, -1) + 1
         # a weight tied between modules (an embedding and the output layer) counts once;

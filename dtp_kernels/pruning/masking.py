@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 
 @dataclass
@@ -243,12 +244,43 @@ class ScaleEach(nn.Module):
         return weight * mask.view_as(weight)
 
 
+def is_mask(parametrization: nn.Module) -> bool:
+    """Whether `parametrization` is one of this module's (a pruner's mask)."""
+    return type(parametrization).__module__ == __name__
+
+
+def foreign_parametrizations(module: nn.Module) -> dict[str, list[str]]:
+    """The tensors of `module` parametrized otherwise than by a pruner's mask (the
+    user's weight norm), with the parametrizations' class names."""
+    if not parametrize.is_parametrized(module):
+        return {}
+    return {
+        name: [type(p).__name__ for p in plist]
+        for name, plist in module.parametrizations.items()
+        if not all(is_mask(p) for p in plist)
+    }
+
+
 def strip_parametrizations(module: nn.Module) -> None:
-    """Put the original parameters back. Unlike parametrize.remove_parametrizations this
-    leaves the parametrized class alone, which deep copies share with the original."""
-    originals = {name: plist.original for name, plist in module.parametrizations.items()}
-    module.__class__ = module.__class__.__bases__[0]
-    del module._modules["parametrizations"]
+    """Put the original parameters back where masks parametrize them; the model's own
+    parametrizations (a weight norm) stay. Unlike parametrize.remove_parametrizations
+    this leaves the parametrized class alone, which deep copies share with the original:
+    a module keeping some parametrizations gets a class of its own without the others."""
+    lists = module.parametrizations
+    masked = [name for name, plist in lists.items() if all(is_mask(p) for p in plist)]
+    mixed = [name for name, plist in lists.items() if any(is_mask(p) for p in plist)]
+    if set(mixed) != set(masked):  # the pruner refuses such layers before any mask
+        raise RuntimeError(f"masks on top of the model's own parametrizations of {mixed}")
+    originals = {name: lists[name].original for name in masked}
+    cls = module.__class__
+    if len(masked) == len(lists):
+        module.__class__ = cls.__bases__[0]
+        del module._modules["parametrizations"]
+    else:
+        namespace = {k: v for k, v in vars(cls).items() if k not in masked}
+        module.__class__ = type(cls.__name__, cls.__bases__, namespace)
+        for name in masked:
+            del lists[name]
     for name, parameter in originals.items():
         module._parameters[name] = parameter
 

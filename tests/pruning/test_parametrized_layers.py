@@ -1,0 +1,94 @@
+"""Layers the model parametrizes itself (a weight norm through torch's parametrizations,
+as wav2vec 2.0's positional convolution and vocoders' convs are written): one left whole
+keeps its parametrization in the export and in the model; one that a pruned group cuts
+is refused by name before any mask (export cannot cut a computed weight), and prunes
+once the parametrization is folded into its weight."""
+
+import ast
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import weight_norm
+
+from dtp_kernels.pruning import DTPPruner
+from dtp_kernels.pruning.cost import count_params
+from utils import randomised
+
+transformers = pytest.importorskip("transformers")
+
+
+class NormedConvs(nn.Module):
+    """conv -> relu -> conv -> pool -> linear; the first conv weight-normed when asked."""
+
+    def __init__(self, normed: bool) -> None:
+        super().__init__()
+        self.first, self.second = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.head = nn.Linear(8, 4)
+        if normed:
+            weight_norm(self.first)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.second(torch.relu(self.first(x)))
+        return self.head(torch.relu(hidden).mean((2, 3)))
+
+
+def test_a_weight_normed_layer_a_group_cuts_is_refused_by_name_and_prunes_once_folded():
+    torch.manual_seed(0)
+    model, x = NormedConvs(normed=True), torch.randn(2, 3, 8, 8)
+    with pytest.raises(ValueError, match=r"layer 'first': weight by \['_WeightNorm'\]") as error:
+        DTPPruner(model, (x,), 0.5)
+    assert "remove_parametrizations" in str(error.value)
+    assert list(model.first.parametrizations) == ["weight"]  # nothing mutated
+    assert not parametrize.is_parametrized(model.second)
+    suggested = ast.literal_eval(str(error.value).rpartition("ratios=")[2])
+    pruner = DTPPruner(model, (x,), suggested)
+    assert [g.name for g in pruner.groups] == ["second"]
+    pruner.remove()
+    parametrize.remove_parametrizations(model.first, "weight")  # folded: prunes
+    assert [g.name for g in DTPPruner(model, (x,), 0.5).groups] == ["first", "second"]
+
+
+def tiny_wav2vec2() -> nn.Module:
+    config = transformers.Wav2Vec2Config(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        conv_dim=[16, 16],
+        conv_stride=[5, 2],
+        conv_kernel=[10, 3],
+        num_feat_extract_layers=2,
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4,
+        classifier_proj_size=16,
+        num_labels=5,
+    )
+    torch.manual_seed(0)
+    return transformers.Wav2Vec2ForSequenceClassification(config)
+
+
+def test_wav2vec2_keeps_its_weight_normed_positional_conv_through_export_and_remove():
+    """Its heads and MLPs prune (its feature extractor, feeding a LayerNorm, left whole);
+    the positional convolution's weight norm, on no pruned group, stays in the export
+    (counted as its own parameters) and in the model after remove()."""
+    model, wave = tiny_wav2vec2(), torch.randn(2, 4000, generator=torch.Generator())
+    conv = model.wav2vec2.encoder.pos_conv_embed.conv
+    ratios = {"*": 0.5, "wav2vec2.feature_extractor.conv_layers.1.conv": 0}
+    pruner = randomised(DTPPruner(model, (wave[:1],), ratios))
+    assert {type(g).__name__ for g in pruner.groups} == {"HeadGroup", "ChannelGroup"}
+    model.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(wave).logits
+    exported = pruner.export().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(wave).logits, want, rtol=1e-5, atol=1e-5)
+    kept = exported.wav2vec2.encoder.pos_conv_embed.conv
+    assert list(kept.parametrizations) == ["weight"] and type(kept).__name__ == type(conv).__name__
+    assert count_params(exported) == pruner.report()["params_after"]
+    pruner.remove()
+    assert list(conv.parametrizations) == ["weight"]
+    assert not any(parametrize.is_parametrized(m) for m in model.modules() if m is not conv)
+    with torch.no_grad():
+        model(wave)  # the model's class and its parametrization still work
