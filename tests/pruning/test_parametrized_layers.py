@@ -5,6 +5,7 @@ is refused by name before any mask (export cannot cut a computed weight), and pr
 once the parametrization is folded into its weight."""
 
 import ast
+import copy
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from torch.nn.utils.parametrizations import weight_norm
 
 from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.cost import count_params
+from dtp_kernels.pruning.masking import MaskSource, ScaleRows, strip_parametrizations
 from utils import randomised
 
 transformers = pytest.importorskip("transformers")
@@ -92,3 +94,23 @@ def test_wav2vec2_keeps_its_weight_normed_positional_conv_through_export_and_rem
     assert not any(parametrize.is_parametrized(m) for m in model.modules() if m is not conv)
     with torch.no_grad():
         model(wave)  # the model's class and its parametrization still work
+
+
+def test_stripping_masks_off_a_copy_keeps_the_models_own_parametrizations_on_both():
+    """A layer whose bias carries a mask and whose weight a weight norm: its deep copy
+    (as export makes) loses the mask and keeps the norm, in a class of its own, so the
+    original keeps both."""
+    layer = weight_norm(nn.Linear(4, 3))
+    source = MaskSource([3])
+    source.set(torch.tensor([1.0, 0.0, 1.0]))
+    parametrize.register_parametrization(layer, "bias", ScaleRows(source, 0))
+    copied = copy.deepcopy(layer)
+    strip_parametrizations(copied)
+    assert list(copied.parametrizations) == ["weight"] and "bias" in copied._parameters
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        masked = layer(x)
+        plain = copied(x)
+    torch.testing.assert_close(masked[:, 1], plain[:, 1] - copied.bias[1])
+    assert list(layer.parametrizations) == ["weight", "bias"]
+    assert type(copied) is not type(layer) and type(copied).__name__ == type(layer).__name__
