@@ -52,8 +52,8 @@ def test_a_weight_normed_layer_a_group_cuts_is_refused_by_name_and_prunes_once_f
     assert [g.name for g in DTPPruner(model, (x,), 0.5).groups] == ["first", "second"]
 
 
-def tiny_wav2vec2() -> nn.Module:
-    config = transformers.Wav2Vec2Config(
+def tiny_speech_encoder(family: str) -> nn.Module:
+    config = getattr(transformers, f"{family}Config")(
         hidden_size=32,
         num_hidden_layers=2,
         num_attention_heads=4,
@@ -68,16 +68,19 @@ def tiny_wav2vec2() -> nn.Module:
         num_labels=5,
     )
     torch.manual_seed(0)
-    return transformers.Wav2Vec2ForSequenceClassification(config)
+    return getattr(transformers, f"{family}ForSequenceClassification")(config)
 
 
-def test_wav2vec2_keeps_its_weight_normed_positional_conv_through_export_and_remove():
-    """Its heads and MLPs prune (its feature extractor, feeding a LayerNorm, left whole);
-    the positional convolution's weight norm, on no pruned group, stays in the export
-    (counted as its own parameters) and in the model after remove()."""
-    model, wave = tiny_wav2vec2(), torch.randn(2, 4000, generator=torch.Generator())
-    conv = model.wav2vec2.encoder.pos_conv_embed.conv
-    ratios = {"*": 0.5, "wav2vec2.feature_extractor.conv_layers.1.conv": 0}
+@pytest.mark.parametrize("family", ["Wav2Vec2", "Hubert"])
+def test_speech_encoders_keep_their_weight_normed_positional_conv_through_export(family):
+    """wav2vec 2.0's and HuBERT's heads and MLPs prune (the feature extractor, feeding a
+    LayerNorm, left whole); the positional convolution's weight norm, on no pruned
+    group, stays in the export (counted as its own parameters) and in the model after
+    remove()."""
+    model, wave = tiny_speech_encoder(family), torch.randn(2, 4000, generator=torch.Generator())
+    base = getattr(model, family.lower())
+    conv = base.encoder.pos_conv_embed.conv
+    ratios = {"*": 0.5, f"{family.lower()}.feature_extractor.conv_layers.1.conv": 0}
     pruner = randomised(DTPPruner(model, (wave[:1],), ratios))
     assert {type(g).__name__ for g in pruner.groups} == {"HeadGroup", "ChannelGroup"}
     model.eval()
@@ -86,7 +89,7 @@ def test_wav2vec2_keeps_its_weight_normed_positional_conv_through_export_and_rem
     exported = pruner.export().eval()
     with torch.no_grad():
         torch.testing.assert_close(exported(wave).logits, want, rtol=1e-5, atol=1e-5)
-    kept = exported.wav2vec2.encoder.pos_conv_embed.conv
+    kept = getattr(exported, family.lower()).encoder.pos_conv_embed.conv
     assert list(kept.parametrizations) == ["weight"] and type(kept).__name__ == type(conv).__name__
     assert count_params(exported) == pruner.report()["params_after"]
     pruner.remove()
