@@ -455,9 +455,9 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         lost = self._kept_channels(masks)
         params, owners = 0, {}
         for module in self.model.modules():
-            if masking.foreign_parametrizations(module):  # never cut: its own parameters
-                params += sum(p.numel() for p in module.parameters())
-            elif isinstance(module, (*COSTED, *PER_CHANNEL_AFFINE, nn.MultiheadAttention)):
+            # a layer the model parametrizes itself is never cut: its own parameters count
+            formula = isinstance(module, (*COSTED, *PER_CHANNEL_AFFINE, nn.MultiheadAttention))
+            if formula and not masking.foreign_parametrizations(module):
                 params += params_after(module, *lost.get(module, (0, 0)))
             elif not isinstance(module, parametrize.ParametrizationList):  # owner counts it
                 params += sum(p.numel() for p in module.parameters(recurse=False))

@@ -15,8 +15,9 @@ describes the model. A norm of the attention output is the same with the value
 projection's rows: the attention output is linear in the values, so zeroing a unit's
 value rows zeroes its query heads' outputs and scaling the kept rows by c scales theirs
 (x is then the kept query heads' output channels, more than the value rows under
-grouped-query attention). A norm for which this does not hold on a random input (a LayerNorm,
-which subtracts the mean; Gemma's 1 + weight) is left among those the pruner refuses.
+grouped-query attention). A norm for which this does not hold on a random input (a
+LayerNorm, which subtracts the mean; Gemma's 1 + weight) is left among those the pruner
+refuses.
 """
 
 from __future__ import annotations
