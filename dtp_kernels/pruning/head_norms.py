@@ -90,37 +90,15 @@ def fed_norms(
     return fed
 
 
-def output_norms(
-    model: nn.Module, inputs: tuple, candidates: dict[nn.Module, nn.Linear]
-) -> set[nn.Module]:
-    """The norms of `candidates` (norm: its attention layer's output projection) whose
-    output that projection reads as its input, seen in one eval forward of `model` on
-    `inputs`: a norm of the attention output (BitNet's attn_sub_norm)."""
-    last: dict[nn.Module, torch.Tensor] = {}  # each norm's latest output
-    found: set[nn.Module] = set()
-
-    def produced(norm, _args, output):
-        last[norm] = output
-
-    def reads(layer, args):
-        found.update(
-            n for n, out in candidates.items() if out is layer and args and args[0] is last.get(n)
-        )
-
-    handles = [norm.register_forward_hook(produced) for norm in candidates]
-    handles += [layer.register_forward_pre_hook(reads) for layer in set(candidates.values())]
-    with torch.no_grad():
-        run_hooked(model, inputs, handles)
-    return found
-
-
-def input_norms(
+def norms_read_by(
     model: nn.Module, inputs: tuple, candidates: dict[nn.Module, list[nn.Linear]]
 ) -> set[nn.Module]:
-    """The norms of `candidates` (norm: its attention layer's query, key and value
-    projections) whose output one of those projections reads as its input, seen in one
-    eval forward of `model` on `inputs`: a norm of the layer's input (LongT5's norm of
-    its global tokens, of the model width), not over the heads."""
+    """The norms of `candidates` (norm: layers that may read it) whose output one of
+    those layers reads as its input, seen in one eval forward of `model` on `inputs`: a
+    norm of an attention layer's input, read by its query, key or value projection
+    (LongT5's norm of its global tokens, of the model width, not over the heads), or a
+    norm of its attention output, read by its output projection (BitNet's
+    attn_sub_norm)."""
     last: dict[nn.Module, torch.Tensor] = {}  # each norm's latest output
     found: set[nn.Module] = set()
 

@@ -70,9 +70,8 @@ from .head_norms import (
     RescaledNorm,
     cut_norm,
     fed_norms,
-    input_norms,
     norms_over_all_heads,
-    output_norms,
+    norms_read_by,
     rescales_exactly,
 )
 from .proof import cuts_exactly, dropped, example_calls
@@ -640,7 +639,7 @@ def find_head_groups(
         group.refusal = group.refusal or outside.get(group.module, "")
     normed = [g for g in groups if g.norms and not g.refusal]
     if normed and inputs:  # a norm of the layer's input is no norm over its heads
-        before = input_norms(model, inputs, {n: g.kept_out for g in normed for n in g.norms})
+        before = norms_read_by(model, inputs, {n: g.kept_out for g in normed for n in g.norms})
         for group in normed:
             group.norms = tuple(n for n in group.norms if n not in before)
     _rescale_norms(model, inputs, [g for g in groups if g.norms and not g.refusal])
@@ -662,7 +661,7 @@ def _rescale_norms(model: nn.Module, inputs: tuple, groups: list[HeadGroup]) -> 
     # a norm of the attention output, where a value projection of its own holds the
     # units' rows: masked and rescaled there (head_norms.py)
     valued = {n: g.out.layer for g in groups if _value(g) is not None for n in g.norms}
-    after = output_norms(model, inputs, {n: o for n, o in valued.items() if n not in fed})
+    after = norms_read_by(model, inputs, {n: [o] for n, o in valued.items() if n not in fed})
     for group in groups:
         exact = [n for n in group.norms if n in fed and rescales_exactly(n)]
         group.rescaled = [RescaledNorm(n, *fed[n]) for n in exact]

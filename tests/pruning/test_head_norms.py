@@ -10,7 +10,7 @@ from torch import nn
 
 from dtp_kernels.pruning import DTPPruner, load_pruned, save_pruned
 from dtp_kernels.pruning.cost import count_params
-from dtp_kernels.pruning.head_norms import cut_norm, fed_norms, output_norms, rescales_exactly
+from dtp_kernels.pruning.head_norms import cut_norm, fed_norms, norms_read_by, rescales_exactly
 from dtp_kernels.pruning.heads import HeadGroup
 from utils import LLAMA_VOCAB as VOCAB
 from utils import hard_masked_and_exported, randomised, tiny_bitnet
@@ -56,7 +56,7 @@ class NormedOutput(nn.Module):
 @pytest.mark.parametrize("as_it_is", [True, False])
 def test_a_norm_of_the_attention_output_is_one_the_output_projection_reads_as_it_is(as_it_is):
     model = NormedOutput(as_it_is)
-    found = output_norms(model, (torch.randn(3, 4),), {model.norm: model.out})
+    found = norms_read_by(model, (torch.randn(3, 4),), {model.norm: [model.out]})
     assert found == ({model.norm} if as_it_is else set())
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
