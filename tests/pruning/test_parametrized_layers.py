@@ -117,3 +117,13 @@ def test_stripping_masks_off_a_copy_keeps_the_models_own_parametrizations_on_bot
     torch.testing.assert_close(masked[:, 1], plain[:, 1] - copied.bias[1])
     assert list(layer.parametrizations) == ["weight", "bias"]
     assert type(copied) is not type(layer) and type(copied).__name__ == type(layer).__name__
+
+
+def test_a_mask_stacked_on_the_models_own_parametrization_is_not_stripped_silently():
+    """A mask on top of a weight norm of the same tensor (the pruner refuses such layers
+    before any mask) would leave the mask in the export: stripping says so instead."""
+    layer = weight_norm(nn.Linear(4, 3))
+    source = MaskSource([3])
+    parametrize.register_parametrization(layer, "weight", ScaleRows(source, 0))
+    with pytest.raises(RuntimeError, match=r"masks on top of the model's own .* \['weight'\]"):
+        strip_parametrizations(copy.deepcopy(layer))
