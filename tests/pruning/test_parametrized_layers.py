@@ -124,6 +124,7 @@ def test_a_mask_stacked_on_the_models_own_parametrization_is_not_stripped_silent
     before any mask) would leave the mask in the export: stripping says so instead."""
     layer = weight_norm(nn.Linear(4, 3))
     source = MaskSource([3])
+    source.set(torch.ones(3))
     parametrize.register_parametrization(layer, "weight", ScaleRows(source, 0))
     with pytest.raises(RuntimeError, match=r"masks on top of the model's own .* \['weight'\]"):
         strip_parametrizations(copy.deepcopy(layer))
