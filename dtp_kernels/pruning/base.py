@@ -476,10 +476,10 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             # a norm over the units (heads, a GRN) loses the removed units' parameters
             for _norm, per_unit in getattr(group, "cut_norms", ()):
                 params -= int(mask.numel() - mask.sum()) * per_unit
-            # per-head tables; a Mamba mixer's per-channel parameters
-            for owner, name, dim in getattr(group, "tables", ()):
+            # per-head tables; a Mamba mixer's per-channel parameters; raw per-channel scales
+            for owner, name, dim in [*getattr(group, "tables", ()), *getattr(group, "scales", ())]:
                 table = getattr(owner, name)
-                removed = int(mask.numel() - mask.sum()) * getattr(group, "query_heads_per_unit", 1)
+                removed = int(mask.numel() - mask.sum()) * getattr(group, "rows_per_table_unit", 1)
                 params -= table.numel() // table.shape[dim] * removed
         return params, flops_after(self._layers, lost)
 

@@ -4,7 +4,8 @@ after pruning, and the FLOPs as a differentiable function of learned kept ratios
 FLOPs follow the paper's appendix (Eq. flops_comput, after ChipNet): a convolution costs
 (K * n_in / groups + 1) * n_out * A multiply-adds (K the kernel area, A the output
 feature-map area, +1 for the bias term); a linear layer (n_in + 1) * n_out per output
-row; nonlinearities, BN and pooling are ignored. A depthwise convolution loses its input
+row; nonlinearities, BN and pooling are ignored. A transposed convolution spreads each
+input position over K outputs, so its A is the input's area. A depthwise convolution loses its input
 and output channels together. An expert of a mixture-of-experts block counts as its two
 linear layers over the tokens the example forward routed to it (over every token where
 every expert computes on every token: Llama 4's).
@@ -22,7 +23,7 @@ from torch import nn
 from .example_inputs import as_example_inputs, call_model
 from .experts import ExpertProjection, expert_layout
 
-CONV = (nn.Conv1d, nn.Conv2d)
+CONV = (nn.Conv1d, nn.Conv2d, nn.ConvTranspose1d, nn.ConvTranspose2d)
 COSTED = (*CONV, nn.Linear)  # the layers whose FLOPs are counted
 
 
@@ -130,13 +131,16 @@ def trace_layers(
     """The costed layers of one eval-mode forward of `example_inputs`, in call order."""
     layers: list[Layer | ExpertMatmul | PackedProjection] = []
 
-    def hook(module: nn.Module, _inputs, output: torch.Tensor) -> None:
+    def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
         if isinstance(module, CONV):
+            positions = inputs[0] if getattr(module, "transposed", False) else output
+            if positions.dim() == module.weight.dim() - 1:  # unbatched
+                positions = positions[None]
             layers.append(
                 Layer(
                     module,
                     math.prod(module.kernel_size),
-                    output.shape[0] * math.prod(output.shape[2:]),
+                    positions.shape[0] * math.prod(positions.shape[2:]),
                 )
             )
         else:  # a Linear subclass may return more (PhiMoE's router: logits first)

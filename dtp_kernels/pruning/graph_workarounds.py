@@ -15,6 +15,13 @@ lets it through.
   `.shape` of a linear layer's output before it unpacks a tuple, and fails.
   `tuple_returning_linears()` names them, to be left out of the trace (their outputs
   are routing logits, one per expert, never a prunable width).
+- A region pooling op of torchvision (roi_align, roi_pool and their position-sensitive
+  forms) reads the boxes as well as the features, and the graph takes it for an
+  elementwise op of both: the boxes' four coordinates become coupled to the features'
+  channels. Where detections are pooled again (Keypoint R-CNN's keypoint head reads the
+  boxes its box head predicted), the search for the box regressor's group then never
+  ends. Inside `region_pooling_reads_features_only()` such an op keeps only its
+  features as an input.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch_pruning as tp
 from torch import nn
 from torch_pruning.dependency import index_mapping
 
@@ -82,3 +90,37 @@ def tuple_returning_linears(model: nn.Module, example_inputs: tuple) -> list[nn.
         for handle in handles:
             handle.remove()
     return [m for m in candidates if isinstance(outputs.get(m), tuple)]
+
+
+# the autograd names of torchvision's region pooling ops, whose first input is the features
+REGION_POOLING = ("roi_align", "roi_pool")
+
+
+@contextlib.contextmanager
+def region_pooling_reads_features_only() -> Iterator[None]:
+    """Within the block, a graph Torch-Pruning traces has each of torchvision's region
+    pooling ops read only its features (its boxes' input cut), before the dependencies
+    are built from its inputs."""
+    trace = tp.DependencyGraph._trace
+
+    def traced(graph, *args, **kwargs):
+        module2node = trace(graph, *args, **kwargs)
+        for node in module2node.values():
+            grad_fn = getattr(node, "grad_fn", None)
+            if not any(op in type(grad_fn).__name__.lower() for op in REGION_POOLING):
+                continue
+            features = grad_fn.next_functions[0][0] if grad_fn.next_functions else None
+            kept = [n for n in node.inputs if n.grad_fn is features]
+            if len(kept) != 1:  # the features not told apart: left as traced
+                continue
+            for other in node.inputs:
+                if other is not kept[0]:
+                    other.outputs = [n for n in other.outputs if n is not node]
+            node.inputs = kept
+        return module2node
+
+    tp.DependencyGraph._trace = traced
+    try:
+        yield
+    finally:
+        tp.DependencyGraph._trace = trace

@@ -30,7 +30,12 @@ from torch import nn
 
 from .conv1d import is_conv1d
 from .example_inputs import call_model
-from .graph_workarounds import tuple_returning_linears, unknown_concat_widths_left_unmapped
+from .frozen_norms import FROZEN_BATCH_NORM, frozen_norm_pruners, is_frozen_batch_norm
+from .graph_workarounds import (
+    region_pooling_reads_features_only,
+    tuple_returning_linears,
+    unknown_concat_widths_left_unmapped,
+)
 
 
 @dataclass
@@ -67,6 +72,12 @@ class ChannelGroup:
     # a global response normalization the channels pass through (ConvNeXt V2's GRN),
     # exact when its bias is masked too and export rescales it (response_norms.py)
     response_norms: list[nn.Module] = field(default_factory=list)
+    # raw parameters of the channels' width outside the layers and norms (SSD's L2-norm
+    # scale), which Torch-Pruning cuts with them: (owner, attribute, dim)
+    scales: list[tuple[nn.Module, str, int]] = field(default_factory=list)
+    # consumers that read each channel at several inputs, with how many (a linear layer
+    # after a flatten: the feature map's area)
+    reads: dict[nn.Module, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.rows is None:
@@ -79,12 +90,20 @@ class ChannelGroup:
         return self.group_norm.num_channels // self.group_norm.num_groups
 
     @property
+    def rows_per_table_unit(self) -> int:
+        """Entries a per-channel table (`scales`; a subclass's `tables`) loses per unit
+        removed."""
+        return self.channels_per_unit
+
+    @property
     def width(self) -> dict[nn.Module, int]:
         """Channels each module loses per unit removed (the cost model counts channels)."""
         if self.parts > 1:  # the root loses a channel of each part; its consumers one
             return {self.layer: self.parts}
         per_unit = self.channels_per_unit
-        return {} if per_unit == 1 else dict.fromkeys([*self.kept_out, *self.kept_in], per_unit)
+        widths = {m: per_unit for m in [*self.kept_out, *self.kept_in]}
+        widths.update({m: per_unit * n for m, n in self.reads.items()})
+        return {m: n for m, n in widths.items() if n != 1}
 
     @property
     def cut_norms(self) -> list[tuple[nn.Module, int]]:
@@ -167,7 +186,11 @@ def _group_op(graph: tp.DependencyGraph, module) -> str:
     return WITHIN_CHANNEL_ADD
 
 
-PER_CHANNEL_NORMS = (tp.prune_batchnorm_out_channels, tp.prune_instancenorm_out_channels)
+PER_CHANNEL_NORMS = (
+    tp.prune_batchnorm_out_channels,
+    tp.prune_instancenorm_out_channels,
+    FROZEN_BATCH_NORM.prune_out_channels,
+)
 
 
 def _is_depthwise(module: nn.Module) -> bool:
@@ -190,9 +213,9 @@ def _is_grouped(module: nn.Module) -> bool:
 
 def _per_channel_width(module: nn.Module) -> int:
     """The channels a BN, InstanceNorm or depthwise conv acts on."""
-    return (
-        module.out_channels if isinstance(module, (nn.Conv1d, nn.Conv2d)) else module.num_features
-    )
+    if isinstance(module, (nn.Conv1d, nn.Conv2d)):
+        return module.out_channels
+    return module.weight.numel() if is_frozen_batch_norm(module) else module.num_features
 
 
 def out_width(layer: nn.Module) -> int:
@@ -264,6 +287,11 @@ class ChannelGraphError(ValueError):
     its search for the channels coupled to one layer, fails or does not end."""
 
 
+# what Torch-Pruning warns, building the graph and searching it, where it cannot infer a
+# width (a detection head's box decoding): nothing for the user to do
+RECURSION_WARNING = "Maximum recursive depth reached"
+
+
 @contextlib.contextmanager
 def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGraph]:
     """Torch-Pruning's DependencyGraph of the model; its autograd nodes are let go when
@@ -284,12 +312,14 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
         with (
             torch.enable_grad(),
             warnings.catch_warnings(),
+            region_pooling_reads_features_only(),
             without_cache(model),
             all_parameters_recorded(model),
         ):
             # norms that are not nn.LayerNorm (RMSNorm) are "unwrapped parameters" to it;
             # groups through them are refused or left alone here, never pruned
             warnings.filterwarnings("ignore", message="Unwrapped parameters detected")
+            warnings.filterwarnings("ignore", message=RECURSION_WARNING)
             hooks = {module: set(module._forward_hooks) for module in model.modules()}
             try:
                 graph = tp.DependencyGraph().build_dependency(
@@ -298,6 +328,7 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
                     forward_fn=lambda model, inputs: call_model(model, inputs),
                     output_transform=_traced_outputs,
                     ignored_layers=tuple_returning_linears(model, example_inputs),
+                    customized_pruners=frozen_norm_pruners(model),
                 )
             except Exception as error:  # its own errors say nothing of the model or what to do
                 _remove_new_hooks(hooks)  # a failed trace leaves its hooks on the model
@@ -310,7 +341,9 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
                     "prunes are listed in docs/pruning.md and the README's 'What it prunes'"
                 ) from error
         try:
-            yield graph
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=RECURSION_WARNING)
+                yield graph
         finally:
             for node in graph.module2node.values():
                 node.grad_fn = None
@@ -470,6 +503,49 @@ def _bounded_search(graph: tp.DependencyGraph, names: dict[nn.Module, str]) -> I
         del graph.get_pruning_group
 
 
+# Torch-Pruning's own nodes for the tensor ops between layers, and for the model's outputs
+TENSOR_OPS = (
+    tp.ops._ElementWiseOp,
+    tp.ops._ReshapeOp,
+    tp.ops._SliceOp,
+    tp.ops._SplitOp,
+    tp.ops._ConcatOp,
+    tp.ops._UnbindOp,
+    tp.ops._ExpandOp,
+    tp.ops._OutputOp,
+)
+
+
+def output_layers(graph: tp.DependencyGraph, roots: tuple[type, ...]) -> list[nn.Module]:
+    """The layers of the `roots` types from whose outputs only tensor ops lead, to the
+    model's outputs: no module reads their channels, so they keep them all, and their
+    groups need no search. A detection head's box regressor is one: its outputs are decoded
+    into boxes, and there Torch-Pruning's search does not end."""
+    # whether some module (anything but a tensor op) is reached from a node's outputs,
+    # decided for each node once, after its outputs (depth first; a node met again while
+    # its outputs are visited closes a cycle and adds nothing)
+    reaches: dict[int, bool] = {}
+    entered: set[int] = set()
+    for start in graph.module2node.values():
+        stack = [(start, False)]
+        while stack:
+            node, outputs_done = stack.pop()
+            if outputs_done:
+                reaches[id(node)] = any(
+                    not isinstance(out.module, TENSOR_OPS) or reaches.get(id(out), False)
+                    for out in node.outputs
+                )
+            elif id(node) not in entered:
+                entered.add(id(node))
+                stack.append((node, True))
+                stack.extend((out, False) for out in node.outputs)
+    return [
+        module
+        for module, node in graph.module2node.items()
+        if isinstance(module, roots) and not reaches[id(node)]
+    ]
+
+
 def find_groups(
     model: nn.Module, graph: tp.DependencyGraph, ignored: list[nn.Module], coupled: bool = False
 ) -> list[ChannelGroup]:
@@ -477,6 +553,7 @@ def find_groups(
     that can be masked exactly (each producer masked at its BN)."""
     names = {module: name for name, module in model.named_modules()}
     roots = [nn.Conv1d, nn.Conv2d, nn.Linear]
+    ignored = ignored + output_layers(graph, tuple(roots))
     with _bounded_search(graph, names):
         found = _channel_groups(model, graph, ignored, coupled, names, roots)
     return [found[m] for m in model.modules() if m in found]
@@ -497,7 +574,8 @@ def _channel_groups(
     for group in graph.get_all_groups(ignored_layers=list(ignored), root_module_types=roots):
         out_layers, bns, outs, ins, norms, depthwise, ops = [], [], [], [], [], [], []
         group_norms, params, param_owners = [], [], []
-        for dep, _idxs in group:
+        read: dict[nn.Module, int] = {}  # input channels of each consumer the group holds
+        for dep, idxs in group:
             module, handler = dep.target.module, dep.handler
             ops.append(_group_op(graph, module))
             if handler in (tp.prune_conv_out_channels, tp.prune_depthwise_conv_out_channels):
@@ -532,6 +610,7 @@ def _channel_groups(
                 tp.prune_linear_in_channels,
             ):
                 ins.append(module)
+                read[module] = len(idxs)
         gated = (
             len(out_layers) > 1
             and all(isinstance(m, nn.Linear) for m in [*out_layers, *ins])
@@ -562,6 +641,9 @@ def _channel_groups(
             continue  # a grouped conv: channels would have to go evenly from its groups
         layer = min(out_layers, key=lambda m: order[m])
         size = out_width(layer)
+        # a consumer reading each channel at several inputs (a linear layer after a
+        # flatten reads a channel's whole feature map) loses that many per channel
+        reads = {m: n // size for m, n in read.items() if n != size and n % size == 0}
         if not residual and any(_per_channel_width(m) != size for m in [*bns, *depthwise]):
             # a BN over a concatenation (DenseNet): it reads other layers' channels too, and
             # every such BN would need the mask at the group's offset in it, not one place
@@ -578,7 +660,7 @@ def _channel_groups(
                 or not all(isinstance(m, nn.Linear) and m.in_features == part for m in ins)
                 or not any(op.startswith("MulBackward") for op in ops)
                 or any(op.startswith(MERGING_OPS) for op in ops)
-                or bns + norms + depthwise + group_norms
+                or bns + norms + depthwise + group_norms + params
             ):
                 continue  # the mask could not go where the parts are combined
             found[layer] = ChannelGroup(
@@ -610,6 +692,7 @@ def _channel_groups(
                 [],
                 layer,
                 producers=_coupled_producers(graph, out_layers, bns),
+                reads=reads,
             )
             continue
         group_norm = None
@@ -630,5 +713,15 @@ def _channel_groups(
             gated,
             group_norm,
             param_owners=param_owners,
+            scales=[_table(graph, owners[id(p)], p) for p in params],
+            reads=reads,
         )
     return found
+
+
+def _table(
+    graph: tp.DependencyGraph, owner: nn.Module, parameter: nn.Parameter
+) -> tuple[nn.Module, str, int]:
+    """(owner, attribute, dim) of a raw parameter Torch-Pruning cuts along `dim`."""
+    name = next(n for n, p in owner.named_parameters(recurse=False) if p is parameter)
+    return owner, name, graph.module2node[parameter].pruning_dim % parameter.dim()

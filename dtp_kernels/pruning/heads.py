@@ -162,6 +162,11 @@ class HeadGroup:
         return [(r.norm, r.channels_per_unit) for r in self.rescaled]
 
     @property
+    def rows_per_table_unit(self) -> int:
+        """Entries each of `tables` loses per unit removed: one per query head."""
+        return self.query_heads_per_unit
+
+    @property
     def members(self) -> list[HeadGroup]:
         """The attention layers whose heads are these units: this one (a chain of layers
         sharing one bias per head: tied_heads.py)."""

@@ -30,7 +30,7 @@ from ..transport_state import TransportState
 from . import nm as nm_rules
 from .base import ChannelPruner, ExportMismatchError
 from .conv1d import linear_to_conv1d
-from .cost import COSTED, FlopsRatio
+from .cost import FlopsRatio
 from .example_inputs import call_model
 from .experts import ExpertGroup, tied_units
 from .groups import out_width, output_tensors
@@ -58,6 +58,8 @@ from .whole_experts import MaskedRouting, WholeExpertsGroup, mask_router, unmask
 MASK_AT = ("auto", "parameters", "activation")
 GRANULARITIES = ("filter", "weight", "n:m")
 SCORE_SOURCES = ("learned", "magnitude")
+# the layers granularity="weight" and "n:m" mask: weights laid out [out, in, ...]
+WEIGHT_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Linear)
 EPILOGUE_BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
 
 
@@ -256,7 +258,7 @@ class DTPPruner(ChannelPruner):
         layers = [
             (name, module)
             for name, module in model.named_modules()
-            if isinstance(module, COSTED) and module not in ignored
+            if isinstance(module, WEIGHT_LAYERS) and module not in ignored
         ]
         # a weight tied to another module's (an output layer's to the embedding) would be
         # masked in one of its uses and exported zero in both: left whole
@@ -333,7 +335,8 @@ class DTPPruner(ChannelPruner):
             return
         for norm in group.response_norms:  # its bias would give removed channels back
             parametrize.register_parametrization(norm, "bias", ScaleLast(self._source, index))
-        if self.mask_at != "activation" and group.bn is not None and group.bn.affine:
+        # a BN without affine parameters (a frozen one: its buffers) is masked on its output
+        if self.mask_at != "activation" and getattr(group.bn, "affine", False):
             for name in ("weight", "bias"):
                 slot = len(self._fold)
                 scale = ScaleRows(self._source, index)

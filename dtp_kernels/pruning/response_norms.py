@@ -125,5 +125,6 @@ def adopt_response_norms(model: nn.Module, groups: Sequence[ChannelGroup], input
     for group in groups:
         norms = proven.get(id(group), [])
         if len(norms) == 1:  # the one form seen (ConvNeXt V2); two in a row stay refused
-            group.response_norms = norms
+            group.response_norms = norms  # its parameters counted as a cut norm's
+            group.scales = [s for s in group.scales if s[0] is not norms[0]]
             group.norms = [n for n in group.norms if n is not norms[0]]
