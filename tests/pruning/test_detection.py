@@ -163,6 +163,21 @@ def test_output_layers_are_the_heads_outputs_and_take_no_search():
     assert names == {"roi_heads.box_predictor.cls_score", "roi_heads.box_predictor.bbox_pred"}
 
 
+def test_region_pooling_reads_only_the_features():
+    # Keypoint R-CNN pools the boxes its box head predicted: traced as they are, the
+    # boxes' coordinates would be coupled to the features' channels (on a ResNet-50
+    # backbone the box regressor's search then does not end)
+    model, images = detector("keypoint_rcnn"), ([torch.rand(3, 64, 80)],)
+    with traced_graph(model, images) as graph:
+        nodes = graph.module2node.values()
+        pools = [n for n in nodes if "roi_align" in type(n.grad_fn).__name__.lower()]
+        sources = [[type(i.module).__name__ for i in n.inputs] for n in pools]
+        feeding = [sum(any(o is p for o in n.outputs) for n in nodes) for p in pools]
+    assert len(pools) == 8  # four levels for the box head, four for the keypoint head
+    assert sources == [["Conv2d"]] * len(pools)
+    assert feeding == [1] * len(pools)  # the boxes' edges cut both ways
+
+
 def test_frozen_batch_norms_are_cut_with_their_channels_and_masked_at_their_output():
     model, images = detector("faster_rcnn"), ([torch.rand(3, 64, 80)],)
     pruner = randomised(DTPPruner(model, images, {"backbone.body.layer1.0.conv1": 0.5}))
