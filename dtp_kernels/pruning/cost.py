@@ -5,10 +5,10 @@ FLOPs follow the paper's appendix (Eq. flops_comput, after ChipNet): a convoluti
 (K * n_in / groups + 1) * n_out * A multiply-adds (K the kernel area, A the output
 feature-map area, +1 for the bias term); a linear layer (n_in + 1) * n_out per output
 row; nonlinearities, BN and pooling are ignored. A transposed convolution spreads each
-input position over K outputs, so its A is the input's area. A depthwise convolution loses its input
-and output channels together. An expert of a mixture-of-experts block counts as its two
-linear layers over the tokens the example forward routed to it (over every token where
-every expert computes on every token: Llama 4's).
+input position over K outputs, so its A is the input's area. A depthwise convolution
+loses its input and output channels together. An expert of a mixture-of-experts block
+counts as its two linear layers over the tokens the example forward routed to it (over
+every token where every expert computes on every token: Llama 4's).
 """
 
 from __future__ import annotations
