@@ -2,7 +2,8 @@
 builds them (a ResNet FPN backbone with frozen batch norms, as pretrained weights come),
 at small sizes: a float ratio prunes the backbone and the heads' convolutions and
 linear layers, the exported model computes what the hard-masked one does (boxes, scores,
-masks, keypoints), and its parameter and FLOP counts are the report's.
+masks, keypoints), its parameters are the report's, and its FLOPs what the cost model
+counts for the channels each layer lost.
 
 What makes them prunable: the box regressors and classifiers, whose outputs are only
 decoded into detections, keep their outputs without a search of Torch-Pruning's graph
@@ -29,8 +30,8 @@ from dtp_kernels.pruning.groups import output_layers, traced_graph
 from utils import randomised
 
 SIZES = {"min_size": 64, "max_size": 96}
-# every box kept until the counts (no score threshold, no suppression): the heads run on
-# as many boxes in the masked and the exported model, so their FLOPs are the report's
+# every box kept up to the counts (no score threshold, no suppression): the masked and
+# the exported model return as many detections to compare
 RCNN = {
     **SIZES,
     "rpn_nms_thresh": 1.0,
