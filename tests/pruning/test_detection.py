@@ -242,11 +242,17 @@ def test_a_transposed_conv_costs_its_kernel_over_its_input_positions():
 
 
 def test_frozen_norms_are_left_to_the_model_when_a_copy_is_exported():
-    # the model keeps its frozen norms' full buffers: export cut a copy
+    # the model keeps its frozen norms' full buffers (export cut a copy), and once the
+    # pruner is removed, no mask on their outputs: it computes what it did before
     model, images = detector("faster_rcnn"), ([torch.rand(3, 64, 80)],)
     before = copy.deepcopy(model.state_dict())
+    with torch.no_grad():
+        want = tensors(model(*images))
     pruner = randomised(DTPPruner(model, images, 0.5))
     pruner.export()
     pruner.remove()
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+    with torch.no_grad():
+        got = tensors(model(*images))
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
