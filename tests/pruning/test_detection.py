@@ -26,7 +26,7 @@ from torchvision.ops.feature_pyramid_network import LastLevelP6P7
 
 from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.cost import count_flops, count_params, flops_after, trace_layers
-from dtp_kernels.pruning.groups import output_layers, traced_graph
+from dtp_kernels.pruning.groups import output_layers, output_tensors, traced_graph
 from utils import randomised
 
 SIZES = {"min_size": 64, "max_size": 96}
@@ -97,21 +97,13 @@ def detector(kind: str) -> nn.Module:
     return model.eval()
 
 
-def tensors(output) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, dict):
-        return [t for key in sorted(output) for t in tensors(output[key])]
-    return [t for item in output for t in tensors(item)]
-
-
 def check_export(pruner: DTPPruner, model: nn.Module, inputs: tuple) -> nn.Module:
     """The export equals the hard-masked model on `inputs`, and has the report's counts."""
     with torch.no_grad(), pruner.hard_masked():
-        want = tensors(model(*inputs))
+        want = output_tensors(model(*inputs))
     exported = pruner.export().eval()
     with torch.no_grad():
-        got = tensors(exported(*inputs))
+        got = output_tensors(exported(*inputs))
     assert [t.shape for t in got] == [t.shape for t in want]
     assert sum(t.numel() for t in want) > 0  # detections to compare
     for g, w in zip(got, want, strict=True):
@@ -247,12 +239,12 @@ def test_frozen_norms_are_left_to_the_model_when_a_copy_is_exported():
     model, images = detector("faster_rcnn"), ([torch.rand(3, 64, 80)],)
     before = copy.deepcopy(model.state_dict())
     with torch.no_grad():
-        want = tensors(model(*images))
+        want = output_tensors(model(*images))
     pruner = randomised(DTPPruner(model, images, 0.5))
     pruner.export()
     pruner.remove()
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     with torch.no_grad():
-        got = tensors(model(*images))
+        got = output_tensors(model(*images))
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
