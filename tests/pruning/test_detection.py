@@ -17,6 +17,7 @@ import copy
 
 import pytest
 import torch
+import torchvision
 from torch import nn
 from torchvision.models import detection, segmentation
 from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
@@ -221,6 +222,16 @@ def test_a_raw_scale_a_flatten_and_a_transposed_conv_are_counted_as_export_cuts_
     assert exported.scale.shape == (4,)
     assert exported.head.in_features == 3 * 9  # 3 channels kept, 9 inputs each
     assert exported.up.in_channels == 3
+    assert count_flops(exported, (x,)) == pruner.report()["flops_after"]
+
+
+def test_alexnet_counts_its_classifier_after_the_flatten():
+    # its last conv's channels reach the classifier through a 6 x 6 flatten
+    torch.manual_seed(0)
+    model, x = torchvision.models.alexnet(num_classes=10).eval(), torch.rand(1, 3, 64, 64)
+    pruner = randomised(DTPPruner(model, (x,), 0.5))
+    exported = check_export(pruner, model, (x,))
+    assert exported.classifier[1].in_features == exported.features[10].out_channels * 36
     assert count_flops(exported, (x,)) == pruner.report()["flops_after"]
 
 
