@@ -34,6 +34,7 @@ from .experts import (
     unrecognised_experts,
 )
 from .gated_deltanet import LinearAttentionGroup, find_linear_attention_groups
+from .grouped_convs import check_grouped_conv_ratios, cut_grouped_inputs, is_grouped
 from .groups import (
     ChannelGraphError,
     ChannelGroup,
@@ -252,6 +253,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         check_expert_ratios(experts, per_group, budget)
         check_whole_expert_ratios(all_groups, per_group, budget)
         check_mamba2_ratios(all_groups, per_group, budget)
+        check_grouped_conv_ratios(all_groups, per_group, budget)
         self.groups = [g for g in all_groups if per_group[g.name] > 0]
         # layers whose forward transforms their weight, proven on the example
         transformed = weight_transform_refusals(
@@ -543,7 +545,14 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                     continue
                 layer = names[group.name]
                 drop = group.channels(dropped_units).tolist()
+                grouped = {  # their inputs are cut group by group below, from these
+                    names[original_names[m]]: names[original_names[m]].weight
+                    for m in group.kept_in
+                    if is_grouped(m)
+                }
                 graph.get_pruning_group(layer, out_channel_handler(layer), drop).prune()
+                for conv, weight in grouped.items():
+                    cut_grouped_inputs(conv, weight, group.channels(mask.nonzero().flatten()))
                 for norm in group.response_norms:  # cut with the channels: rescaled
                     rescaled = names[original_names[norm]]
                     rescale_response_norm(rescaled, group.size, group.size - len(drop))

@@ -36,6 +36,7 @@ from .graph_workarounds import (
     tuple_returning_linears,
     unknown_concat_widths_left_unmapped,
 )
+from .grouped_convs import equal_parts, is_grouped
 
 
 @dataclass
@@ -78,10 +79,18 @@ class ChannelGroup:
     # consumers that read each channel at several inputs, with how many (a linear layer
     # after a flatten: the feature map's area)
     reads: dict[nn.Module, int] = field(default_factory=dict)
+    # grouped convolutions write or read the channels: as many parts, each keeping as
+    # many channels (grouped_convs.py)
+    conv_groups: int = 1
 
     def __post_init__(self) -> None:
         if self.rows is None:
             self.rows = self.layer
+
+    @property
+    def segments(self) -> int:
+        """Transport segments of equal size, each keeping as many units."""
+        return self.conv_groups
 
     @property
     def channels_per_unit(self) -> int:
@@ -198,16 +207,6 @@ def _is_depthwise(module: nn.Module) -> bool:
         isinstance(module, (nn.Conv1d, nn.Conv2d))
         and module.groups > 1
         and (module.groups == module.in_channels == module.out_channels)
-    )
-
-
-def _is_grouped(module: nn.Module) -> bool:
-    """A grouped convolution that is not depthwise (ResNeXt, RegNet): its channels can
-    only go in equal numbers from every group, which one mask over a group does not keep."""
-    return (
-        isinstance(module, (nn.Conv1d, nn.Conv2d))
-        and module.groups > 1
-        and not _is_depthwise(module)
     )
 
 
@@ -575,6 +574,7 @@ def _channel_groups(
         out_layers, bns, outs, ins, norms, depthwise, ops = [], [], [], [], [], [], []
         group_norms, params, param_owners = [], [], []
         read: dict[nn.Module, int] = {}  # input channels of each consumer the group holds
+        grouped_reads: dict[nn.Module, list[int]] = {}  # grouped convs' inputs, in order
         for dep, idxs in group:
             module, handler = dep.target.module, dep.handler
             ops.append(_group_op(graph, module))
@@ -611,6 +611,8 @@ def _channel_groups(
             ):
                 ins.append(module)
                 read[module] = len(idxs)
+                if is_grouped(module):
+                    grouped_reads[module] = [int(i) for i in idxs]
         gated = (
             len(out_layers) > 1
             and all(isinstance(m, nn.Linear) for m in [*out_layers, *ins])
@@ -637,10 +639,14 @@ def _channel_groups(
             continue  # reshaped into heads by the attention's code
         if set(out_layers) & set(ignored):
             continue
-        if any(_is_grouped(m) for m in [*outs, *ins]):
-            continue  # a grouped conv: channels would have to go evenly from its groups
         layer = min(out_layers, key=lambda m: order[m])
         size = out_width(layer)
+        conv_groups = 1
+        if any(is_grouped(m) for m in [*outs, *ins]):  # as many from each of its groups
+            equal = equal_parts([m for m in outs if is_grouped(m)], grouped_reads, size)
+            if equal is None or residual or gated or group_norms:
+                continue
+            conv_groups = equal
         # a consumer reading each channel at several inputs (a linear layer after a
         # flatten reads a channel's whole feature map) loses that many per channel
         reads = {m: n // size for m, n in read.items() if n != size and n % size == 0}
@@ -715,6 +721,7 @@ def _channel_groups(
             param_owners=param_owners,
             scales=[_table(graph, owners[id(p)], p) for p in params],
             reads=reads,
+            conv_groups=conv_groups,
         )
     return found
 

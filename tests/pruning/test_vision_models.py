@@ -383,12 +383,6 @@ def small_densenet():
     return DenseNet(8, (2, 2), num_init_features=16, bn_size=2, num_classes=5)
 
 
-def small_resnext():
-    from torchvision.models.resnet import Bottleneck, ResNet
-
-    return ResNet(Bottleneck, [1, 1, 1, 1], groups=4, width_per_group=8, num_classes=5)
-
-
 def test_a_split_the_graph_does_not_couple_and_a_reshape_to_the_model_width_are_refused():
     """timm's EVA: its GluMlp chunks fc1 into value and gate, which Torch-Pruning follows
     here without coupling channel i with its pair, so its export would cut fc2's inputs at
@@ -452,19 +446,17 @@ def small_ghost():
             small_densenet,
             [f"features.denseblock{b}.denselayer{n}.conv1" for b in (1, 2) for n in (1, 2)],
         ),
-        # every bottleneck's channels pass a grouped conv: only the stem is a group
-        (small_resnext, ["conv1"]),
         # the primary conv's channels are concatenated before its depthwise BN: only the
         # stem is a group
         (small_ghost, ["stem.0"]),
     ],
-    ids=["densenet", "resnext", "ghostnet"],
+    ids=["densenet", "ghostnet"],
 )
-def test_concatenated_then_normalized_and_grouped_conv_channels_are_left_whole(builder, groups):
-    """torchvision DenseNet (a BN over a concatenation), ResNeXt (grouped convs) and a
-    GhostNet module (channels concatenated before the BN that would mask them): the
-    groups that one mask cannot cover exactly are left whole, and the rest export to the
-    hard-masked model with exact counts."""
+def test_concatenated_then_normalized_channels_are_left_whole(builder, groups):
+    """torchvision DenseNet (a BN over a concatenation) and a GhostNet module (channels
+    concatenated before the BN that would mask them): the groups that one mask cannot
+    cover exactly are left whole, and the rest export to the hard-masked model with exact
+    counts."""
     torch.manual_seed(0)
     model, x = builder(), torch.randn(2, 3, 32, 32)
     pruner = DTPPruner(model, (x[:1],), 0.5)
