@@ -30,6 +30,7 @@ from torch import nn
 
 from .conv1d import is_conv1d
 from .example_inputs import call_model
+from .excitations import excited_root
 from .frozen_norms import FROZEN_BATCH_NORM, frozen_norm_pruners, is_frozen_batch_norm
 from .graph_workarounds import (
     region_pooling_reads_features_only,
@@ -633,6 +634,17 @@ def _channel_groups(
             and not _coupling_problem(ops, norms, params, bns, depthwise + group_norms)
             and len({m.out_channels for m in out_layers}) == 1  # no padded shortcut between
         )
+        if (
+            len(out_layers) > 1
+            and not gated
+            and not residual
+            and ins
+            and not any(op.startswith(MERGING_OPS) for op in ops)
+        ):  # scaled by their own squeeze-and-excitation: the other producers scale them
+            path = [m for m in outs if m not in out_layers]  # BNs, depthwise convs
+            mask_at = max([*bns, *depthwise], key=lambda m: order[m], default=None)
+            root = excited_root(graph, out_layers, path, mask_at, ins)
+            out_layers = [root] if root is not None else out_layers
         if (len(out_layers) != 1 and not gated and not residual) or not ins:
             continue  # coupled through a residual add or a concatenation, or an output
         if any(op.startswith(ATTENTION_OPS) for op in ops):
