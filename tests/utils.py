@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch import nn
 
 import dtp_kernels
 from dtp_kernels import TransportState, transport_mask
@@ -442,3 +443,29 @@ def hard_masked_and_exported(pruner, model, inputs: tuple):
     with torch.no_grad():
         got = exported(*inputs).logits
     return exported, got, want
+
+
+def drawn_statistics(model: nn.Module) -> nn.Module:
+    """BN statistics and affine parameters away from the identity (and from the zeros
+    some inits give the last BN of a block), so every kept channel shows in the output."""
+    generator = torch.Generator().manual_seed(5)
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            for tensor, low, high in (
+                (module.weight.data, 0.5, 1.5),
+                (module.bias.data, -0.2, 0.2),
+                (module.running_mean, -0.2, 0.2),
+                (module.running_var, 0.5, 1.5),
+            ):
+                tensor.copy_(torch.empty(tensor.shape).uniform_(low, high, generator=generator))
+    return model
+
+
+def small_regnet_y() -> nn.Module:
+    """torchvision's RegNetY (grouped convs, squeeze-and-excitation), four blocks."""
+    from torchvision.models.regnet import BlockParams, RegNet
+
+    params = BlockParams.from_init_params(
+        depth=4, w_0=16, w_a=8.0, w_m=2.0, group_width=8, se_ratio=0.25
+    )
+    return RegNet(params, num_classes=5, stem_width=16)

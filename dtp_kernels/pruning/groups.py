@@ -640,7 +640,7 @@ def _channel_groups(
             and not residual
             and ins
             and not any(op.startswith(MERGING_OPS) for op in ops)
-        ):  # scaled by their own squeeze-and-excitation: the other producers scale them
+        ):  # scaled by their own squeeze-and-excitation (a merge would fail its proof)
             path = [m for m in outs if m not in out_layers]  # BNs, depthwise convs
             mask_at = max([*bns, *depthwise], key=lambda m: order[m], default=None)
             root = excited_root(graph, out_layers, path, mask_at, ins)

@@ -11,8 +11,7 @@ from torch import nn
 
 from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.cost import count_flops, count_params
-from test_grouped_convs import drawn_statistics, torchvision_regnet_y
-from utils import randomised
+from utils import drawn_statistics, randomised, small_regnet_y
 
 
 def torchvision_efficientnet() -> nn.Module:
@@ -47,7 +46,7 @@ def timm_mobilenet_v3() -> nn.Module:
 MODELS = {
     "torchvision_efficientnet": torchvision_efficientnet,
     "torchvision_mobilenet_v3": torchvision_mobilenet_v3,
-    "torchvision_regnet_y": torchvision_regnet_y,
+    "torchvision_regnet_y": small_regnet_y,
     "timm_efficientnet": timm_efficientnet,
     "timm_mobilenet_v3": timm_mobilenet_v3,
 }
@@ -147,3 +146,14 @@ def test_the_plain_block_prunes_its_channels():
     assert [g.name for g in pruner.groups] == ["conv", "fc1"]
     assert pruner.groups[0].bn is model.dw_bn and model.fc2 in pruner.groups[0].kept_out
     check_export(pruner, model, x)
+
+
+@pytest.mark.parametrize("name,speedup", [("efficientnet_b0", 2.19), ("mobilenet_v3_large", 2.04)])
+def test_the_speedups_docs_pruning_quotes(name, speedup):
+    """docs/pruning.md: a float 0.5 on torchvision's EfficientNet-B0 and
+    MobileNetV3-Large (64 x 64 images) reports these FLOPs speed-ups."""
+    import torchvision
+
+    model = torchvision.models.get_model(name, weights=None, num_classes=10).eval()
+    pruner = DTPPruner(model, (torch.randn(1, 3, 64, 64),), 0.5)
+    assert round(pruner.report()["speedup"], 2) == speedup

@@ -11,38 +11,13 @@ from torch import nn
 from dtp_kernels.pruning import DTPPruner, L1Pruner
 from dtp_kernels.pruning.cost import count_flops, count_params
 from dtp_kernels.pruning.grouped_convs import cut_grouped_inputs, is_grouped
-from utils import randomised
-
-
-def drawn_statistics(model: nn.Module) -> nn.Module:
-    """BN statistics and affine parameters away from the identity (and from the zeros
-    some inits give the last BN of a block), so every kept channel shows in the output."""
-    generator = torch.Generator().manual_seed(5)
-    for module in model.modules():
-        if isinstance(module, nn.BatchNorm2d):
-            for tensor, low, high in (
-                (module.weight.data, 0.5, 1.5),
-                (module.bias.data, -0.2, 0.2),
-                (module.running_mean, -0.2, 0.2),
-                (module.running_var, 0.5, 1.5),
-            ):
-                tensor.copy_(torch.empty(tensor.shape).uniform_(low, high, generator=generator))
-    return model
+from utils import drawn_statistics, randomised, small_regnet_y
 
 
 def torchvision_resnext() -> nn.Module:
     from torchvision.models.resnet import Bottleneck, ResNet
 
     return ResNet(Bottleneck, [1, 1, 1, 1], groups=4, width_per_group=8, num_classes=5)
-
-
-def torchvision_regnet_y() -> nn.Module:
-    from torchvision.models.regnet import BlockParams, RegNet
-
-    params = BlockParams.from_init_params(
-        depth=4, w_0=16, w_a=8.0, w_m=2.0, group_width=8, se_ratio=0.25
-    )
-    return RegNet(params, num_classes=5, stem_width=16)
 
 
 def timm_resnext() -> nn.Module:
@@ -75,7 +50,7 @@ class GroupedConv1d(nn.Module):
 
 MODELS = {
     "torchvision_resnext": (torchvision_resnext, (2, 3, 32, 32)),
-    "torchvision_regnet_y": (torchvision_regnet_y, (2, 3, 32, 32)),
+    "torchvision_regnet_y": (small_regnet_y, (2, 3, 32, 32)),
     "timm_resnext": (timm_resnext, (2, 3, 32, 32)),
     "timm_regnet_x": (timm_regnet_x, (2, 3, 32, 32)),
     "conv1d": (GroupedConv1d, (2, 4, 16)),
