@@ -35,13 +35,15 @@ def equal_parts(
     """The number of equal parts the grouped convolutions that write (`writes`, their
     output channels) or read (`reads`: each with the input channels the group's channels
     0..size-1 map to) a group's `size` channels split them into: G when every one has G
-    groups and writes or reads all the channels in order; else None (not expressible as
-    equal segments: the group is left whole)."""
+    groups, writes or reads all the channels in order, and each part holds two or more;
+    else None (not expressible as equal segments: the group is left whole)."""
     convs = [*writes, *reads]
     counts = {conv.groups for conv in convs}
     if len(counts) != 1:
         return None
     parts = counts.pop()
+    if size // parts < 2:  # one channel per part (a depthwise conv with a multiplier
+        return None  # reading them): none can go while every part keeps as many
     if any(conv.out_channels != size for conv in writes):
         return None
     if any(conv.in_channels != size or idxs != list(range(size)) for conv, idxs in reads.items()):

@@ -185,3 +185,32 @@ def test_the_l1_baseline_keeps_as_many_in_each_group():
     exported = pruner.export().eval()
     assert count_params(exported) == pruner.report()["params_after"]
     assert exported(x).shape == (2, 5)
+
+
+class DepthMultiplier(nn.Module):
+    """A depthwise conv with a channel multiplier of 2 (8 groups, 8 inputs, 16 outputs):
+    one input channel per group, two outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.bn_a = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.dw, self.bn_dw = nn.Conv2d(8, 16, 3, padding=1, groups=8), nn.BatchNorm2d(16)
+        self.head = nn.Conv2d(16, 5, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn_dw(self.dw(torch.relu(self.bn_a(self.a(x))))))
+        return self.head(x).mean((2, 3))
+
+
+def test_a_depth_multiplier_reading_one_channel_per_group_leaves_them_whole():
+    """The channels it reads, one per group, cannot go while every group keeps as many:
+    that group is left whole; its outputs, two per group, prune one of each."""
+    torch.manual_seed(0)
+    model, x = drawn_statistics(DepthMultiplier()).eval(), torch.randn(2, 3, 8, 8)
+    pruner = randomised(DTPPruner(model, (x[:1],), 0.5))
+    assert [(g.name, g.segments) for g in pruner.groups] == [("dw", 8)]
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(x)
+    exported = pruner.export().eval()
+    torch.testing.assert_close(exported(x), want, rtol=1e-5, atol=1e-5)
+    assert exported.dw.weight.shape == (8, 1, 3, 3) and exported.dw.groups == 8
