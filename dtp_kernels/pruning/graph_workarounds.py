@@ -22,6 +22,14 @@ lets it through.
   boxes its box head predicted), the search for the box regressor's group then never
   ends. Inside `region_pooling_reads_features_only()` such an op keeps only its
   features as an input.
+- A channel shuffle (ShuffleNet's: a view to (batch, groups, channels / groups, h, w),
+  a transpose, a view back): the graph's width inference divides by zero on some of
+  these reshapes, which fails the whole graph, and maps the others as if they kept or
+  flattened the channels' order, which a shuffle permutes. Inside
+  `unmappable_reshapes_marked()` a reshape of a tensor of five or more dimensions (the
+  view back) or one whose mapping divides by zero is left unmapped and marked
+  (`UNMAPPED_RESHAPE`); the layers whose channels reach one are left whole with no
+  search, and so is any group that passes one (groups.py).
 """
 
 from __future__ import annotations
@@ -58,6 +66,45 @@ def unknown_concat_widths_left_unmapped() -> Iterator[None]:
         yield
     finally:
         index_mapping.update_concat_index_mapping = update
+
+
+# the attribute set on a reshape op's node module that the graph left unmapped
+UNMAPPED_RESHAPE = "dtp_unmapped_reshape"
+
+
+def _input_sizes(grad_fn) -> tuple:
+    """The input shape a reshape's autograd node saved (its attribute's name differs
+    between torch versions), or ()."""
+    for name in ("_saved_self_sym_sizes", "_saved_self_sizes"):
+        sizes = getattr(grad_fn, name, None)
+        if sizes is not None:
+            return tuple(sizes)
+    return ()
+
+
+@contextlib.contextmanager
+def unmappable_reshapes_marked() -> Iterator[None]:
+    """Within the block, a reshape whose index mapping Torch-Pruning's width inference
+    fails on (a division by zero) is left unmapped and marked with UNMAPPED_RESHAPE
+    instead of failing the graph; any other error stays."""
+    update = index_mapping.update_reshape_index_mapping
+
+    def tolerant(graph, node) -> None:
+        if len(_input_sizes(node.grad_fn)) >= 5:
+            # a split dimension merged back, as after a shuffle's transpose: the channels
+            # come out permuted, which no index mapping of the graph expresses
+            setattr(node.module, UNMAPPED_RESHAPE, True)
+            return
+        try:
+            update(graph, node)
+        except ZeroDivisionError:
+            setattr(node.module, UNMAPPED_RESHAPE, True)
+
+    index_mapping.update_reshape_index_mapping = tolerant
+    try:
+        yield
+    finally:
+        index_mapping.update_reshape_index_mapping = update
 
 
 def tuple_returning_linears(model: nn.Module, example_inputs: tuple) -> list[nn.Module]:

@@ -33,9 +33,11 @@ from .example_inputs import call_model
 from .excitations import excited_root
 from .frozen_norms import FROZEN_BATCH_NORM, frozen_norm_pruners, is_frozen_batch_norm
 from .graph_workarounds import (
+    UNMAPPED_RESHAPE,
     region_pooling_reads_features_only,
     tuple_returning_linears,
     unknown_concat_widths_left_unmapped,
+    unmappable_reshapes_marked,
 )
 from .grouped_convs import equal_parts, is_grouped
 
@@ -306,7 +308,7 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
     checks that none is left.
     """
     # Torch-Pruning updates its index mappings on every search too, not only when built
-    with unknown_concat_widths_left_unmapped():
+    with unknown_concat_widths_left_unmapped(), unmappable_reshapes_marked():
         # the graph is traced through autograd: also when called under torch.no_grad(), and
         # through frozen parameters (requires_grad False), which autograd would not record
         with (
@@ -419,8 +421,8 @@ def _coupling_problem(ops: list[str], norms: list, params: list, bns: list, rest
 
 
 # Torch-Pruning's search for one root's group takes milliseconds on the models it
-# follows; on some it grows until memory runs out (torchvision's Swin). Each root's
-# search gets this long.
+# follows; on some it does not end (timm's ReXNet, a residual added into a slice of the
+# channels), and may grow until memory runs out. Each root's search gets this long.
 GROUP_SEARCH_SECONDS = 60.0
 
 
@@ -492,8 +494,8 @@ def _bounded_search(graph: tp.DependencyGraph, names: dict[nn.Module, str]) -> I
         raise ChannelGraphError(
             f"Torch-Pruning's search for the channels coupled to layer {layer_name()} did "
             f"not end within {GROUP_SEARCH_SECONDS:g} s: it cannot follow what the model "
-            "does with that layer's output (torchvision's Swin: its shifted windows). Leave "
-            "the layer whole with ignored_layers=[...]"
+            "does with that layer's output (timm's ReXNet: a residual added into a slice of "
+            "the channels). Leave the layer whole with ignored_layers=[...]"
         ) from None
     finally:
         if timed:
@@ -546,6 +548,37 @@ def output_layers(graph: tp.DependencyGraph, roots: tuple[type, ...]) -> list[nn
     ]
 
 
+def shuffled_layers(graph: tp.DependencyGraph, roots: tuple[type, ...]) -> list[nn.Module]:
+    """The layers of the `roots` types whose channels meet a reshape the graph left
+    unmapped (UNMAPPED_RESHAPE: a channel shuffle): their groups are left whole, with no
+    search (Torch-Pruning's search through a shuffle fails). The channels' reach is
+    followed both ways through everything but the layers that mix channels (a
+    concatenation's other inputs and a depthwise conv's inputs share them): more than
+    the group, never less."""
+    if not any(getattr(n.module, UNMAPPED_RESHAPE, False) for n in graph.module2node.values()):
+        return []
+
+    def mixes(node) -> bool:
+        return isinstance(node.module, roots) and not _is_depthwise(node.module)
+
+    found = []
+    for module, start in graph.module2node.items():
+        if not isinstance(module, roots):
+            continue
+        stack = list(start.outputs) + (list(start.inputs) if _is_depthwise(module) else [])
+        seen = {id(start)}
+        while stack:
+            node = stack.pop()
+            if id(node) in seen or mixes(node):
+                continue
+            seen.add(id(node))
+            if getattr(node.module, UNMAPPED_RESHAPE, False):
+                found.append(module)
+                break
+            stack.extend([*node.outputs, *node.inputs])
+    return found
+
+
 def find_groups(
     model: nn.Module, graph: tp.DependencyGraph, ignored: list[nn.Module], coupled: bool = False
 ) -> list[ChannelGroup]:
@@ -553,7 +586,7 @@ def find_groups(
     that can be masked exactly (each producer masked at its BN)."""
     names = {module: name for name, module in model.named_modules()}
     roots = [nn.Conv1d, nn.Conv2d, nn.Linear]
-    ignored = ignored + output_layers(graph, tuple(roots))
+    ignored = ignored + output_layers(graph, tuple(roots)) + shuffled_layers(graph, tuple(roots))
     with _bounded_search(graph, names):
         found = _channel_groups(model, graph, ignored, coupled, names, roots)
     return [found[m] for m in model.modules() if m in found]
@@ -576,6 +609,8 @@ def _channel_groups(
         group_norms, params, param_owners = [], [], []
         read: dict[nn.Module, int] = {}  # input channels of each consumer the group holds
         grouped_reads: dict[nn.Module, list[int]] = {}  # grouped convs' inputs, in order
+        if any(getattr(dep.target.module, UNMAPPED_RESHAPE, False) for dep, _ in group):
+            continue  # through a reshape the graph could not map (a channel shuffle)
         for dep, idxs in group:
             module, handler = dep.target.module, dep.handler
             ops.append(_group_op(graph, module))
