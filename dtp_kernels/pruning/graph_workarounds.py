@@ -27,9 +27,9 @@ lets it through.
   these reshapes, which fails the whole graph, and maps the others as if they kept or
   flattened the channels' order, which a shuffle permutes. Inside
   `unmappable_reshapes_marked()` a reshape of a tensor of five or more dimensions (the
-  view back) or one whose mapping divides by zero is left unmapped and marked
-  (`UNMAPPED_RESHAPE`); the layers whose channels reach one are left whole with no
-  search, and so is any group that passes one (groups.py).
+  view back, where it divides by zero) is left unmapped and marked (`UNMAPPED_RESHAPE`);
+  the layers whose channels reach one are left whole with no search (groups.py), so no
+  group passes one. torchvision's Swin merges its windows back the same way.
 """
 
 from __future__ import annotations
@@ -84,23 +84,20 @@ def _input_sizes(grad_fn) -> tuple:
 
 @contextlib.contextmanager
 def unmappable_reshapes_marked() -> Iterator[None]:
-    """Within the block, a reshape whose index mapping Torch-Pruning's width inference
-    fails on (a division by zero) is left unmapped and marked with UNMAPPED_RESHAPE
-    instead of failing the graph; any other error stays."""
+    """Within the block, a reshape of a tensor of five or more dimensions is left
+    unmapped and marked with UNMAPPED_RESHAPE (Torch-Pruning's width inference divides
+    by zero on a channel shuffle's); the others are mapped as Torch-Pruning maps them."""
     update = index_mapping.update_reshape_index_mapping
 
-    def tolerant(graph, node) -> None:
+    def marking(graph, node) -> None:
         if len(_input_sizes(node.grad_fn)) >= 5:
             # a split dimension merged back, as after a shuffle's transpose: the channels
             # come out permuted, which no index mapping of the graph expresses
             setattr(node.module, UNMAPPED_RESHAPE, True)
-            return
-        try:
+        else:
             update(graph, node)
-        except ZeroDivisionError:
-            setattr(node.module, UNMAPPED_RESHAPE, True)
 
-    index_mapping.update_reshape_index_mapping = tolerant
+    index_mapping.update_reshape_index_mapping = marking
     try:
         yield
     finally:

@@ -553,8 +553,8 @@ def shuffled_layers(graph: tp.DependencyGraph, roots: tuple[type, ...]) -> list[
     unmapped (UNMAPPED_RESHAPE: a channel shuffle): their groups are left whole, with no
     search (Torch-Pruning's search through a shuffle fails). The channels' reach is
     followed both ways through everything but the layers that mix channels (a
-    concatenation's other inputs and a depthwise conv's inputs share them): more than
-    the group, never less."""
+    concatenation's other inputs, a depthwise conv's inputs and a residual stream share
+    them): more than the group, never less, so no group searched passes one."""
     if not any(getattr(n.module, UNMAPPED_RESHAPE, False) for n in graph.module2node.values()):
         return []
 
@@ -609,8 +609,6 @@ def _channel_groups(
         group_norms, params, param_owners = [], [], []
         read: dict[nn.Module, int] = {}  # input channels of each consumer the group holds
         grouped_reads: dict[nn.Module, list[int]] = {}  # grouped convs' inputs, in order
-        if any(getattr(dep.target.module, UNMAPPED_RESHAPE, False) for dep, _ in group):
-            continue  # through a reshape the graph could not map (a channel shuffle)
         for dep, idxs in group:
             module, handler = dep.target.module, dep.handler
             ops.append(_group_op(graph, module))

@@ -104,3 +104,21 @@ def test_without_the_workaround_the_graph_fails_and_the_model_is_refused_by_name
     assert model.training
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_swins_layers_whose_residual_stream_meets_its_window_merge_are_not_searched():
+    """torchvision's Swin merges its windows back with a reshape of six dimensions: the
+    layers writing into the residual stream that carries them (each block's second MLP
+    layer; the attention's projection runs in functional code the graph does not see)
+    are found by following the stream backwards as well as forwards, and left out of
+    the search (which ran for a minute through the merge); each MLP's first layer is
+    not."""
+    from torchvision.models.swin_transformer import SwinTransformer
+
+    model = SwinTransformer([4, 4], 16, [1, 1], [2, 2], [2, 2], num_classes=5).eval()
+    names = {m: n for n, m in model.named_modules()}
+    with groups.traced_graph(model, (torch.randn(1, 3, 32, 32),)) as graph:
+        shuffled = {names[m] for m in groups.shuffled_layers(graph, (nn.Conv2d, nn.Linear))}
+    for block in ("features.1.0", "features.3.0"):
+        assert f"{block}.mlp.3" in shuffled
+        assert f"{block}.mlp.0" not in shuffled
