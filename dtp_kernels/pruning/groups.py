@@ -40,6 +40,7 @@ from .graph_workarounds import (
     unmappable_reshapes_marked,
 )
 from .grouped_convs import equal_parts, is_grouped
+from .masked_reads import unmasked_readers
 
 
 @dataclass
@@ -676,7 +677,7 @@ def _channel_groups(
         ):  # scaled by their own squeeze-and-excitation (a merge would fail its proof)
             path = [m for m in outs if m not in out_layers]  # BNs, depthwise convs
             mask_at = max([*bns, *depthwise], key=lambda m: order[m], default=None)
-            root = excited_root(graph, out_layers, path, mask_at, ins)
+            root = excited_root(graph, out_layers, path, mask_at)
             out_layers = [root] if root is not None else out_layers
         if (len(out_layers) != 1 and not gated and not residual) or not ins:
             continue  # coupled through a residual add or a concatenation, or an output
@@ -752,6 +753,12 @@ def _channel_groups(
             size, rows = group_norm.num_groups, group_norm
         else:
             norms.extend(group_norms)
+        if (
+            not norms + param_owners
+            and not gated
+            and unmasked_readers(graph, ins, bn or rows, outs)
+        ):  # (raw per-channel parameters, a GRN's, have rules of their own)
+            continue  # a layer reads the channels where the mask does not reach them
         found[layer] = ChannelGroup(
             names[layer],
             layer,

@@ -19,31 +19,47 @@ from dtp_kernels.pruning.graph_workarounds import UNMAPPED_RESHAPE
 from utils import drawn_statistics, randomised
 
 
+def stage_outputs(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """The outputs of ShuffleNetV2's three stages on `x`."""
+    outputs: list[torch.Tensor] = []
+    stages = (model.stage2, model.stage3, model.stage4)
+    handles = [s.register_forward_hook(lambda m, a, out: outputs.append(out)) for s in stages]
+    try:
+        model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return outputs
+
+
 def test_shufflenet_prunes_the_channels_no_shuffle_meets():
-    """The stem, every block's first 1x1 conv (its channels pass the depthwise conv into
-    the second) and the last conv are groups; the export equals the hard-masked model."""
+    """Every block's first 1x1 conv (its channels pass the depthwise conv into the
+    second) and the last conv are groups; the export equals the hard-masked model. The
+    stem is not: the first block's second branch reads its output where only the first
+    branch's BN, which would take its mask, is after it (masked_reads.py)."""
     torch.manual_seed(0)
     model = drawn_statistics(shufflenet_v2_x0_5(num_classes=5)).eval()
     x = torch.randn(2, 3, 64, 64)
     pruner = randomised(DTPPruner(model, (x[:1],), 0.5))
     blocks = [f"stage{s}.{b}" for s, n in ((2, 4), (3, 8), (4, 4)) for b in range(n)]
-    assert [g.name for g in pruner.groups] == [
-        "conv1.0",
-        *[f"{b}.branch2.0" for b in blocks],
-        "conv5.0",
-    ]
+    assert [g.name for g in pruner.groups] == [*[f"{b}.branch2.0" for b in blocks], "conv5.0"]
     with torch.no_grad():
         dense = model(x)
         with pruner.hard_masked():
-            want = model(x)
+            want, want_stages = model(x), stage_outputs(model, x)
     assert (want - dense).abs().max() > 0.1 * want.abs().max()
     exported = pruner.export().eval()
     with torch.no_grad():
         torch.testing.assert_close(exported(x), want, rtol=1e-5, atol=1e-5)
+        # each stage's output too: the classifier's output of a deep random network can
+        # agree where a stage's does not (the stem's group, masked at one branch's BN,
+        # gave stage 2 outputs off by 0.18 and logits off by 1e-6)
+        for got, stage in zip(stage_outputs(exported, x), want_stages, strict=True):
+            torch.testing.assert_close(got, stage, rtol=1e-5, atol=1e-5)
     report = pruner.report()
     assert count_params(exported) == report["params_after"]
     assert count_flops(exported, (x[:1],)) == report["flops_after"]
-    assert round(report["speedup"], 2) == 1.98
+    assert round(report["speedup"], 2) == 1.59
 
 
 class Shuffled(nn.Module):

@@ -43,12 +43,28 @@ def timm_mobilenet_v3() -> nn.Module:
     return timm.create_model("mobilenetv3_small_050", pretrained=False, num_classes=5)
 
 
+def torchvision_maxvit() -> nn.Module:
+    from torchvision.models.maxvit import MaxVit
+
+    return MaxVit(
+        input_size=(64, 64),
+        stem_channels=16,
+        partition_size=2,
+        block_channels=[16, 32],
+        block_layers=[1, 1],
+        head_dim=8,
+        stochastic_depth_prob=0.0,
+        num_classes=5,
+    )
+
+
 MODELS = {
     "torchvision_efficientnet": torchvision_efficientnet,
     "torchvision_mobilenet_v3": torchvision_mobilenet_v3,
     "torchvision_regnet_y": small_regnet_y,
     "timm_efficientnet": timm_efficientnet,
     "timm_mobilenet_v3": timm_mobilenet_v3,
+    "torchvision_maxvit": torchvision_maxvit,
 }
 
 
@@ -157,3 +173,18 @@ def test_the_speedups_docs_pruning_quotes(name, speedup):
     model = torchvision.models.get_model(name, weights=None, num_classes=10).eval()
     pruner = DTPPruner(model, (torch.randn(1, 3, 64, 64),), 0.5)
     assert round(pruner.report()["speedup"], 2) == speedup
+
+
+def test_maxvits_stem_output_read_before_its_mask_is_left_whole():
+    """MaxViT's second stem conv feeds the first block's BN (where its mask would go)
+    and, before it, the block's pooled shortcut: that group is left whole; the first
+    stem conv, each MBConv's expansion and the MLPs prune."""
+    torch.manual_seed(0)
+    model = drawn_statistics(torchvision_maxvit()).eval()
+    pruner = DTPPruner(model, (torch.randn(1, 3, 64, 64),), 0.5)
+    names = [g.name for g in pruner.groups]
+    assert "stem.0.0" in names and "stem.1.0" not in names
+    block = "blocks.0.layers.0.layers"
+    assert {f"{block}.MBconv.layers.conv_a.0", f"{block}.window_attention.mlp_layer.1"} <= set(
+        names
+    )

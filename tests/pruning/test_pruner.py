@@ -712,19 +712,25 @@ def test_groups_through_group_and_instance_norms_export_exactly(norm, mask_at):
     assert count_params(exported) == pruner.report()["params_after"]
 
 
-class _Centered(torch.nn.Module):
-    """conv -> BN -> (subtract the mean over channels) -> ReLU: an op Torch-Pruning sees
-    as elementwise, but removing a channel changes the mean."""
+class _ChannelMean(torch.nn.Module):
+    """conv -> BN -> an op with the mean over channels -> ReLU: an op Torch-Pruning sees
+    as elementwise, but removing a channel changes the mean. `form` "gate" multiplies
+    each channel by it (a masked channel stays zero, so the readers' proof passes and
+    only export's check can tell); "centered" subtracts it (a masked channel reads minus
+    the mean: the proof fails and the group is left whole)."""
 
-    def __init__(self) -> None:
+    def __init__(self, form: str = "gate") -> None:
         super().__init__()
+        self.form = form
         self.c1, self.b1 = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
         self.c2 = torch.nn.Conv2d(8, 8, 3, padding=1)
         self.head = torch.nn.Linear(8, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.b1(self.c1(x))
-        x = torch.relu(self.c2(torch.relu(x - x.mean(dim=1, keepdim=True))))
+        mean = x.mean(dim=1, keepdim=True)
+        x = x - mean if self.form == "centered" else x * (3 * mean).sigmoid()
+        x = torch.relu(self.c2(torch.relu(x)))
         return self.head(x.mean((2, 3)))
 
 
@@ -735,14 +741,23 @@ def test_export_that_would_differ_from_the_masked_model_raises(dtype):
     from dtp_kernels.pruning import ExportMismatchError
 
     torch.manual_seed(0)
-    model = _Centered()
+    model = _ChannelMean()
     with torch.no_grad():
         model.b1.bias.uniform_(-1, 1)
         model.head.weight.mul_(10)
     model = model.to(dtype)
     pruner = DTPPruner(model, X1.to(dtype), 0.5)
+    assert [g.name for g in pruner.groups] == ["c1", "c2"]
     with pytest.raises(ExportMismatchError, match=r"differs from the hard-masked model's by"):
         pruner.export()
+
+
+def test_channels_a_reader_sees_unmasked_are_left_whole():
+    """The channel mean subtracted after the mask: a masked channel would read minus the
+    mean, not zero, so c1's group is left whole before anything is masked."""
+    torch.manual_seed(0)
+    pruner = DTPPruner(_ChannelMean("centered"), X1, 0.5)
+    assert [g.name for g in pruner.groups] == ["c2"]
 
 
 @pytest.mark.parametrize("api", ["legacy", "new"])

@@ -1,0 +1,148 @@
+"""The proof that one mask covers a group: every layer that reads the group's channels
+reads zero wherever the mask is zero.
+
+The mask zeroes a channel at one module's output (the group's last BN, or the rows of
+its depthwise conv or root). Removing the channel computes what masking it does only if
+every reader of the channel sees that zero: from the mask a channel stays zero through
+ops of one input that keep zero (activations, pooling, resampling, padding, reshapes),
+through a product with anything (a squeeze-and-excitation's scale, a tanh GELU's
+x * (1 + tanh(...))), and through a concatenation where the parts holding the group's
+channels are zero. A reader that reads the channel before the mask (ShuffleNetV2's and
+MaxViT's first blocks read the stem's output where only one branch's BN masks it), or
+after an op that maps zero elsewhere (a sigmoid, an added bias or channel mean), is
+not proven; its group is left whole. Each reader's inputs are walked back through
+Torch-Pruning's traced graph.
+"""
+
+from __future__ import annotations
+
+import torch_pruning as tp
+from torch import nn
+
+# ops of one input that map zero elsewhere, by their autograd names (an excitation's
+# sigmoid gate is reached only through its product; adding a constant is an Add of one
+# input). Any other op of one input is taken to keep zero: the activations, pooling,
+# resampling, padding, reshapes and casts do, and so do the custom autograd functions
+# models write for them (BLOOM's GELU); one that does not is caught by export's check.
+NOT_ZERO_PRESERVING = (
+    "SigmoidBackward",
+    "HardsigmoidBackward",
+    "LogSigmoidBackward",
+    "SoftplusBackward",
+    "ExpBackward",
+    "Exp2Backward",
+    "CosBackward",
+    "CoshBackward",
+    "LogBackward",
+    "Log2Backward",
+    "Log10Backward",
+    "ReciprocalBackward",
+    "RsqrtBackward",
+    "ErfcBackward",
+    "AddBackward",
+    "SubBackward",
+    "RsubBackward",
+    "ClampBackward",
+    "ClampMinBackward",
+    "ClampMaxBackward",
+    "FillBackward",
+    "OnesLikeBackward",
+)
+# Torch-Pruning's own nodes for ops that move elements without computing on them
+MOVING_OPS = (
+    tp.ops._ReshapeOp,
+    tp.ops._SplitOp,
+    tp.ops._SliceOp,
+    tp.ops._ExpandOp,
+    tp.ops._UnbindOp,
+)
+
+
+# a linear layer's own matmul, which Torch-Pruning records as an op between the layer's
+# node and its input when the input has more than two dimensions
+OWN_MATMULS = ("AddmmBackward", "MmBackward")
+
+
+def op_name(node) -> str:
+    """The autograd name of an elementwise op's node, or ""."""
+    module = node.module
+    return str(getattr(module, "_grad_fn", "")) if isinstance(module, tp.ops._ElementWiseOp) else ""
+
+
+class _Proof:
+    """Which nodes hold a group's channels, and which hold them zero under the mask."""
+
+    def __init__(self, mask_at: nn.Module, group: set[nn.Module]) -> None:
+        self.mask_at, self.group = mask_at, group
+        self.zero: dict[int, bool] = {}
+        self.held: dict[int, bool] = {}
+
+    def holds(self, node) -> bool:
+        """Whether `node`'s output holds the group's channels: it is one of the group's
+        modules, or an op of an output that does (a layer outside the group makes other
+        channels)."""
+        key = id(node)
+        if key not in self.held:
+            self.held[key] = False  # a cycle (none in a forward's graph) holds nothing
+            module = node.module
+            if module in self.group:
+                held = True
+            elif isinstance(module, (tp.ops._ElementWiseOp, *MOVING_OPS, tp.ops._ConcatOp)):
+                held = any(self.holds(i) for i in node.inputs)
+            else:
+                held = False
+            self.held[key] = held
+        return self.held[key]
+
+    def is_zero(self, node) -> bool:
+        """Whether `node`'s output is zero in a channel whose mask is zero."""
+        key = id(node)
+        if key not in self.zero:
+            self.zero[key] = False  # a cycle proves nothing
+            module, op, inputs = node.module, op_name(node), node.inputs
+            if module is self.mask_at:
+                zero = True
+            elif op.startswith("MulBackward"):
+                zero = any(self.is_zero(i) for i in inputs)
+            elif isinstance(module, tp.ops._ConcatOp):  # the channel is in the parts holding it
+                holding = [i for i in inputs if self.holds(i)]
+                zero = bool(holding) and all(self.is_zero(i) for i in holding)
+            elif len(inputs) == 1 and (
+                (op and not op.startswith(NOT_ZERO_PRESERVING))
+                or isinstance(module, (*MOVING_OPS, nn.PReLU))
+            ):
+                zero = self.is_zero(inputs[0])
+            else:
+                zero = False
+            self.zero[key] = zero
+        return self.zero[key]
+
+
+def _read_inputs(node) -> list:
+    """The nodes a reader reads its input from: through a linear layer's own matmul,
+    leaving out what has no inputs of its own (its transposed weight)."""
+    inputs = []
+    for source in node.inputs:
+        if isinstance(node.module, nn.Linear) and op_name(source).startswith(OWN_MATMULS):
+            inputs.extend(i for i in source.inputs if i.inputs)
+        elif source.inputs or not op_name(source):
+            inputs.append(source)
+    return inputs
+
+
+def unmasked_readers(
+    graph: tp.DependencyGraph,
+    readers: list[nn.Module],
+    mask_at: nn.Module,
+    group: list[nn.Module],
+) -> list[nn.Module]:
+    """The `readers` of a group's channels not proven to read zero where the mask at
+    `mask_at` is zero; `group`: the modules that make or carry the channels (its
+    producers, BNs, depthwise convs)."""
+    proof = _Proof(mask_at, set(group))
+    unproven = []
+    for reader in readers:
+        inputs = [i for i in _read_inputs(graph.module2node[reader]) if proof.holds(i)]
+        if not inputs or not all(proof.is_zero(i) for i in inputs):
+            unproven.append(reader)
+    return unproven
