@@ -119,13 +119,12 @@ class _Proof:
 
 
 def _read_inputs(node) -> list:
-    """The nodes a reader reads its input from: through a linear layer's own matmul,
-    leaving out what has no inputs of its own (its transposed weight)."""
+    """The nodes a reader reads its input from, through a linear layer's own matmul."""
     inputs = []
     for source in node.inputs:
         if isinstance(node.module, nn.Linear) and op_name(source).startswith(OWN_MATMULS):
-            inputs.extend(i for i in source.inputs if i.inputs)
-        elif source.inputs or not op_name(source):
+            inputs.extend(source.inputs)  # its input, and its transposed weight
+        else:
             inputs.append(source)
     return inputs
 
@@ -141,7 +140,7 @@ def unmasked_readers(
     producers, BNs, depthwise convs)."""
     proof = _Proof(mask_at, set(group))
     unproven = []
-    for reader in readers:
+    for reader in readers:  # (a weight, read too, holds none of the group's channels)
         inputs = [i for i in _read_inputs(graph.module2node[reader]) if proof.holds(i)]
         if not inputs or not all(proof.is_zero(i) for i in inputs):
             unproven.append(reader)

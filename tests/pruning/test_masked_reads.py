@@ -1,0 +1,50 @@
+"""The proof that a group's readers read zero where its mask is zero (masked_reads.py):
+what it lets through (a concatenation's other parts, a product) and what it leaves
+whole (a constant added after the mask). ShuffleNetV2's and MaxViT's stems, read before
+their mask, are in test_channel_shuffle.py and test_excitations.py; the channel mean
+subtracted after the mask in test_pruner.py."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torchvision.models import squeezenet1_1
+
+from dtp_kernels.pruning import DTPPruner
+from dtp_kernels.pruning.cost import count_params
+from utils import randomised
+
+
+def test_a_branch_concatenated_with_others_is_a_group_and_exports_equal():
+    """SqueezeNet's fire modules concatenate an expand 1x1 and an expand 3x3 branch, and
+    the next squeeze conv reads both: each branch's channels are zero where its mask is,
+    whatever the other part holds. Every conv but the classifier is a group."""
+    torch.manual_seed(0)
+    model, x = squeezenet1_1(num_classes=5).eval(), torch.randn(2, 3, 64, 64)
+    pruner = randomised(DTPPruner(model, (x[:1],), 0.5))
+    convs = [n for n, m in model.named_modules() if isinstance(m, nn.Conv2d)]
+    assert [g.name for g in pruner.groups] == convs[:-1]
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(x)
+    exported = pruner.export().eval()
+    torch.testing.assert_close(exported(x), want, rtol=1e-5, atol=1e-5)
+    assert count_params(exported) == pruner.report()["params_after"]
+
+
+class ShiftedAfterMask(nn.Module):
+    """conv, BN, then a constant added (a masked channel reads 1, not 0), a conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.b, self.bn_b = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.head = nn.Conv2d(8, 5, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn(self.a(x)) + 1)
+        return self.head(torch.relu(self.bn_b(self.b(x)))).mean((2, 3))
+
+
+def test_a_constant_added_after_the_mask_leaves_the_group_whole():
+    model, x = ShiftedAfterMask().eval(), torch.randn(1, 3, 8, 8)
+    assert [g.name for g in DTPPruner(model, (x,), 0.5).groups] == ["b"]
