@@ -87,7 +87,9 @@ class _Proof:
             module = node.module
             if module in self.group:
                 held = True
-            elif isinstance(module, (tp.ops._ElementWiseOp, *MOVING_OPS, tp.ops._ConcatOp)):
+            elif isinstance(
+                module, (tp.ops._ElementWiseOp, *MOVING_OPS, tp.ops._ConcatOp, nn.PReLU)
+            ):
                 held = any(self.holds(i) for i in node.inputs)
             else:
                 held = False
@@ -104,12 +106,12 @@ class _Proof:
                 zero = True
             elif op.startswith("MulBackward"):
                 zero = any(self.is_zero(i) for i in inputs)
-            elif isinstance(module, tp.ops._ConcatOp):  # the channel is in the parts holding it
+            elif isinstance(module, (tp.ops._ConcatOp, nn.PReLU)):
+                # the channel is in the parts holding it (a PReLU's other input: its weight)
                 holding = [i for i in inputs if self.holds(i)]
                 zero = bool(holding) and all(self.is_zero(i) for i in holding)
             elif len(inputs) == 1 and (
-                (op and not op.startswith(NOT_ZERO_PRESERVING))
-                or isinstance(module, (*MOVING_OPS, nn.PReLU))
+                (op and not op.startswith(NOT_ZERO_PRESERVING)) or isinstance(module, MOVING_OPS)
             ):
                 zero = self.is_zero(inputs[0])
             else:

@@ -48,3 +48,30 @@ class ShiftedAfterMask(nn.Module):
 def test_a_constant_added_after_the_mask_leaves_the_group_whole():
     model, x = ShiftedAfterMask().eval(), torch.randn(1, 3, 8, 8)
     assert [g.name for g in DTPPruner(model, (x,), 0.5).groups] == ["b"]
+
+
+class PReLUAfterMask(nn.Module):
+    """conv, BN, PReLU (a module of two inputs to the graph: the channels and its
+    weight), a conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.bn, self.act = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.PReLU(8)
+        self.head = nn.Conv2d(8, 5, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(self.bn(self.a(x)))).mean((2, 3))
+
+
+def test_a_prelu_after_the_mask_keeps_zero_and_is_cut_with_the_channels():
+    torch.manual_seed(0)
+    model, x = PReLUAfterMask().eval(), torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        model.act.weight.uniform_(0.1, 0.5)
+    pruner = randomised(DTPPruner(model, (x[:1],), 0.5))
+    assert [g.name for g in pruner.groups] == ["a"]
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(x)
+    exported = pruner.export().eval()
+    torch.testing.assert_close(exported(x), want, rtol=1e-5, atol=1e-5)
+    assert exported.act.weight.shape == (4,)
