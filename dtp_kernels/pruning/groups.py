@@ -31,6 +31,7 @@ from torch import nn
 from .conv1d import is_conv1d
 from .example_inputs import call_model
 from .excitations import excited_root
+from .fixed_filters import fixed_filter_pruners
 from .frozen_norms import FROZEN_BATCH_NORM, frozen_norm_pruners, is_frozen_batch_norm
 from .graph_workarounds import (
     UNMAPPED_RESHAPE,
@@ -331,7 +332,10 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
                     forward_fn=lambda model, inputs: call_model(model, inputs),
                     output_transform=_traced_outputs,
                     ignored_layers=tuple_returning_linears(model, example_inputs),
-                    customized_pruners=frozen_norm_pruners(model),
+                    customized_pruners={
+                        **frozen_norm_pruners(model),
+                        **fixed_filter_pruners(model),
+                    },
                 )
             except Exception as error:  # its own errors say nothing of the model or what to do
                 _remove_new_hooks(hooks)  # a failed trace leaves its hooks on the model
@@ -460,6 +464,14 @@ def _bounded_search(graph: tp.DependencyGraph, names: dict[nn.Module, str]) -> I
         if timed:
             signal.setitimer(signal.ITIMER_REAL, GROUP_SEARCH_SECONDS, EXPIRY_REPEAT_SECONDS)
         try:
+            if len(idxs) > 1:
+                # Torch-Pruning's search costs about (steps^2 x channels): through an
+                # attention's reshapes (Visformer's, EfficientFormerV2's conv qkv) it runs
+                # for hours. One channel's group is a part of all of theirs; when it
+                # reaches an attention op, so does theirs, and the group is dropped anyway.
+                probe = search(module, handler, idxs[:1])
+                if any(_op_name(dep.target.module).startswith(ATTENTION_OPS) for dep, _ in probe):
+                    return probe
             return search(module, handler, idxs)
         except Exception as error:  # its own errors say nothing of the layer
             raise ChannelGraphError(

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch_pruning as tp
 from torch import nn
 
+from .fixed_filters import is_fixed_filter
+
 # ops of one input that map zero elsewhere, by their autograd names (an excitation's
 # sigmoid gate is reached only through its product; adding a constant is an Add of one
 # input). Any other op of one input is taken to keep zero: the activations, pooling,
@@ -63,6 +65,19 @@ MOVING_OPS = (
 OWN_MATMULS = ("AddmmBackward", "MmBackward")
 
 
+def keeps_zero_per_channel(module: nn.Module) -> bool:
+    """A module that computes each channel from that channel alone and maps zero to zero:
+    a depthwise convolution with no bias (Xception's, between the group's BN and the next
+    pointwise conv), a fixed per-channel filter."""
+    if isinstance(module, (nn.Conv1d, nn.Conv2d)):
+        return (
+            module.bias is None
+            and module.groups > 1
+            and module.groups == module.in_channels == module.out_channels
+        )
+    return is_fixed_filter(module)
+
+
 def op_name(node) -> str:
     """The autograd name of an elementwise op's node, or ""."""
     module = node.module
@@ -89,7 +104,7 @@ class _Proof:
                 held = True
             elif isinstance(
                 module, (tp.ops._ElementWiseOp, *MOVING_OPS, tp.ops._ConcatOp, nn.PReLU)
-            ):
+            ) or keeps_zero_per_channel(module):
                 held = any(self.holds(i) for i in node.inputs)
             else:
                 held = False
@@ -111,7 +126,9 @@ class _Proof:
                 holding = [i for i in inputs if self.holds(i)]
                 zero = bool(holding) and all(self.is_zero(i) for i in holding)
             elif len(inputs) == 1 and (
-                (op and not op.startswith(NOT_ZERO_PRESERVING)) or isinstance(module, MOVING_OPS)
+                (op and not op.startswith(NOT_ZERO_PRESERVING))
+                or isinstance(module, MOVING_OPS)
+                or keeps_zero_per_channel(module)
             ):
                 zero = self.is_zero(inputs[0])
             else:

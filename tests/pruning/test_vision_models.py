@@ -514,6 +514,50 @@ def test_a_group_search_that_does_not_end_is_stopped_and_named(monkeypatch):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_a_conv_attentions_channels_are_searched_one_channel_first(monkeypatch):
+    """timm's Visformer computes its attention with 1x1 convs (qkv, proj): Torch-Pruning's
+    search from qkv over all its channels runs for hours (its cost grows with the square
+    of its steps times the channels), and the group holds the attention's softmax, so it
+    is dropped. The search from one channel reaches the softmax first: no search over
+    all of qkv's channels is made, and the rest of the model prunes and exports equal."""
+    import torch_pruning as tp
+    from timm.models.visformer import Visformer
+
+    searched = []
+    search = tp.DependencyGraph.get_pruning_group
+
+    def recorded(self, module, handler, idxs):
+        searched.append((module, len(idxs)))
+        return search(self, module, handler, idxs)
+
+    monkeypatch.setattr(tp.DependencyGraph, "get_pruning_group", recorded)
+    torch.manual_seed(0)
+    model = Visformer(
+        img_size=32,
+        init_channels=8,
+        embed_dim=48,
+        depth=(1, 1, 1),
+        num_heads=2,
+        group=4,
+        attn_stage="011",
+        spatial_conv="100",
+        norm_layer=torch.nn.BatchNorm2d,
+        embed_norm=torch.nn.BatchNorm2d,
+        num_classes=5,
+    ).eval()
+    x = torch.randn(2, 3, 32, 32)
+    pruner = DTPPruner(model, (x[:1],), 0.5)
+    qkvs = [m for n, m in model.named_modules() if n.endswith("attn.qkv")]
+    assert len(qkvs) == 2
+    assert {n for m, n in searched if m in qkvs} == {1}
+    names = [g.name for g in pruner.groups]
+    assert "stage2.0.mlp.conv1" in names and not any("attn" in n for n in names)
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(x)
+    exported = pruner.export().eval()
+    torch.testing.assert_close(exported(x), want, rtol=1e-5, atol=1e-5 * want.abs().max())
+
+
 @contextlib.contextmanager
 def memory_grows_at_most(nbytes: int):
     """Within the block, the process's address space may grow by `nbytes` at most."""
