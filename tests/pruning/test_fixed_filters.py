@@ -116,3 +116,13 @@ def test_a_module_is_a_fixed_filter_only_with_one_per_channel_buffer_and_no_para
     assert not is_fixed_filter(BlurPool2d(None))  # one filter for every channel: nothing to cut
     assert not is_fixed_filter(nn.Conv2d(8, 8, 3, groups=8))  # its weight is a parameter
     assert not is_fixed_filter(nn.BatchNorm2d(8))
+
+
+@pytest.mark.parametrize(
+    ("name", "size", "speedup"), [("tresnet_m", 224, 2.39), ("legacy_xception", 299, 2.26)]
+)
+def test_the_speedups_docs_pruning_quotes(name, size, speedup):
+    """docs/pruning.md's figures: timm's TResNet-M and Xception at a float 0.5."""
+    model = timm.create_model(name, num_classes=1000).eval()
+    report = DTPPruner(model, (torch.randn(1, 3, size, size),), 0.5).report()
+    assert round(report["flops_before"] / report["flops_after"], 2) == speedup
