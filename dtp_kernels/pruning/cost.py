@@ -237,7 +237,11 @@ def params_after(module: nn.Module, out_lost: int, in_lost: int) -> int:
         return rows * module.embed_dim + (rows if module.in_proj_bias is not None else 0)
     if isinstance(module, PER_CHANNEL_AFFINE):
         channels = module.num_channels if isinstance(module, nn.GroupNorm) else module.num_features
-        return 2 * (channels - out_lost) if module.affine else 0
+        if not module.affine:
+            return 0
+        # timm's norms without a bias (GroupNorm1NoBias) keep `affine` with bias None
+        kept = [getattr(module, name, None) is not None for name in ("weight", "bias")]
+        return sum(kept) * (channels - out_lost)
     raise TypeError(f"no parameter formula for {type(module).__name__}")
 
 

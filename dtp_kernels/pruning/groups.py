@@ -770,7 +770,12 @@ def _channel_groups(
             and not gated
             and unmasked_readers(graph, ins, bn or rows, outs)
         ):  # (raw per-channel parameters, a GRN's, have rules of their own)
-            continue  # a layer reads the channels where the mask does not reach them
+            # a layer reads the channels where the mask does not reach them (after an op
+            # that maps zero elsewhere: MetaFormer's StarReLU adds a bias): masked on every
+            # reader's input columns instead, where the readers are all there is
+            if not _columns_cover(ins, read, size, ops, group_norm, params, conv_groups):
+                continue
+            gated, bn, rows = True, None, layer
         found[layer] = ChannelGroup(
             names[layer],
             layer,
@@ -788,6 +793,36 @@ def _channel_groups(
             conv_groups=conv_groups,
         )
     return found
+
+
+def _columns_cover(
+    ins: list[nn.Module],
+    read: dict[nn.Module, int],
+    size: int,
+    ops: list[str],
+    group_norm: nn.Module | None,
+    params: list,
+    conv_groups: int,
+) -> bool:
+    """Whether a mask on the readers' input columns removes what removing the channels
+    does: every reader a linear layer or an ungrouped conv that reads exactly the group's
+    channels, and nothing between the producer and them that mixes channels (a mean or a
+    matmul over them, an addition or concatenation with other channels: a channel left
+    in would see the removed ones) or is cut per unit (a GroupNorm, raw parameters)."""
+    if group_norm is not None or params or conv_groups != 1:
+        return False
+    if any(op.startswith((*MIXING_OPS, *MERGING_OPS)) for op in ops):
+        return False
+    for reader in ins:
+        if isinstance(reader, nn.Linear):
+            width = reader.in_features
+        elif isinstance(reader, (nn.Conv1d, nn.Conv2d)) and reader.groups == 1:
+            width = reader.in_channels
+        else:
+            return False
+        if width != size or read.get(reader) != size:
+            return False
+    return True
 
 
 def _table(

@@ -175,16 +175,26 @@ def test_the_speedups_docs_pruning_quotes(name, speedup):
     assert round(pruner.report()["speedup"], 2) == speedup
 
 
-def test_maxvits_stem_output_read_before_its_mask_is_left_whole():
+def test_maxvits_stem_output_read_before_its_mask_is_masked_on_its_readers_columns():
     """MaxViT's second stem conv feeds the first block's BN (where its mask would go)
-    and, before it, the block's pooled shortcut: that group is left whole; the first
-    stem conv, each MBConv's expansion and the MLPs prune."""
+    and, before it, the block's pooled shortcut conv: a mask at the BN would not reach
+    the shortcut, so that group's mask goes on both readers' input columns; the first
+    stem conv, each MBConv's expansion and the MLPs prune as before."""
     torch.manual_seed(0)
     model = drawn_statistics(torchvision_maxvit()).eval()
-    pruner = DTPPruner(model, (torch.randn(1, 3, 64, 64),), 0.5)
-    names = [g.name for g in pruner.groups]
-    assert "stem.0.0" in names and "stem.1.0" not in names
+    x = torch.randn(2, 3, 64, 64)
+    pruner = randomised(DTPPruner(model, (x[:1],), 0.5))
+    groups = {g.name: g for g in pruner.groups}
     block = "blocks.0.layers.0.layers"
+    stem = groups["stem.1.0"]
+    assert stem.gated and stem.bn is None
+    layers = dict(model.named_modules())
+    assert set(stem.kept_in) == {
+        layers[f"{block}.MBconv.proj.1"],
+        layers[f"{block}.MBconv.layers.conv_a.0"],
+    }
+    assert not groups["stem.0.0"].gated
     assert {f"{block}.MBconv.layers.conv_a.0", f"{block}.window_attention.mlp_layer.1"} <= set(
-        names
+        groups
     )
+    check_export(pruner, model, x)

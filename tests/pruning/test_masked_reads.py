@@ -46,9 +46,71 @@ class ShiftedAfterMask(nn.Module):
         return self.head(torch.relu(self.bn_b(self.b(x)))).mean((2, 3))
 
 
-def test_a_constant_added_after_the_mask_leaves_the_group_whole():
-    model, x = ShiftedAfterMask().eval(), torch.randn(1, 3, 8, 8)
-    assert [g.name for g in DTPPruner(model, (x,), 0.5).groups] == ["b"]
+def test_a_constant_added_after_the_mask_moves_the_mask_to_the_readers_columns():
+    """A masked channel would read 1 after the shift: the group's readers are all convs
+    that read exactly its channels, so the mask goes on their input columns instead of
+    the BN, and the export still equals the hard-masked model."""
+    torch.manual_seed(0)
+    model, x = drawn_statistics(ShiftedAfterMask()).eval(), torch.randn(2, 3, 8, 8)
+    pruner = randomised(DTPPruner(model, (x[:1],), 0.5))
+    shifted, plain = pruner.groups
+    assert (shifted.name, plain.name) == ("a", "b")
+    assert shifted.gated and shifted.bn is None and shifted.kept_in == [model.b]
+    assert not plain.gated and plain.bn is model.bn_b
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(x)
+    exported = pruner.export().eval()
+    torch.testing.assert_close(exported(x), want, rtol=1e-5, atol=1e-5)
+    assert exported.b.in_channels == pruner.kept[0]
+
+
+class CenteredAfterShift(nn.Module):
+    """conv, BN, a constant added, then the channel mean subtracted (each channel then
+    reads every other), a conv: no mask on the readers' columns is exact."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.head = nn.Conv2d(8, 5, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn(self.a(x)) + 1)
+        return self.head(x - x.mean(1, keepdim=True)).mean((2, 3))
+
+
+class ShiftedIntoGroupedConv(nn.Module):
+    """conv, BN, a constant added, a grouped conv (whose columns are not the channels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.head = nn.Conv2d(8, 4, 1, groups=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.a(x)) + 1)).mean((2, 3))
+
+
+class ShiftedIntoWiderReader(nn.Module):
+    """conv, BN, a constant added, concatenated with the input: the reader's columns
+    hold other channels too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.head = nn.Conv2d(11, 5, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn(self.a(x)) + 1)
+        return self.head(torch.cat([y, x], 1)).mean((2, 3))
+
+
+@pytest.mark.parametrize(
+    "build", [CenteredAfterShift, ShiftedIntoGroupedConv, ShiftedIntoWiderReader]
+)
+def test_unmasked_readers_whose_columns_cannot_take_the_mask_leave_the_group_whole(build):
+    model, x = build().eval(), torch.randn(1, 3, 8, 8)
+    with pytest.raises(ValueError, match="prune nothing"):
+        DTPPruner(model, (x,), 0.5)
 
 
 class PReLUAfterMask(nn.Module):
@@ -119,3 +181,41 @@ def test_a_depthwise_conv_with_a_bias_after_the_mask_leaves_its_group_whole_or_m
     with torch.no_grad(), pruner.hard_masked():
         want = model(x)
     torch.testing.assert_close(pruner.export().eval()(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_poolformers_mlps_through_star_relu_are_masked_on_their_readers_columns():
+    """timm's PoolFormerV2 (MetaFormer): each MLP's hidden channels pass StarReLU,
+    s * relu(x)^2 + b, so a masked channel reads b. Its one reader, fc2, takes the mask
+    on its columns; the norms without a bias (GroupNorm1NoBias) count one parameter per
+    channel. Before, a float found no group in it."""
+    pytest.importorskip("timm")
+    from timm.models.metaformer import GroupNorm1NoBias, MetaFormer, StarReLU
+
+    torch.manual_seed(0)
+    model = MetaFormer(
+        depths=(1, 1),
+        dims=(16, 32),
+        norm_layers=GroupNorm1NoBias,
+        use_mlp_head=False,
+        num_classes=5,
+        mlp_act=StarReLU,
+    ).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, StarReLU):
+                module.bias.fill_(0.5)
+    x = torch.randn(2, 3, 32, 32)
+    pruner = randomised(DTPPruner(model, (x[:1],), 0.5))
+    mlps = {g.name: g for g in pruner.groups if ".mlp.fc1" in g.name}
+    assert set(mlps) == {"stages.0.blocks.0.mlp.fc1", "stages.1.blocks.0.mlp.fc1"}
+    assert all(g.gated for g in mlps.values())
+    with torch.no_grad():
+        dense = model(x)
+        with pruner.hard_masked():
+            want = model(x)
+    assert (want - dense).abs().max() > 0.01 * want.abs().max()
+    exported = pruner.export().eval()
+    torch.testing.assert_close(exported(x), want, rtol=1e-5, atol=1e-5 * want.abs().max())
+    report = pruner.report()
+    assert count_params(model) == pruner.predicted_counts([torch.ones(n) for n in pruner.sizes])[0]
+    assert count_params(exported) == report["params_after"]
