@@ -104,8 +104,22 @@ class ShiftedIntoWiderReader(nn.Module):
         return self.head(torch.cat([y, x], 1)).mean((2, 3))
 
 
+class ShiftedIntoFlatten(nn.Module):
+    """conv, BN, a constant added, flattened into a linear layer (which reads each
+    channel at every position: its columns are not the channels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.head = nn.Linear(8 * 8 * 8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.a(x)) + 1).flatten(1))
+
+
 @pytest.mark.parametrize(
-    "build", [CenteredAfterShift, ShiftedIntoGroupedConv, ShiftedIntoWiderReader]
+    "build",
+    [CenteredAfterShift, ShiftedIntoGroupedConv, ShiftedIntoWiderReader, ShiftedIntoFlatten],
 )
 def test_unmasked_readers_whose_columns_cannot_take_the_mask_leave_the_group_whole(build):
     model, x = build().eval(), torch.randn(1, 3, 8, 8)
