@@ -466,9 +466,9 @@ def _bounded_search(graph: tp.DependencyGraph, names: dict[nn.Module, str]) -> I
         try:
             if len(idxs) > 1:
                 # Torch-Pruning's search costs about (steps^2 x channels): through an
-                # attention's reshapes (Visformer's, EfficientFormerV2's conv qkv) it runs
-                # for hours. One channel's group is a part of all of theirs; when it
-                # reaches an attention op, so does theirs, and the group is dropped anyway.
+                # attention's reshapes (Visformer's conv qkv) it runs for hours. One
+                # channel's group is a part of all of theirs; when it reaches an attention
+                # op, so does theirs, and the group is dropped anyway.
                 probe = search(module, handler, idxs[:1])
                 if any(_op_name(dep.target.module).startswith(ATTENTION_OPS) for dep, _ in probe):
                     return probe

@@ -10,7 +10,8 @@ x * (1 + tanh(...))), and through a concatenation where the parts holding the gr
 channels are zero. A reader that reads the channel before the mask (ShuffleNetV2's and
 MaxViT's first blocks read the stem's output where only one branch's BN masks it), or
 after an op that maps zero elsewhere (a sigmoid, an added bias or channel mean), is
-not proven; its group is left whole. Each reader's inputs are walked back through
+not proven; its group takes the mask on its readers' input columns where they can
+(groups.py), else it is left whole. Each reader's inputs are walked back through
 Torch-Pruning's traced graph.
 """
 
