@@ -138,12 +138,28 @@ class _Proof:
         return self.zero[key]
 
 
+def _reads_weight(node, linear: nn.Linear) -> bool:
+    """Whether `node` is an op on `linear`'s own weight (its transpose in a matmul)."""
+    functions = getattr(node.grad_fn, "next_functions", ())
+    return any(getattr(f, "variable", None) is linear.weight for f, _ in functions)
+
+
 def _read_inputs(node) -> list:
-    """The nodes a reader reads its input from, through a linear layer's own matmul."""
+    """The nodes a reader reads its input from, through a linear layer's own matmul:
+    the reader's input directly, or through the view back to the input's leading dims
+    (torch adds the bias after it when the input is not contiguous: PVTv2's MLP), when
+    the matmul reads the layer's own weight."""
     inputs = []
     for source in node.inputs:
-        if isinstance(node.module, nn.Linear) and op_name(source).startswith(OWN_MATMULS):
-            inputs.extend(source.inputs)  # its input, and its transposed weight
+        matmul = source
+        if isinstance(source.module, tp.ops._ReshapeOp) and len(source.inputs) == 1:
+            matmul = source.inputs[0]
+        if (
+            isinstance(node.module, nn.Linear)
+            and op_name(matmul).startswith(OWN_MATMULS)
+            and (matmul is source or any(_reads_weight(i, node.module) for i in matmul.inputs))
+        ):
+            inputs.extend(matmul.inputs)  # its input, and its transposed weight
         else:
             inputs.append(source)
     return inputs

@@ -233,3 +233,37 @@ def test_poolformers_mlps_through_star_relu_are_masked_on_their_readers_columns(
     report = pruner.report()
     assert count_params(model) == pruner.predicted_counts([torch.ones(n) for n in pruner.sizes])[0]
     assert count_params(exported) == report["params_after"]
+
+
+def test_pvt_v2s_mlps_read_through_the_view_after_their_second_layers_matmul():
+    """timm's PVTv2: fc1, a depthwise conv over the tokens laid out as an image, GELU,
+    fc2. fc2 reads a transposed (non-contiguous) input, so torch computes it as a matmul,
+    a view back to the tokens, then the bias: the proof walks through that view to the
+    matmul on fc2's own weight. Before, no MLP of it was a group."""
+    pytest.importorskip("timm")
+    from timm.models.pvt_v2 import PyramidVisionTransformerV2
+
+    torch.manual_seed(0)
+    model = PyramidVisionTransformerV2(
+        depths=(1, 1),
+        embed_dims=(16, 32),
+        num_heads=(1, 2),
+        sr_ratios=(2, 1),
+        mlp_ratios=(4, 4),
+        num_classes=5,
+    ).eval()
+    nn.init.normal_(model.head.weight, std=0.1)
+    x = torch.randn(2, 3, 32, 32)
+    pruner = randomised(DTPPruner(model, (x[:1],), {"mlp": 0.5}))
+    assert [g.name for g in pruner.groups] == [
+        "stages.0.blocks.0.mlp.fc1",
+        "stages.1.blocks.0.mlp.fc1",
+    ]
+    with torch.no_grad():
+        dense = model(x)
+        with pruner.hard_masked():
+            want = model(x)
+    assert (want - dense).abs().max() > 0.01 * want.abs().max()
+    exported = pruner.export().eval()
+    torch.testing.assert_close(exported(x), want, rtol=1e-5, atol=1e-5 * want.abs().max())
+    assert count_params(exported) == pruner.report()["params_after"]
