@@ -117,9 +117,31 @@ class ShiftedIntoFlatten(nn.Module):
         return self.head(torch.relu(self.bn(self.a(x)) + 1).flatten(1))
 
 
+class MixedBeforeReader(nn.Module):
+    """A linear layer, ReLU, a matmul with a fixed mixing matrix over the features and a
+    view back to the tokens, a linear layer: the matmul before the reader is not its
+    own (each output feature reads every input one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.head = nn.Linear(8, 8), nn.Linear(8, 5)
+        self.register_buffer("mix", torch.randn(8, 8, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.flatten(2).transpose(1, 2)  # (batch, 64 tokens, 3)
+        h = torch.relu(self.a(torch.cat([tokens, tokens[..., :1].repeat(1, 1, 5)], -1)))
+        return self.head((h.reshape(-1, 8) @ self.mix).reshape(h.shape)).mean(1)
+
+
 @pytest.mark.parametrize(
     "build",
-    [CenteredAfterShift, ShiftedIntoGroupedConv, ShiftedIntoWiderReader, ShiftedIntoFlatten],
+    [
+        CenteredAfterShift,
+        ShiftedIntoGroupedConv,
+        ShiftedIntoWiderReader,
+        ShiftedIntoFlatten,
+        MixedBeforeReader,
+    ],
 )
 def test_unmasked_readers_whose_columns_cannot_take_the_mask_leave_the_group_whole(build):
     model, x = build().eval(), torch.randn(1, 3, 8, 8)
