@@ -50,6 +50,13 @@ NOT_ZERO_PRESERVING = (
     "ClampMaxBackward",
     "FillBackward",
     "OnesLikeBackward",
+    # a matmul with a constant (a buffer: its one differentiable input) mixes the
+    # channels it contracts; a linear layer's own matmul is its reader's, not one of these
+    "MmBackward",
+    "BmmBackward",
+    "AddmmBackward",
+    "BaddbmmBackward",
+    "MvBackward",
 )
 # Torch-Pruning's own nodes for ops that move elements without computing on them
 MOVING_OPS = (
