@@ -445,6 +445,30 @@ def hard_masked_and_exported(pruner, model, inputs: tuple):
     return exported, got, want
 
 
+def check_export(pruner, model: nn.Module, x: torch.Tensor, atol: float | None = None) -> nn.Module:
+    """The exported model of a pruner over an image model checked: the hard masks change
+    the output, the export computes what the hard-masked model computes (to `atol`,
+    by default 1e-5 of the output's scale), and its parameters and FLOPs are the
+    report's."""
+    from dtp_kernels.pruning.cost import count_flops, count_params
+
+    model.eval()
+    with torch.no_grad():
+        dense = model(x)
+        with pruner.hard_masked():
+            want = model(x)
+    scale = want.abs().max()  # torchvision's MobileNetV3 head gives outputs near 1e-4
+    assert (want - dense).abs().max() > 0.01 * scale  # the masks change the output
+    exported = pruner.export().eval()
+    with torch.no_grad():
+        atol = 1e-5 * scale if atol is None else atol
+        torch.testing.assert_close(exported(x), want, rtol=1e-5, atol=atol)
+    report = pruner.report()
+    assert count_params(exported) == report["params_after"]
+    assert count_flops(exported, (x[:1],)) == report["flops_after"]
+    return exported
+
+
 def drawn_statistics(model: nn.Module) -> nn.Module:
     """BN statistics and affine parameters away from the identity (and from the zeros
     some inits give the last BN of a block), so every kept channel shows in the output."""

@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 from dtp_kernels.pruning import DTPPruner
-from dtp_kernels.pruning.cost import count_flops, count_params
-from utils import drawn_statistics, randomised, small_regnet_y
+from utils import check_export, drawn_statistics, randomised, small_regnet_y
 
 
 def torchvision_efficientnet() -> nn.Module:
@@ -77,23 +76,6 @@ def excitations(model: nn.Module) -> list[nn.Module]:
         for name in ("fc2", "conv_expand")
         if "excit" in type(m).__name__.lower() and hasattr(m, name)
     ]
-
-
-def check_export(pruner: DTPPruner, model: nn.Module, x: torch.Tensor) -> nn.Module:
-    model.eval()
-    with torch.no_grad():
-        dense = model(x)
-        with pruner.hard_masked():
-            want = model(x)
-    scale = want.abs().max()  # torchvision's MobileNetV3 head gives outputs near 1e-4
-    assert (want - dense).abs().max() > 0.01 * scale  # the masks change the output
-    exported = pruner.export().eval()
-    with torch.no_grad():
-        torch.testing.assert_close(exported(x), want, rtol=1e-5, atol=1e-5 * scale)
-    report = pruner.report()
-    assert count_params(exported) == report["params_after"]
-    assert count_flops(exported, (x[:1],)) == report["flops_after"]
-    return exported
 
 
 @pytest.mark.parametrize("name", list(MODELS))
