@@ -17,6 +17,7 @@ A layer whose outputs no layer consumes (the classifier, any model output) keeps
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import sys
 import threading
@@ -35,11 +36,14 @@ from .fixed_filters import fixed_filter_pruners
 from .frozen_norms import FROZEN_BATCH_NORM, frozen_norm_pruners, is_frozen_batch_norm
 from .graph_workarounds import (
     UNMAPPED_RESHAPE,
+    broadcast_factors_uncoupled,
     region_pooling_reads_features_only,
+    slice_widths_inferred,
     tuple_returning_linears,
     unknown_concat_widths_left_unmapped,
     unmappable_reshapes_marked,
 )
+from .group_search import TENSOR_OPS, UNFOLLOWED, coupled_group, mappings_held
 from .grouped_convs import equal_parts, is_grouped
 from .masked_reads import unmasked_readers
 
@@ -245,6 +249,8 @@ def _parts(graph: tp.DependencyGraph, layer: nn.Module) -> int | None:
     whose parts Torch-Pruning does not remove together (timm's GluMlp chunks fc1 into
     value and gate: its export would cut the consumers' inputs at the wrong indices)."""
     group = graph.get_pruning_group(layer, out_channel_handler(layer), [0])
+    if getattr(group, UNFOLLOWED, False):
+        return None
     removed = sorted({int(i) for dep, idxs in group if dep.target.module is layer for i in idxs})
     width, parts = out_width(layer), len(removed)
     if not parts or width % parts or removed != [p * (width // parts) for p in range(parts)]:
@@ -310,13 +316,18 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
     checks that none is left.
     """
     # Torch-Pruning updates its index mappings on every search too, not only when built
-    with unknown_concat_widths_left_unmapped(), unmappable_reshapes_marked():
+    with (
+        unknown_concat_widths_left_unmapped(),
+        unmappable_reshapes_marked(),
+        slice_widths_inferred(),
+    ):
         # the graph is traced through autograd: also when called under torch.no_grad(), and
         # through frozen parameters (requires_grad False), which autograd would not record
         with (
             torch.enable_grad(),
             warnings.catch_warnings(),
             region_pooling_reads_features_only(),
+            broadcast_factors_uncoupled(),
             without_cache(model),
             all_parameters_recorded(model),
         ):
@@ -347,6 +358,8 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
                     "'mlp' alone (or their layers' names) prunes those. The models dtp_kernels "
                     "prunes are listed in docs/pruning.md and the README's 'What it prunes'"
                 ) from error
+        # each channel followed once: Torch-Pruning's own search may not end (group_search.py)
+        graph.get_pruning_group = functools.partial(coupled_group, graph)
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=RECURSION_WARNING)
@@ -425,9 +438,9 @@ def _coupling_problem(ops: list[str], norms: list, params: list, bns: list, rest
     return ""
 
 
-# Torch-Pruning's search for one root's group takes milliseconds on the models it
-# follows; on some it does not end (timm's ReXNet, a residual added into a slice of the
-# channels), and may grow until memory runs out. Each root's search gets this long.
+# the search for one root's group takes milliseconds; each channel is followed once
+# (group_search.py), and a graph that maps channels past a layer's width ends it. Were a
+# graph to grow without end all the same, each root's search gets this long.
 GROUP_SEARCH_SECONDS = 60.0
 
 
@@ -464,14 +477,6 @@ def _bounded_search(graph: tp.DependencyGraph, names: dict[nn.Module, str]) -> I
         if timed:
             signal.setitimer(signal.ITIMER_REAL, GROUP_SEARCH_SECONDS, EXPIRY_REPEAT_SECONDS)
         try:
-            if len(idxs) > 1:
-                # Torch-Pruning's search costs about (steps^2 x channels): through an
-                # attention's reshapes (Visformer's conv qkv) it runs for hours. One
-                # channel's group is a part of all of theirs; when it reaches an attention
-                # op, so does theirs, and the group is dropped anyway.
-                probe = search(module, handler, idxs[:1])
-                if any(_op_name(dep.target.module).startswith(ATTENTION_OPS) for dep, _ in probe):
-                    return probe
             return search(module, handler, idxs)
         except Exception as error:  # its own errors say nothing of the layer
             raise ChannelGraphError(
@@ -507,28 +512,14 @@ def _bounded_search(graph: tp.DependencyGraph, names: dict[nn.Module, str]) -> I
         raise ChannelGraphError(
             f"Torch-Pruning's search for the channels coupled to layer {layer_name()} did "
             f"not end within {GROUP_SEARCH_SECONDS:g} s: it cannot follow what the model "
-            "does with that layer's output (timm's ReXNet: a residual added into a slice of "
-            "the channels). Leave the layer whole with ignored_layers=[...]"
+            "does with that layer's output. Leave the layer whole with ignored_layers=[...]"
         ) from None
     finally:
         if timed:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
             sys.unraisablehook = hook
-        del graph.get_pruning_group
-
-
-# Torch-Pruning's own nodes for the tensor ops between layers, and for the model's outputs
-TENSOR_OPS = (
-    tp.ops._ElementWiseOp,
-    tp.ops._ReshapeOp,
-    tp.ops._SliceOp,
-    tp.ops._SplitOp,
-    tp.ops._ConcatOp,
-    tp.ops._UnbindOp,
-    tp.ops._ExpandOp,
-    tp.ops._OutputOp,
-)
+        graph.get_pruning_group = search
 
 
 def output_layers(graph: tp.DependencyGraph, roots: tuple[type, ...]) -> list[nn.Module]:
@@ -600,7 +591,7 @@ def find_groups(
     names = {module: name for name, module in model.named_modules()}
     roots = [nn.Conv1d, nn.Conv2d, nn.Linear]
     ignored = ignored + output_layers(graph, tuple(roots)) + shuffled_layers(graph, tuple(roots))
-    with _bounded_search(graph, names):
+    with _bounded_search(graph, names), mappings_held(graph):  # nothing pruned here
         found = _channel_groups(model, graph, ignored, coupled, names, roots)
     return [found[m] for m in model.modules() if m in found]
 
@@ -618,11 +609,14 @@ def _channel_groups(
     order = {module: index for index, module in enumerate(model.modules())}
     found = {}
     for group in graph.get_all_groups(ignored_layers=list(ignored), root_module_types=roots):
+        if getattr(group, UNFOLLOWED, False):
+            continue  # the graph maps its channels wrongly somewhere: left whole
         out_layers, bns, outs, ins, norms, depthwise, ops = [], [], [], [], [], [], []
         group_norms, params, param_owners = [], [], []
         read: dict[nn.Module, int] = {}  # input channels of each consumer the group holds
         grouped_reads: dict[nn.Module, list[int]] = {}  # grouped convs' inputs, in order
-        for dep, idxs in group:
+        for item in group:
+            dep, idxs = item
             module, handler = dep.target.module, dep.handler
             ops.append(_group_op(graph, module))
             if handler in (tp.prune_conv_out_channels, tp.prune_depthwise_conv_out_channels):
@@ -659,7 +653,11 @@ def _channel_groups(
                 ins.append(module)
                 read[module] = len(idxs)
                 if is_grouped(module):
-                    grouped_reads[module] = [int(i) for i in idxs]
+                    # in the order of the root's channels they map from
+                    pairs = sorted(
+                        zip(item.root_idxs, idxs, strict=True), key=lambda p: (p[0] is None, p[0])
+                    )
+                    grouped_reads[module] = [int(i) for _, i in pairs]
         gated = (
             len(out_layers) > 1
             and all(isinstance(m, nn.Linear) for m in [*out_layers, *ins])

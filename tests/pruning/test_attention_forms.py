@@ -1029,19 +1029,20 @@ def test_latent_attention_is_recognised_by_all_its_parts_and_checked_whole():
     assert _latent("attn", attn) is None
 
 
-def test_a_layer_whose_coupled_channel_search_fails_is_named():
-    """Torch-Pruning's search through Mamba's selective-scan mixer fails inside it (an
-    IndexError of its own) when the mixers are not taken as Mamba groups (ignored here):
-    the error names the layer to leave whole, the model untouched."""
+def test_mamba_projections_left_to_the_graph_are_left_whole():
+    """Mamba's mixers not taken as Mamba groups (ignored here): the graph maps their
+    projections' channels through the selective scan's reshapes past a layer's width,
+    so their groups are left whole, and a ratio naming one is refused by name, the model
+    untouched."""
     config = transformers.MambaConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=4, **TOKEN_IDS
     )
     model = transformers.MambaForCausalLM(config)
     mixers = [layer.mixer for layer in model.backbone.layers]
-    with pytest.raises(
-        ValueError, match=r"coupled to layer 'backbone\.layers\.\d\.mixer\.\w+' fails \(IndexError"
-    ):
-        DTPPruner(model, (tokens(),), 0.5, ignored_layers=mixers)
+    with pytest.raises(ValueError, match=r"names \['backbone.layers.0.mixer.in_proj'\], which"):
+        DTPPruner(
+            model, (tokens(),), {"backbone.layers.0.mixer.in_proj": 0.5}, ignored_layers=mixers
+        )
     assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
 
 

@@ -1,0 +1,146 @@
+"""The search for the channels coupled to a layer's channels in Torch-Pruning's graph,
+each channel followed once.
+
+Torch-Pruning 1.6.1 searches its graph depth first and goes on through a node it has
+reached before whenever it reaches it with another list of indices. Where a cycle of the
+graph passes index mappings that move indices (EfficientViT's cascaded heads: each
+head's chunk of the channels is added to the previous head's output, which feeds the
+next), every pass reaches the nodes with a longer list and the search, whose result is
+the union of the lists, runs for hours. `coupled_group` returns the same union, each
+(node, pruning function) going on only with the indices it has not reached before: the
+index mappings map each index alone, so the union is the same, and it is found in one
+pass per index.
+
+Where the graph maps a reshape wrongly (an attention's views of its channels into heads,
+as EfficientViT's), a cycle through it maps indices to ever larger ones with no end. An
+index past the width of a layer it reaches ends the search: the group comes back marked
+`UNFOLLOWED`, and the pruner leaves it whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from numbers import Number
+
+import torch_pruning as tp
+from torch import nn
+from torch_pruning import _helpers
+from torch_pruning.dependency import index_mapping
+from torch_pruning.dependency.dependency import Dependency
+from torch_pruning.dependency.group import Group
+
+# Torch-Pruning's own nodes for the tensor ops between layers, and for the model's outputs
+TENSOR_OPS = (
+    tp.ops._ElementWiseOp,
+    tp.ops._ReshapeOp,
+    tp.ops._SliceOp,
+    tp.ops._SplitOp,
+    tp.ops._ConcatOp,
+    tp.ops._UnbindOp,
+    tp.ops._ExpandOp,
+    tp.ops._OutputOp,
+)
+
+# the attribute set (True) on a group whose search reached an index past a layer's width
+UNFOLLOWED = "dtp_unfollowed"
+
+
+# the attribute set (True) on a graph while its index mappings are held (mappings_held)
+MAPPINGS_HELD = "dtp_mappings_held"
+
+
+@contextlib.contextmanager
+def mappings_held(graph: tp.DependencyGraph) -> Iterator[None]:
+    """Within the block, the graph's index mappings are updated once, not before each
+    search (as Torch-Pruning does, for the widths its pruning changes): for searches with
+    nothing pruned between them. On some models an update takes longer than a search
+    (0.2 s on EfficientViT, for each of its 90 roots)."""
+    index_mapping.update_index_mapping(graph)
+    setattr(graph, MAPPINGS_HELD, True)
+    try:
+        yield
+    finally:
+        setattr(graph, MAPPINGS_HELD, False)
+
+
+def _width(graph: tp.DependencyGraph, node, handler: Callable) -> int | None:
+    """The number of channels `handler` cuts from the layer at `node` (its outputs' or its
+    inputs'), or None for a tensor op, whose width the graph does not hold."""
+    if isinstance(node.module, TENSOR_OPS):
+        return None
+    if graph.is_out_channel_pruning_fn(handler):
+        width = graph.get_out_channels(node)
+    elif graph.is_in_channel_pruning_fn(handler):
+        width = graph.get_in_channels(node)
+    else:
+        return None
+    return width if isinstance(width, int) else None
+
+
+def coupled_group(
+    graph: tp.DependencyGraph, module: nn.Module, handler: Callable, idxs: Sequence[int] | int
+) -> Group:
+    """The group of `idxs` of `module` under `handler`, as `graph.get_pruning_group` gives
+    it: one item per (node, pruning function) in the order first reached, its indices in
+    the order first reached, the root's first; unwrapped parameters the graph ignores left
+    out."""
+    if module not in graph.module2node:
+        raise ValueError(f"{type(module).__name__} is not in the dependency graph")
+    if (
+        isinstance(module, tp.ops.TORCH_CONV)
+        and module.groups == module.out_channels
+        and module.out_channels > 1
+    ):  # Torch-Pruning's own rule: a depthwise conv's channels go with its inputs
+        handler = tp.prune_depthwise_conv_out_channels
+    if isinstance(idxs, Number):
+        idxs = [idxs]
+    if not getattr(graph, MAPPINGS_HELD, False):  # the widths may have changed (export)
+        index_mapping.update_index_mapping(graph)
+
+    root = graph.module2node[module]
+    start = [_helpers._HybridIndex(idx=i, root_idx=i) for i in idxs]
+    # per (node, pruning function): the first dependency reaching it, and its indices
+    reached: dict[tuple, tuple[Dependency, dict[int, _helpers._HybridIndex]]] = {
+        (root, handler): (Dependency(handler, handler, source=root, target=root), {})
+    }
+    reached[(root, handler)][1].update((i.idx, i) for i in start)
+    stack = [(root, handler, start)]
+    widths: dict[tuple, int | None] = {}
+    unfollowed = False
+    while stack and not unfollowed:
+        node, fn, indices = stack.pop()
+        for dep in node.dependencies:
+            if not dep.is_triggered_by(fn):
+                continue
+            mapped = indices
+            for mapping in dep.index_mapping:
+                if mapping is not None:
+                    mapped = mapping(mapped)
+            key = (dep.target, dep.handler)
+            seen = reached[key][1] if key in reached else {}
+            fresh = {}
+            for index in mapped:
+                if index.idx not in seen and index.idx not in fresh:
+                    fresh[index.idx] = index
+            if key not in widths:
+                widths[key] = _width(graph, dep.target, dep.handler)
+            if widths[key] is not None and any(i >= widths[key] for i in fresh):
+                unfollowed = True  # a wrong mapping on the way: its indices mean nothing
+                break
+            if fresh:
+                reached.setdefault(key, (dep, seen))[1].update(fresh)
+                stack.append((dep.target, dep.handler, list(fresh.values())))
+
+    ignored = [id(p) for p in graph.ignored_params]
+    group = Group()
+    for dep, indices in reached.values():
+        if id(dep.target.module) in ignored:
+            continue
+        item = _helpers.GroupItem(dep, list(indices))
+        item.root_idxs = [index.root_idx for index in indices.values()]
+        group.add_dep(dep, [])
+        group[len(group) - 1] = item
+    group._DG = graph
+    setattr(group, UNFOLLOWED, unfollowed)
+    return group

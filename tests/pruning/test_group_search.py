@@ -1,0 +1,154 @@
+"""The search for a layer's coupled channels (group_search.py) and the graph's slices and
+broadcast gates (graph_workarounds.py): the groups Torch-Pruning's own search finds, on
+every model where that search ends; and an end, with the model pruned and exported equal,
+where it did not (timm's ReXNet, FocalNet, EfficientViT and CoAtNet, tiny configurations
+built here)."""
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from dtp_kernels.models import get_model
+from dtp_kernels.pruning import DTPPruner
+from dtp_kernels.pruning.group_search import UNFOLLOWED, coupled_group
+from dtp_kernels.pruning.groups import out_channel_handler, out_width, traced_graph
+from utils import check_export, drawn_statistics, randomised
+
+timm = pytest.importorskip("timm")
+torchvision = pytest.importorskip("torchvision")
+
+
+def items(group) -> list[tuple]:
+    """A group as (node, pruning function, indices, root indices) per item, in order."""
+    return [(i.dep.target, i.dep.handler, list(i.idxs), list(i.root_idxs)) for i in group]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: get_model("mobilenet_v2"),
+        lambda: get_model("vgg19_bn"),
+        lambda: torchvision.models.resnet18(num_classes=10),
+        lambda: torchvision.models.mobilenet_v3_small(num_classes=10),
+        lambda: torchvision.models.regnet_y_400mf(num_classes=10),
+    ],
+    ids=["mobilenet_v2", "vgg19_bn", "resnet18", "mobilenet_v3_small", "regnet_y_400mf"],
+)
+def test_the_groups_are_torch_prunings_where_its_search_ends(make):
+    """From every layer, all of its channels and one: the same items in the same order,
+    the same indices mapped from the same root channels, as Torch-Pruning's search."""
+    model = make().eval()
+    with traced_graph(model, (torch.randn(1, 3, 32, 32),)) as graph:
+        for layer in model.modules():
+            if not isinstance(layer, (nn.Conv2d, nn.Linear)):
+                continue
+            handler, channels = out_channel_handler(layer), list(range(out_width(layer)))
+            for idxs in (channels, channels[:1]):
+                ours = coupled_group(graph, layer, handler, idxs)
+                theirs = type(graph).get_pruning_group(graph, layer, handler, idxs)
+                assert items(ours) == items(theirs)
+                assert not getattr(ours, UNFOLLOWED)
+
+
+def test_a_cycle_reached_with_other_indices_each_time_is_followed_once_per_channel():
+    """A residual's channels added into a slice of them (ReXNet's blocks) reach the same
+    layers again and again with other lists of indices: Torch-Pruning's search follows
+    every list (for hours on the full model); this one follows each channel once, and
+    the union is the same."""
+    from timm.models.rexnet import RexNet
+
+    model = RexNet(num_classes=5, width_mult=0.25).eval()
+    layer = model.features[15].conv_pwl.conv
+    with traced_graph(model, (torch.randn(1, 3, 32, 32),)) as graph:
+        start = time.monotonic()
+        group = coupled_group(graph, layer, out_channel_handler(layer), range(out_width(layer)))
+        assert time.monotonic() - start < 5
+    reached = {i.dep.target.module: sorted(i.idxs) for i in group}
+    assert not getattr(group, UNFOLLOWED)
+    assert reached[layer] == list(range(out_width(layer)))
+    assert len({(i.dep.target, i.dep.handler) for i in group}) == len(group)
+
+
+def test_a_search_the_graph_maps_past_a_layers_width_ends_unfollowed():
+    """EfficientViT's cascaded heads: the graph maps the channels through its attention's
+    reshapes to indices past the width of the layers they reach. The search ends there,
+    marked unfollowed; a search from one channel ends too."""
+    from timm.models.efficientvit_msra import EfficientVitMsra
+
+    model = tiny_efficientvit().eval()
+    layer = model.stages[1].blocks[0].ffn1.m.pw2.conv
+    with traced_graph(model, (torch.randn(1, 3, 64, 64),)) as graph:
+        for idxs in ([0], list(range(out_width(layer)))):
+            start = time.monotonic()
+            group = coupled_group(graph, layer, out_channel_handler(layer), idxs)
+            assert time.monotonic() - start < 5
+            assert getattr(group, UNFOLLOWED)
+    assert isinstance(model, EfficientVitMsra)
+
+
+def tiny_rexnet():
+    from timm.models.rexnet import RexNet
+
+    return RexNet(num_classes=5, width_mult=0.25)
+
+
+def tiny_focalnet():
+    from timm.models.focalnet import FocalNet
+
+    return FocalNet(num_classes=5, embed_dim=16, depths=(1, 1, 1, 1), drop_path_rate=0.0)
+
+
+def tiny_efficientvit():
+    from timm.models.efficientvit_msra import EfficientVitMsra
+
+    return EfficientVitMsra(
+        img_size=64,
+        num_classes=5,
+        embed_dim=(16, 32, 48),
+        key_dim=(4, 4, 4),
+        depth=(1, 1, 1),
+        num_heads=(2, 2, 2),
+        window_size=(2, 2, 2),
+    )
+
+
+def tiny_coatnet():  # its relative positions are for 160 x 160 images
+    return timm.create_model("test_coatnet", num_classes=5)
+
+
+@pytest.mark.parametrize(
+    "make, size, pruned",
+    [
+        # the expansion convs of the blocks: the slice-added residuals stay whole
+        (tiny_rexnet, 32, ["features.3.conv_exp.conv", "features.15.conv_exp.conv"]),
+        # the MLPs, beside the focal modulation's gates
+        (tiny_focalnet, 64, ["layers.0.blocks.0.mlp.fc1", "layers.3.blocks.0.mlp.fc1"]),
+        # the FFNs around the cascaded heads
+        (
+            tiny_efficientvit,
+            64,
+            ["stages.0.blocks.0.ffn0.m.pw1.conv", "stages.2.blocks.0.ffn1.m.pw1.conv"],
+        ),
+        (tiny_coatnet, 160, ["stages.0.blocks.0.conv1_1x1", "stages.3.blocks.0.mlp.fc1"]),
+    ],
+    ids=["rexnet", "focalnet", "efficientvit_msra", "coatnet"],
+)
+def test_models_whose_search_did_not_end_prune_and_export_equal(make, size, pruned):
+    """Refused after a minute of search before: a float ratio prunes them within
+    seconds, every group at its count, and the export computes what the hard-masked
+    model does."""
+    torch.manual_seed(0)
+    model = drawn_statistics(make()).eval()
+    for head in model.modules():  # an output away from zero, so every channel shows
+        if isinstance(head, nn.Linear) and head.out_features == 5:
+            nn.init.normal_(head.weight, std=0.1)
+    x = torch.randn(2, 3, size, size)
+    start = time.monotonic()
+    pruner = randomised(DTPPruner(model, (x[:1],), 0.5))
+    assert time.monotonic() - start < 30
+    names = [g.name for g in pruner.groups]
+    assert set(pruned) <= set(names)
+    assert pruner.kept == [n // 2 for n in pruner.sizes]
+    check_export(pruner, model, x)
