@@ -48,12 +48,13 @@ lets it through.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch_pruning as tp
 from torch import nn
 from torch_pruning.dependency import index_mapping
+from torch_pruning.dependency.node import Node
 from torch_pruning.dependency.shape_infer import infer_out_channels_recursively
 
 from .example_inputs import call_model
@@ -220,24 +221,15 @@ def _broadcast_factors(grad_fn) -> list[int]:
 
 
 @contextlib.contextmanager
-def broadcast_factors_uncoupled() -> Iterator[None]:
-    """Within the block, a graph Torch-Pruning traces has no edge from a factor of one
-    channel (by its shape and by the graph's width of it) to a product of more, before
-    the dependencies are built from its inputs."""
+def _edited_traces(edit: Callable[[tp.DependencyGraph, Node], None]) -> Iterator[None]:
+    """Within the block, each graph Torch-Pruning traces has `edit(graph, node)` applied
+    to each of its nodes, before the dependencies are built from the nodes' inputs."""
     trace = tp.DependencyGraph._trace
 
     def traced(graph, *args, **kwargs):
         module2node = trace(graph, *args, **kwargs)
-        for node in module2node.values():
-            grad_fn = getattr(node, "grad_fn", None)
-            for position in _broadcast_factors(grad_fn):
-                factor = grad_fn.next_functions[position][0]
-                cut = [n for n in node.inputs if factor is not None and n.grad_fn is factor]
-                # the factor told apart, and one channel wide to the graph too
-                if len(cut) != 1 or infer_out_channels_recursively(graph, cut[0], [0]) != 1:
-                    continue
-                cut[0].outputs = [n for n in cut[0].outputs if n is not node]
-                node.inputs = [n for n in node.inputs if n is not cut[0]]
+        for node in list(module2node.values()):
+            edit(graph, node)
         return module2node
 
     tp.DependencyGraph._trace = traced
@@ -245,37 +237,47 @@ def broadcast_factors_uncoupled() -> Iterator[None]:
         yield
     finally:
         tp.DependencyGraph._trace = trace
+
+
+def _cut(node: Node, source: Node) -> None:
+    """The graph's edge from `source` to `node` removed."""
+    source.outputs = [n for n in source.outputs if n is not node]
+    node.inputs = [n for n in node.inputs if n is not source]
+
+
+def broadcast_factors_uncoupled() -> contextlib.AbstractContextManager[None]:
+    """Within the block, a graph Torch-Pruning traces has no edge from a factor of one
+    channel (by its shape and by the graph's width of it) to a product of more."""
+
+    def edit(graph: tp.DependencyGraph, node: Node) -> None:
+        grad_fn = getattr(node, "grad_fn", None)
+        for position in _broadcast_factors(grad_fn):
+            factor = grad_fn.next_functions[position][0]
+            cut = [n for n in node.inputs if factor is not None and n.grad_fn is factor]
+            # the factor told apart, and one channel wide to the graph too
+            if len(cut) == 1 and infer_out_channels_recursively(graph, cut[0], [0]) == 1:
+                _cut(node, cut[0])
+
+    return _edited_traces(edit)
 
 
 # the autograd names of torchvision's region pooling ops, whose first input is the features
 REGION_POOLING = ("roi_align", "roi_pool")
 
 
-@contextlib.contextmanager
-def region_pooling_reads_features_only() -> Iterator[None]:
+def region_pooling_reads_features_only() -> contextlib.AbstractContextManager[None]:
     """Within the block, a graph Torch-Pruning traces has each of torchvision's region
-    pooling ops read only its features (its boxes' input cut), before the dependencies
-    are built from its inputs."""
-    trace = tp.DependencyGraph._trace
+    pooling ops read only its features (its boxes' input cut)."""
 
-    def traced(graph, *args, **kwargs):
-        module2node = trace(graph, *args, **kwargs)
-        for node in module2node.values():
-            grad_fn = getattr(node, "grad_fn", None)
-            if not any(op in type(grad_fn).__name__.lower() for op in REGION_POOLING):
-                continue
-            features = grad_fn.next_functions[0][0] if grad_fn.next_functions else None
-            kept = [n for n in node.inputs if n.grad_fn is features]
-            if len(kept) != 1:  # the features not told apart: left as traced
-                continue
-            for other in node.inputs:
-                if other is not kept[0]:
-                    other.outputs = [n for n in other.outputs if n is not node]
-            node.inputs = kept
-        return module2node
+    def edit(graph: tp.DependencyGraph, node: Node) -> None:
+        grad_fn = getattr(node, "grad_fn", None)
+        if not any(op in type(grad_fn).__name__.lower() for op in REGION_POOLING):
+            return
+        features = grad_fn.next_functions[0][0] if grad_fn.next_functions else None
+        kept = [n for n in node.inputs if n.grad_fn is features]
+        if len(kept) != 1:  # the features not told apart: left as traced
+            return
+        for other in [n for n in node.inputs if n is not kept[0]]:
+            _cut(node, other)
 
-    tp.DependencyGraph._trace = traced
-    try:
-        yield
-    finally:
-        tp.DependencyGraph._trace = trace
+    return _edited_traces(edit)
