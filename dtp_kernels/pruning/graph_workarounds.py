@@ -30,32 +30,22 @@ lets it through.
   view back, where it divides by zero) is left unmapped and marked (`UNMAPPED_RESHAPE`);
   the layers whose channels reach one are left whole with no search (groups.py), so no
   group passes one. torchvision's Swin merges its windows back the same way.
-- A product with a tensor of one channel broadcast over all of them (a gate: timm's
-  FocalNet multiplies each focal level by one channel of its gates, `ctx * gates[:,
-  l:l+1]`): the graph couples the product's channel i with the gate's channel i, which
-  does not exist, and the search for the channels coupled to a layer there maps them
-  through the gate's slice to ever smaller indices, never ending. Inside
-  `broadcast_factors_uncoupled()` such a factor is no input of the product's node: its
-  one channel is read by every channel, cut or kept.
 - A slice of the channels (`x[:, :c]`): the graph's width inference reads through it
   the width of the tensor sliced, so a concatenation of slices (timm's ReXNet adds its
-  shortcut into the first channels: `cat([x[:, :c] + shortcut, x[:, c:]])`) gets offsets
-  past its width, and the search for the channels coupled to a layer there maps them
-  to ever larger indices, never ending. Inside `slice_widths_inferred()` a slice of
-  the channels has the width it keeps.
+  shortcut into the first channels: `cat([x[:, :c] + shortcut, x[:, c:]])`) gets
+  offsets past its width, and the groups through it hold channels that do not exist.
+  Inside `slice_widths_inferred()` a slice of the channels has the width it keeps.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 import torch_pruning as tp
 from torch import nn
 from torch_pruning.dependency import index_mapping
-from torch_pruning.dependency.node import Node
-from torch_pruning.dependency.shape_infer import infer_out_channels_recursively
 
 from .example_inputs import call_model
 
@@ -151,19 +141,13 @@ def tuple_returning_linears(model: nn.Module, example_inputs: tuple) -> list[nn.
     return [m for m in candidates if isinstance(outputs.get(m), tuple)]
 
 
-def _channel_dim(ndim: int) -> int | None:
-    """The dimension the graph takes for the channels of a tensor of `ndim` dimensions
-    (its slices' index mapping's rule), or None."""
-    return {2: 1, 3: 2, 4: 1}.get(ndim)
-
-
 def _channel_slice(grad_fn) -> tuple[int, range] | None:
     """(width sliced, channels kept) of a slice that the graph maps as one of the
     channels (its index mapping's rule: dim 1 of a 2-D or 4-D tensor, dim 2 of a 3-D
     one), or None."""
     sizes = tuple(getattr(grad_fn, "_saved_self_sym_sizes", ()))
     dim = getattr(grad_fn, "_saved_dim", None)
-    if _channel_dim(len(sizes)) != dim:
+    if {2: 1, 3: 2, 4: 1}.get(len(sizes)) != dim:
         return None
     width = int(sizes[dim])
     return width, range(width)[grad_fn._saved_start : grad_fn._saved_end : grad_fn._saved_step]
@@ -196,40 +180,31 @@ def slice_widths_inferred() -> Iterator[None]:
                 setattr(pruner, name, method)
 
 
-# the products whose autograd nodes save both factors, and the names they save them by
-PRODUCTS = {
-    "MulBackward0": ("_saved_self", "_saved_other"),
-    "DivBackward0": ("_saved_self", "_saved_other"),
-}
-
-
-def _broadcast_factors(grad_fn) -> list[int]:
-    """The positions of a product's factors of one channel broadcast over the product's
-    channels and over nothing else (by the shapes its autograd node saved); [] if it
-    saved none. A factor broadcast over more (GRN's (1, 1, 1, C) weight over a
-    channels-last tensor) may hold the channels on another dimension: not one of them."""
-    try:
-        shapes = [tuple(getattr(grad_fn, name).shape) for name in PRODUCTS[type(grad_fn).__name__]]
-    except (KeyError, AttributeError, RuntimeError):  # not a product, or a factor not saved
-        return []
-    out = torch.broadcast_shapes(*shapes)
-    dim = _channel_dim(len(out))
-    if dim is None or out[dim] == 1:
-        return []
-    gate = (*out[:dim], 1, *out[dim + 1 :])
-    return [i for i, shape in enumerate(shapes) if shape == gate]
+# the autograd names of torchvision's region pooling ops, whose first input is the features
+REGION_POOLING = ("roi_align", "roi_pool")
 
 
 @contextlib.contextmanager
-def _edited_traces(edit: Callable[[tp.DependencyGraph, Node], None]) -> Iterator[None]:
-    """Within the block, each graph Torch-Pruning traces has `edit(graph, node)` applied
-    to each of its nodes, before the dependencies are built from the nodes' inputs."""
+def region_pooling_reads_features_only() -> Iterator[None]:
+    """Within the block, a graph Torch-Pruning traces has each of torchvision's region
+    pooling ops read only its features (its boxes' input cut), before the dependencies
+    are built from its inputs."""
     trace = tp.DependencyGraph._trace
 
     def traced(graph, *args, **kwargs):
         module2node = trace(graph, *args, **kwargs)
-        for node in list(module2node.values()):
-            edit(graph, node)
+        for node in module2node.values():
+            grad_fn = getattr(node, "grad_fn", None)
+            if not any(op in type(grad_fn).__name__.lower() for op in REGION_POOLING):
+                continue
+            features = grad_fn.next_functions[0][0] if grad_fn.next_functions else None
+            kept = [n for n in node.inputs if n.grad_fn is features]
+            if len(kept) != 1:  # the features not told apart: left as traced
+                continue
+            for other in node.inputs:
+                if other is not kept[0]:
+                    other.outputs = [n for n in other.outputs if n is not node]
+            node.inputs = kept
         return module2node
 
     tp.DependencyGraph._trace = traced
@@ -237,47 +212,3 @@ def _edited_traces(edit: Callable[[tp.DependencyGraph, Node], None]) -> Iterator
         yield
     finally:
         tp.DependencyGraph._trace = trace
-
-
-def _cut(node: Node, source: Node) -> None:
-    """The graph's edge from `source` to `node` removed."""
-    source.outputs = [n for n in source.outputs if n is not node]
-    node.inputs = [n for n in node.inputs if n is not source]
-
-
-def broadcast_factors_uncoupled() -> contextlib.AbstractContextManager[None]:
-    """Within the block, a graph Torch-Pruning traces has no edge from a factor of one
-    channel (by its shape and by the graph's width of it) to a product of more."""
-
-    def edit(graph: tp.DependencyGraph, node: Node) -> None:
-        grad_fn = getattr(node, "grad_fn", None)
-        for position in _broadcast_factors(grad_fn):
-            factor = grad_fn.next_functions[position][0]
-            cut = [n for n in node.inputs if factor is not None and n.grad_fn is factor]
-            # the factor told apart, and one channel wide to the graph too
-            if len(cut) == 1 and infer_out_channels_recursively(graph, cut[0], [0]) == 1:
-                _cut(node, cut[0])
-
-    return _edited_traces(edit)
-
-
-# the autograd names of torchvision's region pooling ops, whose first input is the features
-REGION_POOLING = ("roi_align", "roi_pool")
-
-
-def region_pooling_reads_features_only() -> contextlib.AbstractContextManager[None]:
-    """Within the block, a graph Torch-Pruning traces has each of torchvision's region
-    pooling ops read only its features (its boxes' input cut)."""
-
-    def edit(graph: tp.DependencyGraph, node: Node) -> None:
-        grad_fn = getattr(node, "grad_fn", None)
-        if not any(op in type(grad_fn).__name__.lower() for op in REGION_POOLING):
-            return
-        features = grad_fn.next_functions[0][0] if grad_fn.next_functions else None
-        kept = [n for n in node.inputs if n.grad_fn is features]
-        if len(kept) != 1:  # the features not told apart: left as traced
-            return
-        for other in [n for n in node.inputs if n is not kept[0]]:
-            _cut(node, other)
-
-    return _edited_traces(edit)

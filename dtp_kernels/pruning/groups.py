@@ -36,7 +36,6 @@ from .fixed_filters import fixed_filter_pruners
 from .frozen_norms import FROZEN_BATCH_NORM, frozen_norm_pruners, is_frozen_batch_norm
 from .graph_workarounds import (
     UNMAPPED_RESHAPE,
-    broadcast_factors_uncoupled,
     region_pooling_reads_features_only,
     slice_widths_inferred,
     tuple_returning_linears,
@@ -327,7 +326,6 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
             torch.enable_grad(),
             warnings.catch_warnings(),
             region_pooling_reads_features_only(),
-            broadcast_factors_uncoupled(),
             without_cache(model),
             all_parameters_recorded(model),
         ):

@@ -1,5 +1,5 @@
-"""The search for a layer's coupled channels (group_search.py) and the graph's slices and
-broadcast gates (graph_workarounds.py): the groups Torch-Pruning's own search finds, on
+"""The search for a layer's coupled channels (group_search.py) and the graph's slices of
+the channels (graph_workarounds.py): the groups Torch-Pruning's own search finds, on
 every model where that search ends; and an end, with the model pruned and exported equal,
 where it did not (timm's ReXNet, FocalNet, EfficientViT and CoAtNet, tiny configurations
 built here)."""
@@ -86,6 +86,47 @@ def test_a_search_the_graph_maps_past_a_layers_width_ends_unfollowed():
             assert time.monotonic() - start < 5
             assert getattr(group, UNFOLLOWED)
     assert isinstance(model, EfficientVitMsra)
+
+
+def test_an_unfollowed_group_is_left_whole(monkeypatch):
+    """A group whose search ended at an index past a layer's width is no group: its
+    layer is left whole, the others prune."""
+    from dtp_kernels.pruning import groups
+
+    search = groups.coupled_group
+
+    def unfollowed_from_one_layer(graph, module, handler, idxs):
+        group = search(graph, module, handler, idxs)
+        setattr(group, UNFOLLOWED, module is model.layer2[0].conv1)
+        return group
+
+    model = get_model("resnet20")
+    x = torch.randn(1, 3, 32, 32)
+    pruner = DTPPruner(model, (x,), 0.5)
+    names = [g.name for g in pruner.groups]
+    pruner.remove()
+    monkeypatch.setattr(groups, "coupled_group", unfollowed_from_one_layer)
+    left = [g.name for g in DTPPruner(model, (x,), 0.5).groups]
+    assert "layer2.0.conv1" in names
+    assert left == [n for n in names if n != "layer2.0.conv1"]
+
+
+def test_the_index_mappings_are_updated_once_for_all_searches(monkeypatch):
+    """Torch-Pruning updates every index mapping of the graph before each search, for
+    the widths its pruning changes (0.2 s a search on EfficientViT): finding the groups
+    prunes nothing, and updates them once for all roots."""
+    from torch_pruning.dependency import index_mapping
+
+    update, calls = index_mapping.update_index_mapping, []
+
+    def counted(graph):
+        calls.append(graph)
+        return update(graph)
+
+    monkeypatch.setattr(index_mapping, "update_index_mapping", counted)
+    pruner = DTPPruner(get_model("resnet20"), (torch.randn(1, 3, 32, 32),), 0.5)
+    assert len(pruner.groups) == 9
+    assert len(calls) <= 2  # building the graph, finding the groups
 
 
 def tiny_rexnet():
