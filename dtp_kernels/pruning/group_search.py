@@ -83,8 +83,8 @@ def coupled_group(
 ) -> Group:
     """The group of `idxs` of `module` under `handler`, as `graph.get_pruning_group` gives
     it: one item per (node, pruning function) in the order first reached, its indices in
-    the order first reached, the root's first; unwrapped parameters the graph ignores left
-    out."""
+    the order first reached, the root's first. (The pruner's graphs ignore no
+    parameters: Torch-Pruning's search leaves out those it is told to.)"""
     if module not in graph.module2node:
         raise ValueError(f"{type(module).__name__} is not in the dependency graph")
     if (
@@ -132,11 +132,8 @@ def coupled_group(
                 reached.setdefault(key, (dep, seen))[1].update(fresh)
                 stack.append((dep.target, dep.handler, list(fresh.values())))
 
-    ignored = [id(p) for p in graph.ignored_params]
     group = Group()
     for dep, indices in reached.values():
-        if id(dep.target.module) in ignored:
-            continue
         item = _helpers.GroupItem(dep, list(indices))
         item.root_idxs = [index.root_idx for index in indices.values()]
         group.add_dep(dep, [])

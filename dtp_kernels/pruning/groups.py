@@ -613,8 +613,7 @@ def _channel_groups(
         group_norms, params, param_owners = [], [], []
         read: dict[nn.Module, int] = {}  # input channels of each consumer the group holds
         grouped_reads: dict[nn.Module, list[int]] = {}  # grouped convs' inputs, in order
-        for item in group:
-            dep, idxs = item
+        for dep, idxs in group:
             module, handler = dep.target.module, dep.handler
             ops.append(_group_op(graph, module))
             if handler in (tp.prune_conv_out_channels, tp.prune_depthwise_conv_out_channels):
@@ -651,11 +650,7 @@ def _channel_groups(
                 ins.append(module)
                 read[module] = len(idxs)
                 if is_grouped(module):
-                    # in the order of the root's channels they map from
-                    pairs = sorted(
-                        zip(item.root_idxs, idxs, strict=True), key=lambda p: (p[0] is None, p[0])
-                    )
-                    grouped_reads[module] = [int(i) for _, i in pairs]
+                    grouped_reads[module] = [int(i) for i in idxs]
         gated = (
             len(out_layers) > 1
             and all(isinstance(m, nn.Linear) for m in [*out_layers, *ins])
