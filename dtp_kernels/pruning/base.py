@@ -34,6 +34,7 @@ from .experts import (
     unrecognised_experts,
 )
 from .gated_deltanet import LinearAttentionGroup, find_linear_attention_groups
+from .group_search import UNFOLLOWED
 from .grouped_convs import check_grouped_conv_ratios, cut_grouped_inputs, is_grouped
 from .groups import (
     ChannelGraphError,
@@ -550,7 +551,14 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                     for m in group.kept_in
                     if is_grouped(m)
                 }
-                graph.get_pruning_group(layer, out_channel_handler(layer), drop).prune()
+                cut = graph.get_pruning_group(layer, out_channel_handler(layer), drop)
+                if getattr(cut, UNFOLLOWED, False):  # found when the pruner was made: not now
+                    raise ExportMismatchError(
+                        f"the channels coupled to group {group.name!r} cannot be followed in "
+                        "the model being exported (the graph maps them past a layer's width); "
+                        "the model is unchanged. Leave the group whole with ignored_layers=[...]"
+                    )
+                cut.prune()
                 for conv, weight in grouped.items():
                     cut_grouped_inputs(conv, weight, group.channels(mask.nonzero().flatten()))
                 for norm in group.response_norms:  # cut with the channels: rescaled

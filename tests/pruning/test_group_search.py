@@ -111,6 +111,27 @@ def test_an_unfollowed_group_is_left_whole(monkeypatch):
     assert left == [n for n in names if n != "layer2.0.conv1"]
 
 
+def test_an_export_whose_search_ends_unfollowed_is_refused_by_name(monkeypatch):
+    """Were a group's search at export to end unfollowed (the graph of the copy being cut
+    mapping its channels past a width), the export stops naming the group, rather than
+    cut a part of what the group couples."""
+    from dtp_kernels.pruning import groups
+    from dtp_kernels.pruning.base import ExportMismatchError
+
+    model = get_model("resnet20")
+    pruner = randomised(DTPPruner(model, (torch.randn(1, 3, 32, 32),), 0.5))
+    search = groups.coupled_group
+
+    def unfollowed_at_export(graph, module, handler, idxs):
+        group = search(graph, module, handler, idxs)
+        setattr(group, UNFOLLOWED, module is graph.model.layer2[0].conv1)
+        return group
+
+    monkeypatch.setattr(groups, "coupled_group", unfollowed_at_export)
+    with pytest.raises(ExportMismatchError, match=r"coupled to group 'layer2.0.conv1' cannot"):
+        pruner.export()
+
+
 def test_the_index_mappings_are_updated_once_for_all_searches(monkeypatch):
     """Torch-Pruning updates every index mapping of the graph before each search, for
     the widths its pruning changes (0.2 s a search on EfficientViT): finding the groups
