@@ -1,20 +1,18 @@
-"""The search for the channels coupled to a layer's channels in Torch-Pruning's graph,
-each channel followed once.
+"""The search for the channels coupled to a layer's channels in Torch-Pruning's graph.
 
-Torch-Pruning 1.6.1 searches its graph depth first and goes on through a node it has
-reached before whenever it reaches it with another list of indices. Where a cycle of the
-graph passes index mappings that move indices (EfficientViT's cascaded heads: each
-head's chunk of the channels is added to the previous head's output, which feeds the
-next), every pass reaches the nodes with a longer list and the search, whose result is
-the union of the lists, runs for hours. `coupled_group` returns the same union, each
-(node, pruning function) going on only with the indices it has not reached before: the
-index mappings map each index alone, so the union is the same, and it is found in one
-pass per index.
+`coupled_group` returns the group Torch-Pruning's `get_pruning_group` returns (tested
+item by item where that search ends), with two differences:
 
-Where the graph maps a reshape wrongly (an attention's views of its channels into heads,
-as EfficientViT's), a cycle through it maps indices to ever larger ones with no end. An
-index past the width of a layer it reaches ends the search: the group comes back marked
-`UNFOLLOWED`, and the pruner leaves it whole.
+- Each (node, pruning function) goes on only with the indices it has not reached
+  before. Torch-Pruning's goes on through a node whenever it reaches it with another
+  list of indices, and compares each list with every item found so far; the union is
+  the same (the index mappings map each index alone), and here each index is followed
+  once, so the work is bounded by the nodes times the channels.
+- An index past the width of a layer it reaches ends the search: the group comes back
+  marked `UNFOLLOWED`, and the pruner leaves it whole. Only a wrong mapping gives one:
+  the graph maps an attention's views of its channels into heads (EfficientViT's,
+  CoAtNet's, FocalNet's modulation) as if they flattened them, and a cycle through such
+  a view maps indices to ever larger ones; Torch-Pruning's search never ended there.
 """
 
 from __future__ import annotations

@@ -52,11 +52,12 @@ def test_the_groups_are_torch_prunings_where_its_search_ends(make):
                 assert not getattr(ours, UNFOLLOWED)
 
 
-def test_a_cycle_reached_with_other_indices_each_time_is_followed_once_per_channel():
-    """A residual's channels added into a slice of them (ReXNet's blocks) reach the same
-    layers again and again with other lists of indices: Torch-Pruning's search follows
-    every list (for hours on the full model); this one follows each channel once, and
-    the union is the same."""
+def test_a_residual_added_into_a_slice_of_the_channels_is_followed():
+    """ReXNet adds its residual into the first channels of a block's output and
+    concatenates the rest (`cat([x[:, :c] + shortcut, x[:, c:]])`): with each slice as
+    wide as what it keeps, the concatenation's offsets are right, and the search from the
+    last block's projection ends within the channels that exist, all of the layer's
+    reached, each (node, pruning function) once."""
     from timm.models.rexnet import RexNet
 
     model = RexNet(num_classes=5, width_mult=0.25).eval()
