@@ -1,8 +1,8 @@
 """The search for a layer's coupled channels (group_search.py) and the graph's slices of
 the channels (graph_workarounds.py): the groups Torch-Pruning's own search finds, on
 every model where that search ends; and an end, with the model pruned and exported equal,
-where it did not (timm's ReXNet, FocalNet, EfficientViT and CoAtNet, tiny configurations
-built here)."""
+where it did not (timm's ReXNet, FocalNet, EfficientViT, EfficientViM, EfficientFormerV2,
+iFormer and CoAtNet, tiny configurations built here)."""
 
 import time
 
@@ -177,6 +177,34 @@ def tiny_efficientvit():
     )
 
 
+def tiny_efficientvim():
+    return timm.create_model(
+        "efficientvim_m1", num_classes=5, embed_dim=(16, 24, 32), depths=(1, 1, 1)
+    )
+
+
+def tiny_efficientformer_v2():
+    return timm.create_model(
+        "efficientformerv2_s0",
+        num_classes=5,
+        depths=(1, 1, 2, 2),
+        embed_dims=(16, 24, 32, 48),
+        num_vit=1,
+        mlp_ratios=2,
+        img_size=64,
+    )
+
+
+def tiny_iformer():  # each attention group takes three blocks
+    return timm.create_model(
+        "iformer_t",
+        num_classes=5,
+        dims=(8, 16, 32, 64),
+        depths=(1, 1, 3, 3),
+        attn_groups=(0, 0, 1, 1),
+    )
+
+
 def tiny_coatnet():  # its relative positions are for 160 x 160 images
     return timm.create_model("test_coatnet", num_classes=5)
 
@@ -194,9 +222,24 @@ def tiny_coatnet():  # its relative positions are for 160 x 160 images
             64,
             ["stages.0.blocks.0.ffn0.m.pw1.conv", "stages.2.blocks.0.ffn1.m.pw1.conv"],
         ),
+        (
+            tiny_efficientvim,
+            64,
+            ["stages.0.blocks.0.ffn.fc1.conv", "stages.2.blocks.0.ffn.fc1.conv"],
+        ),
+        (tiny_efficientformer_v2, 64, ["stages.3.blocks.1.mlp.fc1.conv"]),
+        (tiny_iformer, 64, ["stem.conv2.c", "stages.3.blocks.2.mixer.module.0.c"]),
         (tiny_coatnet, 160, ["stages.0.blocks.0.conv1_1x1", "stages.3.blocks.0.mlp.fc1"]),
     ],
-    ids=["rexnet", "focalnet", "efficientvit_msra", "coatnet"],
+    ids=[
+        "rexnet",
+        "focalnet",
+        "efficientvit_msra",
+        "efficientvim",
+        "efficientformer_v2",
+        "iformer",
+        "coatnet",
+    ],
 )
 def test_models_whose_search_did_not_end_prune_and_export_equal(make, size, pruned):
     """Refused after a minute of search before: a float ratio prunes them within
