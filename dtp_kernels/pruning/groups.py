@@ -356,7 +356,8 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
                     "'mlp' alone (or their layers' names) prunes those. The models dtp_kernels "
                     "prunes are listed in docs/pruning.md and the README's 'What it prunes'"
                 ) from error
-        # each channel followed once: Torch-Pruning's own search may not end (group_search.py)
+        # the pruner's own search of the graph (group_search.py): each channel followed
+        # once, ended where the graph maps an index past a layer's width
         graph.get_pruning_group = functools.partial(coupled_group, graph)
         try:
             with warnings.catch_warnings():
@@ -478,9 +479,9 @@ def _bounded_search(graph: tp.DependencyGraph, names: dict[nn.Module, str]) -> I
             return search(module, handler, idxs)
         except Exception as error:  # its own errors say nothing of the layer
             raise ChannelGraphError(
-                f"Torch-Pruning's search for the channels coupled to layer {layer_name()} "
-                f"fails ({type(error).__name__}: {error}): it cannot follow what the model "
-                "does with that layer's output. Leave the layer whole with "
+                f"the search for the channels coupled to layer {layer_name()} fails "
+                f"({type(error).__name__}: {error}): Torch-Pruning's graph cannot follow what "
+                "the model does with that layer's output. Leave the layer whole with "
                 "ignored_layers=[...]"
             ) from error
         finally:
@@ -508,9 +509,10 @@ def _bounded_search(graph: tp.DependencyGraph, names: dict[nn.Module, str]) -> I
         yield
     except _SearchExpiredError:
         raise ChannelGraphError(
-            f"Torch-Pruning's search for the channels coupled to layer {layer_name()} did "
-            f"not end within {GROUP_SEARCH_SECONDS:g} s: it cannot follow what the model "
-            "does with that layer's output. Leave the layer whole with ignored_layers=[...]"
+            f"the search for the channels coupled to layer {layer_name()} did not end "
+            f"within {GROUP_SEARCH_SECONDS:g} s: Torch-Pruning's graph cannot follow what the "
+            "model does with that layer's output. Leave the layer whole with "
+            "ignored_layers=[...]"
         ) from None
     finally:
         if timed:
