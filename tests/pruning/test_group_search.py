@@ -76,8 +76,6 @@ def test_a_search_the_graph_maps_past_a_layers_width_ends_unfollowed():
     """EfficientViT's cascaded heads: the graph maps the channels through its attention's
     reshapes to indices past the width of the layers they reach. The search ends there,
     marked unfollowed; a search from one channel ends too."""
-    from timm.models.efficientvit_msra import EfficientVitMsra
-
     model = tiny_efficientvit().eval()
     layer = model.stages[1].blocks[0].ffn1.m.pw2.conv
     with traced_graph(model, (torch.randn(1, 3, 64, 64),)) as graph:
@@ -86,7 +84,6 @@ def test_a_search_the_graph_maps_past_a_layers_width_ends_unfollowed():
             group = coupled_group(graph, layer, out_channel_handler(layer), idxs)
             assert time.monotonic() - start < 5
             assert getattr(group, UNFOLLOWED)
-    assert isinstance(model, EfficientVitMsra)
 
 
 def test_an_unfollowed_group_is_left_whole(monkeypatch):
