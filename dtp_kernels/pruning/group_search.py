@@ -100,9 +100,11 @@ def coupled_group(
     start = [_helpers._HybridIndex(idx=i, root_idx=i) for i in idxs]
     # per (node, pruning function): the first dependency reaching it, and its indices
     reached: dict[tuple, tuple[Dependency, dict[int, _helpers._HybridIndex]]] = {
-        (root, handler): (Dependency(handler, handler, source=root, target=root), {})
+        (root, handler): (
+            Dependency(handler, handler, source=root, target=root),
+            {i.idx: i for i in start},
+        )
     }
-    reached[(root, handler)][1].update((i.idx, i) for i in start)
     stack = [(root, handler, start)]
     widths: dict[tuple, int | None] = {}
     unfollowed = False
@@ -132,10 +134,8 @@ def coupled_group(
 
     group = Group()
     for dep, indices in reached.values():
-        item = _helpers.GroupItem(dep, list(indices))
-        item.root_idxs = [index.root_idx for index in indices.values()]
-        group.add_dep(dep, [])
-        group[len(group) - 1] = item
+        group.add_dep(dep, list(indices))
+        group[-1].root_idxs = [index.root_idx for index in indices.values()]
     group._DG = graph
     setattr(group, UNFOLLOWED, unfollowed)
     return group

@@ -86,16 +86,19 @@ def test_a_search_the_graph_maps_past_a_layers_width_ends_unfollowed():
             assert getattr(group, UNFOLLOWED)
 
 
-def test_an_unfollowed_group_is_left_whole(monkeypatch):
+@pytest.mark.parametrize("channels", ["all", "one"])
+def test_an_unfollowed_group_is_left_whole(monkeypatch, channels):
     """A group whose search ended at an index past a layer's width is no group: its
-    layer is left whole, the others prune."""
+    layer is left whole, the others prune. So too when only the search from one of its
+    channels ends so (the one that measures how its channels go together)."""
     from dtp_kernels.pruning import groups
 
     search = groups.coupled_group
 
     def unfollowed_from_one_layer(graph, module, handler, idxs):
         group = search(graph, module, handler, idxs)
-        setattr(group, UNFOLLOWED, module is model.layer2[0].conv1)
+        searched = "one" if len(idxs) == 1 else "all"
+        setattr(group, UNFOLLOWED, module is model.layer2[0].conv1 and searched == channels)
         return group
 
     model = get_model("resnet20")
