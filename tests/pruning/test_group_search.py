@@ -33,8 +33,17 @@ def items(group) -> list[tuple]:
         lambda: torchvision.models.resnet18(num_classes=10),
         lambda: torchvision.models.mobilenet_v3_small(num_classes=10),
         lambda: torchvision.models.regnet_y_400mf(num_classes=10),
+        # concatenations: indices that differ from the root channels they map from
+        lambda: torchvision.models.googlenet(num_classes=10, aux_logits=False, init_weights=False),
     ],
-    ids=["mobilenet_v2", "vgg19_bn", "resnet18", "mobilenet_v3_small", "regnet_y_400mf"],
+    ids=[
+        "mobilenet_v2",
+        "vgg19_bn",
+        "resnet18",
+        "mobilenet_v3_small",
+        "regnet_y_400mf",
+        "googlenet",
+    ],
 )
 def test_the_groups_are_torch_prunings_where_its_search_ends(make):
     """From every layer, all of its channels and one: the same items in the same order,
