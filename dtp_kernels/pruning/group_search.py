@@ -79,10 +79,12 @@ def _width(graph: tp.DependencyGraph, node, handler: Callable) -> int | None:
 def coupled_group(
     graph: tp.DependencyGraph, module: nn.Module, handler: Callable, idxs: Sequence[int] | int
 ) -> Group:
-    """The group of `idxs` of `module` under `handler`, as `graph.get_pruning_group` gives
-    it: one item per (node, pruning function) in the order first reached, its indices in
-    the order first reached, the root's first. (The pruner's graphs ignore no
-    parameters: Torch-Pruning's search leaves out those it is told to.)"""
+    """The group of `idxs` of `module` under `handler`, with the items and indices
+    `graph.get_pruning_group` gives: one item per (node, pruning function) in the order
+    first reached, the root's first, its indices in the order first reached (Torch-
+    Pruning's order too, unless its search reaches a node again with new indices). (The
+    pruner's graphs ignore no parameters: Torch-Pruning's search leaves out those it is
+    told to.)"""
     if module not in graph.module2node:
         raise ValueError(f"{type(module).__name__} is not in the dependency graph")
     if (
