@@ -1,0 +1,110 @@
+"""Prune timm models at a float ratio and check each export: FLOPs and parameter
+reduction, the export's largest difference from the hard-masked model, parameters
+against the report (`python benchmarks/timm_prune_check.py [model ...]`).
+
+Random weights (nothing is downloaded), BN statistics drawn away from the identity and
+random scores, so every kept channel shows in the output; the classifier has 5 classes.
+A model the pruner refuses gets its error's first words in the table."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import timm
+import torch
+from _harness import RESULTS, environment
+
+from dtp_kernels.pruning import DTPPruner
+from dtp_kernels.pruning.cost import count_params
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+from utils import drawn_statistics, randomised
+
+# the models the group search (dtp_kernels/pruning/group_search.py) made prunable
+MODELS = [
+    "rexnet_100",
+    "focalnet_tiny_srf",
+    "efficientvit_m0",
+    "efficientvim_m1",
+    "efficientformerv2_s0",
+    "iformer_t",
+    "coatnet_nano_rw_224",
+    "visformer_tiny",
+]
+
+
+def check(name: str, ratio: float) -> list[str]:
+    """One table row for `name` pruned at `ratio`."""
+    torch.manual_seed(0)
+    model = drawn_statistics(timm.create_model(name, pretrained=False, num_classes=5)).eval()
+    for head in model.modules():  # an output away from zero, so every channel shows
+        if isinstance(head, torch.nn.Linear) and head.out_features == 5:
+            torch.nn.init.normal_(head.weight, std=0.1)
+    x = torch.randn(2, *model.pretrained_cfg.get("input_size", (3, 224, 224)))
+    start = time.monotonic()
+    try:
+        pruner = randomised(DTPPruner(model, (x[:1],), ratio))
+    except ValueError as error:
+        return [name, "refused: " + str(error)[:80].replace("|", "/")] + [""] * 5
+    seconds = time.monotonic() - start
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(x)
+    exported = pruner.export().eval()
+    with torch.no_grad():
+        error = ((exported(x) - want).abs().max() / want.abs().max()).item()
+    report = pruner.report()
+    return [
+        name,
+        str(len(pruner.groups)),
+        f"{report['flops_before'] / report['flops_after']:.2f}x",
+        f"{report['params_before'] / report['params_after']:.2f}x",
+        f"{error:.1e}",
+        "yes" if count_params(exported) == report["params_after"] else "NO",
+        f"{seconds:.1f}",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", default=MODELS)
+    parser.add_argument("--ratio", type=float, default=0.5)
+    parser.add_argument("--no-save", action="store_true")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    env = environment(torch.device("cpu"))
+    header = [
+        "model",
+        "groups",
+        "FLOPs fewer",
+        "params fewer",
+        "export error",
+        "params = report",
+        "find groups (s)",
+    ]
+    lines = [
+        "# timm models pruned and exported (`benchmarks/timm_prune_check.py`)",
+        "",
+        f"{env['device']}; torch {env['torch']}, timm {timm.__version__}, torch-pruning "
+        f"{importlib.metadata.version('torch-pruning')}; {env['date']}; float ratio "
+        f"{args.ratio}. Export error: largest difference from the hard-masked model, "
+        "relative to its largest output.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + " --- |" * len(header),
+    ]
+    for name in args.models:
+        lines.append("| " + " | ".join(check(name, args.ratio)) + " |")
+        print(lines[-1], flush=True)
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if not args.no_save:
+        (RESULTS / "timm_prune_check_cpu.md").write_text(report)
+
+
+if __name__ == "__main__":
+    main()
