@@ -2,12 +2,13 @@
 
 The file is a safetensors file. Its header names the builder, an entry point
 "package.module:function" (or "package.module:Class", or "...:Class.method") and the
-keyword arguments that build the dense model, as JSON; the integer and float attributes
-that export changed (channel counts, ``num_heads``, a GroupNorm's ``num_groups``, a
-Mamba-2 norm's epsilon, ...), per module; and the caller's metadata. Loading imports and
-calls the builder, checks that every saved tensor belongs to the model and is no larger
-than the dense one, gives each module its saved attributes and shapes, and only then
-reads the weights.
+keyword arguments that build the dense model, as JSON; the modules export replaced by one
+of its own classes (an ``nn.MultiheadAttention`` that lost heads), by name and class; the
+integer and float attributes that export changed (channel counts, ``num_heads``, a
+GroupNorm's ``num_groups``, a Mamba-2 norm's epsilon, ...), per module; and the caller's
+metadata. Loading imports and calls the builder, puts in the replacements, checks that
+every saved tensor belongs to the model and is no larger than the dense one, gives each
+module its saved attributes and shapes, and only then reads the weights.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-VERSION = "3"  # pruned-model format version of a builder + safetensors file
+VERSION = "4"  # pruned-model format version of a builder + safetensors file
+READS = ("3", VERSION)  # version 3 had no replaced modules
 # what export changes: counts and shapes, and a Mamba-2 norm's rescaled epsilon
 ATTRIBUTE_TYPES = (int, float, tuple)
 
@@ -59,6 +61,61 @@ def _attributes(model: nn.Module) -> dict[str, dict]:
         }
         for name, module in model.named_modules()
     }
+
+
+def export_classes() -> dict[str, type[nn.Module]]:
+    """The classes export puts in place of a model's modules, by qualified name; each has
+    `replaces` (the class it stands for) and `from_dense(module)` (one of the dense
+    module's sizes)."""
+    from .heads import PrunedMultiheadAttention
+    from .window_attention import PRUNED_CLASSES
+
+    classes = [PrunedMultiheadAttention, *PRUNED_CLASSES.values()]
+    return {f"{c.__module__}:{c.__qualname__}": c for c in classes}
+
+
+def replaced_modules(dense: nn.Module, pruned: nn.Module, path) -> dict[str, str]:
+    """Per module name, the export class `pruned` has where `dense` has the class it
+    replaces; ValueError naming a module of another class than the builder's."""
+    classes = {c: name for name, c in export_classes().items()}
+    built = dict(dense.named_modules())
+    replaced = {}
+    for name, module in pruned.named_modules():
+        if name not in built or type(module) is type(built[name]):
+            continue
+        if type(module) in classes and type(built[name]) is type(module).replaces:
+            replaced[name] = classes[type(module)]
+            continue
+        raise ValueError(
+            f"{path}: module {name!r} is a {type(module).__name__} where the builder's model "
+            f"has a {type(built[name]).__name__}; a model loaded from the builder would not "
+            "compute what it computes: save it without a builder (the pickled module, "
+            "loaded with trusted=True)"
+        )
+    return replaced
+
+
+def _put_replacements(model: nn.Module, replaced: dict[str, str], path) -> None:
+    """Give `model` (the builder's) the export classes `replaced` names."""
+    classes = export_classes()
+    for name, class_name in replaced.items():
+        cls = classes.get(class_name)
+        if cls is None:
+            raise ValueError(
+                f"{path}: module {name!r} was replaced by {class_name!r}, which is not a "
+                f"class export makes ({sorted(classes)})"
+            )
+        try:
+            dense = model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"{path}: module {name!r} is not in the builder's model") from None
+        if type(dense) is not cls.replaces:
+            raise ValueError(
+                f"{path}: module {name!r} of the builder's model is a {type(dense).__name__}, "
+                f"not the {cls.replaces.__name__} the file's {cls.__name__} replaced"
+            )
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, cls.from_dense(dense))
 
 
 def changed_attributes(dense: nn.Module, pruned: nn.Module, path) -> dict[str, dict]:
@@ -109,11 +166,14 @@ def save_built(
 
     dense = build(builder, kwargs)
     _check_unsaved_buffers(dense, model, path)
+    replaced = replaced_modules(dense, model, path)
+    _put_replacements(dense, replaced, path)  # attributes compared with the same classes
     fields = {
         **header,
         "version": VERSION,
         "builder": builder,
         "builder_kwargs": json.dumps(kwargs),
+        "replaced": json.dumps(replaced),
         "attributes": json.dumps(changed_attributes(dense, model, path)),
         "metadata": json.dumps(metadata),
     }
@@ -143,6 +203,7 @@ def load_built(path: str | Path, fields: dict, shapes: dict[str, tuple]) -> nn.M
     from safetensors.torch import load_model
 
     model = build(fields["builder"], json.loads(fields["builder_kwargs"]))
+    _put_replacements(model, json.loads(fields.get("replaced", "{}")), path)
     own = model.state_dict()
     unknown = sorted(set(shapes) - set(own))
     if unknown:

@@ -16,10 +16,12 @@ does not follow the per-head reshapes):
   gate of the query width (AFMoE's ``gate_proj``) is cut with the heads, and any other
   linear layer computing the query width from the layer's input refuses the group;
 - one fused ``qkv`` projection and ``proj``, with ``num_heads`` and ``head_dim``, as
-  timm's ViT and DeiT write them; GPT-2's ``c_attn`` and ``c_proj`` with ``split_size``
-  (its Conv1D layers made ``nn.Linear`` by :func:`conv1d_to_linear` first); Phi-3's
-  ``qkv_proj`` (query heads, then key and value heads) and ``o_proj``, whose head count
-  the layers read from the config they share;
+  timm's ViT and DeiT write them (or ``num_heads`` alone: timm's and torchvision's Swin;
+  torchvision's, whose code takes the head size to be the input width over the heads,
+  is exported as a class of window_attention.py); GPT-2's ``c_attn`` and ``c_proj``
+  with ``split_size`` (its Conv1D layers made ``nn.Linear`` by :func:`conv1d_to_linear`
+  first); Phi-3's ``qkv_proj`` (query heads, then key and value heads) and ``o_proj``,
+  whose head count the layers read from the config they share;
 - ``query``, ``key``, ``value`` with ``num_attention_heads`` and ``attention_head_size``,
   the output projection being the ``output.dense`` beside it (Hugging Face's BERT), or
   ``query_proj``, ``key_proj``, ``value_proj`` there (DeBERTa);
@@ -517,6 +519,8 @@ class PrunedMultiheadAttention(nn.Module):
     inner width (num_heads * head_dim) need not equal `embed_dim`: what a pruned
     nn.MultiheadAttention exports to. Same forward signature and outputs."""
 
+    replaces = nn.MultiheadAttention
+
     def __init__(self, source: nn.MultiheadAttention, kept_rows: torch.Tensor) -> None:
         super().__init__()
         self.embed_dim, self.head_dim = source.embed_dim, source.head_dim
@@ -527,6 +531,11 @@ class PrunedMultiheadAttention(nn.Module):
         bias = source.in_proj_bias
         self.in_proj_bias = None if bias is None else nn.Parameter(bias.detach()[rows].clone())
         self.out_proj = source.out_proj  # its columns are cut by the caller
+
+    @classmethod
+    def from_dense(cls, source: nn.MultiheadAttention) -> PrunedMultiheadAttention:
+        """One with every head of `source` (a loader then gives it the saved shapes)."""
+        return cls(source, torch.arange(source.in_proj_weight.shape[0]))
 
     def forward(
         self,
@@ -995,3 +1004,8 @@ def _prune_layer_heads(
     for attr, value in sizes.items():
         if isinstance(getattr(module, attr, None), int):
             setattr(module, attr, value)
+    if type(module).__module__ == "torchvision.models.swin_transformer":
+        from .window_attention import PRUNED_CLASSES  # imports torchvision: only for its Swin
+
+        # its code takes the head size to be the input width over the heads
+        module.__class__ = PRUNED_CLASSES.get(type(module), type(module))

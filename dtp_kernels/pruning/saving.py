@@ -2,9 +2,10 @@
 
 Three formats, all tagged and versioned:
 
-- builder + safetensors (version 3), for any model a function builds: the entry point
-  "package.module:function" and its keyword arguments, the attributes export changed and
-  the weights as safetensors (built_model.py). Loading never unpickles anything.
+- builder + safetensors (version 4; 3 is read too), for any model a function builds: the
+  entry point "package.module:function" and its keyword arguments, the modules export
+  replaced by its own classes, the attributes export changed and the weights as
+  safetensors (built_model.py). Loading never unpickles anything.
 - weights only (version 2), when the model is one `dtp_kernels.models.get_model` builds:
   the architecture's name, the pruning metadata and the state dict. Loading uses
   ``torch.load(weights_only=True)``: it builds the dense architecture, shrinks every conv,
@@ -101,7 +102,7 @@ def load_pruned(
         raise FileNotFoundError(f"load_pruned: {path} does not exist")
     if built_model.is_safetensors(path):
         fields, shapes = built_model.read_header(path)
-        if fields.get("format") != FORMAT or fields.get("version") != built_model.VERSION:
+        if fields.get("format") != FORMAT or fields.get("version") not in built_model.READS:
             raise ValueError(
                 f"{path} is a safetensors file but not a pruned model saved by "
                 f"dtp_kernels.save_pruned with a builder (format {fields.get('format')!r}, "

@@ -8,6 +8,7 @@ training steps with the transport state committed."""
 import random
 import sys
 import time
+from functools import partial
 
 import pytest
 import torch
@@ -132,16 +133,18 @@ class HFLogits(torch.nn.Module):
         return self.model(x).logits
 
 
-def torchvision_swin():
-    from torchvision.models.swin_transformer import SwinTransformer
+def torchvision_swin(v2: bool = False):
+    from torchvision.models import swin_transformer as swin
 
-    model = SwinTransformer(
+    layers = dict(block=swin.SwinTransformerBlockV2, downsample_layer=swin.PatchMergingV2)
+    model = swin.SwinTransformer(
         patch_size=[4, 4],
         embed_dim=16,
-        depths=[1, 1],
-        num_heads=[2, 2],
+        depths=[2, 2],
+        num_heads=[2, 4],
         window_size=[2, 2],
         num_classes=5,
+        **(layers if v2 else {}),
     )
     return model, torch.randn(4, 3, 32, 32)
 
@@ -152,6 +155,14 @@ def torchvision_convnext():
     settings = [CNBlockConfig(16, 32, 1), CNBlockConfig(32, None, 1)]
     return ConvNeXt(settings, layer_scale=1.0, num_classes=5), torch.randn(4, 3, 32, 32)
 
+
+# torchvision's Swin: two stages of two blocks, 2 and 4 heads, MLPs of 64 and 128
+SWIN_GROUPS = [
+    (f"features.{stage}.{block}.{layer}", kind, units)
+    for stage, heads, hidden in ((1, 2, 64), (3, 4, 128))
+    for block in (0, 1)
+    for layer, kind, units in (("attn", "heads", heads), ("mlp.0", "mlp", hidden))
+]
 
 MODELS = {
     # name: (builder, expected groups as (name, kind, units))
@@ -207,11 +218,15 @@ MODELS = {
             ("model.hiera.encoder.stages.1.layers.0.mlp.fc1", "mlp", 128),
         ],
     ),
-    # its shifted windows' reshapes are left unmapped (graph_workarounds.py): MLPs only,
-    # its heads fail their proof (test_torchvision_swin_heads_are_refused_by_name)
+    # its shifted windows' reshapes are left unmapped (graph_workarounds.py); its heads
+    # are found by form and exported as window_attention.py's classes
     "torchvision_swin": (
         torchvision_swin,
-        [("features.1.0.mlp.0", "mlp", 64), ("features.3.0.mlp.0", "mlp", 128)],
+        SWIN_GROUPS,
+    ),
+    "torchvision_swin_v2": (
+        partial(torchvision_swin, v2=True),
+        SWIN_GROUPS,
     ),
     "torchvision_convnext": (
         torchvision_convnext,
@@ -611,15 +626,27 @@ def test_talking_heads_are_refused_by_name_and_the_mlps_prune():
     export_random_order(DTPPruner(model, (x[:1],), {"mlp": 0.5}), model, x)
 
 
-def test_torchvision_swin_heads_are_refused_by_name():
-    """torchvision's shifted-window attention computes its heads in functional code
-    whose removal of a head does not compute what its mask does: a float ratio is
-    refused naming each attention layer, with the ratios that prune the rest."""
-    model, x = build("torchvision_swin")
-    with pytest.raises(
-        ValueError,
-        match=r"cannot prune the heads of attention layer "
-        r"'features.1.0.attn'.*ratios=\{'\*': 0.5, 'features.1.0.attn': 0, "
-        r"'features.3.0.attn': 0\}",
-    ):
-        DTPPruner(model, (x[:1],), 0.5)
+@pytest.mark.parametrize("name", ["torchvision_swin", "torchvision_swin_v2"])
+def test_torchvision_swin_heads_export_as_its_pruned_window_attention(name):
+    """torchvision's shifted-window attention takes its head size to be the input width
+    over the heads: each layer that loses heads is exported as window_attention.py's
+    class, with its kept heads, relative position tables (V1) or logit scales and bias
+    MLP rows (V2) cut, and computes what the hard-masked model does."""
+    from dtp_kernels.pruning.window_attention import PRUNED_CLASSES
+
+    model, x = build(name)
+    pruner = DTPPruner(model, (x[:1],), {"heads": 0.5})
+    exported = export_random_order(pruner, model, x)
+    for stage, heads in ((1, 1), (3, 2)):
+        for block in (0, 1):
+            dense = model.features[stage][block].attn
+            attn = exported.features[stage][block].attn
+            assert type(attn) is PRUNED_CLASSES[type(dense)]
+            assert attn.num_heads == heads and attn.qkv.out_features == 3 * 8 * heads
+            assert (attn.proj.in_features, attn.proj.out_features) == (8 * heads, 8 * stage + 8)
+            if name.endswith("v2"):
+                assert attn.logit_scale.shape == (heads, 1, 1)
+                assert attn.cpb_mlp[2].out_features == heads
+            else:
+                assert attn.relative_position_bias_table.shape[1] == heads
+    exported.train()(x).sum().backward()  # it trains on

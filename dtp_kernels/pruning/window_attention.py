@@ -1,0 +1,134 @@
+"""torchvision's shifted-window attention (Swin, Swin V2) with some of its heads removed.
+
+torchvision computes a window attention layer's heads in one function that takes the head
+size to be the layer's input width over its head count and reshapes the heads' output to
+the input width, so a layer that has lost heads no longer runs. Export gives such a layer
+one of the classes below: a subclass with the same parameters, buffers and state-dict
+keys whose forward is :func:`window_attention`, the same computation with the head size
+taken from the query/key/value projection (its rows over three times the heads).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torchvision.models.swin_transformer import ShiftedWindowAttention, ShiftedWindowAttentionV2
+
+# the bias a shifted window adds between tokens from different regions of the image
+OTHER_REGION = -100.0
+
+
+def window_attention(
+    x: torch.Tensor,
+    layer: ShiftedWindowAttention,
+    logit_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`layer`'s window attention of `x` (batch, height, width, channels) with
+    `layer.num_heads` heads of any size: windows of `layer.window_size`, cyclically
+    shifted by `layer.shift_size` (not along a side no longer than one window), the
+    feature map zero-padded to whole windows and cropped back; cosine attention scaled by
+    `logit_scale` per head (Swin V2, whose keys have no bias) when it is given."""
+    batch, height, width, channels = x.shape
+    window_h, window_w = layer.window_size
+    x = nn.functional.pad(x, (0, 0, 0, -width % window_w, 0, -height % window_h))
+    padded_h, padded_w = x.shape[1:3]
+    # no shift along a side that one window covers
+    shift = [0 if layer.window_size[i] >= x.shape[1 + i] else layer.shift_size[i] for i in (0, 1)]
+    if any(shift):
+        x = torch.roll(x, shifts=(-shift[0], -shift[1]), dims=(1, 2))
+    rows, cols, tokens = padded_h // window_h, padded_w // window_w, window_h * window_w
+    windows = x.view(batch, rows, window_h, cols, window_w, channels)
+    windows = windows.permute(0, 1, 3, 2, 4, 5).reshape(batch * rows * cols, tokens, channels)
+
+    bias = layer.qkv.bias
+    if logit_scale is not None and bias is not None:  # Swin V2's keys have no bias
+        bias = bias.clone()
+        third = bias.numel() // 3
+        bias[third : 2 * third].zero_()
+    heads = layer.num_heads
+    qkv = nn.functional.linear(windows, layer.qkv.weight, bias)
+    head_dim = qkv.shape[-1] // (3 * heads)
+    q, k, v = qkv.reshape(len(windows), tokens, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+    if logit_scale is not None:
+        q, k = nn.functional.normalize(q, dim=-1), nn.functional.normalize(k, dim=-1)
+        scores = q @ k.transpose(-2, -1)
+        scores = scores * torch.clamp(logit_scale, max=math.log(100.0)).exp()
+    else:
+        scores = (q * head_dim**-0.5) @ k.transpose(-2, -1)
+    scores = scores + layer.get_relative_position_bias()
+    if any(shift):
+        mask = _region_mask(padded_h, padded_w, layer.window_size, shift, scores)
+        scores = scores.view(batch, rows * cols, heads, tokens, tokens) + mask[None, :, None]
+        scores = scores.view(-1, heads, tokens, tokens)
+    attention = scores.softmax(dim=-1)
+    attention = nn.functional.dropout(attention, p=layer.attention_dropout, training=layer.training)
+
+    out = (attention @ v).transpose(1, 2).reshape(len(windows), tokens, heads * head_dim)
+    out = nn.functional.dropout(layer.proj(out), p=layer.dropout, training=layer.training)
+    out = out.view(batch, rows, cols, window_h, window_w, channels)
+    out = out.permute(0, 1, 3, 2, 4, 5).reshape(batch, padded_h, padded_w, channels)
+    if any(shift):
+        out = torch.roll(out, shifts=(shift[0], shift[1]), dims=(1, 2))
+    return out[:, :height, :width, :].contiguous()
+
+
+def _region_mask(
+    height: int, width: int, window: list[int], shift: list[int], like: torch.Tensor
+) -> torch.Tensor:
+    """(windows, tokens, tokens): 0 between tokens of one region of the shifted map,
+    OTHER_REGION between tokens of two. The cyclic shift brings the map's last `shift`
+    rows (columns) next to the first, so along each side the regions are: before the
+    last window, the last window up to the wrapped part, the wrapped part."""
+
+    def region(side: int, size: int, moved: int) -> torch.Tensor:
+        index = torch.arange(side, device=like.device)
+        if moved == 0:  # not shifted along this side: one region
+            return torch.zeros_like(index)
+        return (index >= side - size).long() + (index >= side - moved).long()
+
+    labels = region(height, window[0], shift[0])[:, None] * 3 + region(width, window[1], shift[1])
+    labels = labels.view(height // window[0], window[0], width // window[1], window[1])
+    labels = labels.permute(0, 2, 1, 3).reshape(-1, window[0] * window[1])
+    different = labels[:, None, :] != labels[:, :, None]
+    return torch.zeros(different.shape, dtype=like.dtype, device=like.device).masked_fill(
+        different, OTHER_REGION
+    )
+
+
+class _GivenToTheLayer:
+    """A class export gives the layer itself: its parameters and buffers stay."""
+
+    @classmethod
+    def from_dense(cls, layer: ShiftedWindowAttention) -> ShiftedWindowAttention:
+        """`layer` itself, given this class (a loader then gives it the saved shapes)."""
+        layer.__class__ = cls
+        return layer
+
+
+class PrunedShiftedWindowAttention(_GivenToTheLayer, ShiftedWindowAttention):
+    """torchvision's ShiftedWindowAttention whose heads may be fewer than its input width
+    over their size: what export makes of one that lost heads."""
+
+    replaces = ShiftedWindowAttention
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return window_attention(x, self)
+
+
+class PrunedShiftedWindowAttentionV2(_GivenToTheLayer, ShiftedWindowAttentionV2):
+    """torchvision's ShiftedWindowAttentionV2 (cosine attention, per-head logit scale)
+    whose heads may be fewer than its input width over their size."""
+
+    replaces = ShiftedWindowAttentionV2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return window_attention(x, self, self.logit_scale)
+
+
+# the class export gives a layer of each class that loses heads (V2 first: a subclass)
+PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
+    ShiftedWindowAttentionV2: PrunedShiftedWindowAttentionV2,
+    ShiftedWindowAttention: PrunedShiftedWindowAttention,
+}
