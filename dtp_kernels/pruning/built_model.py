@@ -167,7 +167,6 @@ def save_built(
     dense = build(builder, kwargs)
     _check_unsaved_buffers(dense, model, path)
     replaced = replaced_modules(dense, model, path)
-    _put_replacements(dense, replaced, path)  # attributes compared with the same classes
     fields = {
         **header,
         "version": VERSION,

@@ -80,12 +80,11 @@ def _region_mask(
     """(windows, tokens, tokens): 0 between tokens of one region of the shifted map,
     OTHER_REGION between tokens of two. The cyclic shift brings the map's last `shift`
     rows (columns) next to the first, so along each side the regions are: before the
-    last window, the last window up to the wrapped part, the wrapped part."""
+    last window, the last window up to the wrapped part, the wrapped part (none along a
+    side not shifted)."""
 
     def region(side: int, size: int, moved: int) -> torch.Tensor:
         index = torch.arange(side, device=like.device)
-        if moved == 0:  # not shifted along this side: one region
-            return torch.zeros_like(index)
         return (index >= side - size).long() + (index >= side - moved).long()
 
     labels = region(height, window[0], shift[0])[:, None] * 3 + region(width, window[1], shift[1])
