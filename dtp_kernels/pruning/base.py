@@ -479,6 +479,10 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             # a norm over the units (heads, a GRN) loses the removed units' parameters
             for _norm, per_unit in getattr(group, "cut_norms", ()):
                 params -= int(mask.numel() - mask.sum()) * per_unit
+            # an attention layer's raw vectors of its query rows
+            for _owner, _name in getattr(group, "row_vectors", ()):
+                rows = group.query_heads_per_unit * group.head_dim
+                params -= int(mask.numel() - mask.sum()) * rows
             # per-head tables; a Mamba mixer's per-channel parameters; raw per-channel scales
             for owner, name, dim in [*getattr(group, "tables", ()), *getattr(group, "scales", ())]:
                 table = getattr(owner, name)

@@ -64,13 +64,13 @@ def _attributes(model: nn.Module) -> dict[str, dict]:
 
 
 def export_classes() -> dict[str, type[nn.Module]]:
-    """The classes export puts in place of a model's modules, by qualified name; each has
-    `replaces` (the class it stands for) and `from_dense(module)` (one of the dense
+    """The classes export puts in place of a model's modules (of the libraries imported:
+    a model or builder holding their layers has imported them), by qualified name; each
+    has `replaces` (the class it stands for) and `from_dense(module)` (one of the dense
     module's sizes)."""
-    from .heads import PrunedMultiheadAttention
-    from .window_attention import PRUNED_CLASSES
+    from .heads import PrunedMultiheadAttention, pruned_classes
 
-    classes = [PrunedMultiheadAttention, *PRUNED_CLASSES.values()]
+    classes = [PrunedMultiheadAttention, *pruned_classes().values()]
     return {f"{c.__module__}:{c.__qualname__}": c for c in classes}
 
 

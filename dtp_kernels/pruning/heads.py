@@ -58,7 +58,9 @@ the plain cut fails, with that attribute set to the kept width, which export the
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import sys
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -129,6 +131,9 @@ class HeadGroup:
     # per-head parameters besides the projections (owner, name, dimension of the heads),
     # which export cuts to the kept heads
     tables: list = field(default_factory=list)
+    # raw vectors of the attention layer with one entry per query row (timm EVA's and
+    # BEiT's `q_bias` and `v_bias`): export cuts them to the kept rows
+    row_vectors: list[tuple[nn.Module, str]] = field(default_factory=list)
     # the layer reads its head count from the model's config, which all layers share
     # (Phi-3): export needs every such layer to keep as many heads, written there
     heads_from_config: bool = False
@@ -223,6 +228,7 @@ SEPARATE_FORMS = (
     (("q_proj", "k_proj", "v_proj", "dense"), "head_dim"),  # Phi
     (("q_proj", "k_proj", "v_proj", "Wo"), "head_dim"),  # ModernBERT's decoder
     (("q_proj", "k_proj", "v_proj", "projection_layer"), "head_dim"),  # InternVL's vision tower
+    (("q_proj", "k_proj", "v_proj", "proj"), "head_dim"),  # timm's EVA, unfused
     (("q_lin", "k_lin", "v_lin", "out_lin"), "attention_head_size"),  # DistilBERT
     (("q", "k", "v", "o"), "key_value_proj_dim"),  # T5, UMT5
     (("Wq", "Wk", "Wv", "dense"), "head_dim"),  # CTRL
@@ -646,6 +652,7 @@ def find_head_groups(
             group.refusal = group.refusal or _other_linears(group)
         parent = group.name.rpartition(".")[0]  # the block holding the attention layer
         group.tables, mixed = _per_head_tables(group, modules[parent] if parent else None)
+        group.row_vectors = _row_vectors(group)
         group.refusal = group.refusal or mixed
         groups.append(group)
     outside = _biases_from_outside(model, inputs, [g for g in groups if not g.refusal])
@@ -781,6 +788,25 @@ def prove_head_groups(model: nn.Module, groups: list[HeadGroup], inputs: tuple) 
                 "projection of their width, a reshape to the model width, a table of "
                 "them shared by all layers)"
             )
+
+
+# the libraries' modules of attention layers whose code ties the head size or the output
+# width to the model width, and this package's modules of the classes export gives them
+PRUNED_CLASS_MODULES = {
+    "torchvision.models.swin_transformer": "window_attention",
+    "timm.models.eva": "eva_attention",
+}
+
+
+def pruned_classes() -> dict[type[nn.Module], type[nn.Module]]:
+    """The class export gives an attention layer of each class above that loses heads
+    (`from_dense(layer)` gives it). Only the libraries' modules already imported are
+    looked at: a model holding such a layer has imported its module."""
+    classes = {}
+    for library, own in PRUNED_CLASS_MODULES.items():
+        if library in sys.modules:
+            classes |= importlib.import_module(f"{__package__}.{own}").PRUNED_CLASSES
+    return classes
 
 
 # attributes an attention layer's code may reshape its output to, holding the query width
@@ -931,6 +957,17 @@ def _per_head_tables(
     return tables, ""
 
 
+def _row_vectors(group: HeadGroup) -> list[tuple[nn.Module, str]]:
+    """The attention layer's own 1-D parameters of the query width (a bias per query row
+    kept outside the projection: timm EVA's and BEiT's `q_bias`, `v_bias`)."""
+    width = group.units * group.query_heads_per_unit * group.head_dim
+    return [
+        (group.module, name)
+        for name, p in group.module.named_parameters(recurse=False)
+        if p.dim() == 1 and len(p) == width
+    ]
+
+
 def prune_heads(
     group: HeadGroup, copy: dict[str, nn.Module], names: dict[nn.Module, str], mask: torch.Tensor
 ) -> None:
@@ -957,6 +994,10 @@ def _prune_layer_heads(
             target.out_features = len(query_heads)
         if isinstance(target, nn.Embedding):  # one column per head
             target.embedding_dim = len(query_heads)
+    query_rows = Projection(group.module, 1, per_unit * group.head_dim).kept(group.units, kept)
+    for owner, name in group.row_vectors:
+        vector = getattr(copy[names[owner]], name).detach()
+        setattr(copy[names[owner]], name, nn.Parameter(vector[query_rows.to(vector.device)]))
     if isinstance(group.module, nn.MultiheadAttention):  # replaced: its width is fixed
         parent, _, attr = names[group.module].rpartition(".")
         source = copy[names[group.module]]
@@ -1004,8 +1045,6 @@ def _prune_layer_heads(
     for attr, value in sizes.items():
         if isinstance(getattr(module, attr, None), int):
             setattr(module, attr, value)
-    if type(module).__module__ == "torchvision.models.swin_transformer":
-        from .window_attention import PRUNED_CLASSES  # imports torchvision: only for its Swin
-
-        # its code takes the head size to be the input width over the heads
-        module.__class__ = PRUNED_CLASSES.get(type(module), type(module))
+    pruned_class = pruned_classes().get(type(module))
+    if pruned_class is not None:  # its code ties the head size to the model width
+        pruned_class.from_dense(module)

@@ -55,6 +55,7 @@ class TiedHeadGroup(HeadGroup):
         first = chain[0]
         own = {f.name: getattr(first, f.name) for f in fields(HeadGroup) if f.init}
         own["tables"] = [t for g in chain for t in g.tables]
+        own["row_vectors"] = [v for g in chain for v in g.row_vectors]
         own["rescaled"] = [r for g in chain for r in g.rescaled]
         own["norms"] = tuple(n for g in chain for n in g.norms)
         own["refusal"] = next(
