@@ -794,7 +794,9 @@ def prove_head_groups(model: nn.Module, groups: list[HeadGroup], inputs: tuple) 
 # width to the model width, and this package's modules of the classes export gives them
 PRUNED_CLASS_MODULES = {
     "torchvision.models.swin_transformer": "window_attention",
-    "timm.models.eva": "eva_attention",
+    "timm.models.eva": "timm_attention",
+    "timm.models.beit": "timm_attention",
+    "timm.models.swin_transformer_v2": "timm_attention",
 }
 
 

@@ -1,0 +1,163 @@
+"""timm's attention layers that reshape their heads' output to the model width, with some
+of their heads removed: EVA's (EVA-02, DINOv3, Perception Encoder, RoPE-ViT), BEiT's
+and Swin V2's.
+
+Their code reshapes the heads' output to the width of the layer's input, so a layer that
+has lost heads no longer runs; their key bias, when the query and value have one, is a
+zero buffer of the query width. Export gives such a layer the subclass below: the same
+parameters and state-dict keys, a forward that reshapes the heads' output to their own
+width and makes the key bias as zeros of the query bias's width (the buffer is dropped,
+so nothing of the dense width is left).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from timm.layers import apply_rot_embed_cat
+from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
+from timm.models.beit import Attention as BeitAttention
+from timm.models.eva import EvaAttention
+from timm.models.swin_transformer_v2 import WindowAttention as SwinV2WindowAttention
+from torch import nn
+
+
+class _GivenToTheLayer:
+    """A class export gives the layer itself."""
+
+    @classmethod
+    def from_dense(cls, layer: nn.Module) -> nn.Module:
+        """`layer` itself, given this class, without its zero key-bias buffer (a loader
+        then gives it the saved shapes)."""
+        layer.__class__ = cls
+        if getattr(layer, "q_bias", None) is not None:
+            layer.k_bias = None  # zeros, made in forward at the kept width
+        return layer
+
+
+def _heads(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Queries, keys and values (batch, heads, tokens, head size) of the fused projection
+    `layer.qkv`, with the query and value biases `layer.q_bias`, `layer.v_bias` (and a
+    zero key bias) where the layer has them, added as its class adds them."""
+    batch, tokens, _ = x.shape
+    if layer.q_bias is None:
+        qkv = layer.qkv(x)
+    else:
+        bias = torch.cat((layer.q_bias, torch.zeros_like(layer.q_bias), layer.v_bias))
+        if layer.qkv_bias_separate:
+            qkv = layer.qkv(x) + bias
+        else:
+            qkv = nn.functional.linear(x, layer.qkv.weight, bias)
+    return qkv.reshape(batch, tokens, 3, layer.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+
+
+def _merged(out: torch.Tensor) -> torch.Tensor:
+    """(batch, heads, tokens, head size) -> (batch, tokens, heads * head size)."""
+    return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
+
+
+class PrunedEvaAttention(_GivenToTheLayer, EvaAttention):
+    """timm's EvaAttention whose heads may be fewer than the model width over their size."""
+
+    replaces = EvaAttention
+
+    def _rotated(self, t: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """`t` with the rotary embedding applied to all but the prefix tokens."""
+        prefix = self.num_prefix_tokens
+        half = getattr(self, "rotate_half", False)
+        rotated = apply_rot_embed_cat(t[:, :, prefix:, :], rope, half=half)
+        return torch.cat([t[:, :, :prefix, :], rotated], dim=2)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+    ) -> torch.Tensor:
+        batch, tokens, _ = x.shape
+        gate = None if self.gate is None else self.gate(x).sigmoid()
+        if self.qkv is None:
+            projections = (self.q_proj, self.k_proj, self.v_proj)
+            q, k, v = (
+                p(x).reshape(batch, tokens, self.num_heads, -1).transpose(1, 2) for p in projections
+            )
+        else:
+            q, k, v = _heads(self, x)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = self._rotated(q, rope).type_as(v), self._rotated(k, rope).type_as(v)
+        if self.fused_attn:
+            dropout = self.attn_drop.p if self.training else 0.0
+            out = nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=is_causal
+            )
+        else:
+            scores = (q * self.scale) @ k.transpose(-2, -1)
+            mask = resolve_self_attn_mask(tokens, scores, attn_mask, is_causal=is_causal)
+            out = self.attn_drop(maybe_add_mask(scores, mask).softmax(dim=-1)) @ v
+        out = self.norm(_merged(out))
+        if gate is not None:
+            out = out * gate
+        return self.proj_drop(self.proj(out))
+
+
+class PrunedBeitAttention(_GivenToTheLayer, BeitAttention):
+    """timm's BEiT Attention whose heads may be fewer than the model width over their
+    size (its relative position bias table cut with them)."""
+
+    replaces = BeitAttention
+
+    def forward(
+        self, x: torch.Tensor, shared_rel_pos_bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        q, k, v = _heads(self, x)
+        table = None if self.relative_position_bias_table is None else self._get_rel_pos_bias()
+        if self.fused_attn:
+            bias = table
+            if shared_rel_pos_bias is not None:
+                bias = shared_rel_pos_bias if bias is None else bias + shared_rel_pos_bias
+            dropout = self.attn_drop.p if self.training else 0.0
+            out = nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=bias, dropout_p=dropout
+            )
+        else:
+            scores = (q * self.scale) @ k.transpose(-2, -1)
+            for bias in (table, shared_rel_pos_bias):  # added one after the other
+                if bias is not None:
+                    scores = scores + bias
+            out = self.attn_drop(scores.softmax(dim=-1)) @ v
+        return self.proj_drop(self.proj(_merged(out)))
+
+
+class PrunedSwinV2WindowAttention(_GivenToTheLayer, SwinV2WindowAttention):
+    """timm's Swin V2 WindowAttention (cosine attention, a logit scale per head, a bias
+    MLP with an output per head) whose heads may be fewer than the model width over
+    their size."""
+
+    replaces = SwinV2WindowAttention
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        tokens = x.shape[1]
+        q, k, v = _heads(self, x)
+        q, k = nn.functional.normalize(q, dim=-1), nn.functional.normalize(k, dim=-1)
+        scale = torch.clamp(self.logit_scale, max=math.log(1.0 / 0.01)).exp()
+        scores = (q @ k.transpose(-2, -1)) * scale
+        area = self.window_size[0] * self.window_size[1]
+        table = self.cpb_mlp(self.relative_coords_table).view(-1, self.num_heads)
+        bias = table[self.relative_position_index.view(-1)].view(area, area, -1)
+        scores = scores + 16 * torch.sigmoid(bias.permute(2, 0, 1).contiguous()).unsqueeze(0)
+        if mask is not None:  # per window of the shifted map
+            windows = mask.shape[0]
+            scores = scores.view(-1, windows, self.num_heads, tokens, tokens) + mask[None, :, None]
+            scores = scores.view(-1, self.num_heads, tokens, tokens)
+        out = self.attn_drop(self.softmax(scores)) @ v
+        return self.proj_drop(self.proj(_merged(out)))
+
+
+PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
+    EvaAttention: PrunedEvaAttention,
+    BeitAttention: PrunedBeitAttention,
+    SwinV2WindowAttention: PrunedSwinV2WindowAttention,
+}

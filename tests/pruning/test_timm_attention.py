@@ -1,0 +1,159 @@
+"""timm_attention.py: timm's attention layers that reshape their heads' output to the
+model width (EVA's: EVA-02, DINOv3, Perception Encoder, RoPE-ViT; BEiT's; Swin V2's),
+with heads removed. With every head kept each pruned class computes exactly what timm's
+does; tiny models of each prune their heads with a float ratio, export equal to the
+hard-masked model, and save and load with a builder."""
+
+import pytest
+import torch
+
+from dtp_kernels import DTPPruner, load_pruned, save_pruned
+from dtp_kernels.pruning import built_model
+from dtp_kernels.pruning.cost import count_params
+
+timm = pytest.importorskip("timm")
+from timm.layers import RotaryEmbeddingCat  # noqa: E402
+from timm.models.beit import Attention as BeitAttention  # noqa: E402
+from timm.models.eva import EvaAttention  # noqa: E402
+from timm.models.swin_transformer_v2 import WindowAttention  # noqa: E402
+
+from dtp_kernels.pruning.timm_attention import PRUNED_CLASSES  # noqa: E402
+
+TOKENS = 11  # two prefix tokens and a 3 x 3 grid; Swin V2's: one 3 x 3 window
+
+
+def eva(**kwargs):
+    return EvaAttention(32, num_heads=4, num_prefix_tokens=2, scale_norm=False, **kwargs)
+
+
+def rope():
+    return {"rope": RotaryEmbeddingCat(8, in_pixels=False, feat_shape=[3, 3]).get_embed()}
+
+
+def attention_mask():
+    mask = torch.rand(2, 1, TOKENS, TOKENS) > 0.3
+    mask[..., 0] = True  # every query attends to something
+    return {"attn_mask": mask}
+
+
+def shifted_windows():  # Swin V2's mask per window: 0 or -100
+    return {"mask": (torch.rand(2, 9, 9) > 0.5).float() * -100}
+
+
+# (layer, call) per form: each projection form, rotary embeddings with prefix tokens,
+# masks, causal attention, relative position tables, a bias shared from outside
+LAYERS = {
+    "eva q and v biases": (lambda: eva(qkv_bias=True), dict),
+    "eva biases added apart": (lambda: eva(qkv_bias=True, qkv_bias_separate=True), dict),
+    "eva no bias, rope": (lambda: eva(qkv_bias=False), rope),
+    "eva rope rotating halves": (lambda: eva(rotate_half=True), rope),
+    "eva separate projections": (lambda: eva(qkv_fused=False), attention_mask),
+    "eva query and key norms": (
+        lambda: eva(qk_norm=True, norm_layer=torch.nn.LayerNorm),
+        lambda: {"is_causal": True},
+    ),
+    "beit table": (lambda: BeitAttention(32, 4, qkv_bias=True, window_size=(3, 3)), dict),
+    "beit shared bias": (
+        lambda: BeitAttention(32, 4, qkv_bias=True, window_size=(3, 3)),
+        lambda: {"shared_rel_pos_bias": torch.randn(1, 4, 10, 10)},
+    ),
+    "beit no table, no bias": (lambda: BeitAttention(32, 4), dict),
+    "swin v2": (lambda: WindowAttention(32, (3, 3), 4), dict),
+    "swin v2 shifted, no bias": (lambda: WindowAttention(32, (3, 3), 4, False), shifted_windows),
+}
+
+
+@pytest.mark.parametrize("case", list(LAYERS))
+@pytest.mark.parametrize("fused_attn", [True, False])
+def test_every_head_kept_computes_what_timm_computes(case, fused_attn):
+    """Bitwise the same outputs and parameter gradients as timm's layer."""
+    build, call = LAYERS[case]
+    torch.manual_seed(0)
+    layer = build()
+    layer.fused_attn = fused_attn
+    for p in layer.parameters():  # biases and tables away from their zero initial values
+        torch.nn.init.normal_(p, std=0.5)
+    tokens = TOKENS - 1 if case.startswith("beit") else TOKENS
+    batch = 4 if case.startswith("swin v2 shifted") else 2
+    x = torch.randn(batch, 9 if case.startswith("swin") else tokens, 32, requires_grad=True)
+    extra = call()
+    want = layer(x, **extra)
+    want_grads = torch.autograd.grad(want.square().sum(), [x, *layer.parameters()])
+    PRUNED_CLASSES[type(layer)].from_dense(layer)
+    got = layer(x, **extra)
+    got_grads = torch.autograd.grad(got.square().sum(), [x, *layer.parameters()])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    if layer.q_bias is not None:
+        assert layer.k_bias is None and "k_bias" not in dict(layer.named_buffers())
+
+
+SMALL = dict(img_size=16, patch_size=4, embed_dim=32, num_classes=5)
+MODELS = {
+    # EVA-02: q and v biases kept outside the fused projection, rotary embeddings
+    "eva02": (
+        "timm.models.eva:Eva",
+        dict(depth=2, num_heads=4, qkv_bias=True, use_rot_pos_emb=True, ref_feat_shape=(4, 4)),
+    ),
+    # DINOv3: no bias, register tokens, DINOv3 rotary embeddings rotating halves
+    "dinov3": (
+        "timm.models.eva:Eva",
+        dict(
+            depth=2,
+            num_heads=4,
+            qkv_bias=False,
+            use_rot_pos_emb=True,
+            use_abs_pos_emb=False,
+            rope_type="dinov3",
+            rope_rotate_half=True,
+            num_reg_tokens=2,
+            init_values=1e-5,
+        ),
+    ),
+    # separate query, key and value projections
+    "eva unfused": ("timm.models.eva:Eva", dict(depth=2, num_heads=4, qkv_fused=False)),
+    # a relative position bias table per layer
+    "beit": ("timm.models.beit:Beit", dict(depth=2, num_heads=4, use_rel_pos_bias=True)),
+    "swin v2": (
+        "timm.models.swin_transformer_v2:SwinTransformerV2",
+        dict(depths=(2,), num_heads=(4,), window_size=2, img_size=16, patch_size=2),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_models_prune_their_heads_and_save_with_a_builder(name, tmp_path):
+    """A float ratio prunes every layer's heads (and the MLPs), the export computes what
+    the hard-masked model computes with as many parameters as reported, each attention
+    layer has the pruned class with its biases and tables cut; saved with its builder,
+    it loads as the same model."""
+    builder, kwargs = MODELS[name]
+    kwargs = {**SMALL, **kwargs}
+    torch.manual_seed(0)
+    model = built_model.build(builder, kwargs).eval()
+    x = torch.randn(2, 3, 16, 16)
+    pruner = DTPPruner(model, (x[:1],), 0.5)
+    attention = [m for n, m in model.named_modules() if n.endswith(".attn")]
+    assert len(attention) == 2
+    assert [g.module for g in pruner.groups if g.name.endswith(".attn")] == attention
+    with torch.no_grad():
+        pruner.scores.uniform_(0, 1, generator=torch.Generator().manual_seed(1))
+    exported = pruner.export().eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(x)
+    torch.testing.assert_close(exported(x), want, rtol=1e-5, atol=1e-5)
+    assert count_params(exported) == pruner.report()["params_after"]
+    for dense, attn in zip(
+        attention, [m for n, m in exported.named_modules() if n.endswith(".attn")], strict=True
+    ):
+        assert type(attn) is PRUNED_CLASSES[type(dense)] and attn.num_heads == 2
+        assert attn.proj.in_features == 16
+        if getattr(attn, "q_bias", None) is not None:
+            assert attn.q_bias.shape == attn.v_bias.shape == (16,)
+    path = tmp_path / "model.safetensors"
+    save_pruned(path, exported, builder=builder, builder_kwargs=kwargs)
+    loaded = load_pruned(path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), exported(x), rtol=0, atol=0)
+    exported.train()(x).sum().backward()  # it trains on
