@@ -790,13 +790,12 @@ def prove_head_groups(model: nn.Module, groups: list[HeadGroup], inputs: tuple) 
             )
 
 
-# the libraries' modules of attention layers whose code ties the head size or the output
-# width to the model width, and this package's modules of the classes export gives them
+# the libraries' modules holding attention layers whose code ties the head size or the
+# output width to the model width, and this package's modules of the classes export
+# gives them
 PRUNED_CLASS_MODULES = {
     "torchvision.models.swin_transformer": "window_attention",
-    "timm.models.eva": "timm_attention",
-    "timm.models.beit": "timm_attention",
-    "timm.models.swin_transformer_v2": "timm_attention",
+    "timm": "timm_attention",  # EVA's, BEiT's and Swin V2's
 }
 
 
