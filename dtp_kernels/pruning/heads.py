@@ -5,9 +5,10 @@ does not follow the per-head reshapes):
 
 - separate projections, as Hugging Face writes them: ``q_proj``, ``k_proj``, ``v_proj``
   and ``o_proj`` (Llama, Mistral, Qwen, Gemma), ``out_proj`` (OPT, BART, Whisper, CLIP,
-  GPT-J, XGLM), ``dense`` (Phi), ``Wo`` (ModernBERT's decoder) or ``projection_layer``
-  (InternVL's vision tower), with ``head_dim``; DistilBERT's ``q_lin``, ``k_lin``,
-  ``v_lin``, ``out_lin`` with ``attention_head_size``; T5's and UMT5's ``q``, ``k``,
+  GPT-J, XGLM), ``dense`` (Phi), ``Wo`` (ModernBERT's decoder), ``projection_layer``
+  (InternVL's vision tower) or ``proj`` (timm's EVA, unfused), with ``head_dim``;
+  DistilBERT's ``q_lin``, ``k_lin``, ``v_lin``, ``out_lin`` with
+  ``attention_head_size``; T5's and UMT5's ``q``, ``k``,
   ``v``, ``o`` with ``key_value_proj_dim``; CTRL's ``Wq``, ``Wk``, ``Wv``, ``dense``
   with ``head_dim``; XLM's and FlauBERT's ``q_lin``, ``k_lin``, ``v_lin``, ``out_lin``
   with ``head_dim``. An RMS normalization of the queries or keys
@@ -16,12 +17,14 @@ does not follow the per-head reshapes):
   gate of the query width (AFMoE's ``gate_proj``) is cut with the heads, and any other
   linear layer computing the query width from the layer's input refuses the group;
 - one fused ``qkv`` projection and ``proj``, with ``num_heads`` and ``head_dim``, as
-  timm's ViT and DeiT write them (or ``num_heads`` alone: timm's and torchvision's Swin;
-  torchvision's, whose code takes the head size to be the input width over the heads,
-  is exported as a class of window_attention.py); GPT-2's ``c_attn`` and ``c_proj``
-  with ``split_size`` (its Conv1D layers made ``nn.Linear`` by :func:`conv1d_to_linear`
-  first); Phi-3's ``qkv_proj`` (query heads, then key and value heads) and ``o_proj``,
-  whose head count the layers read from the config they share;
+  timm's ViT and DeiT write them (or ``num_heads`` alone: timm's and torchvision's Swin);
+  layers whose code ties the head size or the output width to the input width
+  (torchvision's Swin, timm's EVA, BEiT and Swin V2) are exported as classes of
+  window_attention.py and timm_attention.py (``PRUNED_CLASS_MODULES``); GPT-2's
+  ``c_attn`` and ``c_proj`` with ``split_size`` (its Conv1D layers made ``nn.Linear``
+  by :func:`conv1d_to_linear` first); Phi-3's ``qkv_proj`` (query heads, then key and
+  value heads) and ``o_proj``, whose head count the layers read from the config they
+  share;
 - ``query``, ``key``, ``value`` with ``num_attention_heads`` and ``attention_head_size``,
   the output projection being the ``output.dense`` beside it (Hugging Face's BERT), or
   ``query_proj``, ``key_proj``, ``value_proj`` there (DeBERTa);

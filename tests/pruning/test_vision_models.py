@@ -416,12 +416,10 @@ def small_densenet():
     return DenseNet(8, (2, 2), num_init_features=16, bn_size=2, num_classes=5)
 
 
-def test_a_split_the_graph_does_not_couple_and_a_reshape_to_the_model_width_are_refused():
+def test_a_split_the_graph_does_not_couple_is_left_whole():
     """timm's EVA: its GluMlp chunks fc1 into value and gate, which Torch-Pruning follows
     here without coupling channel i with its pair, so its export would cut fc2's inputs at
-    the wrong indices: the MLP is left whole. Its attention reshapes the heads' output
-    to the embedding width, so fewer heads fail its proof (proof.py) and are refused by
-    name when the pruner is made."""
+    the wrong indices: the MLP is left whole (its heads prune: test_timm_attention.py)."""
     from timm.models.eva import Eva
 
     torch.manual_seed(0)
@@ -438,8 +436,22 @@ def test_a_split_the_graph_does_not_couple_and_a_reshape_to_the_model_width_are_
     x = torch.randn(1, 3, 16, 16)
     with pytest.raises(ValueError, match=r"no group of that kind \(its groups' kinds: \['heads'\]"):
         DTPPruner(model, x, {"mlp": 0.5})
+
+
+def test_an_attention_reshaping_to_the_model_width_is_refused_by_name():
+    """timm's relative-position ViT reshapes its heads' output to the embedding width (a
+    class export has no pruned form of): fewer heads fail its proof (proof.py) and are
+    refused by name when the pruner is made; its MLPs prune."""
+    from timm.models.vision_transformer_relpos import VisionTransformerRelPos
+
+    torch.manual_seed(0)
+    model = VisionTransformerRelPos(
+        img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=4, num_classes=5
+    )
+    x = torch.randn(1, 3, 16, 16)
     with pytest.raises(ValueError, match=r"layer 'blocks.0.attn': with some of its heads"):
         DTPPruner(model, x, {"heads": 0.5})
+    DTPPruner(model, x, {"mlp": 0.5})
 
 
 class _Ghost(torch.nn.Module):

@@ -1,6 +1,8 @@
-"""Prune timm models at a float ratio and check each export: FLOPs and parameter
-reduction, the export's largest difference from the hard-masked model, parameters
-against the report (`python benchmarks/timm_prune_check.py [model ...]`).
+"""Prune timm and torchvision models at a float ratio and check each export: FLOPs and
+parameter reduction, the export's largest difference from the hard-masked model,
+parameters against the report (`python benchmarks/model_prune_check.py [model ...]`;
+a timm model by its name, a torchvision one as "torchvision.<name>", on 224 x 224
+images).
 
 Random weights (nothing is downloaded), BN statistics drawn away from the identity and
 random scores, so every kept channel shows in the output; the classifier has 5 classes.
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import timm
 import torch
+import torchvision
 from _harness import RESULTS, environment
 
 from dtp_kernels.pruning import DTPPruner
@@ -25,8 +28,8 @@ from dtp_kernels.pruning.cost import count_params
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from utils import drawn_statistics, randomised
 
-# the models the group search (dtp_kernels/pruning/group_search.py) made prunable
 MODELS = [
+    # the group search (dtp_kernels/pruning/group_search.py) made these prunable
     "rexnet_100",
     "focalnet_tiny_srf",
     "efficientvit_m0",
@@ -35,17 +38,36 @@ MODELS = [
     "iformer_t",
     "coatnet_nano_rw_224",
     "visformer_tiny",
+    # their attention layers export to a class of their own (window_attention.py,
+    # timm_attention.py)
+    "torchvision.swin_t",
+    "torchvision.swin_v2_t",
+    "vit_small_patch16_dinov3",
+    "eva02_tiny_patch14_224",
+    "eva02_base_patch14_224",
+    "vit_base_patch16_rope_reg1_gap_256",
+    "beit_base_patch16_224",
+    "swinv2_tiny_window8_256",
 ]
+
+
+def build(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The model `name` names with random weights and 5 classes, and an input of two."""
+    if name.startswith("torchvision."):
+        model = getattr(torchvision.models, name.removeprefix("torchvision."))(num_classes=5)
+        return model, torch.randn(2, 3, 224, 224)
+    model = timm.create_model(name, pretrained=False, num_classes=5)
+    return model, torch.randn(2, *model.pretrained_cfg.get("input_size", (3, 224, 224)))
 
 
 def check(name: str, ratio: float) -> list[str]:
     """One table row for `name` pruned at `ratio`."""
     torch.manual_seed(0)
-    model = drawn_statistics(timm.create_model(name, pretrained=False, num_classes=5)).eval()
+    model, x = build(name)
+    model = drawn_statistics(model).eval()
     for head in model.modules():  # an output away from zero, so every channel shows
         if isinstance(head, torch.nn.Linear) and head.out_features == 5:
             torch.nn.init.normal_(head.weight, std=0.1)
-    x = torch.randn(2, *model.pretrained_cfg.get("input_size", (3, 224, 224)))
     start = time.monotonic()
     try:
         pruner = randomised(DTPPruner(model, (x[:1],), ratio))
@@ -87,9 +109,10 @@ def main() -> None:
         "find groups (s)",
     ]
     lines = [
-        "# timm models pruned and exported (`benchmarks/timm_prune_check.py`)",
+        "# timm and torchvision models pruned and exported (`benchmarks/model_prune_check.py`)",
         "",
-        f"{env['device']}; torch {env['torch']}, timm {timm.__version__}, torch-pruning "
+        f"{env['device']}; torch {env['torch']}, timm {timm.__version__}, torchvision "
+        f"{torchvision.__version__}, torch-pruning "
         f"{importlib.metadata.version('torch-pruning')}; {env['date']}; float ratio "
         f"{args.ratio}. Export error: largest difference from the hard-masked model, "
         "relative to its largest output.",
@@ -103,7 +126,7 @@ def main() -> None:
     report = "\n".join(lines) + "\n"
     print(report)
     if not args.no_save:
-        (RESULTS / "timm_prune_check_cpu.md").write_text(report)
+        (RESULTS / "model_prune_check_cpu.md").write_text(report)
 
 
 if __name__ == "__main__":
