@@ -1,0 +1,102 @@
+"""Hugging Face's DETR (with a timm ResNet backbone and its frozen batch norms, as
+pretrained weights build it) and RT-DETR (its own ResNet, a hybrid encoder and a
+deformable decoder), built small: a float ratio prunes the backbone's filters, the
+encoder's and decoder's attention heads (cross-attention too) and their MLP neurons; the
+exported model predicts the hard-masked model's class logits and boxes with the
+parameters the report gives."""
+
+import pytest
+import torch
+
+from dtp_kernels.pruning import DTPPruner
+from dtp_kernels.pruning.cost import count_params
+from dtp_kernels.pruning.heads import HeadGroup
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("timm")
+
+SMALL = dict(num_queries=5, num_labels=3, encoder_layers=1, decoder_layers=1)
+HEADS = dict(encoder_attention_heads=4, decoder_attention_heads=4)
+
+
+def detr():
+    config = transformers.DetrConfig(
+        use_timm_backbone=True,
+        use_pretrained_backbone=False,
+        backbone="resnet18",
+        d_model=32,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        **SMALL,
+        **HEADS,
+    )
+    return transformers.DetrForObjectDetection(config)
+
+
+def rt_detr():
+    backbone = transformers.RTDetrResNetConfig(
+        embedding_size=8,
+        hidden_sizes=[8, 16, 16, 16],
+        depths=[1, 1, 1, 1],
+        out_features=["stage2", "stage3", "stage4"],
+    )
+    config = transformers.RTDetrConfig(
+        backbone_config=backbone,
+        encoder_hidden_dim=16,
+        encoder_in_channels=[16, 16, 16],
+        decoder_in_channels=[16, 16, 16],
+        d_model=32,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=64,
+        num_denoising=0,
+        **SMALL,
+        **HEADS,
+    )
+    return transformers.RTDetrForObjectDetection(config)
+
+
+class Predictions(torch.nn.Module):
+    """The detector's class logits and boxes from its images."""
+
+    def __init__(self, detector: torch.nn.Module) -> None:
+        super().__init__()
+        self.detector = detector
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.detector(pixel_values=images)
+        return out.logits, out.pred_boxes
+
+
+@pytest.mark.parametrize(
+    ("build", "heads"),
+    [
+        # the encoder's self-attention, the decoder's self- and cross-attention
+        (detr, ["encoder.layers.0.self_attn", "decoder.layers.0.self_attn", "encoder_attn"]),
+        # the hybrid encoder's self-attention, the decoder's self-attention (its
+        # deformable cross-attention samples per head: left whole)
+        (rt_detr, ["encoder.aifi.0.layers.0.self_attn", "decoder.layers.0.self_attn"]),
+    ],
+)
+def test_a_detr_prunes_with_a_float_and_exports_equal(build, heads):
+    torch.manual_seed(0)
+    model = Predictions(build()).eval()
+    images = torch.randn(2, 3, 64, 64)
+    pruner = DTPPruner(model, (images[:1],), 0.5)
+    head_groups = [g.name for g in pruner.groups if isinstance(g, HeadGroup)]
+    assert len(head_groups) == len(heads)
+    for name, suffix in zip(head_groups, heads, strict=True):
+        assert name.endswith(suffix)
+    convs = [g for g in pruner.groups if isinstance(g.layer, torch.nn.Conv2d)]
+    assert convs, "the backbone's filters are pruned"
+    with torch.no_grad():
+        pruner.scores.uniform_(0, 1, generator=torch.Generator().manual_seed(1))
+    exported = pruner.export().eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(images)
+    with torch.no_grad():
+        got = exported(images)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    report = pruner.report()
+    assert count_params(exported) == report["params_after"]
+    assert report["speedup"] > 1.3
