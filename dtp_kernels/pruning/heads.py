@@ -318,20 +318,25 @@ def _latent(name: str, module: nn.Module) -> HeadGroup | None:
 
 # one fused projection of query, key and value blocks and the output projection
 FUSED_FORMS = (("qkv", "proj"), ("Wqkv", "out_proj"), ("Wqkv", "Wo"))  # timm, MPT, ModernBERT
+# where a fused form's layer keeps its head count (SAM's vision encoder: the third)
+HEAD_COUNTS = ("num_heads", "n_heads", "num_attention_heads")
 
 
 def _fused(name: str, module: nn.Module) -> HeadGroup | None:
-    """A FUSED_FORMS projection with head_dim, and the head count in num_heads or n_heads
+    """A FUSED_FORMS projection with head_dim, and the head count in one of HEAD_COUNTS
     or else the output projection's inputs over head_dim (timm's ViT and DeiT, MPT,
-    ModernBERT)."""
+    ModernBERT); or the head count alone (timm's Swin, SAM's vision encoder)."""
     pair = _fused_pair(module, FUSED_FORMS)
     if pair is None:
         return None
     fused, output, qkv, proj = pair
     head_dim = getattr(module, "head_dim", None)
-    heads = getattr(module, "num_heads", getattr(module, "n_heads", None))
+    heads = next(
+        (getattr(module, a) for a in HEAD_COUNTS if isinstance(getattr(module, a, None), int)),
+        None,
+    )
     if not isinstance(head_dim, int) and isinstance(heads, int) and heads > 0:
-        head_dim = proj.in_features // heads  # timm's Swin keeps only the head count
+        head_dim = proj.in_features // heads  # timm's Swin and SAM keep only the head count
     if not isinstance(head_dim, int) or head_dim < 1:
         return None
     if not isinstance(heads, int):
@@ -907,6 +912,9 @@ def _biases_from_outside(
 
 # modules whose parameters are never per-head tables of an attention layer they are beside
 NOT_TABLES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding, nn.MultiheadAttention)
+# layers inside an attention layer whose parameters are never its per-head tables (an
+# embedding of one column per head is found apart)
+CONVS_AND_EMBEDDINGS = (nn.Conv1d, nn.Conv2d, nn.Embedding)
 
 
 def _per_head_tables(
@@ -932,8 +940,8 @@ def _per_head_tables(
         if isinstance(owner, nn.Embedding) and owner.embedding_dim == heads
     ]
     for owner_name, owner in group.module.named_modules():
-        if owner in projections or is_norm(owner) or isinstance(owner, nn.Embedding):
-            continue
+        if owner in projections or is_norm(owner) or isinstance(owner, CONVS_AND_EMBEDDINGS):
+            continue  # a conv's kernel may be as wide as there are heads (SegFormer's)
         if isinstance(owner, nn.Linear):  # a layer computing one output per head
             if owner.out_features == heads:
                 candidates += [(owner, owner_name, n, p) for n, p in owner.named_parameters()]

@@ -101,6 +101,19 @@ def clip_vision():
     return transformers.CLIPVisionModel(config), (torch.randn(2, 3, 16, 16),)
 
 
+def dinov2(registers: bool = False):  # the ViT layout; layer scale; registers
+    if registers:
+        config = transformers.Dinov2WithRegistersConfig(**TINY_HF_VIT, num_register_tokens=2)
+        return transformers.Dinov2WithRegistersModel(config), (torch.randn(2, 3, 16, 16),)
+    config = transformers.Dinov2Config(**TINY_HF_VIT)
+    return transformers.Dinov2Model(config), (torch.randn(2, 3, 16, 16),)
+
+
+def siglip_vision():  # its attention-pooling head: test_vision_language.py
+    config = transformers.SiglipVisionConfig(**TINY_HF_VIT, vision_use_head=False)
+    return transformers.SiglipVisionModel(config), (torch.randn(2, 3, 16, 16),)
+
+
 def gptj():
     config = transformers.GPTJConfig(
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_inner=64, **TOKEN_IDS
@@ -185,6 +198,9 @@ FAMILIES = {
     "opt": (opt, 2, 4, False),
     "bart": (bart, 3, 4, False),
     "clip_vision": (clip_vision, 2, 4, False),
+    "siglip_vision": (siglip_vision, 2, 4, False),
+    "dinov2": (dinov2, 2, 4, False),
+    "dinov2_registers": (lambda: dinov2(registers=True), 2, 4, False),
     "gptj": (gptj, 2, 4, False),
     "ctrl": (ctrl, 2, 4, False),
     "xlm": (xlm, 2, 4, False),
@@ -814,6 +830,63 @@ def test_per_head_tables_are_cut_to_the_kept_heads(family):
             before = getattr(owner, name).shape
             after = getattr(modules[names[owner]], name).shape
             assert after[dim] == before[dim] // 2 and after[:dim] == before[:dim]
+    params, _ = pruner.predicted_counts()
+    assert params == sum(p.numel() for p in exported.parameters())
+
+
+def test_a_conv_in_the_attention_as_wide_as_its_heads_is_no_table():
+    """SegFormer's attention reduces its keys' and values' sequence with a conv whose
+    kernel (2 x 2) is as wide as the layer has heads (2): its weight is no table of
+    heads (nor heads mixed with heads), and the heads prune, export equal."""
+    config = transformers.SegformerConfig(
+        num_encoder_blocks=2,
+        depths=[1, 1],
+        sr_ratios=[2, 1],
+        hidden_sizes=[16, 32],
+        num_attention_heads=[2, 4],
+        decoder_hidden_size=32,
+        num_labels=3,
+        patch_sizes=[7, 3],
+        strides=[4, 2],
+        mlp_ratios=[2, 2],
+    )
+    torch.manual_seed(0)
+    model = transformers.SegformerForSemanticSegmentation(config).eval()
+    inputs = (torch.randn(1, 3, 32, 32),)
+    pruner = DTPPruner(model, inputs, {"heads": 0.5, "mlp": 0.5})
+    heads = [g for g in pruner.groups if isinstance(g, HeadGroup)]
+    assert [g.units for g in heads] == [2, 4] and not any(g.tables for g in heads)
+    with torch.no_grad():
+        pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
+    export_checked(pruner, model, inputs)
+
+
+def test_a_fused_layer_counting_its_heads_in_num_attention_heads():
+    """SAM's vision encoder: a fused qkv and proj whose layer keeps only
+    `num_attention_heads` (windowed and global attention, decomposed relative positions
+    of the head size shared by all heads): its heads prune, export equal, with the count
+    written."""
+    config = transformers.SamVisionConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        mlp_dim=64,
+        image_size=32,
+        patch_size=4,
+        output_channels=16,
+        window_size=2,
+        global_attn_indexes=[1],
+    )
+    torch.manual_seed(0)
+    model = transformers.SamVisionModel(config).eval()
+    inputs = (torch.randn(1, 3, 32, 32),)
+    pruner = DTPPruner(model, inputs, {"heads": 0.5, "mlp": 0.5})
+    heads = [g for g in pruner.groups if isinstance(g, HeadGroup)]
+    assert [(g.units, g.head_dim) for g in heads] == [(4, 8), (4, 8)]
+    with torch.no_grad():
+        pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
+    exported = export_checked(pruner, model, inputs)
+    assert [layer.attn.num_attention_heads for layer in exported.vision_encoder.layers] == [2, 2]
     params, _ = pruner.predicted_counts()
     assert params == sum(p.numel() for p in exported.parameters())
 
