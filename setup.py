@@ -144,7 +144,15 @@ def version() -> str:
 
 EXTRAS = {
     # the command line and its data, training, logs and plots
-    "pipeline": ["pyyaml", "tqdm", "tensorboard", "matplotlib", "scikit-learn", "torchvision"],
+    "pipeline": [
+        "pyyaml",
+        "tqdm",
+        "tensorboard",
+        "matplotlib",
+        "scikit-learn",
+        "torchvision",
+        "safetensors",  # model.weights files as the Hugging Face Hub and timm ship them
+    ],
     # transformers, timm models, Trainer and Lightning callbacks, builder files
     "transformers": ["transformers", "timm", "safetensors", "accelerate"],
     "lightning": ["lightning"],

@@ -8,7 +8,7 @@ classifier for images.
       source: python                       # builtin (default) | torchvision | python
       entry: my_project.nets:build_net     # python: a callable returning an nn.Module
       kwargs: {width: 2}                   # passed to it (torchvision: to the builder)
-      weights: checkpoints/dense.pt        # a state_dict, or a dict holding one
+      weights: checkpoints/dense.pt        # a state_dict, a dict holding one, or safetensors
       input_shape: [3, 32, 32]             # one example input, without the batch dim
 """
 
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..models import get_model
-from ..pruning.built_model import build
+from ..pruning.built_model import build, is_safetensors
 from ..pruning.conv1d import conv1d_to_linear
 from .errors import UsageError
 
@@ -116,14 +116,20 @@ def vocabulary_size(model: nn.Module) -> int:
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """A state_dict from `path` (torch.load with weights_only=True): the file's dict
-    itself, or the one under "state_dict" or "model"; DataParallel's "module." prefix
-    is removed."""
+    """A state_dict from `path`: a safetensors file (as the Hugging Face Hub and timm
+    ship weights), or a torch file (torch.load with weights_only=True) holding the dict
+    itself or the one under "state_dict" or "model"; DataParallel's "module." prefix is
+    removed."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"model.weights = {str(path)!r}: no such file")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        if is_safetensors(path):
+            from safetensors.torch import load_file
+
+            payload = load_file(path, device="cpu")
+        else:
+            payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
         raise UsageError(
             f"model.weights = {str(path)!r} is not a readable weights file: {error}"

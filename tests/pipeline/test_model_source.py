@@ -44,18 +44,28 @@ def test_sources_build_their_models():
         model_source.build_model(spec(source="torchvision", name="resnet9000"))
 
 
-@pytest.mark.parametrize("layout", ["plain", "state_dict", "model", "dataparallel"])
+@pytest.mark.parametrize(
+    "layout", ["plain", "state_dict", "model", "dataparallel", "safetensors", "safetensors_dp"]
+)
 def test_weights_files_in_every_layout_load(tmp_path, layout):
+    """torch files holding the state_dict or a checkpoint with it, and safetensors files
+    (as the Hugging Face Hub and timm ship weights), DataParallel's prefix or not."""
+    from safetensors.torch import save_file
+
     torch.manual_seed(0)
     trained = resnet20()
     state = trained.state_dict()
+    parallel = {f"module.{k}": v for k, v in state.items()}
     payload = {
         "plain": state,
         "state_dict": {"state_dict": state, "epoch": 3},
         "model": {"model": state, "optimizer": {}},
-        "dataparallel": {f"module.{k}": v for k, v in state.items()},
-    }[layout]
-    torch.save(payload, tmp_path / "w.pt")
+        "dataparallel": parallel,
+    }.get(layout)
+    if payload is None:  # a safetensors file, whatever its name
+        save_file(state if layout == "safetensors" else parallel, str(tmp_path / "w.pt"))
+    else:
+        torch.save(payload, tmp_path / "w.pt")
     model = resnet20()
     model_source.load_weights(model, tmp_path / "w.pt")
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
@@ -79,6 +89,9 @@ def test_weights_that_do_not_fit_are_listed_and_nothing_loads(tmp_path):
     (tmp_path / "bad.pt").write_bytes(b"not a torch file")
     with pytest.raises(ValueError, match="not a readable weights file"):
         model_source.load_weights(model, tmp_path / "bad.pt")
+    (tmp_path / "cut.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    with pytest.raises(ValueError, match=r"'.*cut.safetensors' is not a readable weights"):
+        model_source.load_weights(model, tmp_path / "cut.safetensors")
     torch.save({"epoch": 3}, tmp_path / "nothing.pt")
     with pytest.raises(ValueError, match="holds no state_dict"):
         model_source.load_weights(model, tmp_path / "nothing.pt")
@@ -127,6 +140,38 @@ def test_prune_the_users_own_model_from_its_weights(tmp_path):
     model = load_pruned(out / "pruned.pt", trusted=True)
     assert sum(p.numel() for p in model.parameters()) == summary["params"]
     assert 0 <= summary["accuracy_before_finetune"] <= 1
+
+
+def test_prune_a_timm_model_from_its_safetensors_weights(tmp_path):
+    """`dtp prune` on a timm model (entry timm:create_model) from a safetensors weights
+    file, as the Hugging Face Hub ships timm's: its heads and MLP neurons prune, and the
+    saved module has the summary's parameters."""
+    from safetensors.torch import save_file
+
+    from dtp_kernels import load_pruned
+
+    timm = pytest.importorskip("timm")
+    kwargs = dict(model_name="test_vit", num_classes=10, img_size=8, in_chans=1, patch_size=2)
+    torch.manual_seed(0)
+    save_file(timm.create_model(**kwargs).state_dict(), str(tmp_path / "model.safetensors"))
+    out = tmp_path / "run"
+    overrides = [
+        "model.source=python",
+        "model.entry=timm:create_model",
+        "model.kwargs={" + ", ".join(f"{k}: {v}" for k, v in kwargs.items()) + "}",
+        f"model.weights={tmp_path / 'model.safetensors'}",
+        "prune.ratios={heads: 0.5, mlp: 0.5}",
+        "pretrain.epochs=0",
+        "prune.epochs=1",
+        "finetune.epochs=1",
+    ]
+    assert main(prune_argv(out, overrides, "--no-progress")) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    kinds = {g["name"].rsplit(".", 1)[-1] for g in summary["groups"]}
+    assert kinds == {"attn", "fc1"}
+    model = load_pruned(out / "pruned.pt", trusted=True)
+    assert sum(p.numel() for p in model.parameters()) == summary["params"]
+    assert model.blocks[0].attn.num_heads == 1
 
 
 # Tiny Hugging Face image classifiers for the 8x8 digits (one channel, patches of 2)
