@@ -120,6 +120,32 @@ def norms_read_by(
     return found
 
 
+def norms_after_output(
+    model: nn.Module, inputs: tuple, candidates: dict[nn.Module, nn.Linear]
+) -> set[nn.Module]:
+    """The norms of `candidates` (norm: its attention layer's output projection) that
+    first run after that projection, seen in one eval forward of `model` on `inputs`: a
+    norm of the residual stream the projection writes into (ALBERT's LayerNorm inside
+    its attention layer), of the model width, not over the heads."""
+    ran: set[nn.Module] = set()
+    found: set[nn.Module] = set()
+
+    def projected(layer, _args, _output):
+        ran.add(layer)
+
+    def normalizes(norm, _args):
+        if norm not in ran and candidates[norm] in ran:
+            found.add(norm)
+        ran.add(norm)
+
+    outputs = set(candidates.values())
+    handles = [layer.register_forward_hook(projected) for layer in outputs]
+    handles += [norm.register_forward_pre_hook(normalizes) for norm in candidates]
+    with torch.no_grad():
+        run_hooked(model, inputs, handles)
+    return found
+
+
 def cut_norm(norm: nn.Module, rows: nn.Linear, kept: torch.Tensor) -> None:
     """Keep the `kept` channels of `norm` and the rows of `rows` already cut to them (in
     place), scaled so that the norm computes on them what it computed on all its channels

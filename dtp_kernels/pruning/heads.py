@@ -77,6 +77,7 @@ from .head_norms import (
     RescaledNorm,
     cut_norm,
     fed_norms,
+    norms_after_output,
     norms_over_all_heads,
     norms_read_by,
     rescales_exactly,
@@ -233,6 +234,7 @@ SEPARATE_FORMS = (
     (("q_proj", "k_proj", "v_proj", "projection_layer"), "head_dim"),  # InternVL's vision tower
     (("q_proj", "k_proj", "v_proj", "proj"), "head_dim"),  # timm's EVA, unfused
     (("q_lin", "k_lin", "v_lin", "out_lin"), "attention_head_size"),  # DistilBERT
+    (("query", "key", "value", "dense"), "attention_head_size"),  # ALBERT
     (("q", "k", "v", "o"), "key_value_proj_dim"),  # T5, UMT5
     (("Wq", "Wk", "Wv", "dense"), "head_dim"),  # CTRL
     (("q_lin", "k_lin", "v_lin", "out_lin"), "head_dim"),  # XLM, FlauBERT
@@ -667,10 +669,11 @@ def find_head_groups(
     for group in groups:
         group.refusal = group.refusal or outside.get(group.module, "")
     normed = [g for g in groups if g.norms and not g.refusal]
-    if normed and inputs:  # a norm of the layer's input is no norm over its heads
+    if normed and inputs:  # a norm of the layer's input or output is no norm over its heads
         before = norms_read_by(model, inputs, {n: g.kept_out for g in normed for n in g.norms})
+        after = norms_after_output(model, inputs, {n: g.out.layer for g in normed for n in g.norms})
         for group in normed:
-            group.norms = tuple(n for n in group.norms if n not in before)
+            group.norms = tuple(n for n in group.norms if n not in before | after)
     _rescale_norms(model, inputs, [g for g in groups if g.norms and not g.refusal])
     return groups
 

@@ -60,6 +60,19 @@ def distilbert():
     return transformers.DistilBertForSequenceClassification(config), (tokens(),)
 
 
+def albert():  # query, key, value and dense in one module, its LayerNorm after dense
+    config = transformers.AlbertConfig(
+        vocab_size=VOCAB,
+        embedding_size=16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        pad_token_id=0,
+    )
+    return transformers.AlbertForSequenceClassification(config), (tokens(),)
+
+
 def deberta(share_att_key: bool):  # relative attention: pos_key_proj, pos_query_proj
     config = transformers.DebertaV2Config(
         vocab_size=VOCAB,
@@ -193,6 +206,8 @@ GQA = {"num_key_value_heads": 2, "head_dim": 8}
 # the pruned model; those whose head size follows from hidden_size / heads cannot)
 FAMILIES = {
     "distilbert": (distilbert, 2, 4, False),
+    # one layer shared by both of the model's layers: one group
+    "albert": (albert, 1, 4, False),
     "deberta_v3": (lambda: deberta(share_att_key=True), 2, 4, False),
     "deberta_pos_proj": (lambda: deberta(share_att_key=False), 2, 4, False),
     "opt": (opt, 2, 4, False),
