@@ -10,7 +10,13 @@ from torch import nn
 
 from dtp_kernels.pruning import DTPPruner, load_pruned, save_pruned
 from dtp_kernels.pruning.cost import count_params
-from dtp_kernels.pruning.head_norms import cut_norm, fed_norms, norms_read_by, rescales_exactly
+from dtp_kernels.pruning.head_norms import (
+    cut_norm,
+    fed_norms,
+    norms_after_output,
+    norms_read_by,
+    rescales_exactly,
+)
 from dtp_kernels.pruning.heads import HeadGroup
 from utils import LLAMA_VOCAB as VOCAB
 from utils import hard_masked_and_exported, randomised, tiny_bitnet
@@ -58,6 +64,30 @@ def test_a_norm_of_the_attention_output_is_one_the_output_projection_reads_as_it
     model = NormedOutput(as_it_is)
     found = norms_read_by(model, (torch.randn(3, 4),), {model.norm: [model.out]})
     assert found == ({model.norm} if as_it_is else set())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+class SharedLayer(nn.Module):
+    """One layer called twice (ALBERT's sharing): a norm over what feeds its output
+    projection and a norm of its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.norm, self.out = nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8)
+        self.after = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            x = self.after(x + self.out(self.norm(self.inner(x))))
+        return x
+
+
+def test_a_norm_after_the_output_projection_is_found_in_a_layer_called_twice():
+    """ALBERT's LayerNorm of the residual stream runs after the output projection; the
+    norm before it does too from the second call on, and is not taken for one after."""
+    model = SharedLayer()
+    candidates = {model.norm: model.out, model.after: model.out}
+    assert norms_after_output(model, (torch.randn(3, 8),), candidates) == {model.after}
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
