@@ -7,8 +7,8 @@ does not follow the per-head reshapes):
   and ``o_proj`` (Llama, Mistral, Qwen, Gemma), ``out_proj`` (OPT, BART, Whisper, CLIP,
   GPT-J, XGLM), ``dense`` (Phi), ``Wo`` (ModernBERT's decoder), ``projection_layer``
   (InternVL's vision tower) or ``proj`` (timm's EVA, unfused), with ``head_dim``;
-  DistilBERT's ``q_lin``, ``k_lin``, ``v_lin``, ``out_lin`` with
-  ``attention_head_size``; T5's and UMT5's ``q``, ``k``,
+  DistilBERT's ``q_lin``, ``k_lin``, ``v_lin``, ``out_lin`` and ALBERT's ``query``,
+  ``key``, ``value``, ``dense`` with ``attention_head_size``; T5's and UMT5's ``q``, ``k``,
   ``v``, ``o`` with ``key_value_proj_dim``; CTRL's ``Wq``, ``Wk``, ``Wv``, ``dense``
   with ``head_dim``; XLM's and FlauBERT's ``q_lin``, ``k_lin``, ``v_lin``, ``out_lin``
   with ``head_dim``. An RMS normalization of the queries or keys
