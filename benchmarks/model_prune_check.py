@@ -38,10 +38,11 @@ MODELS = [
     "iformer_t",
     "coatnet_nano_rw_224",
     "visformer_tiny",
-    # their attention layers export to a class of their own (window_attention.py,
+    # their attention layers export to a class of their own (torchvision_attention.py,
     # timm_attention.py)
     "torchvision.swin_t",
     "torchvision.swin_v2_t",
+    "torchvision.maxvit_t",
     "vit_small_patch16_dinov3",
     "eva02_tiny_patch14_224",
     "eva02_base_patch14_224",

@@ -19,8 +19,8 @@ does not follow the per-head reshapes):
 - one fused ``qkv`` projection and ``proj``, with ``num_heads`` and ``head_dim``, as
   timm's ViT and DeiT write them (or ``num_heads`` alone: timm's and torchvision's Swin);
   layers whose code ties the head size or the output width to the input width
-  (torchvision's Swin, timm's EVA, BEiT and Swin V2) are exported as classes of
-  window_attention.py and timm_attention.py (``PRUNED_CLASS_MODULES``); GPT-2's
+  (torchvision's Swin and MaxViT, timm's EVA, BEiT and Swin V2) are exported as classes
+  of torchvision_attention.py and timm_attention.py (``PRUNED_CLASS_MODULES``); GPT-2's
   ``c_attn`` and ``c_proj`` with ``split_size`` (its Conv1D layers made ``nn.Linear``
   by :func:`conv1d_to_linear` first); Phi-3's ``qkv_proj`` (query heads, then key and
   value heads) and ``o_proj``, whose head count the layers read from the config they
@@ -319,7 +319,8 @@ def _latent(name: str, module: nn.Module) -> HeadGroup | None:
 
 
 # one fused projection of query, key and value blocks and the output projection
-FUSED_FORMS = (("qkv", "proj"), ("Wqkv", "out_proj"), ("Wqkv", "Wo"))  # timm, MPT, ModernBERT
+# timm, MPT, ModernBERT, torchvision's MaxViT
+FUSED_FORMS = (("qkv", "proj"), ("Wqkv", "out_proj"), ("Wqkv", "Wo"), ("to_qkv", "merge"))
 # where a fused form's layer keeps its head count (SAM's vision encoder: the third)
 HEAD_COUNTS = ("num_heads", "n_heads", "num_attention_heads")
 
@@ -805,7 +806,8 @@ def prove_head_groups(model: nn.Module, groups: list[HeadGroup], inputs: tuple) 
 # output width to the model width, and this package's modules of the classes export
 # gives them
 PRUNED_CLASS_MODULES = {
-    "torchvision.models.swin_transformer": "window_attention",
+    "torchvision.models.swin_transformer": "torchvision_attention",
+    "torchvision.models.maxvit": "torchvision_attention",
     "timm": "timm_attention",  # EVA's, BEiT's and Swin V2's
 }
 

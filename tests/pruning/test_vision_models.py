@@ -219,7 +219,7 @@ MODELS = {
         ],
     ),
     # its shifted windows' reshapes are left unmapped (graph_workarounds.py); its heads
-    # are found by form and exported as window_attention.py's classes
+    # are found by form and exported as torchvision_attention.py's classes
     "torchvision_swin": (
         torchvision_swin,
         SWIN_GROUPS,
@@ -639,12 +639,12 @@ def test_talking_heads_are_refused_by_name_and_the_mlps_prune():
 
 
 @pytest.mark.parametrize("name", ["torchvision_swin", "torchvision_swin_v2"])
-def test_torchvision_swin_heads_export_as_its_pruned_window_attention(name):
+def test_torchvision_swin_heads_export_as_its_pruned_class(name):
     """torchvision's shifted-window attention takes its head size to be the input width
-    over the heads: each layer that loses heads is exported as window_attention.py's
+    over the heads: each layer that loses heads is exported as torchvision_attention.py's
     class, with its kept heads, relative position tables (V1) or logit scales and bias
     MLP rows (V2) cut, and computes what the hard-masked model does."""
-    from dtp_kernels.pruning.window_attention import PRUNED_CLASSES
+    from dtp_kernels.pruning.torchvision_attention import PRUNED_CLASSES
 
     model, x = build(name)
     pruner = DTPPruner(model, (x[:1],), {"heads": 0.5})

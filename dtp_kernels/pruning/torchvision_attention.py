@@ -1,11 +1,13 @@
-"""torchvision's shifted-window attention (Swin, Swin V2) with some of its heads removed.
+"""torchvision's attention layers that tie their heads to the model width, with some of
+their heads removed: Swin's and Swin V2's shifted-window attention, MaxViT's.
 
 torchvision computes a window attention layer's heads in one function that takes the head
 size to be the layer's input width over its head count and reshapes the heads' output to
-the input width, so a layer that has lost heads no longer runs. Export gives such a layer
-one of the classes below: a subclass with the same parameters, buffers and state-dict
-keys whose forward is :func:`window_attention`, the same computation with the head size
-taken from the query/key/value projection (its rows over three times the heads).
+the input width; MaxViT's attention reshapes its heads' output to the input width too. So
+a layer that has lost heads no longer runs. Export gives such a layer one of the classes
+below: a subclass with the same parameters, buffers and state-dict keys whose forward is
+the same computation with the head size taken from the projection
+(:func:`window_attention` for Swin's) and the output at the heads' own width.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import math
 
 import torch
 from torch import nn
+from torchvision.models.maxvit import RelativePositionalMultiHeadAttention
 from torchvision.models.swin_transformer import ShiftedWindowAttention, ShiftedWindowAttentionV2
 
 # the bias a shifted window adds between tokens from different regions of the image
@@ -100,7 +103,7 @@ class _GivenToTheLayer:
     """A class export gives the layer itself: its parameters and buffers stay."""
 
     @classmethod
-    def from_dense(cls, layer: ShiftedWindowAttention) -> ShiftedWindowAttention:
+    def from_dense(cls, layer: nn.Module) -> nn.Module:
         """`layer` itself, given this class (a loader then gives it the saved shapes)."""
         layer.__class__ = cls
         return layer
@@ -126,8 +129,28 @@ class PrunedShiftedWindowAttentionV2(_GivenToTheLayer, ShiftedWindowAttentionV2)
         return window_attention(x, self, self.logit_scale)
 
 
-# the class export gives a layer of each class that loses heads (V2 first: a subclass)
+class PrunedMaxVitAttention(_GivenToTheLayer, RelativePositionalMultiHeadAttention):
+    """torchvision MaxViT's RelativePositionalMultiHeadAttention whose heads may be fewer
+    than the model width over their size (its scale stays the model width's)."""
+
+    replaces = RelativePositionalMultiHeadAttention
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, groups, tokens, _ = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:  # (B, G, P, H * DH) -> (B, G, H, P, DH)
+            return t.reshape(batch, groups, tokens, self.n_heads, self.head_dim).transpose(2, 3)
+
+        q, k, v = (heads(t) for t in self.to_qkv(x).chunk(3, dim=-1))
+        scores = q @ (k * self.scale_factor).transpose(-2, -1)
+        attention = (scores + self.get_relative_positional_bias()).softmax(dim=-1)
+        out = (attention @ v).transpose(2, 3).reshape(batch, groups, tokens, -1)
+        return self.merge(out)
+
+
+# the class export gives a layer of each class that loses heads
 PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     ShiftedWindowAttentionV2: PrunedShiftedWindowAttentionV2,
     ShiftedWindowAttention: PrunedShiftedWindowAttention,
+    RelativePositionalMultiHeadAttention: PrunedMaxVitAttention,
 }

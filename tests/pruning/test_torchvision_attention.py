@@ -1,0 +1,110 @@
+"""torchvision_attention.py: torchvision's shifted-window attention (Swin, Swin V2) and
+MaxViT's attention with the head size taken from the projection. With every head kept
+each computes exactly what torchvision's does (values and gradients; Swin's shifted or
+not, feature maps padded to whole windows or not); with heads removed, what the hard
+mask computes (here for MaxViT; test_vision_models.py and test_saving.py for Swin)."""
+
+import pytest
+import torch
+from torchvision.models.swin_transformer import ShiftedWindowAttention, ShiftedWindowAttentionV2
+
+from dtp_kernels.pruning import DTPPruner
+from dtp_kernels.pruning.cost import count_params
+from dtp_kernels.pruning.torchvision_attention import PRUNED_CLASSES, window_attention
+
+
+@pytest.mark.parametrize("cls", [ShiftedWindowAttention, ShiftedWindowAttentionV2])
+@pytest.mark.parametrize("shift", [[0, 0], [2, 2], [0, 2], [1, 3]])
+@pytest.mark.parametrize("size", [(8, 8), (7, 9), (3, 5)])
+@pytest.mark.parametrize("training", [False, True])
+def test_every_head_kept_computes_what_torchvision_computes(cls, shift, size, training):
+    """Bitwise the same outputs and parameter gradients as torchvision's layer (a map
+    smaller than a window is not shifted along that side; 7 x 9 is padded)."""
+    torch.manual_seed(0)
+    layer = cls(16, [4, 4], shift, 4).train(training)
+    x = torch.randn(2, *size, 16, requires_grad=True)
+    want = layer(x)
+    want_grads = torch.autograd.grad(want.square().sum(), [x, *layer.parameters()])
+    layer.__class__ = PRUNED_CLASSES[cls]
+    got = layer(x)
+    got_grads = torch.autograd.grad(got.square().sum(), [x, *layer.parameters()])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_heads_of_another_size_than_the_width_over_their_count():
+    """Three heads of 4 in a layer of width 16 (torchvision's code cannot run it) compute
+    what the four-head layer computes with the fourth head's output columns zeroed."""
+    torch.manual_seed(0)
+    layer = ShiftedWindowAttention(16, [2, 2], [1, 1], 4).eval()
+    x = torch.randn(2, 6, 6, 16)
+    with torch.no_grad():
+        layer.proj.weight[:, 12:] = 0
+        want = layer(x)
+        rows = torch.arange(48) % 16 < 12  # the first three heads of the query, key, value
+        layer.qkv.weight = torch.nn.Parameter(layer.qkv.weight[rows])
+        layer.qkv.bias = torch.nn.Parameter(layer.qkv.bias[rows])
+        layer.proj.weight = torch.nn.Parameter(layer.proj.weight[:, :12])
+        table = layer.relative_position_bias_table
+        layer.relative_position_bias_table = torch.nn.Parameter(table[:, :3])
+        layer.num_heads = 3
+        with pytest.raises(RuntimeError):  # torchvision's: a head size of 16 // 3
+            layer(x)
+        torch.testing.assert_close(window_attention(x, layer), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_maxvit_attention_with_every_head_kept_computes_what_torchvision_computes(training):
+    from torchvision.models.maxvit import RelativePositionalMultiHeadAttention
+
+    torch.manual_seed(0)
+    layer = RelativePositionalMultiHeadAttention(32, 8, 16).train(training)
+    x = torch.randn(2, 3, 16, 32, requires_grad=True)
+    want = layer(x)
+    want_grads = torch.autograd.grad(want.square().sum(), [x, *layer.parameters()])
+    PRUNED_CLASSES[type(layer)].from_dense(layer)
+    got = layer(x)
+    got_grads = torch.autograd.grad(got.square().sum(), [x, *layer.parameters()])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_maxvit_prunes_its_heads_with_a_float_and_exports_equal():
+    """MaxViT's block and grid attention layers lose heads (their bias tables with them)
+    with its convs and MLPs; the export computes what the hard-masked model does."""
+    from torchvision.models.maxvit import MaxVit
+
+    from dtp_kernels.pruning.heads import HeadGroup
+    from dtp_kernels.pruning.torchvision_attention import PrunedMaxVitAttention
+
+    torch.manual_seed(0)
+    model = MaxVit(
+        input_size=(32, 32),
+        stem_channels=8,
+        partition_size=2,
+        block_channels=[16, 32],
+        block_layers=[1, 1],
+        head_dim=8,
+        stochastic_depth_prob=0.0,
+        num_classes=5,
+    ).eval()
+    x = torch.randn(2, 3, 32, 32)
+    pruner = DTPPruner(model, (x[:1],), 0.5)
+    assert [g.units for g in pruner.groups if isinstance(g, HeadGroup)] == [2, 2, 4, 4]
+    with torch.no_grad():
+        pruner.scores.uniform_(0, 1, generator=torch.Generator().manual_seed(1))
+    exported = pruner.export().eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(x)
+    with torch.no_grad():
+        torch.testing.assert_close(exported(x), want, rtol=1e-5, atol=1e-5)
+    assert count_params(exported) == pruner.report()["params_after"]
+    layers = [m for m in exported.modules() if isinstance(m, PrunedMaxVitAttention)]
+    assert [(m.n_heads, m.relative_position_bias_table.shape[1]) for m in layers] == [
+        (1, 1),
+        (1, 1),
+        (2, 2),
+        (2, 2),
+    ]
