@@ -176,7 +176,8 @@ def rescales_exactly(norm: nn.Module) -> bool:
     x = torch.randn(3, width, generator=generator).to(device, dtype)
     zeroed = torch.zeros_like(x)
     zeroed[:, kept.to(device)] = x[:, kept.to(device)]
-    probe = copy.deepcopy(norm).eval()
+    probe = copy.deepcopy(norm)
+    probe.eval()
     rows = nn.Linear(width, width, bias=False).to(device, dtype)
     try:
         with torch.no_grad():

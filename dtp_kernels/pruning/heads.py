@@ -349,16 +349,34 @@ def _fused(name: str, module: nn.Module) -> HeadGroup | None:
             f"attention layer {name!r}: {fused} ({qkv.out_features} outputs) and {output} "
             f"({proj.in_features} inputs) are not {heads} heads of head_dim {head_dim}"
         )
-    for part in ("norm", "gate"):  # a norm over all heads, or a gate: not per head
-        child = getattr(module, part, None)
-        if child is not None and not isinstance(child, nn.Identity):
-            raise ValueError(
-                f"attention layer {name!r}: its {part} ({type(child).__name__}) acts on all "
-                "heads together, so removing heads would change what it computes; leave "
-                "the layer whole with ignored_layers=[...]"
-            )
     rows = [Projection(qkv, 3, head_dim)]
     return HeadGroup(name, module, rows, Projection(proj, 1, head_dim), heads, 1, head_dim)
+
+
+def _per_head_qkv(name: str, module: nn.Module) -> HeadGroup | None:
+    """A fused ``qkv`` whose rows hold each head's query, key and value in turn, the
+    query and key of ``key_dim`` rows and the value of ``val_dim`` (timm's TinyViT and
+    EfficientFormer): the heads' output is their value width, reshaped to ``out_dim``
+    (``val_attn_dim``), which export writes with ``num_heads``."""
+    pair = _fused_pair(module, (("qkv", "proj"),))
+    if pair is None:
+        return None
+    _, _, qkv, proj = pair
+    key_dim, val_dim, heads = (
+        getattr(module, a, None) for a in ("key_dim", "val_dim", "num_heads")
+    )
+    if not all(isinstance(v, int) and v > 0 for v in (key_dim, val_dim, heads)):
+        return None
+    if qkv.out_features != heads * (2 * key_dim + val_dim) or proj.in_features != heads * val_dim:
+        return None
+    widths = {
+        a: val_dim for a in ("out_dim", "val_attn_dim") if isinstance(getattr(module, a, None), int)
+    }
+    rows = [Projection(qkv, 1, 2 * key_dim + val_dim)]
+    out = Projection(proj, 1, val_dim)
+    return HeadGroup(
+        name, module, rows, out, heads, 1, val_dim, attributes={"num_heads": 1, **widths}
+    )
 
 
 def _phi3(name: str, module: nn.Module) -> HeadGroup | None:
@@ -643,6 +661,7 @@ def find_head_groups(
         try:
             group = (
                 _separate(name, module)
+                or _per_head_qkv(name, module)
                 or _fused(name, module)
                 or _per_head_fused(name, module)
                 or _phi3(name, module)
@@ -1030,6 +1049,9 @@ def _prune_layer_heads(
         cut_norm(copy[names[rescaled.norm]], copy[names[rescaled.rows]], channels)
     for conv in group.convs:
         cut_depthwise(copy[names[conv.layer]], conv.kept(group.units, kept))
+    cache = getattr(copy[names[group.module]], "attention_bias_cache", None)
+    if isinstance(cache, dict):  # timm's cache of its per-head bias table, of the old heads
+        cache.clear()
     if group.attributes:  # the layer's own sizes
         for attr, per_unit in group.attributes.items():
             setattr(copy[names[group.module]], attr, len(kept) * per_unit)

@@ -95,7 +95,8 @@ def cuts_exactly(
     to the kept units: the bias a tied attention layer is handed)."""
     order = torch.randperm(units, generator=torch.Generator().manual_seed(0))
     keep = order[: units // 2].sort().values
-    edited = copy.deepcopy(module).eval()
+    edited = copy.deepcopy(module)
+    edited.eval()  # not chained: some layers' train() returns None (timm's TinyViT's)
     args, kwargs = call
     with torch.no_grad(), ieee_fp32():  # TF32 would round the two apart
         zero(edited, keep)

@@ -73,7 +73,8 @@ def rescales_exactly(norm: nn.Module, x: torch.Tensor) -> bool:
     width = norm.weight.shape[-1]
     generator = torch.Generator().manual_seed(0)
     keep = random_half(width, generator)
-    probe = copy.deepcopy(norm).eval()
+    probe = copy.deepcopy(norm)
+    probe.eval()
     with torch.no_grad():
         for param in probe.parameters():
             param.copy_(torch.rand(param.shape, generator=generator) + 0.5)

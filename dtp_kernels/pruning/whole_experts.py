@@ -258,7 +258,8 @@ def _favouring(
     """A copy of `router` whose per-expert vectors (a bias, a score correction bias) favour
     the experts not in `keep`, and that vector: the proof must hold whatever they learn,
     and a router that adds them where the mask does not reach would choose those."""
-    router = copy.deepcopy(router).eval()
+    router = copy.deepcopy(router)
+    router.eval()
     favour = torch.full((experts,), 3.0)
     favour[keep] = -3.0
     favour += 0.1 * torch.randn(experts, generator=torch.Generator().manual_seed(1))

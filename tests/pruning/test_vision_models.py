@@ -662,3 +662,49 @@ def test_torchvision_swin_heads_export_as_its_pruned_class(name):
             else:
                 assert attn.relative_position_bias_table.shape[1] == heads
     exported.train()(x).sum().backward()  # it trains on
+
+
+def tiny_vit():
+    from timm.models.tiny_vit import TinyVit
+
+    model = TinyVit(
+        embed_dims=(16, 32, 32, 32),
+        depths=(1, 1, 1, 1),
+        num_heads=(1, 2, 2, 2),
+        window_sizes=(2, 2, 2, 2),
+        drop_path_rate=0.0,
+        num_classes=5,
+    )
+    return model, torch.randn(2, 3, 64, 64), "out_dim"
+
+
+def efficientformer():  # its attention's bias table is for 7 x 7 tokens: 224 x 224 images
+    from timm.models.efficientformer import EfficientFormer
+
+    model = EfficientFormer(depths=(1, 1, 1, 2), embed_dims=(16, 16, 32, 64), num_vit=1)
+    model.reset_classifier(5)
+    return model, torch.randn(2, 3, 224, 224), "val_attn_dim"
+
+
+@pytest.mark.parametrize("build", [tiny_vit, efficientformer])
+def test_a_qkv_holding_each_heads_query_key_and_value_in_turn_prunes_its_heads(build):
+    """timm's TinyViT and EfficientFormer: `qkv` holds each head's query, key (key_dim
+    rows each) and value (val_dim) in turn, and the heads' output is reshaped to
+    `out_dim` (`val_attn_dim`). A float prunes the heads with the rest; the export, made
+    after eval forwards filled the layers' cache of their per-head bias tables, equals
+    the hard-masked model, with the head counts and widths written."""
+    torch.manual_seed(0)
+    model, x, width = build()
+    model.eval()
+    with torch.no_grad():
+        model(x)  # the per-head bias tables cached at their dense width
+    pruner = DTPPruner(model, (x[:1],), 0.5)
+    heads = [g for g in pruner.groups if isinstance(g, HeadGroup)]
+    assert heads and all(g.units >= 2 for g in heads)
+    exported = export_random_order(pruner, model, x)
+    assert count_params(exported) == pruner.report()["params_after"]
+    for group in heads:
+        layer = exported.get_submodule(group.name)
+        assert layer.num_heads == group.units // 2
+        assert getattr(layer, width) == layer.num_heads * layer.val_dim
+        assert layer.attention_biases.shape[0] == layer.num_heads
