@@ -43,6 +43,8 @@ MODELS = [
     "torchvision.swin_t",
     "torchvision.swin_v2_t",
     "torchvision.maxvit_t",
+    "tiny_vit_5m_224",
+    "efficientformer_l1",
     "vit_small_patch16_dinov3",
     "eva02_tiny_patch14_224",
     "eva02_base_patch14_224",

@@ -25,6 +25,8 @@ does not follow the per-head reshapes):
   by :func:`conv1d_to_linear` first); Phi-3's ``qkv_proj`` (query heads, then key and
   value heads) and ``o_proj``, whose head count the layers read from the config they
   share;
+- a fused ``qkv`` holding each head's query, key and value in turn, with ``key_dim``,
+  ``val_dim`` and ``num_heads`` (timm's TinyViT and EfficientFormer);
 - ``query``, ``key``, ``value`` with ``num_attention_heads`` and ``attention_head_size``,
   the output projection being the ``output.dense`` beside it (Hugging Face's BERT), or
   ``query_proj``, ``key_proj``, ``value_proj`` there (DeBERTa);
