@@ -323,14 +323,17 @@ def test_training_steps(name):
 
 
 def test_a_norm_over_all_heads_is_refused_by_name():
-    """timm's scale_norm normalizes the heads' outputs together: refused."""
+    """timm's scale_norm normalizes the heads' outputs together (a LayerNorm, which no
+    rescaling keeps exact): refused naming the layer and the norm."""
     from timm.models.vision_transformer import VisionTransformer
 
     model = VisionTransformer(
         img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=4, num_classes=5
     )
     model.blocks[0].attn.norm = torch.nn.LayerNorm(32)
-    with pytest.raises(ValueError, match=r"layer 'blocks.0.attn': its norm"):
+    with pytest.raises(
+        ValueError, match=r"layer 'blocks.0.attn' feeds LayerNorm 'blocks.0.attn.norm'"
+    ):
         DTPPruner(model, (torch.randn(1, 3, 16, 16),), {"heads": 0.5})
 
 
