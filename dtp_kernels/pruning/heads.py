@@ -870,8 +870,8 @@ def _proven(group: HeadGroup, scope: nn.Module, call: tuple, zero, cut, cut_call
 
 
 # an attention layer's linear layer of the query width that gates the attention output
-# channel by channel before the output projection (AFMoE's, Beam's)
-OUTPUT_GATES = ("gate_proj",)
+# channel by channel before the output projection (AFMoE's, Beam's; timm EVA's `gate`)
+OUTPUT_GATES = ("gate_proj", "gate")
 
 
 def _other_linears(group: HeadGroup) -> str:

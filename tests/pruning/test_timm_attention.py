@@ -48,6 +48,7 @@ LAYERS = {
     "eva no bias, rope": (lambda: eva(qkv_bias=False), rope),
     "eva rope rotating halves": (lambda: eva(rotate_half=True), rope),
     "eva separate projections": (lambda: eva(qkv_fused=False), attention_mask),
+    "eva gated": (lambda: eva(gated=True), dict),
     "eva query and key norms": (
         lambda: eva(qk_norm=True, norm_layer=torch.nn.LayerNorm),
         lambda: {"is_causal": True},
@@ -159,3 +160,31 @@ def test_models_prune_their_heads_and_save_with_a_builder(name, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), exported(x), rtol=0, atol=0)
     exported.train()(x).sum().backward()  # it trains on
+
+
+class GatedEva(torch.nn.Module):
+    """An EVA attention layer with an output gate (`gated`: sigmoid(gate(x)) scales each
+    channel of the heads' output) before a classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = eva(gated=True)
+        self.head = torch.nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(x).mean(dim=1))
+
+
+def test_an_output_gate_named_gate_is_cut_with_the_heads():
+    torch.manual_seed(0)
+    model = GatedEva().eval()
+    x = torch.randn(2, TOKENS, 32)
+    pruner = DTPPruner(model, (x[:1],), {"heads": 0.5})
+    with torch.no_grad():
+        pruner.scores.uniform_(0, 1, generator=torch.Generator().manual_seed(1))
+    exported = pruner.export().eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(x)
+    torch.testing.assert_close(exported(x), want, rtol=1e-5, atol=1e-5)
+    assert exported.attn.gate.out_features == exported.attn.proj.in_features == 16
+    assert count_params(exported) == pruner.report()["params_after"]
