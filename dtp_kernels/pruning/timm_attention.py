@@ -1,9 +1,10 @@
 """timm's attention layers that reshape their heads' output to the model width, with some
-of their heads removed: EVA's (EVA-02, DINOv3, Perception Encoder, RoPE-ViT), BEiT's
-and Swin V2's.
+of their heads removed: EVA's (EVA-02, DINOv3, Perception Encoder, RoPE-ViT), BEiT's,
+Swin V2's and DaViT's (its channel attention and its window attention).
 
-Their code reshapes the heads' output to the width of the layer's input, so a layer that
-has lost heads no longer runs; their key bias, when the query and value have one, is a
+Their code reshapes the heads' output to the width of the layer's input (DaViT's also
+takes the head size to be that width over the heads), so a layer that has lost heads no
+longer runs; their key bias, when the query and value have one, is a
 zero buffer of the query width. Export gives such a layer the subclass below: the same
 parameters and state-dict keys, a forward that reshapes the heads' output to their own
 width and makes the key bias as zeros of the query bias's width (the buffer is dropped,
@@ -18,6 +19,8 @@ import torch
 from timm.layers import apply_rot_embed_cat
 from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
 from timm.models.beit import Attention as BeitAttention
+from timm.models.davit import ChannelAttention as DavitChannelAttention
+from timm.models.davit import WindowAttention as DavitWindowAttention
 from timm.models.eva import EvaAttention
 from timm.models.swin_transformer_v2 import WindowAttention as SwinV2WindowAttention
 from torch import nn
@@ -41,7 +44,7 @@ def _heads(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     `layer.qkv`, with the query and value biases `layer.q_bias`, `layer.v_bias` (and a
     zero key bias) where the layer has them, added as its class adds them."""
     batch, tokens, _ = x.shape
-    if layer.q_bias is None:
+    if getattr(layer, "q_bias", None) is None:  # DaViT's layers have none
         qkv = layer.qkv(x)
     else:
         bias = torch.cat((layer.q_bias, torch.zeros_like(layer.q_bias), layer.v_bias))
@@ -156,8 +159,37 @@ class PrunedSwinV2WindowAttention(_GivenToTheLayer, SwinV2WindowAttention):
         return self.proj_drop(self.proj(_merged(out)))
 
 
+class PrunedDavitChannelAttention(_GivenToTheLayer, DavitChannelAttention):
+    """timm DaViT's ChannelAttention (each head attends over its own channels) whose heads
+    may be fewer than the model width over their size."""
+
+    replaces = DavitChannelAttention
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = _heads(self, x)
+        attention = ((k * self.scale).transpose(-1, -2) @ v).softmax(dim=-1)
+        return self.proj(_merged((attention @ q.transpose(-1, -2)).transpose(-1, -2)))
+
+
+class PrunedDavitWindowAttention(_GivenToTheLayer, DavitWindowAttention):
+    """timm DaViT's WindowAttention whose heads may be fewer than the model width over
+    their size."""
+
+    replaces = DavitWindowAttention
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = _heads(self, x)
+        if self.fused_attn:
+            out = nn.functional.scaled_dot_product_attention(q, k, v)
+        else:
+            out = self.softmax((q * self.scale) @ k.transpose(-2, -1)) @ v
+        return self.proj(_merged(out))
+
+
 PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     EvaAttention: PrunedEvaAttention,
     BeitAttention: PrunedBeitAttention,
     SwinV2WindowAttention: PrunedSwinV2WindowAttention,
+    DavitChannelAttention: PrunedDavitChannelAttention,
+    DavitWindowAttention: PrunedDavitWindowAttention,
 }

@@ -1,5 +1,6 @@
 """timm_attention.py: timm's attention layers that reshape their heads' output to the
-model width (EVA's: EVA-02, DINOv3, Perception Encoder, RoPE-ViT; BEiT's; Swin V2's),
+model width (EVA's: EVA-02, DINOv3, Perception Encoder, RoPE-ViT; BEiT's; Swin V2's;
+DaViT's),
 with heads removed. With every head kept each pruned class computes exactly what timm's
 does; tiny models of each prune their heads with a float ratio, export equal to the
 hard-masked model, and save and load with a builder."""
@@ -14,6 +15,8 @@ from dtp_kernels.pruning.cost import count_params
 timm = pytest.importorskip("timm")
 from timm.layers import RotaryEmbeddingCat  # noqa: E402
 from timm.models.beit import Attention as BeitAttention  # noqa: E402
+from timm.models.davit import ChannelAttention  # noqa: E402
+from timm.models.davit import WindowAttention as DavitWindowAttention  # noqa: E402
 from timm.models.eva import EvaAttention  # noqa: E402
 from timm.models.swin_transformer_v2 import WindowAttention  # noqa: E402
 
@@ -61,6 +64,8 @@ LAYERS = {
     "beit no table, no bias": (lambda: BeitAttention(32, 4), dict),
     "swin v2": (lambda: WindowAttention(32, (3, 3), 4), dict),
     "swin v2 shifted, no bias": (lambda: WindowAttention(32, (3, 3), 4, False), shifted_windows),
+    "davit channel": (lambda: ChannelAttention(32, 4, qkv_bias=True), dict),
+    "davit window": (lambda: DavitWindowAttention(32, (3, 3), 4), dict),
 }
 
 
@@ -78,7 +83,8 @@ def test_every_head_kept_computes_what_timm_computes(case, fused_attn):
         layer.logit_scale.data[0] = 5.0
     tokens = TOKENS - 1 if case.startswith("beit") else TOKENS
     batch = 4 if case.startswith("swin v2 shifted") else 2
-    x = torch.randn(batch, 9 if case.startswith("swin") else tokens, 32, requires_grad=True)
+    windowed = case.startswith(("swin", "davit window"))
+    x = torch.randn(batch, 9 if windowed else tokens, 32, requires_grad=True)
     extra = call()
     want = layer(x, **extra)
     want_grads = torch.autograd.grad(want.square().sum(), [x, *layer.parameters()])
@@ -88,21 +94,22 @@ def test_every_head_kept_computes_what_timm_computes(case, fused_attn):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
-    if layer.q_bias is not None:
+    if getattr(layer, "q_bias", None) is not None:
         assert layer.k_bias is None and "k_bias" not in dict(layer.named_buffers())
 
 
-SMALL = dict(img_size=16, patch_size=4, embed_dim=32, num_classes=5)
+SMALL = dict(img_size=16, patch_size=4, embed_dim=32)  # ViTs of 16 tokens
 MODELS = {
     # EVA-02: q and v biases kept outside the fused projection, rotary embeddings
     "eva02": (
         "timm.models.eva:Eva",
-        dict(depth=2, num_heads=4, qkv_bias=True, use_rot_pos_emb=True, ref_feat_shape=(4, 4)),
+        dict(**SMALL, depth=2, num_heads=4, use_rot_pos_emb=True, ref_feat_shape=(4, 4)),
     ),
     # DINOv3: no bias, register tokens, DINOv3 rotary embeddings rotating halves
     "dinov3": (
         "timm.models.eva:Eva",
         dict(
+            **SMALL,
             depth=2,
             num_heads=4,
             qkv_bias=False,
@@ -115,12 +122,17 @@ MODELS = {
         ),
     ),
     # separate query, key and value projections
-    "eva unfused": ("timm.models.eva:Eva", dict(depth=2, num_heads=4, qkv_fused=False)),
+    "eva unfused": ("timm.models.eva:Eva", dict(**SMALL, depth=2, num_heads=4, qkv_fused=False)),
     # a relative position bias table per layer
-    "beit": ("timm.models.beit:Beit", dict(depth=2, num_heads=4, use_rel_pos_bias=True)),
+    "beit": ("timm.models.beit:Beit", dict(**SMALL, depth=2, num_heads=4, use_rel_pos_bias=True)),
+    # a window attention and a channel attention (heads attend over their channels)
+    "davit": (
+        "timm.models.davit:DaVit",
+        dict(depths=(1,), embed_dims=(32,), num_heads=(4,), window_size=2),
+    ),
     "swin v2": (
         "timm.models.swin_transformer_v2:SwinTransformerV2",
-        dict(depths=(2,), num_heads=(4,), window_size=2, img_size=16, patch_size=2),
+        dict(depths=(2,), num_heads=(4,), window_size=2, img_size=16, patch_size=2, embed_dim=32),
     ),
 }
 
@@ -132,7 +144,7 @@ def test_models_prune_their_heads_and_save_with_a_builder(name, tmp_path):
     layer has the pruned class with its biases and tables cut; saved with its builder,
     it loads as the same model."""
     builder, kwargs = MODELS[name]
-    kwargs = {**SMALL, **kwargs}
+    kwargs = {**kwargs, "num_classes": 5}
     torch.manual_seed(0)
     model = built_model.build(builder, kwargs).eval()
     x = torch.randn(2, 3, 16, 16)
