@@ -51,6 +51,7 @@ MODELS = [
     "vit_base_patch16_rope_reg1_gap_256",
     "beit_base_patch16_224",
     "swinv2_tiny_window8_256",
+    "davit_tiny",
 ]
 
 
