@@ -836,11 +836,16 @@ PRUNED_CLASS_MODULES = {
 def pruned_classes() -> dict[type[nn.Module], type[nn.Module]]:
     """The class export gives an attention layer of each class above that loses heads
     (`from_dense(layer)` gives it). Only the libraries' modules already imported are
-    looked at: a model holding such a layer has imported its module."""
+    looked at: a model holding such a layer has imported its module. A library version
+    without the classes these subclass gives none: its layers fail their heads' proof and
+    are refused by name, as without this package's classes."""
     classes = {}
     for library, own in PRUNED_CLASS_MODULES.items():
         if library in sys.modules:
-            classes |= importlib.import_module(f"{__package__}.{own}").PRUNED_CLASSES
+            try:
+                classes |= importlib.import_module(f"{__package__}.{own}").PRUNED_CLASSES
+            except (ImportError, AttributeError):
+                continue
     return classes
 
 

@@ -200,3 +200,23 @@ def test_an_output_gate_named_gate_is_cut_with_the_heads():
     torch.testing.assert_close(exported(x), want, rtol=1e-5, atol=1e-5)
     assert exported.attn.gate.out_features == exported.attn.proj.in_features == 16
     assert count_params(exported) == pruner.report()["params_after"]
+
+
+def test_a_timm_without_these_classes_gives_none_and_their_heads_are_refused(monkeypatch):
+    """With a timm that lacks a class timm_attention.py subclasses (an older version),
+    no pruned class is given: EVA's heads fail their proof and are refused by name, and
+    other models' heads still prune."""
+    import sys
+
+    from dtp_kernels.pruning.heads import pruned_classes
+
+    monkeypatch.delitem(sys.modules, "dtp_kernels.pruning.timm_attention")
+    monkeypatch.delattr(timm.models.davit, "ChannelAttention")  # its import then fails
+    assert not any(c.__module__.startswith("timm") for c in pruned_classes())
+    torch.manual_seed(0)
+    kwargs = dict(**SMALL, depth=1, num_heads=4, num_classes=5)
+    model = built_model.build("timm.models.eva:Eva", kwargs)
+    with pytest.raises(ValueError, match=r"attention layer 'blocks.0.attn': with some of"):
+        DTPPruner(model, (torch.randn(1, 3, 16, 16),), {"heads": 0.5})
+    deit = built_model.build("timm.models.vision_transformer:VisionTransformer", kwargs)
+    DTPPruner(deit, (torch.randn(1, 3, 16, 16),), {"heads": 0.5}).export()
