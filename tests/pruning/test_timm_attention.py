@@ -220,3 +220,17 @@ def test_a_timm_without_these_classes_gives_none_and_their_heads_are_refused(mon
         DTPPruner(model, (torch.randn(1, 3, 16, 16),), {"heads": 0.5})
     deit = built_model.build("timm.models.vision_transformer:VisionTransformer", kwargs)
     DTPPruner(deit, (torch.randn(1, 3, 16, 16),), {"heads": 0.5}).export()
+
+
+@pytest.mark.parametrize("name", ["dinov3", "davit"])
+def test_an_exported_model_compiles_whole(name):
+    """torch.compile takes an exported model with the pruned classes in one graph
+    (fullgraph) and computes what it computes eagerly."""
+    builder, kwargs = MODELS[name]
+    torch.manual_seed(0)
+    model = built_model.build(builder, {**kwargs, "num_classes": 5}).eval()
+    x = torch.randn(2, 3, 16, 16)
+    exported = DTPPruner(model, (x[:1],), 0.5).export().eval()
+    compiled = torch.compile(exported, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), exported(x), rtol=1e-5, atol=1e-6)

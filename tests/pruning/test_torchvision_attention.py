@@ -108,3 +108,18 @@ def test_maxvit_prunes_its_heads_with_a_float_and_exports_equal():
         (2, 2),
         (2, 2),
     ]
+
+
+def test_an_exported_swin_compiles_whole():
+    """torch.compile takes an exported Swin with its pruned window attention in one graph
+    (fullgraph: the roll, the padding and the region mask trace) and computes what it
+    computes eagerly."""
+    from torchvision.models.swin_transformer import SwinTransformer
+
+    torch.manual_seed(0)
+    model = SwinTransformer([4, 4], 16, [2], [4], [2, 2], num_classes=5).eval()
+    x = torch.randn(2, 3, 20, 20)  # 5 x 5 patches: padded to whole windows
+    exported = DTPPruner(model, (x[:1],), 0.5).export().eval()
+    compiled = torch.compile(exported, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), exported(x), rtol=1e-5, atol=1e-6)
