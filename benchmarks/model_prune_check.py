@@ -52,6 +52,9 @@ MODELS = [
     "beit_base_patch16_224",
     "swinv2_tiny_window8_256",
     "davit_tiny",
+    "xcit_nano_12_p16_224",
+    "edgenext_xx_small",
+    "volo_d1_224",
 ]
 
 

@@ -44,7 +44,7 @@ from .graph_workarounds import (
 )
 from .group_search import TENSOR_OPS, UNFOLLOWED, coupled_group, mappings_held
 from .grouped_convs import equal_parts, is_grouped
-from .masked_reads import unmasked_readers
+from .masked_reads import own_matmul_ops, unmasked_readers
 
 
 @dataclass
@@ -180,10 +180,24 @@ MIXING_OPS = (
 )
 
 
+def _of_scalars(node) -> bool:
+    """Whether an op the graph records with no inputs computes on one-element
+    parameters alone (so it is the same for every channel it is broadcast to)."""
+    grad_fn = getattr(node, "grad_fn", None)
+    stack, leaves = [grad_fn] if grad_fn is not None else [], []
+    while stack:
+        function = stack.pop()
+        variable = getattr(function, "variable", None)
+        if variable is not None:
+            leaves.append(variable)
+        stack.extend(f for f, _ in getattr(function, "next_functions", ()) if f is not None)
+    return bool(leaves) and all(leaf.numel() == 1 for leaf in leaves)
+
+
 def _group_op(graph: tp.DependencyGraph, module) -> str:
     """The op's name in a group; an addition whose terms all come from one layer (through
-    elementwise ops only, none of MIXING_OPS) is WITHIN_CHANNEL_ADD, not a merge of
-    widths."""
+    elementwise ops only, none of MIXING_OPS, and ops on scalar parameters) is
+    WITHIN_CHANNEL_ADD, not a merge of widths."""
     name = _op_name(module)
     if not name.startswith(("AddBackward", "SubBackward")):
         return name
@@ -196,6 +210,8 @@ def _group_op(graph: tp.DependencyGraph, module) -> str:
         op = _op_name(node.module)
         if op and node.inputs and not op.startswith(MIXING_OPS):
             stack.extend(node.inputs)
+        elif not node.inputs and _of_scalars(node):
+            continue  # the same for every channel: XIELU's softplus of its scalar alphas
         else:
             sources.add(node.module)
             if len(sources) > 1:  # a merge: no need to walk a residual stream to its start
@@ -400,6 +416,16 @@ def _parameter_owners(model: nn.Module) -> dict[int, nn.Module]:
         for module in model.modules()
         for parameter in module.parameters(recurse=False)
     }
+
+
+def is_response_norm_shaped(module: nn.Module, width: int) -> bool:
+    """Whether `module` has the parameters of a GRN over `width` channels
+    (response_norms.py): a weight and a bias of `width` entries each, along their last
+    dimension, and nothing else."""
+    params = dict(module.named_parameters())
+    return set(params) == {"weight", "bias"} and all(
+        p.numel() == width and p.shape[-1] == width for p in params.values()
+    )
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -612,12 +638,14 @@ def _channel_groups(
         if getattr(group, UNFOLLOWED, False):
             continue  # the graph maps its channels wrongly somewhere: left whole
         out_layers, bns, outs, ins, norms, depthwise, ops = [], [], [], [], [], [], []
+        op_ids: list[int] = []  # each op's module, to tell the readers' own matmuls
         group_norms, params, param_owners = [], [], []
         read: dict[nn.Module, int] = {}  # input channels of each consumer the group holds
         grouped_reads: dict[nn.Module, list[int]] = {}  # grouped convs' inputs, in order
         for dep, idxs in group:
             module, handler = dep.target.module, dep.handler
             ops.append(_group_op(graph, module))
+            op_ids.append(id(module))
             if handler in (tp.prune_conv_out_channels, tp.prune_depthwise_conv_out_channels):
                 outs.append(module)
                 if not _is_depthwise(module):
@@ -759,14 +787,24 @@ def _channel_groups(
         else:
             norms.extend(group_norms)
         if (
+            param_owners
+            and not norms + group_norms
+            and not gated
+            and not any(is_response_norm_shaped(owner, size) for owner in param_owners)
+            and unmasked_readers(graph, ins, bn or rows, outs)
+        ):
+            continue  # a raw per-channel parameter added after the mask: left whole
+        if (
             not norms + param_owners
             and not gated
             and unmasked_readers(graph, ins, bn or rows, outs)
-        ):  # (raw per-channel parameters, a GRN's, have rules of their own)
+        ):  # (a GRN's raw per-channel parameters have rules of their own)
             # a layer reads the channels where the mask does not reach them (after an op
             # that maps zero elsewhere: MetaFormer's StarReLU adds a bias): masked on every
             # reader's input columns instead, where the readers are all there is
-            if not _columns_cover(ins, read, size, ops, group_norm, params, conv_groups):
+            own = own_matmul_ops(graph, ins)
+            between = [op for op, i in zip(ops, op_ids, strict=True) if i not in own]
+            if not _columns_cover(ins, read, size, between, group_norm, params, conv_groups):
                 continue
             gated, bn, rows = True, None, layer
         found[layer] = ChannelGroup(

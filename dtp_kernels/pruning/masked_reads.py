@@ -172,6 +172,24 @@ def _read_inputs(node) -> list:
     return inputs
 
 
+def own_matmul_ops(graph: tp.DependencyGraph, readers: list[nn.Module]) -> set[int]:
+    """The ids of the op nodes' modules that are the linear `readers`' own matmul and
+    its transposed weight (Torch-Pruning records them as ops before the layer): the
+    readers' own contraction, not a mix of the channels on their way."""
+    own = set()
+    for reader in readers:
+        if not isinstance(reader, nn.Linear):
+            continue
+        for source in graph.module2node[reader].inputs:
+            matmul = source
+            if isinstance(source.module, tp.ops._ReshapeOp) and len(source.inputs) == 1:
+                matmul = source.inputs[0]
+            weights = [i for i in matmul.inputs if _reads_weight(i, reader)]
+            if op_name(matmul).startswith(OWN_MATMULS) and (matmul is source or weights):
+                own |= {id(matmul.module), *(id(w.module) for w in weights)}
+    return own
+
+
 def unmasked_readers(
     graph: tp.DependencyGraph,
     readers: list[nn.Module],

@@ -32,18 +32,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .groups import ChannelGroup
+from .groups import ChannelGroup, is_response_norm_shaped
 from .precision import ieee_fp32
 from .proof import close, dropped, example_calls, random_half
-
-
-def _candidate(module: nn.Module, width: int) -> bool:
-    """Whether `module` has the parameters of a GRN over `width` channels: a weight and a
-    bias of `width` entries each, along their last dimension, and nothing else."""
-    params = dict(module.named_parameters())
-    return set(params) == {"weight", "bias"} and all(
-        p.numel() == width and p.shape[-1] == width for p in params.values()
-    )
 
 
 def cut_response_norm(norm: nn.Module, keep: torch.Tensor) -> None:
@@ -114,7 +105,7 @@ def adopt_response_norms(model: nn.Module, groups: Sequence[ChannelGroup], input
         for group in groups
         if not group.gated and not group.producers and group.group_norm is None
         for norm in group.param_owners
-        if _candidate(norm, group.size)
+        if is_response_norm_shaped(norm, group.size)
     ]
     calls = example_calls(model, [norm for _, norm in candidates], inputs)
     proven: dict[int, list[nn.Module]] = {}

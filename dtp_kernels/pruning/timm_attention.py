@@ -1,14 +1,15 @@
 """timm's attention layers that reshape their heads' output to the model width, with some
 of their heads removed: EVA's (EVA-02, DINOv3, Perception Encoder, RoPE-ViT), BEiT's,
-Swin V2's and DaViT's (its channel attention and its window attention).
+Swin V2's, DaViT's (its channel attention and its window attention), the cross-covariance
+attention of XCiT and EdgeNeXt, and VOLO's.
 
-Their code reshapes the heads' output to the width of the layer's input (DaViT's also
-takes the head size to be that width over the heads), so a layer that has lost heads no
-longer runs; their key bias, when the query and value have one, is a
-zero buffer of the query width. Export gives such a layer the subclass below: the same
-parameters and state-dict keys, a forward that reshapes the heads' output to their own
-width and makes the key bias as zeros of the query bias's width (the buffer is dropped,
-so nothing of the dense width is left).
+Their code reshapes the heads' output to the width of the layer's input (DaViT's, XCiT's,
+EdgeNeXt's and VOLO's also take the head size to be that width over the heads), so a
+layer that has lost heads no longer runs; their key bias, when the query and value have
+one, is a zero buffer of the query width. Export gives such a layer the subclass below:
+the same parameters and state-dict keys, a forward that reshapes the heads' output to
+their own width and makes the key bias as zeros of the query bias's width (the buffer is
+dropped, so nothing of the dense width is left).
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
 from timm.models.beit import Attention as BeitAttention
 from timm.models.davit import ChannelAttention as DavitChannelAttention
 from timm.models.davit import WindowAttention as DavitWindowAttention
+from timm.models.edgenext import CrossCovarianceAttn as EdgeNextAttention
 from timm.models.eva import EvaAttention
 from timm.models.swin_transformer_v2 import WindowAttention as SwinV2WindowAttention
+from timm.models.volo import Attention as VoloAttention
+from timm.models.xcit import XCA
 from torch import nn
 
 
@@ -186,10 +190,70 @@ class PrunedDavitWindowAttention(_GivenToTheLayer, DavitWindowAttention):
         return self.proj(_merged(out))
 
 
+def _cross_covariance(layer: nn.Module, x: torch.Tensor, fused: bool) -> torch.Tensor:
+    """XCiT's and EdgeNeXt's attention over each head's channels: queries and keys
+    L2-normalised over the tokens, a learned temperature per head, the heads' output
+    merged back to the tokens."""
+    batch, tokens, _ = x.shape
+    qkv = layer.qkv(x).reshape(batch, tokens, 3, layer.num_heads, -1)
+    q, k, v = qkv.permute(2, 0, 3, 4, 1).unbind(0)  # (batch, heads, head size, tokens)
+    q, k = nn.functional.normalize(q, dim=-1), nn.functional.normalize(k, dim=-1)
+    if fused:
+        out = nn.functional.scaled_dot_product_attention(q * layer.temperature, k, v, scale=1.0)
+    else:
+        out = layer.attn_drop(((q @ k.transpose(-2, -1)) * layer.temperature).softmax(dim=-1)) @ v
+    return layer.proj_drop(layer.proj(out.permute(0, 3, 1, 2).reshape(batch, tokens, -1)))
+
+
+class PrunedXcitAttention(_GivenToTheLayer, XCA):
+    """timm XCiT's cross-covariance attention (XCA) whose heads may be fewer than the
+    model width over their size (its temperature per head cut with them)."""
+
+    replaces = XCA
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _cross_covariance(self, x, self.fused_attn)
+
+
+class PrunedEdgeNextAttention(_GivenToTheLayer, EdgeNextAttention):
+    """timm EdgeNeXt's CrossCovarianceAttn whose heads may be fewer than the model width
+    over their size (its temperature per head cut with them)."""
+
+    replaces = EdgeNextAttention
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _cross_covariance(self, x, False)
+
+
+def _attended(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T * scale) v as VOLO's Attention computes it."""
+    if layer.fused_attn:
+        dropout = layer.attn_drop.p if layer.training else 0.0
+        return nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout)
+    return layer.attn_drop(((q * layer.scale) @ k.transpose(-2, -1)).softmax(dim=-1)) @ v
+
+
+class PrunedVoloAttention(_GivenToTheLayer, VoloAttention):
+    """timm VOLO's Attention (over an image of tokens) whose heads may be fewer than the
+    model width over their size."""
+
+    replaces = VoloAttention
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, height, width, _ = x.shape
+        qkv = self.qkv(x).reshape(batch, height * width, 3, self.num_heads, -1)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        out = _attended(self, q, k, v).transpose(1, 2)
+        return self.proj_drop(self.proj(out.reshape(batch, height, width, -1)))
+
+
 PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     EvaAttention: PrunedEvaAttention,
     BeitAttention: PrunedBeitAttention,
     SwinV2WindowAttention: PrunedSwinV2WindowAttention,
     DavitChannelAttention: PrunedDavitChannelAttention,
     DavitWindowAttention: PrunedDavitWindowAttention,
+    XCA: PrunedXcitAttention,
+    EdgeNextAttention: PrunedEdgeNextAttention,
+    VoloAttention: PrunedVoloAttention,
 }

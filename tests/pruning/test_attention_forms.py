@@ -238,6 +238,9 @@ FAMILIES = {
     "olmo2": (lambda: decoder("Olmo2", **GQA), 2, 2, True),
     "olmo2_mha": (lambda: decoder("Olmo2", attention_bias=True), 2, 4, True),
     "olmo3": (lambda: decoder("Olmo3", **GQA), 2, 2, True),
+    # an MLP of up_proj and down_proj (no gate) through XIELU, whose learned scalars and
+    # epsilon make it nonzero at zero: the mask goes on down_proj's columns
+    "apertus": (lambda: decoder("Apertus", **GQA), 2, 2, True),
     # a relative position bias table in every self-attention layer, cut per head; its
     # gated MLP's tanh GELU adds within each channel
     "umt5": (lambda: tiny_t5("UMT5"), 6, 4, True),

@@ -248,3 +248,101 @@ def test_pvt_v2s_mlps_read_through_the_view_after_their_second_layers_matmul():
         "stages.1.blocks.0.mlp.fc1",
     ]
     check_export(pruner, model, x)
+
+
+class ScalarActivation(nn.Module):
+    """a * x^2 + b * x + c with learned one-element a, b, c: the same for every channel,
+    and c (softplus'd, as XIELU does) where a channel is zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (nn.Parameter(torch.full((1,), v)) for v in (0.3, 0.5, 0.2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a * x * x + self.b * x + nn.functional.softplus(self.c)
+
+
+class ScalarActivationMLP(nn.Module):
+    """Tokens through up (no bias), the activation above, down (no bias): torch computes
+    each layer on the 3-D tokens as a matmul of its own weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.act = nn.Linear(8, 16, bias=False), ScalarActivation()
+        self.down, self.head = nn.Linear(16, 8, bias=False), nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.down(self.act(self.up(x))).mean(1))
+
+
+def test_an_activation_of_learned_scalars_moves_the_mask_to_the_readers_columns():
+    """The additions inside the activation join terms of one channel and scalars, no
+    other layer's channels, and the matmul before `down` is its own: the group's one
+    reader takes the mask on its columns."""
+    torch.manual_seed(0)
+    model, x = ScalarActivationMLP().eval(), torch.randn(2, 6, 8)
+    pruner = randomised(DTPPruner(model, (x[:1],), {"up": 0.5}))
+    (group,) = pruner.groups
+    assert group.name == "up" and group.gated and group.kept_in == [model.down]
+    check_export(pruner, model, x)
+
+
+def test_apertus_mlps_through_xielu_are_masked_on_down_proj_columns():
+    """Apertus's MLP is up_proj, XIELU, down_proj; XIELU's learned scalars and its
+    epsilon make it nonzero at zero. Before, no MLP of it was a group."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ApertusConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    model = transformers.ApertusForCausalLM(config).eval()
+    assert model.model.layers[0].mlp.act_fn(torch.zeros(1)).item() != 0
+    x = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    pruner = randomised(DTPPruner(model, (x[:1],), {"mlp": 0.5}))
+    mlps = [layer.mlp for layer in model.model.layers]
+    assert [(g.layer, g.kept_in, g.gated) for g in pruner.groups] == [
+        (mlp.up_proj, [mlp.down_proj], True) for mlp in mlps
+    ]
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(x).logits
+    exported = pruner.export().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(x).logits, want, rtol=1e-5, atol=1e-5)
+    assert [layer.mlp.down_proj.in_features for layer in exported.model.layers] == [32, 32]
+    assert exported.config.intermediate_size == 32
+
+
+class PerChannelActivation(nn.Module):
+    """x^2 times or plus a learned vector of one entry per channel (`form`: "scaled" or
+    "shifted"): a raw parameter cut with the channels."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form, self.c = form, nn.Parameter(torch.rand(16) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * x * self.c if self.form == "scaled" else x * x + self.c
+
+
+@pytest.mark.parametrize("form", ["scaled", "shifted"])
+def test_a_per_channel_parameter_after_the_mask_keeps_the_group_only_when_it_scales(form):
+    """Scaled, a removed channel still reads zero: the group prunes, its vector cut with
+    it, and exports equal. Shifted, it would read c: the group is left whole (before, it
+    was a group whose export failed its check)."""
+    torch.manual_seed(0)
+    model, x = ScalarActivationMLP().eval(), torch.randn(2, 6, 8)
+    model.act = PerChannelActivation(form)
+    if form == "shifted":
+        with pytest.raises(ValueError, match=r"ratios names \['up'\], which match no"):
+            DTPPruner(model, (x[:1],), {"up": 0.5})
+        return
+    pruner = randomised(DTPPruner(model, (x[:1],), {"up": 0.5}))
+    (group,) = pruner.groups
+    assert not group.gated and group.scales == [(model.act, "c", 0)]
+    exported = check_export(pruner, model, x)
+    assert exported.act.c.shape == (8,)

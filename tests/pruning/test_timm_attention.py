@@ -1,9 +1,9 @@
 """timm_attention.py: timm's attention layers that reshape their heads' output to the
 model width (EVA's: EVA-02, DINOv3, Perception Encoder, RoPE-ViT; BEiT's; Swin V2's;
-DaViT's),
-with heads removed. With every head kept each pruned class computes exactly what timm's
-does; tiny models of each prune their heads with a float ratio, export equal to the
-hard-masked model, and save and load with a builder."""
+DaViT's; XCiT's and EdgeNeXt's cross-covariance attention; VOLO's), with heads removed.
+With every head kept each pruned class computes exactly what timm's does; tiny models of
+each prune their heads with a float ratio, export equal to the hard-masked model, and save
+and load with a builder."""
 
 import pytest
 import torch
@@ -17,8 +17,11 @@ from timm.layers import RotaryEmbeddingCat  # noqa: E402
 from timm.models.beit import Attention as BeitAttention  # noqa: E402
 from timm.models.davit import ChannelAttention  # noqa: E402
 from timm.models.davit import WindowAttention as DavitWindowAttention  # noqa: E402
+from timm.models.edgenext import CrossCovarianceAttn  # noqa: E402
 from timm.models.eva import EvaAttention  # noqa: E402
 from timm.models.swin_transformer_v2 import WindowAttention  # noqa: E402
+from timm.models.volo import Attention as VoloAttention  # noqa: E402
+from timm.models.xcit import XCA  # noqa: E402
 
 from dtp_kernels.pruning.timm_attention import PRUNED_CLASSES  # noqa: E402
 
@@ -66,6 +69,9 @@ LAYERS = {
     "swin v2 shifted, no bias": (lambda: WindowAttention(32, (3, 3), 4, False), shifted_windows),
     "davit channel": (lambda: ChannelAttention(32, 4, qkv_bias=True), dict),
     "davit window": (lambda: DavitWindowAttention(32, (3, 3), 4), dict),
+    "xcit": (lambda: XCA(32, 4, qkv_bias=True), dict),
+    "edgenext": (lambda: CrossCovarianceAttn(32, 4, qkv_bias=True), dict),
+    "volo": (lambda: VoloAttention(32, 4, qkv_bias=True), dict),  # on a 3 x 3 image
 }
 
 
@@ -84,7 +90,8 @@ def test_every_head_kept_computes_what_timm_computes(case, fused_attn):
     tokens = TOKENS - 1 if case.startswith("beit") else TOKENS
     batch = 4 if case.startswith("swin v2 shifted") else 2
     windowed = case.startswith(("swin", "davit window"))
-    x = torch.randn(batch, 9 if windowed else tokens, 32, requires_grad=True)
+    shape = (batch, 3, 3) if case == "volo" else (batch, 9 if windowed else tokens)
+    x = torch.randn(*shape, 32, requires_grad=True)
     extra = call()
     want = layer(x, **extra)
     want_grads = torch.autograd.grad(want.square().sum(), [x, *layer.parameters()])
@@ -134,7 +141,41 @@ MODELS = {
         "timm.models.swin_transformer_v2:SwinTransformerV2",
         dict(depths=(2,), num_heads=(4,), window_size=2, img_size=16, patch_size=2, embed_dim=32),
     ),
+    # a temperature per head; its class attention blocks (CaiT's ClassAttn) stay whole
+    "xcit": (
+        "timm.models.xcit:Xcit",
+        dict(img_size=16, patch_size=8, embed_dim=32, depth=2, num_heads=4, cls_attn_layers=1),
+    ),
+    # a temperature per head, in two of the four stages
+    "edgenext": (
+        "timm.models.edgenext:EdgeNeXt",
+        dict(
+            depths=(1, 1, 1, 1),
+            dims=(16, 16, 32, 32),
+            global_block_counts=(0, 1, 0, 1),
+            kernel_sizes=(3,) * 4,
+            heads=(4,) * 4,
+            d2_scales=(2,) * 4,
+            ls_init_value=1.0,
+        ),
+    ),
+    # outlook attention (no heads to cut), then self-attention over an image of tokens
+    "volo": (
+        "timm.models.volo:VOLO",
+        dict(
+            layers=(1, 2),
+            img_size=16,
+            patch_size=8,
+            embed_dims=(32, 32),
+            num_heads=(2, 4),
+            outlook_attention=(True, False),
+            downsamples=(False, False),
+            stem_hidden_dim=16,
+        ),
+    ),
 }
+# the models' inputs: EdgeNeXt downsamples 32 times
+SIZES = {"edgenext": 64}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -147,11 +188,12 @@ def test_models_prune_their_heads_and_save_with_a_builder(name, tmp_path):
     kwargs = {**kwargs, "num_classes": 5}
     torch.manual_seed(0)
     model = built_model.build(builder, kwargs).eval()
-    x = torch.randn(2, 3, 16, 16)
+    x = torch.randn(2, 3, SIZES.get(name, 16), SIZES.get(name, 16))
     pruner = DTPPruner(model, (x[:1],), 0.5)
-    attention = [m for n, m in model.named_modules() if n.endswith(".attn")]
+    attention = [m for m in model.modules() if type(m) in PRUNED_CLASSES]
     assert len(attention) == 2
-    assert [g.module for g in pruner.groups if g.name.endswith(".attn")] == attention
+    heads = [g.module for g in pruner.groups if getattr(g, "module", None) in attention]
+    assert heads == attention
     with torch.no_grad():
         pruner.scores.uniform_(0, 1, generator=torch.Generator().manual_seed(1))
     exported = pruner.export().eval()
@@ -159,13 +201,14 @@ def test_models_prune_their_heads_and_save_with_a_builder(name, tmp_path):
         want = model(x)
     torch.testing.assert_close(exported(x), want, rtol=1e-5, atol=1e-5)
     assert count_params(exported) == pruner.report()["params_after"]
-    for dense, attn in zip(
-        attention, [m for n, m in exported.named_modules() if n.endswith(".attn")], strict=True
-    ):
+    pruned = [m for m in exported.modules() if type(m) in PRUNED_CLASSES.values()]
+    for dense, attn in zip(attention, pruned, strict=True):
         assert type(attn) is PRUNED_CLASSES[type(dense)] and attn.num_heads == 2
-        assert attn.proj.in_features == 16
+        assert attn.proj.in_features == dense.proj.in_features // 2
         if getattr(attn, "q_bias", None) is not None:
-            assert attn.q_bias.shape == attn.v_bias.shape == (16,)
+            assert attn.q_bias.shape == attn.v_bias.shape == (attn.proj.in_features,)
+        if hasattr(attn, "temperature"):  # XCiT's and EdgeNeXt's, one per head
+            assert attn.temperature.shape == (2, 1, 1)
     path = tmp_path / "model.safetensors"
     save_pruned(path, exported, builder=builder, builder_kwargs=kwargs)
     loaded = load_pruned(path).eval()
