@@ -184,9 +184,12 @@ def _of_scalars(node) -> bool:
     """Whether an op the graph records with no inputs computes on one-element
     parameters alone (so it is the same for every channel it is broadcast to)."""
     grad_fn = getattr(node, "grad_fn", None)
-    stack, leaves = [grad_fn] if grad_fn is not None else [], []
+    stack, leaves, seen = [grad_fn] if grad_fn is not None else [], [], set()
     while stack:
         function = stack.pop()
+        if function in seen:  # shared by two terms: walked once
+            continue
+        seen.add(function)
         variable = getattr(function, "variable", None)
         if variable is not None:
             leaves.append(variable)
