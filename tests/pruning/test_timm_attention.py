@@ -265,7 +265,7 @@ def test_a_timm_without_these_classes_gives_none_and_their_heads_are_refused(mon
     DTPPruner(deit, (torch.randn(1, 3, 16, 16),), {"heads": 0.5}).export()
 
 
-@pytest.mark.parametrize("name", ["dinov3", "davit"])
+@pytest.mark.parametrize("name", ["dinov3", "davit", "xcit", "volo"])
 def test_an_exported_model_compiles_whole(name):
     """torch.compile takes an exported model with the pruned classes in one graph
     (fullgraph) and computes what it computes eagerly."""
