@@ -225,14 +225,6 @@ class PrunedEdgeNextAttention(_GivenToTheLayer, EdgeNextAttention):
         return _cross_covariance(self, x, False)
 
 
-def _attended(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T * scale) v as VOLO's Attention computes it."""
-    if layer.fused_attn:
-        dropout = layer.attn_drop.p if layer.training else 0.0
-        return nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout)
-    return layer.attn_drop(((q * layer.scale) @ k.transpose(-2, -1)).softmax(dim=-1)) @ v
-
-
 class PrunedVoloAttention(_GivenToTheLayer, VoloAttention):
     """timm VOLO's Attention (over an image of tokens) whose heads may be fewer than the
     model width over their size."""
@@ -243,7 +235,12 @@ class PrunedVoloAttention(_GivenToTheLayer, VoloAttention):
         batch, height, width, _ = x.shape
         qkv = self.qkv(x).reshape(batch, height * width, 3, self.num_heads, -1)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        out = _attended(self, q, k, v).transpose(1, 2)
+        if self.fused_attn:
+            dropout = self.attn_drop.p if self.training else 0.0
+            out = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout)
+        else:
+            out = self.attn_drop(((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)) @ v
+        out = out.transpose(1, 2)
         return self.proj_drop(self.proj(out.reshape(batch, height, width, -1)))
 
 
