@@ -1,0 +1,89 @@
+"""Hugging Face attention layers that reshape their heads' output to the model width, with
+some of their heads removed: TrOCR's (its decoder's self- and cross-attention).
+
+TrOCR's code reshapes the heads' output to the width of the layer's input, so a layer
+that has lost heads no longer runs. Export gives such a layer the subclass below: the
+same parameters, state-dict keys, call and outputs (the key/value cache included), a
+forward that reshapes the heads' output to their own width.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.cache_utils import EncoderDecoderCache
+from transformers.models.trocr.modeling_trocr import TrOCRAttention
+
+
+class PrunedTrOCRAttention(TrOCRAttention):
+    """TrOCR's attention whose heads may be fewer than the model width over their size."""
+
+    replaces = TrOCRAttention
+
+    @classmethod
+    def from_dense(cls, layer: nn.Module) -> nn.Module:
+        """`layer` itself, given this class."""
+        layer.__class__ = cls
+        return layer
+
+    def _keys_and_values(
+        self,
+        hidden_states: torch.Tensor,
+        key_value_states: torch.Tensor | None,
+        cache,
+        kwargs: dict,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (batch, heads, tokens, head size): projected from the source
+        (the encoder's states for cross-attention), added to the cache, or read from it
+        where a cross-attention layer already wrote its own."""
+        cross = key_value_states is not None
+        layer_cache, written = cache, False
+        if isinstance(cache, EncoderDecoderCache):
+            written = cache.is_updated.get(self.layer_idx)
+            layer_cache = cache.cross_attention_cache if cross else cache.self_attention_cache
+        if cross and cache is not None and written:
+            layer = layer_cache.layers[self.layer_idx]
+            return layer.keys, layer.values
+        source = key_value_states if cross else hidden_states
+        batch = source.shape[0]
+        key, value = (
+            p(source).view(batch, -1, self.num_heads, self.head_dim).transpose(1, 2)
+            for p in (self.k_proj, self.v_proj)
+        )
+        if cache is not None:
+            key, value = layer_cache.update(key, value, self.layer_idx, kwargs=kwargs)
+            if cross and isinstance(cache, EncoderDecoderCache):
+                cache.is_updated[self.layer_idx] = True
+        return key, value
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        key_value_states: torch.Tensor | None = None,
+        cache=None,
+        attention_mask: torch.Tensor | None = None,
+        output_attentions: bool | None = False,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch, length, _ = hidden_states.shape
+        heads = batch * self.num_heads
+        query = self.q_proj(hidden_states) * self.scaling
+        key, value = self._keys_and_values(hidden_states, key_value_states, cache, kwargs)
+        query = query.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+        query, key, value = (t.reshape(heads, -1, self.head_dim) for t in (query, key, value))
+        weights = torch.bmm(query, key.transpose(1, 2))
+        sources = weights.shape[-1]
+        if attention_mask is not None:
+            weights = weights.view(batch, self.num_heads, length, sources) + attention_mask
+            weights = weights.view(heads, length, sources)
+        weights = nn.functional.softmax(weights, dim=-1)
+        per_head = None
+        if output_attentions:  # reshaped twice, as TrOCR's, so they keep their gradient
+            per_head = weights.view(batch, self.num_heads, length, sources)
+            weights = per_head.view(heads, length, sources)
+        probs = nn.functional.dropout(weights, p=self.dropout, training=self.training)
+        out = torch.bmm(probs, value).view(batch, self.num_heads, length, self.head_dim)
+        return self.out_proj(out.transpose(1, 2).reshape(batch, length, -1)), per_head
+
+
+PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {TrOCRAttention: PrunedTrOCRAttention}
