@@ -55,6 +55,7 @@ MODELS = [
     "xcit_nano_12_p16_224",
     "edgenext_xx_small",
     "volo_d1_224",
+    "vit_relpos_small_patch16_224",
 ]
 
 

@@ -487,7 +487,12 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             for owner, name, dim in [*getattr(group, "tables", ()), *getattr(group, "scales", ())]:
                 table = getattr(owner, name)
                 removed = int(mask.numel() - mask.sum()) * getattr(group, "rows_per_table_unit", 1)
-                params -= table.numel() // table.shape[dim] * removed
+                per_row = table.numel() // table.shape[dim]
+                if isinstance(owner, nn.Linear) and name == "weight" and dim == 0:
+                    # a linear layer's rows per head whose columns another group cuts (the
+                    # hidden neurons of a bias MLP: timm's RelPosMlp): counted once
+                    per_row = owner.in_features - lost.get(owner, (0, 0))[1]
+                params -= per_row * removed
         return params, flops_after(self._layers, lost)
 
     @torch.no_grad()

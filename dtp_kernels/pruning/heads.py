@@ -19,8 +19,8 @@ does not follow the per-head reshapes):
 - one fused ``qkv`` projection and ``proj``, with ``num_heads`` and ``head_dim``, as
   timm's ViT and DeiT write them (or ``num_heads`` alone: timm's and torchvision's Swin);
   layers whose code ties the head size or the output width to the input width
-  (torchvision's Swin and MaxViT; timm's EVA, BEiT, Swin V2, DaViT, XCiT, EdgeNeXt and
-  VOLO; Hugging Face's TrOCR) are exported as classes of torchvision_attention.py,
+  (torchvision's Swin and MaxViT; timm's EVA, BEiT, Swin V2, DaViT, XCiT, EdgeNeXt, VOLO
+  and relative-position ViT; Hugging Face's TrOCR) are exported as classes of torchvision_attention.py,
   timm_attention.py and transformers_attention.py (``PRUNED_CLASS_MODULES``); GPT-2's
   ``c_attn`` and ``c_proj`` with ``split_size`` (its Conv1D layers made ``nn.Linear``
   by :func:`conv1d_to_linear` first); Phi-3's ``qkv_proj`` (query heads, then key and
@@ -830,7 +830,7 @@ def prove_head_groups(model: nn.Module, groups: list[HeadGroup], inputs: tuple) 
 PRUNED_CLASS_MODULES = {
     "torchvision.models.swin_transformer": "torchvision_attention",
     "torchvision.models.maxvit": "torchvision_attention",
-    "timm": "timm_attention",  # EVA's, BEiT's, Swin V2's, DaViT's, XCiT's, EdgeNeXt's, VOLO's
+    "timm": "timm_attention",  # EVA's, BEiT's, Swin V2's, DaViT's, XCiT's, EdgeNeXt's, ...
     "transformers.models.trocr.modeling_trocr": "transformers_attention",
 }
 

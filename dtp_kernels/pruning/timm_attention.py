@@ -1,7 +1,7 @@
 """timm's attention layers that reshape their heads' output to the model width, with some
 of their heads removed: EVA's (EVA-02, DINOv3, Perception Encoder, RoPE-ViT), BEiT's,
 Swin V2's, DaViT's (its channel attention and its window attention), the cross-covariance
-attention of XCiT and EdgeNeXt, and VOLO's.
+attention of XCiT and EdgeNeXt, VOLO's and the relative-position ViT's.
 
 Their code reshapes the heads' output to the width of the layer's input (DaViT's, XCiT's,
 EdgeNeXt's and VOLO's also take the head size to be that width over the heads), so a
@@ -25,6 +25,7 @@ from timm.models.davit import WindowAttention as DavitWindowAttention
 from timm.models.edgenext import CrossCovarianceAttn as EdgeNextAttention
 from timm.models.eva import EvaAttention
 from timm.models.swin_transformer_v2 import WindowAttention as SwinV2WindowAttention
+from timm.models.vision_transformer_relpos import RelPosAttention
 from timm.models.volo import Attention as VoloAttention
 from timm.models.xcit import XCA
 from torch import nn
@@ -244,6 +245,44 @@ class PrunedVoloAttention(_GivenToTheLayer, VoloAttention):
         return self.proj_drop(self.proj(out.reshape(batch, height, width, -1)))
 
 
+class PrunedRelPosAttention(_GivenToTheLayer, RelPosAttention):
+    """timm's relative-position ViT attention whose heads may be fewer than the model width
+    over their size (its position-bias module's table or MLP rows cut with them)."""
+
+    replaces = RelPosAttention
+
+    @classmethod
+    def from_dense(cls, layer: nn.Module) -> nn.Module:
+        """`layer` itself, given this class; its position-bias module (cut to the kept
+        heads) told their number, which shapes the bias it makes."""
+        rel_pos = layer.rel_pos
+        if rel_pos is not None:
+            rel_pos.bias_shape = (*rel_pos.bias_shape[:-1], layer.num_heads)
+            if hasattr(rel_pos, "num_heads"):
+                rel_pos.num_heads = layer.num_heads
+        return super().from_dense(layer)
+
+    def forward(self, x: torch.Tensor, shared_rel_pos: torch.Tensor | None = None) -> torch.Tensor:
+        batch, tokens, _ = x.shape
+        qkv = self.qkv(x).reshape(batch, tokens, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if self.fused_attn:
+            bias = self.rel_pos.get_bias() if self.rel_pos is not None else shared_rel_pos
+            dropout = self.attn_drop.p if self.training else 0.0
+            out = nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=bias, dropout_p=dropout
+            )
+        else:
+            scores = (q * self.scale) @ k.transpose(-2, -1)
+            if self.rel_pos is not None:
+                scores = self.rel_pos(scores, shared_rel_pos=shared_rel_pos)
+            elif shared_rel_pos is not None:
+                scores = scores + shared_rel_pos
+            out = self.attn_drop(scores.softmax(dim=-1)) @ v
+        return self.proj_drop(self.proj(_merged(out)))
+
+
 PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     EvaAttention: PrunedEvaAttention,
     BeitAttention: PrunedBeitAttention,
@@ -253,4 +292,5 @@ PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     XCA: PrunedXcitAttention,
     EdgeNextAttention: PrunedEdgeNextAttention,
     VoloAttention: PrunedVoloAttention,
+    RelPosAttention: PrunedRelPosAttention,
 }

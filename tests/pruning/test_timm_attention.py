@@ -1,9 +1,12 @@
 """timm_attention.py: timm's attention layers that reshape their heads' output to the
 model width (EVA's: EVA-02, DINOv3, Perception Encoder, RoPE-ViT; BEiT's; Swin V2's;
-DaViT's; XCiT's and EdgeNeXt's cross-covariance attention; VOLO's), with heads removed.
+DaViT's; XCiT's and EdgeNeXt's cross-covariance attention; VOLO's; the relative-position
+ViT's), with heads removed.
 With every head kept each pruned class computes exactly what timm's does; tiny models of
 each prune their heads with a float ratio, export equal to the hard-masked model, and save
 and load with a builder."""
+
+from functools import partial
 
 import pytest
 import torch
@@ -14,12 +17,14 @@ from dtp_kernels.pruning.cost import count_params
 
 timm = pytest.importorskip("timm")
 from timm.layers import RotaryEmbeddingCat  # noqa: E402
+from timm.layers.pos_embed_rel import RelPosBias, RelPosMlp  # noqa: E402
 from timm.models.beit import Attention as BeitAttention  # noqa: E402
 from timm.models.davit import ChannelAttention  # noqa: E402
 from timm.models.davit import WindowAttention as DavitWindowAttention  # noqa: E402
 from timm.models.edgenext import CrossCovarianceAttn  # noqa: E402
 from timm.models.eva import EvaAttention  # noqa: E402
 from timm.models.swin_transformer_v2 import WindowAttention  # noqa: E402
+from timm.models.vision_transformer_relpos import RelPosAttention  # noqa: E402
 from timm.models.volo import Attention as VoloAttention  # noqa: E402
 from timm.models.xcit import XCA  # noqa: E402
 
@@ -72,6 +77,21 @@ LAYERS = {
     "xcit": (lambda: XCA(32, 4, qkv_bias=True), dict),
     "edgenext": (lambda: CrossCovarianceAttn(32, 4, qkv_bias=True), dict),
     "volo": (lambda: VoloAttention(32, 4, qkv_bias=True), dict),  # on a 3 x 3 image
+    # a position bias made by an MLP with an output per head, or read from a table; the
+    # prefix token padded with zero bias
+    "relpos mlp": (
+        # eval: the bias MLP's dropout would draw apart
+        lambda: RelPosAttention(
+            32, 4, True, rel_pos_cls=partial(RelPosMlp, window_size=(3, 3))
+        ).eval(),
+        dict,
+    ),
+    "relpos bias, prefix": (
+        lambda: RelPosAttention(
+            32, 4, rel_pos_cls=partial(RelPosBias, window_size=(3, 3), prefix_tokens=1)
+        ),
+        dict,
+    ),
 }
 
 
@@ -87,9 +107,9 @@ def test_every_head_kept_computes_what_timm_computes(case, fused_attn):
         torch.nn.init.normal_(p, std=0.5)
     if hasattr(layer, "logit_scale"):  # one head's scale past its clamp (log 100)
         layer.logit_scale.data[0] = 5.0
-    tokens = TOKENS - 1 if case.startswith("beit") else TOKENS
+    tokens = TOKENS - 1 if case.startswith(("beit", "relpos bias")) else TOKENS
     batch = 4 if case.startswith("swin v2 shifted") else 2
-    windowed = case.startswith(("swin", "davit window"))
+    windowed = case.startswith(("swin", "davit window", "relpos mlp"))
     shape = (batch, 3, 3) if case == "volo" else (batch, 9 if windowed else tokens)
     x = torch.randn(*shape, 32, requires_grad=True)
     extra = call()
@@ -174,6 +194,12 @@ MODELS = {
         ),
     ),
 }
+# a position bias per layer, made by an MLP or read from a table
+for rel_pos_type in ("mlp", "bias"):
+    MODELS[f"relpos {rel_pos_type}"] = (
+        "timm.models.vision_transformer_relpos:VisionTransformerRelPos",
+        dict(**SMALL, depth=2, num_heads=4, rel_pos_type=rel_pos_type, class_token=True),
+    )
 # the models' inputs: EdgeNeXt downsamples 32 times
 SIZES = {"edgenext": 64}
 

@@ -441,15 +441,21 @@ def test_a_split_the_graph_does_not_couple_is_left_whole():
         DTPPruner(model, x, {"mlp": 0.5})
 
 
-def test_an_attention_reshaping_to_the_model_width_is_refused_by_name():
-    """timm's relative-position ViT reshapes its heads' output to the embedding width (a
-    class export has no pruned form of): fewer heads fail its proof (proof.py) and are
-    refused by name when the pruner is made; its MLPs prune."""
+def test_an_attention_handed_a_bias_for_all_heads_is_refused_by_name():
+    """timm's relative-position ViT with a shared position bias computes it once, for all
+    heads, and hands it to every layer: with fewer heads a layer fails its proof
+    (proof.py) and is refused by name when the pruner is made; its MLPs prune."""
     from timm.models.vision_transformer_relpos import VisionTransformerRelPos
 
     torch.manual_seed(0)
     model = VisionTransformerRelPos(
-        img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=4, num_classes=5
+        img_size=16,
+        patch_size=4,
+        embed_dim=32,
+        depth=1,
+        num_heads=4,
+        num_classes=5,
+        shared_rel_pos=True,
     )
     x = torch.randn(1, 3, 16, 16)
     with pytest.raises(ValueError, match=r"layer 'blocks.0.attn': with some of its heads"):
