@@ -20,7 +20,7 @@ does not follow the per-head reshapes):
   timm's ViT and DeiT write them (or ``num_heads`` alone: timm's and torchvision's Swin);
   layers whose code ties the head size or the output width to the input width
   (torchvision's Swin and MaxViT; timm's EVA, BEiT, Swin V2, DaViT, XCiT, EdgeNeXt, VOLO
-  and relative-position ViT; Hugging Face's TrOCR) are exported as classes of
+  and relative-position ViT; Hugging Face's TrOCR, of the separate form) are exported as classes of
   torchvision_attention.py, timm_attention.py and transformers_attention.py
   (``PRUNED_CLASS_MODULES``); GPT-2's
   ``c_attn`` and ``c_proj`` with ``split_size`` (its Conv1D layers made ``nn.Linear``
