@@ -151,24 +151,31 @@ def _reads_weight(node, linear: nn.Linear) -> bool:
     return any(getattr(f, "variable", None) is linear.weight for f, _ in functions)
 
 
+def _own_matmul(node, source):
+    """The matmul node behind `source`, an input of the reader `node`, when it is the
+    reader's own (a linear layer's matmul, directly or through the view back to the
+    input's leading dims, where torch adds the bias after it when the input is not
+    contiguous: PVTv2's MLP; through the view only when it reads the layer's own
+    weight); else None."""
+    if not isinstance(node.module, nn.Linear):
+        return None
+    matmul = source
+    if isinstance(source.module, tp.ops._ReshapeOp) and len(source.inputs) == 1:
+        matmul = source.inputs[0]
+    if op_name(matmul).startswith(OWN_MATMULS) and (
+        matmul is source or any(_reads_weight(i, node.module) for i in matmul.inputs)
+    ):
+        return matmul
+    return None
+
+
 def _read_inputs(node) -> list:
-    """The nodes a reader reads its input from, through a linear layer's own matmul:
-    the reader's input directly, or through the view back to the input's leading dims
-    (torch adds the bias after it when the input is not contiguous: PVTv2's MLP), when
-    the matmul reads the layer's own weight."""
+    """The nodes a reader reads its input from, through a linear layer's own matmul."""
     inputs = []
     for source in node.inputs:
-        matmul = source
-        if isinstance(source.module, tp.ops._ReshapeOp) and len(source.inputs) == 1:
-            matmul = source.inputs[0]
-        if (
-            isinstance(node.module, nn.Linear)
-            and op_name(matmul).startswith(OWN_MATMULS)
-            and (matmul is source or any(_reads_weight(i, node.module) for i in matmul.inputs))
-        ):
-            inputs.extend(matmul.inputs)  # its input, and its transposed weight
-        else:
-            inputs.append(source)
+        matmul = _own_matmul(node, source)
+        # the matmul's inputs: the reader's input, and its transposed weight
+        inputs.extend(matmul.inputs if matmul is not None else [source])
     return inputs
 
 
@@ -178,14 +185,11 @@ def own_matmul_ops(graph: tp.DependencyGraph, readers: list[nn.Module]) -> set[i
     readers' own contraction, not a mix of the channels on their way."""
     own = set()
     for reader in readers:
-        if not isinstance(reader, nn.Linear):
-            continue
-        for source in graph.module2node[reader].inputs:
-            matmul = source
-            if isinstance(source.module, tp.ops._ReshapeOp) and len(source.inputs) == 1:
-                matmul = source.inputs[0]
-            weights = [i for i in matmul.inputs if _reads_weight(i, reader)]
-            if op_name(matmul).startswith(OWN_MATMULS) and (matmul is source or weights):
+        node = graph.module2node[reader]
+        for source in node.inputs:
+            matmul = _own_matmul(node, source)
+            if matmul is not None:
+                weights = [i for i in matmul.inputs if _reads_weight(i, reader)]
                 own |= {id(matmul.module), *(id(w.module) for w in weights)}
     return own
 
