@@ -242,14 +242,27 @@ SEPARATE_FORMS = (
     (("q", "k", "v", "o"), "key_value_proj_dim"),  # T5, UMT5
     (("Wq", "Wk", "Wv", "dense"), "head_dim"),  # CTRL
     (("q_lin", "k_lin", "v_lin", "out_lin"), "head_dim"),  # XLM, FlauBERT
+    # timm's class attention (CaiT, XCiT): num_heads and no head_dim (layers of these names
+    # with a head_dim are not taken: NeXt-ViT's reshapes its heads to the model width)
+    (("q", "k", "v", "proj"), None),
 )
 
 
 def _separate(name: str, module: nn.Module) -> HeadGroup | None:
-    """Separate query, key, value and output projections (Hugging Face)."""
+    """Separate query, key, value and output projections (Hugging Face's, timm's class
+    attention), with the head size, or else the head count (a form's size None)."""
     for names, size in SEPARATE_FORMS:
         layers = [_linear(module, p) for p in names]
-        head_dim = getattr(module, size, None)
+        head_dim = None if size is None else getattr(module, size, None)
+        heads = getattr(module, "num_heads", None)
+        alone = size is None and not hasattr(module, "head_dim")  # the count alone
+        if alone and layers[3] is not None and isinstance(heads, int) and heads > 0:
+            if layers[3].in_features % heads:
+                raise ValueError(
+                    f"attention layer {name!r}: {names[3]} ({layers[3].in_features} inputs) "
+                    f"does not split into its num_heads {heads}"
+                )
+            head_dim, size = layers[3].in_features // heads, "size"
         if all(layer is not None for layer in layers) and isinstance(head_dim, int):
             break
     else:

@@ -1,10 +1,12 @@
 """timm's attention layers that reshape their heads' output to the model width, with some
 of their heads removed: EVA's (EVA-02, DINOv3, Perception Encoder, RoPE-ViT), BEiT's,
 Swin V2's, DaViT's (its channel attention and its window attention), the cross-covariance
-attention of XCiT and EdgeNeXt, VOLO's and the relative-position ViT's.
+attention of XCiT and EdgeNeXt, VOLO's, the relative-position ViT's and the class attention
+of CaiT and XCiT.
 
 Their code reshapes the heads' output to the width of the layer's input (DaViT's, XCiT's,
-EdgeNeXt's and VOLO's also take the head size to be that width over the heads), so a
+EdgeNeXt's, VOLO's and the class attention's also take the head size to be that width over
+the heads), so a
 layer that has lost heads no longer runs; their key bias, when the query and value have
 one, is a zero buffer of the query width. Export gives such a layer the subclass below:
 the same parameters and state-dict keys, a forward that reshapes the heads' output to
@@ -20,6 +22,7 @@ import torch
 from timm.layers import apply_rot_embed_cat
 from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
 from timm.models.beit import Attention as BeitAttention
+from timm.models.cait import ClassAttn
 from timm.models.davit import ChannelAttention as DavitChannelAttention
 from timm.models.davit import WindowAttention as DavitWindowAttention
 from timm.models.edgenext import CrossCovarianceAttn as EdgeNextAttention
@@ -283,6 +286,27 @@ class PrunedRelPosAttention(_GivenToTheLayer, RelPosAttention):
         return self.proj_drop(self.proj(_merged(out)))
 
 
+class PrunedClassAttn(_GivenToTheLayer, ClassAttn):
+    """timm's class attention (CaiT's and XCiT's: the class token's query over all tokens)
+    whose heads may be fewer than the model width over their size."""
+
+    replaces = ClassAttn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, _ = x.shape
+        q = self.q(x[:, :1]).reshape(batch, 1, self.num_heads, -1).transpose(1, 2)
+        k, v = (
+            p(x).reshape(batch, tokens, self.num_heads, -1).transpose(1, 2)
+            for p in (self.k, self.v)
+        )
+        if self.fused_attn:
+            dropout = self.attn_drop.p if self.training else 0.0
+            out = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout)
+        else:
+            out = self.attn_drop(((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)) @ v
+        return self.proj_drop(self.proj(_merged(out)))
+
+
 PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     EvaAttention: PrunedEvaAttention,
     BeitAttention: PrunedBeitAttention,
@@ -293,4 +317,5 @@ PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     EdgeNextAttention: PrunedEdgeNextAttention,
     VoloAttention: PrunedVoloAttention,
     RelPosAttention: PrunedRelPosAttention,
+    ClassAttn: PrunedClassAttn,
 }

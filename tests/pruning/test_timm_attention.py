@@ -1,7 +1,7 @@
 """timm_attention.py: timm's attention layers that reshape their heads' output to the
 model width (EVA's: EVA-02, DINOv3, Perception Encoder, RoPE-ViT; BEiT's; Swin V2's;
 DaViT's; XCiT's and EdgeNeXt's cross-covariance attention; VOLO's; the relative-position
-ViT's), with heads removed.
+ViT's; CaiT's and XCiT's class attention), with heads removed.
 With every head kept each pruned class computes exactly what timm's does; tiny models of
 each prune their heads with a float ratio, export equal to the hard-masked model, and save
 and load with a builder."""
@@ -19,6 +19,7 @@ timm = pytest.importorskip("timm")
 from timm.layers import RotaryEmbeddingCat  # noqa: E402
 from timm.layers.pos_embed_rel import RelPosBias, RelPosMlp  # noqa: E402
 from timm.models.beit import Attention as BeitAttention  # noqa: E402
+from timm.models.cait import ClassAttn  # noqa: E402
 from timm.models.davit import ChannelAttention  # noqa: E402
 from timm.models.davit import WindowAttention as DavitWindowAttention  # noqa: E402
 from timm.models.edgenext import CrossCovarianceAttn  # noqa: E402
@@ -77,6 +78,7 @@ LAYERS = {
     "xcit": (lambda: XCA(32, 4, qkv_bias=True), dict),
     "edgenext": (lambda: CrossCovarianceAttn(32, 4, qkv_bias=True), dict),
     "volo": (lambda: VoloAttention(32, 4, qkv_bias=True), dict),  # on a 3 x 3 image
+    "class attention": (lambda: ClassAttn(32, 4, qkv_bias=True), dict),
     # a position bias made by an MLP with an output per head, or read from a table; the
     # prefix token padded with zero bias
     "relpos mlp": (
@@ -161,10 +163,10 @@ MODELS = {
         "timm.models.swin_transformer_v2:SwinTransformerV2",
         dict(depths=(2,), num_heads=(4,), window_size=2, img_size=16, patch_size=2, embed_dim=32),
     ),
-    # a temperature per head; its class attention blocks (CaiT's ClassAttn) stay whole
+    # a temperature per head, then a class attention block (CaiT's ClassAttn)
     "xcit": (
         "timm.models.xcit:Xcit",
-        dict(img_size=16, patch_size=8, embed_dim=32, depth=2, num_heads=4, cls_attn_layers=1),
+        dict(img_size=16, patch_size=8, embed_dim=32, depth=1, num_heads=4, cls_attn_layers=1),
     ),
     # a temperature per head, in two of the four stages
     "edgenext": (
@@ -241,6 +243,32 @@ def test_models_prune_their_heads_and_save_with_a_builder(name, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), exported(x), rtol=0, atol=0)
     exported.train()(x).sum().backward()  # it trains on
+
+
+class OddHeadCount(ClassAttn):
+    """Class attention whose num_heads (3) does not divide its width (32); its forward
+    runs on 4 heads, as a layer whose count means something else would."""
+
+    def __init__(self) -> None:
+        super().__init__(32, 4)
+        self.num_heads = 3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.num_heads = 4
+        try:
+            return super().forward(x)
+        finally:
+            self.num_heads = 3
+
+
+def test_class_attention_whose_width_does_not_split_into_its_heads_is_refused_by_name():
+    """The class attention form takes its head size from num_heads: a width that is not a
+    whole number of them has none, and asking for the heads is refused naming the layer,
+    the width and the count."""
+    model = torch.nn.Sequential(OddHeadCount(), torch.nn.Flatten(), torch.nn.Linear(32, 5))
+    refused = r"'0': proj \(32 inputs\) does not split into its num_heads 3"
+    with pytest.raises(ValueError, match=refused):
+        DTPPruner(model, (torch.randn(1, TOKENS, 32),), {"heads": 0.5})
 
 
 class GatedEva(torch.nn.Module):
