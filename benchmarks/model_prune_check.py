@@ -56,6 +56,9 @@ MODELS = [
     "edgenext_xx_small",
     "volo_d1_224",
     "vit_relpos_small_patch16_224",
+    "nextvit_small",
+    # its attention pool (separate q, k, v) prunes its heads as it is
+    "resnet50_clip.openai",
 ]
 
 

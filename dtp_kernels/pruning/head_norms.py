@@ -90,6 +90,18 @@ def fed_norms(
     return fed
 
 
+def _view_of(tensor: object, output: torch.Tensor) -> bool:
+    """Whether `tensor` is `output` or a view of all of it (a transpose: NeXt-ViT's norm
+    of its pooled keys' and values' input is transposed back to tokens)."""
+    if tensor is output:
+        return True
+    return (
+        isinstance(tensor, torch.Tensor)
+        and tensor.numel() == output.numel()
+        and tensor.untyped_storage().data_ptr() == output.untyped_storage().data_ptr()
+    )
+
+
 def norms_read_by(
     model: nn.Module, inputs: tuple, candidates: dict[nn.Module, list[nn.Linear]]
 ) -> set[nn.Module]:
@@ -109,7 +121,7 @@ def norms_read_by(
         found.update(
             n
             for n, options in candidates.items()
-            if layer in options and args and args[0] is last.get(n)
+            if layer in options and args and n in last and _view_of(args[0], last[n])
         )
 
     layers = {layer for options in candidates.values() for layer in options}

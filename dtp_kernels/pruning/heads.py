@@ -242,20 +242,23 @@ SEPARATE_FORMS = (
     (("q", "k", "v", "o"), "key_value_proj_dim"),  # T5, UMT5
     (("Wq", "Wk", "Wv", "dense"), "head_dim"),  # CTRL
     (("q_lin", "k_lin", "v_lin", "out_lin"), "head_dim"),  # XLM, FlauBERT
-    # timm's class attention (CaiT, XCiT): num_heads and no head_dim (layers of these names
-    # with a head_dim are not taken: NeXt-ViT's reshapes its heads to the model width)
+    # timm's NeXt-ViT, the attention pools of its CLIP ResNets (separate projections)
+    (("q", "k", "v", "proj"), "head_dim"),
+    # timm's class attention (CaiT, XCiT): num_heads, no head size
     (("q", "k", "v", "proj"), None),
 )
 
 
 def _separate(name: str, module: nn.Module) -> HeadGroup | None:
-    """Separate query, key, value and output projections (Hugging Face's, timm's class
-    attention), with the head size, or else the head count (a form's size None)."""
+    """Separate query, key, value and output projections (Hugging Face's; timm's NeXt-ViT,
+    attention pools and class attention) with an attribute holding the head size, or (a
+    form's size None) a layer with no head_dim and a num_heads, the head size then the
+    output projection's inputs over it."""
     for names, size in SEPARATE_FORMS:
         layers = [_linear(module, p) for p in names]
         head_dim = None if size is None else getattr(module, size, None)
         heads = getattr(module, "num_heads", None)
-        alone = size is None and not hasattr(module, "head_dim")  # the count alone
+        alone = size is None and not hasattr(module, "head_dim")  # a head count alone
         if alone and layers[3] is not None and isinstance(heads, int) and heads > 0:
             if layers[3].in_features % heads:
                 raise ValueError(

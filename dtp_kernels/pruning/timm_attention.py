@@ -1,8 +1,8 @@
 """timm's attention layers that reshape their heads' output to the model width, with some
 of their heads removed: EVA's (EVA-02, DINOv3, Perception Encoder, RoPE-ViT), BEiT's,
 Swin V2's, DaViT's (its channel attention and its window attention), the cross-covariance
-attention of XCiT and EdgeNeXt, VOLO's, the relative-position ViT's and the class attention
-of CaiT and XCiT.
+attention of XCiT and EdgeNeXt, VOLO's, the relative-position ViT's, NeXt-ViT's and the
+class attention of CaiT and XCiT.
 
 Their code reshapes the heads' output to the width of the layer's input (DaViT's, XCiT's,
 EdgeNeXt's, VOLO's and the class attention's also take the head size to be that width over
@@ -27,6 +27,7 @@ from timm.models.davit import ChannelAttention as DavitChannelAttention
 from timm.models.davit import WindowAttention as DavitWindowAttention
 from timm.models.edgenext import CrossCovarianceAttn as EdgeNextAttention
 from timm.models.eva import EvaAttention
+from timm.models.nextvit import EfficientAttention as NextVitAttention
 from timm.models.swin_transformer_v2 import WindowAttention as SwinV2WindowAttention
 from timm.models.vision_transformer_relpos import RelPosAttention
 from timm.models.volo import Attention as VoloAttention
@@ -61,6 +62,15 @@ def _heads(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         else:
             qkv = nn.functional.linear(x, layer.qkv.weight, bias)
     return qkv.reshape(batch, tokens, 3, layer.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+
+
+def _attention(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention with no mask as timm writes it: fused (the layer's dropout when training)
+    or written out with the layer's scale and dropout."""
+    if layer.fused_attn:
+        dropout = layer.attn_drop.p if layer.training else 0.0
+        return nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout)
+    return layer.attn_drop(((q * layer.scale) @ k.transpose(-2, -1)).softmax(dim=-1)) @ v
 
 
 def _merged(out: torch.Tensor) -> torch.Tensor:
@@ -239,11 +249,7 @@ class PrunedVoloAttention(_GivenToTheLayer, VoloAttention):
         batch, height, width, _ = x.shape
         qkv = self.qkv(x).reshape(batch, height * width, 3, self.num_heads, -1)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        if self.fused_attn:
-            dropout = self.attn_drop.p if self.training else 0.0
-            out = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout)
-        else:
-            out = self.attn_drop(((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)) @ v
+        out = _attention(self, q, k, v)
         out = out.transpose(1, 2)
         return self.proj_drop(self.proj(out.reshape(batch, height, width, -1)))
 
@@ -299,11 +305,26 @@ class PrunedClassAttn(_GivenToTheLayer, ClassAttn):
             p(x).reshape(batch, tokens, self.num_heads, -1).transpose(1, 2)
             for p in (self.k, self.v)
         )
-        if self.fused_attn:
-            dropout = self.attn_drop.p if self.training else 0.0
-            out = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout)
-        else:
-            out = self.attn_drop(((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)) @ v
+        out = _attention(self, q, k, v)
+        return self.proj_drop(self.proj(_merged(out)))
+
+
+class PrunedNextVitAttention(_GivenToTheLayer, NextVitAttention):
+    """timm NeXt-ViT's EfficientAttention (keys and values from the tokens pooled and
+    normalized) whose heads may be fewer than the model width over their size."""
+
+    replaces = NextVitAttention
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, _ = x.shape
+        q = self.q(x).reshape(batch, tokens, self.num_heads, self.head_dim).transpose(1, 2)
+        if self.sr is not None:
+            x = self.norm(self.sr(x.transpose(1, 2))).transpose(1, 2)
+        k, v = (
+            p(x).reshape(batch, -1, self.num_heads, self.head_dim).transpose(1, 2)
+            for p in (self.k, self.v)
+        )
+        out = _attention(self, q, k, v)
         return self.proj_drop(self.proj(_merged(out)))
 
 
@@ -318,4 +339,5 @@ PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     VoloAttention: PrunedVoloAttention,
     RelPosAttention: PrunedRelPosAttention,
     ClassAttn: PrunedClassAttn,
+    NextVitAttention: PrunedNextVitAttention,
 }

@@ -1,7 +1,7 @@
 """timm_attention.py: timm's attention layers that reshape their heads' output to the
 model width (EVA's: EVA-02, DINOv3, Perception Encoder, RoPE-ViT; BEiT's; Swin V2's;
 DaViT's; XCiT's and EdgeNeXt's cross-covariance attention; VOLO's; the relative-position
-ViT's; CaiT's and XCiT's class attention), with heads removed.
+ViT's; CaiT's and XCiT's class attention; NeXt-ViT's), with heads removed.
 With every head kept each pruned class computes exactly what timm's does; tiny models of
 each prune their heads with a float ratio, export equal to the hard-masked model, and save
 and load with a builder."""
@@ -14,9 +14,10 @@ import torch
 from dtp_kernels import DTPPruner, load_pruned, save_pruned
 from dtp_kernels.pruning import built_model
 from dtp_kernels.pruning.cost import count_params
+from utils import check_export, randomised
 
 timm = pytest.importorskip("timm")
-from timm.layers import RotaryEmbeddingCat  # noqa: E402
+from timm.layers import AttentionPool2d, RotaryEmbeddingCat  # noqa: E402
 from timm.layers.pos_embed_rel import RelPosBias, RelPosMlp  # noqa: E402
 from timm.models.beit import Attention as BeitAttention  # noqa: E402
 from timm.models.cait import ClassAttn  # noqa: E402
@@ -24,6 +25,7 @@ from timm.models.davit import ChannelAttention  # noqa: E402
 from timm.models.davit import WindowAttention as DavitWindowAttention  # noqa: E402
 from timm.models.edgenext import CrossCovarianceAttn  # noqa: E402
 from timm.models.eva import EvaAttention  # noqa: E402
+from timm.models.nextvit import EfficientAttention  # noqa: E402
 from timm.models.swin_transformer_v2 import WindowAttention  # noqa: E402
 from timm.models.vision_transformer_relpos import RelPosAttention  # noqa: E402
 from timm.models.volo import Attention as VoloAttention  # noqa: E402
@@ -79,6 +81,9 @@ LAYERS = {
     "edgenext": (lambda: CrossCovarianceAttn(32, 4, qkv_bias=True), dict),
     "volo": (lambda: VoloAttention(32, 4, qkv_bias=True), dict),  # on a 3 x 3 image
     "class attention": (lambda: ClassAttn(32, 4, qkv_bias=True), dict),
+    # keys and values from the tokens pooled (2 of 11) and batch-normalized
+    "nextvit": (lambda: EfficientAttention(32, head_dim=8), dict),
+    "nextvit pooled": (lambda: EfficientAttention(32, head_dim=8, sr_ratio=2).eval(), dict),
     # a position bias made by an MLP with an output per head, or read from a table; the
     # prefix token padded with zero bias
     "relpos mlp": (
@@ -202,8 +207,12 @@ for rel_pos_type in ("mlp", "bias"):
         "timm.models.vision_transformer_relpos:VisionTransformerRelPos",
         dict(**SMALL, depth=2, num_heads=4, rel_pos_type=rel_pos_type, class_token=True),
     )
-# the models' inputs: EdgeNeXt downsamples 32 times
-SIZES = {"edgenext": 64}
+# keys and values pooled, then batch-normalized, in its first two attention layers; its
+# stage widths are fixed (the smallest of its transformer blocks has 6 heads)
+MODELS["nextvit"] = ("timm.models.nextvit:NextViT", dict(in_chans=3, depths=(1, 1, 5, 1)))
+# the models' inputs: EdgeNeXt and NeXt-ViT downsample 32 times
+SIZES = {"edgenext": 64, "nextvit": 64}
+ATTENTION_LAYERS = {"nextvit": 3}  # else 2
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -219,7 +228,7 @@ def test_models_prune_their_heads_and_save_with_a_builder(name, tmp_path):
     x = torch.randn(2, 3, SIZES.get(name, 16), SIZES.get(name, 16))
     pruner = DTPPruner(model, (x[:1],), 0.5)
     attention = [m for m in model.modules() if type(m) in PRUNED_CLASSES]
-    assert len(attention) == 2
+    assert len(attention) == ATTENTION_LAYERS.get(name, 2)
     heads = [g.module for g in pruner.groups if getattr(g, "module", None) in attention]
     assert heads == attention
     with torch.no_grad():
@@ -231,7 +240,8 @@ def test_models_prune_their_heads_and_save_with_a_builder(name, tmp_path):
     assert count_params(exported) == pruner.report()["params_after"]
     pruned = [m for m in exported.modules() if type(m) in PRUNED_CLASSES.values()]
     for dense, attn in zip(attention, pruned, strict=True):
-        assert type(attn) is PRUNED_CLASSES[type(dense)] and attn.num_heads == 2
+        assert type(attn) is PRUNED_CLASSES[type(dense)]
+        assert attn.num_heads == dense.num_heads // 2
         assert attn.proj.in_features == dense.proj.in_features // 2
         if getattr(attn, "q_bias", None) is not None:
             assert attn.q_bias.shape == attn.v_bias.shape == (attn.proj.in_features,)
@@ -243,6 +253,20 @@ def test_models_prune_their_heads_and_save_with_a_builder(name, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), exported(x), rtol=0, atol=0)
     exported.train()(x).sum().backward()  # it trains on
+
+
+def test_an_attention_pool_with_separate_projections_prunes_its_heads():
+    """timm's attention pool with separate q, k, v (the CLIP ResNets' head) prunes its
+    heads as it is (its code reshapes them with -1): the export computes what the
+    hard-masked model computes, with half the heads and the parameters and FLOPs
+    reported."""
+    torch.manual_seed(0)
+    pool = AttentionPool2d(32, feat_size=4, out_features=5, head_dim=8, qkv_separate=True)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3, padding=1), pool).eval()
+    x = torch.randn(2, 3, 4, 4)
+    exported = check_export(randomised(DTPPruner(model, (x[:1],), {"heads": 0.5})), model, x)
+    head = exported[1]
+    assert head.num_heads == 2 and head.q.out_features == head.proj.in_features == 16
 
 
 class OddHeadCount(ClassAttn):
