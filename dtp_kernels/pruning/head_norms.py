@@ -110,22 +110,43 @@ def norms_read_by(
     norm of an attention layer's input, read by its query, key or value projection
     (LongT5's norm of its global tokens, of the model width, not over the heads), or a
     norm of its attention output, read by its output projection (BitNet's
-    attn_sub_norm)."""
-    last: dict[nn.Module, torch.Tensor] = {}  # each norm's latest output
+    attn_sub_norm). A norm's output passed through a module without parameters that keeps
+    its shape (an activation: PVT v2's GELU between the norm of its pooled tokens and its
+    key/value projection) is still its output."""
+    last: dict[nn.Module, list[torch.Tensor]] = {}  # each norm's latest output and its maps
     found: set[nn.Module] = set()
 
     def produced(norm, _args, output):
-        last[norm] = output
+        last[norm] = [output]
+
+    def mapped(_module, args, output):
+        for outputs in last.values():
+            if (
+                args
+                and isinstance(output, torch.Tensor)
+                and _view_of(args[0], outputs[-1])
+                and output.shape == args[0].shape
+            ):
+                outputs.append(output)
 
     def reads(layer, args):
         found.update(
             n
             for n, options in candidates.items()
-            if layer in options and args and n in last and _view_of(args[0], last[n])
+            if layer in options
+            and args
+            and n in last
+            and any(_view_of(args[0], output) for output in last[n])
         )
 
     layers = {layer for options in candidates.values() for layer in options}
+    maps = [
+        m
+        for m in model.modules()
+        if next(m.children(), None) is None and next(m.parameters(), None) is None
+    ]
     handles = [norm.register_forward_hook(produced) for norm in candidates]
+    handles += [m.register_forward_hook(mapped) for m in maps]
     handles += [layer.register_forward_pre_hook(reads) for layer in layers]
     with torch.no_grad():
         run_hooked(model, inputs, handles)

@@ -19,14 +19,17 @@ does not follow the per-head reshapes):
 - one fused ``qkv`` projection and ``proj``, with ``num_heads`` and ``head_dim``, as
   timm's ViT and DeiT write them (or ``num_heads`` alone: timm's and torchvision's Swin);
   layers whose code ties the head size or the output width to the input width
-  (torchvision's Swin and MaxViT; timm's EVA, BEiT, Swin V2, DaViT, XCiT, EdgeNeXt, VOLO
-  and relative-position ViT; Hugging Face's TrOCR, of the separate form) are exported as classes of
-  torchvision_attention.py, timm_attention.py and transformers_attention.py
-  (``PRUNED_CLASS_MODULES``); GPT-2's
+  (torchvision's Swin and MaxViT; timm's EVA, BEiT, Swin V2, DaViT, XCiT, EdgeNeXt, VOLO,
+  relative-position ViT, PVT v2 and Twins; Hugging Face's TrOCR, of the separate form)
+  are exported as classes of torchvision_attention.py, timm_attention.py and
+  transformers_attention.py (``PRUNED_CLASS_MODULES``); GPT-2's
   ``c_attn`` and ``c_proj`` with ``split_size`` (its Conv1D layers made ``nn.Linear``
   by :func:`conv1d_to_linear` first); Phi-3's ``qkv_proj`` (query heads, then key and
   value heads) and ``o_proj``, whose head count the layers read from the config they
   share;
+- a query projection ``q``, one ``kv`` of all the keys then all the values, and
+  ``proj``, with ``num_heads`` and ``head_dim`` or the head count alone (timm's PVT v2,
+  Twins' global attention and VOLO's class attention);
 - a fused ``qkv`` holding each head's query, key and value in turn, with ``key_dim``,
   ``val_dim`` and ``num_heads`` (timm's TinyViT and EfficientFormer);
 - ``query``, ``key``, ``value`` with ``num_attention_heads`` and ``attention_head_size``,
@@ -303,6 +306,29 @@ def _separate(name: str, module: nn.Module) -> HeadGroup | None:
     ]
     out = Projection(o, 1, per_unit * head_dim)
     return HeadGroup(name, module, rows, out, units, per_unit, head_dim)
+
+
+def _split_kv(name: str, module: nn.Module) -> HeadGroup | None:
+    """A query projection ``q``, one ``kv`` projection of all the keys then all the
+    values, and ``proj``, with ``num_heads`` and ``head_dim`` or the head count alone, the
+    head size then ``proj``'s inputs over it (timm's PVT v2 and Twins' sub-sampled
+    attention, whose keys and values may come from the tokens pooled and normalized)."""
+    q, kv, out = (_linear(module, p) for p in ("q", "kv", "proj"))
+    heads = getattr(module, "num_heads", None)
+    if q is None or kv is None or out is None or not isinstance(heads, int) or heads < 1:
+        return None
+    head_dim = getattr(module, "head_dim", None)
+    if not isinstance(head_dim, int):
+        head_dim = out.in_features // heads
+    width = heads * head_dim
+    if head_dim < 1 or not q.out_features == out.in_features == width == kv.out_features / 2:
+        raise ValueError(
+            f"attention layer {name!r}: q ({q.out_features} outputs), kv "
+            f"({kv.out_features}) and proj ({out.in_features} inputs) are not {heads} "
+            f"heads of head size {head_dim} (kv: their keys, then their values)"
+        )
+    rows = [Projection(q, 1, head_dim), Projection(kv, 2, head_dim)]
+    return HeadGroup(name, module, rows, Projection(out, 1, head_dim), heads, 1, head_dim)
 
 
 def _latent(name: str, module: nn.Module) -> HeadGroup | None:
@@ -681,6 +707,7 @@ def find_head_groups(
         try:
             group = (
                 _separate(name, module)
+                or _split_kv(name, module)
                 or _per_head_qkv(name, module)
                 or _fused(name, module)
                 or _per_head_fused(name, module)

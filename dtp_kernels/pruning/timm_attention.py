@@ -1,14 +1,15 @@
 """timm's attention layers that reshape their heads' output to the model width, with some
 of their heads removed: EVA's (EVA-02, DINOv3, Perception Encoder, RoPE-ViT), BEiT's,
 Swin V2's, DaViT's (its channel attention and its window attention), the cross-covariance
-attention of XCiT and EdgeNeXt, VOLO's, the relative-position ViT's, NeXt-ViT's and the
-class attention of CaiT and XCiT.
+attention of XCiT and EdgeNeXt, VOLO's, the relative-position ViT's, NeXt-ViT's, the
+class attention of CaiT and XCiT, and PVT v2's and Twins' (keys and values from the tokens
+sub-sampled; Twins' also within windows).
 
 Their code reshapes the heads' output to the width of the layer's input (DaViT's, XCiT's,
-EdgeNeXt's, VOLO's and the class attention's also take the head size to be that width over
-the heads), so a
-layer that has lost heads no longer runs; their key bias, when the query and value have
-one, is a zero buffer of the query width. Export gives such a layer the subclass below:
+EdgeNeXt's, VOLO's, Twins' and the class attention's also take the head size to be that
+width over the heads), so a layer that has lost heads no longer runs; their key bias,
+when the query and value have one, is a zero buffer of the query width. Export gives
+such a layer the subclass below:
 the same parameters and state-dict keys, a forward that reshapes the heads' output to
 their own width and makes the key bias as zeros of the query bias's width (the buffer is
 dropped, so nothing of the dense width is left).
@@ -28,7 +29,10 @@ from timm.models.davit import WindowAttention as DavitWindowAttention
 from timm.models.edgenext import CrossCovarianceAttn as EdgeNextAttention
 from timm.models.eva import EvaAttention
 from timm.models.nextvit import EfficientAttention as NextVitAttention
+from timm.models.pvt_v2 import Attention as PvtV2Attention
 from timm.models.swin_transformer_v2 import WindowAttention as SwinV2WindowAttention
+from timm.models.twins import GlobalSubSampleAttn as TwinsGlobalAttention
+from timm.models.twins import LocallyGroupedAttn as TwinsLocalAttention
 from timm.models.vision_transformer_relpos import RelPosAttention
 from timm.models.volo import Attention as VoloAttention
 from timm.models.xcit import XCA
@@ -328,6 +332,76 @@ class PrunedNextVitAttention(_GivenToTheLayer, NextVitAttention):
         return self.proj_drop(self.proj(_merged(out)))
 
 
+def _sub_sampled_keys_values(
+    layer: nn.Module, x: torch.Tensor, size: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values (batch, heads, tokens, head size) of `layer.kv` over the tokens `x`
+    of an image of `size`, first pooled (PVT v2's linear attention), reduced by the strided
+    convolution `layer.sr`, normalized and activated where the layer has these (PVT v2's
+    and Twins' sub-sampled attention)."""
+    batch, _, channels = x.shape
+    pool, act = getattr(layer, "pool", None), getattr(layer, "act", None)
+    if layer.sr is not None:
+        x = x.transpose(1, 2).reshape(batch, channels, *size)
+        x = layer.sr(x if pool is None else pool(x))
+        x = layer.norm(x.reshape(batch, x.shape[1], -1).transpose(1, 2))
+        x = x if act is None else act(x)
+    kv = layer.kv(x).reshape(batch, x.shape[1], 2, layer.num_heads, -1)
+    return kv.permute(2, 0, 3, 1, 4).unbind(0)
+
+
+class PrunedPvtV2Attention(_GivenToTheLayer, PvtV2Attention):
+    """timm PVT v2's attention (keys and values from the tokens sub-sampled) whose heads
+    may be fewer than the model width over their size."""
+
+    replaces = PvtV2Attention
+
+    def forward(self, x: torch.Tensor, feat_size: list[int]) -> torch.Tensor:
+        batch, tokens, _ = x.shape
+        q = self.q(x).reshape(batch, tokens, self.num_heads, -1).transpose(1, 2)
+        k, v = _sub_sampled_keys_values(self, x, feat_size)
+        return self.proj_drop(self.proj(_merged(_attention(self, q, k, v))))
+
+
+class PrunedTwinsGlobalAttention(_GivenToTheLayer, TwinsGlobalAttention):
+    """timm Twins' global sub-sampled attention whose heads may be fewer than the model
+    width over their size."""
+
+    replaces = TwinsGlobalAttention
+
+    def forward(self, x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        batch, tokens, _ = x.shape
+        q = self.q(x).reshape(batch, tokens, self.num_heads, -1).transpose(1, 2)
+        k, v = _sub_sampled_keys_values(self, x, size)
+        return self.proj_drop(self.proj(_merged(_attention(self, q, k, v))))
+
+
+class PrunedTwinsLocalAttention(_GivenToTheLayer, TwinsLocalAttention):
+    """timm Twins' attention within windows of `ws` x `ws` tokens whose heads may be
+    fewer than the model width over their size."""
+
+    replaces = TwinsLocalAttention
+
+    def forward(self, x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        batch, tokens, channels = x.shape
+        height, width = size
+        ws = self.ws
+        pad_right, pad_bottom = (ws - width % ws) % ws, (ws - height % ws) % ws
+        x = nn.functional.pad(
+            x.view(batch, height, width, channels), (0, 0, 0, pad_right, 0, pad_bottom)
+        )
+        rows, cols = x.shape[1] // ws, x.shape[2] // ws
+        x = x.reshape(batch, rows, ws, cols, ws, channels).transpose(2, 3)
+        qkv = self.qkv(x).reshape(batch, rows * cols, ws * ws, 3, self.num_heads, -1)
+        q, k, v = qkv.permute(3, 0, 1, 4, 2, 5).unbind(0)
+        out = _attention(self, q, k, v)  # (batch, windows, heads, ws * ws, head size)
+        out = out.transpose(2, 3).reshape(batch, rows, cols, ws, ws, -1)
+        out = out.transpose(2, 3).reshape(batch, rows * ws, cols * ws, -1)
+        if pad_right > 0 or pad_bottom > 0:
+            out = out[:, :height, :width, :].contiguous()
+        return self.proj_drop(self.proj(out.reshape(batch, tokens, -1)))
+
+
 PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     EvaAttention: PrunedEvaAttention,
     BeitAttention: PrunedBeitAttention,
@@ -340,4 +414,7 @@ PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     RelPosAttention: PrunedRelPosAttention,
     ClassAttn: PrunedClassAttn,
     NextVitAttention: PrunedNextVitAttention,
+    PvtV2Attention: PrunedPvtV2Attention,
+    TwinsGlobalAttention: PrunedTwinsGlobalAttention,
+    TwinsLocalAttention: PrunedTwinsLocalAttention,
 }

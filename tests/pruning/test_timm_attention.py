@@ -1,7 +1,8 @@
 """timm_attention.py: timm's attention layers that reshape their heads' output to the
 model width (EVA's: EVA-02, DINOv3, Perception Encoder, RoPE-ViT; BEiT's; Swin V2's;
 DaViT's; XCiT's and EdgeNeXt's cross-covariance attention; VOLO's; the relative-position
-ViT's; CaiT's and XCiT's class attention; NeXt-ViT's), with heads removed.
+ViT's; CaiT's and XCiT's class attention; NeXt-ViT's; PVT v2's and Twins' sub-sampled and
+windowed attention), with heads removed.
 With every head kept each pruned class computes exactly what timm's does; tiny models of
 each prune their heads with a float ratio, export equal to the hard-masked model, and save
 and load with a builder."""
@@ -26,9 +27,12 @@ from timm.models.davit import WindowAttention as DavitWindowAttention  # noqa: E
 from timm.models.edgenext import CrossCovarianceAttn  # noqa: E402
 from timm.models.eva import EvaAttention  # noqa: E402
 from timm.models.nextvit import EfficientAttention  # noqa: E402
+from timm.models.pvt_v2 import Attention as PvtV2Attention  # noqa: E402
 from timm.models.swin_transformer_v2 import WindowAttention  # noqa: E402
+from timm.models.twins import GlobalSubSampleAttn, LocallyGroupedAttn  # noqa: E402
 from timm.models.vision_transformer_relpos import RelPosAttention  # noqa: E402
 from timm.models.volo import Attention as VoloAttention  # noqa: E402
+from timm.models.volo import ClassAttention as VoloClassAttention  # noqa: E402
 from timm.models.xcit import XCA  # noqa: E402
 
 from dtp_kernels.pruning.timm_attention import PRUNED_CLASSES  # noqa: E402
@@ -48,6 +52,10 @@ def attention_mask():
     mask = torch.rand(2, 1, TOKENS, TOKENS) > 0.3
     mask[..., 0] = True  # every query attends to something
     return {"attn_mask": mask}
+
+
+def image_of_tokens(argument):  # PVT v2's and Twins' layers are told the 3 x 3 image
+    return lambda: {argument: (3, 3)}
 
 
 def shifted_windows():  # Swin V2's mask per window: 0 or -100
@@ -84,6 +92,21 @@ LAYERS = {
     # keys and values from the tokens pooled (2 of 11) and batch-normalized
     "nextvit": (lambda: EfficientAttention(32, head_dim=8), dict),
     "nextvit pooled": (lambda: EfficientAttention(32, head_dim=8, sr_ratio=2).eval(), dict),
+    # keys and values from all tokens, from the tokens reduced by a strided convolution
+    # (2 x 2 to 1) and normalized, or pooled (to 7 x 7), reduced, normalized and activated
+    "pvt v2": (lambda: PvtV2Attention(32, 4), image_of_tokens("feat_size")),
+    "pvt v2 sub-sampled": (lambda: PvtV2Attention(32, 4, sr_ratio=2), image_of_tokens("feat_size")),
+    "pvt v2 linear": (
+        lambda: PvtV2Attention(32, 4, linear_attn=True),
+        image_of_tokens("feat_size"),
+    ),
+    "twins global": (lambda: GlobalSubSampleAttn(32, 4), image_of_tokens("size")),
+    "twins global sub-sampled": (
+        lambda: GlobalSubSampleAttn(32, 4, sr_ratio=2),
+        image_of_tokens("size"),
+    ),
+    # windows of 2 x 2 over the 3 x 3 image: padded to 4 x 4
+    "twins local": (lambda: LocallyGroupedAttn(32, 4, ws=2), image_of_tokens("size")),
     # a position bias made by an MLP with an output per head, or read from a table; the
     # prefix token padded with zero bias
     "relpos mlp": (
@@ -116,7 +139,7 @@ def test_every_head_kept_computes_what_timm_computes(case, fused_attn):
         layer.logit_scale.data[0] = 5.0
     tokens = TOKENS - 1 if case.startswith(("beit", "relpos bias")) else TOKENS
     batch = 4 if case.startswith("swin v2 shifted") else 2
-    windowed = case.startswith(("swin", "davit window", "relpos mlp"))
+    windowed = case.startswith(("swin", "davit window", "relpos mlp", "pvt", "twins"))
     shape = (batch, 3, 3) if case == "volo" else (batch, 9 if windowed else tokens)
     x = torch.randn(*shape, 32, requires_grad=True)
     extra = call()
@@ -210,9 +233,40 @@ for rel_pos_type in ("mlp", "bias"):
 # keys and values pooled, then batch-normalized, in its first two attention layers; its
 # stage widths are fixed (the smallest of its transformer blocks has 6 heads)
 MODELS["nextvit"] = ("timm.models.nextvit:NextViT", dict(in_chans=3, depths=(1, 1, 5, 1)))
-# the models' inputs: EdgeNeXt and NeXt-ViT downsample 32 times
-SIZES = {"edgenext": 64, "nextvit": 64}
-ATTENTION_LAYERS = {"nextvit": 3}  # else 2
+# keys and values from the tokens reduced 2 x 2 to 1 in the first stage (all tokens in
+# the second), or pooled to 7 x 7 and reduced in both
+for linear in (False, True):
+    MODELS["pvt v2 linear" if linear else "pvt v2"] = (
+        "timm.models.pvt_v2:PyramidVisionTransformerV2",
+        dict(
+            depths=(1, 1),
+            embed_dims=(16, 32),
+            num_heads=(2, 4),
+            sr_ratios=(2, 1),
+            mlp_ratios=(2, 2),
+            linear=linear,
+        ),
+    )
+# attention within windows of 3 x 3 (the 8 x 8 and 4 x 4 images padded), then over the
+# tokens reduced 2 x 2 to 1 (Twins-SVT's layout)
+MODELS["twins"] = (
+    "timm.models.twins:Twins",
+    dict(
+        img_size=32,
+        embed_dims=(16, 32),
+        num_heads=(2, 4),
+        mlp_ratios=(2, 2),
+        depths=(2, 1),
+        sr_ratios=(2, 1),
+        wss=(3, 3),
+    ),
+)
+# the models' inputs: EdgeNeXt and NeXt-ViT downsample 32 times, PVT v2 and Twins 4 times
+# then 2 times per stage
+SIZES = {"edgenext": 64, "nextvit": 64, "pvt v2": 32, "pvt v2 linear": 32, "twins": 32}
+ATTENTION_LAYERS = {"nextvit": 3, "twins": 3}  # else 2
+# the convolutions reducing keys' and values' tokens feed a LayerNorm: left whole
+RATIOS = {name: {"*.attn.sr": 0, "*": 0.5} for name in ("pvt v2", "pvt v2 linear", "twins")}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -226,7 +280,7 @@ def test_models_prune_their_heads_and_save_with_a_builder(name, tmp_path):
     torch.manual_seed(0)
     model = built_model.build(builder, kwargs).eval()
     x = torch.randn(2, 3, SIZES.get(name, 16), SIZES.get(name, 16))
-    pruner = DTPPruner(model, (x[:1],), 0.5)
+    pruner = DTPPruner(model, (x[:1],), RATIOS.get(name, 0.5))
     attention = [m for m in model.modules() if type(m) in PRUNED_CLASSES]
     assert len(attention) == ATTENTION_LAYERS.get(name, 2)
     heads = [g.module for g in pruner.groups if getattr(g, "module", None) in attention]
@@ -267,6 +321,25 @@ def test_an_attention_pool_with_separate_projections_prunes_its_heads():
     exported = check_export(randomised(DTPPruner(model, (x[:1],), {"heads": 0.5})), model, x)
     head = exported[1]
     assert head.num_heads == 2 and head.q.out_features == head.proj.in_features == 16
+
+
+def test_volo_class_attention_prunes_its_heads_as_it_is():
+    """VOLO's class attention (q of the class token, kv of all tokens: the q, kv, proj
+    form, reshaped with num_heads and head_dim) prunes its heads with no class of its
+    own: the export computes what the hard-masked model computes, with half the heads and
+    the parameters and FLOPs reported."""
+    builder, kwargs = MODELS["volo"]
+    torch.manual_seed(0)
+    model = built_model.build(builder, {**kwargs, "num_classes": 5}).eval()
+    x = torch.randn(2, 3, 16, 16)
+    pruner = randomised(DTPPruner(model, (x[:1],), {"heads": 0.5}))
+    names = [n for n, m in model.named_modules() if type(m) is VoloClassAttention]
+    assert len(names) == 2 and set(names) <= {g.name for g in pruner.groups}
+    exported = check_export(pruner, model, x)
+    for name in names:
+        layer = exported.get_submodule(name)
+        assert type(layer) is VoloClassAttention
+        assert layer.num_heads == 2 and layer.kv.out_features == 2 * layer.q.out_features == 32
 
 
 class OddHeadCount(ClassAttn):
@@ -343,15 +416,40 @@ def test_a_timm_without_these_classes_gives_none_and_their_heads_are_refused(mon
     DTPPruner(deit, (torch.randn(1, 3, 16, 16),), {"heads": 0.5}).export()
 
 
-@pytest.mark.parametrize("name", ["dinov3", "davit", "xcit", "volo"])
+@pytest.mark.parametrize("name", ["dinov3", "davit", "xcit", "volo", "twins"])
 def test_an_exported_model_compiles_whole(name):
     """torch.compile takes an exported model with the pruned classes in one graph
     (fullgraph) and computes what it computes eagerly."""
     builder, kwargs = MODELS[name]
     torch.manual_seed(0)
     model = built_model.build(builder, {**kwargs, "num_classes": 5}).eval()
-    x = torch.randn(2, 3, 16, 16)
-    exported = DTPPruner(model, (x[:1],), 0.5).export().eval()
+    x = torch.randn(2, 3, SIZES.get(name, 16), SIZES.get(name, 16))
+    exported = DTPPruner(model, (x[:1],), RATIOS.get(name, 0.5)).export().eval()
     compiled = torch.compile(exported, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), exported(x), rtol=1e-5, atol=1e-6)
+
+
+class UnevenKeysValues(torch.nn.Module):
+    """PVT v2's attention whose kv projection (48 outputs) is not the keys and values of
+    its 4 heads of 8 (64), before a classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = PvtV2Attention(32, 4)
+        self.attn.kv = torch.nn.Linear(32, 48)
+        self.head = torch.nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x.mean(dim=1))  # the layer's forward would fail on its shapes
+
+
+def test_a_key_value_projection_that_does_not_split_into_the_heads_is_refused_by_name():
+    """The q, kv, proj form reads kv as every head's key, then every head's value: a kv
+    of another width is refused naming the layer and the widths when its heads are
+    asked for."""
+    model = UnevenKeysValues()
+    x = torch.randn(1, 9, 32)
+    refused = r"'attn': q \(32 outputs\), kv \(48\) and proj \(32 inputs\) are not 4 heads"
+    with pytest.raises(ValueError, match=refused):
+        DTPPruner(model, (x,), {"heads": 0.5})
