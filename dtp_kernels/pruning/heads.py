@@ -242,6 +242,7 @@ SEPARATE_FORMS = (
     (("q_proj", "k_proj", "v_proj", "proj"), "head_dim"),  # timm's EVA, unfused
     (("q_lin", "k_lin", "v_lin", "out_lin"), "attention_head_size"),  # DistilBERT
     (("query", "key", "value", "dense"), "attention_head_size"),  # ALBERT
+    (("query", "key", "value", "proj"), "attention_head_size"),  # PVT v2
     (("q", "k", "v", "o"), "key_value_proj_dim"),  # T5, UMT5
     (("Wq", "Wk", "Wv", "dense"), "head_dim"),  # CTRL
     (("q_lin", "k_lin", "v_lin", "out_lin"), "head_dim"),  # XLM, FlauBERT
@@ -876,6 +877,7 @@ PRUNED_CLASS_MODULES = {
     "torchvision.models.maxvit": "torchvision_attention",
     "timm": "timm_attention",  # EVA's, BEiT's, Swin V2's, DaViT's, XCiT's, EdgeNeXt's, ...
     "transformers.models.trocr.modeling_trocr": "transformers_attention",
+    "transformers.models.pvt_v2.modeling_pvt_v2": "transformers_attention",
 }
 
 

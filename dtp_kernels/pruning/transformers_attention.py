@@ -1,17 +1,21 @@
 """Hugging Face attention layers that reshape their heads' output to the model width, with
-some of their heads removed: TrOCR's (its decoder's self- and cross-attention).
+some of their heads removed: TrOCR's (its decoder's self- and cross-attention) and PVT
+v2's.
 
-TrOCR's code reshapes the heads' output to the width of the layer's input, so a layer
-that has lost heads no longer runs. Export gives such a layer the subclass below: the
-same parameters, state-dict keys, call and outputs (the key/value cache included), a
+Their code reshapes the heads' output to the width of the layer's input, so a layer that
+has lost heads no longer runs. Export gives such a layer the subclass below: the same
+parameters, state-dict keys, call and outputs (TrOCR's key/value cache included), a
 forward that reshapes the heads' output to their own width.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from transformers.cache_utils import EncoderDecoderCache
+from transformers.models.pvt_v2.modeling_pvt_v2 import PvtV2SelfAttention
 from transformers.models.trocr.modeling_trocr import TrOCRAttention
 
 
@@ -86,4 +90,43 @@ class PrunedTrOCRAttention(TrOCRAttention):
         return self.out_proj(out.transpose(1, 2).reshape(batch, length, -1)), per_head
 
 
-PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {TrOCRAttention: PrunedTrOCRAttention}
+class PrunedPvtV2SelfAttention(PvtV2SelfAttention):
+    """PVT v2's attention (keys and values from the tokens sub-sampled) whose heads may be
+    fewer than the model width over their size."""
+
+    replaces = PvtV2SelfAttention
+
+    @classmethod
+    def from_dense(cls, layer: nn.Module) -> nn.Module:
+        """`layer` itself, given this class."""
+        layer.__class__ = cls
+        return layer
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        height: int,
+        width: int,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
+        batch, tokens, channels = hidden_states.shape
+        query = self.transpose_for_scores(self.query(hidden_states))
+        if self.linear_attention or self.spatial_reduction_ratio > 1:
+            image = hidden_states.transpose(1, 2).reshape(batch, channels, height, width)
+            reduced = self.spatial_reduction(self.pool(image) if self.linear_attention else image)
+            hidden_states = self.layer_norm(reduced.reshape(batch, channels, -1).transpose(1, 2))
+            if self.linear_attention:
+                hidden_states = self.act(hidden_states)
+        key = self.transpose_for_scores(self.key(hidden_states))
+        value = self.transpose_for_scores(self.value(hidden_states))
+        scores = torch.matmul(query, key.transpose(-1, -2)) / math.sqrt(self.attention_head_size)
+        probs = self.attn_drop(nn.functional.softmax(scores, dim=-1))
+        context = (probs @ value).transpose(1, 2).reshape(batch, tokens, -1)
+        context = self.proj_drop(self.proj(context))
+        return (context, probs) if output_attentions else (context,)
+
+
+PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
+    TrOCRAttention: PrunedTrOCRAttention,
+    PvtV2SelfAttention: PrunedPvtV2SelfAttention,
+}

@@ -1,8 +1,9 @@
 """transformers_attention.py: Hugging Face attention layers that reshape their heads'
-output to the model width (TrOCR's), with heads removed. With every head kept the pruned
-class computes exactly what transformers' does; a tiny TrOCR (a ViT encoder and a TrOCR
-decoder) prunes its decoder's self- and cross-attention heads, exports equal to the
-hard-masked model and generates the same tokens through the key/value cache."""
+output to the model width (TrOCR's, PVT v2's), with heads removed. With every head kept
+the pruned class computes exactly what transformers' does; a tiny TrOCR (a ViT encoder and
+a TrOCR decoder) prunes its decoder's self- and cross-attention heads, exports equal to
+the hard-masked model and generates the same tokens through the key/value cache; a tiny
+PVT v2 prunes its heads and exports equal to the hard-masked model."""
 
 import pytest
 import torch
@@ -11,9 +12,14 @@ from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.heads import HeadGroup
 
 transformers = pytest.importorskip("transformers")
+from transformers.models.pvt_v2.modeling_pvt_v2 import PvtV2SelfAttention  # noqa: E402
 from transformers.models.trocr.modeling_trocr import TrOCRAttention  # noqa: E402
 
-from dtp_kernels.pruning.transformers_attention import PrunedTrOCRAttention  # noqa: E402
+from dtp_kernels.pruning.transformers_attention import (  # noqa: E402
+    PrunedPvtV2SelfAttention,
+    PrunedTrOCRAttention,
+)
+from utils import check_export, randomised  # noqa: E402
 
 DECODER = dict(
     vocab_size=64,
@@ -118,3 +124,74 @@ def test_trocr_heads_export_equal_to_the_hard_masked_model_and_generate():
             assert attn.num_heads == 2 and attn.out_proj.in_features == 16
     params, _ = pruner.predicted_counts()
     assert params == sum(p.numel() for p in exported.parameters())
+
+
+def pvt_v2_config(linear: bool) -> transformers.PvtV2Config:
+    """Two stages of one block: 2 heads of 8 over an 8 x 8 image of tokens whose keys and
+    values come from it reduced 2 x 2 to 1, then 4 heads of 8 over a 4 x 4 image (keys
+    and values from all its tokens); linear: both pooled to 7 x 7 first."""
+    return transformers.PvtV2Config(
+        num_encoder_blocks=2,
+        depths=[1, 1],
+        sr_ratios=[2, 1],
+        hidden_sizes=[16, 32],
+        num_attention_heads=[2, 4],
+        patch_sizes=[7, 3],
+        strides=[4, 2],
+        mlp_ratios=[2, 2],
+        linear_attention=linear,
+        num_labels=5,
+    )
+
+
+@pytest.mark.parametrize("linear", [False, True])
+@pytest.mark.parametrize("sr_ratio", [1, 2])
+@pytest.mark.parametrize("output_attentions", [False, True])
+def test_every_head_kept_computes_what_pvt_v2_computes(linear, sr_ratio, output_attentions):
+    """Bitwise the same outputs, attention weights and parameter gradients as PVT v2's
+    layer, its keys and values from all tokens, from the tokens reduced, or pooled."""
+    torch.manual_seed(0)
+    layer = PvtV2SelfAttention(pvt_v2_config(linear), 32, 4, sr_ratio)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    want = layer(x, 4, 4, output_attentions)
+    want_grads = torch.autograd.grad(want[0].square().sum(), [x, *layer.parameters()])
+    PrunedPvtV2SelfAttention.from_dense(layer)
+    got = layer(x, 4, 4, output_attentions)
+    got_grads = torch.autograd.grad(got[0].square().sum(), [x, *layer.parameters()])
+    assert len(got) == len(want) == (2 if output_attentions else 1)
+    for g, w in zip([*got, *got_grads], [*want, *want_grads], strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+class Logits(torch.nn.Module):
+    """An image classifier's logits alone (check_export compares tensors)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x).logits
+
+
+@pytest.mark.parametrize("linear", [False, True])
+def test_pvt_v2_heads_export_equal_to_the_hard_masked_model(linear):
+    """Every layer keeps half its heads as the pruned class (the reducing convolutions,
+    which feed a LayerNorm, left whole); the export computes the hard-masked model's
+    logits with the parameters and FLOPs reported."""
+    torch.manual_seed(0)
+    model = Logits(transformers.PvtV2ForImageClassification(pvt_v2_config(linear))).eval()
+    for layer in model.modules():  # weights larger than the initial 0.02, so heads show
+        if isinstance(layer, (torch.nn.Linear, torch.nn.Conv2d)):
+            torch.nn.init.normal_(layer.weight, std=0.3)
+    x = torch.randn(2, 3, 32, 32)
+    ratios = {"*spatial_reduction": 0, "*": 0.5}
+    pruner = randomised(DTPPruner(model, (x[:1],), ratios))
+    attention = [m for m in model.modules() if isinstance(m, PvtV2SelfAttention)]
+    assert [g.module for g in pruner.groups if isinstance(g, HeadGroup)] == attention
+    exported = check_export(pruner, model, x)
+    pruned = [m for m in exported.modules() if isinstance(m, PvtV2SelfAttention)]
+    for dense, attn in zip(attention, pruned, strict=True):
+        assert type(attn) is PrunedPvtV2SelfAttention
+        assert attn.num_attention_heads == dense.num_attention_heads // 2
+        assert attn.proj.in_features == attn.key.out_features == dense.proj.in_features // 2
