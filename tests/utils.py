@@ -493,3 +493,15 @@ def small_regnet_y() -> nn.Module:
         depth=4, w_0=16, w_a=8.0, w_m=2.0, group_width=8, se_ratio=0.25
     )
     return RegNet(params, num_classes=5, stem_width=16)
+
+
+class HFLogits(nn.Module):
+    """A Hugging Face image classifier returning its logits tensor (check_export compares
+    tensors)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x).logits

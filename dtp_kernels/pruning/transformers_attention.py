@@ -19,16 +19,20 @@ from transformers.models.pvt_v2.modeling_pvt_v2 import PvtV2SelfAttention
 from transformers.models.trocr.modeling_trocr import TrOCRAttention
 
 
-class PrunedTrOCRAttention(TrOCRAttention):
-    """TrOCR's attention whose heads may be fewer than the model width over their size."""
-
-    replaces = TrOCRAttention
+class _GivenToTheLayer:
+    """A class export gives the layer itself."""
 
     @classmethod
     def from_dense(cls, layer: nn.Module) -> nn.Module:
         """`layer` itself, given this class."""
         layer.__class__ = cls
         return layer
+
+
+class PrunedTrOCRAttention(_GivenToTheLayer, TrOCRAttention):
+    """TrOCR's attention whose heads may be fewer than the model width over their size."""
+
+    replaces = TrOCRAttention
 
     def _keys_and_values(
         self,
@@ -90,17 +94,11 @@ class PrunedTrOCRAttention(TrOCRAttention):
         return self.out_proj(out.transpose(1, 2).reshape(batch, length, -1)), per_head
 
 
-class PrunedPvtV2SelfAttention(PvtV2SelfAttention):
+class PrunedPvtV2SelfAttention(_GivenToTheLayer, PvtV2SelfAttention):
     """PVT v2's attention (keys and values from the tokens sub-sampled) whose heads may be
     fewer than the model width over their size."""
 
     replaces = PvtV2SelfAttention
-
-    @classmethod
-    def from_dense(cls, layer: nn.Module) -> nn.Module:
-        """`layer` itself, given this class."""
-        layer.__class__ = cls
-        return layer
 
     def forward(
         self,

@@ -19,7 +19,7 @@ from dtp_kernels.pruning.transformers_attention import (  # noqa: E402
     PrunedPvtV2SelfAttention,
     PrunedTrOCRAttention,
 )
-from utils import check_export, randomised  # noqa: E402
+from utils import HFLogits, check_export, randomised  # noqa: E402
 
 DECODER = dict(
     vocab_size=64,
@@ -163,24 +163,13 @@ def test_every_head_kept_computes_what_pvt_v2_computes(linear, sr_ratio, output_
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
-class Logits(torch.nn.Module):
-    """An image classifier's logits alone (check_export compares tensors)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x).logits
-
-
 @pytest.mark.parametrize("linear", [False, True])
 def test_pvt_v2_heads_export_equal_to_the_hard_masked_model(linear):
     """Every layer keeps half its heads as the pruned class (the reducing convolutions,
     which feed a LayerNorm, left whole); the export computes the hard-masked model's
     logits with the parameters and FLOPs reported."""
     torch.manual_seed(0)
-    model = Logits(transformers.PvtV2ForImageClassification(pvt_v2_config(linear))).eval()
+    model = HFLogits(transformers.PvtV2ForImageClassification(pvt_v2_config(linear))).eval()
     for layer in model.modules():  # weights larger than the initial 0.02, so heads show
         if isinstance(layer, (torch.nn.Linear, torch.nn.Conv2d)):
             torch.nn.init.normal_(layer.weight, std=0.3)

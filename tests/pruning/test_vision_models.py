@@ -17,7 +17,7 @@ from dtp_kernels.models import get_model
 from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.cost import count_flops, count_params
 from dtp_kernels.pruning.heads import HeadGroup
-from utils import random_params
+from utils import HFLogits, random_params
 
 timm = pytest.importorskip("timm")
 
@@ -120,17 +120,6 @@ def hf_hiera():
         num_labels=5,
     )
     return HFLogits(transformers.HieraForImageClassification(config)), torch.randn(4, 3, 64, 64)
-
-
-class HFLogits(torch.nn.Module):
-    """A Hugging Face image classifier returning its logits tensor."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x).logits
 
 
 def torchvision_swin(v2: bool = False):
