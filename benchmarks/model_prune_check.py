@@ -60,6 +60,8 @@ MODELS = [
     "pvt_v2_b0",
     "twins_svt_small",
     "twins_pcpvt_small",
+    "swinv2_cr_tiny_224",
+    "nest_tiny",
     # its attention pool (separate q, k, v) prunes its heads as it is
     "resnet50_clip.openai",
 ]

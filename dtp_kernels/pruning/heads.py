@@ -211,7 +211,10 @@ class HeadGroup:
     def unit_weights(self) -> torch.Tensor:
         """The output projection's columns, one row per unit (the unit's filter)."""
         weight = self.out.layer.weight.detach()
-        return weight.view(weight.shape[0], self.units, -1).transpose(0, 1).reshape(self.units, -1)
+        columns = torch.stack(
+            [self.out.kept(self.units, torch.tensor([u])) for u in range(self.units)]
+        )
+        return weight[:, columns.to(weight.device)].transpose(0, 1).reshape(self.units, -1)
 
 
 def _linear(module: nn.Module, name: str) -> nn.Linear | None:
@@ -397,7 +400,11 @@ def _fused(name: str, module: nn.Module) -> HeadGroup | None:
             f"({proj.in_features} inputs) are not {heads} heads of head_dim {head_dim}"
         )
     rows = [Projection(qkv, 3, head_dim)]
-    return HeadGroup(name, module, rows, Projection(proj, 1, head_dim), heads, 1, head_dim)
+    # a layer whose code merges its heads' outputs with the head innermost (channel c of
+    # head h at c * heads + h: NesT's), as its pruned class says
+    innermost = getattr(pruned_classes().get(type(module)), "heads_innermost", False)
+    out = Projection(proj, head_dim, 1) if innermost else Projection(proj, 1, head_dim)
+    return HeadGroup(name, module, rows, out, heads, 1, head_dim)
 
 
 def _per_head_qkv(name: str, module: nn.Module) -> HeadGroup | None:

@@ -123,21 +123,25 @@ class MaskSource:
 
 class ScaleRows(nn.Module):
     """Parametrization w -> w * mask over the output rows (dim 0), each mask entry
-    repeated over `per_unit` consecutive rows (a GroupNorm's group; 1 for a channel)."""
+    repeated over `per_unit` consecutive rows (a GroupNorm's group; 1 for a channel), in
+    each of `blocks` blocks of all the units (NesT's attention output: each channel of
+    every head in turn)."""
 
     DIM = 0
 
-    def __init__(self, source: MaskSource, index: int, per_unit: int = 1) -> None:
+    def __init__(self, source: MaskSource, index: int, per_unit: int = 1, blocks: int = 1) -> None:
         super().__init__()
-        self.source, self.index, self.per_unit = source, index, per_unit
+        self.source, self.index, self.per_unit, self.blocks = source, index, per_unit, blocks
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         mask = self.source.get(self.index).to(weight.dtype)
-        # view dim DIM as (units, per_unit) and broadcast the mask over it: no repeated copy
+        # view dim DIM as ([blocks,] units, per_unit) and broadcast the mask over it: no
+        # repeated copy
         lead, rest = weight.shape[: self.DIM], weight.shape[self.DIM + 1 :]
-        grouped = weight.view(*lead, -1, self.per_unit, *rest)
+        blocks = (self.blocks,) if self.blocks > 1 else ()
+        grouped = weight.view(*lead, *blocks, -1, self.per_unit, *rest)
         shape = [1] * grouped.dim()
-        shape[self.DIM] = -1
+        shape[self.DIM + len(blocks)] = -1
         return (grouped * mask.view(shape)).view_as(weight)
 
 

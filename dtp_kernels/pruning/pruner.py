@@ -308,7 +308,7 @@ class DTPPruner(ChannelPruner):
             return
         if isinstance(group, HeadGroup):  # the output projection's columns, per unit
             for layer in group.members:  # every layer of a chain tied by its bias
-                scale = ScaleColumns(self._source, index, layer.out.per_unit)
+                scale = ScaleColumns(self._source, index, layer.out.per_unit, layer.out.blocks)
                 parametrize.register_parametrization(layer.layer, "weight", scale)
                 for rescaled in layer.rescaled:  # and the rows a norm over all heads reads
                     rows = rescaled.rows

@@ -28,9 +28,11 @@ from timm.models.davit import ChannelAttention as DavitChannelAttention
 from timm.models.davit import WindowAttention as DavitWindowAttention
 from timm.models.edgenext import CrossCovarianceAttn as EdgeNextAttention
 from timm.models.eva import EvaAttention
+from timm.models.nest import Attention as NestAttention
 from timm.models.nextvit import EfficientAttention as NextVitAttention
 from timm.models.pvt_v2 import Attention as PvtV2Attention
 from timm.models.swin_transformer_v2 import WindowAttention as SwinV2WindowAttention
+from timm.models.swin_transformer_v2_cr import WindowMultiHeadAttention as SwinV2CrAttention
 from timm.models.twins import GlobalSubSampleAttn as TwinsGlobalAttention
 from timm.models.twins import LocallyGroupedAttn as TwinsLocalAttention
 from timm.models.vision_transformer_relpos import RelPosAttention
@@ -402,6 +404,47 @@ class PrunedTwinsLocalAttention(_GivenToTheLayer, TwinsLocalAttention):
         return self.proj_drop(self.proj(out.reshape(batch, tokens, -1)))
 
 
+class PrunedSwinV2CrAttention(_GivenToTheLayer, SwinV2CrAttention):
+    """timm Swin V2 CR's window attention (scaled cosine attention, a position bias per
+    head from its meta MLP) whose heads may be fewer than the model width over their
+    size."""
+
+    replaces = SwinV2CrAttention
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        windows, tokens, _ = x.shape
+        qkv = self.qkv(x).view(windows, tokens, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        scores = nn.functional.normalize(q, dim=-1) @ nn.functional.normalize(k, dim=-1).mT
+        scale = self.logit_scale.reshape(1, self.num_heads, 1, 1)
+        scores = scores * torch.clamp(scale, max=math.log(1.0 / 0.01)).exp()
+        scores = scores + self._relative_positional_encodings()
+        if mask is not None:
+            count = mask.shape[0]
+            scores = scores.view(windows // count, count, self.num_heads, tokens, tokens)
+            scores = scores + mask.unsqueeze(1).unsqueeze(0)
+            scores = scores.view(-1, self.num_heads, tokens, tokens)
+        out = self.attn_drop(scores.softmax(dim=-1)) @ v
+        return self.proj_drop(self.proj(_merged(out)))
+
+
+class PrunedNestAttention(_GivenToTheLayer, NestAttention):
+    """timm NesT's attention within image blocks whose heads may be fewer than the model
+    width over their size. Its code merges the heads' outputs with the head innermost
+    (channel c of head h at c * heads + h), which `heads_innermost` tells the pruner."""
+
+    replaces = NestAttention
+    heads_innermost = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, blocks, tokens, _ = x.shape
+        qkv = self.qkv(x).reshape(batch, blocks, tokens, 3, self.num_heads, -1)
+        q, k, v = qkv.permute(3, 0, 4, 1, 2, 5).unbind(0)
+        out = _attention(self, q, k, v)  # (batch, heads, blocks, tokens, head size)
+        out = out.permute(0, 2, 3, 4, 1).reshape(batch, blocks, tokens, -1)
+        return self.proj_drop(self.proj(out))
+
+
 PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     EvaAttention: PrunedEvaAttention,
     BeitAttention: PrunedBeitAttention,
@@ -417,4 +460,6 @@ PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     PvtV2Attention: PrunedPvtV2Attention,
     TwinsGlobalAttention: PrunedTwinsGlobalAttention,
     TwinsLocalAttention: PrunedTwinsLocalAttention,
+    SwinV2CrAttention: PrunedSwinV2CrAttention,
+    NestAttention: PrunedNestAttention,
 }

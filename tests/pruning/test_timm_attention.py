@@ -2,7 +2,7 @@
 model width (EVA's: EVA-02, DINOv3, Perception Encoder, RoPE-ViT; BEiT's; Swin V2's;
 DaViT's; XCiT's and EdgeNeXt's cross-covariance attention; VOLO's; the relative-position
 ViT's; CaiT's and XCiT's class attention; NeXt-ViT's; PVT v2's and Twins' sub-sampled and
-windowed attention), with heads removed.
+windowed attention; Swin V2 CR's; NesT's), with heads removed.
 With every head kept each pruned class computes exactly what timm's does; tiny models of
 each prune their heads with a float ratio, export equal to the hard-masked model, and save
 and load with a builder."""
@@ -26,9 +26,11 @@ from timm.models.davit import ChannelAttention  # noqa: E402
 from timm.models.davit import WindowAttention as DavitWindowAttention  # noqa: E402
 from timm.models.edgenext import CrossCovarianceAttn  # noqa: E402
 from timm.models.eva import EvaAttention  # noqa: E402
+from timm.models.nest import Attention as NestAttention  # noqa: E402
 from timm.models.nextvit import EfficientAttention  # noqa: E402
 from timm.models.pvt_v2 import Attention as PvtV2Attention  # noqa: E402
 from timm.models.swin_transformer_v2 import WindowAttention  # noqa: E402
+from timm.models.swin_transformer_v2_cr import WindowMultiHeadAttention  # noqa: E402
 from timm.models.twins import GlobalSubSampleAttn, LocallyGroupedAttn  # noqa: E402
 from timm.models.vision_transformer_relpos import RelPosAttention  # noqa: E402
 from timm.models.volo import Attention as VoloAttention  # noqa: E402
@@ -105,6 +107,14 @@ LAYERS = {
         lambda: GlobalSubSampleAttn(32, 4, sr_ratio=2),
         image_of_tokens("size"),
     ),
+    # scaled cosine attention, a bias per head from the meta MLP (eval: its dropout)
+    "swin v2 cr": (lambda: WindowMultiHeadAttention(32, 4, (3, 3)).eval(), dict),
+    "swin v2 cr shifted": (
+        lambda: WindowMultiHeadAttention(32, 4, (3, 3)).eval(),
+        shifted_windows,
+    ),
+    # over 2 image blocks of 9 tokens; its heads' outputs merged with the head innermost
+    "nest": (lambda: NestAttention(32, 4, qkv_bias=True), dict),
     # windows of 2 x 2 over the 3 x 3 image: padded to 4 x 4
     "twins local": (lambda: LocallyGroupedAttn(32, 4, ws=2), image_of_tokens("size")),
     # a position bias made by an MLP with an output per head, or read from a table; the
@@ -141,6 +151,7 @@ def test_every_head_kept_computes_what_timm_computes(case, fused_attn):
     batch = 4 if case.startswith("swin v2 shifted") else 2
     windowed = case.startswith(("swin", "davit window", "relpos mlp", "pvt", "twins"))
     shape = (batch, 3, 3) if case == "volo" else (batch, 9 if windowed else tokens)
+    shape = (batch, 2, 9) if case == "nest" else shape
     x = torch.randn(*shape, 32, requires_grad=True)
     extra = call()
     want = layer(x, **extra)
@@ -261,6 +272,23 @@ MODELS["twins"] = (
         wss=(3, 3),
     ),
 )
+# windows of 2 x 2 tokens, shifted in the second block
+MODELS["swin v2 cr"] = (
+    "timm.models.swin_transformer_v2_cr:SwinTransformerV2Cr",
+    dict(img_size=(16, 16), patch_size=4, window_size=2, embed_dim=32, depths=(2,), num_heads=(4,)),
+)
+# 4 image blocks of 4 x 4 tokens, then 1 of 2 x 2; heads merged with the head innermost
+MODELS["nest"] = (
+    "timm.models.nest:Nest",
+    dict(
+        img_size=16,
+        patch_size=2,
+        num_levels=2,
+        embed_dims=(16, 32),
+        num_heads=(2, 4),
+        depths=(1, 1),
+    ),
+)
 # the models' inputs: EdgeNeXt and NeXt-ViT downsample 32 times, PVT v2 and Twins 4 times
 # then 2 times per stage
 SIZES = {"edgenext": 64, "nextvit": 64, "pvt v2": 32, "pvt v2 linear": 32, "twins": 32}
@@ -301,6 +329,8 @@ def test_models_prune_their_heads_and_save_with_a_builder(name, tmp_path):
             assert attn.q_bias.shape == attn.v_bias.shape == (attn.proj.in_features,)
         if hasattr(attn, "temperature"):  # XCiT's and EdgeNeXt's, one per head
             assert attn.temperature.shape == (2, 1, 1)
+        if hasattr(attn, "meta_mlp"):  # Swin V2 CR's bias and scale per head
+            assert attn.meta_mlp.fc2.out_features == attn.logit_scale.shape[0] == 2
     path = tmp_path / "model.safetensors"
     save_pruned(path, exported, builder=builder, builder_kwargs=kwargs)
     loaded = load_pruned(path).eval()
@@ -453,3 +483,24 @@ def test_a_key_value_projection_that_does_not_split_into_the_heads_is_refused_by
     refused = r"'attn': q \(32 outputs\), kv \(48\) and proj \(32 inputs\) are not 4 heads"
     with pytest.raises(ValueError, match=refused):
         DTPPruner(model, (x,), {"heads": 0.5})
+
+
+def test_nest_masks_each_heads_channels_where_its_code_puts_them():
+    """NesT merges its heads' outputs with the head innermost: under the hard masks the
+    output projection's column c * heads + h is zeroed exactly when head h is removed,
+    and in training the soft masks give every head's score a gradient."""
+    builder, kwargs = MODELS["nest"]
+    torch.manual_seed(0)
+    model = built_model.build(builder, {**kwargs, "num_classes": 5})
+    x = torch.randn(2, 3, 16, 16)
+    pruner = randomised(DTPPruner(model, (x[:1],), {"heads": 0.5}))
+    layer = model.levels[1].transformer_encoder[0].attn
+    index = next(i for i, g in enumerate(pruner.groups) if g.module is layer)
+    dense = layer.proj.parametrizations.weight.original.detach().clone()
+    mask = pruner.hard_masks()[index]  # one entry per head: 4
+    with torch.no_grad(), pruner.hard_masked():
+        masked = layer.proj.weight.clone()
+    torch.testing.assert_close(masked, dense * mask.repeat(8), rtol=0, atol=0)
+    model.train()(x).square().sum().backward()
+    start = sum(g.size for g in pruner.groups[:index])
+    assert torch.all(pruner.scores.grad[start : start + 4] != 0)
