@@ -62,6 +62,7 @@ MODELS = [
     "twins_pcpvt_small",
     "swinv2_cr_tiny_224",
     "nest_tiny",
+    "convit_tiny",
     # its attention pool (separate q, k, v) prunes its heads as it is
     "resnet50_clip.openai",
 ]

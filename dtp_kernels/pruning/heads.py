@@ -27,9 +27,10 @@ does not follow the per-head reshapes):
   by :func:`conv1d_to_linear` first); Phi-3's ``qkv_proj`` (query heads, then key and
   value heads) and ``o_proj``, whose head count the layers read from the config they
   share;
-- a query projection ``q``, one ``kv`` of all the keys then all the values, and
-  ``proj``, with ``num_heads`` and ``head_dim`` or the head count alone (timm's PVT v2,
-  Twins' global attention and VOLO's class attention);
+- a query projection ``q`` and one ``kv`` of all the keys then all the values (timm's
+  PVT v2, Twins' global attention and VOLO's class attention), or one ``qk`` and ``v``
+  (ConViT's gated positional attention), and ``proj``, with ``num_heads`` and
+  ``head_dim`` or the head count alone;
 - a fused ``qkv`` holding each head's query, key and value in turn, with ``key_dim``,
   ``val_dim`` and ``num_heads`` (timm's TinyViT and EfficientFormer);
 - ``query``, ``key``, ``value`` with ``num_attention_heads`` and ``attention_head_size``,
@@ -312,26 +313,46 @@ def _separate(name: str, module: nn.Module) -> HeadGroup | None:
     return HeadGroup(name, module, rows, out, units, per_unit, head_dim)
 
 
-def _split_kv(name: str, module: nn.Module) -> HeadGroup | None:
-    """A query projection ``q``, one ``kv`` projection of all the keys then all the
-    values, and ``proj``, with ``num_heads`` and ``head_dim`` or the head count alone, the
-    head size then ``proj``'s inputs over it (timm's PVT v2 and Twins' sub-sampled
-    attention, whose keys and values may come from the tokens pooled and normalized)."""
-    q, kv, out = (_linear(module, p) for p in ("q", "kv", "proj"))
-    heads = getattr(module, "num_heads", None)
-    if q is None or kv is None or out is None or not isinstance(heads, int) or heads < 1:
+# queries, keys and values split over two projections, by name and the blocks each holds
+# (all heads' queries, keys or values in turn), before ``proj``: timm's PVT v2, Twins and
+# VOLO's class attention (q, kv); ConViT's gated positional attention (qk, v)
+SPLIT_FORMS = ((("q", 1), ("kv", 2)), (("qk", 2), ("v", 1)))
+
+
+def _split(name: str, module: nn.Module) -> HeadGroup | None:
+    """A SPLIT_FORMS pair of projections and ``proj``, with ``num_heads`` and ``head_dim``
+    or the head count alone, the head size then ``proj``'s inputs over it."""
+    out, heads = _linear(module, "proj"), getattr(module, "num_heads", None)
+    if out is None or not isinstance(heads, int) or heads < 1:
+        return None
+    for form in SPLIT_FORMS:
+        layers = [_linear(module, part) for part, _ in form]
+        if all(layer is not None for layer in layers):
+            break
+    else:
         return None
     head_dim = getattr(module, "head_dim", None)
     if not isinstance(head_dim, int):
         head_dim = out.in_features // heads
     width = heads * head_dim
-    if head_dim < 1 or not q.out_features == out.in_features == width == kv.out_features / 2:
-        raise ValueError(
-            f"attention layer {name!r}: q ({q.out_features} outputs), kv "
-            f"({kv.out_features}) and proj ({out.in_features} inputs) are not {heads} "
-            f"heads of head size {head_dim} (kv: their keys, then their values)"
+    blocks = [count for _, count in form]
+    if (
+        head_dim < 1
+        or out.in_features != width
+        or any(
+            layer.out_features != count * width for layer, count in zip(layers, blocks, strict=True)
         )
-    rows = [Projection(q, 1, head_dim), Projection(kv, 2, head_dim)]
+    ):
+        sizes = ", ".join(
+            f"{part} ({layer.out_features} outputs)"
+            for (part, _), layer in zip(form, layers, strict=True)
+        )
+        raise ValueError(
+            f"attention layer {name!r}: {sizes} and proj ({out.in_features} inputs) are not "
+            f"{heads} heads of head size {head_dim} (each projection all heads' queries, keys "
+            "or values in turn)"
+        )
+    rows = [Projection(layer, count, head_dim) for layer, count in zip(layers, blocks, strict=True)]
     return HeadGroup(name, module, rows, Projection(out, 1, head_dim), heads, 1, head_dim)
 
 
@@ -715,7 +736,7 @@ def find_head_groups(
         try:
             group = (
                 _separate(name, module)
-                or _split_kv(name, module)
+                or _split(name, module)
                 or _per_head_qkv(name, module)
                 or _fused(name, module)
                 or _per_head_fused(name, module)

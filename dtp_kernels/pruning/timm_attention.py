@@ -24,6 +24,7 @@ from timm.layers import apply_rot_embed_cat
 from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
 from timm.models.beit import Attention as BeitAttention
 from timm.models.cait import ClassAttn
+from timm.models.convit import GPSA, MHSA
 from timm.models.davit import ChannelAttention as DavitChannelAttention
 from timm.models.davit import WindowAttention as DavitWindowAttention
 from timm.models.edgenext import CrossCovarianceAttn as EdgeNextAttention
@@ -445,6 +446,49 @@ class PrunedNestAttention(_GivenToTheLayer, NestAttention):
         return self.proj_drop(self.proj(out))
 
 
+class PrunedConvitGatedAttention(_GivenToTheLayer, GPSA):
+    """timm ConViT's gated positional self-attention (each head's patch attention mixed
+    with its positional attention by its gate) whose heads may be fewer than the model
+    width over their size."""
+
+    replaces = GPSA
+    # its relative positions, a buffer not saved that forward makes for its token count:
+    # a model loaded from its builder (a placeholder there) remakes them
+    remade_buffers = ("rel_indices",)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, _ = x.shape
+        if self.rel_indices is None or self.rel_indices.shape[1] != tokens:
+            self.rel_indices = self.get_rel_indices(tokens)
+        attn = self.get_attention(x)
+        v = self.v(x).reshape(batch, tokens, self.num_heads, -1).transpose(1, 2)
+        return self.proj_drop(self.proj(_merged(attn @ v)))
+
+    def get_attention(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, _ = x.shape
+        q, k = self.qk(x).reshape(batch, tokens, 2, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        positions = self.pos_proj(self.rel_indices.expand(batch, -1, -1, -1)).permute(0, 3, 1, 2)
+        patches = ((q @ k.transpose(-2, -1)) * self.scale).softmax(dim=-1)
+        gate = self.gating_param.view(1, -1, 1, 1)  # its sigmoid made twice, as timm's
+        attn = (1.0 - torch.sigmoid(gate)) * patches + torch.sigmoid(gate) * positions.softmax(-1)
+        attn /= attn.sum(dim=-1).unsqueeze(-1)
+        return self.attn_drop(attn)
+
+
+class PrunedConvitAttention(_GivenToTheLayer, MHSA):
+    """timm ConViT's self-attention whose heads may be fewer than the model width over
+    their size."""
+
+    replaces = MHSA
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, _ = x.shape
+        qkv = self.qkv(x).reshape(batch, tokens, 3, self.num_heads, -1)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        attn = self.attn_drop(((q @ k.transpose(-2, -1)) * self.scale).softmax(dim=-1))
+        return self.proj_drop(self.proj(_merged(attn @ v)))
+
+
 PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     EvaAttention: PrunedEvaAttention,
     BeitAttention: PrunedBeitAttention,
@@ -462,4 +506,6 @@ PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     TwinsLocalAttention: PrunedTwinsLocalAttention,
     SwinV2CrAttention: PrunedSwinV2CrAttention,
     NestAttention: PrunedNestAttention,
+    GPSA: PrunedConvitGatedAttention,
+    MHSA: PrunedConvitAttention,
 }

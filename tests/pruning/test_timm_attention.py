@@ -2,7 +2,8 @@
 model width (EVA's: EVA-02, DINOv3, Perception Encoder, RoPE-ViT; BEiT's; Swin V2's;
 DaViT's; XCiT's and EdgeNeXt's cross-covariance attention; VOLO's; the relative-position
 ViT's; CaiT's and XCiT's class attention; NeXt-ViT's; PVT v2's and Twins' sub-sampled and
-windowed attention; Swin V2 CR's; NesT's), with heads removed.
+windowed attention; Swin V2 CR's; NesT's; ConViT's gated positional attention and its
+self-attention), with heads removed.
 With every head kept each pruned class computes exactly what timm's does; tiny models of
 each prune their heads with a float ratio, export equal to the hard-masked model, and save
 and load with a builder."""
@@ -22,6 +23,7 @@ from timm.layers import AttentionPool2d, RotaryEmbeddingCat  # noqa: E402
 from timm.layers.pos_embed_rel import RelPosBias, RelPosMlp  # noqa: E402
 from timm.models.beit import Attention as BeitAttention  # noqa: E402
 from timm.models.cait import ClassAttn  # noqa: E402
+from timm.models.convit import GPSA, MHSA  # noqa: E402
 from timm.models.davit import ChannelAttention  # noqa: E402
 from timm.models.davit import WindowAttention as DavitWindowAttention  # noqa: E402
 from timm.models.edgenext import CrossCovarianceAttn  # noqa: E402
@@ -113,6 +115,10 @@ LAYERS = {
         lambda: WindowMultiHeadAttention(32, 4, (3, 3)).eval(),
         shifted_windows,
     ),
+    # each head's patch attention mixed with its positional attention by its gate (a 3 x 3
+    # image of tokens), then plain self-attention
+    "convit gated": (lambda: GPSA(32, 4, qkv_bias=True), dict),
+    "convit": (lambda: MHSA(32, 4, qkv_bias=True), dict),
     # over 2 image blocks of 9 tokens; its heads' outputs merged with the head innermost
     "nest": (lambda: NestAttention(32, 4, qkv_bias=True), dict),
     # windows of 2 x 2 over the 3 x 3 image: padded to 4 x 4
@@ -149,7 +155,7 @@ def test_every_head_kept_computes_what_timm_computes(case, fused_attn):
         layer.logit_scale.data[0] = 5.0
     tokens = TOKENS - 1 if case.startswith(("beit", "relpos bias")) else TOKENS
     batch = 4 if case.startswith("swin v2 shifted") else 2
-    windowed = case.startswith(("swin", "davit window", "relpos mlp", "pvt", "twins"))
+    windowed = case.startswith(("swin", "davit window", "relpos mlp", "pvt", "twins", "convit"))
     shape = (batch, 3, 3) if case == "volo" else (batch, 9 if windowed else tokens)
     shape = (batch, 2, 9) if case == "nest" else shape
     x = torch.randn(*shape, 32, requires_grad=True)
@@ -289,10 +295,16 @@ MODELS["nest"] = (
         depths=(1, 1),
     ),
 )
+# two gated positional attention layers, then one self-attention (its class token joins
+# after the first two); 4 heads of 8
+MODELS["convit"] = (
+    "timm.models.convit:ConVit",
+    dict(img_size=16, patch_size=4, embed_dim=8, depth=3, num_heads=4, local_up_to_layer=2),
+)
 # the models' inputs: EdgeNeXt and NeXt-ViT downsample 32 times, PVT v2 and Twins 4 times
 # then 2 times per stage
 SIZES = {"edgenext": 64, "nextvit": 64, "pvt v2": 32, "pvt v2 linear": 32, "twins": 32}
-ATTENTION_LAYERS = {"nextvit": 3, "twins": 3}  # else 2
+ATTENTION_LAYERS = {"nextvit": 3, "twins": 3, "convit": 3}  # else 2
 # the convolutions reducing keys' and values' tokens feed a LayerNorm: left whole
 RATIOS = {name: {"*.attn.sr": 0, "*": 0.5} for name in ("pvt v2", "pvt v2 linear", "twins")}
 
@@ -331,6 +343,8 @@ def test_models_prune_their_heads_and_save_with_a_builder(name, tmp_path):
             assert attn.temperature.shape == (2, 1, 1)
         if hasattr(attn, "meta_mlp"):  # Swin V2 CR's bias and scale per head
             assert attn.meta_mlp.fc2.out_features == attn.logit_scale.shape[0] == 2
+        if hasattr(attn, "gating_param"):  # ConViT's gate and positional row per head
+            assert attn.pos_proj.out_features == attn.gating_param.shape[0] == 2
     path = tmp_path / "model.safetensors"
     save_pruned(path, exported, builder=builder, builder_kwargs=kwargs)
     loaded = load_pruned(path).eval()
@@ -480,7 +494,7 @@ def test_a_key_value_projection_that_does_not_split_into_the_heads_is_refused_by
     asked for."""
     model = UnevenKeysValues()
     x = torch.randn(1, 9, 32)
-    refused = r"'attn': q \(32 outputs\), kv \(48\) and proj \(32 inputs\) are not 4 heads"
+    refused = r"'attn': q \(32 outputs\), kv \(48 outputs\) and proj \(32 inputs\) are not 4 heads"
     with pytest.raises(ValueError, match=refused):
         DTPPruner(model, (x,), {"heads": 0.5})
 
