@@ -63,6 +63,8 @@ MODELS = [
     "swinv2_cr_tiny_224",
     "nest_tiny",
     "convit_tiny",
+    # their heads by form, with no class of their own
+    "levit_128s",
     # its attention pool (separate q, k, v) prunes its heads as it is
     "resnet50_clip.openai",
 ]

@@ -32,3 +32,17 @@ def cut_depthwise(conv: nn.Conv1d, keep: torch.Tensor) -> None:
     if conv.bias is not None:
         conv.bias = kept_rows(conv.bias, keep)
     conv.in_channels = conv.out_channels = conv.groups = len(keep)
+
+
+def cut_batch_norm(norm: nn.BatchNorm1d, keep: torch.Tensor) -> None:
+    """Keep the channels `keep` of a batch norm (its affine parameters and running
+    statistics), in place."""
+    for name in ("weight", "bias"):
+        if getattr(norm, name, None) is not None:
+            setattr(norm, name, kept_rows(getattr(norm, name), keep))
+    for name in ("running_mean", "running_var"):
+        if getattr(norm, name, None) is not None:
+            setattr(
+                norm, name, getattr(norm, name).index_select(0, keep.to(norm.running_mean.device))
+            )
+    norm.num_features = len(keep)

@@ -79,7 +79,7 @@ import torch
 from torch import nn
 
 from .cost import run_hooked
-from .cuts import cut_depthwise, cut_linear
+from .cuts import cut_batch_norm, cut_depthwise, cut_linear
 from .groups import is_norm
 from .head_norms import (
     RescaledNorm,
@@ -162,6 +162,9 @@ class HeadGroup:
     # depthwise convolutions whose channels are the units' (a linear attention's conv1d
     # over its queries, keys and values), cut with them
     convs: list[Projection] = field(default_factory=list)
+    # batch norms over a projection's rows (LeViT's LinearNorm: a linear layer, then a
+    # BatchNorm1d of its outputs), cut with them
+    row_norms: list[Projection] = field(default_factory=list)
     # the layer's attributes of its sizes, each set at export to the kept units times its
     # value here, in place of the attention forms' (a linear attention's head counts)
     attributes: dict[str, int] = field(default_factory=dict)
@@ -171,9 +174,10 @@ class HeadGroup:
     width: dict[nn.Module, int] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.kept_out = [p.layer for p in [*self.rows, *self.convs]]
+        self.kept_out = [p.layer for p in [*self.rows, *self.convs, *self.row_norms]]
         self.kept_in = [self.out.layer]
-        self.width = {p.layer: sum(p.block_sizes) for p in [*self.rows, *self.convs, self.out]}
+        projections = [*self.rows, *self.convs, *self.row_norms, self.out]
+        self.width = {p.layer: sum(p.block_sizes) for p in projections}
 
     @property
     def cut_norms(self) -> list[tuple[nn.Module, int]]:
@@ -428,29 +432,70 @@ def _fused(name: str, module: nn.Module) -> HeadGroup | None:
     return HeadGroup(name, module, rows, out, heads, 1, head_dim)
 
 
+def _linear_and_norm(module: nn.Module | None) -> tuple[nn.Linear | None, nn.Module | None]:
+    """A linear layer as it is; the linear layer and the batch norm of LeViT's LinearNorm
+    (``linear``, then ``bn``, a BatchNorm1d over its outputs; Hugging Face's
+    MLPLayerWithBN: ``batch_norm``); or either of those as the last module of a
+    Sequential (timm LeViT's ``proj``: an activation, then a LinearNorm). (None, None)
+    for anything else."""
+    if isinstance(module, nn.Sequential) and len(module):
+        module = module[-1]
+    if isinstance(module, nn.Linear):
+        return module, None
+    linear = getattr(module, "linear", None)
+    norm = getattr(module, "bn", None) or getattr(module, "batch_norm", None)
+    if (
+        isinstance(linear, nn.Linear)
+        and isinstance(norm, nn.BatchNorm1d)
+        and norm.num_features == linear.out_features
+        and len(list(module.children())) == 2
+    ):
+        return linear, norm
+    return None, None
+
+
+# a fused projection of each head's query, key and value in turn: its name, the output
+# projection's and the head count's (timm's; Hugging Face LeViT's)
+PER_HEAD_FORMS = (
+    ("qkv", "proj", "num_heads"),
+    ("queries_keys_values", "projection", "num_attention_heads"),
+)
+
+
 def _per_head_qkv(name: str, module: nn.Module) -> HeadGroup | None:
     """A fused ``qkv`` whose rows hold each head's query, key and value in turn, the
-    query and key of ``key_dim`` rows and the value of ``val_dim`` (timm's TinyViT and
-    EfficientFormer): the heads' output is their value width, reshaped to ``out_dim``
-    (``val_attn_dim``), which export writes with ``num_heads``."""
-    pair = _fused_pair(module, (("qkv", "proj"),))
-    if pair is None:
+    query and key of ``key_dim`` rows and the value of ``val_dim`` (or ``attention_ratio``
+    times ``key_dim``): timm's TinyViT, EfficientFormer and LeViT, Hugging Face's LeViT
+    (PER_HEAD_FORMS; LeViT's projections are a linear layer and a batch norm of its
+    rows, timm's ``proj`` an activation, then such a pair). The heads' output is their
+    value width, reshaped to ``out_dim`` (``val_attn_dim``, ``out_dim_projection``),
+    which export writes with the head count."""
+    for form in PER_HEAD_FORMS:
+        qkv, qkv_norm = _linear_and_norm(getattr(module, form[0], None))
+        proj, _ = _linear_and_norm(getattr(module, form[1], None))
+        if qkv is not None and proj is not None:
+            break
+    else:
         return None
-    _, _, qkv, proj = pair
-    key_dim, val_dim, heads = (
-        getattr(module, a, None) for a in ("key_dim", "val_dim", "num_heads")
-    )
+    count = form[2]
+    key_dim, val_dim, heads = (getattr(module, a, None) for a in ("key_dim", "val_dim", count))
+    ratio = getattr(module, "attention_ratio", None)
+    if val_dim is None and isinstance(ratio, int) and isinstance(key_dim, int):
+        val_dim = ratio * key_dim
     if not all(isinstance(v, int) and v > 0 for v in (key_dim, val_dim, heads)):
         return None
-    if qkv.out_features != heads * (2 * key_dim + val_dim) or proj.in_features != heads * val_dim:
+    per_unit = 2 * key_dim + val_dim
+    if qkv.out_features != heads * per_unit or proj.in_features != heads * val_dim:
         return None
-    widths = {
-        a: val_dim for a in ("out_dim", "val_attn_dim") if isinstance(getattr(module, a, None), int)
-    }
-    rows = [Projection(qkv, 1, 2 * key_dim + val_dim)]
+    sizes = {"out_dim": val_dim, "val_attn_dim": val_dim, "out_dim_projection": val_dim}
+    sizes["out_dim_keys_values"] = per_unit
+    widths = {a: size for a, size in sizes.items() if isinstance(getattr(module, a, None), int)}
+    rows = [Projection(qkv, 1, per_unit)]
+    norms = [] if qkv_norm is None else [Projection(qkv_norm, 1, per_unit)]
     out = Projection(proj, 1, val_dim)
+    attributes = {count: 1, **widths}
     return HeadGroup(
-        name, module, rows, out, heads, 1, val_dim, attributes={"num_heads": 1, **widths}
+        name, module, rows, out, heads, 1, val_dim, row_norms=norms, attributes=attributes
     )
 
 
@@ -1132,6 +1177,8 @@ def _prune_layer_heads(
         cut_norm(copy[names[rescaled.norm]], copy[names[rescaled.rows]], channels)
     for conv in group.convs:
         cut_depthwise(copy[names[conv.layer]], conv.kept(group.units, kept))
+    for norm in group.row_norms:
+        cut_batch_norm(copy[names[norm.layer]], norm.kept(group.units, kept))
     cache = getattr(copy[names[group.module]], "attention_bias_cache", None)
     if isinstance(cache, dict):  # timm's cache of its per-head bias table, of the old heads
         cache.clear()

@@ -1,9 +1,9 @@
 """DTP on the vision models people train, in small configurations built here: torchvision
 ConvNeXt, timm DeiT (ViT), Swin, Hiera, ConvNeXt and ConvNeXt V2, Hugging Face's Hiera and
-ConvNeXt V2. For each: the groups found, exact kept
-counts, the exported model equal to the hard-masked one, predicted parameters equal to
-the exported ones, a gradient on every score (the same from two backends), and a few
-training steps with the transport state committed."""
+ConvNeXt V2 (and, in tests of their own, TinyViT, EfficientFormer and LeViT). For each:
+the groups found, exact kept counts, the exported model equal to the hard-masked one,
+predicted parameters equal to the exported ones, a gradient on every score (the same from
+two backends), and a few training steps with the transport state committed."""
 
 import random
 import sys
@@ -17,7 +17,7 @@ from dtp_kernels.models import get_model
 from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.cost import count_flops, count_params
 from dtp_kernels.pruning.heads import HeadGroup
-from utils import HFLogits, random_params
+from utils import HFLogits, check_export, drawn_statistics, random_params, randomised
 
 timm = pytest.importorskip("timm")
 
@@ -706,3 +706,57 @@ def test_a_qkv_holding_each_heads_query_key_and_value_in_turn_prunes_its_heads(b
         assert layer.num_heads == group.units // 2
         assert getattr(layer, width) == layer.num_heads * layer.val_dim
         assert layer.attention_biases.shape[0] == layer.num_heads
+
+
+def timm_levit():
+    from timm.models.levit import Levit
+
+    model = Levit(img_size=64, embed_dim=(32, 48), key_dim=8, depth=(1, 1), num_heads=(2, 3))
+    model.reset_classifier(5)
+    return model, "qkv", ("num_heads", "val_attn_dim")
+
+
+def hf_levit():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LevitConfig(
+        image_size=64,
+        hidden_sizes=[32, 48, 64],
+        num_attention_heads=[2, 3, 4],
+        depths=[1, 1, 1],
+        key_dim=[8, 8, 8],
+        mlp_ratio=[2, 2, 2],
+        attention_ratio=[2, 2, 2],
+        num_labels=5,
+    )
+    model = HFLogits(transformers.LevitForImageClassification(config))
+    return model, "queries_keys_values", ("num_attention_heads", "out_dim_projection")
+
+
+@pytest.mark.parametrize("build", [timm_levit, hf_levit])
+def test_levit_prunes_its_heads_with_the_batch_norm_of_their_rows(build):
+    """LeViT (timm's and Hugging Face's) computes each head's query, key and value in turn
+    through a linear layer and a batch norm of its rows, and reads the heads' output
+    through an activation and another such pair: a ratio for the heads cuts the rows, the
+    batch norm's channels (its statistics too) and the bias table with them; the export
+    computes what the hard-masked model computes, with the parameters and FLOPs
+    reported, and the head count and output width written."""
+    torch.manual_seed(0)
+    model, fused, (count, width) = build()
+    model = drawn_statistics(model).eval()
+    for norm in model.modules():  # the batch norms of the linear layers' outputs too: the
+        if isinstance(norm, torch.nn.BatchNorm1d):  # output projection's start at zero
+            norm.weight.data.uniform_(0.5, 1.5)
+            norm.running_mean.uniform_(-0.2, 0.2)
+    x = torch.randn(2, 3, 64, 64)
+    pruner = randomised(DTPPruner(model, (x[:1],), {"heads": 0.5}))
+    heads = [g for g in pruner.groups if isinstance(g, HeadGroup)]
+    assert len(heads) >= 2 and all(g.row_norms for g in heads)
+    exported = check_export(pruner, model, x)
+    for group in heads:
+        dense, layer = model.get_submodule(group.name), exported.get_submodule(group.name)
+        kept = getattr(dense, count) // 2  # n - ceil(n / 2)
+        assert getattr(layer, count) == kept == layer.attention_biases.shape[0]
+        linear, norm = getattr(layer, fused).children()
+        rows = kept * (2 * layer.key_dim + group.head_dim)
+        assert linear.out_features == norm.num_features == norm.running_mean.shape[0] == rows
+        assert getattr(layer, width) == kept * group.head_dim
