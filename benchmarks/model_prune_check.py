@@ -38,6 +38,7 @@ MODELS = [
     "iformer_t",
     "coatnet_nano_rw_224",
     "visformer_tiny",
+    "shvit_s1",
     # their attention layers export to a class of their own (torchvision_attention.py,
     # timm_attention.py)
     "torchvision.swin_t",

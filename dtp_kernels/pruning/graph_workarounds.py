@@ -29,7 +29,9 @@ lets it through.
   `unmappable_reshapes_marked()` a reshape of a tensor of five or more dimensions (the
   view back, where it divides by zero) is left unmapped and marked (`UNMAPPED_RESHAPE`);
   the layers whose channels reach one are left whole with no search (groups.py), so no
-  group passes one. torchvision's Swin merges its windows back the same way.
+  group passes one. torchvision's Swin merges its windows back the same way. So is any
+  other reshape whose widths the inference takes for 0 and divides by (SHViT's view of
+  its attention output, (batch, channels, tokens), back to an image).
 - A slice of the channels (`x[:, :c]`): the graph's width inference reads through it
   the width of the tensor sliced, so a concatenation of slices (timm's ReXNet adds its
   shortcut into the first channels: `cat([x[:, :c] + shortcut, x[:, c:]])`) gets
@@ -89,9 +91,10 @@ def _input_sizes(grad_fn) -> tuple:
 
 @contextlib.contextmanager
 def unmappable_reshapes_marked() -> Iterator[None]:
-    """Within the block, a reshape of a tensor of five or more dimensions is left
-    unmapped and marked with UNMAPPED_RESHAPE (Torch-Pruning's width inference divides
-    by zero on a channel shuffle's); the others are mapped as Torch-Pruning maps them."""
+    """Within the block, a reshape of a tensor of five or more dimensions, or one whose
+    mapping divides by zero, is left unmapped and marked with UNMAPPED_RESHAPE
+    (Torch-Pruning's width inference divides by zero on a channel shuffle's and on
+    SHViT's); the others are mapped as Torch-Pruning maps them."""
     update = index_mapping.update_reshape_index_mapping
 
     def marking(graph, node) -> None:
@@ -99,8 +102,11 @@ def unmappable_reshapes_marked() -> Iterator[None]:
             # a split dimension merged back, as after a shuffle's transpose: the channels
             # come out permuted, which no index mapping of the graph expresses
             setattr(node.module, UNMAPPED_RESHAPE, True)
-        else:
+            return
+        try:
             update(graph, node)
+        except ZeroDivisionError:  # widths it infers as 0 (SHViT's attention output)
+            setattr(node.module, UNMAPPED_RESHAPE, True)
 
     index_mapping.update_reshape_index_mapping = marking
     try:

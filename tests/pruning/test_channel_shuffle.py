@@ -1,8 +1,8 @@
-"""Channel shuffles (torchvision's ShuffleNetV2): Torch-Pruning's graph fails on some of
-the shuffle's reshapes and maps the others as if they kept the channels' order
-(graph_workarounds.unmappable_reshapes_marked). The channels that meet a shuffle are
-left whole; the rest prune with a float ratio, the export equal to the hard-masked
-model."""
+"""Channel shuffles (torchvision's ShuffleNetV2) and other reshapes Torch-Pruning's graph
+cannot map (SHViT's attention output): it fails on some of them and maps the others as
+if they kept the channels' order (graph_workarounds.unmappable_reshapes_marked). The
+channels that meet one are left whole; the rest prune with a float ratio, the export
+equal to the hard-masked model."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torchvision.models import shufflenet_v2_x0_5
 from dtp_kernels.pruning import DTPPruner, groups
 from dtp_kernels.pruning.cost import count_flops, count_params
 from dtp_kernels.pruning.graph_workarounds import UNMAPPED_RESHAPE
-from utils import drawn_statistics, randomised
+from utils import check_export, drawn_statistics, randomised
 
 
 def stage_outputs(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
@@ -145,3 +145,40 @@ def test_swins_layers_whose_residual_stream_meets_its_window_merge_are_not_searc
     for block in ("features.1.0", "features.3.0"):
         assert f"{block}.mlp.3" in shuffled
         assert f"{block}.mlp.0" not in shuffled
+
+
+def shvit() -> nn.Module:
+    """timm's SHViT: single-head attention over part of the channels, its output a view of
+    (batch, channels, tokens) back to an image."""
+    from dtp_kernels.pruning import built_model
+
+    kwargs = dict(
+        embed_dim=(16, 32, 48),
+        partial_dim=(8, 16, 16),
+        qk_dim=(8, 8, 8),
+        depth=(1, 1, 1),
+        types=("i", "s", "s"),
+        num_classes=5,
+    )
+    return built_model.build("timm.models.shvit:SHViT", kwargs)
+
+
+def test_a_reshape_whose_widths_the_graph_infers_as_zero_is_marked_and_the_rest_prunes():
+    """SHViT's attention views its output from (batch, channels, tokens) back to an image,
+    where Torch-Pruning's width inference divides by zero: the reshape is marked, the
+    channels reaching it are left whole (the attention's projections are in no group),
+    and a float ratio prunes the rest, the export equal to the hard-masked model."""
+    pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = drawn_statistics(shvit()).eval()
+    x = torch.randn(2, 3, 64, 64)
+    with groups.traced_graph(model, (x[:1],)) as graph:
+        marked = [n for n in graph.module2node.values() if getattr(n.module, UNMAPPED_RESHAPE, 0)]
+    assert len(marked) == 2  # one per single-head attention
+    pruner = randomised(DTPPruner(model, (x[:1],), 0.5))
+    assert len(pruner.groups) >= 6
+    attention = {m for n, m in model.named_modules() if n.endswith((".m.qkv.c", ".m.proj.1.c"))}
+    assert attention and not attention & {
+        m for g in pruner.groups for m in (g.layer, *g.kept_out, *g.kept_in)
+    }
+    check_export(pruner, model, x)
