@@ -66,6 +66,7 @@ MODELS = [
     "convit_tiny",
     # their heads by form, with no class of their own
     "levit_128s",
+    "maxvit_nano_rw_256",
     # its attention pool (separate q, k, v) prunes its heads as it is
     "resnet50_clip.openai",
 ]

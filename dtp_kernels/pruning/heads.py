@@ -403,7 +403,9 @@ HEAD_COUNTS = ("num_heads", "n_heads", "num_attention_heads")
 def _fused(name: str, module: nn.Module) -> HeadGroup | None:
     """A FUSED_FORMS projection with head_dim, and the head count in one of HEAD_COUNTS
     or else the output projection's inputs over head_dim (timm's ViT and DeiT, MPT,
-    ModernBERT); or the head count alone (timm's Swin, SAM's vision encoder)."""
+    ModernBERT); or the head count alone (timm's Swin and MaxxViT, SAM's vision
+    encoder). Its rows are the query, key and value blocks of all heads, or each head's
+    query, key and value in turn where the layer is `head_first` (timm's MaxxViT)."""
     pair = _fused_pair(module, FUSED_FORMS)
     if pair is None:
         return None
@@ -424,7 +426,11 @@ def _fused(name: str, module: nn.Module) -> HeadGroup | None:
             f"attention layer {name!r}: {fused} ({qkv.out_features} outputs) and {output} "
             f"({proj.in_features} inputs) are not {heads} heads of head_dim {head_dim}"
         )
-    rows = [Projection(qkv, 3, head_dim)]
+    # timm MaxxViT's layers with `head_first` hold each head's query, key and value in turn
+    if getattr(module, "head_first", False) is True:
+        rows = [Projection(qkv, 1, 3 * head_dim)]
+    else:
+        rows = [Projection(qkv, 3, head_dim)]
     # a layer whose code merges its heads' outputs with the head innermost (channel c of
     # head h at c * heads + h: NesT's), as its pruned class says
     innermost = getattr(pruned_classes().get(type(module)), "heads_innermost", False)
@@ -1142,6 +1148,19 @@ def prune_heads(
         _prune_layer_heads(member, copy, names, mask)
 
 
+def _set_head_count(owner: nn.Module, heads: int, kept: int) -> None:
+    """The head count a module of an attention layer keeps of its own, `num_heads` and
+    the head entry (last, or else first) of `bias_shape` (timm's relative-position
+    modules, which shape their bias by it), set from `heads` to `kept`."""
+    if getattr(owner, "num_heads", None) == heads:
+        owner.num_heads = kept
+    shape = getattr(owner, "bias_shape", None)
+    if isinstance(shape, tuple) and shape and shape[-1] == heads:
+        owner.bias_shape = (*shape[:-1], kept)
+    elif isinstance(shape, tuple) and shape and shape[0] == heads:
+        owner.bias_shape = (kept, *shape[1:])
+
+
 def _prune_layer_heads(
     group: HeadGroup, copy: dict[str, nn.Module], names: dict[nn.Module, str], mask: torch.Tensor
 ) -> None:
@@ -1158,6 +1177,8 @@ def _prune_layer_heads(
             target.out_features = len(query_heads)
         if isinstance(target, nn.Embedding):  # one column per head
             target.embedding_dim = len(query_heads)
+    for inner in copy[names[group.module]].modules():  # its position-bias modules' counts
+        _set_head_count(inner, group.units * per_unit, len(query_heads))
     query_rows = Projection(group.module, 1, per_unit * group.head_dim).kept(group.units, kept)
     for owner, name in group.row_vectors:
         vector = getattr(copy[names[owner]], name).detach()

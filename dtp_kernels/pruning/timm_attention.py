@@ -267,17 +267,6 @@ class PrunedRelPosAttention(_GivenToTheLayer, RelPosAttention):
 
     replaces = RelPosAttention
 
-    @classmethod
-    def from_dense(cls, layer: nn.Module) -> nn.Module:
-        """`layer` itself, given this class; its position-bias module (cut to the kept
-        heads) told their number, which shapes the bias it makes."""
-        rel_pos = layer.rel_pos
-        if rel_pos is not None:
-            rel_pos.bias_shape = (*rel_pos.bias_shape[:-1], layer.num_heads)
-            if hasattr(rel_pos, "num_heads"):
-                rel_pos.num_heads = layer.num_heads
-        return super().from_dense(layer)
-
     def forward(self, x: torch.Tensor, shared_rel_pos: torch.Tensor | None = None) -> torch.Tensor:
         batch, tokens, _ = x.shape
         qkv = self.qkv(x).reshape(batch, tokens, 3, self.num_heads, self.head_dim)

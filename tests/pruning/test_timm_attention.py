@@ -20,7 +20,7 @@ from utils import check_export, randomised
 
 timm = pytest.importorskip("timm")
 from timm.layers import AttentionPool2d, RotaryEmbeddingCat  # noqa: E402
-from timm.layers.pos_embed_rel import RelPosBias, RelPosMlp  # noqa: E402
+from timm.layers.pos_embed_rel import RelPosBias, RelPosBiasTf, RelPosMlp  # noqa: E402
 from timm.models.beit import Attention as BeitAttention  # noqa: E402
 from timm.models.cait import ClassAttn  # noqa: E402
 from timm.models.convit import GPSA, MHSA  # noqa: E402
@@ -28,6 +28,7 @@ from timm.models.davit import ChannelAttention  # noqa: E402
 from timm.models.davit import WindowAttention as DavitWindowAttention  # noqa: E402
 from timm.models.edgenext import CrossCovarianceAttn  # noqa: E402
 from timm.models.eva import EvaAttention  # noqa: E402
+from timm.models.maxxvit import AttentionCl  # noqa: E402
 from timm.models.nest import Attention as NestAttention  # noqa: E402
 from timm.models.nextvit import EfficientAttention  # noqa: E402
 from timm.models.pvt_v2 import Attention as PvtV2Attention  # noqa: E402
@@ -384,6 +385,45 @@ def test_volo_class_attention_prunes_its_heads_as_it_is():
         layer = exported.get_submodule(name)
         assert type(layer) is VoloClassAttention
         assert layer.num_heads == 2 and layer.kv.out_features == 2 * layer.q.out_features == 32
+
+
+class WindowOfTokens(torch.nn.Module):
+    """timm MaxxViT's channels-last attention over a 3 x 3 window of tokens, before a
+    classifier."""
+
+    def __init__(self, head_first: bool, rel_pos) -> None:
+        super().__init__()
+        rel_pos_cls = partial(rel_pos, window_size=(3, 3))
+        self.attn = AttentionCl(32, dim_head=8, head_first=head_first, rel_pos_cls=rel_pos_cls)
+        self.head = torch.nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(x).mean(dim=(1, 2)))
+
+
+@pytest.mark.parametrize("rel_pos", [RelPosBias, RelPosMlp, RelPosBiasTf])
+@pytest.mark.parametrize("head_first", [True, False])
+def test_maxxvit_attention_prunes_its_heads_in_either_layout(head_first, rel_pos):
+    """MaxxViT's attention holds each head's query, key and value in turn (`head_first`)
+    or all queries, then keys, then values, and takes its bias per head from a position
+    module (a table, an MLP or TF's table) that shapes the bias by its own head count:
+    the heads prune with no class of their own, that count and shape written, the export
+    equal to the hard-masked model with the parameters reported."""
+    torch.manual_seed(0)
+    model = WindowOfTokens(head_first, rel_pos).eval()
+    for p in model.attn.rel_pos.parameters():  # a bias away from its zero initial values
+        torch.nn.init.normal_(p, std=0.5)
+    x = torch.randn(2, 3, 3, 32)
+    pruner = randomised(DTPPruner(model, (x[:1],), {"heads": 0.5}))
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(x)
+    exported = pruner.export().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(x), want, rtol=1e-5, atol=1e-5)
+    assert count_params(exported) == pruner.report()["params_after"]
+    attn = exported.attn
+    assert attn.num_heads == 2 and attn.qkv.out_features == 48
+    assert attn.rel_pos.get_bias().shape[-3] == 2  # (1,) heads, tokens, tokens
 
 
 class OddHeadCount(ClassAttn):
