@@ -17,22 +17,25 @@ does not follow the per-head reshapes):
   gate of the query width (AFMoE's ``gate_proj``) is cut with the heads, and any other
   linear layer computing the query width from the layer's input refuses the group;
 - one fused ``qkv`` projection and ``proj``, with ``num_heads`` and ``head_dim``, as
-  timm's ViT and DeiT write them (or ``num_heads`` alone: timm's and torchvision's Swin);
-  layers whose code ties the head size or the output width to the input width
-  (torchvision's Swin and MaxViT; timm's EVA, BEiT, Swin V2, DaViT, XCiT, EdgeNeXt, VOLO,
-  relative-position ViT, PVT v2 and Twins; Hugging Face's TrOCR, of the separate form)
-  are exported as classes of torchvision_attention.py, timm_attention.py and
-  transformers_attention.py (``PRUNED_CLASS_MODULES``); GPT-2's
-  ``c_attn`` and ``c_proj`` with ``split_size`` (its Conv1D layers made ``nn.Linear``
-  by :func:`conv1d_to_linear` first); Phi-3's ``qkv_proj`` (query heads, then key and
-  value heads) and ``o_proj``, whose head count the layers read from the config they
-  share;
+  timm's ViT and DeiT write them (or ``num_heads`` alone: timm's and torchvision's Swin,
+  timm's MaxxViT, whose ``head_first`` layers hold each head's query, key and value in
+  turn); layers whose code ties the head size or the output width to the input width
+  (torchvision's Swin and MaxViT; timm's EVA, BEiT, Swin V2, Swin V2 CR, DaViT, XCiT,
+  EdgeNeXt, VOLO, relative-position ViT, PVT v2, Twins, NesT and ConViT; Hugging Face's
+  TrOCR and PVT v2, of the separate form) are exported as classes of
+  torchvision_attention.py, timm_attention.py and transformers_attention.py
+  (``PRUNED_CLASS_MODULES``); GPT-2's ``c_attn`` and ``c_proj`` with ``split_size`` (its
+  Conv1D layers made ``nn.Linear`` by :func:`conv1d_to_linear` first); Phi-3's
+  ``qkv_proj`` (query heads, then key and value heads) and ``o_proj``, whose head count
+  the layers read from the config they share;
 - a query projection ``q`` and one ``kv`` of all the keys then all the values (timm's
   PVT v2, Twins' global attention and VOLO's class attention), or one ``qk`` and ``v``
   (ConViT's gated positional attention), and ``proj``, with ``num_heads`` and
   ``head_dim`` or the head count alone;
 - a fused ``qkv`` holding each head's query, key and value in turn, with ``key_dim``,
-  ``val_dim`` and ``num_heads`` (timm's TinyViT and EfficientFormer);
+  ``val_dim`` and ``num_heads`` (timm's TinyViT, EfficientFormer and LeViT; Hugging
+  Face's LeViT, ``queries_keys_values``; LeViT's projections carry a batch norm of their
+  rows, cut with them);
 - ``query``, ``key``, ``value`` with ``num_attention_heads`` and ``attention_head_size``,
   the output projection being the ``output.dense`` beside it (Hugging Face's BERT), or
   ``query_proj``, ``key_proj``, ``value_proj`` there (DeBERTa);

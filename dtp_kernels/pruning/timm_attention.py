@@ -2,17 +2,17 @@
 of their heads removed: EVA's (EVA-02, DINOv3, Perception Encoder, RoPE-ViT), BEiT's,
 Swin V2's, DaViT's (its channel attention and its window attention), the cross-covariance
 attention of XCiT and EdgeNeXt, VOLO's, the relative-position ViT's, NeXt-ViT's, the
-class attention of CaiT and XCiT, and PVT v2's and Twins' (keys and values from the tokens
-sub-sampled; Twins' also within windows).
+class attention of CaiT and XCiT, PVT v2's and Twins' (keys and values from the tokens
+sub-sampled; Twins' also within windows), Swin V2 CR's, NesT's and ConViT's.
 
 Their code reshapes the heads' output to the width of the layer's input (DaViT's, XCiT's,
-EdgeNeXt's, VOLO's, Twins' and the class attention's also take the head size to be that
-width over the heads), so a layer that has lost heads no longer runs; their key bias,
-when the query and value have one, is a zero buffer of the query width. Export gives
-such a layer the subclass below:
-the same parameters and state-dict keys, a forward that reshapes the heads' output to
-their own width and makes the key bias as zeros of the query bias's width (the buffer is
-dropped, so nothing of the dense width is left).
+EdgeNeXt's, VOLO's, Twins', NesT's, ConViT's and the class attention's also take the
+head size to be that width over the heads), so a layer that has lost heads no longer
+runs; their key bias, when the query and value have one, is a zero buffer of the query
+width. Export gives such a layer the subclass below: the same parameters and state-dict
+keys, a forward that reshapes the heads' output to their own width and makes the key
+bias as zeros of the query bias's width (the buffer is dropped, so nothing of the dense
+width is left).
 """
 
 from __future__ import annotations
