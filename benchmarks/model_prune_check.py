@@ -66,6 +66,7 @@ MODELS = [
     "swinv2_cr_tiny_224",
     "nest_tiny",
     "convit_tiny",
+    "cait_xxs24_224",
     # their heads by form, with no class of their own
     "levit_128s",
     "maxvit_nano_rw_256",

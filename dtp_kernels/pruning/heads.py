@@ -21,7 +21,8 @@ does not follow the per-head reshapes):
   timm's MaxxViT, whose ``head_first`` layers hold each head's query, key and value in
   turn); layers whose code ties the head size or the output width to the input width
   (torchvision's Swin and MaxViT; timm's EVA, BEiT, Swin V2, Swin V2 CR, DaViT, XCiT,
-  EdgeNeXt, VOLO, relative-position ViT, PVT v2, Twins, NesT and ConViT; Hugging Face's
+  EdgeNeXt, VOLO, relative-position ViT, PVT v2, Twins, NesT, ConViT and CaiT, whose
+  talking heads' mixes over the heads are cut with them; Hugging Face's
   TrOCR and PVT v2, of the separate form) are exported as classes of
   torchvision_attention.py, timm_attention.py and transformers_attention.py
   (``PRUNED_CLASS_MODULES``); GPT-2's ``c_attn`` and ``c_proj`` with ``split_size`` (its
@@ -168,6 +169,11 @@ class HeadGroup:
     # batch norms over a projection's rows (LeViT's LinearNorm: a linear layer, then a
     # BatchNorm1d of its outputs), cut with them
     row_norms: list[Projection] = field(default_factory=list)
+    # linear layers over the heads themselves, one input and one output per head (CaiT's
+    # talking heads: `proj_l` mixes the heads' attention logits, `proj_w` their attention
+    # weights): the mask zeroes the removed heads' columns, so the mix reads nothing of
+    # them, and export cuts their rows and columns
+    head_mixers: list[nn.Linear] = field(default_factory=list)
     # the layer's attributes of its sizes, each set at export to the kept units times its
     # value here, in place of the attention forms' (a linear attention's head counts)
     attributes: dict[str, int] = field(default_factory=dict)
@@ -178,9 +184,11 @@ class HeadGroup:
 
     def __post_init__(self) -> None:
         self.kept_out = [p.layer for p in [*self.rows, *self.convs, *self.row_norms]]
-        self.kept_in = [self.out.layer]
+        self.kept_out += self.head_mixers
+        self.kept_in = [self.out.layer, *self.head_mixers]
         projections = [*self.rows, *self.convs, *self.row_norms, self.out]
         self.width = {p.layer: sum(p.block_sizes) for p in projections}
+        self.width |= dict.fromkeys(self.head_mixers, self.query_heads_per_unit)
 
     @property
     def cut_norms(self) -> list[tuple[nn.Module, int]]:
@@ -810,6 +818,8 @@ def find_head_groups(
         if not group.latent:  # a latent's norms act before the heads' own projections
             group.norms = norms_over_all_heads(group.module, group.head_dim)
             group.refusal = group.refusal or _other_linears(group)
+            group.head_mixers = _head_mixers(group)
+            group.__post_init__()
         parent = group.name.rpartition(".")[0]  # the block holding the attention layer
         group.tables, mixed = _per_head_tables(group, modules[parent] if parent else None)
         group.row_vectors = _row_vectors(group)
@@ -927,6 +937,9 @@ def prove_head_groups(model: nn.Module, groups: list[HeadGroup], inputs: tuple) 
             units = dropped(group.units, keep, torch.device("cpu"))
             columns = group.out.kept(group.units, units).to(out.weight.device)
             out.weight[:, columns] = 0
+            for mixer in group.head_mixers:  # the columns of the heads' mixes too
+                weight = copy.get_submodule(names[mixer]).weight
+                weight[:, units.to(weight.device)] = 0
             for rescaled in group.rescaled:  # the hard mask zeroes their rows too
                 rows = copy.get_submodule(names[rescaled.rows])
                 removed = Projection(rows, 1, rescaled.per_unit).kept(group.units, units)
@@ -1007,6 +1020,22 @@ def _proven(group: HeadGroup, scope: nn.Module, call: tuple, zero, cut, cut_call
 # an attention layer's linear layer of the query width that gates the attention output
 # channel by channel before the output projection (AFMoE's, Beam's; timm EVA's `gate`)
 OUTPUT_GATES = ("gate_proj", "gate")
+
+
+def _head_mixers(group: HeadGroup) -> list[nn.Linear]:
+    """The attention layer's linear layers with one input and one output per head (CaiT's
+    talking heads), where every unit is one head."""
+    heads = group.units * group.query_heads_per_unit
+    if group.query_heads_per_unit != 1 or heads < 2:
+        return []
+    known = {group.out.layer, *(p.layer for p in group.rows)}
+    return [
+        child
+        for child in group.module.children()
+        if isinstance(child, nn.Linear)
+        and child not in known
+        and child.in_features == child.out_features == heads
+    ]
 
 
 def _other_linears(group: HeadGroup) -> str:
@@ -1203,6 +1232,9 @@ def _prune_layer_heads(
         cut_depthwise(copy[names[conv.layer]], conv.kept(group.units, kept))
     for norm in group.row_norms:
         cut_batch_norm(copy[names[norm.layer]], norm.kept(group.units, kept))
+    for mixer in group.head_mixers:  # one head per unit (_head_mixers)
+        cut_linear(copy[names[mixer]], kept)
+        cut_linear(copy[names[mixer]], kept, dim=1)
     cache = getattr(copy[names[group.module]], "attention_bias_cache", None)
     if isinstance(cache, dict):  # timm's cache of its per-head bias table, of the old heads
         cache.clear()

@@ -310,6 +310,9 @@ class DTPPruner(ChannelPruner):
             for layer in group.members:  # every layer of a chain tied by its bias
                 scale = ScaleColumns(self._source, index, layer.out.per_unit, layer.out.blocks)
                 parametrize.register_parametrization(layer.layer, "weight", scale)
+                for mixer in layer.head_mixers:  # a mix over the heads reads none removed
+                    scale = ScaleColumns(self._source, index)
+                    parametrize.register_parametrization(mixer, "weight", scale)
                 for rescaled in layer.rescaled:  # and the rows a norm over all heads reads
                     rows = rescaled.rows
                     for name in ("weight", "bias") if rows.bias is not None else ("weight",):

@@ -3,7 +3,8 @@ of their heads removed: EVA's (EVA-02, DINOv3, Perception Encoder, RoPE-ViT), BE
 Swin V2's, DaViT's (its channel attention and its window attention), the cross-covariance
 attention of XCiT and EdgeNeXt, VOLO's, the relative-position ViT's, NeXt-ViT's, the
 class attention of CaiT and XCiT, PVT v2's and Twins' (keys and values from the tokens
-sub-sampled; Twins' also within windows), Swin V2 CR's, NesT's and ConViT's.
+sub-sampled; Twins' also within windows), Swin V2 CR's, NesT's, ConViT's and CaiT's
+talking heads.
 
 Their code reshapes the heads' output to the width of the layer's input (DaViT's, XCiT's,
 EdgeNeXt's, VOLO's, Twins', NesT's, ConViT's and the class attention's also take the
@@ -23,7 +24,7 @@ import torch
 from timm.layers import apply_rot_embed_cat
 from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
 from timm.models.beit import Attention as BeitAttention
-from timm.models.cait import ClassAttn
+from timm.models.cait import ClassAttn, TalkingHeadAttn
 from timm.models.convit import GPSA, MHSA
 from timm.models.davit import ChannelAttention as DavitChannelAttention
 from timm.models.davit import WindowAttention as DavitWindowAttention
@@ -478,6 +479,23 @@ class PrunedConvitAttention(_GivenToTheLayer, MHSA):
         return self.proj_drop(self.proj(_merged(attn @ v)))
 
 
+class PrunedTalkingHeadAttn(_GivenToTheLayer, TalkingHeadAttn):
+    """timm CaiT's talking-heads attention (its heads' logits and weights mixed by
+    `proj_l` and `proj_w`, cut with the heads) whose heads may be fewer than the model
+    width over their size."""
+
+    replaces = TalkingHeadAttn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, _ = x.shape
+        qkv = self.qkv(x).reshape(batch, tokens, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0] * self.scale, qkv[1], qkv[2]
+        attn = self.proj_l((q @ k.transpose(-2, -1)).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        attn = self.proj_w(attn.softmax(dim=-1).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        out = self.attn_drop(attn) @ v
+        return self.proj_drop(self.proj(_merged(out)))
+
+
 PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     EvaAttention: PrunedEvaAttention,
     BeitAttention: PrunedBeitAttention,
@@ -489,6 +507,7 @@ PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     VoloAttention: PrunedVoloAttention,
     RelPosAttention: PrunedRelPosAttention,
     ClassAttn: PrunedClassAttn,
+    TalkingHeadAttn: PrunedTalkingHeadAttn,
     NextVitAttention: PrunedNextVitAttention,
     PvtV2Attention: PrunedPvtV2Attention,
     TwinsGlobalAttention: PrunedTwinsGlobalAttention,

@@ -22,7 +22,7 @@ timm = pytest.importorskip("timm")
 from timm.layers import AttentionPool2d, RotaryEmbeddingCat  # noqa: E402
 from timm.layers.pos_embed_rel import RelPosBias, RelPosBiasTf, RelPosMlp  # noqa: E402
 from timm.models.beit import Attention as BeitAttention  # noqa: E402
-from timm.models.cait import ClassAttn  # noqa: E402
+from timm.models.cait import ClassAttn, TalkingHeadAttn  # noqa: E402
 from timm.models.convit import GPSA, MHSA  # noqa: E402
 from timm.models.davit import ChannelAttention  # noqa: E402
 from timm.models.davit import WindowAttention as DavitWindowAttention  # noqa: E402
@@ -94,6 +94,8 @@ LAYERS = {
     "edgenext": (lambda: CrossCovarianceAttn(32, 4, qkv_bias=True), dict),
     "volo": (lambda: VoloAttention(32, 4, qkv_bias=True), dict),  # on a 3 x 3 image
     "class attention": (lambda: ClassAttn(32, 4, qkv_bias=True), dict),
+    # CaiT's: the heads' logits, then their weights, mixed across heads
+    "talking heads": (lambda: TalkingHeadAttn(32, 4, qkv_bias=True), dict),
     # keys and values from the tokens pooled (2 of 11) and batch-normalized
     "nextvit": (lambda: EfficientAttention(32, head_dim=8), dict),
     "nextvit pooled": (lambda: EfficientAttention(32, head_dim=8, sr_ratio=2).eval(), dict),

@@ -32,11 +32,19 @@ def deit():
 
 
 def timm_cait():
-    """CaiT: talking heads mix the heads' scores (proj_l, proj_w), so its heads are
-    refused by name when asked for; its MLPs prune."""
+    """CaiT: talking heads mix the heads' scores and weights (proj_l, proj_w), then a
+    class attention block; layer scale 1 (the default 1e-5 would hide the attention)."""
     from timm.models.cait import Cait
 
-    model = Cait(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=4, depth_token_only=1)
+    model = Cait(
+        img_size=16,
+        patch_size=4,
+        embed_dim=32,
+        depth=1,
+        num_heads=4,
+        depth_token_only=1,
+        init_values=1.0,
+    )
     return model, torch.randn(4, 3, 16, 16)
 
 
@@ -166,7 +174,12 @@ MODELS = {
     ),
     "timm_cait": (
         timm_cait,
-        [("blocks.0.mlp.fc1", "mlp", 128), ("blocks_token_only.0.mlp.fc1", "mlp", 128)],
+        [
+            ("blocks.0.attn", "heads", 4),
+            ("blocks.0.mlp.fc1", "mlp", 128),
+            ("blocks_token_only.0.attn", "heads", 4),
+            ("blocks_token_only.0.mlp.fc1", "mlp", 128),
+        ],
     ),
     "timm_convnext": (
         timm_convnext,
@@ -626,14 +639,24 @@ def test_an_expiry_the_search_swallows_fires_again(monkeypatch):
     assert reported == [] and sys.unraisablehook == reported.append
 
 
-def test_talking_heads_are_refused_by_name_and_the_mlps_prune():
-    """CaiT's talking heads mix the heads' attention (proj_l, proj_w: a matrix over
-    heads): asking for its heads, a float too, names the layer and why; its MLPs prune."""
+def test_talking_heads_lose_their_rows_and_columns_of_the_mix_with_the_heads():
+    """CaiT's talking heads mix the heads' logits (proj_l) and weights (proj_w): the mask
+    zeroes the removed heads' columns of both, and export cuts both ways, so the heads
+    kept compute what they computed masked, with the parameters and FLOPs reported."""
+    from dtp_kernels.pruning.timm_attention import PrunedTalkingHeadAttn
+
     model, x = build("timm_cait")
-    with pytest.raises(ValueError, match=r"'blocks.0.attn': its proj_l.weight \(4, 4\)"):
-        DTPPruner(model, (x[:1],), 0.5)
-    assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
-    export_random_order(DTPPruner(model, (x[:1],), {"mlp": 0.5}), model, x)
+    model = model.eval()
+    for p in model.blocks[0].attn.parameters():  # mixes that show (their init is 0.02)
+        torch.nn.init.normal_(p, std=0.5)
+    pruner = randomised(DTPPruner(model, (x[:1],), {"heads": 0.5}))
+    group = next(g for g in pruner.groups if g.name == "blocks.0.attn")
+    assert group.head_mixers == [model.blocks[0].attn.proj_l, model.blocks[0].attn.proj_w]
+    exported = check_export(pruner, model, x)
+    attn = exported.blocks[0].attn
+    assert type(attn) is PrunedTalkingHeadAttn and attn.num_heads == 2
+    for mixer in (attn.proj_l, attn.proj_w):
+        assert mixer.weight.shape == (2, 2) and mixer.bias.shape == (2,)
 
 
 @pytest.mark.parametrize("name", ["torchvision_swin", "torchvision_swin_v2"])
