@@ -41,8 +41,7 @@ def cut_batch_norm(norm: nn.BatchNorm1d, keep: torch.Tensor) -> None:
         if getattr(norm, name, None) is not None:
             setattr(norm, name, kept_rows(getattr(norm, name), keep))
     for name in ("running_mean", "running_var"):
-        if getattr(norm, name, None) is not None:
-            setattr(
-                norm, name, getattr(norm, name).index_select(0, keep.to(norm.running_mean.device))
-            )
+        statistic = getattr(norm, name, None)
+        if statistic is not None:
+            setattr(norm, name, statistic.index_select(0, keep.to(statistic.device)))
     norm.num_features = len(keep)
