@@ -1,12 +1,13 @@
 """timm_attention.py: timm's attention layers that reshape their heads' output to the
 model width (EVA's: EVA-02, DINOv3, Perception Encoder, RoPE-ViT; BEiT's; Swin V2's;
 DaViT's; XCiT's and EdgeNeXt's cross-covariance attention; VOLO's; the relative-position
-ViT's; CaiT's and XCiT's class attention; NeXt-ViT's; PVT v2's and Twins' sub-sampled and
-windowed attention; Swin V2 CR's; NesT's; ConViT's gated positional attention and its
-self-attention), with heads removed.
-With every head kept each pruned class computes exactly what timm's does; tiny models of
-each prune their heads with a float ratio, export equal to the hard-masked model, and save
-and load with a builder."""
+ViT's; CaiT's and XCiT's class attention and CaiT's talking heads; NeXt-ViT's; PVT v2's
+and Twins' sub-sampled and windowed attention; Swin V2 CR's; NesT's; ConViT's gated
+positional attention and its self-attention), with heads removed. With every head kept
+each pruned class computes exactly what timm's does; tiny models of each prune their
+heads with a float ratio, export equal to the hard-masked model, and save and load with
+a builder. Layers that prune as they are (VOLO's class attention, MaxxViT's attention in
+both layouts) are tested here too."""
 
 from functools import partial
 
