@@ -138,14 +138,19 @@ def changed_attributes(dense: nn.Module, pruned: nn.Module, path) -> dict[str, d
 def _check_unsaved_buffers(dense: nn.Module, pruned: nn.Module, path) -> None:
     """ValueError when export changed the shape of a buffer the file does not hold (not
     in the state dict: Falcon-H1's `mup_vector`): the loaded model would have the dense
-    one, of the wrong size. A buffer the module's class names in `remade_buffers` is
-    made by its forward for its input (ConViT's relative positions) and is left out."""
+    one, of the wrong size. A buffer that the class export gives the module's (or the
+    module's own, once given) names in `remade_buffers` is made by its forward for its
+    input (ConViT's relative positions), whether its heads were cut or not, and is left
+    out."""
+    from .heads import pruned_classes
+
+    classes = pruned_classes()
     built = dict(dense.named_modules())
     changed = [
         f"{name}.{key}".lstrip(".")
         for name, module in pruned.named_modules()
         for key in module._non_persistent_buffers_set
-        if key not in getattr(type(module), "remade_buffers", ())
+        if key not in getattr(classes.get(type(module), type(module)), "remade_buffers", ())
         and name in built
         and isinstance(getattr(module, key, None), torch.Tensor)
         and isinstance(getattr(built[name], key, None), torch.Tensor)

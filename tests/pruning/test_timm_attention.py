@@ -357,6 +357,25 @@ def test_models_prune_their_heads_and_save_with_a_builder(name, tmp_path):
     exported.train()(x).sum().backward()  # it trains on
 
 
+def test_convit_with_its_heads_whole_saves_with_a_builder(tmp_path):
+    """ConViT's gated attention makes its relative positions (a buffer not saved) at its
+    first forward: a model whose heads were left whole (the MLPs pruned) and that has run
+    saves with its builder too, and loads as the same model."""
+    builder, kwargs = MODELS["convit"]
+    kwargs = {**kwargs, "num_classes": 5}
+    torch.manual_seed(0)
+    model = built_model.build(builder, kwargs).eval()
+    x = torch.randn(2, 3, 16, 16)
+    exported = DTPPruner(model, (x[:1],), {"mlp": 0.5}).export().eval()
+    assert type(exported.blocks[0].attn) is GPSA
+    with torch.no_grad():
+        want = exported(x)  # the relative positions made for its 16 tokens
+    save_pruned(tmp_path / "model.safetensors", exported, builder=builder, builder_kwargs=kwargs)
+    with torch.no_grad():
+        got = load_pruned(tmp_path / "model.safetensors").eval()(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_an_attention_pool_with_separate_projections_prunes_its_heads():
     """timm's attention pool with separate q, k, v (the CLIP ResNets' head) prunes its
     heads as it is (its code reshapes them with -1): the export computes what the
