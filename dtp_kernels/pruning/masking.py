@@ -131,17 +131,18 @@ class ScaleRows(nn.Module):
 
     def __init__(self, source: MaskSource, index: int, per_unit: int = 1, blocks: int = 1) -> None:
         super().__init__()
-        self.source, self.index, self.per_unit, self.blocks = source, index, per_unit, blocks
+        self.source, self.index, self.per_unit = source, index, per_unit
+        # the view's leading dimension of blocks, none for one (as it was without them)
+        self.blocks = (blocks,) if blocks > 1 else ()
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         mask = self.source.get(self.index).to(weight.dtype)
         # view dim DIM as ([blocks,] units, per_unit) and broadcast the mask over it: no
         # repeated copy
         lead, rest = weight.shape[: self.DIM], weight.shape[self.DIM + 1 :]
-        blocks = (self.blocks,) if self.blocks > 1 else ()
-        grouped = weight.view(*lead, *blocks, -1, self.per_unit, *rest)
+        grouped = weight.view(*lead, *self.blocks, -1, self.per_unit, *rest)
         shape = [1] * grouped.dim()
-        shape[self.DIM + len(blocks)] = -1
+        shape[self.DIM + len(self.blocks)] = -1
         return (grouped * mask.view(shape)).view_as(weight)
 
 
