@@ -72,16 +72,20 @@ MODELS = [
     "maxvit_nano_rw_256",
     # its attention pool (separate q, k, v) prunes its heads as it is
     "resnet50_clip.openai",
+    # the 1x1 convs that feed its lambda layers are refused by name, the rest prunes
+    "lambda_resnet26t",
 ]
 
 # layers left whole (ratio 0) where the float ratio would be refused: PVT v2's and Twins'
-# convolutions reducing the keys' and values' tokens feed a LayerNorm over their channels
-LEFT_WHOLE = dict.fromkeys(["pvt_v2_b0", "twins_svt_small", "twins_pcpvt_small"], "*.attn.sr")
+# convolutions reducing the keys' and values' tokens feed a LayerNorm over their channels;
+# the lambda ResNet's 1x1 convs feed a LambdaLayer, which reshapes its output to their width
+LEFT_WHOLE = dict.fromkeys(["pvt_v2_b0", "twins_svt_small", "twins_pcpvt_small"], ("*.attn.sr",))
+LEFT_WHOLE["lambda_resnet26t"] = ("stages.2.1.conv1_1x1.conv", "stages.3.*.conv1_1x1.conv")
 
 
 def ratios(name: str, ratio: float) -> float | dict[str, float]:
     """The ratios `name` is pruned at: `ratio`, with the layers of LEFT_WHOLE at 0."""
-    return {LEFT_WHOLE[name]: 0, "*": ratio} if name in LEFT_WHOLE else ratio
+    return {**dict.fromkeys(LEFT_WHOLE[name], 0), "*": ratio} if name in LEFT_WHOLE else ratio
 
 
 def build(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
@@ -151,7 +155,10 @@ def main() -> None:
         f"{torchvision.__version__}, torch-pruning "
         f"{importlib.metadata.version('torch-pruning')}; {env['date']}; float ratio "
         f"{args.ratio} ("
-        + ", ".join(f"{name}: {pattern!r} at 0" for name, pattern in LEFT_WHOLE.items())
+        + ", ".join(
+            f"{name}: {', '.join(map(repr, patterns))} at 0"
+            for name, patterns in LEFT_WHOLE.items()
+        )
         + "). Export error: largest difference from the hard-masked model, relative to its "
         "largest output.",
         "",

@@ -23,6 +23,7 @@ from . import masking
 from . import ratios as ratio_rules
 from .conv1d import is_conv1d, linear_to_conv1d
 from .cost import COSTED, PER_CHANNEL_AFFINE, count_params, flops_after, params_after, trace_layers
+from .enclosing_readers import enclosing_reader_refusals
 from .example_inputs import as_example_inputs, call_model
 from .experts import (
     ExpertGroup,
@@ -72,6 +73,19 @@ def _zero_ratios(ratios, names: list[str]) -> str:
     if isinstance(ratios, dict):
         return f"ratios={ {**ratios, **zeros} }"
     return f"the keys {list(zeros)} with 0"
+
+
+def _inexact(details: str, why: str, ratios, names: list[str]) -> ValueError:
+    """The error refusing the groups `names`, whose export would not compute what the
+    masked model does: `details` says where, `why` (a clause, or "") says why."""
+    leave = (
+        "leave these layers whole with ignored_layers=[...] or a ratio of 0 for them: "
+        + _zero_ratios(ratios, names)
+    )
+    return ValueError(
+        "cannot prune these groups so that the exported model equals the masked one: "
+        f"{details}. " + (f"{why}; {leave}" if why else leave[0].upper() + leave[1:])
+    )
 
 
 def _kind(group) -> str:
@@ -264,12 +278,12 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             details = " / ".join(
                 f"layer {name!r}: {'; '.join(lines)}" for name, lines in transformed.items()
             )
-            raise ValueError(
-                f"cannot prune these groups so that the exported model equals the masked one: "
-                f"{details}. Such a layer transforms its weight in its forward (weight "
-                "standardization normalizes each filter over all its input channels); leave "
-                "these layers whole with ignored_layers=[...] or a ratio of 0 for them: "
-                f"{_zero_ratios(ratios, list(transformed))}"
+            raise _inexact(
+                details,
+                "Such a layer transforms its weight in its forward (weight standardization "
+                "normalizes each filter over all its input channels)",
+                ratios,
+                list(transformed),
             )
         parametrized = _parametrized_layers(model, self.groups)
         if parametrized:
@@ -293,13 +307,22 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                 for g in refused
             }
             details = "; ".join(f"layer {name!r} feeds {norms}" for name, norms in feeds.items())
-            raise ValueError(
-                f"cannot prune these groups so that the exported model equals the masked one: "
-                f"{details}. A normalization over all channels (LayerNorm, RMSNorm, a second "
-                "GroupNorm) computes every channel from all the others, so removing any "
-                "changes the rest; leave these layers whole with ignored_layers=[...] or a "
-                f"ratio of 0 for them: {_zero_ratios(ratios, [g.name for g in refused])}"
+            raise _inexact(
+                details,
+                "A normalization over all channels (LayerNorm, RMSNorm, a second GroupNorm) "
+                "computes every channel from all the others, so removing any changes the rest",
+                ratios,
+                [g.name for g in refused],
             )
+        # the modules that read a group's channels from outside it, proven on the example
+        enclosing = enclosing_reader_refusals(
+            model, [g for g in self.groups if type(g) is ChannelGroup], inputs
+        )
+        if enclosing:
+            details = " / ".join(
+                f"layer {name!r} is read by {'; '.join(lines)}" for name, lines in enclosing.items()
+            )
+            raise _inexact(details, "", ratios, list(enclosing))
         # the heads to prune are proven on the example (a copy of each attention layer)
         heads = [g for g in self.groups if isinstance(g, HeadGroup) and not g.refusal]
         prove_head_groups(model, heads, inputs)
