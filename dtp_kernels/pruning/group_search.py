@@ -13,6 +13,10 @@ item by item where that search ends), with two differences:
   the graph maps an attention's views of its channels into heads (EfficientViT's,
   CoAtNet's, FocalNet's modulation) as if they flattened them, and a cycle through such
   a view maps indices to ever larger ones; Torch-Pruning's search never ended there.
+  So does an index past the number of elements of the largest tensor the tracing
+  forward made (`LargestTensor`), found before a mapping that flattens makes it: two
+  such views in a row (GCNet's attention pooling, viewed as flattening its channels
+  twice) would first make a list of each channel times the square of the area.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from numbers import Number
 
+import torch
 import torch_pruning as tp
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch_pruning import _helpers
 from torch_pruning.dependency import index_mapping
 from torch_pruning.dependency.dependency import Dependency
@@ -42,6 +48,27 @@ TENSOR_OPS = (
 
 # the attribute set (True) on a group whose search reached an index past a layer's width
 UNFOLLOWED = "dtp_unfollowed"
+
+
+# the attribute holding, on a graph, the number of elements of the largest tensor its
+# tracing forward made (LargestTensor): no index of a channel's can reach it
+LARGEST_TENSOR = "dtp_largest_tensor"
+
+
+class LargestTensor(TorchFunctionMode):
+    """Within the block, `numel` is the number of elements of the largest tensor a torch
+    function (or tensor method) returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(tensor, torch.Tensor):
+                self.numel = max(self.numel, tensor.numel())
+        return out
 
 
 # the attribute set (True) on a graph while its index mappings are held (mappings_held)
@@ -108,6 +135,7 @@ def coupled_group(
         )
     }
     stack = [(root, handler, start)]
+    largest = getattr(graph, LARGEST_TENSOR, None)
     widths: dict[tuple, int | None] = {}
     unfollowed = False
     while stack and not unfollowed:
@@ -117,8 +145,13 @@ def coupled_group(
                 continue
             mapped = indices
             for mapping in dep.index_mapping:
+                if mapping is not None and _past(mapping, mapped, largest):
+                    unfollowed = True
+                    break
                 if mapping is not None:
                     mapped = mapping(mapped)
+            if unfollowed:
+                break
             key = (dep.target, dep.handler)
             seen = reached[key][1] if key in reached else {}
             fresh = {}
@@ -141,3 +174,15 @@ def coupled_group(
     group._DG = graph
     setattr(group, UNFOLLOWED, unfollowed)
     return group
+
+
+def _past(mapping, indices: list, largest: int | None) -> bool:
+    """Whether `mapping`, a view flattening each index into `stride` of them, would map
+    `indices` past `largest` elements."""
+    return (
+        largest is not None
+        and isinstance(mapping, index_mapping._FlattenIndexMapping)
+        and not mapping.reverse
+        and bool(indices)
+        and (max(i.idx for i in indices) + 1) * mapping._stride > largest
+    )

@@ -42,7 +42,14 @@ from .graph_workarounds import (
     unknown_concat_widths_left_unmapped,
     unmappable_reshapes_marked,
 )
-from .group_search import TENSOR_OPS, UNFOLLOWED, coupled_group, mappings_held
+from .group_search import (
+    LARGEST_TENSOR,
+    TENSOR_OPS,
+    UNFOLLOWED,
+    LargestTensor,
+    coupled_group,
+    mappings_held,
+)
 from .grouped_convs import equal_parts, is_grouped
 from .masked_reads import own_matmul_ops, unmasked_readers
 
@@ -353,11 +360,17 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
             warnings.filterwarnings("ignore", message="Unwrapped parameters detected")
             warnings.filterwarnings("ignore", message=RECURSION_WARNING)
             hooks = {module: set(module._forward_hooks) for module in model.modules()}
+            largest = LargestTensor()
+
+            def forward(model: nn.Module, inputs):
+                with largest:
+                    return call_model(model, inputs)
+
             try:
                 graph = tp.DependencyGraph().build_dependency(
                     model,
                     example_inputs=example_inputs,
-                    forward_fn=lambda model, inputs: call_model(model, inputs),
+                    forward_fn=forward,
                     output_transform=_traced_outputs,
                     ignored_layers=tuple_returning_linears(model, example_inputs),
                     customized_pruners={
@@ -376,7 +389,9 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
                     "prunes are listed in docs/pruning.md and the README's 'What it prunes'"
                 ) from error
         # the pruner's own search of the graph (group_search.py): each channel followed
-        # once, ended where the graph maps an index past a layer's width
+        # once, ended where the graph maps an index past a layer's width or past the
+        # largest tensor the forward made
+        setattr(graph, LARGEST_TENSOR, largest.numel)
         graph.get_pruning_group = functools.partial(coupled_group, graph)
         try:
             with warnings.catch_warnings():

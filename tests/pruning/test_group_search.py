@@ -4,6 +4,7 @@ every model where that search ends; and an end, with the model pruned and export
 where it did not (timm's ReXNet, FocalNet, EfficientViT, EfficientViM, EfficientFormerV2,
 iFormer and CoAtNet, tiny configurations built here)."""
 
+import ast
 import time
 
 import pytest
@@ -12,7 +13,12 @@ from torch import nn
 
 from dtp_kernels.models import get_model
 from dtp_kernels.pruning import DTPPruner
-from dtp_kernels.pruning.group_search import UNFOLLOWED, coupled_group
+from dtp_kernels.pruning.group_search import (
+    LARGEST_TENSOR,
+    UNFOLLOWED,
+    LargestTensor,
+    coupled_group,
+)
 from dtp_kernels.pruning.groups import out_channel_handler, out_width, traced_graph
 from utils import check_export, drawn_statistics, randomised
 
@@ -93,6 +99,46 @@ def test_a_search_the_graph_maps_past_a_layers_width_ends_unfollowed():
             group = coupled_group(graph, layer, out_channel_handler(layer), idxs)
             assert time.monotonic() - start < 5
             assert getattr(group, UNFOLLOWED)
+
+
+def test_the_largest_tensor_counts_every_torch_function_result():
+    x = torch.ones(2, 3)
+    with LargestTensor() as largest:
+        y = (x @ torch.ones(3, 7)).expand(5, 2, 7)  # 70 elements, from a tensor method
+        torch.split(y, 1)
+    assert largest.numel == 70
+
+
+def test_a_search_flattened_past_the_largest_tensor_ends_unfollowed():
+    """GCNet's attention pooling: the graph takes its views of the channels for two
+    flattens in a row, a list of each channel times the square of its area (56 million
+    indices at 64 x 64, a minute's search). The search ends before the second, marked
+    unfollowed."""
+    model = timm.create_model("gcresnet33ts", num_classes=5).eval()
+    layer = model.stages[2][0].attn.mlp_add.fc2
+    with traced_graph(model, (torch.randn(1, 3, 64, 64),)) as graph:
+        assert getattr(graph, LARGEST_TENSOR) == 64 * 32 * 32  # the stem: 64 channels, 32 x 32
+        start = time.monotonic()
+        group = coupled_group(graph, layer, out_channel_handler(layer), range(384))
+        assert time.monotonic() - start < 5
+        assert getattr(group, UNFOLLOWED)
+
+
+def test_gcnet_is_refused_for_its_norms_and_prunes_the_rest_exactly():
+    """A float ratio was refused after a minute's search; now for its MLPs' LayerNorms,
+    by name, and the ratios the error gives prune the rest and export equal."""
+    torch.manual_seed(0)
+    model = drawn_statistics(timm.create_model("gcresnet33ts", num_classes=5)).eval()
+    nn.init.normal_(model.head.fc.weight, std=0.1)
+    x = torch.randn(2, 3, 64, 64)
+    with pytest.raises(
+        ValueError, match=r"feeds LayerNorm2d 'stages\.0\.0\.attn\.mlp_add\.norm'"
+    ) as e:
+        DTPPruner(model, (x[:1],), 0.5)
+    ratios = ast.literal_eval(str(e.value).rpartition("ratios=")[2])
+    pruner = randomised(DTPPruner(model, (x[:1],), ratios))
+    assert len(pruner.groups) == 14 and pruner.kept == [n // 2 for n in pruner.sizes]
+    check_export(pruner, model, x)
 
 
 @pytest.mark.parametrize("channels", ["all", "one"])
