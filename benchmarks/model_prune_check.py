@@ -74,13 +74,17 @@ MODELS = [
     "resnet50_clip.openai",
     # the 1x1 convs that feed its lambda layers are refused by name, the rest prunes
     "lambda_resnet26t",
+    # its attention pooling's search ends at once, where it did not within a minute
+    "gcresnet33ts",
 ]
 
 # layers left whole (ratio 0) where the float ratio would be refused: PVT v2's and Twins'
 # convolutions reducing the keys' and values' tokens feed a LayerNorm over their channels;
-# the lambda ResNet's 1x1 convs feed a LambdaLayer, which reshapes its output to their width
+# the lambda ResNet's 1x1 convs feed a LambdaLayer, which reshapes its output to their width;
 LEFT_WHOLE = dict.fromkeys(["pvt_v2_b0", "twins_svt_small", "twins_pcpvt_small"], ("*.attn.sr",))
 LEFT_WHOLE["lambda_resnet26t"] = ("stages.2.1.conv1_1x1.conv", "stages.3.*.conv1_1x1.conv")
+# and GCNet's context MLPs normalize their hidden width with a LayerNorm
+LEFT_WHOLE["gcresnet33ts"] = ("*.attn.mlp_add.fc1",)
 
 
 def ratios(name: str, ratio: float) -> float | dict[str, float]:

@@ -8,7 +8,8 @@ model fails where the masked one runs, which export() would only find after trai
 
 So a group's readers (the layers that lose input channels) are proven inside the module
 that holds them: the outermost module below the model that holds a reader and no other
-layer of the group, when the example forward hands it the readers' input as it is. Run
+layer of the group, and is no container (a Sequential's code uses no width, and would
+run all it holds), when the example forward hands it the readers' input as it is. Run
 on that input with a random half of the channels zeroed, and again cut to the kept
 channels with its readers' input columns cut, it must compute the same (within the
 proof's tolerance). A group whose module fails, or computes other values, is refused
@@ -33,16 +34,22 @@ from .proof import close, example_calls, random_half
 READERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
+# modules whose forward only hands their input to their children (or none): their own
+# code uses no width, and proving one would run all it holds (a network's whole body)
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
 def _enclosing(name: str, modules: dict[str, nn.Module], members: set[int]) -> str | None:
     """The outermost module above `name` (the model itself excluded) that holds no module
-    of `members`, or None when the reader's own parent holds one."""
+    of `members` and is no container, or None when there is none."""
     found = None
     parts = name.split(".")
     for depth in range(len(parts) - 1, 0, -1):
         outer = ".".join(parts[:depth])
         if any(id(m) in members for m in modules[outer].modules()):
             break
-        found = outer
+        if not isinstance(modules[outer], CONTAINERS):
+            found = outer
     return found
 
 

@@ -13,15 +13,17 @@ item by item where that search ends), with two differences:
   the graph maps an attention's views of its channels into heads (EfficientViT's,
   CoAtNet's, FocalNet's modulation) as if they flattened them, and a cycle through such
   a view maps indices to ever larger ones; Torch-Pruning's search never ended there.
-  So does an index past the number of elements of the largest tensor the tracing
-  forward made (`LargestTensor`), found before a mapping that flattens makes it: two
-  such views in a row (GCNet's attention pooling, viewed as flattening its channels
-  twice) would first make a list of each channel times the square of the area.
+  So does an index past the number of elements of the view's tensor (its autograd
+  node keeps its sizes), or of the largest tensor the tracing forward made
+  (`LargestTensor`), found before a mapping that flattens makes it: two such views in a
+  row (GCNet's attention pooling, viewed as flattening its channels twice) would first
+  make a list of each channel times the square of the area.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from numbers import Number
 
@@ -145,7 +147,7 @@ def coupled_group(
                 continue
             mapped = indices
             for mapping in dep.index_mapping:
-                if mapping is not None and _past(mapping, mapped, largest):
+                if mapping is not None and _past(mapping, mapped, _bound(dep, largest)):
                     unfollowed = True
                     break
                 if mapping is not None:
@@ -176,13 +178,25 @@ def coupled_group(
     return group
 
 
-def _past(mapping, indices: list, largest: int | None) -> bool:
+def _bound(dep: Dependency, largest: int | None) -> int | None:
+    """No index can reach this many elements on `dep`'s way: the largest tensor's, or,
+    where either end is a view whose autograd node kept its input's sizes, that tensor's
+    (a view keeps its number of elements)."""
+    bounds = [largest] if largest is not None else []
+    for node in (dep.source, dep.target):
+        sizes = getattr(getattr(node, "grad_fn", None), "_saved_self_sym_sizes", None)
+        if isinstance(node.module, tp.ops._ReshapeOp) and sizes is not None:
+            bounds.append(math.prod(int(size) for size in sizes))
+    return min(bounds, default=None)
+
+
+def _past(mapping, indices: list, bound: int | None) -> bool:
     """Whether `mapping`, a view flattening each index into `stride` of them, would map
-    `indices` past `largest` elements."""
+    `indices` to `bound` or past it."""
     return (
-        largest is not None
+        bound is not None
         and isinstance(mapping, index_mapping._FlattenIndexMapping)
         and not mapping.reverse
         and bool(indices)
-        and (max(i.idx for i in indices) + 1) * mapping._stride > largest
+        and (max(i.idx for i in indices) + 1) * mapping._stride > bound
     )

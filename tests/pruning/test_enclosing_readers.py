@@ -123,3 +123,34 @@ def test_timm_lambda_resnet_is_refused_at_construction_and_prunes_the_rest():
     pruner = DTPPruner(model, (x[:1],), suggested)
     assert len(pruner.groups) == 13
     check_export(randomised(pruner), model, x)  # export's own check passes too
+
+
+class Block(nn.Module):
+    """A residual block with a projection shortcut: its input is read by two convs."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width)
+        self.shortcut = nn.Conv2d(width, width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(self.conv(x))) + self.shortcut(x)
+
+
+def test_a_group_is_proven_in_the_module_reading_it_not_in_the_container_above(monkeypatch):
+    """The stem's channels are read by the first block of a Sequential body: the block is
+    proven (a container's code uses no width, and proving it would run the whole body)."""
+    from dtp_kernels.pruning import enclosing_readers
+
+    proven, prove = [], enclosing_readers.proof_failure
+
+    def recorded(module, *args):
+        proven.append(module)
+        return prove(module, *args)
+
+    monkeypatch.setattr(enclosing_readers, "proof_failure", recorded)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Sequential(Block(8), Block(8))
+    )
+    DTPPruner(model, (torch.randn(1, 3, 8, 8),), {"0": 0.5})
+    assert proven == [model[2][0]]

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 from torch import nn
+from torch_pruning.dependency import index_mapping
 
 from dtp_kernels.models import get_model
 from dtp_kernels.pruning import DTPPruner
@@ -109,19 +110,33 @@ def test_the_largest_tensor_counts_every_torch_function_result():
     assert largest.numel == 70
 
 
-def test_a_search_flattened_past_the_largest_tensor_ends_unfollowed():
+def test_a_search_flattened_past_its_tensor_ends_unfollowed(monkeypatch):
     """GCNet's attention pooling: the graph takes its views of the channels for two
     flattens in a row, a list of each channel times the square of its area (56 million
-    indices at 64 x 64, a minute's search). The search ends before the second, marked
-    unfollowed."""
+    indices at 64 x 64, a minute's search; at 128 x 128 the first flatten's list is still
+    smaller than the largest tensor). The search ends at the first index past the
+    view's tensor, marked unfollowed."""
     model = timm.create_model("gcresnet33ts", num_classes=5).eval()
-    layer = model.stages[2][0].attn.mlp_add.fc2
-    with traced_graph(model, (torch.randn(1, 3, 64, 64),)) as graph:
-        assert getattr(graph, LARGEST_TENSOR) == 64 * 32 * 32  # the stem: 64 channels, 32 x 32
+    attention, x = model.stages[2][0].attn, torch.randn(1, 3, 128, 128)
+    seen = []
+    attention.register_forward_pre_hook(lambda _, args: seen.append(args[0].numel()))
+    longest = [0]  # the longest list of indices a flatten made
+
+    def flatten(self, idxs, call=index_mapping._FlattenIndexMapping.__call__):
+        longest[0] = max(longest[0], len(out := call(self, idxs)))
+        return out
+
+    monkeypatch.setattr(index_mapping._FlattenIndexMapping, "__call__", flatten)
+    layer = attention.mlp_add.fc2
+    with traced_graph(model, (x,)) as graph:
+        largest = getattr(graph, LARGEST_TENSOR)
+        assert largest == 64 * 64 * 64  # the stem: 64 channels, 64 x 64
         start = time.monotonic()
         group = coupled_group(graph, layer, out_channel_handler(layer), range(384))
         assert time.monotonic() - start < 5
         assert getattr(group, UNFOLLOWED)
+    # ended at the first view past its own tensor (the pooled block's input)
+    assert longest[0] <= seen[0] < largest
 
 
 def test_gcnet_is_refused_for_its_norms_and_prunes_the_rest_exactly():
