@@ -76,6 +76,8 @@ MODELS = [
     "lambda_resnet26t",
     # its attention pooling's search ends at once, where it did not within a minute
     "gcresnet33ts",
+    # its star MLPs (gated, in convolutions) are groups
+    "starnet_s1",
 ]
 
 # layers left whole (ratio 0) where the float ratio would be refused: PVT v2's and Twins'

@@ -251,6 +251,18 @@ def _per_channel_width(module: nn.Module) -> int:
     return module.weight.numel() if is_frozen_batch_norm(module) else module.num_features
 
 
+def _plain_layer(module: nn.Module) -> bool:
+    """Whether `module` is a linear layer or an ungrouped convolution: a gated group's
+    mask goes on such a consumer's input columns."""
+    return isinstance(module, nn.Linear) or (
+        isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and module.groups == 1
+    )
+
+
+def _in_width(layer: nn.Module) -> int:
+    return layer.in_features if isinstance(layer, nn.Linear) else layer.in_channels
+
+
 def out_width(layer: nn.Module) -> int:
     """A group root's output channels (a convolution) or features (a linear layer, or
     the transformers Conv1D an exported GPT-2 has back)."""
@@ -701,12 +713,12 @@ def _channel_groups(
                     grouped_reads[module] = [int(i) for i in idxs]
         gated = (
             len(out_layers) > 1
-            and all(isinstance(m, nn.Linear) for m in [*out_layers, *ins])
+            and all(_plain_layer(m) for m in [*out_layers, *ins])
             and any(op.startswith("MulBackward") for op in ops)
             and not any(op.startswith(MERGING_OPS) for op in ops)
             and not bns + norms + depthwise + group_norms
         )
-        if gated and len({m.out_features for m in out_layers} | {m.in_features for m in ins}) > 1:
+        if gated and len({out_width(m) for m in out_layers} | {_in_width(m) for m in ins}) > 1:
             # the mask goes on the consumers' columns, one per channel: a consumer or a
             # producer of another width (CaiT's qkv through its talking heads, where
             # Torch-Pruning follows the channels through a matmul) is no gated MLP

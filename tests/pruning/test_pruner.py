@@ -996,6 +996,59 @@ def test_gated_mlp_is_masked_on_the_consumer_columns(mlp):
     assert exported.down.in_features == 12
 
 
+class _ConvStarMLP(torch.nn.Module):
+    """StarNet's star operation: down(relu6(f1(x)) * f2(x)) with 1x1 convs into a 3x3
+    conv, no norm between: the same gating in convolutions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f1, self.f2 = torch.nn.Conv2d(8, 24, 1), torch.nn.Conv2d(8, 24, 1)
+        self.down = torch.nn.Conv2d(24, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.relu6(self.f1(x)) * self.f2(x))
+
+
+def test_a_gated_conv_mlp_is_masked_on_the_consumer_columns():
+    """relu6(f1) at 0 is 0 but f1's bias would make it nonzero: the mask goes on the
+    consumer conv's input columns, exact whatever the gate computes."""
+    torch.manual_seed(0)
+    model, x = _ConvStarMLP(), torch.randn(4, 8, 6, 6)
+    pruner = DTPPruner(model, x[:1], 0.5)
+    (group,) = pruner.groups
+    assert group.gated and group.name == "f1" and pruner.kept == [12]
+    assert parametrize.is_parametrized(model.down, "weight")
+    assert not parametrize.is_parametrized(model.f1) and not parametrize.is_parametrized(model.f2)
+    model(x).square().mean().backward()
+    assert torch.all(pruner.scores.grad != 0)
+    with torch.no_grad():
+        pruner.scores.uniform_(0, 1, generator=torch.Generator().manual_seed(1))
+        removed = pruner.hard_masks()[0] == 0
+        with pruner.hard_masked():
+            assert torch.all(model.down.weight[:, removed] == 0)
+    exported = pruner.export()  # raises unless equal to the hard-masked model
+    assert (exported.f1.out_channels, exported.f2.out_channels) == (12, 12)
+    assert exported.down.in_channels == 12
+
+
+def test_timm_starnet_prunes_its_star_mlps():
+    """Each block's f1/f2 product was no group (one group in StarNet-S1 before): now a
+    gated group each, and the export equals the hard-masked model."""
+    from utils import check_export, drawn_statistics, random_params, randomised
+
+    starnet = pytest.importorskip("timm.models.starnet")
+    torch.manual_seed(0)
+    model = starnet.StarNet(base_dim=8, depths=[1, 1, 1, 1], num_classes=5)
+    model = random_params(drawn_statistics(model), "conv.weight", std=0.1).eval()
+    torch.nn.init.normal_(model.head.weight, std=0.1)  # so every kept channel shows
+    x = torch.randn(2, 3, 64, 64)
+    pruner = randomised(DTPPruner(model, (x[:1],), 0.5))
+    gated = [g.name for g in pruner.groups if g.gated]
+    assert gated == [f"stages.{i}.1.f1.conv" for i in range(4)]
+    assert pruner.kept == [n // 2 for n in pruner.sizes]
+    check_export(pruner, model, x)
+
+
 @pytest.mark.parametrize("make", ["resnet20", "llama"])
 def test_a_frozen_model_has_the_groups_of_a_trainable_one(make):
     """The channel graph is traced through autograd: parameters with requires_grad False
