@@ -67,6 +67,7 @@ MODELS = [
     "nest_tiny",
     "convit_tiny",
     "cait_xxs24_224",
+    "fastvit_sa12",
     # their heads by form, with no class of their own
     "levit_128s",
     "maxvit_nano_rw_256",

@@ -3,8 +3,8 @@ of their heads removed: EVA's (EVA-02, DINOv3, Perception Encoder, RoPE-ViT), BE
 Swin V2's, DaViT's (its channel attention and its window attention), the cross-covariance
 attention of XCiT and EdgeNeXt, VOLO's, the relative-position ViT's, NeXt-ViT's, the
 class attention of CaiT and XCiT, PVT v2's and Twins' (keys and values from the tokens
-sub-sampled; Twins' also within windows), Swin V2 CR's, NesT's, ConViT's and CaiT's
-talking heads.
+sub-sampled; Twins' also within windows), Swin V2 CR's, NesT's, ConViT's, CaiT's
+talking heads and FastViT's.
 
 Their code reshapes the heads' output to the width of the layer's input (DaViT's, XCiT's,
 EdgeNeXt's, VOLO's, Twins', NesT's, ConViT's and the class attention's also take the
@@ -30,6 +30,7 @@ from timm.models.davit import ChannelAttention as DavitChannelAttention
 from timm.models.davit import WindowAttention as DavitWindowAttention
 from timm.models.edgenext import CrossCovarianceAttn as EdgeNextAttention
 from timm.models.eva import EvaAttention
+from timm.models.fastvit import Attention as FastVitAttention
 from timm.models.nest import Attention as NestAttention
 from timm.models.nextvit import EfficientAttention as NextVitAttention
 from timm.models.pvt_v2 import Attention as PvtV2Attention
@@ -496,6 +497,19 @@ class PrunedTalkingHeadAttn(_GivenToTheLayer, TalkingHeadAttn):
         return self.proj_drop(self.proj(_merged(out)))
 
 
+class PrunedFastVitAttention(_GivenToTheLayer, FastVitAttention):
+    """timm FastViT's attention (over an image's positions, channels first) whose heads
+    may be fewer than the model width over their size."""
+
+    replaces = FastVitAttention
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, _, height, width = x.shape
+        q, k, v = _heads(self, x.flatten(2).transpose(-2, -1))
+        out = self.proj_drop(self.proj(_merged(_attention(self, q, k, v))))
+        return out.transpose(-2, -1).reshape(batch, -1, height, width)
+
+
 PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     EvaAttention: PrunedEvaAttention,
     BeitAttention: PrunedBeitAttention,
@@ -516,4 +530,5 @@ PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     NestAttention: PrunedNestAttention,
     GPSA: PrunedConvitGatedAttention,
     MHSA: PrunedConvitAttention,
+    FastVitAttention: PrunedFastVitAttention,
 }

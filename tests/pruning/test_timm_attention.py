@@ -3,7 +3,7 @@ model width (EVA's: EVA-02, DINOv3, Perception Encoder, RoPE-ViT; BEiT's; Swin V
 DaViT's; XCiT's and EdgeNeXt's cross-covariance attention; VOLO's; the relative-position
 ViT's; CaiT's and XCiT's class attention and CaiT's talking heads; NeXt-ViT's; PVT v2's
 and Twins' sub-sampled and windowed attention; Swin V2 CR's; NesT's; ConViT's gated
-positional attention and its self-attention), with heads removed. With every head kept
+positional attention and its self-attention; FastViT's), with heads removed. With every head kept
 each pruned class computes exactly what timm's does; tiny models of each prune their
 heads with a float ratio, export equal to the hard-masked model, and save and load with
 a builder. Layers that prune as they are (VOLO's class attention, MaxxViT's attention in
@@ -29,6 +29,7 @@ from timm.models.davit import ChannelAttention  # noqa: E402
 from timm.models.davit import WindowAttention as DavitWindowAttention  # noqa: E402
 from timm.models.edgenext import CrossCovarianceAttn  # noqa: E402
 from timm.models.eva import EvaAttention  # noqa: E402
+from timm.models.fastvit import Attention as FastVitAttention  # noqa: E402
 from timm.models.maxxvit import AttentionCl  # noqa: E402
 from timm.models.nest import Attention as NestAttention  # noqa: E402
 from timm.models.nextvit import EfficientAttention  # noqa: E402
@@ -125,6 +126,7 @@ LAYERS = {
     "convit": (lambda: MHSA(32, 4, qkv_bias=True), dict),
     # over 2 image blocks of 9 tokens; its heads' outputs merged with the head innermost
     "nest": (lambda: NestAttention(32, 4, qkv_bias=True), dict),
+    "fastvit": (lambda: FastVitAttention(32, head_dim=8), dict),  # on a 3 x 3 image, NCHW
     # windows of 2 x 2 over the 3 x 3 image: padded to 4 x 4
     "twins local": (lambda: LocallyGroupedAttn(32, 4, ws=2), image_of_tokens("size")),
     # a position bias made by an MLP with an output per head, or read from a table; the
@@ -163,6 +165,8 @@ def test_every_head_kept_computes_what_timm_computes(case, fused_attn):
     shape = (batch, 3, 3) if case == "volo" else (batch, 9 if windowed else tokens)
     shape = (batch, 2, 9) if case == "nest" else shape
     x = torch.randn(*shape, 32, requires_grad=True)
+    if case == "fastvit":  # channels first
+        x = torch.randn(batch, 32, 3, 3, requires_grad=True)
     extra = call()
     want = layer(x, **extra)
     want_grads = torch.autograd.grad(want.square().sum(), [x, *layer.parameters()])
@@ -305,10 +309,21 @@ MODELS["convit"] = (
     "timm.models.convit:ConVit",
     dict(img_size=16, patch_size=4, embed_dim=8, depth=3, num_heads=4, local_up_to_layer=2),
 )
+# four stages of one block, attention in the last (2 heads of 32, on 2 x 2 positions)
+MODELS["fastvit"] = (
+    "timm.models.fastvit:FastVit",
+    dict(
+        layers=(1, 1, 1, 1),
+        embed_dims=(16, 16, 32, 64),
+        mlp_ratios=(2, 2, 2, 2),
+        token_mixers=("repmixer", "repmixer", "repmixer", "attention"),
+    ),
+)
 # the models' inputs: EdgeNeXt and NeXt-ViT downsample 32 times, PVT v2 and Twins 4 times
 # then 2 times per stage
 SIZES = {"edgenext": 64, "nextvit": 64, "pvt v2": 32, "pvt v2 linear": 32, "twins": 32}
-ATTENTION_LAYERS = {"nextvit": 3, "twins": 3, "convit": 3}  # else 2
+SIZES["fastvit"] = 64
+ATTENTION_LAYERS = {"nextvit": 3, "twins": 3, "convit": 3, "fastvit": 1}  # else 2
 # the convolutions reducing keys' and values' tokens feed a LayerNorm: left whole
 RATIOS = {name: {"*.attn.sr": 0, "*": 0.5} for name in ("pvt v2", "pvt v2 linear", "twins")}
 
