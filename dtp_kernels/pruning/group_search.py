@@ -31,6 +31,7 @@ import torch
 import torch_pruning as tp
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 from torch_pruning import _helpers
 from torch_pruning.dependency import index_mapping
 from torch_pruning.dependency.dependency import Dependency
@@ -67,7 +68,7 @@ class LargestTensor(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+        for tensor in tree_leaves(out):  # results nested in tuples and lists too
             if isinstance(tensor, torch.Tensor):
                 self.numel = max(self.numel, tensor.numel())
         return out

@@ -401,8 +401,8 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
                     "prunes are listed in docs/pruning.md and the README's 'What it prunes'"
                 ) from error
         # the pruner's own search of the graph (group_search.py): each channel followed
-        # once, ended where the graph maps an index past a layer's width or past the
-        # largest tensor the forward made
+        # once, ended where the graph maps an index past a layer's width, or where a
+        # view would map one past its tensor or the largest tensor the forward made
         setattr(graph, LARGEST_TENSOR, largest.numel)
         graph.get_pruning_group = functools.partial(coupled_group, graph)
         try:
