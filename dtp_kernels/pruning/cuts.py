@@ -1,5 +1,6 @@
 """Cutting a layer to the units export keeps: the one place a linear layer or a depthwise
-convolution loses rows or columns (heads, MLPs found by form, Mamba and Mamba-2 mixers).
+convolution loses rows or columns (heads, MLPs found by form, Mamba and Mamba-2 mixers,
+and the proofs' copies of a layer cut to its kept inputs).
 Each cut makes new parameters, keeping whether they train."""
 
 from __future__ import annotations
@@ -24,6 +25,22 @@ def cut_linear(layer: nn.Linear, keep: torch.Tensor, dim: int = 0) -> None:
         layer.out_features = len(keep)
     else:
         layer.in_features = len(keep)
+
+
+def channel_dim(layer: nn.Module) -> int:
+    """The dimension of a linear (last) or convolution (1) layer's input that holds its
+    input channels."""
+    return -1 if isinstance(layer, nn.Linear) else 1
+
+
+def cut_inputs(layer: nn.Module, keep: torch.Tensor) -> None:
+    """Keep the input channels (columns) `keep` of a linear layer or an ungrouped
+    convolution, in place."""
+    layer.weight = kept_rows(layer.weight, keep, 1)
+    if isinstance(layer, nn.Linear):
+        layer.in_features = len(keep)
+    else:
+        layer.in_channels = len(keep)
 
 
 def cut_depthwise(conv: nn.Conv1d, keep: torch.Tensor) -> None:

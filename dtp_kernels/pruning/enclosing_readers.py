@@ -26,10 +26,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .cuts import channel_dim, cut_inputs
 from .grouped_convs import is_grouped
 from .groups import ChannelGroup, output_tensors
 from .precision import ieee_fp32
-from .proof import close, example_calls, random_half
+from .proof import close, dropped, example_calls, random_half
 
 READERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -94,14 +95,6 @@ def _with(call: tuple[tuple, dict], place: int | str, value: torch.Tensor) -> tu
     return args, {**kwargs, place: value}
 
 
-def _cut_inputs(layer: nn.Module, keep: torch.Tensor) -> None:
-    layer.weight = nn.Parameter(layer.weight.index_select(1, keep.to(layer.weight.device)))
-    if isinstance(layer, nn.Linear):
-        layer.in_features = len(keep)
-    else:
-        layer.in_channels = len(keep)
-
-
 def proof_failure(
     module: nn.Module,
     call: tuple[tuple, dict],
@@ -119,9 +112,7 @@ def proof_failure(
     x = args[place] if isinstance(place, int) else kwargs[place]
     keep = group.channels(random_half(group.size, torch.Generator().manual_seed(0)))
     keep = keep.to(x.device)
-    removed = torch.ones(x.shape[dim], dtype=torch.bool, device=x.device)
-    removed[keep] = False
-    zeroed = x.index_fill(dim, removed.nonzero()[:, 0], 0)
+    zeroed = x.index_fill(dim, dropped(x.shape[dim], keep, x.device), 0)
     edited = copy.deepcopy(module)
     edited.eval()  # not chained: some modules' train() returns None
     names = {id(m): n for n, m in module.named_modules()}
@@ -133,7 +124,7 @@ def proof_failure(
         except Exception:  # not what the module runs on after all: no verdict
             return None
         for reader in readers:
-            _cut_inputs(copies[names[id(reader)]], keep)
+            cut_inputs(copies[names[id(reader)]], keep)
         cut_args, cut_kwargs = _with(call, place, x.index_select(dim, keep))
         try:
             got = output_tensors(edited(*cut_args, **cut_kwargs))
@@ -178,7 +169,7 @@ def enclosing_reader_refusals(
         if any(calls[r][0][0] is not x for r in readers):
             continue  # its readers read different tensors
         places = _located(calls[module], x)
-        dim = 1 if isinstance(readers[0], (nn.Conv1d, nn.Conv2d, nn.Conv3d)) else x.dim() - 1
+        dim = channel_dim(readers[0])
         width = group.size * group.channels_per_unit
         if len(places) != 1 or x.shape[dim] != width:
             continue  # its readers see a tensor it made, or the channels are not all of it

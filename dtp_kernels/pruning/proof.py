@@ -133,7 +133,7 @@ def random_half(width: int, generator: torch.Generator) -> torch.Tensor:
 
 
 def dropped(width: int, keep: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The indices of [0, width) not in `keep`, on `device`."""
+    """The indices of [0, width) not in `keep` (on any device), on `device`."""
     mask = torch.ones(width, dtype=torch.bool)
-    mask[keep] = False
+    mask[keep.cpu()] = False  # a CPU tensor takes no CUDA indices
     return mask.nonzero().flatten().to(device)

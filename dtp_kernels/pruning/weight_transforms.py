@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .cuts import channel_dim, cut_inputs
 from .groups import ChannelGroup
 from .precision import ieee_fp32
 from .proof import close, dropped, example_calls, random_half
@@ -37,25 +38,17 @@ def overrides_forward(module: nn.Module) -> bool:
     return getattr(module, "groups", 1) == 1 and type(module).forward not in PLAIN_FORWARDS
 
 
-def _channel_dim(layer: nn.Module) -> int:
-    return -1 if isinstance(layer, nn.Linear) else 1
-
-
 def cuts_inputs_exactly(layer: nn.Module, x: torch.Tensor) -> bool:
     """Whether `layer`, its weight cut to a random half of its input channels, computes
     on them what it computes on `x` with the other channels zeroed."""
-    dim = _channel_dim(layer)
+    dim = channel_dim(layer)
     width = x.shape[dim]
     keep = random_half(width, torch.Generator().manual_seed(0)).to(x.device)
     cut = copy.deepcopy(layer)
     try:
         with torch.no_grad(), ieee_fp32():  # TF32 would round the two apart
             want = cut(x.index_fill(dim, dropped(width, keep, x.device), 0))
-            cut.weight = nn.Parameter(cut.weight.index_select(1, keep))
-            if isinstance(cut, nn.Linear):
-                cut.in_features = len(keep)
-            else:
-                cut.in_channels = len(keep)
+            cut_inputs(cut, keep)
             got = cut(x.index_select(dim, keep))
     except Exception:  # its code reads the old width
         return False
@@ -77,7 +70,7 @@ def scales_rows_exactly(layer: nn.Module, x: torch.Tensor) -> bool:
         with torch.no_grad(), ieee_fp32():
             want = scaled(x)
             view = [1] * want.dim()
-            view[_channel_dim(layer)] = out
+            view[channel_dim(layer)] = out
             want = want * mask.view(view)
             scaled.weight.mul_(mask.view(shape))
             if scaled.bias is not None:

@@ -1010,8 +1010,9 @@ class _ConvStarMLP(torch.nn.Module):
 
 
 def test_a_gated_conv_mlp_is_masked_on_the_consumer_columns():
-    """relu6(f1) at 0 is 0 but f1's bias would make it nonzero: the mask goes on the
-    consumer conv's input columns, exact whatever the gate computes."""
+    """A mask on f1's rows would leave its bias, so relu6(bias) * f2(x) would still reach
+    `down`: the mask goes on the consumer conv's input columns, exact whatever the gate
+    computes."""
     torch.manual_seed(0)
     model, x = _ConvStarMLP(), torch.randn(4, 8, 6, 6)
     pruner = DTPPruner(model, x[:1], 0.5)
