@@ -505,3 +505,27 @@ class HFLogits(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x).logits
+
+
+class ScaledByWidth(nn.Module):
+    """Scaled by its input's width: runs cut to fewer channels, and computes other values
+    (a group it reads is refused by enclosing_readers' proof)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(width, width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).softmax(1) * x.shape[1] ** -0.5
+
+
+class PassedOn(nn.Module):
+    """Its input concatenated to its output: cut, its output is narrower (left to the
+    export's check)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(width, width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, self.proj(x).softmax(1)], 1)

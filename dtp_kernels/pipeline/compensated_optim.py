@@ -113,12 +113,29 @@ RECOMPILE_LIMIT = 64  # compilations of one fused update in a process
 
 class _Fused:
     """`update` under torch.compile, one kernel per weight (the float32 working values stay
-    in registers), compiled at its first call in a process. Sizes and settings are
-    symbolic: a new learning rate never compiles again. Where torch.compile cannot build
-    it (no C++ compiler for the CPU, no Triton for the GPU) it warns once and runs eager."""
+    in registers), compiled at its first call in a process. Sizes are symbolic, and the
+    settings (learning rate, AdamW's step size...) reach it as 0-d tensors on the weight's
+    device, never as Python floats, which torch.compile may specialize (torch 2.11 on CUDA
+    guarded on AdamW's step size and compiled again every step): a new learning rate never
+    compiles again. Where torch.compile cannot build it (no C++ compiler for the CPU, no
+    Triton for the GPU) it warns once and runs eager."""
 
     def __init__(self, update: Callable) -> None:
         self.update, self.compiled, self.eager = update, None, False
+        self._settings: tuple | None = None  # (floats, device, their tensors): the last ones
+
+    def settings(self, values: tuple[float, ...], device: torch.device) -> tuple:
+        """`values` as 0-d float64 tensors on `device` (in the update's arithmetic a 0-d
+        tensor is cast to the float32 it computes in, as a Python float is). One copy a
+        step: the weights of a parameter group share them."""
+        last = self._settings
+        if last is None or last[0] != values or last[1] != device:
+            host = torch.tensor(values, dtype=torch.float64)
+            if device.type == "cuda":  # pinned: the copy is asynchronous
+                host = host.pin_memory()
+            tensors = host.to(device, non_blocking=True).unbind()
+            self._settings = last = (values, device, tensors)
+        return last[2]
 
     def __call__(self, *args) -> None:
         if self.compiled is None and not self.eager:  # made here: importing stays light
@@ -131,8 +148,12 @@ class _Fused:
                 options={"emulate_precision_casts": True},
             )
         if not self.eager:
+            # tensors (or None) first, then the settings
+            first = next(i for i, a in enumerate(args) if isinstance(a, (int, float)))
+            values = tuple(float(v) for v in args[first:])
+            settings = self.settings(values, args[0].device)
             try:
-                return self.compiled(*args)
+                return self.compiled(*args[:first], *settings)
             except torch._dynamo.exc.BackendCompilerFailed as error:
                 cause = error.inner_exception
                 first = (str(cause).strip().splitlines() or [""])[0]

@@ -89,14 +89,19 @@ def mamba2_form(mixer: nn.Module) -> Mamba2Form | None:
 
 def _group_norm(norm: nn.Module, form: Mamba2Form) -> bool:
     """Whether `norm` is an RMS norm of the form's channels in its groups: their size in
-    `group_size` (Mamba2's) or their count in `n_groups` (Falcon-H1's)."""
+    `group_size` (Mamba2's) or their count in `n_groups` (Falcon-H1's); or, with neither
+    attribute, over all of them (Mamba2 of transformers 5.17 and earlier): every group
+    keeps as many heads, so the kept fraction and the rescaling are those of each group.
+    The proof on the example input decides."""
     weight = getattr(norm, "weight", None)
+    group_size, n_groups = getattr(norm, "group_size", None), getattr(norm, "n_groups", None)
     return (
         isinstance(weight, torch.Tensor)
         and tuple(weight.shape) == (form.inner,)
         and (
-            getattr(norm, "group_size", None) == form.inner // form.groups
-            or getattr(norm, "n_groups", None) == form.groups
+            group_size == form.inner // form.groups
+            or n_groups == form.groups
+            or (group_size is None and n_groups is None)
         )
         and isinstance(getattr(norm, "variance_epsilon", None), float)
     )

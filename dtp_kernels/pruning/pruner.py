@@ -74,6 +74,14 @@ class LayerWeights:
     norms: tuple = ()
 
 
+def parameter_slot(model: nn.Module) -> tuple[nn.Module, str]:
+    """The module and key holding `model`'s first parameter: read there at each forward,
+    it has the device model.to() gave it (a conversion may replace the tensor)."""
+    name = next(name for name, _ in model.named_parameters())
+    prefix, _, key = name.rpartition(".")
+    return model.get_submodule(prefix), key
+
+
 class DTPPruner(ChannelPruner):
     """Prune `model` to exact sizes with DTP. See the module docstring and README.
 
@@ -181,6 +189,7 @@ class DTPPruner(ChannelPruner):
         if self.nm is not None:
             self._check_nm_groups()
         device = next(model.parameters()).device
+        self._device_witness = parameter_slot(model)
         if budget == "flops":  # learned kept ratios, started at the ratios' kept fractions
             alpha = torch.tensor([k / n for k, n in zip(self.kept, self.sizes, strict=True)])
             tie = tied_units(self.groups)  # a block's experts learn one ratio
@@ -419,6 +428,17 @@ class DTPPruner(ChannelPruner):
         step counted in ``skipped_steps``. The transport kernels do all of it on the
         device (nonfinite="neutral").
         """
+        owner, key = self._device_witness
+        witness = owner._parameters.get(key)
+        if witness is None:  # moved into a parametrization (the pruner's own, at construction)
+            self._device_witness = owner, key = parameter_slot(model)
+            witness = owner._parameters[key]
+        if witness.device != self.keep.device:  # a model moved without its pruner
+            raise RuntimeError(
+                f"the model's parameters are on {witness.device} but the pruner's scores and "
+                f"transport state are on {self.keep.device}: move the pruner with the model "
+                f"(pruner.to('{witness.device}'))"
+            )
         mask = self._transport(update=model.training and torch.is_grad_enabled())
         self._source.set(mask)
         self._source.in_forward = True

@@ -186,10 +186,11 @@ def test_on_a_gpu_the_cpu_estimate_is_the_memory_a_forward_keeps(amp):
     under autocast, the CPU's autocast rules standing in for the GPU's."""
     torch.manual_seed(0)
     model = resnet20()
-    DTPPruner(model, torch.randn(1, 3, 32, 32), 0.5)
+    pruner = DTPPruner(model, torch.randn(1, 3, 32, 32), 0.5)
     inputs, labels = torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
     predicted = estimate(model, inputs, labels, amp)
     model.cuda().train()
+    pruner.cuda()
     inputs, labels = inputs.cuda(), labels.cuda()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()

@@ -156,11 +156,22 @@ def test_fused_runs_the_compiled_update_and_eager_does_not(monkeypatch, fused):
     train(ours, settings, weight, gradients((10,), 2), fused=fused, chunk_size=3)
     # fused: the weight whole, once a step; eager: 4 chunks of at most 3 a step
     assert (len(calls), len(eager_calls)) == ((2, 0) if fused else (0, 8))
+    for args in calls:  # the settings as tensors (5 tensors, then 7 settings)
+        assert len(args) == 12 and all(a.dim() == 0 and a.dtype == torch.float64 for a in args[5:])
+    if fused:  # the step size changed, the learning rate did not
+        assert calls[0][5].item() == calls[1][5].item() == settings["lr"]
+        assert calls[0][9].item() != calls[1][9].item()
 
 
-def test_a_new_learning_rate_compiles_nothing_more():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_new_learning_rate_compiles_nothing_more(device):
+    """AdamW's step size changes every step, and here the learning rate too: the fused
+    update gets them as tensors, so no step compiles it again (torch 2.11 on CUDA
+    specialized them as floats, compiling every step until its limit, then failing)."""
     ours, _, settings = OPTIMIZERS["adamw"]
-    params = [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in [(64, 3), (50,)]]
+    params = [
+        torch.nn.Parameter(torch.randn(shape).bfloat16().to(device)) for shape in [(64, 3), (50,)]
+    ]
     optimizer = ours(params, **settings)
     compiled = []
     for step in range(4):

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from dtp_kernels.pruning import DTPPruner
-from utils import check_export, randomised
+from utils import PassedOn, ScaledByWidth, check_export, randomised
 
 timm = pytest.importorskip("timm")
 
@@ -28,28 +28,6 @@ class ReshapeToInput(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, c, h, w = x.shape
         return self.proj(x).softmax(1).reshape(b, c, h, w)
-
-
-class ScaledByWidth(nn.Module):
-    """Scaled by its input's width: runs cut, and computes other values."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.proj = nn.Conv2d(width, width, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x).softmax(1) * x.shape[1] ** -0.5
-
-
-class PassedOn(nn.Module):
-    """Its input concatenated to its output: cut, its output is narrower."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.proj = nn.Conv2d(width, width, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x, self.proj(x).softmax(1)], 1)
 
 
 class Net(nn.Module):

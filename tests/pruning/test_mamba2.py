@@ -142,6 +142,41 @@ def test_mamba2_heads_export_exactly_with_the_norm_rescaled(groups):
     assert torch.equal(got, want)
 
 
+class WholeGatedNorm(nn.Module):
+    """Mamba2's gated RMS norm in transformers 5.17 and earlier: over all of the mixer's
+    channels, no group_size."""
+
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(width) + 0.5)
+        self.variance_epsilon = eps
+
+    def forward(self, hidden: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        dtype, hidden = hidden.dtype, hidden.float()
+        if gate is not None:
+            hidden = hidden * nn.functional.silu(gate.float())
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * hidden.to(dtype)
+
+
+def test_a_norm_over_all_the_mixers_channels_is_rescaled_alike():
+    """The same export with the norm of transformers 5.17 (over all channels, every group
+    keeping as many heads): exact, its weight and epsilon rescaled as a group's."""
+    model, ids = mamba2(2), tokens()
+    for layer in model.backbone.layers:
+        norm = layer.mixer.norm
+        layer.mixer.norm = WholeGatedNorm(norm.weight.numel(), norm.variance_epsilon)
+    epsilon = model.backbone.layers[0].mixer.norm.variance_epsilon
+    pruner = randomised(DTPPruner(model, (ids,), 0.5))
+    assert [type(g).__name__ for g in pruner.groups] == ["Mamba2Group"] * 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the config cannot describe the rescaled norms
+        exported, got, want = hard_masked_and_exported(pruner, model, (ids,))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    norm = exported.backbone.layers[0].mixer.norm
+    assert norm.weight.shape == (32,) and norm.variance_epsilon == pytest.approx(2 * epsilon)
+
+
 def test_a_saved_mixer_loads_with_its_rescaled_norm(tmp_path):
     """save_pruned with a builder writes the norm's epsilon with the counts: the loaded
     model computes what the exported one does."""

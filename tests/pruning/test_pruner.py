@@ -122,6 +122,18 @@ def test_eval_forward_does_not_advance_state():
     assert int(pruner.state.steps) == 0
 
 
+def test_a_model_moved_without_its_pruner_is_refused_by_name():
+    """model.to() does not move the pruner (a module of its own, like an optimizer's
+    state): the next forward names both devices and the call that fixes it, before the
+    mask step reads the scores. (The model and pruner moved together to a GPU train in
+    tests/pipeline/test_activation_memory.py.)"""
+    model, pruner = build(resnet20, 0.5)
+    model.to("meta")  # a second device on any machine
+    with pytest.raises(RuntimeError, match=r"parameters are on meta but the pruner's .* on cpu"):
+        model(XB.to("meta"))
+    assert int(pruner.state.steps) == 0
+
+
 def test_pruner_is_built_and_exported_under_no_grad():
     """Torch-Pruning traces the graph through autograd; the pruner turns it on for that
     trace, so building and exporting inside torch.no_grad() (an evaluation script's

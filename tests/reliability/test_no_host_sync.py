@@ -122,7 +122,8 @@ def test_dtp_training_step_reads_nothing_back(budget, mask_at, backend):
 def clipped_accumulated_setup(device: torch.device):
     """A DTP ResNet-20 and a function running one optimizer step of two batches,
     clipped, on it; the pruner and that function."""
-    model, pruner, optimizer, images, labels = dtp_training_setup("cpu", device=device, batch=4)
+    backend = "cpu" if device.type == "cpu" else "auto"  # the CPU kernels take CPU tensors only
+    model, pruner, optimizer, images, labels = dtp_training_setup(backend, device=device, batch=4)
     clip = (list(model.parameters()), 0.5)
 
     def step() -> None:
