@@ -127,16 +127,27 @@ struct EpilogueLayout {
   int64_t outer, channels, inner;
 };
 
-inline EpilogueLayout epilogue_layout(const at::Tensor& y, int64_t channel_dim) {
+// channel_dim of y, made non-negative; y has at least 2 dims and channel_dim is one of them.
+inline int64_t epilogue_channel_dim(const at::Tensor& y, int64_t channel_dim) {
   TORCH_CHECK(y.dim() >= 2, "dtp::masked_channel_epilogue: y must have at least 2 dims, got ",
               y.dim());
   const int64_t cd = channel_dim < 0 ? channel_dim + y.dim() : channel_dim;
   TORCH_CHECK(cd >= 0 && cd < y.dim(), "dtp::masked_channel_epilogue: channel_dim ", channel_dim,
               " is out of range for a ", y.dim(), "-D tensor");
+  return cd;
+}
+
+// Whether y (channel dim cd) is channels-last: read in place as rows of channels.
+inline bool epilogue_channels_last(const at::Tensor& y, int64_t cd) {
+  return cd == 1 && !y.is_contiguous() &&
+         ((y.dim() == 4 && y.is_contiguous(at::MemoryFormat::ChannelsLast)) ||
+          (y.dim() == 5 && y.is_contiguous(at::MemoryFormat::ChannelsLast3d)));
+}
+
+inline EpilogueLayout epilogue_layout(const at::Tensor& y, int64_t channel_dim) {
+  const int64_t cd = epilogue_channel_dim(y, channel_dim);
   const int64_t channels = y.size(cd);
-  if (cd == 1 && !y.is_contiguous() &&
-      ((y.dim() == 4 && y.is_contiguous(at::MemoryFormat::ChannelsLast)) ||
-       (y.dim() == 5 && y.is_contiguous(at::MemoryFormat::ChannelsLast3d)))) {
+  if (epilogue_channels_last(y, cd)) {
     return {y, channels == 0 ? 0 : y.numel() / channels, channels, 1};
   }
   int64_t outer = 1, inner = 1;
@@ -145,12 +156,16 @@ inline EpilogueLayout epilogue_layout(const at::Tensor& y, int64_t channel_dim) 
   return {y.contiguous(), outer, channels, inner};
 }
 
-// A per-channel mask or bias, checked and converted to `acc`.
-inline at::Tensor channel_vector(const at::Tensor& t, int64_t channels, at::ScalarType acc,
-                                 const char* name) {
+inline void check_channel_vector(const at::Tensor& t, int64_t channels, const char* name) {
   TORCH_CHECK(t.dim() == 1 && t.size(0) == channels && t.is_floating_point(),
               "dtp::masked_channel_epilogue: ", name, " must be a 1-D floating tensor of ",
               channels, " channels, got shape ", t.sizes());
+}
+
+// A per-channel mask or bias, checked and converted to `acc`.
+inline at::Tensor channel_vector(const at::Tensor& t, int64_t channels, at::ScalarType acc,
+                                 const char* name) {
+  check_channel_vector(t, channels, name);
   return t.to(acc).contiguous();
 }
 

@@ -153,9 +153,11 @@ using Layout = EpilogueLayout;
 
 }  // namespace
 
-at::Tensor masked_channel_epilogue_cuda(const at::Tensor& y_in, const at::Tensor& mask,
-                                        const c10::optional<at::Tensor>& bias,
-                                        c10::string_view activation, int64_t channel_dim) {
+int64_t epilogue_cuda_max_inner() { return int64_t{65535} * kThreads * kPerThread; }
+
+at::Tensor masked_channel_epilogue_cuda_kernels(const at::Tensor& y_in, const at::Tensor& mask,
+                                                const c10::optional<at::Tensor>& bias,
+                                                c10::string_view activation, int64_t channel_dim) {
   const bool relu = parse_activation(activation);
   const c10::cuda::CUDAGuard guard(y_in.device());
   const Layout L = epilogue_layout(y_in, channel_dim);
@@ -175,8 +177,6 @@ at::Tensor masked_channel_epilogue_cuda(const at::Tensor& y_in, const at::Tensor
         auto* op = out.data_ptr<scalar_t>();
         if (L.inner > 1) {
           const int64_t chunks = (L.inner + kThreads * kPerThread - 1) / (kThreads * kPerThread);
-          TORCH_CHECK(chunks <= 65535, "dtp::masked_channel_epilogue: inner size ", L.inner,
-                      " is too large for the CUDA kernel");
           const dim3 grid(static_cast<unsigned>(L.outer * L.channels),
                           static_cast<unsigned>(chunks));
           auto launch = [&](auto kernel) {
@@ -198,12 +198,9 @@ at::Tensor masked_channel_epilogue_cuda(const at::Tensor& y_in, const at::Tensor
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_channel_epilogue_backward_cuda(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_channel_epilogue_backward_cuda_kernels(
     const at::Tensor& grad_out, const at::Tensor& y_in, const at::Tensor& mask,
     const c10::optional<at::Tensor>& bias, c10::string_view activation, int64_t channel_dim) {
-  TORCH_CHECK(grad_out.sizes() == y_in.sizes(),
-              "dtp::masked_channel_epilogue_backward: grad_out has shape ", grad_out.sizes(),
-              ", y has ", y_in.sizes());
   const bool relu = parse_activation(activation);
   const c10::cuda::CUDAGuard guard(y_in.device());
   const Layout L = epilogue_layout(y_in, channel_dim);
@@ -256,11 +253,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_channel_epilogue_backward_
       });
   const auto bias_dtype = bias ? bias->scalar_type() : mask.scalar_type();
   return {dy, grad_mask.to(mask.scalar_type()), grad_bias.to(bias_dtype)};
-}
-
-TORCH_LIBRARY_IMPL(dtp, CUDA, m) {
-  m.impl("masked_channel_epilogue", &masked_channel_epilogue_cuda);
-  m.impl("masked_channel_epilogue_backward", &masked_channel_epilogue_backward_cuda);
 }
 
 }  // namespace dtp

@@ -706,14 +706,6 @@ class Workspace {
   int64_t bytes_ = 0;
 };
 
-void check_devices(const at::Tensor& scores, std::initializer_list<const at::Tensor*> others) {
-  for (const auto* t : others) {
-    TORCH_CHECK(t->device() == scores.device(),
-                "dtp::transport_mask: all tensors must be on the scores' device (", scores.device(),
-                "), got one on ", t->device());
-  }
-}
-
 // The inputs both directions read, as contiguous device tensors kept alive by the caller.
 struct InputTensors {
   at::Tensor scores, offsets;
@@ -732,16 +724,6 @@ PerSegment kernel_keep(const at::Tensor& keep) {
 // t in `dtype`, contiguous; no dispatch when it already is (the usual case every step).
 at::Tensor contiguous_as(const at::Tensor& t, at::ScalarType dtype) {
   return (t.scalar_type() == dtype ? t : t.to(dtype)).contiguous();
-}
-
-// The checks both directions make before anything is read or converted.
-void check_inputs(const at::Tensor& scores, const at::Tensor& offsets, const at::Tensor& keep,
-                  const at::Tensor& eps, const at::Tensor& log_odds, int64_t requested_blocks,
-                  int64_t segment_size) {
-  check_blocks_per_segment(requested_blocks);
-  check_transport_args(scores, offsets, keep, eps, log_odds);
-  check_devices(scores, {&offsets, &keep, &eps, &log_odds});
-  check_segment_size(segment_size, scores, offsets);
 }
 
 // The general kernels' inputs, after check_inputs.
@@ -853,17 +835,10 @@ void launch_backward(BwdParams<scalar_t, acc_t>& p, const at::Tensor& like) {
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport_mask_cuda(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport_mask_cuda_kernels(
     const at::Tensor& scores, const at::Tensor& offsets, const at::Tensor& keep,
     const at::Tensor& eps, const at::Tensor& log_odds, const at::Tensor& shift_in, int64_t iters,
     bool neutral, int64_t blocks_per_segment, int64_t segment_size) {
-  TORCH_CHECK(iters >= 1, "dtp::transport_mask: iters must be >= 1, got ", iters);
-  check_inputs(scores, offsets, keep, eps, log_odds, blocks_per_segment, segment_size);
-  check_devices(scores, {&shift_in});
-  const int64_t nseg = offsets.numel() - 1;
-  TORCH_CHECK(shift_in.scalar_type() == acc_type(scores) && shift_in.numel() == nseg,
-              "dtp::transport_mask: shift must be ", acc_type(scores),
-              " with one entry per segment (", nseg, ")");
   if (use_blocks_kernels(segment_size, blocks_per_segment)) {
     return transport_mask_blocks_cuda(scores, keep, eps, log_odds, shift_in, iters, neutral,
                                       segment_size);
@@ -891,16 +866,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> transport
   return {mask, new_d, new_shift, stats, nonfinite};
 }
 
-std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cuda(
+std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cuda_kernels(
     const at::Tensor& grad_mask, const at::Tensor& scores, const at::Tensor& offsets,
     const at::Tensor& keep, const at::Tensor& eps, const at::Tensor& log_odds,
-    const at::Tensor& stats_in, bool neutral, int64_t blocks_per_segment, int64_t segment_size,
-    const std::optional<at::Tensor>& /*mask: the CUDA kernels recompute p and q*/) {
-  check_inputs(scores, offsets, keep, eps, log_odds, blocks_per_segment, segment_size);
-  check_stats(stats_in, scores, offsets.numel() - 1,
-              use_blocks_kernels(segment_size, blocks_per_segment));
-  TORCH_CHECK(grad_mask.numel() == scores.numel(), "dtp::transport_mask_backward: grad_mask has ",
-              grad_mask.numel(), " elements, expected ", scores.numel());
+    const at::Tensor& stats_in, bool neutral, int64_t blocks_per_segment, int64_t segment_size) {
   if (use_blocks_kernels(segment_size, blocks_per_segment)) {  // as the forward chose
     return transport_mask_blocks_backward_cuda(grad_mask, scores, keep, eps, log_odds, stats_in,
                                                neutral, segment_size);
@@ -931,11 +900,6 @@ std::tuple<at::Tensor, at::Tensor> transport_mask_backward_cuda(
   return {grad_scores, grad_keep.scalar_type() == keep.scalar_type()
                            ? grad_keep
                            : grad_keep.to(keep.scalar_type())};
-}
-
-TORCH_LIBRARY_IMPL(dtp, CUDA, m) {
-  m.impl("transport_mask", &transport_mask_cuda);
-  m.impl("transport_mask_backward", &transport_mask_backward_cuda);
 }
 
 }  // namespace dtp

@@ -1,8 +1,9 @@
 """The compiled ops, called directly with bad input, raise a RuntimeError naming the
 argument in the caller's process, on every device. Each call runs in a child process, so
 that a crash fails one case with its signal instead of taking the test worker down: on an
-H200 (torch 2.11, 2026-12-04) every error thrown in the CUDA ops' host code ended the
-process with SIGSEGV (docs/testing.md, GPU runs)."""
+H200 (torch 2.11, 2026-12-04) every error thrown in the CUDA ops' host code, then in
+the .cu files, ended the process with SIGSEGV (benchmarks/results/gpu_tests_cuda.md, run
+12b); the checks now run in csrc/cuda_entry_points.cpp."""
 
 import subprocess
 import sys
@@ -23,6 +24,7 @@ keep = torch.full((nseg,), 2.0, device=d)
 eps = torch.full((nseg,), 0.5, dtype=torch.float64, device=d)
 log_odds, shift = torch.zeros(nseg * 4, device=d), torch.zeros(nseg, device=d)
 grad = torch.randn(nseg * 4, device=d)
+y = torch.randn(2, 4, 3, 3, device=d)
 op, backward = torch.ops.dtp.transport_mask, torch.ops.dtp.transport_mask_backward
 try:
     {call}
@@ -30,7 +32,8 @@ except RuntimeError as error:
     print("raised:", str(error).splitlines()[0])
 """
 
-# (name, the call, the message it must raise): forward and both kernels' backwards
+# (name, the call, the message it must raise): the mask step's forward and both kernels'
+# backwards, the epilogue's forward and backward
 CALLS = [
     (
         "segment-size",
@@ -49,6 +52,17 @@ CALLS = [
         "backward(grad[:5], scores, offsets, keep, eps, log_odds, "
         "op(scores, offsets, keep, eps, log_odds, shift, 1, False, 1, 4)[3], False, 1, 4)",
         "grad_mask has 5 elements",
+    ),
+    (
+        "epilogue-mask-size",
+        "torch.ops.dtp.masked_channel_epilogue(y, torch.ones(3, device=d), None, 'relu', 1)",
+        "mask must be a 1-D floating tensor of 4 channels",
+    ),
+    (
+        "epilogue-backward-grad-shape",
+        "torch.ops.dtp.masked_channel_epilogue_backward("
+        "y[:1], y, torch.ones(4, device=d), None, 'relu', 1)",
+        "grad_out has shape",
     ),
 ]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -71,4 +85,4 @@ def test_a_direct_call_with_bad_input_raises_in_the_callers_process(device, name
     assert child.returncode == 0, (
         f"the process ended with {child.returncode}: {child.stderr[-2000:]}"
     )
-    assert "raised: dtp::transport_mask" in child.stdout and message in child.stdout, child.stdout
+    assert "raised: dtp::" in child.stdout and message in child.stdout, child.stdout
