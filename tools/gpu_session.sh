@@ -18,7 +18,8 @@
 # layers; pipeline: whole epochs with the data loader (bench_pipeline.py);
 # pipeline-compiled: the same under torch.compile (not in all: its
 # four compilations take minutes; on an H200, run 11, the ResNet-56 workload and part of
-# ResNet-50's took 300 s); PIPELINE_WORKLOADS=resnet56 (or torchvision.resnet50) runs one
+# ResNet-50's took 300 s; run 12's ResNet-56 alone at 5 rounds had not finished after
+# 211 s); PIPELINE_WORKLOADS=resnet56 (or torchvision.resnet50) runs one
 # workload in either, PIPELINE_ROUNDS sets the rounds (default 3);
 # profile-pipeline: the CIFAR ResNet-56 step of `pipeline` profiled, eager and compiled
 # (profile_training_step.py --workload resnet56 [--compile]); all: every other one.
@@ -36,6 +37,9 @@
 # in .whl/ and are installed to /tmp/site first. Of this project's needs, that machine
 # lacked only Torch-Pruning (2026-11-27): fetch it here with
 #   pip download --no-deps -d .whl torch-pruning==1.6.1
+# (2026-12-04: it had torch 2.11.0, timm 1.0.31 and transformers 5.17.0, not the pinned
+# 5.24.0; carrying transformers means carrying huggingface-hub, tokenizers and their
+# dependencies too.) A fresh machine builds the extension in about 80 s.
 # (others, if a later image lacks them: pyyaml==6.0.4 tqdm==4.70.1 scikit-learn==1.9.1,
 # torchvision, pillow; timm, safetensors and huggingface-hub for `vit`).
 set -u -o pipefail

@@ -74,10 +74,13 @@ class LayerWeights:
     norms: tuple = ()
 
 
-def parameter_slot(model: nn.Module) -> tuple[nn.Module, str]:
-    """The module and key holding `model`'s first parameter: read there at each forward,
-    it has the device model.to() gave it (a conversion may replace the tensor)."""
-    name = next(name for name, _ in model.named_parameters())
+def parameter_slot(model: nn.Module) -> tuple[nn.Module, str] | None:
+    """The module and key holding `model`'s first parameter (None without one): read
+    there at each forward, it has the device model.to() gave it (a conversion may
+    replace the tensor)."""
+    name = next((name for name, _ in model.named_parameters()), None)
+    if name is None:
+        return None
     prefix, _, key = name.rpartition(".")
     return model.get_submodule(prefix), key
 
@@ -428,21 +431,25 @@ class DTPPruner(ChannelPruner):
         step counted in ``skipped_steps``. The transport kernels do all of it on the
         device (nonfinite="neutral").
         """
-        owner, key = self._device_witness
-        witness = owner._parameters.get(key)
+        self._check_device(model)
+        mask = self._transport(update=model.training and torch.is_grad_enabled())
+        self._source.set(mask)
+        self._source.in_forward = True
+        self._fold_masks()
+
+    def _check_device(self, model: nn.Module) -> None:
+        """Refuse a model moved without its pruner, naming both devices."""
+        slot = self._device_witness
+        witness = None if slot is None else slot[0]._parameters.get(slot[1])
         if witness is None:  # moved into a parametrization (the pruner's own, at construction)
-            self._device_witness = owner, key = parameter_slot(model)
-            witness = owner._parameters[key]
-        if witness.device != self.keep.device:  # a model moved without its pruner
+            self._device_witness = slot = parameter_slot(model)
+            witness = None if slot is None else slot[0]._parameters[slot[1]]
+        if witness is not None and witness.device != self.keep.device:
             raise RuntimeError(
                 f"the model's parameters are on {witness.device} but the pruner's scores and "
                 f"transport state are on {self.keep.device}: move the pruner with the model "
                 f"(pruner.to('{witness.device}'))"
             )
-        mask = self._transport(update=model.training and torch.is_grad_enabled())
-        self._source.set(mask)
-        self._source.in_forward = True
-        self._fold_masks()
 
     def _fold_masks(self) -> None:
         """Multiply every masked BN weight and bias by its mask at once (folded_products)
