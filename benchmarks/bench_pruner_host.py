@@ -67,7 +67,7 @@ def main() -> None:
     model = torchvision.models.resnet50().to(device)
     pruner = DTPPruner(model, torch.randn(1, 3, 64, 64, device=device), 0.5)
     model.train()
-    originals = [original for _, original in pruner._fold]
+    originals = pruner._fold_originals
     pruner._compute_masks(model, ())
     flat, plan = pruner._source.flat, pruner._fold_plan
 

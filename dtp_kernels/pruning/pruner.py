@@ -226,7 +226,9 @@ class DTPPruner(ChannelPruner):
         self._keep_view: torch.Tensor | None = None  # N:M: keep expand()ed over the blocks
         self.register_buffer("_sizes", torch.tensor(self.sizes, dtype=torch.float32, device=device))
         self._source = MaskSource(self.sizes)
-        self._fold: list[tuple[int, nn.Parameter]] = []  # (group, BN parameter) per slot
+        # per slot: (group, the BN parameter's parametrization list); its parameter
+        self._fold: list[tuple[int, nn.Module]] = []
+        self._fold_originals: list[nn.Parameter] = []
         self._fold_plan: FoldPlan | None = None
         with torch.no_grad():  # masks exist before the first forward (parametrize checks)
             self._compute_masks(model, ())
@@ -240,9 +242,12 @@ class DTPPruner(ChannelPruner):
             # eager even under torch.compile: a frame of its own there (guards, a graph
             # call) costs more than the check it runs
             model.register_forward_hook(torch.compiler.disable(self._forward_done)),
+            # load_state_dict(assign=True) puts new parameter tensors in the BNs
+            model.register_load_state_dict_post_hook(self._refresh_fold),
         ]
         for index, group in enumerate(self.groups):
             self._attach_mask(index, group)
+        self._refresh_fold()
 
     def _forward_done(self, *_) -> None:
         self._source.in_forward = False
@@ -357,7 +362,7 @@ class DTPPruner(ChannelPruner):
                 scale = ScaleRows(self._source, index)
                 parametrize.register_parametrization(group.bn, name, scale)
                 read_folded_first(group.bn, name, self._source, slot)
-                self._fold.append((index, group.bn.parametrizations[name].original))
+                self._fold.append((index, group.bn.parametrizations[name]))
         elif (
             self.mask_at != "activation"
             and group.bn is None
@@ -437,6 +442,12 @@ class DTPPruner(ChannelPruner):
         self._source.in_forward = True
         self._fold_masks()
 
+    def _refresh_fold(self, *_) -> None:
+        """The BN parameters the fold multiplies, read from their parametrizations: once
+        at construction, and after a load_state_dict, which replaces them with
+        assign=True (folding the old ones would train tensors the model no longer has)."""
+        self._fold_originals = [param_list.original for _, param_list in self._fold]
+
     def _check_device(self, model: nn.Module) -> None:
         """Refuse a model moved without its pruner, naming both devices."""
         slot = self._device_witness
@@ -458,7 +469,7 @@ class DTPPruner(ChannelPruner):
         # Under torch.compile the parameters are read through parametrize (read_folded_first)
         if not self._fold or torch.compiler.is_compiling():
             return
-        originals = [original for _, original in self._fold]
+        originals = self._fold_originals
         flat = self._source.flat
         if self._fold_plan is None or (
             self._fold_plan.channels is not None and self._fold_plan.channels.device != flat.device
@@ -702,6 +713,7 @@ class DTPPruner(ChannelPruner):
             for handle in self._handles:
                 module._forward_pre_hooks.pop(handle.id, None)
                 module._forward_hooks.pop(handle.id, None)
+                module._load_state_dict_post_hooks.pop(handle.id, None)
             if parametrize.is_parametrized(module):
                 strip_parametrizations(module)
             if isinstance(module.__dict__.get("forward"), MaskedRouting):

@@ -122,6 +122,29 @@ def test_eval_forward_does_not_advance_state():
     assert int(pruner.state.steps) == 0
 
 
+def test_parameters_loaded_with_assign_are_the_ones_the_fold_masks():
+    """load_state_dict(assign=True) puts new tensors in the BNs (the fold multiplies them
+    by the masks all at once): the model then computes, and trains, what an in-place load
+    of the same values gives."""
+    results = []
+    for assign in (False, True):
+        model, pruner = build(resnet20, 0.5)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        for key in state:
+            if key.endswith(".original"):  # the BNs' weights and biases under the masks
+                state[key] = torch.rand_like(state[key]) + 0.5
+        model.load_state_dict(state, assign=assign)
+        out = model(XB)
+        out.square().mean().backward()
+        masked = (m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d))
+        bn = next(m for m in masked if parametrize.is_parametrized(m)).parametrizations
+        results.append((out.detach(), bn.weight.original.grad.clone(), pruner.scores.grad.clone()))
+    for loaded, assigned in zip(*results, strict=True):
+        torch.testing.assert_close(assigned, loaded)
+    exported = pruner.export()  # keeps none of the pruner's hooks
+    assert not any(m._load_state_dict_post_hooks for m in exported.modules())
+
+
 def test_a_model_moved_without_its_pruner_is_refused_by_name():
     """model.to() does not move the pruner (a module of its own, like an optimizer's
     state): the next forward names both devices and the call that fixes it, before the
