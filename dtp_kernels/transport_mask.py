@@ -184,16 +184,12 @@ def _check_eps(eps, state: TransportState) -> torch.Tensor:
     for index, v in enumerate(values):
         if not (v > 0 and v < float("inf")):
             raise ValueError(f"eps[{index}] (segment {index}) = {v}; eps must be finite and > 0")
-    if torch.compiler.is_compiling():
-        # a constant of the graph, made whole: a cache written while tracing would be a
-        # graph output, and torch 2.11's partitioner refused that stride-0 view of a
-        # constant ("Node expand_3 was invalid, but is output", the triton backend)
-        values = values * state.num_segments if shared else values
-        return torch.tensor(values, dtype=torch.float64, device=state.device)
     result = torch.tensor(values, dtype=torch.float64, device=state.device)
     if shared:
         result = result.expand(state.num_segments)
-    if type(eps) is float:
+    # not while compiling: a cache written while tracing is a graph output, which torch
+    # 2.11's partitioner refused ("Node expand_3 was invalid, but is output", triton)
+    if type(eps) is float and not torch.compiler.is_compiling():
         state._eps_cache = (eps, result, state._buffers["log_odds"])
     return result
 

@@ -149,11 +149,11 @@ class _Fused:
             )
         if not self.eager:
             # tensors (or None) first, then the settings
-            first = next(i for i, a in enumerate(args) if isinstance(a, (int, float)))
-            values = tuple(float(v) for v in args[first:])
+            start = next(i for i, a in enumerate(args) if isinstance(a, (int, float)))
+            values = tuple(float(v) for v in args[start:])
             settings = self.settings(values, args[0].device)
             try:
-                return self.compiled(*args[:first], *settings)
+                return self.compiled(*args[:start], *settings)
             except torch._dynamo.exc.BackendCompilerFailed as error:
                 cause = error.inner_exception
                 first = (str(cause).strip().splitlines() or [""])[0]
