@@ -444,8 +444,9 @@ class DTPPruner(ChannelPruner):
 
     def _refresh_fold(self, *_) -> None:
         """The BN parameters the fold multiplies, read from their parametrizations: once
-        at construction, and after a load_state_dict, which replaces them with
-        assign=True (folding the old ones would train tensors the model no longer has)."""
+        at construction, after a load_state_dict, which replaces them with assign=True,
+        and after a conversion that replaced the first of them (folding the old ones
+        would train tensors the model no longer has)."""
         self._fold_originals = [param_list.original for _, param_list in self._fold]
 
     def _check_device(self, model: nn.Module) -> None:
@@ -470,6 +471,9 @@ class DTPPruner(ChannelPruner):
         if not self._fold or torch.compiler.is_compiling():
             return
         originals = self._fold_originals
+        if self._fold[0][1].original is not originals[0]:  # replaced by a conversion
+            self._refresh_fold()  # (model.to("meta"), to_empty(): new parameter tensors)
+            originals = self._fold_originals
         flat = self._source.flat
         if self._fold_plan is None or (
             self._fold_plan.channels is not None and self._fold_plan.channels.device != flat.device

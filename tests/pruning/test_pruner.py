@@ -148,13 +148,16 @@ def test_parameters_loaded_with_assign_are_the_ones_the_fold_masks():
 def test_a_model_moved_without_its_pruner_is_refused_by_name():
     """model.to() does not move the pruner (a module of its own, like an optimizer's
     state): the next forward names both devices and the call that fixes it, before the
-    mask step reads the scores. (The model and pruner moved together to a GPU train in
-    tests/pipeline/test_activation_memory.py.)"""
+    mask step reads the scores. Moved too, the pruner masks the model's new parameter
+    tensors (a move to the meta device replaces them; to a GPU it does not: the model
+    and pruner moved together train in tests/pipeline/test_activation_memory.py)."""
     model, pruner = build(resnet20, 0.5)
     model.to("meta")  # a second device on any machine
     with pytest.raises(RuntimeError, match=r"parameters are on meta but the pruner's .* on cpu"):
         model(XB.to("meta"))
     assert int(pruner.state.steps) == 0
+    pruner.to("meta")
+    assert model(XB.to("meta")).shape == (4, 10)
 
 
 def test_pruner_is_built_and_exported_under_no_grad():
