@@ -472,7 +472,7 @@ class DTPPruner(ChannelPruner):
             return
         originals = self._fold_originals
         if self._fold[0][1].original is not originals[0]:  # replaced by a conversion
-            self._refresh_fold()  # (model.to("meta"), to_empty(): new parameter tensors)
+            self._refresh_fold()  # (a move to the meta device makes new tensors)
             originals = self._fold_originals
         flat = self._source.flat
         if self._fold_plan is None or (
