@@ -456,10 +456,11 @@ class DTPPruner(ChannelPruner):
         if witness is None:  # moved into a parametrization (the pruner's own, at construction)
             self._device_witness = slot = parameter_slot(model)
             witness = None if slot is None else slot[0]._parameters[slot[1]]
-        if witness is not None and witness.device != self.keep.device:
+        device = self._buffers["keep"].device  # (Module.__getattr__ is slow: every step)
+        if witness is not None and witness.device != device:
             raise RuntimeError(
                 f"the model's parameters are on {witness.device} but the pruner's scores and "
-                f"transport state are on {self.keep.device}: move the pruner with the model "
+                f"transport state are on {device}: move the pruner with the model "
                 f"(pruner.to('{witness.device}'))"
             )
 
