@@ -507,6 +507,19 @@ class HFLogits(nn.Module):
         return self.model(x).logits
 
 
+class ChannelAffine(nn.Module):
+    """x * weight + bias per channel, over the last dimension (MobileBERT's NoNorm by
+    another name): parameters of a GRN's shape, but no rescaling of the weight keeps it
+    exact as channels go (the kept channels would be scaled)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.ones(width)), nn.Parameter(torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight + self.bias
+
+
 class ScaledByWidth(nn.Module):
     """Scaled by its input's width: runs cut to fewer channels, and computes other values
     (a group it reads is refused by enclosing_readers' proof)."""

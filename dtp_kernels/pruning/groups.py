@@ -29,11 +29,12 @@ import torch
 import torch_pruning as tp
 from torch import nn
 
+from .channel_affines import CHANNEL_AFFINES, LAST, channel_affine_pruners
 from .conv1d import is_conv1d
 from .example_inputs import call_model
 from .excitations import excited_root
 from .fixed_filters import fixed_filter_pruners
-from .frozen_norms import FROZEN_BATCH_NORM, frozen_norm_pruners, is_frozen_batch_norm
+from .frozen_norms import FROZEN_BATCH_NORM, frozen_norm_pruners
 from .graph_workarounds import (
     UNMAPPED_RESHAPE,
     region_pooling_reads_features_only,
@@ -58,7 +59,8 @@ from .masked_reads import own_matmul_ops, unmasked_readers
 class ChannelGroup:
     name: str  # the root layer's module name
     layer: nn.Conv1d | nn.Conv2d | nn.Linear  # the root: its output channels (features)
-    # the group's last per-channel affine op (BatchNorm, InstanceNorm), when there is one
+    # the group's last per-channel affine op (BatchNorm, InstanceNorm, a per-channel
+    # affine layer), when there is one
     bn: nn.Module | None
     size: int  # units: channels, or the groups of a GroupNorm (see `channels_per_unit`)
     kept_out: list[nn.Module] = field(default_factory=list)  # modules losing output channels
@@ -97,6 +99,9 @@ class ChannelGroup:
     # grouped convolutions write or read the channels: as many parts, each keeping as
     # many channels (grouped_convs.py)
     conv_groups: int = 1
+    # per-channel affine layers the channels pass through (channel_affines.py), cut with
+    # them; no layer formula counts their parameters
+    channel_affines: list[nn.Module] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.rows is None:
@@ -132,7 +137,7 @@ class ChannelGroup:
     @property
     def cut_norms(self) -> list[tuple[nn.Module, int]]:
         """The norms cut with the units: (norm, its parameters per unit)."""
-        norms = self.response_norms
+        norms = [*self.response_norms, *self.channel_affines]
         return [(n, sum(p.numel() for p in n.parameters()) // self.size) for n in norms]
 
     def unit_weights(self) -> torch.Tensor:
@@ -233,6 +238,7 @@ PER_CHANNEL_NORMS = (
     tp.prune_batchnorm_out_channels,
     tp.prune_instancenorm_out_channels,
     FROZEN_BATCH_NORM.prune_out_channels,
+    *(pruner.prune_out_channels for pruner in CHANNEL_AFFINES.values()),
 )
 
 
@@ -245,10 +251,10 @@ def _is_depthwise(module: nn.Module) -> bool:
 
 
 def _per_channel_width(module: nn.Module) -> int:
-    """The channels a BN, InstanceNorm or depthwise conv acts on."""
+    """The channels a BN, InstanceNorm, per-channel affine layer or depthwise conv acts on."""
     if isinstance(module, (nn.Conv1d, nn.Conv2d)):
         return module.out_channels
-    return module.weight.numel() if is_frozen_batch_norm(module) else module.num_features
+    return getattr(module, "num_features", None) or module.weight.numel()
 
 
 def _plain_layer(module: nn.Module) -> bool:
@@ -387,6 +393,7 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
                     ignored_layers=tuple_returning_linears(model, example_inputs),
                     customized_pruners={
                         **frozen_norm_pruners(model),
+                        **channel_affine_pruners(model),
                         **fixed_filter_pruners(model),
                     },
                 )
@@ -669,7 +676,7 @@ def _channel_groups(
             continue  # the graph maps its channels wrongly somewhere: left whole
         out_layers, bns, outs, ins, norms, depthwise, ops = [], [], [], [], [], [], []
         op_ids: list[int] = []  # each op's module, to tell the readers' own matmuls
-        group_norms, params, param_owners = [], [], []
+        group_norms, params, param_owners, affines = [], [], [], []
         read: dict[nn.Module, int] = {}  # input channels of each consumer the group holds
         grouped_reads: dict[nn.Module, list[int]] = {}  # grouped convs' inputs, in order
         for dep, idxs in group:
@@ -688,6 +695,9 @@ def _channel_groups(
             elif handler in PER_CHANNEL_NORMS:
                 bns.append(module)
                 outs.append(module)
+                form = getattr(handler, "__self__", None)
+                if form in CHANNEL_AFFINES.values():
+                    affines.append((module, form.form))
             elif handler == tp.prune_groupnorm_out_channels:
                 group_norms.append(module)
                 outs.append(module)
@@ -746,6 +756,12 @@ def _channel_groups(
             continue  # coupled through a residual add or a concatenation, or an output
         if any(op.startswith(ATTENTION_OPS) for op in ops):
             continue  # reshaped into heads by the attention's code
+        if any(
+            not isinstance(m, nn.Linear if form == LAST else nn.Conv2d)
+            for m in out_layers
+            for _, form in affines
+        ):
+            continue  # a per-channel affine layer proven over other dimensions
         if set(out_layers) & set(ignored):
             continue
         layer = min(out_layers, key=lambda m: order[m])
@@ -852,6 +868,7 @@ def _channel_groups(
             scales=[_table(graph, owners[id(p)], p) for p in params],
             reads=reads,
             conv_groups=conv_groups,
+            channel_affines=[module for module, _ in affines],
         )
     return found
 

@@ -356,7 +356,7 @@ class DTPPruner(ChannelPruner):
         for norm in group.response_norms:  # its bias would give removed channels back
             parametrize.register_parametrization(norm, "bias", ScaleLast(self._source, index))
         # a BN without affine parameters (a frozen one: its buffers) is masked on its output
-        if self.mask_at != "activation" and getattr(group.bn, "affine", False):
+        if self.mask_at != "activation" and _affine_rows(group.bn):
             for name in ("weight", "bias"):
                 slot = len(self._fold)
                 scale = ScaleRows(self._source, index)
@@ -736,3 +736,9 @@ class DTPPruner(ChannelPruner):
         for module in list(self.model.modules()):
             if parametrize.is_parametrized(module):
                 strip_parametrizations(module)
+
+
+def _affine_rows(norm: nn.Module | None) -> bool:
+    """Whether a group's per-channel norm has a weight and a bias to take its mask (an
+    affine BN or InstanceNorm, a per-channel affine layer; not a frozen BN's buffers)."""
+    return all(isinstance(getattr(norm, n, None), nn.Parameter) for n in ("weight", "bias"))

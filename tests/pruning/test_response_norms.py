@@ -14,7 +14,7 @@ from dtp_kernels.pruning.response_norms import (
     rescale_response_norm,
     rescales_exactly,
 )
-from utils import random_params
+from utils import ChannelAffine, random_params
 
 timm = pytest.importorskip("timm")
 transformers = pytest.importorskip("transformers")
@@ -32,18 +32,6 @@ def hf_grn() -> nn.Module:
     from transformers.models.convnextv2.modeling_convnextv2 import ConvNextV2GRN
 
     return ConvNextV2GRN(WIDTH)
-
-
-class ChannelAffine(nn.Module):
-    """x * weight + bias per channel: parameters of the width, but no rescaling of the
-    weight keeps it (the kept channels would be scaled)."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.weight, self.bias = nn.Parameter(torch.ones(width)), nn.Parameter(torch.zeros(width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.weight + self.bias
 
 
 class MaxResponseNorm(ChannelAffine):
