@@ -405,7 +405,7 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
                     f"({type(error).__name__}: {error}). Heads, experts, Mamba mixers and MLP "
                     "modules do not need it: a dict of ratios for 'heads', 'experts', 'mamba' and "
                     "'mlp' alone (or their layers' names) prunes those. The models dtp_kernels "
-                    "prunes are listed in docs/pruning.md and the README's 'What it prunes'"
+                    "prunes are listed in docs/architectures.md and the README's 'What it prunes'"
                 ) from error
         # the pruner's own search of the graph (group_search.py): each channel followed
         # once, ended where the graph maps an index past a layer's width, or where a

@@ -164,9 +164,9 @@ def resolve(
         )
         if absent:
             hints = {
-                "heads": "attention layers are recognised in the forms docs/pruning.md lists",
+                "heads": "attention layers are recognised in the forms docs/architectures.md lists",
                 "coupled": "residual-coupled widths are groups only with prune_coupled=True",
-                "experts": "experts are recognised in transformers' layout (docs/pruning.md)",
+                "experts": "experts are recognised in transformers' layout (docs/architectures.md)",
             }
             why = "; ".join(hints[k] for k in absent if k in hints)
             raise ValueError(
