@@ -314,6 +314,17 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                 ratios,
                 [g.name for g in refused],
             )
+        refused = [g for g in self.groups if getattr(g, "shared_weights", None)]
+        if refused:
+            details = "; ".join(
+                f"layer {g.name!r} cuts {', '.join(map(repr, g.shared_weights))}" for g in refused
+            )
+            raise ValueError(
+                f"cannot prune these groups: they cut layers whose weights other modules hold "
+                f"too ({details}; an output layer tied to the embedding), and export would "
+                "untie them. Leave these layers whole with ignored_layers=[...] or a ratio of "
+                f"0 for them: {_zero_ratios(ratios, [g.name for g in refused])}"
+            )
         # the modules that read a group's channels from outside it, proven on the example
         enclosing = enclosing_reader_refusals(
             model, [g for g in self.groups if type(g) is ChannelGroup], inputs

@@ -102,6 +102,9 @@ class ChannelGroup:
     # per-channel affine layers the channels pass through (channel_affines.py), cut with
     # them; no layer formula counts their parameters
     channel_affines: list[nn.Module] = field(default_factory=list)
+    # layers the group cuts whose weights other modules hold too (an output layer tied to
+    # the embedding): export would untie them, so the pruner refuses the group
+    shared_weights: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.rows is None:
@@ -447,6 +450,15 @@ def _remove_new_hooks(before: dict[nn.Module, set[int]]) -> None:
             module._forward_hooks_always_called.pop(hook_id, None)
 
 
+def _shared_parameters(model: nn.Module) -> set[int]:
+    """The ids of parameters more than one module holds (tied weights)."""
+    holders: dict[int, int] = {}
+    for module in model.modules():
+        for parameter in module.parameters(recurse=False):
+            holders[id(parameter)] = holders.get(id(parameter), 0) + 1
+    return {key for key, count in holders.items() if count > 1}
+
+
 def _parameter_owners(model: nn.Module) -> dict[int, nn.Module]:
     return {
         id(parameter): module
@@ -669,6 +681,7 @@ def _channel_groups(
 ) -> dict[nn.Module, ChannelGroup]:
     """find_groups' search: each prunable group by its root layer."""
     owners = _parameter_owners(model)
+    shared = _shared_parameters(model)
     order = {module: index for index, module in enumerate(model.modules())}
     found = {}
     for group in graph.get_all_groups(ignored_layers=list(ignored), root_module_types=roots):
@@ -765,6 +778,8 @@ def _channel_groups(
         if set(out_layers) & set(ignored):
             continue
         layer = min(out_layers, key=lambda m: order[m])
+        # cutting one use of a shared weight would untie it from the others (refused)
+        tied = [names[m] for m in [*outs, *ins] if any(id(p) in shared for p in m.parameters())]
         size = out_width(layer)
         conv_groups = 1
         if any(is_grouped(m) for m in [*outs, *ins]):  # as many from each of its groups
@@ -795,7 +810,17 @@ def _channel_groups(
             ):
                 continue  # the mask could not go where the parts are combined
             found[layer] = ChannelGroup(
-                names[layer], layer, None, part, outs, ins, [], layer, gated=True, parts=parts
+                names[layer],
+                layer,
+                None,
+                part,
+                outs,
+                ins,
+                [],
+                layer,
+                gated=True,
+                parts=parts,
+                shared_weights=tied,
             )
             continue
         # Mask at the last affine op before the nonlinearity that ends the group: a
@@ -824,6 +849,7 @@ def _channel_groups(
                 layer,
                 producers=_coupled_producers(graph, out_layers, bns),
                 reads=reads,
+                shared_weights=tied,
             )
             continue
         group_norm = None
@@ -869,6 +895,7 @@ def _channel_groups(
             reads=reads,
             conv_groups=conv_groups,
             channel_affines=[module for module, _ in affines],
+            shared_weights=tied,
         )
     return found
 

@@ -1001,19 +1001,28 @@ OUTPUT_WIDTH_ATTRIBUTES = ("embed_dim", "dim_out", "hidden_size_output")
 def _proven(group: HeadGroup, scope: nn.Module, call: tuple, zero, cut, cut_call) -> bool:
     """Whether cutting `group`'s units computes what zeroing them does on `call`: as
     export cuts them, or else with the layer's attribute of the output width rewritten
-    (which `group.output_width` then names for export). An attribute is tried only where
-    the plain cut fails, so a layer whose code reads it as the model width is left as
-    it is."""
-    if cuts_exactly(scope, call, group.units, zero, cut, first_output=True, cut_call=cut_call):
+    (which `group.output_width` then names for export), or else with its vectors of the
+    query width left whole (one of the model width, as wide where the two widths are
+    equal: GPT-NeoX Japanese's `dense_bias`, added after the output projection). Each
+    is tried only where the ones before fail, so a layer whose code reads the attribute
+    as the model width is left as it is."""
+    per_unit = (1, group.query_heads_per_unit)  # key/value heads, query heads
+    exact = partial(cuts_exactly, first_output=True, cut_call=cut_call, per_unit=per_unit)
+    if exact(scope, call, group.units, zero, cut):
         return True
     width = group.units * group.query_heads_per_unit * group.head_dim
     for attribute in OUTPUT_WIDTH_ATTRIBUTES:
         if getattr(group.module, attribute, None) != width:
             continue
         group.output_width = attribute
-        if cuts_exactly(scope, call, group.units, zero, cut, first_output=True, cut_call=cut_call):
+        if exact(scope, call, group.units, zero, cut):
             return True
         group.output_width = ""
+    if group.row_vectors:
+        vectors, group.row_vectors = group.row_vectors, []
+        if exact(scope, call, group.units, zero, cut):
+            return True
+        group.row_vectors = vectors
     return False
 
 

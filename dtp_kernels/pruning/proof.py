@@ -84,13 +84,17 @@ def cuts_exactly(
     cut: Edit,
     first_output: bool = False,
     cut_call: Callable[[tuple[tuple, dict], torch.Tensor], tuple[tuple, dict]] | None = None,
+    per_unit: tuple[int, ...] = (1,),
 ) -> bool:
     """Whether `module` with all but a random half of its `units` cut (`cut`) computes,
     on the example call, what it computes with them zeroed (`zero`). One copy of the
     module at a time (a 70B model's attention layer is hundreds of MB): zeroed and run,
     then cut and run again; `zero` touches only the units `cut` removes, so the cut copy
     is what cutting the module gives. With `first_output` only its first output tensor is
-    compared (an attention layer's output, not its attention weights per head).
+    compared (an attention layer's output, not its attention weights per head); the
+    others may lose units only, along dimensions of `per_unit` entries a unit (a head's
+    weights, a key/value head's cache), and must otherwise keep their shapes (a bias of
+    the model width that the layer returns is not cut with its heads).
     `cut_call` gives the call the cut module runs on (an input of the units' width cut
     to the kept units: the bias a tied attention layer is handed)."""
     order = torch.randperm(units, generator=torch.Generator().manual_seed(0))
@@ -111,11 +115,30 @@ def cuts_exactly(
             got = output_tensors(edited(*args, **kwargs))
         except Exception:  # its code reads the old width, or the units are not these
             return False
-    if first_output:
-        want, got = want[:1], got[:1]
     if not want or len(got) != len(want):
         return False
+    if first_output:
+        kept = len(keep)
+        if not all(
+            _loses_units(g.shape, w.shape, units, kept, per_unit)
+            for g, w in zip(got[1:], want[1:], strict=True)
+        ):
+            return False
+        want, got = want[:1], got[:1]
     return all(close(g, w) for g, w in zip(got, want, strict=True))
+
+
+def _loses_units(
+    got: torch.Size, want: torch.Size, units: int, kept: int, per_unit: tuple[int, ...]
+) -> bool:
+    """Whether shape `got` is `want` with `units` cut to `kept` along some dimensions, each
+    of `n * units` entries for an `n` of `per_unit`."""
+    if len(got) != len(want):
+        return False
+    return all(
+        g == w or any(w == n * units and g == n * kept for n in per_unit)
+        for g, w in zip(got, want, strict=True)
+    )
 
 
 def close(got: torch.Tensor, want: torch.Tensor) -> bool:

@@ -16,6 +16,7 @@ import torch
 
 from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.base import _zero_ratios
+from dtp_kernels.pruning.cost import count_params
 from dtp_kernels.pruning.heads import HeadGroup
 from utils import LLAMA_VOCAB as VOCAB
 from utils import TINY_BERT, TINY_HF_VIT, randomised, tiny_deepseek, tiny_t5
@@ -146,12 +147,24 @@ def xlm(family: str = "XLM"):  # q_lin, k_lin, v_lin and out_lin; a cache made a
     return getattr(transformers, f"{family}WithLMHeadModel")(config), (tokens(),)
 
 
-def opt():  # its MLP width is ffn_dim
+def opt(word_embed_proj_dim: int = 32):  # its MLP width is ffn_dim
     sizes = {k: v for k, v in DECODER.items() if k != "intermediate_size"}
     config = transformers.OPTConfig(
-        num_hidden_layers=2, ffn_dim=64, word_embed_proj_dim=32, **sizes
+        num_hidden_layers=2, ffn_dim=64, word_embed_proj_dim=word_embed_proj_dim, **sizes
     )
     return transformers.OPTForCausalLM(config), (tokens(),)
+
+
+def gpt_neox_japanese():
+    """Its last attention layer returns `dense_bias` (the model width, here as wide as
+    the query width) for its block to add after the output projection."""
+    config = transformers.GPTNeoXJapaneseConfig(
+        num_hidden_layers=2, intermediate_multiple_size=2, **DECODER
+    )
+    model = transformers.GPTNeoXJapaneseForCausalLM(config)
+    with torch.no_grad():  # zeros as built: a bias cut with the heads would pass unseen
+        model.gpt_neox_japanese.layers[1].attention.dense_bias.normal_()
+    return model, (tokens(),)
 
 
 # these reshape their attention output to their own embed_dim, not to -1
@@ -669,6 +682,7 @@ def beit(shared=False):  # a bias table per layer, in the block beside the atten
 # fused projection holds each unit's query heads, key and value in turn
 PER_HEAD_FUSED = {
     "gpt_neox": (gpt_neox, 4, 1),
+    "gpt_neox_japanese": (gpt_neox_japanese, 4, 1),
     "falcon_grouped": (lambda: falcon(new_decoder_architecture=True, num_kv_heads=2), 2, 2),
     "falcon_rotary": (lambda: falcon(multi_query=False), 4, 1),
     "gpt_bigcode": (lambda: gpt_bigcode(multi_query=False), 4, 1),
@@ -679,7 +693,9 @@ PER_HEAD_FUSED = {
 def test_per_head_fused_qkv_heads_export_equal_to_the_hard_masked_model_and_generate(family):
     """GPT-NeoX's, Falcon's (grouped, or one key/value head per query head) and
     GPT-BigCode's fused projection keeps whole units of rows: the export keeps exactly the
-    units asked for, computes what the hard-masked model computes and generates."""
+    units asked for, computes what the hard-masked model computes and generates. GPT-NeoX
+    Japanese's `dense_bias`, of the query width but added after the output projection,
+    stays whole."""
     build, units, per_unit = PER_HEAD_FUSED[family]
     torch.manual_seed(0)
     model, inputs = build()
@@ -708,6 +724,8 @@ def test_per_head_fused_qkv_heads_export_equal_to_the_hard_masked_model_and_gene
                 assert getattr(attention, attr) == value, attr
     params, _ = pruner.predicted_counts()
     assert params == sum(p.numel() for p in exported.parameters())
+    if family == "gpt_neox_japanese":
+        assert exported.gpt_neox_japanese.layers[1].attention.dense_bias.shape == (32,)
     generated = exported.generate(inputs[0][:1], max_new_tokens=3, min_new_tokens=3)
     assert generated.shape == (1, inputs[0].shape[1] + 3)
 
@@ -968,6 +986,26 @@ def test_mlp_width_under_each_family_config_field_round_trips(family, field, tmp
     loaded = type(exported).from_pretrained(tmp_path).eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(*inputs).logits, exported(*inputs).logits)
+
+
+def test_a_group_cutting_a_tied_weight_is_refused_with_the_ratios_that_leave_it_whole():
+    """OPT-350m's embedding width differs from its model width: `project_out` widens the
+    last hidden states for the output layer, whose weight is the embedding's. Cutting
+    the output layer's columns would untie it (a model larger than before, which
+    save_pretrained would tie again): a float ratio is refused naming the group, before
+    anything changes, and the ratios the error gives prune the rest with the tie kept."""
+    torch.manual_seed(0)
+    model, inputs = opt(word_embed_proj_dim=16)
+    with pytest.raises(ValueError, match=r"'model.decoder.project_out' cuts 'lm_head'") as error:
+        DTPPruner(model, inputs, 0.5)
+    assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
+    ratios = ast.literal_eval(str(error.value).split("for them: ratios=")[-1])
+    assert ratios == {"*": 0.5, "model.decoder.project_out": 0}
+    pruner = DTPPruner(model, inputs, ratios)
+    with pytest.warns(UserWarning, match="config cannot describe"):  # heads of OPT's size
+        exported = export_checked(pruner, model, inputs)
+    assert exported.lm_head.weight is exported.model.decoder.embed_tokens.weight
+    assert count_params(exported) == pruner.report()["params_after"] < count_params(model)
 
 
 def test_a_config_that_cannot_rebuild_the_export_warns_even_with_nothing_to_write():
