@@ -75,17 +75,8 @@ def _zero_ratios(ratios, names: list[str]) -> str:
     return f"the keys {list(zeros)} with 0"
 
 
-def _inexact(details: str, why: str, ratios, names: list[str]) -> ValueError:
-    """The error refusing the groups `names`, whose export would not compute what the
-    masked model does: `details` says where, `why` (a clause, or "") says why."""
-    leave = (
-        "leave these layers whole with ignored_layers=[...] or a ratio of 0 for them: "
-        + _zero_ratios(ratios, names)
-    )
-    return ValueError(
-        "cannot prune these groups so that the exported model equals the masked one: "
-        f"{details}. " + (f"{why}; {leave}" if why else leave[0].upper() + leave[1:])
-    )
+# the head of a refusal whose export would not compute what the masked model does
+INEXACT = "cannot prune these groups so that the exported model equals the masked one"
 
 
 def _kind(group) -> str:
@@ -270,88 +261,107 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         check_mamba2_ratios(all_groups, per_group, budget)
         check_grouped_conv_ratios(all_groups, per_group, budget)
         self.groups = [g for g in all_groups if per_group[g.name] > 0]
+        # Every group that cannot be pruned exactly, with why, in one error: a user who
+        # gives the ratios it ends with prunes the rest at the next try.
+        refusals: list[tuple[str, list[str]]] = []  # (what and why, the groups' names)
+
+        def open_groups(kind=None) -> list:
+            refused = {name for _, names in refusals for name in names}
+            return [
+                g
+                for g in self.groups
+                if g.name not in refused and (kind is None or type(g) is kind)
+            ]
+
         # layers whose forward transforms their weight, proven on the example
-        transformed = weight_transform_refusals(
-            model, [g for g in self.groups if type(g) is ChannelGroup], inputs
-        )
+        transformed = weight_transform_refusals(model, open_groups(ChannelGroup), inputs)
         if transformed:
             details = " / ".join(
                 f"layer {name!r}: {'; '.join(lines)}" for name, lines in transformed.items()
             )
-            raise _inexact(
-                details,
-                "Such a layer transforms its weight in its forward (weight standardization "
-                "normalizes each filter over all its input channels)",
-                ratios,
-                list(transformed),
+            refusals.append(
+                (
+                    f"{INEXACT}: {details}. Such a layer transforms its weight in its forward "
+                    "(weight standardization normalizes each filter over all its input "
+                    "channels)",
+                    list(transformed),
+                )
             )
-        parametrized = _parametrized_layers(model, self.groups)
+        parametrized = {g.name: _parametrized_layers(model, [g]) for g in open_groups()}
+        parametrized = {name: own for name, own in parametrized.items() if own}
         if parametrized:
+            layers = {layer: own for each in parametrized.values() for layer, own in each.items()}
             details = "; ".join(
-                f"layer {name!r}: {', '.join(f'{t} by {classes}' for t, classes in own.items())}"
-                for name, own in parametrized.items()
+                f"layer {layer!r}: {', '.join(f'{t} by {classes}' for t, classes in own.items())}"
+                for layer, own in layers.items()
             )
-            refused = [g.name for g in self.groups if _parametrized_layers(model, [g])]
-            raise ValueError(
-                f"cannot prune these groups: the model parametrizes tensors of layers they "
-                f"cut ({details}), which export cannot cut. Fold the parametrization into "
-                "the tensor first (torch.nn.utils.parametrize.remove_parametrizations(layer, "
-                "name)), or leave these layers whole with ignored_layers=[...] or a ratio of "
-                f"0 for them: {_zero_ratios(ratios, refused)}"
+            refusals.append(
+                (
+                    f"cannot prune these groups: the model parametrizes tensors of layers they "
+                    f"cut ({details}), which export cannot cut; fold the parametrization into "
+                    "the tensor first (torch.nn.utils.parametrize.remove_parametrizations("
+                    "layer, name))",
+                    list(parametrized),
+                )
             )
-        refused = [g for g in self.groups if g.norms]
-        if refused:
+        normed = [g for g in open_groups() if g.norms]
+        if normed:
             names = {m: n for n, m in model.named_modules()}
             feeds = {
                 g.name: ", ".join(f"{type(m).__name__} {names[m]!r}" for m in g.norms)
-                for g in refused
+                for g in normed
             }
             details = "; ".join(f"layer {name!r} feeds {norms}" for name, norms in feeds.items())
-            raise _inexact(
-                details,
-                "A normalization over all channels (LayerNorm, RMSNorm, a second GroupNorm) "
-                "computes every channel from all the others, so removing any changes the rest",
-                ratios,
-                [g.name for g in refused],
+            refusals.append(
+                (
+                    f"{INEXACT}: {details}. A normalization over all channels (LayerNorm, "
+                    "RMSNorm, a second GroupNorm) computes every channel from all the others, "
+                    "so removing any changes the rest",
+                    [g.name for g in normed],
+                )
             )
-        refused = [g for g in self.groups if getattr(g, "shared_weights", None)]
-        if refused:
+        shared = [g for g in open_groups() if getattr(g, "shared_weights", None)]
+        if shared:
             details = "; ".join(
-                f"layer {g.name!r} cuts {', '.join(map(repr, g.shared_weights))}" for g in refused
+                f"layer {g.name!r} cuts {', '.join(map(repr, g.shared_weights))}" for g in shared
             )
-            raise ValueError(
-                f"cannot prune these groups: they cut layers whose weights other modules hold "
-                f"too ({details}; an output layer tied to the embedding), and export would "
-                "untie them. Leave these layers whole with ignored_layers=[...] or a ratio of "
-                f"0 for them: {_zero_ratios(ratios, [g.name for g in refused])}"
+            refusals.append(
+                (
+                    f"cannot prune these groups: they cut layers whose weights other modules "
+                    f"hold too ({details}; an output layer tied to the embedding), and export "
+                    "would untie them",
+                    [g.name for g in shared],
+                )
             )
         # the modules that read a group's channels from outside it, proven on the example
-        enclosing = enclosing_reader_refusals(
-            model, [g for g in self.groups if type(g) is ChannelGroup], inputs
-        )
+        enclosing = enclosing_reader_refusals(model, open_groups(ChannelGroup), inputs)
         if enclosing:
             details = " / ".join(
                 f"layer {name!r} is read by {'; '.join(lines)}" for name, lines in enclosing.items()
             )
-            raise _inexact(details, "", ratios, list(enclosing))
+            refusals.append((f"{INEXACT}: {details}", list(enclosing)))
         # the heads to prune are proven on the example (a copy of each attention layer)
-        heads = [g for g in self.groups if isinstance(g, HeadGroup) and not g.refusal]
+        heads = [g for g in open_groups() if isinstance(g, HeadGroup) and not g.refusal]
         prove_head_groups(model, heads, inputs)
         # and the routers of the blocks to lose experts, at the counts asked for
-        whole = [g for g in self.groups if isinstance(g, WholeExpertsGroup)]
+        whole = [g for g in open_groups() if isinstance(g, WholeExpertsGroup)]
         kept = {g.name: ratio_rules.kept_count(g.size, per_group[g.name]) for g in whole}
         prove_whole_expert_groups(model, whole, kept, inputs)
-        refused = [g for g in self.groups if getattr(g, "refusal", "")]
-        if refused:
+        unproven = [g for g in open_groups() if getattr(g, "refusal", "")]
+        if unproven:
             what = {
                 "heads": "the heads of attention layer",
                 "linear_attention": "the heads of linear-attention layer",
                 "whole_experts": "whole experts of",
             }
-            details = "; ".join(f"{what[_kind(g)]} {g.name!r}: {g.refusal}" for g in refused)
+            details = "; ".join(f"{what[_kind(g)]} {g.name!r}: {g.refusal}" for g in unproven)
+            refusals.append((f"cannot prune {details}", [g.name for g in unproven]))
+        if refusals:
+            names = list(dict.fromkeys(name for _, group in refusals for name in group))
             raise ValueError(
-                f"cannot prune {details}. Leave them whole with ignored_layers=[...] or a "
-                f"ratio of 0 for them: {_zero_ratios(ratios, [g.name for g in refused])}"
+                ". ".join(what for what, _ in refusals)
+                + ". Leave these layers whole with ignored_layers=[...] or a ratio of 0 for "
+                f"them: {_zero_ratios(ratios, names)}"
             )
         if not self.groups:
             if all_groups:

@@ -193,6 +193,20 @@ MIXING_OPS = (
     "PermuteBackward",
     *ATTENTION_OPS,
 )
+# reductions over the channels (a sum of squares, a norm, a maximum): every channel left
+# in reads the removed ones through them
+REDUCING_OPS = (
+    "SumBackward",
+    "MeanBackward",
+    "CumsumBackward",
+    "NormBackward",
+    "LinalgVectorNormBackward",
+    "VarBackward",
+    "StdBackward",
+    "AmaxBackward",
+    "MaxBackward",
+    "LogsumexpBackward",
+)
 
 
 def _of_scalars(node) -> bool:
@@ -745,6 +759,10 @@ def _channel_groups(
             # the mask goes on the consumers' columns, one per channel: a consumer or a
             # producer of another width (CaiT's qkv through its talking heads, where
             # Torch-Pruning follows the channels through a matmul) is no gated MLP
+            continue
+        if gated and any(op.startswith(REDUCING_OPS) for op in ops):
+            # a sum over the channels after the product (Dory's L2 norm): the removed ones
+            # would still count in it, masked on the consumers' columns
             continue
         residual = (
             coupled

@@ -24,6 +24,17 @@ class OnePlusRMSNorm(nn.RMSNorm):
         return nn.functional.rms_norm(x, (x.shape[-1],), 1 + self.weight, self.eps)
 
 
+class L2Norm(nn.Module):
+    """Dory's: each token's hidden vector to norm 1, no parameters (a sum over the
+    channels in the traced graph)."""
+
+    def __init__(self, _width: int) -> None:
+        super().__init__()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+
 class NormedMLP(nn.Module):
     """down(norm(act(gate(x)) * up(x))), the gate registered after up (so the proof, not
     the order, picks the rows the norm reads)."""
@@ -75,6 +86,14 @@ def test_the_rows_the_norm_reads_take_the_mask_and_export_is_exact(bias):
 @pytest.mark.parametrize("norm", [OnePlusRMSNorm, nn.LayerNorm], ids=["one-plus-w", "layernorm"])
 def test_an_mlp_through_a_norm_that_does_not_rescale_stays_whole(norm):
     model, x = Net(norm), torch.randn(6, 8)
+    with pytest.raises(ValueError, match="no group of that kind"):
+        DTPPruner(model, (x[:1],), {"mlp": 0.5})
+
+
+def test_a_gated_mlp_through_a_sum_over_its_neurons_stays_whole():
+    """Masked on the down projection's columns, a removed neuron would still count in the
+    L2 norm between: the graph's gated group is not taken (Dory's MLPs)."""
+    model, x = Net(L2Norm), torch.randn(6, 8)
     with pytest.raises(ValueError, match="no group of that kind"):
         DTPPruner(model, (x[:1],), {"mlp": 0.5})
 

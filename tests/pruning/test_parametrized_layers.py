@@ -128,3 +128,36 @@ def test_a_mask_stacked_on_the_models_own_parametrization_is_not_stripped_silent
     parametrize.register_parametrization(layer, "weight", ScaleRows(source, 0))
     with pytest.raises(RuntimeError, match=r"masks on top of the model's own .* \['weight'\]"):
         strip_parametrizations(copy.deepcopy(layer))
+
+
+class TwoRefusals(nn.Module):
+    """a feeds a LayerNorm; c is weight-normed (so b, which it reads, is refused too); d
+    prunes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 8)
+        self.c, self.d, self.head = weight_norm(nn.Linear(8, 8)), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.b(torch.relu(self.norm(self.a(x)))))
+        return self.head(torch.relu(self.d(torch.relu(self.c(x)))))
+
+
+def test_refusals_of_different_kinds_come_in_one_error_whose_ratios_prune_the_rest():
+    """Each kind of refusal is checked and all are given at once, so the ratios the error
+    ends with are the last try, not the first of several."""
+    model, x = TwoRefusals(), torch.randn(4, 6)
+    with pytest.raises(ValueError) as error:
+        DTPPruner(model, (x[:1],), 0.5)
+    message = str(error.value)
+    assert "model parametrizes tensors of layers they cut (layer 'c': weight by" in message
+    assert "layer 'a' feeds LayerNorm 'norm'" in message
+    ratios = ast.literal_eval(message.rsplit("ratios=", 1)[1])
+    assert ratios == {"*": 0.5, "b": 0, "c": 0, "a": 0}
+    assert not any(parametrize.is_parametrized(m, "bias") for m in model.modules())
+    pruner = randomised(DTPPruner(model, (x[:1],), ratios))
+    assert [g.name for g in pruner.groups] == ["d"]
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(x)
+    torch.testing.assert_close(pruner.export()(x), want)

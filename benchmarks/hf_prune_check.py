@@ -1,0 +1,232 @@
+"""Prune every causal language model architecture of the installed transformers at a
+float ratio and check each export (`python benchmarks/hf_prune_check.py [model_type ...]`):
+the groups found by kind, the FLOPs reduction, the export's largest difference from the
+hard-masked model and its parameters against the report. A model the pruner refuses is
+tried again with the ratios its error gives (the ones that leave the refused groups
+whole), as a user would; one refused again, or refused without them, gets the error's
+first words. GPT-2's Conv1D layers are made nn.Linear first, as `dtp prune` does.
+
+Each architecture is built from its default config (`AutoConfig.for_model`, nothing
+downloaded) with the size fields it has set small (SIZES: 2 layers of width 64, 4 heads,
+a vocabulary of 256), random weights and random scores, on 12 tokens. A config whose own
+checks refuse that size, or a model that does not run at it, is listed as not built; one
+still over 30M parameters (a field SIZES does not name) is skipped."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import signal
+import time
+import warnings
+
+import torch
+import transformers
+from _harness import RESULTS, environment
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from dtp_kernels import conv1d_to_linear
+from dtp_kernels.pruning import DTPPruner
+from dtp_kernels.pruning.base import _kind
+from dtp_kernels.pruning.cost import count_params
+
+# the size fields of the families' configs, set where a config has them as numbers
+SIZES = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 256,
+    "decoder_vocab_size": 256,
+    "n_embd": 64,
+    "n_layer": 2,
+    "n_head": 4,
+    "d_model": 64,
+    "d_ff": 128,
+    "ffn_dim": 128,
+    "n_inner": 128,
+    "num_layers": 2,
+    "n_positions": 128,
+    "max_position_embeddings": 128,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 64,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "decoder_layers": 2,
+    "encoder_layers": 2,
+    "decoder_attention_heads": 4,
+    "encoder_attention_heads": 4,
+    "decoder_ffn_dim": 128,
+    "encoder_ffn_dim": 128,
+    # multi-head latent attention (DeepSeek's) and partial rotary embeddings
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "rotary_dim": 8,
+    "attention_hidden_size": 64,
+}
+TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+LARGEST = 30e6  # parameters at the small size
+SECONDS = 120  # per architecture
+
+
+class _ExpiredError(BaseException):
+    """Raised by the timer; not an Exception, so no `except Exception` takes it."""
+
+
+def small_model(model_type: str) -> torch.nn.Module:
+    """The architecture built from its default config at the small size."""
+    config = AutoConfig.for_model(model_type)
+    for field, value in SIZES.items():
+        current = getattr(config, field, None)
+        if isinstance(current, int) and not isinstance(current, bool):
+            with contextlib.suppress(AttributeError):  # a property derived from others
+                setattr(config, field, value)
+    for field in TOKEN_IDS:  # ids of the default vocabulary, past the small one
+        current = getattr(config, field, None)
+        if isinstance(current, int) and current >= SIZES["vocab_size"]:
+            setattr(config, field, TOKEN_IDS.index(field))
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(layer_types, list):  # one type per layer: the last ones hold every type
+        with contextlib.suppress(AttributeError):
+            config.layer_types = layer_types[-SIZES["num_hidden_layers"] :]
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    if sum(p.numel() for p in meta.parameters()) > LARGEST:
+        raise OverflowError("over 30M parameters at this size")
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def kinds(pruner: DTPPruner) -> str:
+    """The groups by kind, as ratio dicts name them ("heads", "mlp", "experts", ...)."""
+    counts: dict[str, int] = {}
+    for group in pruner.groups:
+        counts[_kind(group)] = counts.get(_kind(group), 0) + 1
+    return ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
+
+
+def check(model_type: str, ratio: float) -> list[str]:
+    """The table row of one architecture."""
+    ids = torch.randint(0, 200, (1, 12), generator=torch.Generator().manual_seed(1))
+    try:
+        model = small_model(model_type)
+        with torch.no_grad():
+            model(ids)
+    except OverflowError as error:
+        return [model_type, "skipped", "", "", "", "", str(error)]
+    except Exception as error:  # the config's own checks, or a model that needs more
+        return [model_type, "not built", "", "", "", "", type(error).__name__]
+    conv1d_to_linear(model)  # GPT-2's Conv1D layers, as `dtp prune` converts them
+    result, ratios = "pruned", ratio
+    try:
+        pruner = DTPPruner(model, (ids,), ratios)
+    except ValueError as error:
+        if "ratios={" not in str(error):
+            return [model_type, "refused", "", "", "", "", _first_words(error)]
+        # the refusal names the ratios that leave the refused groups whole: a user's next try
+        ratios = ast.literal_eval(str(error).rsplit("ratios=", 1)[1])
+        result = "pruned with the refusal's ratios"
+        try:
+            pruner = DTPPruner(model, (ids,), ratios)
+        except ValueError as again:
+            return [model_type, "refused", "", "", "", "", _first_words(again)]
+    with torch.no_grad():
+        pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
+        with pruner.hard_masked():
+            want = model(ids).logits
+    try:
+        exported = pruner.export().eval()
+    except ValueError as error:
+        return [model_type, "export refused", "", "", "", "", _first_words(error)]
+    with torch.no_grad():
+        got = exported(ids).logits
+    report = pruner.report()
+    error = float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
+    return [
+        model_type,
+        result,
+        kinds(pruner),
+        f"{report['flops_before'] / report['flops_after']:.2f}x",
+        f"{error:.1e}",
+        "yes" if count_params(exported) == report["params_after"] else "NO",
+        "" if ratios == ratio else f"`ratios={ratios}`",
+    ]
+
+
+def _first_words(error: Exception) -> str:
+    return " ".join(str(error).split())[:160]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", default=sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+    parser.add_argument("--ratio", type=float, default=0.5)
+    parser.add_argument("--no-save", action="store_true")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+
+    def expire(*_):
+        raise _ExpiredError
+
+    signal.signal(signal.SIGALRM, expire)
+    rows = []
+    for name in args.models:
+        start = time.perf_counter()
+        signal.alarm(SECONDS)
+        try:
+            row = check(name, args.ratio)
+        except _ExpiredError:
+            row = [name, "timed out", "", "", "", "", f"over {SECONDS} s"]
+        finally:
+            signal.alarm(0)
+        rows.append(row)
+        print(f"{' | '.join(row)} ({time.perf_counter() - start:.1f} s)", flush=True)
+    env = environment(torch.device("cpu"))
+    header = [
+        "model type",
+        "result",
+        "groups",
+        "FLOPs fewer",
+        "export error",
+        "params = report",
+        "why",
+    ]
+    statuses = [row[1] for row in rows]
+    summary = ", ".join(f"{statuses.count(s)} {s}" for s in dict.fromkeys(statuses))
+    lines = [
+        "# Hugging Face causal language models pruned and exported "
+        "(`benchmarks/hf_prune_check.py`)",
+        "",
+        f"{env['device']}; torch {env['torch']}, transformers {transformers.__version__}; "
+        f"{env['date']}; float ratio {args.ratio}, each architecture's default config at 2 "
+        "layers of width 64 (the script's SIZES), random weights and scores, 12 tokens. "
+        "Export error: largest difference from the hard-masked model's logits, relative to "
+        "their largest.",
+        "",
+        f"{len(rows)} architectures: {summary}.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + " --- |" * len(header),
+        *("| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows),
+    ]
+    report = "\n".join(lines) + "\n"
+    if not args.no_save:
+        (RESULTS / "hf_prune_check_cpu.md").write_text(report)
+    else:
+        print(report)
+
+
+if __name__ == "__main__":
+    main()
