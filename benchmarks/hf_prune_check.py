@@ -1,16 +1,18 @@
-"""Prune every causal language model architecture of the installed transformers at a
-float ratio and check each export (`python benchmarks/hf_prune_check.py [model_type ...]`):
-the groups found by kind, the FLOPs reduction, the export's largest difference from the
-hard-masked model and its parameters against the report. A model the pruner refuses is
-tried again with the ratios its error gives (the ones that leave the refused groups
-whole), as a user would; one refused again, or refused without them, gets the error's
-first words. GPT-2's Conv1D layers are made nn.Linear first, as `dtp prune` does.
+"""Prune every architecture of the installed transformers for a task at a float ratio
+and check each export (`python benchmarks/hf_prune_check.py [--task causal-lm |
+image-classification] [model_type ...]`): the groups found by kind, the FLOPs reduction,
+the export's largest difference from the hard-masked model and its parameters against
+the report. A model the pruner refuses is tried again with the ratios its error gives
+(the ones that leave the refused groups whole), as a user would; one refused again, or
+refused without them, gets the error's first words. GPT-2's Conv1D layers are made
+nn.Linear first, as `dtp prune` does.
 
 Each architecture is built from its default config (`AutoConfig.for_model`, nothing
 downloaded) with the size fields it has set small (SIZES: 2 layers of width 64, 4 heads,
-a vocabulary of 256), random weights and random scores, on 12 tokens. A config whose own
-checks refuse that size, or a model that does not run at it, is listed as not built; one
-still over 30M parameters (a field SIZES does not name) is skipped."""
+a vocabulary of 256, 64 x 64 images), random weights and random scores, on 12 tokens or
+one image. A config whose own checks refuse that size, or a model that does not run at
+it, is listed as not built; one still over 30M parameters (a field SIZES does not name)
+is skipped."""
 
 from __future__ import annotations
 
@@ -24,8 +26,8 @@ import warnings
 import torch
 import transformers
 from _harness import RESULTS, environment
-from transformers import AutoConfig, AutoModelForCausalLM
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageClassification
+from transformers.models.auto import modeling_auto
 
 from dtp_kernels import conv1d_to_linear
 from dtp_kernels.pruning import DTPPruner
@@ -73,8 +75,25 @@ SIZES = {
     "v_head_dim": 16,
     "rotary_dim": 8,
     "attention_hidden_size": 64,
+    # images
+    "image_size": 64,
+    "patch_size": 8,
+    "num_labels": 5,
 }
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+# task: (model class, its architectures, what the results file calls them)
+TASKS = {
+    "causal-lm": (
+        AutoModelForCausalLM,
+        modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        "causal language models",
+    ),
+    "image-classification": (
+        AutoModelForImageClassification,
+        modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
+        "image classifiers",
+    ),
+}
 LARGEST = 30e6  # parameters at the small size
 SECONDS = 120  # per architecture
 
@@ -83,8 +102,9 @@ class _ExpiredError(BaseException):
     """Raised by the timer; not an Exception, so no `except Exception` takes it."""
 
 
-def small_model(model_type: str) -> torch.nn.Module:
+def small_model(model_type: str, task: str) -> torch.nn.Module:
     """The architecture built from its default config at the small size."""
+    auto = TASKS[task][0]
     config = AutoConfig.for_model(model_type)
     for field, value in SIZES.items():
         current = getattr(config, field, None)
@@ -100,11 +120,11 @@ def small_model(model_type: str) -> torch.nn.Module:
         with contextlib.suppress(AttributeError):
             config.layer_types = layer_types[-SIZES["num_hidden_layers"] :]
     with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config)
+        meta = auto.from_config(config)
     if sum(p.numel() for p in meta.parameters()) > LARGEST:
         raise OverflowError("over 30M parameters at this size")
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).eval()
+    return auto.from_config(config).eval()
 
 
 def kinds(pruner: DTPPruner) -> str:
@@ -115,13 +135,24 @@ def kinds(pruner: DTPPruner) -> str:
     return ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
 
 
-def check(model_type: str, ratio: float) -> list[str]:
+def example(model: torch.nn.Module, task: str) -> torch.Tensor:
+    """12 token ids, or one image of the config's size and channels."""
+    generator = torch.Generator().manual_seed(1)
+    if task == "causal-lm":
+        return torch.randint(0, 200, (1, 12), generator=generator)
+    size = getattr(model.config, "image_size", 224)
+    size = size if isinstance(size, int) else size[0]
+    channels = getattr(model.config, "num_channels", 3)
+    return torch.randn(1, channels, size, size, generator=generator)
+
+
+def check(model_type: str, ratio: float, task: str) -> list[str]:
     """The table row of one architecture."""
-    ids = torch.randint(0, 200, (1, 12), generator=torch.Generator().manual_seed(1))
     try:
-        model = small_model(model_type)
+        model = small_model(model_type, task)
+        ids = example(model, task)
         with torch.no_grad():
-            model(ids)
+            _ = model(ids).logits  # the output the check compares
     except OverflowError as error:
         return [model_type, "skipped", "", "", "", "", str(error)]
     except Exception as error:  # the config's own checks, or a model that needs more
@@ -169,7 +200,8 @@ def _first_words(error: Exception) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("models", nargs="*", default=sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+    parser.add_argument("models", nargs="*", help="model types (default: every one of the task)")
+    parser.add_argument("--task", choices=list(TASKS), default="causal-lm")
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
@@ -181,12 +213,13 @@ def main() -> None:
         raise _ExpiredError
 
     signal.signal(signal.SIGALRM, expire)
+    _, architectures, what = TASKS[args.task]
     rows = []
-    for name in args.models:
+    for name in args.models or sorted(architectures):
         start = time.perf_counter()
         signal.alarm(SECONDS)
         try:
-            row = check(name, args.ratio)
+            row = check(name, args.ratio, args.task)
         except _ExpiredError:
             row = [name, "timed out", "", "", "", "", f"over {SECONDS} s"]
         finally:
@@ -206,14 +239,14 @@ def main() -> None:
     statuses = [row[1] for row in rows]
     summary = ", ".join(f"{statuses.count(s)} {s}" for s in dict.fromkeys(statuses))
     lines = [
-        "# Hugging Face causal language models pruned and exported "
-        "(`benchmarks/hf_prune_check.py`)",
+        f"# Hugging Face {what} pruned and exported "
+        f"(`benchmarks/hf_prune_check.py --task {args.task}`)",
         "",
         f"{env['device']}; torch {env['torch']}, transformers {transformers.__version__}; "
         f"{env['date']}; float ratio {args.ratio}, each architecture's default config at 2 "
-        "layers of width 64 (the script's SIZES), random weights and scores, 12 tokens. "
-        "Export error: largest difference from the hard-masked model's logits, relative to "
-        "their largest.",
+        "layers of width 64 (the script's SIZES), random weights and scores, "
+        f"{'12 tokens' if args.task == 'causal-lm' else 'one 64 x 64 image'}. Export error: "
+        "largest difference from the hard-masked model's logits, relative to their largest.",
         "",
         f"{len(rows)} architectures: {summary}.",
         "",
@@ -223,7 +256,8 @@ def main() -> None:
     ]
     report = "\n".join(lines) + "\n"
     if not args.no_save:
-        (RESULTS / "hf_prune_check_cpu.md").write_text(report)
+        name = "hf_prune_check" if args.task == "causal-lm" else f"hf_prune_check_{args.task}"
+        (RESULTS / f"{name.replace('-', '_')}_cpu.md").write_text(report)
     else:
         print(report)
 

@@ -205,6 +205,10 @@ def _writes(
     return [*writes, (config, fields)]
 
 
+class _NotWritableError(Exception):
+    """A config field that one size cannot describe."""
+
+
 def update_config(model: nn.Module, groups: list[tuple[str, object]], masks: list) -> bool:
     """Write the exported sizes into `model.config` (and, for a composite model, each
     part's sub-config) when a model built from it matches; whether the config describes
@@ -222,11 +226,15 @@ def update_config(model: nn.Module, groups: list[tuple[str, object]], masks: lis
             for target, fields in writes:
                 for name, value in fields.items():
                     current = getattr(target, name, None)
-                    setattr(target, name, value)  # a read-only field (Falcon's head_dim) raises
+                    if isinstance(current, (list, tuple)):  # one per stage (SegFormer's heads)
+                        raise _NotWritableError(name)
+                    # a read-only field (Falcon's head_dim) raises, as does a value a
+                    # config's own checks refuse
+                    setattr(target, name, value)
                     before.append((target, name, current))
             if _rebuilds(model, config):
                 return True
-        except AttributeError:
+        except Exception:  # any refusal of a write leaves the config as it was
             pass
         for target, name, value in reversed(before):
             setattr(target, name, value)

@@ -870,16 +870,14 @@ def test_per_head_tables_are_cut_to_the_kept_heads(family):
     assert params == sum(p.numel() for p in exported.parameters())
 
 
-def test_a_conv_in_the_attention_as_wide_as_its_heads_is_no_table():
-    """SegFormer's attention reduces its keys' and values' sequence with a conv whose
-    kernel (2 x 2) is as wide as the layer has heads (2): its weight is no table of
-    heads (nor heads mixed with heads), and the heads prune, export equal."""
+def segformer(heads: list[int], sr_ratios: list[int], head: str = "ForSemanticSegmentation"):
+    """A SegFormer of two stages of one block, `heads` heads each."""
     config = transformers.SegformerConfig(
         num_encoder_blocks=2,
         depths=[1, 1],
-        sr_ratios=[2, 1],
+        sr_ratios=sr_ratios,
         hidden_sizes=[16, 32],
-        num_attention_heads=[2, 4],
+        num_attention_heads=heads,
         decoder_hidden_size=32,
         num_labels=3,
         patch_sizes=[7, 3],
@@ -887,7 +885,14 @@ def test_a_conv_in_the_attention_as_wide_as_its_heads_is_no_table():
         mlp_ratios=[2, 2],
     )
     torch.manual_seed(0)
-    model = transformers.SegformerForSemanticSegmentation(config).eval()
+    return getattr(transformers, f"Segformer{head}")(config).eval()
+
+
+def test_a_conv_in_the_attention_as_wide_as_its_heads_is_no_table():
+    """SegFormer's attention reduces its keys' and values' sequence with a conv whose
+    kernel (2 x 2) is as wide as the layer has heads (2): its weight is no table of
+    heads (nor heads mixed with heads), and the heads prune, export equal."""
+    model = segformer([2, 4], sr_ratios=[2, 1])
     inputs = (torch.randn(1, 3, 32, 32),)
     pruner = DTPPruner(model, inputs, {"heads": 0.5, "mlp": 0.5})
     heads = [g for g in pruner.groups if isinstance(g, HeadGroup)]
@@ -895,6 +900,19 @@ def test_a_conv_in_the_attention_as_wide_as_its_heads_is_no_table():
     with torch.no_grad():
         pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
     export_checked(pruner, model, inputs)
+
+
+def test_a_config_holding_one_head_count_per_stage_is_left_with_a_warning():
+    """SegFormer's config holds a head count per stage: with every stage keeping one
+    count (2 of 4 heads each), export must not write that one number in its place (its
+    strict config would refuse it, after training): the config is left unchanged, with
+    a warning, and the model is right."""
+    model = segformer([4, 4], sr_ratios=[1, 1], head="ForImageClassification")
+    inputs = (torch.randn(1, 3, 32, 32),)
+    pruner = DTPPruner(model, inputs, {"heads": 0.5})
+    with pytest.warns(UserWarning, match="config cannot describe its sizes"):
+        exported = export_checked(pruner, model, inputs)
+    assert exported.config.num_attention_heads == [4, 4]
 
 
 def test_a_fused_layer_counting_its_heads_in_num_attention_heads():
