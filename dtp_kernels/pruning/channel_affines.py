@@ -1,15 +1,14 @@
 """Per-channel affine layers: a module whose forward is `x * weight + bias`, with one
 weight and one bias per channel (MobileBERT's NoNorm, which takes a LayerNorm's place
-there). Each channel is computed from itself alone, so removing
-channels leaves the others as they were, as a BN does. Torch-Pruning sees their
-parameters as raw tensors and the pruner would take them for a norm over all channels;
-registered with it here, they are per-channel layers whose weight and bias it cuts with
-the channels, and a group's mask goes on them as it goes on a BN's affine rows. Which
-modules have that form is proven, once per class, on a copy with random parameters, not
-read from the class name: over the last dimension (features, after a linear layer) or
-over dim 1 of a 4-D tensor (channels, after a 2-D conv: the Scale layer that follows a
-BN in models converted from Caffe), and a group takes them only after layers of the
-form proven.
+there). Each channel is computed from itself alone, so removing channels leaves the
+others as they were, as a BN does. Torch-Pruning sees their parameters as raw tensors
+and the pruner would take them for a norm over all channels; registered with it here,
+they are per-channel layers whose weight and bias it cuts with the channels, and a
+group's mask goes on them as it goes on a BN's affine rows. Which modules have that form
+is proven, once per class, on a copy with random parameters, not read from the class
+name: over the last dimension (features, after a linear layer) or over dim 1 of a 4-D
+tensor (channels, after a 2-D conv: the Scale layer that follows a BN in models
+converted from Caffe), and a group takes them only after layers of the form proven.
 """
 
 from __future__ import annotations

@@ -722,9 +722,9 @@ def _channel_groups(
             elif handler in PER_CHANNEL_NORMS:
                 bns.append(module)
                 outs.append(module)
-                form = getattr(handler, "__self__", None)
-                if form in CHANNEL_AFFINES.values():
-                    affines.append((module, form.form))
+                pruner = getattr(handler, "__self__", None)  # a bound method's owner
+                if pruner in CHANNEL_AFFINES.values():
+                    affines.append((module, pruner.form))
             elif handler == tp.prune_groupnorm_out_channels:
                 group_norms.append(module)
                 outs.append(module)
