@@ -61,6 +61,8 @@ SIZES = {
     "n_routed_experts": 4,
     "num_experts_per_tok": 2,
     "first_k_dense_replace": 1,
+    "n_group": 1,  # group-limited routing: one group of the few experts
+    "topk_group": 1,
     "decoder_layers": 2,
     "encoder_layers": 2,
     "decoder_attention_heads": 4,
@@ -111,6 +113,9 @@ def small_model(model_type: str, task: str) -> torch.nn.Module:
         if isinstance(current, int) and not isinstance(current, bool):
             with contextlib.suppress(AttributeError):  # a property derived from others
                 setattr(config, field, value)
+    if isinstance(getattr(config, "qk_rope_head_dim", None), int):  # latent attention's
+        with contextlib.suppress(AttributeError):  # rotary key is its head_dim
+            config.head_dim = config.qk_rope_head_dim
     for field in TOKEN_IDS:  # ids of the default vocabulary, past the small one
         current = getattr(config, field, None)
         if isinstance(current, int) and current >= SIZES["vocab_size"]:
