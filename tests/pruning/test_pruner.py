@@ -920,7 +920,7 @@ def test_linear_group_through_a_token_norm_is_refused(norm):
 
 def test_ratios_by_kind_pattern_and_name():
     """A dict of ratios takes module names, fnmatch patterns and kinds of group; a name
-    beats a pattern, a pattern beats a kind."""
+    beats a pattern (of two patterns, the first in the dict), a pattern beats a kind."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Conv2d(3, 8, 3, padding=1),
@@ -939,6 +939,13 @@ def test_ratios_by_kind_pattern_and_name():
         "2": 2,
         "6": 12,
     }
+    pruner.remove()
+    kept = []  # two patterns match "0" and "2": the first gives their ratio
+    for ratios in ({"[02]": 0.5, "*": 0.25}, {"*": 0.25, "[02]": 0.5}):
+        pruner = DTPPruner(model, X1, ratios)
+        kept.append(pruner.kept)
+        pruner.remove()
+    assert kept == [[4, 4, 12], [6, 6, 12]]
     pruner = DTPPruner(_mlp(), torch.randn(1, 3, 4, 4), {"[13]": 0.5})  # a pattern
     assert pruner.kept == [16, 12]
     kinds = (
