@@ -205,10 +205,6 @@ def _writes(
     return [*writes, (config, fields)]
 
 
-class _NotWritableError(Exception):
-    """A config field that one size cannot describe."""
-
-
 def update_config(model: nn.Module, groups: list[tuple[str, object]], masks: list) -> bool:
     """Write the exported sizes into `model.config` (and, for a composite model, each
     part's sub-config) when a model built from it matches; whether the config describes
@@ -227,7 +223,7 @@ def update_config(model: nn.Module, groups: list[tuple[str, object]], masks: lis
                 for name, value in fields.items():
                     current = getattr(target, name, None)
                     if isinstance(current, (list, tuple)):  # one per stage (SegFormer's heads)
-                        raise _NotWritableError(name)
+                        raise TypeError(f"{name} holds one value per stage")
                     # a read-only field (Falcon's head_dim) raises, as does a value a
                     # config's own checks refuse
                     setattr(target, name, value)
