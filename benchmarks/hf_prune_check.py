@@ -1,18 +1,18 @@
-"""Prune every architecture of the installed transformers for a task at a float ratio
-and check each export (`python benchmarks/hf_prune_check.py [--task causal-lm |
-image-classification] [model_type ...]`): the groups found by kind, the FLOPs reduction,
-the export's largest difference from the hard-masked model and its parameters against
-the report. A model the pruner refuses is tried again with the ratios its error gives
-(the ones that leave the refused groups whole), as a user would; one refused again, or
-refused without them, gets the error's first words. GPT-2's Conv1D layers are made
-nn.Linear first, as `dtp prune` does.
+"""Prune every architecture of the installed transformers for a task at a float ratio and
+check each export (`python benchmarks/hf_prune_check.py [--task causal-lm | masked-lm |
+sequence-classification | image-classification] [model_type ...]`): the groups found by
+kind, the FLOPs reduction, the export's largest difference from the hard-masked model
+and its parameters against the report. A model the pruner refuses is tried again with
+the ratios its error gives (the ones that leave the refused groups whole), as a user
+would; one refused again, or refused without them, gets the error's first words. GPT-2's
+Conv1D layers are made nn.Linear first, as `dtp prune` does.
 
 Each architecture is built from its default config (`AutoConfig.for_model`, nothing
 downloaded) with the size fields it has set small (SIZES: 2 layers of width 64, 4 heads,
-a vocabulary of 256, 64 x 64 images), random weights and random scores, on 12 tokens or
-one image. A config whose own checks refuse that size, or a model that does not run at
-it, is listed as not built; one still over 30M parameters (a field SIZES does not name)
-is skipped."""
+a vocabulary of 256, 64 x 64 images), random weights and random scores, on 12 tokens (a
+sequence classifier's last one its end of sequence) or one image. A config whose own
+checks refuse that size, or a model that does not run at it, is listed as not built; one
+still over 30M parameters (a field SIZES does not name) is skipped."""
 
 from __future__ import annotations
 
@@ -26,7 +26,13 @@ import warnings
 import torch
 import transformers
 from _harness import RESULTS, environment
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageClassification
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageClassification,
+    AutoModelForMaskedLM,
+    AutoModelForSequenceClassification,
+)
 from transformers.models.auto import modeling_auto
 
 from dtp_kernels import conv1d_to_linear
@@ -77,6 +83,7 @@ SIZES = {
     "v_head_dim": 16,
     "rotary_dim": 8,
     "attention_hidden_size": 64,
+    "pooler_hidden_size": 64,  # DeBERTa's classification head
     # images
     "image_size": 64,
     "patch_size": 8,
@@ -89,6 +96,16 @@ TASKS = {
         AutoModelForCausalLM,
         modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         "causal language models",
+    ),
+    "masked-lm": (
+        AutoModelForMaskedLM,
+        modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        "masked language models",
+    ),
+    "sequence-classification": (
+        AutoModelForSequenceClassification,
+        modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+        "sequence classifiers",
     ),
     "image-classification": (
         AutoModelForImageClassification,
@@ -143,8 +160,12 @@ def kinds(pruner: DTPPruner) -> str:
 def example(model: torch.nn.Module, task: str) -> torch.Tensor:
     """12 token ids, or one image of the config's size and channels."""
     generator = torch.Generator().manual_seed(1)
-    if task == "causal-lm":
-        return torch.randint(0, 200, (1, 12), generator=generator)
+    if task != "image-classification":
+        ids = torch.randint(3, 200, (1, 12), generator=generator)
+        eos = getattr(model.config, "eos_token_id", None)
+        if task == "sequence-classification" and isinstance(eos, int):
+            ids[0, -1] = eos  # an encoder-decoder classifies at its last end of sequence
+        return ids
     size = getattr(model.config, "image_size", 224)
     size = size if isinstance(size, int) else size[0]
     channels = getattr(model.config, "num_channels", 3)
@@ -243,6 +264,7 @@ def main() -> None:
     ]
     statuses = [row[1] for row in rows]
     summary = ", ".join(f"{statuses.count(s)} {s}" for s in dict.fromkeys(statuses))
+    inputs = "one 64 x 64 image" if args.task == "image-classification" else "12 tokens"
     lines = [
         f"# Hugging Face {what} pruned and exported "
         f"(`benchmarks/hf_prune_check.py --task {args.task}`)",
@@ -250,7 +272,7 @@ def main() -> None:
         f"{env['device']}; torch {env['torch']}, transformers {transformers.__version__}; "
         f"{env['date']}; float ratio {args.ratio}, each architecture's default config at 2 "
         "layers of width 64 (the script's SIZES), random weights and scores, "
-        f"{'12 tokens' if args.task == 'causal-lm' else 'one 64 x 64 image'}. Export error: "
+        f"{inputs}. Export error: "
         "largest difference from the hard-masked model's logits, relative to their largest.",
         "",
         f"{len(rows)} architectures: {summary}.",

@@ -26,7 +26,8 @@ does not follow the per-head reshapes):
   TrOCR and PVT v2, of the separate form) are exported as classes of
   torchvision_attention.py, timm_attention.py and transformers_attention.py
   (``PRUNED_CLASS_MODULES``); GPT-2's ``c_attn`` and ``c_proj`` with ``split_size`` (its
-  Conv1D layers made ``nn.Linear`` by :func:`conv1d_to_linear` first); Phi-3's
+  Conv1D layers made ``nn.Linear`` by :func:`conv1d_to_linear` first; OpenAI GPT's with
+  ``n_head``); MPNet's ``q``, ``k``, ``v``, ``o`` with ``attention_head_size``; Phi-3's
   ``qkv_proj`` (query heads, then key and value heads) and ``o_proj``, whose head count
   the layers read from the config they share;
 - a query projection ``q`` and one ``kv`` of all the keys then all the values (timm's
@@ -53,11 +54,11 @@ does not follow the per-head reshapes):
   embedding width, so export replaces it with :class:`PrunedMultiheadAttention`, the same
   computation with fewer heads.
 
-Some are found only to be refused by name when their heads are asked for: GPT-BigCode's
-multi-query attention (its code splits the fused projection at the model width), and
-layers handed a bias for all heads computed outside them (ALiBi), which would not lose
-the removed heads. T5's layers, handed the relative position bias the first layer of
-their stack computes, are one group with that layer (tied_heads.py).
+Some are found only to be refused by name when their heads are asked for: layers handed
+a bias for all heads computed outside them (ALiBi), which would not lose the removed
+heads. T5's layers, handed the relative position bias the first layer of their stack
+computes, are one group with that layer, and MPNet's, handed the one their encoder
+computes from its table, one group with that table (tied_heads.py).
 
 The unit is a key/value head together with the query heads that share it (grouped-query
 attention; one query head per unit without it); in multi-query attention, one key/value
@@ -263,6 +264,7 @@ SEPARATE_FORMS = (
     (("query", "key", "value", "dense"), "attention_head_size"),  # ALBERT
     (("query", "key", "value", "proj"), "attention_head_size"),  # PVT v2
     (("q", "k", "v", "o"), "key_value_proj_dim"),  # T5, UMT5
+    (("q", "k", "v", "o"), "attention_head_size"),  # MPNet
     (("Wq", "Wk", "Wv", "dense"), "head_dim"),  # CTRL
     (("q_lin", "k_lin", "v_lin", "out_lin"), "head_dim"),  # XLM, FlauBERT
     # timm's NeXt-ViT, the attention pools of its CLIP ResNets (separate projections)
@@ -592,13 +594,7 @@ def _per_head_fused(name: str, module: nn.Module) -> HeadGroup | None:
             f"of head_dim {head_dim}"
         )
     if units == 1 and heads > 1:  # rows: all query heads, then the key, then the value
-        refusal = (
-            "multi-query attention whose code splits c_attn at embed_dim, the model width, "
-            "not at the query heads' width"
-            if fused == "c_attn"
-            else ""
-        )
-        return _query_head_units(name, module, qkv, out, heads, head_dim, refusal=refusal)
+        return _query_head_units(name, module, qkv, out, heads, head_dim)
     rows = [Projection(qkv, 1, (per_unit + 2) * head_dim)]
     out_rows = Projection(out, 1, per_unit * head_dim)
     return HeadGroup(name, module, rows, out_rows, units, per_unit, head_dim)
@@ -607,14 +603,18 @@ def _per_head_fused(name: str, module: nn.Module) -> HeadGroup | None:
 def _gpt2(name: str, module: nn.Module) -> HeadGroup | None:
     """c_attn (query, key and value; in cross-attention key and value, the queries from
     q_attn), c_proj, num_heads, head_dim and split_size (GPT-2, its Conv1D layers made
-    nn.Linear by conv1d_to_linear)."""
+    nn.Linear by conv1d_to_linear; OpenAI GPT's keeps its head count as n_head and no
+    head_dim, its head size being split_size over it)."""
     qkv, proj, query = (_linear(module, p) for p in ("c_attn", "c_proj", "q_attn"))
-    sizes = [getattr(module, a, None) for a in ("num_heads", "head_dim", "split_size")]
-    if qkv is None or proj is None or not all(isinstance(x, int) for x in sizes):
+    heads = getattr(module, "num_heads", getattr(module, "n_head", None))
+    split = getattr(module, "split_size", None)
+    if not isinstance(heads, int) or not isinstance(split, int) or heads < 1:
+        return None
+    head_dim = getattr(module, "head_dim", split // heads)
+    if qkv is None or proj is None or not isinstance(head_dim, int):
         return None
     if hasattr(module, "multi_query"):  # GPT-BigCode: its c_attn has other layouts
         return None
-    heads, head_dim, split = sizes
     width, blocks = heads * head_dim, 3 if query is None else 2
     if (
         split != width
@@ -633,17 +633,24 @@ def _gpt2(name: str, module: nn.Module) -> HeadGroup | None:
     return HeadGroup(name, module, rows, Projection(proj, 1, head_dim), heads, 1, head_dim)
 
 
+# the inner layer's projections in BERT's layout: separate (BERT; DeBERTa-v2), or one
+# holding each head's query, key and value in turn (DeBERTa's `in_proj`)
+BERT_FORMS = (("query", "key", "value"), ("query_proj", "key_proj", "value_proj"), ("in_proj",))
+
+
 def _bert(name: str, module: nn.Module) -> HeadGroup | None:
     """A parent holding ``self`` (query, key, value) and ``output.dense`` (BERT; the inner
-    layer named ``attention`` in the ViT layout of Data2Vec's vision model and YOLOS); DeBERTa's
-    ``query_proj``, ``key_proj``, ``value_proj``, with the projections of its relative
-    position embeddings, ``pos_key_proj`` and ``pos_query_proj``, per head too."""
+    layer named ``attention`` in the ViT layout of Data2Vec's vision model and YOLOS);
+    DeBERTa-v2's ``query_proj``, ``key_proj``, ``value_proj``, with the projections of its
+    relative position embeddings, ``pos_key_proj`` and ``pos_query_proj``, per head too;
+    DeBERTa's ``in_proj`` (each head's query, key and value in turn; its query and value
+    biases are vectors of the query width) with ``pos_proj`` and ``pos_q_proj``."""
     output = getattr(module, "output", None)
     # the inner layer is `self` (BERT), or `attention` (the ViT layout of Data2Vec's
     # vision model and YOLOS)
     for inner_name in ("self", "attention"):
         inner = getattr(module, inner_name, None)
-        for names in (("query", "key", "value"), ("query_proj", "key_proj", "value_proj")):
+        for names in BERT_FORMS:
             layers = [_linear(inner, p) for p in names] if inner is not None else [None]
             if all(x is not None for x in layers):
                 break
@@ -654,17 +661,21 @@ def _bert(name: str, module: nn.Module) -> HeadGroup | None:
     head_dim = getattr(inner, "attention_head_size", None)
     if any(x is None for x in layers) or out is None or not isinstance(heads, int):
         return None
-    layers += [x for p in ("pos_key_proj", "pos_query_proj") if (x := _linear(inner, p))]
+    blocks = 3 if len(layers) == 1 else 1  # per head: rows of each of `layers`
+    positions = ("pos_key_proj", "pos_query_proj", "pos_proj", "pos_q_proj")
+    extra = [x for p in positions if (x := _linear(inner, p))]
     if (
         not isinstance(head_dim, int)
-        or any(x.out_features != heads * head_dim for x in layers)
+        or any(x.out_features != blocks * heads * head_dim for x in layers)
+        or any(x.out_features != heads * head_dim for x in extra)
         or out.in_features != heads * head_dim
     ):
         raise ValueError(
-            f"attention layer {name!r}: query/key/value and output.dense are not {heads} "
-            f"heads of attention_head_size {head_dim}"
+            f"attention layer {name!r}: {'/'.join(names)} and output.dense are not "
+            f"{heads} heads of attention_head_size {head_dim}"
         )
-    rows = [Projection(x, 1, head_dim) for x in layers]
+    rows = [Projection(x, 1, blocks * head_dim) for x in layers]
+    rows += [Projection(x, 1, head_dim) for x in extra]
     out_rows = Projection(out, 1, head_dim)
     return HeadGroup(f"{name}.{inner_name}", inner, rows, out_rows, heads, 1, head_dim)
 
@@ -886,8 +897,9 @@ def _unsplit(name: str, module: nn.Module, why: str) -> HeadGroup | None:
     """A refused group for an attention layer with a form's names whose shapes do not
     split into its heads (a value head size other than the query's: MiMo-V2-Flash's):
     refused by name when its heads are asked for, so a ratio for the MLPs alone still
-    prunes the model. None (the error raised) when the layer has no linear layer."""
-    linears = [m for m in module.children() if isinstance(m, nn.Linear)]
+    prunes the model (ConvBERT's, whose output projection also reads its convolutions).
+    None (the error raised) when the layer holds no linear layer."""
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
     if not linears:
         raise ValueError(why)
     out = Projection(linears[-1], 1, 1)  # its output projection: never cut
@@ -1187,14 +1199,22 @@ def prune_heads(
     original modules to their names."""
     for member in group.members:
         _prune_layer_heads(member, copy, names, mask)
+    own = [t for t in group.tables if not any(t in m.tables for m in group.members)]
+    if own:  # a table outside every layer (MPNet's encoder's bias table: tied_heads.py)
+        query_heads = _query_heads(mask, group.query_heads_per_unit)
+        _cut_tables(own, copy, names, query_heads)
+        for owner, _, _ in own:  # the head count the table's holder keeps (MPNet's n_heads)
+            holder = copy[names[owner].rpartition(".")[0]]
+            _set_head_count(holder, group.units * group.query_heads_per_unit, len(query_heads))
 
 
 def _set_head_count(owner: nn.Module, heads: int, kept: int) -> None:
-    """The head count a module of an attention layer keeps of its own, `num_heads` and
-    the head entry (last, or else first) of `bias_shape` (timm's relative-position
+    """The head count a module of an attention layer keeps of its own, `num_heads` (or
+    `n_heads`) and the head entry (last, or else first) of `bias_shape` (timm's relative-position
     modules, which shape their bias by it), set from `heads` to `kept`."""
-    if getattr(owner, "num_heads", None) == heads:
-        owner.num_heads = kept
+    for count in ("num_heads", "n_heads"):
+        if getattr(owner, count, None) == heads:
+            setattr(owner, count, kept)
     shape = getattr(owner, "bias_shape", None)
     if isinstance(shape, tuple) and shape and shape[-1] == heads:
         owner.bias_shape = (*shape[:-1], kept)
@@ -1202,14 +1222,20 @@ def _set_head_count(owner: nn.Module, heads: int, kept: int) -> None:
         owner.bias_shape = (kept, *shape[1:])
 
 
-def _prune_layer_heads(
-    group: HeadGroup, copy: dict[str, nn.Module], names: dict[nn.Module, str], mask: torch.Tensor
-) -> None:
-    """prune_heads for one attention layer."""
+def _query_heads(mask: torch.Tensor, per_unit: int) -> torch.Tensor:
+    """The query heads of the units `mask` keeps, in order (on the CPU)."""
     kept = mask.nonzero().flatten().cpu()
-    per_unit = group.query_heads_per_unit
-    query_heads = (kept[:, None] * per_unit + torch.arange(per_unit)).flatten()
-    for owner, name, dim in group.tables:
+    return (kept[:, None] * per_unit + torch.arange(per_unit)).flatten()
+
+
+def _cut_tables(
+    tables: list[tuple[nn.Module, str, int]],
+    copy: dict[str, nn.Module],
+    names: dict[nn.Module, str],
+    query_heads: torch.Tensor,
+) -> None:
+    """Cut each (owner, name, dim) table of the copy to the entries of `query_heads`."""
+    for owner, name, dim in tables:
         target = copy[names[owner]]
         table = getattr(target, name).detach()
         kept_entries = table.index_select(dim, query_heads.to(table.device)).clone()
@@ -1218,6 +1244,16 @@ def _prune_layer_heads(
             target.out_features = len(query_heads)
         if isinstance(target, nn.Embedding):  # one column per head
             target.embedding_dim = len(query_heads)
+
+
+def _prune_layer_heads(
+    group: HeadGroup, copy: dict[str, nn.Module], names: dict[nn.Module, str], mask: torch.Tensor
+) -> None:
+    """prune_heads for one attention layer."""
+    kept = mask.nonzero().flatten().cpu()
+    per_unit = group.query_heads_per_unit
+    query_heads = _query_heads(mask, per_unit)
+    _cut_tables(group.tables, copy, names, query_heads)
     for inner in copy[names[group.module]].modules():  # its position-bias modules' counts
         _set_head_count(inner, group.units * per_unit, len(query_heads))
     query_rows = Projection(group.module, 1, per_unit * group.head_dim).kept(group.units, kept)
@@ -1257,6 +1293,7 @@ def _prune_layer_heads(
     sizes = {
         "num_heads": heads,
         "n_heads": heads,
+        "n_head": heads,  # OpenAI GPT's
         "heads": heads,  # timm's Hiera
         "num_attention_heads": heads,
         "attn_dim": heads * group.head_dim,

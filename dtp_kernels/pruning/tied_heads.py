@@ -1,4 +1,5 @@
-"""Attention heads tied across the layers of a stack: T5's relative position bias.
+"""Attention heads tied across the layers of a stack: T5's and MPNet's relative position
+bias.
 
 The first self-attention layer of a T5 stack computes a bias per head from its table
 (``relative_attention_bias``) and hands that tensor to every later layer of the stack,
@@ -11,8 +12,12 @@ columns, one transport segment, named after the chain's first layer.
 
 Chains are found in one forward of the example inputs (:func:`tie_chains`): a layer
 handed no bias that returns one starts a chain; a layer handed that very tensor belongs
-to it. A layer handed a bias no such layer returned (MPT's ALiBi, which the model
-computes for all heads) is refused by name, as is a chain whose layers' heads differ.
+to it. Layers handed one tensor that no such layer returned are a chain too when the
+model computes it from a table of one column per head outside them (MPNet's encoder's
+``relative_attention_bias``), proven in one forward with half the table's columns kept;
+the table loses the removed heads' columns with the layers. A layer handed a bias no
+table gives (MPT's ALiBi, which the model computes for all heads) is refused by name,
+as is a chain whose layers' heads differ.
 Each layer of a chain is proven as every head group is (heads.py), a later layer with
 the bias it is handed cut to the kept heads, as the exported first layer hands it.
 """
@@ -29,8 +34,8 @@ from .heads import HeadGroup
 from .proof import run_watched
 
 # the argument by which an attention layer is handed the bias of another layer (T5, mT5,
-# LongT5, Switch Transformers, Pop2Piano; MPT's ALiBi comes by the same name from the
-# model)
+# LongT5, Switch Transformers, Pop2Piano) or of the model (MPNet's, from a table; MPT's
+# ALiBi)
 BIAS_ARGUMENT = "position_bias"
 
 
@@ -50,11 +55,17 @@ class TiedHeadGroup(HeadGroup):
         self.width = {m: w for g in self.tied for m, w in g.width.items()}
 
     @classmethod
-    def of(cls, chain: list[HeadGroup], bias_dims: dict[nn.Module, int]) -> TiedHeadGroup:
-        """The group of `chain` (its first layer first), whose layers have equal heads."""
+    def of(
+        cls,
+        chain: list[HeadGroup],
+        bias_dims: dict[nn.Module, int],
+        source: tuple[nn.Module, str, int] | None = None,
+    ) -> TiedHeadGroup:
+        """The group of `chain` (its first layer first), whose layers have equal heads;
+        `source` the table outside them the bias comes from, if any (MPNet's)."""
         first = chain[0]
         own = {f.name: getattr(first, f.name) for f in fields(HeadGroup) if f.init}
-        own["tables"] = [t for g in chain for t in g.tables]
+        own["tables"] = [t for g in chain for t in g.tables] + ([source] if source else [])
         own["row_vectors"] = [v for g in chain for v in g.row_vectors]
         own["rescaled"] = [r for g in chain for r in g.rescaled]
         own["norms"] = tuple(n for g in chain for n in g.norms)
@@ -88,6 +99,80 @@ class TiedHeadGroup(HeadGroup):
         return bound.args, bound.kwargs
 
 
+# why a layer handed a bias for all heads from outside the chains is refused
+OUTSIDE = (
+    f"its forward takes `{BIAS_ARGUMENT}`, and the example inputs hand it a bias for all "
+    "heads that no attention layer computed and no table of the model gives head by head "
+    "(MPT's ALiBi, computed by the model), or none: it would not lose the heads removed "
+    "from the layer"
+)
+
+
+def _heads(group: HeadGroup) -> tuple[int, int, int]:
+    return (group.units, group.query_heads_per_unit, group.head_dim)
+
+
+def _unlike(group: HeadGroup, first: HeadGroup, bias: torch.Tensor, whose: str) -> str:
+    """Why `group`, handed the bias `first` computes or is handed (`whose`), is refused:
+    its heads are not `first`'s."""
+    heads = group.units * group.query_heads_per_unit
+    return (
+        f"it adds the bias {first.name!r} {whose} for its heads, so its heads are "
+        f"tied to that layer's, but its {heads} heads of {group.head_dim} (a bias "
+        f"of shape {tuple(bias.shape)}) are not that layer's "
+        f"{first.units * first.query_heads_per_unit} of {first.head_dim}"
+    )
+
+
+class _SeenError(Exception):
+    """Raised by the hook of `_source_table` once it has the bias: nothing more runs."""
+
+
+def _source_table(
+    model: nn.Module, inputs: tuple, chain: list[HeadGroup], bias: torch.Tensor, dim: int
+) -> tuple[nn.Module, str, int] | None:
+    """The embedding, outside the chain's layers, of one column per head from which the
+    model computes the `bias` it hands them (MPNet's encoder's relative_attention_bias),
+    as (module, "weight", 1); None when none is. A candidate is proven in one forward on
+    `inputs` with every other of its columns kept: the bias handed to the chain's first
+    layer must then be `bias` with every other head kept along `dim`."""
+    first = chain[0]
+    heads = first.units * first.query_heads_per_unit
+    if heads < 2:  # nothing to prove with one
+        return None
+    inside = {m for g in chain for m in g.module.modules()}
+    candidates = [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.Embedding) and m.embedding_dim == heads and m not in inside
+    ]
+    keep = torch.arange(0, heads, 2)
+    want = bias.index_select(dim, keep.to(bias.device))
+    for table in candidates:
+        seen = []
+
+        def stop(module, args, kwargs, seen=seen):
+            given = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+            seen.append(given.get(BIAS_ARGUMENT))
+            raise _SeenError
+
+        weight = table.weight
+        table.weight = nn.Parameter(weight.detach()[:, keep.to(weight.device)])
+        try:
+            run_watched(
+                model, inputs, [first.module.register_forward_pre_hook(stop, with_kwargs=True)]
+            )
+        # _SeenError once the bias is seen; any other: the model fails with the table cut
+        except Exception:  # `seen` tells which
+            pass
+        finally:
+            table.weight = weight
+        got = seen[0] if seen else None
+        if isinstance(got, torch.Tensor) and got.shape == want.shape and torch.equal(got, want):
+            return (table, "weight", 1)
+    return None
+
+
 def _bias_dim(bias: torch.Tensor, heads: int) -> int | None:
     """The dimension of the heads in a bias handed to a layer of `heads` query heads: 1
     in the (batch, heads, queries, keys) layout of attention scores, else the one
@@ -119,38 +204,46 @@ def tie_chains(model: nn.Module, groups: list[HeadGroup], inputs: tuple) -> list
     }
     chains: dict[nn.Module, list[HeadGroup]] = {}  # by the first layer's module
     bias_dims: dict[nn.Module, dict[nn.Module, int]] = {}
+    outside: dict[int, list[HeadGroup]] = {}  # the layers handed each bias from outside
     for group in takers:
         bias = handed.get(group.module, 0)  # 0: never called
         if bias is None:
             chains.setdefault(group.module, [group])
             continue
         first = firsts.get(id(bias)) if isinstance(bias, torch.Tensor) else None
-        heads = group.units * group.query_heads_per_unit
         if first is None:
-            group.refusal = (
-                f"its forward takes `{BIAS_ARGUMENT}`, and the example inputs hand it a "
-                "bias for all heads that no attention layer computed (MPT's ALiBi, "
-                "computed by the model), or none: it would not lose the heads removed "
-                "from the layer"
-            )
+            if isinstance(bias, torch.Tensor):
+                outside.setdefault(id(bias), []).append(group)
+            else:
+                group.refusal = OUTSIDE
             continue
-        dim = _bias_dim(bias, heads)
-        shape = (group.units, group.query_heads_per_unit, group.head_dim)
-        if dim is None or shape != (first.units, first.query_heads_per_unit, first.head_dim):
-            group.refusal = (
-                f"it adds the bias {first.name!r} computes for its heads, so its heads are "
-                f"tied to that layer's, but its {heads} heads of {group.head_dim} (a bias "
-                f"of shape {tuple(bias.shape)}) are not that layer's "
-                f"{first.units * first.query_heads_per_unit} of {first.head_dim}"
-            )
+        dim = _bias_dim(bias, group.units * group.query_heads_per_unit)
+        if dim is None or _heads(group) != _heads(first):
+            group.refusal = _unlike(group, first, bias, "computes")
             continue
         chains.setdefault(first.module, [first]).append(group)
         bias_dims.setdefault(first.module, {})[group.module] = dim
+    sources = {}  # per first layer of a chain handed a bias from outside: its table
+    for chain in outside.values():
+        first, bias = chain[0], handed[chain[0].module]
+        dims = {g.module: _bias_dim(bias, g.units * g.query_heads_per_unit) for g in chain}
+        unlike = [g for g in chain if _heads(g) != _heads(first)]
+        source = None
+        if not unlike and None not in dims.values():
+            source = _source_table(model, inputs, chain, bias, dims[first.module])
+        if source is None:
+            for group in chain:
+                group.refusal = OUTSIDE
+                if group in unlike:
+                    group.refusal = _unlike(group, first, bias, "is handed")
+            continue
+        chains[first.module], bias_dims[first.module] = chain, dims
+        sources[first.module], firsts[id(bias)] = source, first
     _refuse_chains_reaching_others(chains, firsts, handed, names)
     tied = {
-        module: TiedHeadGroup.of(chain, bias_dims[module])
+        module: TiedHeadGroup.of(chain, bias_dims[module], sources.get(module))
         for module, chain in chains.items()
-        if len(chain) > 1
+        if len(chain) > 1 or module in sources
     }
     later = {m.module for chain in chains.values() for m in chain[1:]}
     return [tied.get(g.module, g) for g in groups if g.module not in later]

@@ -74,8 +74,10 @@ def albert():  # query, key, value and dense in one module, its LayerNorm after 
     return transformers.AlbertForSequenceClassification(config), (tokens(),)
 
 
-def deberta(share_att_key: bool):  # relative attention: pos_key_proj, pos_query_proj
-    config = transformers.DebertaV2Config(
+def deberta(share_att_key: bool = False, family: str = "DebertaV2", **options):
+    """A tiny DeBERTa-v2 (or DeBERTa: `family="Deberta"`) classifier with relative
+    attention: pos_key_proj and pos_query_proj (DeBERTa's pos_proj and pos_q_proj)."""
+    config = getattr(transformers, f"{family}Config")(
         vocab_size=VOCAB,
         hidden_size=32,
         num_hidden_layers=2,
@@ -86,9 +88,10 @@ def deberta(share_att_key: bool):  # relative attention: pos_key_proj, pos_query
         position_buckets=8,
         max_relative_positions=16,
         share_att_key=share_att_key,
+        **options,
         **TOKEN_IDS,
     )
-    return transformers.DebertaV2ForSequenceClassification(config), (tokens(),)
+    return getattr(transformers, f"{family}ForSequenceClassification")(config), (tokens(),)
 
 
 def bart():  # encoder self-attention, decoder self- and cross-attention
@@ -399,6 +402,32 @@ def test_a_linear_layer_of_one_output_per_head_is_cut_with_the_heads(monkeypatch
     assert exported.model.layers[0].self_attn.g_proj.out_features == 2
 
 
+@pytest.mark.parametrize("talking_head", [False, True], ids=["plain", "talking_heads"])
+def test_deberta_in_proj_heads_export_with_their_biases_and_position_projections(talking_head):
+    """DeBERTa's in_proj holds each head's query, key and value in turn; its query and
+    value biases are vectors of the query width, its relative-position projections
+    (pos_proj, pos_q_proj) hold a block of rows per head, and its talking heads mix the
+    heads' logits and weights: all are cut with the heads, and the export computes what
+    the hard-masked model computes, with the report's parameters."""
+    torch.manual_seed(0)
+    model, inputs = deberta(family="Deberta", talking_head=talking_head)
+    pruner = randomised(DTPPruner(model, inputs, {"heads": 0.5, "mlp": 0.5}))
+    heads = [g for g in pruner.groups if isinstance(g, HeadGroup)]
+    assert [(g.size, g.head_dim) for g in heads] == [(4, 8)] * 2
+    exported = export_checked(pruner, model, inputs)
+    for layer in exported.deberta.encoder.layer:
+        attention = layer.attention.self
+        assert (attention.num_attention_heads, attention.all_head_size) == (2, 16)
+        assert attention.in_proj.out_features == 3 * 16
+        assert attention.q_bias.shape == attention.v_bias.shape == (16,)
+        assert attention.pos_proj.out_features == attention.pos_q_proj.out_features == 16
+        if talking_head:
+            assert attention.head_logits_proj.weight.shape == (2, 2)
+        assert layer.attention.output.dense.in_features == 16
+    params, _ = pruner.predicted_counts()
+    assert params == sum(p.numel() for p in exported.parameters())
+
+
 def test_an_attention_layer_that_does_not_split_into_heads_leaves_the_mlps_prunable():
     """MiMo-V2-Flash's value heads are wider than its query heads, so its projections do
     not split into heads of `head_dim`: asking for its heads (a float asks for them too)
@@ -549,6 +578,55 @@ def test_gpt2_heads_and_mlp_export_equal_to_the_hard_masked_model_and_generate()
     assert params == sum(p.numel() for p in exported.parameters())
     generated = exported.generate(ids[:1], max_new_tokens=4, do_sample=False)
     assert generated.shape == (1, ids.shape[1] + 4)
+
+
+def test_openai_gpt_heads_export_with_its_head_count_and_split_size():
+    """OpenAI GPT's attention is GPT-2's c_attn and c_proj, its head count kept as n_head
+    and no head_dim (split_size over n_head): its heads are groups, and export writes
+    n_head and split_size, computing what the hard-masked model computes."""
+    from dtp_kernels import conv1d_to_linear
+
+    torch.manual_seed(0)
+    config = transformers.OpenAIGPTConfig(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=16
+    )
+    model, ids = conv1d_to_linear(transformers.OpenAIGPTLMHeadModel(config)), tokens()
+    pruner = DTPPruner(model, (ids,), {"heads": 0.5})
+    assert [(type(g).__name__, g.size, g.head_dim) for g in pruner.groups] == [
+        ("HeadGroup", 4, 8)
+    ] * 2
+    with torch.no_grad():
+        pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
+    exported = export_checked(pruner, model, (ids,))
+    for block in exported.transformer.h:
+        assert (block.attn.n_head, block.attn.split_size, block.attn.c_attn.nf) == (2, 16, 48)
+
+
+def test_a_mixed_attention_layer_is_refused_with_ratios_that_leave_it_whole():
+    """ConvBERT's output projection reads its heads and its span convolutions alike, so
+    its query/key/value do not split the projection into heads: a float is refused naming
+    the layers, with ratios that leave them whole; those prune its MLPs and export."""
+    config = transformers.ConvBertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        embedding_size=32,
+        pad_token_id=0,
+    )
+    model, ids = transformers.ConvBertForSequenceClassification(config).eval(), tokens()
+    with pytest.raises(ValueError, match=r"'convbert.encoder.layer.0.attention': query/key") as e:
+        DTPPruner(model, (ids,), 0.5)
+    suggested = ast.literal_eval(str(e.value).rpartition("ratios=")[2])
+    assert suggested == {
+        "*": 0.5,
+        "convbert.encoder.layer.0.attention": 0,
+        "convbert.encoder.layer.1.attention": 0,
+    }
+    pruner = DTPPruner(model, (ids,), suggested)
+    assert {type(g).__name__ for g in pruner.groups} == {"ChannelGroup"}
+    export_checked(pruner, model, (ids,))
 
 
 def test_linear_layers_go_back_to_the_conv1d_layers_gpt2_builds():
@@ -739,12 +817,15 @@ MULTI_QUERY = {
     "phi3": (lambda: decoder("Phi3", num_key_value_heads=1), True),  # fused qkv_proj
     "falcon": (falcon, False),  # Falcon-7B's fused query_key_value
     "falcon_grouped": (lambda: falcon(new_decoder_architecture=True, num_kv_heads=1), False),
+    # its code splits c_attn at embed_dim, the query width as built: export writes it
+    "gpt_bigcode": (gpt_bigcode, False),
 }
 
 
 @pytest.mark.parametrize("family", MULTI_QUERY)
 def test_multi_query_attention_loses_query_heads_and_keeps_its_key_and_value(family, tmp_path):
-    """With one key/value head for all query heads (Gemma 2B's, Falcon-7B's), a unit is
+    """With one key/value head for all query heads (Gemma 2B's, Falcon-7B's, StarCoder's
+    GPT-BigCode), a unit is
     a query head: the export keeps exactly the query heads asked for with the key and
     value rows whole, equals the hard-masked model, generates and, where the config
     can describe it, round-trips through save_pretrained."""
@@ -770,8 +851,10 @@ def test_multi_query_attention_loses_query_heads_and_keeps_its_key_and_value(fam
         assert queries.out_features == (2 + shared_rows) * group.head_dim
         assert modules[names[group.layer]].in_features == 2 * group.head_dim
         attention = modules[names[group.module]]
-        for attr in ("num_key_value_heads", "num_kv_heads"):
+        for attr in ("num_key_value_heads", "num_kv_heads", "kv_heads"):
             assert getattr(attention, attr, 1) == 1, attr
+        if family == "gpt_bigcode":
+            assert attention.embed_dim == 2 * group.head_dim
     assert all(modules[n].weight.shape == shape for n, shape in before.items())
     params, _ = pruner.predicted_counts()
     assert params == sum(p.numel() for p in exported.parameters())
@@ -792,12 +875,6 @@ def test_multi_query_attention_loses_query_heads_and_keeps_its_key_and_value(fam
 # family: (builder, why its heads are refused, its attention layers, the MLP layers
 # that are its groups)
 REFUSED_HEADS = {
-    "gpt_bigcode_multi_query": (
-        gpt_bigcode,
-        "splits c_attn at embed_dim",
-        "transformer.h.{}.attn",
-        "transformer.h.{}.mlp.c_fc",
-    ),
     "bloom": (
         bloom,
         "handed `alibi`",
@@ -821,8 +898,8 @@ REFUSED_HEADS = {
 
 @pytest.mark.parametrize("family", REFUSED_HEADS)
 def test_heads_that_cannot_export_exactly_are_refused_by_name_and_the_mlp_prunes(family):
-    """GPT-BigCode's multi-query code splits c_attn at the model width; ALiBi (BLOOM, MPT,
-    Falcon with alibi) is computed for all heads outside the layer that uses them.
+    """ALiBi (BLOOM, MPT, Falcon with alibi) is computed for all heads outside the layer
+    that uses them.
     Asking for their heads names every layer and why, the model untouched; their MLPs
     prune and export exactly."""
     build, why, attention, mlp = REFUSED_HEADS[family]

@@ -258,3 +258,102 @@ def test_a_chain_whose_bias_reaches_a_layer_left_whole_is_refused_naming_it():
     )
     tied = [g.name for g in pruner.groups]  # the encoder's chain and the cross-attention's
     assert tied == [s.format(0, "SelfAttention") for s in STACKS[::2]]
+
+
+class TableBiasedStack(torch.nn.Module):
+    """Layers of BiasedAttention handed a bias per head that the model computes, from a
+    table of its own (`from_table`, as MPNet's encoder does) or from a buffer beside an
+    embedding of as many columns that does not give it."""
+
+    def __init__(self, layers: int = 3, from_table: bool = True) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(BiasedAttention(4, False) for _ in range(layers))
+        self.relative_attention_bias = torch.nn.Embedding(5, 4)
+        self.from_table = from_table
+        self.register_buffer("fixed", torch.randn(1, 4, 6, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        where = torch.arange(x.shape[1])
+        buckets = (where[None] - where[:, None]).clamp(-2, 2) + 2
+        table = self.relative_attention_bias(buckets).permute(2, 0, 1)[None].contiguous()
+        bias = table if self.from_table else self.fixed + table.sum()
+        for layer in self.layers:
+            out, _ = layer(x, position_bias=bias)
+            x = x + out
+        return x
+
+
+def test_layers_handed_a_bias_the_model_computes_from_a_table_are_tied_with_it():
+    """A bias per head the model computes from a table of one column per head (MPNet's)
+    ties the layers it is handed to, with that table: the same heads leave every layer
+    and the table's columns; the export computes what the hard-masked model computes."""
+    torch.manual_seed(0)
+    model, inputs = TableBiasedStack(), (torch.randn(2, 6, 16),)
+    pruner = randomised(DTPPruner(model, inputs, {"heads": 0.5}))
+    (group,) = pruner.groups
+    assert [m.name for m in group.tied] == ["layers.0", "layers.1", "layers.2"]
+    assert group.tables == [(model.relative_attention_bias, "weight", 1)]
+    model.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(*inputs)
+    exported = pruner.export()
+    torch.testing.assert_close(exported(*inputs), want, rtol=1e-5, atol=1e-5)
+    kept = pruner.hard_masks()[0].nonzero().flatten()
+    torch.testing.assert_close(
+        exported.relative_attention_bias.weight, model.relative_attention_bias.weight[:, kept]
+    )
+    params, _ = pruner.predicted_counts()
+    assert params == sum(p.numel() for p in exported.parameters())
+
+
+def test_a_bias_from_outside_that_no_table_gives_refuses_its_layers():
+    """The same layers handed a bias the model computes from a buffer, beside an
+    embedding of one column per head that does not give it head by head: no table is
+    proven, and the layers are refused by name."""
+    torch.manual_seed(0)
+    model, inputs = TableBiasedStack(from_table=False), (torch.randn(2, 6, 16),)
+    with pytest.raises(ValueError, match=r"'layers.0': its forward takes `position_bias`.*no "):
+        DTPPruner(model, inputs, {"heads": 0.5})
+
+
+def tiny_mpnet():
+    config = transformers.MPNetConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        pad_token_id=0,
+    )
+    ids = torch.randint(3, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    return transformers.MPNetForSequenceClassification(config).eval(), (ids,)
+
+
+def test_mpnet_heads_are_tied_to_its_encoders_bias_table_and_export_exactly():
+    """MPNet's encoder computes one relative position bias per head from its table and
+    hands it to every layer: the layers' heads are one group with that table, and the
+    export (the table's columns and the encoder's n_heads cut) computes what the
+    hard-masked model computes, with the report's parameters."""
+    torch.manual_seed(0)
+    model, inputs = tiny_mpnet()
+    encoder = model.mpnet.encoder
+    pruner = randomised(DTPPruner(model, inputs, {"heads": 0.5, "mlp": 0.5}))
+    (tied,) = [g for g in pruner.groups if isinstance(g, TiedHeadGroup)]
+    assert [m.module for m in tied.tied] == [layer.attention.attn for layer in encoder.layer]
+    assert tied.tables == [(encoder.relative_attention_bias, "weight", 1)]
+    exported, got, want = hard_masked_and_exported(pruner, model, inputs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    cut = exported.mpnet.encoder
+    assert cut.relative_attention_bias.weight.shape == (32, 2) and cut.n_heads == 2
+    assert all(layer.attention.attn.o.in_features == 16 for layer in cut.layer)
+    params, _ = pruner.predicted_counts()
+    assert params == sum(p.numel() for p in exported.parameters())
+
+
+def test_an_mpnet_layer_left_whole_refuses_the_heads_of_the_others():
+    """A layer left whole would be handed the encoder's bias cut to fewer heads: the
+    others' heads are refused, naming it."""
+    model, inputs = tiny_mpnet()
+    left = model.mpnet.encoder.layer[1].attention.attn
+    with pytest.raises(ValueError, match=r"handed to 'mpnet.encoder.layer.1.attention.attn' too"):
+        DTPPruner(model, inputs, {"heads": 0.5}, ignored_layers=[left])
