@@ -1,18 +1,20 @@
 """Prune every architecture of the installed transformers for a task at a float ratio and
 check each export (`python benchmarks/hf_prune_check.py [--task causal-lm | masked-lm |
-sequence-classification | image-classification] [model_type ...]`): the groups found by
-kind, the FLOPs reduction, the export's largest difference from the hard-masked model
-and its parameters against the report. A model the pruner refuses is tried again with
-the ratios its error gives (the ones that leave the refused groups whole), as a user
-would; one refused again, or refused without them, gets the error's first words. GPT-2's
-Conv1D layers are made nn.Linear first, as `dtp prune` does.
+sequence-classification | image-classification | audio-classification] [model_type
+...]`): the groups found by kind, the FLOPs reduction, the export's largest difference
+from the hard-masked model and its parameters against the report. A model the pruner
+refuses is tried again with the ratios its error gives (the ones that leave the refused
+groups whole), as a user would; one refused again, or refused without them, gets the
+error's first words. GPT-2's Conv1D layers are made nn.Linear first, as `dtp prune`
+does.
 
 Each architecture is built from its default config (`AutoConfig.for_model`, nothing
 downloaded) with the size fields it has set small (SIZES: 2 layers of width 64, 4 heads,
 a vocabulary of 256, 64 x 64 images), random weights and random scores, on 12 tokens (a
-sequence classifier's last one its end of sequence) or one image. A config whose own
-checks refuse that size, or a model that does not run at it, is listed as not built; one
-still over 30M parameters (a field SIZES does not name) is skipped."""
+sequence classifier's last one its end of sequence), one image, or 4,000 samples of
+audio (a spectrogram of the config's size for Whisper). A config whose own checks refuse
+that size, or a model that does not run at it, is listed as not built; one still over
+30M parameters (a field SIZES does not name) is skipped."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import transformers
 from _harness import RESULTS, environment
 from transformers import (
     AutoConfig,
+    AutoModelForAudioClassification,
     AutoModelForCausalLM,
     AutoModelForImageClassification,
     AutoModelForMaskedLM,
@@ -107,6 +110,11 @@ TASKS = {
         modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
         "sequence classifiers",
     ),
+    "audio-classification": (
+        AutoModelForAudioClassification,
+        modeling_auto.MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES,
+        "audio classifiers",
+    ),
     "image-classification": (
         AutoModelForImageClassification,
         modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
@@ -158,8 +166,15 @@ def kinds(pruner: DTPPruner) -> str:
 
 
 def example(model: torch.nn.Module, task: str) -> torch.Tensor:
-    """12 token ids, or one image of the config's size and channels."""
+    """12 token ids; one image of the config's size and channels; 4,000 samples of audio
+    or, for a model of spectrograms, one of the config's mel bins and length."""
     generator = torch.Generator().manual_seed(1)
+    if task == "audio-classification":
+        if model.main_input_name == "input_values":
+            return torch.randn(1, 4000, generator=generator)
+        config = model.config  # Whisper's encoder: (mel bins, twice its positions)
+        length = 2 * getattr(config, "max_source_positions", 1500)
+        return torch.randn(1, getattr(config, "num_mel_bins", 80), length, generator=generator)
     if task != "image-classification":
         ids = torch.randint(3, 200, (1, 12), generator=generator)
         eos = getattr(model.config, "eos_token_id", None)
@@ -264,7 +279,10 @@ def main() -> None:
     ]
     statuses = [row[1] for row in rows]
     summary = ", ".join(f"{statuses.count(s)} {s}" for s in dict.fromkeys(statuses))
-    inputs = "one 64 x 64 image" if args.task == "image-classification" else "12 tokens"
+    inputs = {
+        "image-classification": "one 64 x 64 image",
+        "audio-classification": "4,000 samples of audio or Whisper's 80 x 3,000 spectrogram",
+    }.get(args.task, "12 tokens")
     lines = [
         f"# Hugging Face {what} pruned and exported "
         f"(`benchmarks/hf_prune_check.py --task {args.task}`)",

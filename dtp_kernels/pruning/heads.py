@@ -966,7 +966,7 @@ def prove_head_groups(model: nn.Module, groups: list[HeadGroup], inputs: tuple) 
 
         # a layer of a chain is handed the bias cut as the exported first layer hands it
         if not _proven(group, scope, calls[scope], zero, cut, partial(tied.cut_call, group)):
-            where = "" if group is tied else f"its tied layer {group.name!r}: "
+            where = "" if group.module is tied.module else f"its tied layer {group.name!r}: "
             tied.refusal = where + (
                 "with some of its heads removed it does not compute what it computes with "
                 "them masked, on the example inputs: its code treats its heads in a way "
