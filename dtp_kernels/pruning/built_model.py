@@ -68,16 +68,26 @@ def export_classes() -> dict[str, type[nn.Module]]:
     a model or builder holding their layers has imported them), by qualified name; each
     has `replaces` (the class it stands for) and `from_dense(module)` (one of the dense
     module's sizes)."""
-    from .heads import PrunedMultiheadAttention, pruned_classes
+    from .multihead_attention import PrunedMultiheadAttention
+    from .pruned_classes import pruned_classes
 
     classes = [PrunedMultiheadAttention, *pruned_classes().values()]
-    return {f"{c.__module__}:{c.__qualname__}": c for c in classes}
+    named = {f"{c.__module__}:{c.__qualname__}": c for c in classes}
+    return named | {old: named[new] for old, new in FORMER_NAMES.items()}
+
+
+# the names files written by earlier versions give classes that have moved since
+FORMER_NAMES = {
+    "dtp_kernels.pruning.heads:PrunedMultiheadAttention": (
+        "dtp_kernels.pruning.multihead_attention:PrunedMultiheadAttention"
+    ),
+}
 
 
 def replaced_modules(dense: nn.Module, pruned: nn.Module, path) -> dict[str, str]:
     """Per module name, the export class `pruned` has where `dense` has the class it
     replaces; ValueError naming a module of another class than the builder's."""
-    classes = {c: name for name, c in export_classes().items()}
+    classes = {c: name for name, c in export_classes().items() if name not in FORMER_NAMES}
     built = dict(dense.named_modules())
     replaced = {}
     for name, module in pruned.named_modules():
@@ -142,7 +152,7 @@ def _check_unsaved_buffers(dense: nn.Module, pruned: nn.Module, path) -> None:
     module's own, once given) names in `remade_buffers` is made by its forward for its
     input (ConViT's relative positions), whether its heads were cut or not, and is left
     out."""
-    from .heads import pruned_classes
+    from .pruned_classes import pruned_classes
 
     classes = pruned_classes()
     built = dict(dense.named_modules())

@@ -1242,7 +1242,7 @@ def test_latent_attention_heads_export_exactly_without_the_channel_graph(
 def test_latent_attention_is_recognised_by_all_its_parts_and_checked_whole():
     """Without its key/value latent it is not latent attention; a value head size that
     does not divide o_proj's inputs is an error naming the layer."""
-    from dtp_kernels.pruning.heads import _latent
+    from dtp_kernels.pruning.attention_forms import _latent
 
     attn = tiny_deepseek().model.layers[0].self_attn
     assert _latent("attn", attn).units == 4

@@ -523,7 +523,7 @@ def test_a_timm_without_these_classes_gives_none_and_their_heads_are_refused(mon
     other models' heads still prune."""
     import sys
 
-    from dtp_kernels.pruning.heads import pruned_classes
+    from dtp_kernels.pruning.pruned_classes import pruned_classes
 
     monkeypatch.delitem(sys.modules, "dtp_kernels.pruning.timm_attention")
     monkeypatch.delattr(timm.models.davit, "ChannelAttention")  # its import then fails

@@ -344,7 +344,7 @@ def test_torchvision_vit_heads_export_to_fewer_heads():
     replaces it with PrunedMultiheadAttention, equal to the hard-masked model."""
     import torchvision
 
-    from dtp_kernels.pruning.heads import PrunedMultiheadAttention
+    from dtp_kernels.pruning.multihead_attention import PrunedMultiheadAttention
 
     torch.manual_seed(0)
     vit = torchvision.models.VisionTransformer(
@@ -381,7 +381,7 @@ def test_torchvision_vit_heads_export_to_fewer_heads():
 def test_pruned_multihead_attention_keeping_every_head_is_nn_multihead_attention(batch_first):
     """With all heads kept the replacement computes what nn.MultiheadAttention does:
     outputs and weights, with an attention mask and a key padding mask, batched or not."""
-    from dtp_kernels.pruning.heads import PrunedMultiheadAttention
+    from dtp_kernels.pruning.multihead_attention import PrunedMultiheadAttention
 
     torch.manual_seed(0)
     mha = torch.nn.MultiheadAttention(16, 4, batch_first=batch_first).eval()

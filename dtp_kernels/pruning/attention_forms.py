@@ -1,0 +1,566 @@
+"""The forms of attention layer whose heads the pruner recognises by their structure
+(Torch-Pruning's graph does not follow the per-head reshapes), and the head group of
+each (:func:`match_form`):
+
+- separate projections, as Hugging Face writes them: ``q_proj``, ``k_proj``, ``v_proj``
+  and ``o_proj`` (Llama, Mistral, Qwen, Gemma), ``out_proj`` (OPT, BART, Whisper, CLIP,
+  GPT-J, XGLM), ``dense`` (Phi), ``Wo`` (ModernBERT's decoder), ``projection_layer``
+  (InternVL's vision tower) or ``proj`` (timm's EVA, unfused), with ``head_dim``;
+  DistilBERT's ``q_lin``, ``k_lin``, ``v_lin``, ``out_lin`` and ALBERT's ``query``,
+  ``key``, ``value``, ``dense`` with ``attention_head_size``; T5's and UMT5's ``q``,
+  ``k``, ``v``, ``o`` with ``key_value_proj_dim``; CTRL's ``Wq``, ``Wk``, ``Wv``,
+  ``dense`` with ``head_dim``; XLM's and FlauBERT's ``q_lin``, ``k_lin``, ``v_lin``,
+  ``out_lin`` with ``head_dim``. An RMS normalization of the queries or keys over all
+  heads (OLMo 2's ``q_norm``, not Qwen3's per head) is kept exact as heads go
+  (head_norms.py); any other normalization over all heads refuses the group; an output
+  gate of the query width (AFMoE's ``gate_proj``) is cut with the heads, and any other
+  linear layer computing the query width from the layer's input refuses the group;
+- one fused ``qkv`` projection and ``proj``, with ``num_heads`` and ``head_dim``, as
+  timm's ViT and DeiT write them (or ``num_heads`` alone: timm's and torchvision's Swin,
+  timm's MaxxViT, whose ``head_first`` layers hold each head's query, key and value in
+  turn); layers whose code ties the head size or the output width to the input width
+  (torchvision's Swin and MaxViT; timm's EVA, BEiT, Swin V2, Swin V2 CR, DaViT, XCiT,
+  EdgeNeXt, VOLO, relative-position ViT, PVT v2, Twins, NesT, ConViT and CaiT, whose
+  talking heads' mixes over the heads are cut with them; Hugging Face's TrOCR and PVT
+  v2, of the separate form) are exported as classes of torchvision_attention.py,
+  timm_attention.py and transformers_attention.py (pruned_classes.py); GPT-2's
+  ``c_attn`` and ``c_proj`` with ``split_size`` (its Conv1D layers made ``nn.Linear`` by
+  :func:`conv1d_to_linear` first; OpenAI GPT's with ``n_head``); MPNet's ``q``, ``k``,
+  ``v``, ``o`` with ``attention_head_size``; Phi-3's ``qkv_proj`` (query heads, then key
+  and value heads) and ``o_proj``, whose head count the layers read from the config they
+  share;
+- a query projection ``q`` and one ``kv`` of all the keys then all the values (timm's
+  PVT v2, Twins' global attention and VOLO's class attention), or one ``qk`` and ``v``
+  (ConViT's gated positional attention), and ``proj``, with ``num_heads`` and
+  ``head_dim`` or the head count alone;
+- a fused ``qkv`` holding each head's query, key and value in turn, with ``key_dim``,
+  ``val_dim`` and ``num_heads`` (timm's TinyViT, EfficientFormer and LeViT; Hugging
+  Face's LeViT, ``queries_keys_values``; LeViT's projections carry a batch norm of their
+  rows, cut with them);
+- ``query``, ``key``, ``value`` with ``num_attention_heads`` and
+  ``attention_head_size``, the output projection being the ``output.dense`` beside it
+  (Hugging Face's BERT), or ``query_proj``, ``key_proj``, ``value_proj`` there
+  (DeBERTa-v2), or ``in_proj`` holding each head's query, key and value in turn
+  (DeBERTa);
+- one fused projection holding each unit's query heads, key and value in turn:
+  GPT-NeoX's, Falcon's and BLOOM's ``query_key_value`` with ``dense``, GPT-BigCode's
+  ``c_attn`` with ``c_proj``; MPT's ``Wqkv`` (query, key and value blocks) with
+  ``out_proj``, ModernBERT's with ``Wo``;
+- multi-head latent attention (DeepSeek-V2 and V3, and the families built on them): the
+  query projection ``q_b_proj`` (or ``q_proj``) and the key/value up-projection
+  ``kv_b_proj`` hold each head's rows, ``o_proj`` its columns; the compressed latents
+  before them (``q_a_proj``, ``kv_a_proj_with_mqa`` and their norms) serve all heads and
+  stay whole, as does the rotary key all heads share;
+- torch's ``nn.MultiheadAttention`` (torchvision's ViT). Its inner width is tied to the
+  embedding width, so export replaces it with a ``PrunedMultiheadAttention``
+  (multihead_attention.py), the same computation with fewer heads.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .head_group import HeadGroup, Projection
+from .pruned_classes import pruned_classes
+
+
+def _linear(module: nn.Module, name: str) -> nn.Linear | None:
+    child = getattr(module, name, None)
+    return child if isinstance(child, nn.Linear) else None
+
+
+def _fused_pair(
+    module: nn.Module, forms: tuple[tuple[str, str], ...]
+) -> tuple[str, str, nn.Linear, nn.Linear] | None:
+    """The first (fused projection, output projection) names of `forms` that `module`
+    holds as linear layers, with the layers."""
+    for fused, output in forms:
+        qkv, out = _linear(module, fused), _linear(module, output)
+        if qkv is not None and out is not None:
+            return fused, output, qkv, out
+    return None
+
+
+# separate query/key/value/output projections, by the names families give them, and the
+# attribute holding the head size
+SEPARATE_FORMS = (
+    (("q_proj", "k_proj", "v_proj", "o_proj"), "head_dim"),  # Llama, Mistral, Qwen, Gemma
+    (("q_proj", "k_proj", "v_proj", "out_proj"), "head_dim"),  # OPT, BART, CLIP, GPT-J
+    (("q_proj", "k_proj", "v_proj", "dense"), "head_dim"),  # Phi
+    (("q_proj", "k_proj", "v_proj", "Wo"), "head_dim"),  # ModernBERT's decoder
+    (("q_proj", "k_proj", "v_proj", "projection_layer"), "head_dim"),  # InternVL's vision tower
+    (("q_proj", "k_proj", "v_proj", "proj"), "head_dim"),  # timm's EVA, unfused
+    (("q_lin", "k_lin", "v_lin", "out_lin"), "attention_head_size"),  # DistilBERT
+    (("query", "key", "value", "dense"), "attention_head_size"),  # ALBERT
+    (("query", "key", "value", "proj"), "attention_head_size"),  # PVT v2
+    (("q", "k", "v", "o"), "key_value_proj_dim"),  # T5, UMT5
+    (("q", "k", "v", "o"), "attention_head_size"),  # MPNet
+    (("Wq", "Wk", "Wv", "dense"), "head_dim"),  # CTRL
+    (("q_lin", "k_lin", "v_lin", "out_lin"), "head_dim"),  # XLM, FlauBERT
+    # timm's NeXt-ViT, the attention pools of its CLIP ResNets (separate projections)
+    (("q", "k", "v", "proj"), "head_dim"),
+    # timm's class attention (CaiT, XCiT): num_heads, no head size
+    (("q", "k", "v", "proj"), None),
+)
+
+
+def _separate(name: str, module: nn.Module) -> HeadGroup | None:
+    """Separate query, key, value and output projections (Hugging Face's; timm's NeXt-ViT,
+    attention pools and class attention) with an attribute holding the head size, or (a
+    form's size None) a layer with no head_dim and a num_heads, the head size then the
+    output projection's inputs over it."""
+    for names, size in SEPARATE_FORMS:
+        layers = [_linear(module, p) for p in names]
+        head_dim = None if size is None else getattr(module, size, None)
+        heads = getattr(module, "num_heads", None)
+        alone = size is None and not hasattr(module, "head_dim")  # a head count alone
+        if alone and layers[3] is not None and isinstance(heads, int) and heads > 0:
+            if layers[3].in_features % heads:
+                raise ValueError(
+                    f"attention layer {name!r}: {names[3]} ({layers[3].in_features} inputs) "
+                    f"does not split into its num_heads {heads}"
+                )
+            head_dim, size = layers[3].in_features // heads, "size"
+        if all(layer is not None for layer in layers) and isinstance(head_dim, int):
+            break
+    else:
+        return None
+    q, k, v, o = layers
+    # each query head's rows followed by as many of its output gate's (Qwen3-Next's and
+    # Qwen3.5's gated attention: sigmoid(gate) scales the head's output channel by channel)
+    gated = q.out_features == 2 * o.in_features
+    if not (
+        o.in_features % head_dim == 0
+        and k.out_features % head_dim == 0
+        and k.out_features == v.out_features
+        and (o.in_features == q.out_features or gated)
+    ):
+        raise ValueError(
+            f"attention layer {name!r}: {names[0]} ({q.out_features}), {names[1]} "
+            f"({k.out_features}), {names[2]} ({v.out_features}) outputs and {names[3]} "
+            f"({o.in_features}) inputs do not split into heads of {size} {head_dim}"
+        )
+    heads, units = o.in_features // head_dim, k.out_features // head_dim
+    if heads % units:
+        raise ValueError(
+            f"attention layer {name!r}: {heads} query heads do not share {units} key/value "
+            "heads evenly"
+        )
+    query_rows = 2 * head_dim if gated else head_dim  # per query head
+    if units == 1 and heads > 1:  # multi-query: a unit is a query head; k and v stay whole
+        rows, out = [Projection(q, 1, query_rows)], Projection(o, 1, head_dim)
+        return HeadGroup(name, module, rows, out, heads, 1, head_dim, shared_kv=True)
+    per_unit = heads // units
+    rows = [
+        Projection(q, 1, per_unit * query_rows),
+        Projection(k, 1, head_dim),
+        Projection(v, 1, head_dim),
+    ]
+    out = Projection(o, 1, per_unit * head_dim)
+    return HeadGroup(name, module, rows, out, units, per_unit, head_dim)
+
+
+# queries, keys and values split over two projections, by name and the blocks each holds
+# (all heads' queries, keys or values in turn), before ``proj``: timm's PVT v2, Twins and
+# VOLO's class attention (q, kv); ConViT's gated positional attention (qk, v)
+SPLIT_FORMS = ((("q", 1), ("kv", 2)), (("qk", 2), ("v", 1)))
+
+
+def _split(name: str, module: nn.Module) -> HeadGroup | None:
+    """A SPLIT_FORMS pair of projections and ``proj``, with ``num_heads`` and ``head_dim``
+    or the head count alone, the head size then ``proj``'s inputs over it."""
+    out, heads = _linear(module, "proj"), getattr(module, "num_heads", None)
+    if out is None or not isinstance(heads, int) or heads < 1:
+        return None
+    for form in SPLIT_FORMS:
+        layers = [_linear(module, part) for part, _ in form]
+        if all(layer is not None for layer in layers):
+            break
+    else:
+        return None
+    head_dim = getattr(module, "head_dim", None)
+    if not isinstance(head_dim, int):
+        head_dim = out.in_features // heads
+    width = heads * head_dim
+    blocks = [count for _, count in form]
+    if (
+        head_dim < 1
+        or out.in_features != width
+        or any(
+            layer.out_features != count * width for layer, count in zip(layers, blocks, strict=True)
+        )
+    ):
+        sizes = ", ".join(
+            f"{part} ({layer.out_features} outputs)"
+            for (part, _), layer in zip(form, layers, strict=True)
+        )
+        raise ValueError(
+            f"attention layer {name!r}: {sizes} and proj ({out.in_features} inputs) are not "
+            f"{heads} heads of head size {head_dim} (each projection all heads' queries, keys "
+            "or values in turn)"
+        )
+    rows = [Projection(layer, count, head_dim) for layer, count in zip(layers, blocks, strict=True)]
+    return HeadGroup(name, module, rows, Projection(out, 1, head_dim), heads, 1, head_dim)
+
+
+def _latent(name: str, module: nn.Module) -> HeadGroup | None:
+    """Multi-head latent attention: q_b_proj (or q_proj) rows of qk_nope_head_dim +
+    qk_rope_head_dim per head, kv_b_proj rows of qk_nope_head_dim + v_head_dim per head
+    (its key part, then its value), o_proj columns of v_head_dim per head; beside the
+    compressed key/value latent kv_a_proj_with_mqa (DeepSeek-V2, V3)."""
+    query = _linear(module, "q_b_proj") or _linear(module, "q_proj")
+    kv_up, out = _linear(module, "kv_b_proj"), _linear(module, "o_proj")
+    sizes = [getattr(module, f"{part}_head_dim", None) for part in ("qk_nope", "qk_rope", "v")]
+    if (
+        query is None
+        or kv_up is None
+        or out is None
+        or _linear(module, "kv_a_proj_with_mqa") is None
+        or not all(isinstance(size, int) for size in sizes)
+    ):
+        return None
+    nope, rope, value = sizes
+    heads = out.in_features // value
+    if (
+        out.in_features % value
+        or query.out_features != heads * (nope + rope)
+        or kv_up.out_features != heads * (nope + value)
+    ):
+        raise ValueError(
+            f"latent attention layer {name!r}: its query ({query.out_features} outputs), "
+            f"kv_b_proj ({kv_up.out_features} outputs) and o_proj ({out.in_features} inputs) "
+            f"are not {heads} heads of {nope} + {rope} query, {nope} + {value} key/value "
+            "dimensions"
+        )
+    rows = [Projection(query, 1, nope + rope), Projection(kv_up, 1, nope + value)]
+    return HeadGroup(name, module, rows, Projection(out, 1, value), heads, 1, value, latent=True)
+
+
+# one fused projection of query, key and value blocks and the output projection
+# timm, MPT, ModernBERT, torchvision's MaxViT
+FUSED_FORMS = (("qkv", "proj"), ("Wqkv", "out_proj"), ("Wqkv", "Wo"), ("to_qkv", "merge"))
+# where a fused form's layer keeps its head count (SAM's vision encoder: the third)
+HEAD_COUNTS = ("num_heads", "n_heads", "num_attention_heads")
+
+
+def _fused(name: str, module: nn.Module) -> HeadGroup | None:
+    """A FUSED_FORMS projection with head_dim, and the head count in one of HEAD_COUNTS
+    or else the output projection's inputs over head_dim (timm's ViT and DeiT, MPT,
+    ModernBERT); or the head count alone (timm's Swin and MaxxViT, SAM's vision
+    encoder). Its rows are the query, key and value blocks of all heads, or each head's
+    query, key and value in turn where the layer is `head_first` (timm's MaxxViT)."""
+    pair = _fused_pair(module, FUSED_FORMS)
+    if pair is None:
+        return None
+    fused, output, qkv, proj = pair
+    head_dim = getattr(module, "head_dim", None)
+    heads = next(
+        (getattr(module, a) for a in HEAD_COUNTS if isinstance(getattr(module, a, None), int)),
+        None,
+    )
+    if not isinstance(head_dim, int) and isinstance(heads, int) and heads > 0:
+        head_dim = proj.in_features // heads  # timm's Swin and SAM keep only the head count
+    if not isinstance(head_dim, int) or head_dim < 1:
+        return None
+    if not isinstance(heads, int):
+        heads = proj.in_features // head_dim
+    if qkv.out_features != 3 * heads * head_dim or proj.in_features != heads * head_dim:
+        raise ValueError(
+            f"attention layer {name!r}: {fused} ({qkv.out_features} outputs) and {output} "
+            f"({proj.in_features} inputs) are not {heads} heads of head_dim {head_dim}"
+        )
+    # timm MaxxViT's layers with `head_first` hold each head's query, key and value in turn
+    if getattr(module, "head_first", False) is True:
+        rows = [Projection(qkv, 1, 3 * head_dim)]
+    else:
+        rows = [Projection(qkv, 3, head_dim)]
+    # a layer whose code merges its heads' outputs with the head innermost (channel c of
+    # head h at c * heads + h: NesT's), as its pruned class says
+    innermost = getattr(pruned_classes().get(type(module)), "heads_innermost", False)
+    out = Projection(proj, head_dim, 1) if innermost else Projection(proj, 1, head_dim)
+    return HeadGroup(name, module, rows, out, heads, 1, head_dim)
+
+
+def _linear_and_norm(module: nn.Module | None) -> tuple[nn.Linear | None, nn.Module | None]:
+    """A linear layer as it is; the linear layer and the batch norm of LeViT's LinearNorm
+    (``linear``, then ``bn``, a BatchNorm1d over its outputs; Hugging Face's
+    MLPLayerWithBN: ``batch_norm``); or either of those as the last module of a
+    Sequential (timm LeViT's ``proj``: an activation, then a LinearNorm). (None, None)
+    for anything else."""
+    if isinstance(module, nn.Sequential) and len(module):
+        module = module[-1]
+    if isinstance(module, nn.Linear):
+        return module, None
+    linear = getattr(module, "linear", None)
+    norm = getattr(module, "bn", None) or getattr(module, "batch_norm", None)
+    if (
+        isinstance(linear, nn.Linear)
+        and isinstance(norm, nn.BatchNorm1d)
+        and norm.num_features == linear.out_features
+        and len(list(module.children())) == 2
+    ):
+        return linear, norm
+    return None, None
+
+
+# a fused projection of each head's query, key and value in turn: its name, the output
+# projection's and the head count's (timm's; Hugging Face LeViT's)
+PER_HEAD_FORMS = (
+    ("qkv", "proj", "num_heads"),
+    ("queries_keys_values", "projection", "num_attention_heads"),
+)
+
+
+def _per_head_qkv(name: str, module: nn.Module) -> HeadGroup | None:
+    """A fused ``qkv`` whose rows hold each head's query, key and value in turn, the
+    query and key of ``key_dim`` rows and the value of ``val_dim`` (or ``attention_ratio``
+    times ``key_dim``): timm's TinyViT, EfficientFormer and LeViT, Hugging Face's LeViT
+    (PER_HEAD_FORMS; LeViT's projections are a linear layer and a batch norm of its
+    rows, timm's ``proj`` an activation, then such a pair). The heads' output is their
+    value width, reshaped to ``out_dim`` (``val_attn_dim``, ``out_dim_projection``),
+    which export writes with the head count."""
+    for form in PER_HEAD_FORMS:
+        qkv, qkv_norm = _linear_and_norm(getattr(module, form[0], None))
+        proj, _ = _linear_and_norm(getattr(module, form[1], None))
+        if qkv is not None and proj is not None:
+            break
+    else:
+        return None
+    count = form[2]
+    key_dim, val_dim, heads = (getattr(module, a, None) for a in ("key_dim", "val_dim", count))
+    ratio = getattr(module, "attention_ratio", None)
+    if val_dim is None and isinstance(ratio, int) and isinstance(key_dim, int):
+        val_dim = ratio * key_dim
+    if not all(isinstance(v, int) and v > 0 for v in (key_dim, val_dim, heads)):
+        return None
+    per_unit = 2 * key_dim + val_dim
+    if qkv.out_features != heads * per_unit or proj.in_features != heads * val_dim:
+        return None
+    sizes = {"out_dim": val_dim, "val_attn_dim": val_dim, "out_dim_projection": val_dim}
+    sizes["out_dim_keys_values"] = per_unit
+    widths = {a: size for a, size in sizes.items() if isinstance(getattr(module, a, None), int)}
+    rows = [Projection(qkv, 1, per_unit)]
+    norms = [] if qkv_norm is None else [Projection(qkv_norm, 1, per_unit)]
+    out = Projection(proj, 1, val_dim)
+    attributes = {count: 1, **widths}
+    return HeadGroup(
+        name, module, rows, out, heads, 1, val_dim, row_norms=norms, attributes=attributes
+    )
+
+
+def _phi3(name: str, module: nn.Module) -> HeadGroup | None:
+    """qkv_proj (all query heads, then the key heads, then the value heads), o_proj,
+    head_dim and num_key_value_heads; the query head count read from the config (Phi-3)."""
+    qkv, o = _linear(module, "qkv_proj"), _linear(module, "o_proj")
+    head_dim = getattr(module, "head_dim", None)
+    units = getattr(module, "num_key_value_heads", None)
+    if qkv is None or o is None or not isinstance(head_dim, int) or not isinstance(units, int):
+        return None
+    heads = o.in_features // head_dim
+    if (
+        o.in_features % head_dim
+        or heads % units
+        or qkv.out_features != (heads + 2 * units) * head_dim
+    ):
+        raise ValueError(
+            f"attention layer {name!r}: qkv_proj ({qkv.out_features} outputs) and o_proj "
+            f"({o.in_features} inputs) are not query heads and {units} key/value heads of "
+            f"head_dim {head_dim}"
+        )
+    per_unit = heads // units
+    sizes = (per_unit * head_dim, head_dim, head_dim)
+    if units == 1:  # multi-query: a unit is a query head; the key and value stay whole
+        return _query_head_units(name, module, qkv, o, heads, head_dim, heads_from_config=True)
+    rows = [Projection(qkv, 3, head_dim, sizes)]
+    out = Projection(o, 1, per_unit * head_dim)
+    return HeadGroup(name, module, rows, out, units, per_unit, head_dim, heads_from_config=True)
+
+
+def _query_head_units(
+    name: str,
+    module: nn.Module,
+    fused: nn.Linear,
+    out: nn.Linear,
+    heads: int,
+    head_dim: int,
+    **kwargs,
+) -> HeadGroup:
+    """Multi-query attention in one fused projection (all query heads, then the key, then
+    the value head): a unit is a query head; the key and value rows stay whole."""
+    rows = [Projection(fused, 1, head_dim, shared_rows=2 * head_dim)]
+    out_rows = Projection(out, 1, head_dim)
+    return HeadGroup(name, module, rows, out_rows, heads, 1, head_dim, shared_kv=True, **kwargs)
+
+
+def _per_head_fused(name: str, module: nn.Module) -> HeadGroup | None:
+    """One fused projection whose rows hold each unit's query heads, key and value in
+    turn: GPT-NeoX's, BLOOM's and Falcon's query_key_value with dense (Falcon's new
+    decoder architecture: a unit is a key/value head and its query heads); GPT-BigCode's
+    c_attn with c_proj. In multi-query attention (all query heads, then one key and one
+    value head) a unit is a query head (Falcon-7B); GPT-BigCode's is refused, as its code
+    splits c_attn at the model width."""
+    pair = _fused_pair(module, (("query_key_value", "dense"), ("c_attn", "c_proj")))
+    if pair is None:
+        return None
+    fused, output, qkv, out = pair
+    multi_query = getattr(module, "multi_query", None)
+    if fused == "c_attn" and (multi_query is None or hasattr(module, "q_attn")):
+        return None  # GPT-2's layout (_gpt2); GPT-BigCode's cross-attention
+    head_dim = getattr(module, "head_dim", getattr(module, "head_size", None))
+    if not isinstance(head_dim, int) or out.in_features % head_dim:
+        return None
+    heads = out.in_features // head_dim
+    grouped = bool(getattr(module, "new_decoder_architecture", False))
+    units = getattr(module, "num_kv_heads", None) if grouped else heads
+    if multi_query and not grouped:
+        units = 1
+    if not isinstance(units, int) or units < 1 or heads % units:
+        return None
+    per_unit = heads // units
+    if qkv.out_features != (heads + 2 * units) * head_dim:
+        raise ValueError(
+            f"attention layer {name!r}: {fused} ({qkv.out_features} outputs) and {output} "
+            f"({out.in_features} inputs) are not {heads} query and {units} key/value heads "
+            f"of head_dim {head_dim}"
+        )
+    if units == 1 and heads > 1:  # rows: all query heads, then the key, then the value
+        return _query_head_units(name, module, qkv, out, heads, head_dim)
+    rows = [Projection(qkv, 1, (per_unit + 2) * head_dim)]
+    out_rows = Projection(out, 1, per_unit * head_dim)
+    return HeadGroup(name, module, rows, out_rows, units, per_unit, head_dim)
+
+
+def _gpt2(name: str, module: nn.Module) -> HeadGroup | None:
+    """c_attn (query, key and value; in cross-attention key and value, the queries from
+    q_attn), c_proj, num_heads, head_dim and split_size (GPT-2, its Conv1D layers made
+    nn.Linear by conv1d_to_linear; OpenAI GPT's keeps its head count as n_head and no
+    head_dim, its head size being split_size over it)."""
+    qkv, proj, query = (_linear(module, p) for p in ("c_attn", "c_proj", "q_attn"))
+    heads = getattr(module, "num_heads", getattr(module, "n_head", None))
+    split = getattr(module, "split_size", None)
+    if not isinstance(heads, int) or not isinstance(split, int) or heads < 1:
+        return None
+    head_dim = getattr(module, "head_dim", split // heads)
+    if qkv is None or proj is None or not isinstance(head_dim, int):
+        return None
+    if hasattr(module, "multi_query"):  # GPT-BigCode: its c_attn has other layouts
+        return None
+    width, blocks = heads * head_dim, 3 if query is None else 2
+    if (
+        split != width
+        or qkv.out_features != blocks * width
+        or proj.in_features != width
+        or (query is not None and query.out_features != width)
+    ):
+        raise ValueError(
+            f"attention layer {name!r}: c_attn ({qkv.out_features} outputs), c_proj "
+            f"({proj.in_features} inputs) and split_size {split} are not {heads} heads of "
+            f"head_dim {head_dim}"
+        )
+    rows = [Projection(qkv, blocks, head_dim)]
+    if query is not None:
+        rows.insert(0, Projection(query, 1, head_dim))
+    return HeadGroup(name, module, rows, Projection(proj, 1, head_dim), heads, 1, head_dim)
+
+
+# the inner layer's projections in BERT's layout: separate (BERT; DeBERTa-v2), or one
+# holding each head's query, key and value in turn (DeBERTa's `in_proj`)
+BERT_FORMS = (("query", "key", "value"), ("query_proj", "key_proj", "value_proj"), ("in_proj",))
+
+
+def _bert(name: str, module: nn.Module) -> HeadGroup | None:
+    """A parent holding ``self`` (query, key, value) and ``output.dense`` (BERT; the inner
+    layer named ``attention`` in the ViT layout of Data2Vec's vision model and YOLOS);
+    DeBERTa-v2's ``query_proj``, ``key_proj``, ``value_proj``, with the projections of its
+    relative position embeddings, ``pos_key_proj`` and ``pos_query_proj``, per head too;
+    DeBERTa's ``in_proj`` (each head's query, key and value in turn; its query and value
+    biases are vectors of the query width) with ``pos_proj`` and ``pos_q_proj``."""
+    output = getattr(module, "output", None)
+    # the inner layer is `self` (BERT), or `attention` (the ViT layout of Data2Vec's
+    # vision model and YOLOS)
+    for inner_name in ("self", "attention"):
+        inner = getattr(module, inner_name, None)
+        for names in BERT_FORMS:
+            layers = [_linear(inner, p) for p in names] if inner is not None else [None]
+            if all(x is not None for x in layers):
+                break
+        if all(x is not None for x in layers):
+            break
+    out = _linear(output, "dense") if output is not None else None
+    heads = getattr(inner, "num_attention_heads", None)
+    head_dim = getattr(inner, "attention_head_size", None)
+    if any(x is None for x in layers) or out is None or not isinstance(heads, int):
+        return None
+    blocks = 3 if len(layers) == 1 else 1  # per head: rows of each of `layers`
+    positions = ("pos_key_proj", "pos_query_proj", "pos_proj", "pos_q_proj")
+    extra = [x for p in positions if (x := _linear(inner, p))]
+    if (
+        not isinstance(head_dim, int)
+        or any(x.out_features != blocks * heads * head_dim for x in layers)
+        or any(x.out_features != heads * head_dim for x in extra)
+        or out.in_features != heads * head_dim
+    ):
+        raise ValueError(
+            f"attention layer {name!r}: {'/'.join(names)} and output.dense are not "
+            f"{heads} heads of attention_head_size {head_dim}"
+        )
+    rows = [Projection(x, 1, blocks * head_dim) for x in layers]
+    rows += [Projection(x, 1, head_dim) for x in extra]
+    out_rows = Projection(out, 1, head_dim)
+    return HeadGroup(f"{name}.{inner_name}", inner, rows, out_rows, heads, 1, head_dim)
+
+
+def _torch_mha(name: str, module: nn.Module) -> HeadGroup | None:
+    """torch's nn.MultiheadAttention with one packed input projection."""
+    if not isinstance(module, nn.MultiheadAttention):
+        return None
+    if not module._qkv_same_embed_dim or module.bias_k is not None or module.add_zero_attn:
+        raise ValueError(
+            f"attention layer {name!r}: nn.MultiheadAttention with separate kdim/vdim, "
+            "add_bias_kv or add_zero_attn is not pruned by heads; leave it whole with "
+            "ignored_layers=[...]"
+        )
+    heads, head_dim = module.num_heads, module.head_dim
+    rows = [Projection(module, 3, head_dim)]
+    return HeadGroup(
+        name, module, rows, Projection(module.out_proj, 1, head_dim), heads, 1, head_dim
+    )
+
+
+def _unsplit(name: str, module: nn.Module, why: str) -> HeadGroup | None:
+    """A refused group for an attention layer with a form's names whose shapes do not
+    split into its heads (a value head size other than the query's: MiMo-V2-Flash's):
+    refused by name when its heads are asked for, so a ratio for the MLPs alone still
+    prunes the model (ConvBERT's, whose output projection also reads its convolutions).
+    None (the error raised) when the layer holds no linear layer."""
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        raise ValueError(why)
+    out = Projection(linears[-1], 1, 1)  # its output projection: never cut
+    reason = why.split(": ", 1)[-1].split("; leave ", 1)[0]  # the refusal gives the advice
+    return HeadGroup(name, module, [], out, 1, 1, 1, refusal=reason)
+
+
+# the forms in the order they are tried: the first that matches gives the group
+FORMS = (
+    _separate,
+    _split,
+    _per_head_qkv,
+    _fused,
+    _per_head_fused,
+    _phi3,
+    _gpt2,
+    _bert,
+    _latent,
+    _torch_mha,
+)
+
+
+def match_form(name: str, module: nn.Module) -> HeadGroup | None:
+    """The head group of `module` in the first of FORMS it has, or None; a refused group
+    where it has a form's names but not its shapes (an error naming it when it holds no
+    linear layer)."""
+    try:
+        return next((g for form in FORMS if (g := form(name, module)) is not None), None)
+    except ValueError as error:  # the form's names, but not its shapes
+        return _unsplit(name, module, str(error))

@@ -1,0 +1,105 @@
+"""What a pruned ``nn.MultiheadAttention`` exports to: its computation with fewer heads,
+whose inner width need not equal the embedding width torch ties it to."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class PrunedMultiheadAttention(nn.Module):
+    """nn.MultiheadAttention's computation with `num_heads` heads of `head_dim` whose
+    inner width (num_heads * head_dim) need not equal `embed_dim`: what a pruned
+    nn.MultiheadAttention exports to. Same forward signature and outputs."""
+
+    replaces = nn.MultiheadAttention
+
+    def __init__(self, source: nn.MultiheadAttention, kept_rows: torch.Tensor) -> None:
+        super().__init__()
+        self.embed_dim, self.head_dim = source.embed_dim, source.head_dim
+        self.num_heads = len(kept_rows) // (3 * source.head_dim)
+        self.batch_first, self.dropout = source.batch_first, source.dropout
+        rows = kept_rows.to(source.in_proj_weight.device)
+        self.in_proj_weight = nn.Parameter(source.in_proj_weight.detach()[rows].clone())
+        bias = source.in_proj_bias
+        self.in_proj_bias = None if bias is None else nn.Parameter(bias.detach()[rows].clone())
+        self.out_proj = source.out_proj  # its columns are cut by the caller
+
+    @classmethod
+    def from_dense(cls, source: nn.MultiheadAttention) -> PrunedMultiheadAttention:
+        """One with every head of `source` (a loader then gives it the saved shapes)."""
+        return cls(source, torch.arange(source.in_proj_weight.shape[0]))
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batched = query.dim() == 3
+        if not batched:
+            query, key, value = (
+                t.unsqueeze(0 if self.batch_first else 1) for t in (query, key, value)
+            )
+        if not self.batch_first:
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        batch, length, source = query.shape[0], query.shape[1], key.shape[1]
+        inner = self.num_heads * self.head_dim
+        w, b = self.in_proj_weight, self.in_proj_bias
+        parts = [
+            nn.functional.linear(
+                x,
+                w[i * inner : (i + 1) * inner],
+                None if b is None else b[i * inner : (i + 1) * inner],
+            )
+            for i, x in enumerate((query, key, value))
+        ]
+        q, k, v = (p.view(batch, -1, self.num_heads, self.head_dim).transpose(1, 2) for p in parts)
+        mask = _additive_mask(
+            attn_mask, key_padding_mask, batch, self.num_heads, length, source, q.dtype
+        )
+        if is_causal and mask is None:  # a key after the query is never attended to
+            causal = torch.ones(length, source, dtype=torch.bool, device=q.device).triu(1)
+            mask = _additive_mask(causal, None, batch, self.num_heads, length, source, q.dtype)
+        scores = (q * self.head_dim**-0.5) @ k.transpose(-2, -1)
+        if mask is not None:
+            scores = scores + mask
+        attention = scores.softmax(dim=-1)
+        weights = attention
+        if self.training and self.dropout > 0:
+            attention = nn.functional.dropout(attention, self.dropout)
+        out = (attention @ v).transpose(1, 2).reshape(batch, length, inner)
+        out = self.out_proj(out)
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        if not batched:
+            out = out.squeeze(0 if self.batch_first else 1)
+        if not need_weights:
+            return out, None
+        weights = weights.mean(dim=1) if average_attn_weights else weights
+        return out, (weights if batched else weights.squeeze(0))
+
+
+def _additive_mask(attn_mask, key_padding_mask, batch, heads, length, source, dtype):
+    """nn.MultiheadAttention's attn_mask ((L, S) or (B * heads, L, S), bool or float) and
+    key_padding_mask ((B, S), bool or float) as one additive (B, heads, L, S) mask."""
+    total = None
+    for mask, shape in ((attn_mask, None), (key_padding_mask, (batch, 1, 1, source))):
+        if mask is None:
+            continue
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+                mask, float("-inf")
+            )
+        mask = mask.to(dtype)
+        if shape is not None:
+            mask = mask.view(shape)
+        elif mask.dim() == 3:
+            mask = mask.view(batch, heads, length, source)
+        total = mask if total is None else total + mask
+    return total

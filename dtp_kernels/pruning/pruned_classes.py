@@ -1,0 +1,38 @@
+"""The classes export gives attention layers whose code ties the head size or the output
+width to the model width (torchvision's Swin and MaxViT, timm's EVA, BEiT, Swin V2 and
+others, Hugging Face's TrOCR and PVT v2): subclasses with the same parameters whose
+forward takes the sizes from the pruned projections, looked up by the layer's class."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from torch import nn
+
+# the libraries' modules holding attention layers whose code ties the head size or the
+# output width to the model width, and this package's modules of the classes export
+# gives them
+PRUNED_CLASS_MODULES = {
+    "torchvision.models.swin_transformer": "torchvision_attention",
+    "torchvision.models.maxvit": "torchvision_attention",
+    "timm": "timm_attention",  # EVA's, BEiT's, Swin V2's, DaViT's, XCiT's, EdgeNeXt's, ...
+    "transformers.models.trocr.modeling_trocr": "transformers_attention",
+    "transformers.models.pvt_v2.modeling_pvt_v2": "transformers_attention",
+}
+
+
+def pruned_classes() -> dict[type[nn.Module], type[nn.Module]]:
+    """The class export gives an attention layer of each class above that loses heads
+    (`from_dense(layer)` gives it). Only the libraries' modules already imported are
+    looked at: a model holding such a layer has imported its module. A library version
+    without the classes these subclass gives none: its layers fail their heads' proof and
+    are refused by name, as without this package's classes."""
+    classes = {}
+    for library, own in PRUNED_CLASS_MODULES.items():
+        if library in sys.modules:
+            try:
+                classes |= importlib.import_module(f"{__package__}.{own}").PRUNED_CLASSES
+            except (ImportError, AttributeError):
+                continue
+    return classes
