@@ -337,6 +337,41 @@ def _traced_outputs(output) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
+def leaf_outputs_recorded(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Inside the block, the tensors (with a gradient function) that the model's modules
+    holding parameters and no submodules return are added to the list yielded."""
+    recorded: list[torch.Tensor] = []
+
+    def record(_module, _args, output) -> None:
+        recorded.extend(t for t in output_tensors(output) if t.grad_fn is not None)
+
+    leaves = [
+        m
+        for m in model.modules()
+        if next(m.children(), None) is None and next(m.parameters(recurse=False), None) is not None
+    ]
+    handles = [m.register_forward_hook(record) for m in leaves]
+    try:
+        yield recorded
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def dropped_outputs(outputs: list[torch.Tensor], recorded: list[torch.Tensor]) -> list:
+    """The tensors of `recorded` that none of `outputs` was computed from: what layers the
+    model runs and then drops computed."""
+    reached, stack = set(), [t.grad_fn for t in outputs]
+    while stack:
+        function = stack.pop()
+        if function is None or function in reached:
+            continue
+        reached.add(function)
+        stack.extend(next_function for next_function, _ in function.next_functions)
+    return [t for t in recorded if t.grad_fn not in reached]
+
+
+@contextlib.contextmanager
 def without_cache(model: nn.Module) -> Iterator[None]:
     """The Hugging Face models in `model` run without their key/value cache within the
     block: the cache serves generation, and Torch-Pruning cannot follow the
@@ -350,6 +385,16 @@ def without_cache(model: nn.Module) -> Iterator[None]:
     finally:
         for config in cached:
             config.use_cache = True
+
+
+# the graph's attribute holding the gradient functions of the tensors the model returns
+RETURNED = "dtp_returned_functions"
+# the handlers of layers that read a group's channels into channels of their own
+READER_HANDLERS = (
+    tp.prune_conv_in_channels,
+    tp.prune_depthwise_conv_in_channels,
+    tp.prune_linear_in_channels,
+)
 
 
 class ChannelGraphError(ValueError):
@@ -396,10 +441,16 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
             warnings.filterwarnings("ignore", message=RECURSION_WARNING)
             hooks = {module: set(module._forward_hooks) for module in model.modules()}
             largest = LargestTensor()
+            returned = set()  # the gradient functions of the tensors the model returns
 
             def forward(model: nn.Module, inputs):
-                with largest:
-                    return call_model(model, inputs)
+                with largest, leaf_outputs_recorded(model) as recorded:
+                    output = call_model(model, inputs)
+                returned.update(t.grad_fn for t in _traced_outputs(output))
+                # the outputs of layers the model runs and drops (MobileNetV2's last conv
+                # under a segmentation head) are traced too: the readers of the channels
+                # a group cuts include them, or export leaves them too wide to run
+                return output, dropped_outputs(_traced_outputs(output), recorded)
 
             try:
                 graph = tp.DependencyGraph().build_dependency(
@@ -428,6 +479,7 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
         # once, ended where the graph maps an index past a layer's width, or where a
         # view would map one past its tensor or the largest tensor the forward made
         setattr(graph, LARGEST_TENSOR, largest.numel)
+        setattr(graph, RETURNED, returned)
         graph.get_pruning_group = functools.partial(coupled_group, graph)
         try:
             with warnings.catch_warnings():
@@ -697,10 +749,14 @@ def _channel_groups(
     owners = _parameter_owners(model)
     shared = _shared_parameters(model)
     order = {module: index for index, module in enumerate(model.modules())}
+    returned = getattr(graph, RETURNED, set())
+    returning = {n for n in graph.module2node.values() if n.grad_fn in returned}
     found = {}
     for group in graph.get_all_groups(ignored_layers=list(ignored), root_module_types=roots):
         if getattr(group, UNFOLLOWED, False):
             continue  # the graph maps its channels wrongly somewhere: left whole
+        if any(d.target in returning and d.handler not in READER_HANDLERS for d, _ in group):
+            continue  # the model returns the channels (a detector's feature maps): whole
         out_layers, bns, outs, ins, norms, depthwise, ops = [], [], [], [], [], [], []
         op_ids: list[int] = []  # each op's module, to tell the readers' own matmuls
         group_norms, params, param_owners, affines = [], [], [], []
@@ -739,11 +795,7 @@ def _channel_groups(
                         norms.append(owner)
                 else:
                     params.append(module)
-            elif handler in (
-                tp.prune_conv_in_channels,
-                tp.prune_depthwise_conv_in_channels,
-                tp.prune_linear_in_channels,
-            ):
+            elif handler in READER_HANDLERS:
                 ins.append(module)
                 read[module] = len(idxs)
                 if is_grouped(module):

@@ -121,11 +121,15 @@ def test_the_compensation_holds_what_the_weight_could_not():
 @pytest.mark.parametrize("state_dtype", [None, torch.float32], ids=["bf16-state", "fp32-state"])
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_fused_and_eager_updates_agree(name, state_dtype):
-    """The compiled kernel computes what the eager update computes, up to float32
-    rounding: weight + compensation agree to 1e-5 relative after 20 steps (with a
-    float32 state too, whose .float() is the state itself)."""
+    """The compiled kernel computes what the eager update computes, up to rounding:
+    weight + compensation agree to 2^-15 relative after 20 steps (with a float32 state
+    too, whose .float() is the state itself). The compiled float32 arithmetic may round
+    AdamW's step in the last place otherwise than eager (SGD's is bitwise the same), and
+    the compensation, stored in bfloat16, may then round to its neighbour: 2^-16 of the
+    weight apart at most (60 weights drawn: 0.94 of that at worst)."""
     ours, _, settings = OPTIMIZERS[name]
-    weight, grads = torch.randn(300).bfloat16(), gradients((300,), 20, seed=5)
+    weight = torch.randn(300, generator=torch.Generator().manual_seed(4)).bfloat16()
+    grads = gradients((300,), 20, seed=5)
     results = []
     for fused in (True, False):
         param = torch.nn.Parameter(weight.clone())
@@ -135,7 +139,7 @@ def test_fused_and_eager_updates_agree(name, state_dtype):
             optimizer.step()
         total = param.detach().float() + optimizer.state[param]["compensation"].float()
         results.append(total)
-    assert torch.allclose(results[0], results[1], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(results[0], results[1], rtol=2**-15, atol=1e-6)
 
 
 @pytest.mark.parametrize("fused", [True, False])

@@ -152,9 +152,14 @@ def test_output_layers_are_the_heads_outputs_and_take_no_search():
     with traced_graph(model, images) as graph:
         found = output_layers(graph, (nn.Conv2d, nn.Linear))
     names = {name for name, m in model.named_modules() if any(m is f for f in found)}
-    # (the region proposal head's outputs are detached before they are decoded: not in
-    # the traced graph at all)
-    assert names == {"roi_heads.box_predictor.cls_score", "roi_heads.box_predictor.bbox_pred"}
+    # the region proposal head's outputs too: they are detached before they are decoded,
+    # and traced as outputs the model drops
+    assert names == {
+        "roi_heads.box_predictor.cls_score",
+        "roi_heads.box_predictor.bbox_pred",
+        "rpn.head.cls_logits",
+        "rpn.head.bbox_pred",
+    }
 
 
 def test_region_pooling_reads_only_the_features():
