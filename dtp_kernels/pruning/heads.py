@@ -295,7 +295,9 @@ def _biases_from_outside(
     found, watched = {}, {}
     for group in groups:
         forward = inspect.signature(group.module.forward).parameters
-        if any(a in forward for a in WHEN_GIVEN):
+        if isinstance(group.module, nn.MultiheadAttention):
+            watched[group.module] = ["attn_mask"]
+        elif any(a in forward for a in WHEN_GIVEN):
             watched[group.module] = [a for a in WHEN_GIVEN if a in forward]
     if not watched or not inputs:
         return found
@@ -305,11 +307,18 @@ def _biases_from_outside(
         names = inspect.signature(module.forward).parameters
         given = dict(zip(names, args, strict=False)) | kwargs
         for argument in watched[module]:
-            if isinstance(given.get(argument), torch.Tensor):
+            bias = given.get(argument)
+            # nn.MultiheadAttention's mask is one for all heads (2-D) or one per head
+            # (3-D: batch x heads), made by the model for the heads it was built with
+            per_head = not isinstance(module, nn.MultiheadAttention) or (
+                isinstance(bias, torch.Tensor) and bias.dim() == 3
+            )
+            if isinstance(bias, torch.Tensor) and per_head:
                 found[module] = (
                     f"its forward is handed `{argument}`, a bias per head computed outside "
-                    "the layer for all the model's heads: it would not lose the heads "
-                    "removed from one layer"
+                    "the layer for all the model's heads (ALiBi; a mask per head, as "
+                    "Mask2Former's decoder makes for its cross-attention): it would not "
+                    "lose the heads removed from one layer"
                 )
 
     run_hooked(

@@ -19,6 +19,9 @@ PRUNED_CLASS_MODULES = {
     "timm": "timm_attention",  # EVA's, BEiT's, Swin V2's, DaViT's, XCiT's, EdgeNeXt's, ...
     "transformers.models.trocr.modeling_trocr": "transformers_attention",
     "transformers.models.pvt_v2.modeling_pvt_v2": "transformers_attention",
+    "transformers.models.table_transformer.modeling_table_transformer": "transformers_attention",
+    "transformers.models.mask2former.modeling_mask2former": "transformers_attention",
+    "transformers.models.oneformer.modeling_oneformer": "transformers_attention",
 }
 
 

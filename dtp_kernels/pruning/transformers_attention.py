@@ -1,6 +1,7 @@
 """Hugging Face attention layers that reshape their heads' output to the model width, with
-some of their heads removed: TrOCR's (its decoder's self- and cross-attention) and PVT
-v2's.
+some of their heads removed: TrOCR's (its decoder's self- and cross-attention), PVT
+v2's, and the DETR-style attention that adds position embeddings to its queries and keys
+(Table Transformer's; Mask2Former's and OneFormer's, sequence first).
 
 Their code reshapes the heads' output to the width of the layer's input, so a layer that
 has lost heads no longer runs. Export gives such a layer the subclass below: the same
@@ -15,7 +16,12 @@ import math
 import torch
 from torch import nn
 from transformers.cache_utils import EncoderDecoderCache
+from transformers.models.mask2former.modeling_mask2former import Mask2FormerAttention
+from transformers.models.oneformer.modeling_oneformer import OneFormerAttention
 from transformers.models.pvt_v2.modeling_pvt_v2 import PvtV2SelfAttention
+from transformers.models.table_transformer.modeling_table_transformer import (
+    TableTransformerAttention,
+)
 from transformers.models.trocr.modeling_trocr import TrOCRAttention
 
 
@@ -124,7 +130,123 @@ class PrunedPvtV2SelfAttention(_GivenToTheLayer, PvtV2SelfAttention):
         return (context, probs) if output_attentions else (context,)
 
 
+def _with(states: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    return states if positions is None else states + positions
+
+
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean mask (True: not attended) as the bias it stands for; any other as it is."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, -torch.inf)
+
+
+class _PositionedAttention(_GivenToTheLayer):
+    """DETR's attention as Table Transformer, Mask2Former and OneFormer keep it: queries
+    and keys from the states with their position embeddings added, values from the states
+    alone; the heads' output reshaped to their own width."""
+
+    def _attend(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output, attention weights per head) for batch-first inputs; `bias` is added to
+        the (batch, heads, queries, keys) scores."""
+        batch, length, heads = queries.shape[0], queries.shape[1], self.num_heads
+
+        def split(x: torch.Tensor) -> torch.Tensor:  # (batch * heads, tokens, head size)
+            x = x.view(batch, -1, heads, self.head_dim).transpose(1, 2)
+            return x.reshape(batch * heads, -1, self.head_dim)
+
+        query = split(self.q_proj(queries) * self.scaling)
+        key, value = split(self.k_proj(keys)), split(self.v_proj(values))
+        scores = torch.bmm(query, key.transpose(1, 2))
+        sources = scores.shape[-1]
+        if bias is not None:
+            scores = (scores.view(batch, heads, length, sources) + bias).view(scores.shape)
+        weights = nn.functional.softmax(scores, dim=-1)
+        probs = nn.functional.dropout(weights, p=self.dropout, training=self.training)
+        out = torch.bmm(probs, value).view(batch, heads, length, self.head_dim)
+        out = self.out_proj(out.transpose(1, 2).reshape(batch, length, -1))
+        return out, weights.view(batch, heads, length, sources)
+
+
+class PrunedTableTransformerAttention(_PositionedAttention, TableTransformerAttention):
+    """Table Transformer's attention whose heads may be fewer than the model width over
+    their size."""
+
+    replaces = TableTransformerAttention
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        object_queries: torch.Tensor | None = None,
+        key_value_states: torch.Tensor | None = None,
+        spatial_position_embeddings: torch.Tensor | None = None,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        queries = _with(hidden_states, object_queries)
+        if key_value_states is None:
+            keys, values = queries, hidden_states
+        else:
+            keys, values = _with(key_value_states, spatial_position_embeddings), key_value_states
+        bias = _additive(attention_mask, hidden_states.dtype)  # (batch, 1, queries, keys)
+        out, weights = self._attend(queries, keys, values, bias)
+        return out, (weights if output_attentions else None)
+
+
+class _SequenceFirstAttention(_PositionedAttention):
+    """Mask2Former's and OneFormer's form: (tokens, batch, width) in and out, a mask of
+    one (queries, keys) slice per batch item and head."""
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: torch.Tensor | None = None,
+        key_value_states: torch.Tensor | None = None,
+        key_value_position_embeddings: torch.Tensor | None = None,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def first(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x.transpose(0, 1)
+
+        states, sources = first(hidden_states), first(key_value_states)
+        queries = _with(states, first(position_embeddings))
+        if sources is None:
+            keys, values = queries, states
+        else:
+            keys = _with(sources, first(key_value_position_embeddings))
+            values = sources
+        bias = attention_mask
+        if bias is not None:  # (batch * heads, queries, keys)
+            bias = bias.view(states.shape[0], self.num_heads, *bias.shape[1:])
+        out, weights = self._attend(queries, keys, values, bias)
+        return out.transpose(0, 1), (weights if output_attentions else None)
+
+
+class PrunedMask2FormerAttention(_SequenceFirstAttention, Mask2FormerAttention):
+    """Mask2Former's attention whose heads may be fewer than the model width over their
+    size."""
+
+    replaces = Mask2FormerAttention
+
+
+class PrunedOneFormerAttention(_SequenceFirstAttention, OneFormerAttention):
+    """OneFormer's attention whose heads may be fewer than the model width over their
+    size."""
+
+    replaces = OneFormerAttention
+
+
 PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     TrOCRAttention: PrunedTrOCRAttention,
     PvtV2SelfAttention: PrunedPvtV2SelfAttention,
+    TableTransformerAttention: PrunedTableTransformerAttention,
+    Mask2FormerAttention: PrunedMask2FormerAttention,
+    OneFormerAttention: PrunedOneFormerAttention,
 }

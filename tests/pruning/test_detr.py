@@ -1,9 +1,9 @@
-"""Hugging Face's DETR (with a timm ResNet backbone and its frozen batch norms, as
-pretrained weights build it) and RT-DETR (its own ResNet, a hybrid encoder and a
-deformable decoder), built small: a float ratio prunes the backbone's filters, the
-encoder's and decoder's attention heads (cross-attention too) and their MLP neurons; the
-exported model predicts the hard-masked model's class logits and boxes with the
-parameters the report gives."""
+"""Hugging Face's DETR and Table Transformer (with a timm ResNet backbone and its frozen
+batch norms, as pretrained weights build it) and RT-DETR (its own ResNet, a hybrid
+encoder and a deformable decoder), built small: a float ratio prunes the backbone's
+filters, the encoder's and decoder's attention heads (cross-attention too) and their MLP
+neurons; the exported model predicts the hard-masked model's class logits and boxes with
+the parameters the report gives."""
 
 import pytest
 import torch
@@ -11,6 +11,7 @@ import torch
 from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.cost import count_params
 from dtp_kernels.pruning.heads import HeadGroup
+from dtp_kernels.pruning.pruned_classes import pruned_classes
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("timm")
@@ -19,8 +20,10 @@ SMALL = dict(num_queries=5, num_labels=3, encoder_layers=1, decoder_layers=1)
 HEADS = dict(encoder_attention_heads=4, decoder_attention_heads=4)
 
 
-def detr():
-    config = transformers.DetrConfig(
+def detr(family: str = "Detr"):
+    """A small DETR, or a detector of DETR's config (Table Transformer's: its attention
+    code older, a reshape to the width)."""
+    config = getattr(transformers, f"{family}Config")(
         use_timm_backbone=True,
         use_pretrained_backbone=False,
         backbone="resnet18",
@@ -30,7 +33,7 @@ def detr():
         **SMALL,
         **HEADS,
     )
-    return transformers.DetrForObjectDetection(config)
+    return getattr(transformers, f"{family}ForObjectDetection")(config)
 
 
 def rt_detr():
@@ -76,6 +79,12 @@ class Predictions(torch.nn.Module):
             ["encoder.layers.0.self_attn", "decoder.layers.0.self_attn", "encoder_attn"],
             0.5,
         ),
+        # the same; its attention layers are exported as PrunedTableTransformerAttention
+        (
+            lambda: detr("TableTransformer"),
+            ["encoder.layers.0.self_attn", "decoder.layers.0.self_attn", "encoder_attn"],
+            0.5,
+        ),
         # the hybrid encoder's self-attention, the decoder's self-attention (its
         # deformable cross-attention samples per head: left whole); the projection that
         # scores the encoder's tokens for the queries feeds a LayerNorm: left whole, as
@@ -101,6 +110,9 @@ def test_a_detr_prunes_with_a_float_and_exports_equal(build, heads, ratios):
     with torch.no_grad():
         pruner.scores.uniform_(0, 1, generator=torch.Generator().manual_seed(1))
     exported = pruner.export().eval()
+    for name in head_groups:  # the class export gives a layer of its code, where it has one
+        dense = type(model.get_submodule(name))
+        assert type(exported.get_submodule(name)) is pruned_classes().get(dense, dense)
     with torch.no_grad(), pruner.hard_masked():
         want = model(images)
     with torch.no_grad():

@@ -1,9 +1,11 @@
 """transformers_attention.py: Hugging Face attention layers that reshape their heads'
-output to the model width (TrOCR's, PVT v2's), with heads removed. With every head kept
-the pruned class computes exactly what transformers' does; a tiny TrOCR (a ViT encoder and
-a TrOCR decoder) prunes its decoder's self- and cross-attention heads, exports equal to
-the hard-masked model and generates the same tokens through the key/value cache; a tiny
-PVT v2 prunes its heads and exports equal to the hard-masked model."""
+output to the model width (TrOCR's, PVT v2's, Table Transformer's, Mask2Former's and
+OneFormer's), with heads removed. With every head kept the pruned class computes exactly
+what transformers' does; a tiny TrOCR (a ViT encoder and a TrOCR decoder) prunes its
+decoder's self- and cross-attention heads, exports equal to the hard-masked model and
+generates the same tokens through the key/value cache; a tiny PVT v2 prunes its heads
+and exports equal to the hard-masked model, as do the positioned attention layers and a
+tiny Mask2Former (but its masked cross-attention)."""
 
 import pytest
 import torch
@@ -12,10 +14,19 @@ from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.heads import HeadGroup
 
 transformers = pytest.importorskip("transformers")
+from transformers.models.mask2former.modeling_mask2former import (  # noqa: E402
+    Mask2FormerAttention,
+)
+from transformers.models.oneformer.modeling_oneformer import OneFormerAttention  # noqa: E402
 from transformers.models.pvt_v2.modeling_pvt_v2 import PvtV2SelfAttention  # noqa: E402
+from transformers.models.table_transformer.modeling_table_transformer import (  # noqa: E402
+    TableTransformerAttention,
+)
 from transformers.models.trocr.modeling_trocr import TrOCRAttention  # noqa: E402
 
 from dtp_kernels.pruning.transformers_attention import (  # noqa: E402
+    PRUNED_CLASSES,
+    PrunedMask2FormerAttention,
     PrunedPvtV2SelfAttention,
     PrunedTrOCRAttention,
 )
@@ -184,3 +195,164 @@ def test_pvt_v2_heads_export_equal_to_the_hard_masked_model(linear):
         assert type(attn) is PrunedPvtV2SelfAttention
         assert attn.num_attention_heads == dense.num_attention_heads // 2
         assert attn.proj.in_features == attn.key.out_features == dense.proj.in_features // 2
+
+
+def positioned(kind: str, heads: int = 4) -> torch.nn.Module:
+    """One DETR-style attention layer of width 32 (position embeddings added to its
+    queries and keys): Table Transformer's, Mask2Former's or OneFormer's."""
+    if kind == "table_transformer":
+        return TableTransformerAttention(32, heads)
+    if kind == "mask2former":
+        return Mask2FormerAttention(32, heads)
+    return OneFormerAttention(32, heads)
+
+
+def positioned_call(kind: str, cross: bool, masked: bool) -> dict:
+    """Keyword arguments of a call: batch first (Table Transformer) or tokens first, 2
+    items, 5 queries, 7 sources for cross-attention; a mask of the layer's form (one
+    (queries, keys) slice per item; per item and head for the tokens-first forms)."""
+    generator = torch.Generator().manual_seed(2)
+
+    def states(tokens: int) -> torch.Tensor:
+        shape = (2, tokens, 32) if kind == "table_transformer" else (tokens, 2, 32)
+        return torch.randn(shape, generator=generator)
+
+    sources = 7 if cross else 5
+    names = (
+        ("object_queries", "spatial_position_embeddings")
+        if kind == "table_transformer"
+        else ("position_embeddings", "key_value_position_embeddings")
+    )
+    call = {"hidden_states": states(5), names[0]: states(5)}
+    if cross:
+        call |= {"key_value_states": states(7), names[1]: states(7)}
+    if masked:
+        hidden = torch.rand(2, 1, 5, sources, generator=generator) < 0.3
+        hidden[..., 0] = False  # every query attends to one key at least
+        if kind == "table_transformer":
+            call["attention_mask"] = hidden
+        else:
+            bias = torch.zeros(hidden.shape).masked_fill(hidden, -1e4).expand(2, 4, 5, sources)
+            call["attention_mask"] = bias.reshape(8, 5, sources)
+    return call
+
+
+POSITIONED = ("table_transformer", "mask2former", "oneformer")
+
+
+@pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
+@pytest.mark.parametrize("kind", POSITIONED)
+def test_every_head_kept_computes_what_the_positioned_attention_computes(kind, masked, cross):
+    """Table Transformer's, Mask2Former's and OneFormer's attention given the pruned
+    class with every head kept: bitwise the same outputs, attention weights and
+    gradients."""
+    torch.manual_seed(0)
+    layer = positioned(kind)
+    call = positioned_call(kind, cross, masked)
+    call["hidden_states"].requires_grad_(True)
+    inputs = [call["hidden_states"], *layer.parameters()]
+    want = layer(**call, output_attentions=True)
+    want_grads = torch.autograd.grad(want[0].square().sum(), inputs)
+    PRUNED_CLASSES[type(layer)].from_dense(layer)
+    got = layer(**call, output_attentions=True)
+    got_grads = torch.autograd.grad(got[0].square().sum(), inputs)
+    for g, w in zip([*got[:2], *got_grads], [*want[:2], *want_grads], strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert layer(**call)[1] is None  # weights only when asked for
+
+
+class OneLayer(torch.nn.Module):
+    """A positioned attention layer and a linear layer after it (the model the pruner
+    sees), called in the layer's own form."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.attention, self.out = kind, positioned(kind), torch.nn.Linear(32, 3)
+
+    def forward(self, states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        name = "object_queries" if self.kind == "table_transformer" else "position_embeddings"
+        return self.out(self.attention(hidden_states=states, **{name: positions})[0])
+
+
+@pytest.mark.parametrize("kind", POSITIONED)
+def test_positioned_attention_heads_export_equal_to_the_hard_masked_model(kind):
+    """A float prunes the layer's heads; export gives it the pruned class, with half its
+    heads, computing what the hard-masked model computes."""
+    torch.manual_seed(0)
+    model = OneLayer(kind).eval()
+    call = positioned_call(kind, cross=False, masked=False)
+    inputs = (call["hidden_states"], next(v for k, v in call.items() if k != "hidden_states"))
+    pruner = randomised(DTPPruner(model, inputs, {"heads": 0.5}))
+    assert [g.name for g in pruner.groups] == ["attention"]
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(*inputs)
+    exported = pruner.export().eval()
+    assert type(exported.attention) is PRUNED_CLASSES[type(model.attention)]
+    assert exported.attention.num_heads == 2 and exported.attention.out_proj.in_features == 16
+    with torch.no_grad():
+        torch.testing.assert_close(exported(*inputs), want, rtol=1e-5, atol=1e-6)
+
+
+def tiny_mask2former():
+    swin = transformers.SwinConfig(
+        image_size=64,
+        patch_size=4,
+        embed_dim=16,
+        depths=[1, 1, 1, 1],
+        num_heads=[2, 2, 2, 2],
+        window_size=2,
+        out_features=["stage1", "stage2", "stage3", "stage4"],
+    )
+    config = transformers.Mask2FormerConfig(
+        backbone_config=swin,
+        feature_size=32,
+        mask_feature_size=32,
+        hidden_dim=32,
+        encoder_feedforward_dim=64,
+        dim_feedforward=64,
+        encoder_layers=1,
+        decoder_layers=3,
+        num_attention_heads=4,
+        num_queries=10,
+        num_labels=5,
+    )
+    return transformers.Mask2FormerForUniversalSegmentation(config)
+
+
+class QueryLogits(torch.nn.Module):
+    """Mask2Former's class and mask logits per query, from its images."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.model(pixel_values=images)
+        return out.class_queries_logits, out.masks_queries_logits
+
+
+def test_mask2former_prunes_but_its_masked_cross_attention():
+    """Mask2Former's decoder hands its cross-attention (an nn.MultiheadAttention) a mask
+    per query and head, made for the heads it was built with: a float is refused naming
+    those layers; the ratios the refusal gives prune the rest (the Swin backbone's heads,
+    the decoder's self-attention, exported as PrunedMask2FormerAttention, the MLPs), the
+    export equal to the hard-masked model."""
+    torch.manual_seed(0)
+    model, images = QueryLogits(tiny_mask2former()).eval(), torch.randn(1, 3, 64, 64)
+    with pytest.raises(ValueError, match=r"decoder.layers.0.cross_attn': its forward is handed"):
+        DTPPruner(model, (images,), 0.5)
+    decoder = "model.model.transformer_module.decoder.layers"
+    ratios = {"*": 0.5, f"{decoder}.0.cross_attn": 0, f"{decoder}.1.cross_attn": 0}
+    pruner = randomised(DTPPruner(model, (images,), ratios))
+    heads = [g.name for g in pruner.groups if isinstance(g, HeadGroup)]
+    assert f"{decoder}.0.self_attn" in heads and f"{decoder}.1.self_attn" in heads
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(images)
+    exported = pruner.export().eval()
+    self_attention = exported.get_submodule(f"{decoder}.0.self_attn")
+    assert type(self_attention) is PrunedMask2FormerAttention
+    assert self_attention.num_heads == 2
+    with torch.no_grad():
+        for g, w in zip(exported(images), want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
