@@ -1,20 +1,21 @@
 """Prune every architecture of the installed transformers for a task at a float ratio and
 check each export (`python benchmarks/hf_prune_check.py [--task causal-lm | masked-lm |
-sequence-classification | image-classification | audio-classification] [model_type
-...]`): the groups found by kind, the FLOPs reduction, the export's largest difference
-from the hard-masked model and its parameters against the report. A model the pruner
-refuses is tried again with the ratios its error gives (the ones that leave the refused
-groups whole), as a user would; one refused again, or refused without them, gets the
-error's first words. GPT-2's Conv1D layers are made nn.Linear first, as `dtp prune`
-does.
+sequence-classification | image-classification | object-detection |
+semantic-segmentation | audio-classification] [model_type ...]`): the groups found by
+kind, the FLOPs reduction, the export's largest difference from the hard-masked model
+and its parameters against the report. A model the pruner refuses is tried again with
+the ratios its error gives (the ones that leave the refused groups whole), as a user
+would; one refused again, or refused without them, gets the error's first words. GPT-2's
+Conv1D layers are made nn.Linear first, as `dtp prune` does.
 
 Each architecture is built from its default config (`AutoConfig.for_model`, nothing
 downloaded) with the size fields it has set small (SIZES: 2 layers of width 64, 4 heads,
 a vocabulary of 256, 64 x 64 images), random weights and random scores, on 12 tokens (a
-sequence classifier's last one its end of sequence), one image, or 4,000 samples of
-audio (a spectrogram of the config's size for Whisper). A config whose own checks refuse
-that size, or a model that does not run at it, is listed as not built; one still over
-30M parameters (a field SIZES does not name) is skipped."""
+sequence classifier's last one its end of sequence), one image (classifiers, detectors,
+segmenters), or 4,000 samples of audio (a spectrogram of the config's size for Whisper).
+A config whose own checks refuse that size, or a model that does not run at it, is
+listed as not built; one still over 30M parameters (a field SIZES does not name) is
+skipped."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForImageClassification,
     AutoModelForMaskedLM,
+    AutoModelForObjectDetection,
+    AutoModelForSemanticSegmentation,
     AutoModelForSequenceClassification,
 )
 from transformers.models.auto import modeling_auto
@@ -102,6 +105,8 @@ TASKS = {
     ),
     "masked-lm": (
         AutoModelForMaskedLM,
+        AutoModelForObjectDetection,
+        AutoModelForSemanticSegmentation,
         modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
         "masked language models",
     ),
@@ -120,7 +125,18 @@ TASKS = {
         modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
         "image classifiers",
     ),
+    "object-detection": (
+        AutoModelForObjectDetection,
+        modeling_auto.MODEL_FOR_OBJECT_DETECTION_MAPPING_NAMES,
+        "object detectors",
+    ),
+    "semantic-segmentation": (
+        AutoModelForSemanticSegmentation,
+        modeling_auto.MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES,
+        "semantic segmenters",
+    ),
 }
+IMAGE_TASKS = ("image-classification", "object-detection", "semantic-segmentation")
 LARGEST = 30e6  # parameters at the small size
 SECONDS = 120  # per architecture
 
@@ -175,7 +191,7 @@ def example(model: torch.nn.Module, task: str) -> torch.Tensor:
         config = model.config  # Whisper's encoder: (mel bins, twice its positions)
         length = 2 * getattr(config, "max_source_positions", 1500)
         return torch.randn(1, getattr(config, "num_mel_bins", 80), length, generator=generator)
-    if task != "image-classification":
+    if task not in IMAGE_TASKS:
         ids = torch.randint(3, 200, (1, 12), generator=generator)
         eos = getattr(model.config, "eos_token_id", None)
         if task == "sequence-classification" and isinstance(eos, int):
@@ -279,10 +295,11 @@ def main() -> None:
     ]
     statuses = [row[1] for row in rows]
     summary = ", ".join(f"{statuses.count(s)} {s}" for s in dict.fromkeys(statuses))
-    inputs = {
-        "image-classification": "one 64 x 64 image",
-        "audio-classification": "4,000 samples of audio or Whisper's 80 x 3,000 spectrogram",
-    }.get(args.task, "12 tokens")
+    inputs = "12 tokens"
+    if args.task in IMAGE_TASKS:
+        inputs = "one 64 x 64 image"
+    elif args.task == "audio-classification":
+        inputs = "4,000 samples of audio or Whisper's 80 x 3,000 spectrogram"
     lines = [
         f"# Hugging Face {what} pruned and exported "
         f"(`benchmarks/hf_prune_check.py --task {args.task}`)",
