@@ -234,7 +234,7 @@ def tie_chains(model: nn.Module, groups: list[HeadGroup], inputs: tuple) -> list
         if source is None:
             for group in chain:
                 group.refusal = OUTSIDE
-                if group in unlike:
+                if any(g is group for g in unlike):
                     group.refusal = _unlike(group, first, bias, "is handed")
             continue
         chains[first.module], bias_dims[first.module] = chain, dims
