@@ -402,6 +402,32 @@ class ChannelGraphError(ValueError):
     its search for the channels coupled to one layer, fails or does not end."""
 
 
+class SearchFailedError(ChannelGraphError):
+    """Torch-Pruning's search for the channels coupled to `layer` raised (`why`)."""
+
+    def __init__(self, message: str, layer: nn.Module, why: str) -> None:
+        super().__init__(message)
+        self.layer, self.why = layer, why
+
+
+def _failed_searches(failed: dict[nn.Module, str], names: dict[nn.Module, str]) -> str:
+    """The error for the layers whose searches failed, with Torch-Pruning's errors."""
+    named = {names.get(m, type(m).__name__): why for m, why in failed.items()}
+    if len(named) == 1:
+        ((name, why),) = named.items()
+        return (
+            f"the search for the channels coupled to layer {name!r} fails ({why}): "
+            "Torch-Pruning's graph cannot follow what the model does with that layer's "
+            "output. Leave the layer whole with ignored_layers=[...]"
+        )
+    listed = ", ".join(f"{name!r} ({why})" for name, why in named.items())
+    return (
+        f"the searches for the channels coupled to layers {listed} fail: Torch-Pruning's "
+        "graph cannot follow what the model does with their outputs. Leave these layers "
+        f"whole with ignored_layers=[...] (the modules named {list(named)})"
+    )
+
+
 # what Torch-Pruning warns, building the graph and searching it, where it cannot infer a
 # width (a detection head's box decoding): nothing for the user to do
 RECURSION_WARNING = "Maximum recursive depth reached"
@@ -619,12 +645,8 @@ def _bounded_search(graph: tp.DependencyGraph, names: dict[nn.Module, str]) -> I
         try:
             return search(module, handler, idxs)
         except Exception as error:  # its own errors say nothing of the layer
-            raise ChannelGraphError(
-                f"the search for the channels coupled to layer {layer_name()} fails "
-                f"({type(error).__name__}: {error}): Torch-Pruning's graph cannot follow what "
-                "the model does with that layer's output. Leave the layer whole with "
-                "ignored_layers=[...]"
-            ) from error
+            why = f"{type(error).__name__}: {error}"
+            raise SearchFailedError(_failed_searches({module: why}, names), module, why) from error
         finally:
             searching[0] = False
             if timed:
@@ -732,8 +754,20 @@ def find_groups(
     names = {module: name for name, module in model.named_modules()}
     roots = [nn.Conv1d, nn.Conv2d, nn.Linear]
     ignored = ignored + output_layers(graph, tuple(roots)) + shuffled_layers(graph, tuple(roots))
-    with _bounded_search(graph, names), mappings_held(graph):  # nothing pruned here
-        found = _channel_groups(model, graph, ignored, coupled, names, roots)
+    # the roots whose searches fail are left out and the search begun again, so that one
+    # error names all of them: a user leaves them whole at the next try
+    failed: dict[nn.Module, str] = {}
+    while True:
+        try:
+            with _bounded_search(graph, names), mappings_held(graph):  # nothing pruned here
+                found = _channel_groups(model, graph, ignored + list(failed), coupled, names, roots)
+            break
+        except SearchFailedError as error:
+            if error.layer in failed:  # a search of the root's own code, not a root's
+                raise
+            failed[error.layer] = error.why
+    if failed:
+        raise ChannelGraphError(_failed_searches(failed, names))
     return [found[m] for m in model.modules() if m in found]
 
 

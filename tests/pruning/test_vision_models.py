@@ -573,6 +573,31 @@ def test_a_group_search_that_fails_is_named(monkeypatch):
     assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
 
 
+def test_every_group_search_that_fails_is_named_in_one_error(monkeypatch):
+    """Searches that fail for two layers: one error names both, with Torch-Pruning's
+    errors; leaving both whole (ignored_layers) prunes the rest."""
+    from dtp_kernels.pruning import groups
+
+    search = groups.coupled_group
+
+    def failing_at_two_layers(graph, module, handler, idxs):
+        if module in (model.layer2[0].conv1, model.layer3[2].conv1):
+            raise IndexError("list index out of range")
+        return search(graph, module, handler, idxs)
+
+    monkeypatch.setattr(groups, "coupled_group", failing_at_two_layers)
+    model, x = get_model("resnet20"), torch.randn(1, 3, 32, 32)
+    named = (
+        r"coupled to layers 'layer2.0.conv1' \(IndexError: list index out of range\), "
+        r"'layer3.2.conv1' \(IndexError: .*ignored_layers"
+    )
+    with pytest.raises(ValueError, match=named):
+        DTPPruner(model, (x,), 0.5)
+    left = [model.layer2[0].conv1, model.layer3[2].conv1]
+    pruner = DTPPruner(model, (x,), 0.5, ignored_layers=left)
+    assert {g.layer for g in pruner.groups}.isdisjoint(left) and len(pruner.groups) == 7
+
+
 def test_a_conv_attentions_channels_are_searched_and_left_whole():
     """timm's Visformer computes its attention with 1x1 convs (qkv, proj): the search
     from all of qkv's channels (hours in Torch-Pruning's own search) ends at once, its
