@@ -1,7 +1,8 @@
 """The classes export gives attention layers whose code ties the head size or the output
 width to the model width (torchvision's Swin and MaxViT, timm's EVA, BEiT, Swin V2 and
-others, Hugging Face's TrOCR and PVT v2): subclasses with the same parameters whose
-forward takes the sizes from the pruned projections, looked up by the layer's class."""
+others, Hugging Face's TrOCR, PVT v2, Table Transformer, Mask2Former and OneFormer):
+subclasses with the same parameters whose forward takes the sizes from the pruned
+projections, looked up by the layer's class."""
 
 from __future__ import annotations
 
