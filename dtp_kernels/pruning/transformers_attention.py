@@ -173,6 +173,21 @@ class _PositionedAttention(_GivenToTheLayer):
         out = self.out_proj(out.transpose(1, 2).reshape(batch, length, -1))
         return out, weights.view(batch, heads, length, sources)
 
+    def _positioned(
+        self,
+        states: torch.Tensor,
+        positions: torch.Tensor | None,
+        sources: torch.Tensor | None,
+        source_positions: torch.Tensor | None,
+        bias: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_attend` over `sources` (cross-attention) or `states` (self-attention): the
+        queries and keys with their position embeddings added, the values without."""
+        queries = _with(states, positions)
+        if sources is None:
+            return self._attend(queries, queries, states, bias)
+        return self._attend(queries, _with(sources, source_positions), sources, bias)
+
 
 class PrunedTableTransformerAttention(_PositionedAttention, TableTransformerAttention):
     """Table Transformer's attention whose heads may be fewer than the model width over
@@ -189,13 +204,10 @@ class PrunedTableTransformerAttention(_PositionedAttention, TableTransformerAtte
         spatial_position_embeddings: torch.Tensor | None = None,
         output_attentions: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        queries = _with(hidden_states, object_queries)
-        if key_value_states is None:
-            keys, values = queries, hidden_states
-        else:
-            keys, values = _with(key_value_states, spatial_position_embeddings), key_value_states
         bias = _additive(attention_mask, hidden_states.dtype)  # (batch, 1, queries, keys)
-        out, weights = self._attend(queries, keys, values, bias)
+        out, weights = self._positioned(
+            hidden_states, object_queries, key_value_states, spatial_position_embeddings, bias
+        )
         return out, (weights if output_attentions else None)
 
 
@@ -215,17 +227,16 @@ class _SequenceFirstAttention(_PositionedAttention):
         def first(x: torch.Tensor | None) -> torch.Tensor | None:
             return None if x is None else x.transpose(0, 1)
 
-        states, sources = first(hidden_states), first(key_value_states)
-        queries = _with(states, first(position_embeddings))
-        if sources is None:
-            keys, values = queries, states
-        else:
-            keys = _with(sources, first(key_value_position_embeddings))
-            values = sources
         bias = attention_mask
         if bias is not None:  # (batch * heads, queries, keys)
-            bias = bias.view(states.shape[0], self.num_heads, *bias.shape[1:])
-        out, weights = self._attend(queries, keys, values, bias)
+            bias = bias.view(hidden_states.shape[1], self.num_heads, *bias.shape[1:])
+        out, weights = self._positioned(
+            first(hidden_states),
+            first(position_embeddings),
+            first(key_value_states),
+            first(key_value_position_embeddings),
+            bias,
+        )
         return out.transpose(0, 1), (weights if output_attentions else None)
 
 
