@@ -347,6 +347,7 @@ def test_mask2former_prunes_but_its_masked_cross_attention():
     pruner = randomised(DTPPruner(model, (images,), ratios))
     heads = [g.name for g in pruner.groups if isinstance(g, HeadGroup)]
     assert f"{decoder}.0.self_attn" in heads and f"{decoder}.1.self_attn" in heads
+    assert any(".swin.encoder.layers.0." in name for name in heads)  # the backbone's
     with torch.no_grad(), pruner.hard_masked():
         want = model(images)
     exported = pruner.export().eval()
