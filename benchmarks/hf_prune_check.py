@@ -105,8 +105,6 @@ TASKS = {
     ),
     "masked-lm": (
         AutoModelForMaskedLM,
-        AutoModelForObjectDetection,
-        AutoModelForSemanticSegmentation,
         modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
         "masked language models",
     ),

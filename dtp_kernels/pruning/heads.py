@@ -4,10 +4,12 @@ The layers are recognised by their form (attention_forms.py: Torch-Pruning's gra
 not follow the per-head reshapes), each giving a group of its heads (head_group.py).
 
 Some are found only to be refused by name when their heads are asked for: layers handed
-a bias for all heads computed outside them (ALiBi), which would not lose the removed
-heads. T5's layers, handed the relative position bias the first layer of their stack
-computes, are one group with that layer, and MPNet's, handed the one their encoder
-computes from its table, one group with that table (tied_heads.py).
+a bias for all heads computed outside them, which would not lose the removed heads,
+unless export gives them a class that adds its kept heads' entries of it (ALiBi:
+BLOOM's, MPT's, Falcon's; picked_heads.py). T5's layers, handed the relative position
+bias the first layer of their stack computes, are one group with that layer, and
+MPNet's, handed the one their encoder computes from its table, one group with that
+table (tied_heads.py).
 
 The unit is a key/value head together with the query heads that share it (grouped-query
 attention; one query head per unit without it); in multi-query attention, one key/value
@@ -44,6 +46,7 @@ from .head_norms import (
     rescales_exactly,
 )
 from .multihead_attention import PrunedMultiheadAttention
+from .picked_heads import PicksItsHeads, keep_heads, picked_argument
 from .proof import cuts_exactly, dropped, example_calls
 from .pruned_classes import pruned_classes
 
@@ -281,8 +284,9 @@ def _other_linears(group: HeadGroup) -> str:
 
 
 # the arguments by which attention layers receive a bias per head computed outside them
-# (ALiBi: BLOOM's; Falcon's when config.alibi) when the example inputs hand them a tensor
-# (T5's `position_bias`, and MPT's: tied_heads.py)
+# (ALiBi; BLOOM's and Falcon's layers export gives a class picking their heads' entries)
+# when the example inputs hand them a tensor (T5's `position_bias`, and MPT's:
+# tied_heads.py)
 WHEN_GIVEN = ("alibi",)
 
 
@@ -295,10 +299,11 @@ def _biases_from_outside(
     found, watched = {}, {}
     for group in groups:
         forward = inspect.signature(group.module.forward).parameters
-        if isinstance(group.module, nn.MultiheadAttention):
-            watched[group.module] = ["attn_mask"]
-        elif any(a in forward for a in WHEN_GIVEN):
-            watched[group.module] = [a for a in WHEN_GIVEN if a in forward]
+        # a layer export gives a class that picks its heads' entries is not refused (as
+        # nn.MultiheadAttention's export picks its heads' masks from a mask per head)
+        given = [a for a in WHEN_GIVEN if a in forward and a != picked_argument(group.module)]
+        if given:
+            watched[group.module] = given
     if not watched or not inputs:
         return found
 
@@ -307,18 +312,12 @@ def _biases_from_outside(
         names = inspect.signature(module.forward).parameters
         given = dict(zip(names, args, strict=False)) | kwargs
         for argument in watched[module]:
-            bias = given.get(argument)
-            # nn.MultiheadAttention's mask is one for all heads (2-D) or one per head
-            # (3-D: batch x heads), made by the model for the heads it was built with
-            per_head = not isinstance(module, nn.MultiheadAttention) or (
-                isinstance(bias, torch.Tensor) and bias.dim() == 3
-            )
-            if isinstance(bias, torch.Tensor) and per_head:
+            if isinstance(given.get(argument), torch.Tensor):
                 found[module] = (
                     f"its forward is handed `{argument}`, a bias per head computed outside "
-                    "the layer for all the model's heads (ALiBi; a mask per head, as "
-                    "Mask2Former's decoder makes for its cross-attention): it would not "
-                    "lose the heads removed from one layer"
+                    "the layer for all the model's heads (ALiBi), and export has no class "
+                    "for the layer that picks its heads' entries: it would not lose the "
+                    "heads removed from one layer"
                 )
 
     run_hooked(
@@ -459,6 +458,8 @@ def _prune_layer_heads(
     kept = mask.nonzero().flatten().cpu()
     per_unit = group.query_heads_per_unit
     query_heads = _query_heads(mask, per_unit)
+    if picked_argument(copy[names[group.module]]):  # handed ALiBi: before its count changes
+        keep_heads(copy[names[group.module]], query_heads)
     _cut_tables(group.tables, copy, names, query_heads)
     for inner in copy[names[group.module]].modules():  # its position-bias modules' counts
         _set_head_count(inner, group.units * per_unit, len(query_heads))
@@ -471,7 +472,7 @@ def _prune_layer_heads(
         source = copy[names[group.module]]
         rows = group.rows[0].kept(group.units, kept)
         cut_linear(source.out_proj, group.out.kept(group.units, kept), dim=1)
-        setattr(copy[parent], attr, PrunedMultiheadAttention(source, rows))
+        setattr(copy[parent], attr, PrunedMultiheadAttention(source, rows, query_heads))
         return
     for projection in group.rows:
         cut_linear(copy[names[projection.layer]], projection.kept(group.units, kept))
@@ -523,5 +524,7 @@ def _prune_layer_heads(
         if isinstance(getattr(module, attr, None), int):
             setattr(module, attr, value)
     pruned_class = pruned_classes().get(type(module))
-    if pruned_class is not None:  # its code ties the head size to the model width
+    # its code ties the head size to the model width (one picking ALiBi's heads is given
+    # above, where it is handed the bias)
+    if pruned_class is not None and not issubclass(pruned_class, PicksItsHeads):
         pruned_class.from_dense(module)

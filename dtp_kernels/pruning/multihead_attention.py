@@ -1,5 +1,7 @@
 """What a pruned ``nn.MultiheadAttention`` exports to: its computation with fewer heads,
-whose inner width need not equal the embedding width torch ties it to."""
+whose inner width need not equal the embedding width torch ties it to, and which picks
+its heads' masks from a mask per head made for all the layer's heads (Mask2Former's
+decoder makes one for its cross-attention)."""
 
 from __future__ import annotations
 
@@ -10,14 +12,23 @@ from torch import nn
 class PrunedMultiheadAttention(nn.Module):
     """nn.MultiheadAttention's computation with `num_heads` heads of `head_dim` whose
     inner width (num_heads * head_dim) need not equal `embed_dim`: what a pruned
-    nn.MultiheadAttention exports to. Same forward signature and outputs."""
+    nn.MultiheadAttention exports to. Same forward signature and outputs. The buffer
+    `kept_heads` holds the source's heads it computes, in order: an `attn_mask` per head
+    (batch * heads, L, S) made for more heads than it has gives it theirs."""
 
     replaces = nn.MultiheadAttention
 
-    def __init__(self, source: nn.MultiheadAttention, kept_rows: torch.Tensor) -> None:
+    def __init__(
+        self,
+        source: nn.MultiheadAttention,
+        kept_rows: torch.Tensor,
+        kept_heads: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         self.embed_dim, self.head_dim = source.embed_dim, source.head_dim
         self.num_heads = len(kept_rows) // (3 * source.head_dim)
+        kept_heads = torch.arange(self.num_heads) if kept_heads is None else kept_heads
+        self.register_buffer("kept_heads", kept_heads.to(source.in_proj_weight.device))
         self.batch_first, self.dropout = source.batch_first, source.dropout
         rows = kept_rows.to(source.in_proj_weight.device)
         self.in_proj_weight = nn.Parameter(source.in_proj_weight.detach()[rows].clone())
@@ -29,6 +40,14 @@ class PrunedMultiheadAttention(nn.Module):
     def from_dense(cls, source: nn.MultiheadAttention) -> PrunedMultiheadAttention:
         """One with every head of `source` (a loader then gives it the saved shapes)."""
         return cls(source, torch.arange(source.in_proj_weight.shape[0]))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        # files saved before `kept_heads` existed hold none: their layers were never
+        # handed a mask per head (refused then), so their first heads stand for them
+        if prefix + "kept_heads" not in state_dict:
+            self.kept_heads = torch.arange(self.num_heads, device=self.kept_heads.device)
+            state_dict[prefix + "kept_heads"] = self.kept_heads
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(
         self,
@@ -60,6 +79,14 @@ class PrunedMultiheadAttention(nn.Module):
             for i, x in enumerate((query, key, value))
         ]
         q, k, v = (p.view(batch, -1, self.num_heads, self.head_dim).transpose(1, 2) for p in parts)
+        if (
+            attn_mask is not None
+            and attn_mask.dim() == 3
+            and len(attn_mask) != batch * self.num_heads
+        ):
+            # a mask per head made for all the source's heads: its kept heads' ones
+            per_head = attn_mask.view(batch, -1, *attn_mask.shape[1:])
+            attn_mask = per_head.index_select(1, self.kept_heads).flatten(0, 1)
         mask = _additive_mask(
             attn_mask, key_padding_mask, batch, self.num_heads, length, source, q.dtype
         )

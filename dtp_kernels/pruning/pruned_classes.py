@@ -2,7 +2,9 @@
 width to the model width (torchvision's Swin and MaxViT, timm's EVA, BEiT, Swin V2 and
 others, Hugging Face's TrOCR, PVT v2, Table Transformer, Mask2Former and OneFormer):
 subclasses with the same parameters whose forward takes the sizes from the pruned
-projections, looked up by the layer's class."""
+projections, looked up by the layer's class; and those handed ALiBi for all the model's
+heads (BLOOM's, MPT's, Falcon's), whose forward picks the kept heads' entries
+(picked_heads.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,10 @@ PRUNED_CLASS_MODULES = {
     "transformers.models.table_transformer.modeling_table_transformer": "transformers_attention",
     "transformers.models.mask2former.modeling_mask2former": "transformers_attention",
     "transformers.models.oneformer.modeling_oneformer": "transformers_attention",
+    # handed ALiBi for all the model's heads: they pick their own (picked_heads.py)
+    "transformers.models.bloom.modeling_bloom": "alibi_attention",
+    "transformers.models.mpt.modeling_mpt": "alibi_attention",
+    "transformers.models.falcon.modeling_falcon": "alibi_attention",
 }
 
 

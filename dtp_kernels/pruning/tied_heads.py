@@ -16,8 +16,9 @@ to it. Layers handed one tensor that no such layer returned are a chain too when
 model computes it from a table of one column per head outside them (MPNet's encoder's
 ``relative_attention_bias``), proven in one forward with half the table's columns kept;
 the table loses the removed heads' columns with the layers. A layer handed a bias no
-table gives (MPT's ALiBi, which the model computes for all heads) is refused by name,
-as is a chain whose layers' heads differ.
+table gives is refused by name, as is a chain whose layers' heads differ; MPT's layers,
+handed the ALiBi bias the model computes for all heads, are not chains: export gives
+them a class that adds its kept heads' entries (picked_heads.py).
 Each layer of a chain is proven as every head group is (heads.py), a later layer with
 the bias it is handed cut to the kept heads, as the exported first layer hands it.
 """
@@ -31,11 +32,12 @@ import torch
 from torch import nn
 
 from .heads import HeadGroup
+from .picked_heads import picked_argument
 from .proof import run_watched
 
 # the argument by which an attention layer is handed the bias of another layer (T5, mT5,
 # LongT5, Switch Transformers, Pop2Piano) or of the model (MPNet's, from a table; MPT's
-# ALiBi)
+# ALiBi, picked by the layer: picked_heads.py)
 BIAS_ARGUMENT = "position_bias"
 
 
@@ -103,8 +105,8 @@ class TiedHeadGroup(HeadGroup):
 OUTSIDE = (
     f"its forward takes `{BIAS_ARGUMENT}`, and the example inputs hand it a bias for all "
     "heads that no attention layer computed and no table of the model gives head by head "
-    "(MPT's ALiBi, computed by the model), or none: it would not lose the heads removed "
-    "from the layer"
+    "(ALiBi computed by the model, where export has no class for the layer that picks "
+    "its heads' entries), or none: it would not lose the heads removed from the layer"
 )
 
 
@@ -191,7 +193,9 @@ def tie_chains(model: nn.Module, groups: list[HeadGroup], inputs: tuple) -> list
     takers = [
         g
         for g in groups
-        if not g.refusal and BIAS_ARGUMENT in inspect.signature(g.module.forward).parameters
+        if not g.refusal
+        and BIAS_ARGUMENT in inspect.signature(g.module.forward).parameters
+        and picked_argument(g.module) != BIAS_ARGUMENT  # MPT's: picks its heads' entries
     ]
     if not takers:
         return groups

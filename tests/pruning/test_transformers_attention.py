@@ -5,7 +5,7 @@ what transformers' does; a tiny TrOCR (a ViT encoder and a TrOCR decoder) prunes
 decoder's self- and cross-attention heads, exports equal to the hard-masked model and
 generates the same tokens through the key/value cache; a tiny PVT v2 prunes its heads
 and exports equal to the hard-masked model, as do the positioned attention layers and a
-tiny Mask2Former (but its masked cross-attention)."""
+tiny Mask2Former (its cross-attention handed a mask per head too)."""
 
 import pytest
 import torch
@@ -332,21 +332,19 @@ class QueryLogits(torch.nn.Module):
         return out.class_queries_logits, out.masks_queries_logits
 
 
-def test_mask2former_prunes_but_its_masked_cross_attention():
+def test_mask2former_prunes_its_heads_with_a_float():
     """Mask2Former's decoder hands its cross-attention (an nn.MultiheadAttention) a mask
-    per query and head, made for the heads it was built with: a float is refused naming
-    those layers; the ratios the refusal gives prune the rest (the Swin backbone's heads,
-    the decoder's self-attention, exported as PrunedMask2FormerAttention, the MLPs), the
-    export equal to the hard-masked model."""
+    per query and head, made for the heads it was built with: the exported layer picks
+    its kept heads' masks (multihead_attention.py). A float prunes the Swin backbone's
+    heads, the decoder's self-attention (exported as PrunedMask2FormerAttention) and
+    cross-attention, and the MLPs, the export equal to the hard-masked model."""
     torch.manual_seed(0)
     model, images = QueryLogits(tiny_mask2former()).eval(), torch.randn(1, 3, 64, 64)
-    with pytest.raises(ValueError, match=r"decoder.layers.0.cross_attn': its forward is handed"):
-        DTPPruner(model, (images,), 0.5)
+    pruner = randomised(DTPPruner(model, (images,), 0.5))
     decoder = "model.model.transformer_module.decoder.layers"
-    ratios = {"*": 0.5, f"{decoder}.0.cross_attn": 0, f"{decoder}.1.cross_attn": 0}
-    pruner = randomised(DTPPruner(model, (images,), ratios))
     heads = [g.name for g in pruner.groups if isinstance(g, HeadGroup)]
-    assert f"{decoder}.0.self_attn" in heads and f"{decoder}.1.self_attn" in heads
+    for kind in ("self_attn", "cross_attn"):
+        assert f"{decoder}.0.{kind}" in heads and f"{decoder}.1.{kind}" in heads
     assert any(".swin.encoder.layers.0." in name for name in heads)  # the backbone's
     with torch.no_grad(), pruner.hard_masked():
         want = model(images)
@@ -354,6 +352,8 @@ def test_mask2former_prunes_but_its_masked_cross_attention():
     self_attention = exported.get_submodule(f"{decoder}.0.self_attn")
     assert type(self_attention) is PrunedMask2FormerAttention
     assert self_attention.num_heads == 2
+    cross_attention = exported.get_submodule(f"{decoder}.0.cross_attn")
+    assert cross_attention.num_heads == 2 and cross_attention.kept_heads.tolist() != [0, 1]
     with torch.no_grad():
         for g, w in zip(exported(images), want, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

@@ -377,44 +377,6 @@ def test_torchvision_vit_heads_export_to_fewer_heads():
     assert pruner.report()["flops_after"] == count_flops(exported, (x[:1],))
 
 
-@pytest.mark.parametrize("batch_first", [False, True])
-def test_pruned_multihead_attention_keeping_every_head_is_nn_multihead_attention(batch_first):
-    """With all heads kept the replacement computes what nn.MultiheadAttention does:
-    outputs and weights, with an attention mask and a key padding mask, batched or not."""
-    from dtp_kernels.pruning.multihead_attention import PrunedMultiheadAttention
-
-    torch.manual_seed(0)
-    mha = torch.nn.MultiheadAttention(16, 4, batch_first=batch_first).eval()
-    pruned = PrunedMultiheadAttention(mha, torch.arange(48)).eval()
-    q, kv = torch.randn(2, 5, 16), torch.randn(2, 7, 16)
-    if not batch_first:
-        q, kv = q.transpose(0, 1), kv.transpose(0, 1)
-    attn_mask = torch.rand(5, 7) > 0.7
-    attn_mask[:, 0] = False  # every query sees a key
-    padding = torch.zeros(2, 7, dtype=torch.bool)
-    padding[1, -2:] = True
-    for kwargs in (
-        {},
-        {"attn_mask": attn_mask},
-        {"key_padding_mask": padding, "average_attn_weights": False},
-    ):
-        want = mha(q, kv, kv, **kwargs)
-        got = pruned(q, kv, kv, **kwargs)
-        for a, b in zip(got, want, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    causal = torch.ones(5, 7, dtype=torch.bool).triu(1)  # is_causal without a mask
-    for a, b in zip(
-        pruned(q, kv, kv, is_causal=True), mha(q, kv, kv, attn_mask=causal), strict=True
-    ):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    single = q[0] if batch_first else q[:, 0]
-    single_kv = kv[0] if batch_first else kv[:, 0]
-    for a, b in zip(
-        pruned(single, single_kv, single_kv), mha(single, single_kv, single_kv), strict=True
-    ):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-
-
 def small_densenet():
     from torchvision.models import DenseNet
 
