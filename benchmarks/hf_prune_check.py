@@ -4,8 +4,10 @@ sequence-classification | image-classification | object-detection |
 semantic-segmentation | audio-classification] [model_type ...]`): the groups found by
 kind, the FLOPs reduction, the export's largest difference from the hard-masked model
 and its parameters against the report. A model the pruner refuses is tried again with
-the ratios its error gives (the ones that leave the refused groups whole), as a user
-would; one refused again, or refused without them, gets the error's first words. GPT-2's
+the ratios its error gives (the ones that leave the refused groups whole), or with the
+layers it names left whole (`ignored_layers`: those whose search for coupled channels
+fails), as a user would, up to three tries; one refused then, or refused without either,
+gets the error's first words. GPT-2's
 Conv1D layers are made nn.Linear first, as `dtp prune` does.
 
 Each architecture is built from its default config (`AutoConfig.for_model`, nothing
@@ -136,6 +138,9 @@ TASKS = {
 }
 IMAGE_TASKS = ("image-classification", "object-detection", "semantic-segmentation")
 LARGEST = 30e6  # parameters at the small size
+TRIES = 3  # the float, then as the refusals say
+# how a refusal names the layers whose search for coupled channels fails
+IGNORED = "(the modules named "
 SECONDS = 120  # per architecture
 
 
@@ -213,19 +218,27 @@ def check(model_type: str, ratio: float, task: str) -> list[str]:
     except Exception as error:  # the config's own checks, or a model that needs more
         return [model_type, "not built", "", "", "", "", type(error).__name__]
     conv1d_to_linear(model)  # GPT-2's Conv1D layers, as `dtp prune` converts them
-    result, ratios = "pruned", ratio
-    try:
-        pruner = DTPPruner(model, (ids,), ratios)
-    except ValueError as error:
-        if "ratios={" not in str(error):
-            return [model_type, "refused", "", "", "", "", _first_words(error)]
-        # the refusal names the ratios that leave the refused groups whole: a user's next try
-        ratios = ast.literal_eval(str(error).rsplit("ratios=", 1)[1])
-        result = "pruned with the refusal's ratios"
+    result, ratios, ignored = "pruned", ratio, []
+    for _ in range(TRIES):
         try:
-            pruner = DTPPruner(model, (ids,), ratios)
-        except ValueError as again:
-            return [model_type, "refused", "", "", "", "", _first_words(again)]
+            layers = [model.get_submodule(name) for name in ignored]
+            pruner = DTPPruner(model, (ids,), ratios, ignored_layers=layers)
+            break
+        except ValueError as error:
+            last = error
+            # the refusal names the ratios that leave the refused groups whole, or the
+            # layers to leave whole whose search failed: a user's next try
+            text = str(error)
+            if "ratios={" in text:
+                ratios = ast.literal_eval(text.rsplit("ratios=", 1)[1])
+                result = result if ignored else "pruned with the refusal's ratios"
+            elif IGNORED in text:
+                ignored += ast.literal_eval(text.rsplit(IGNORED, 1)[1].removesuffix(")"))
+                result = "pruned with the refusal's layers left whole"
+            else:
+                return [model_type, "refused", "", "", "", "", _first_words(error)]
+    else:
+        return [model_type, "refused", "", "", "", "", _first_words(last)]
     with torch.no_grad():
         pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
         with pruner.hard_masked():
@@ -245,7 +258,10 @@ def check(model_type: str, ratio: float, task: str) -> list[str]:
         f"{report['flops_before'] / report['flops_after']:.2f}x",
         f"{error:.1e}",
         "yes" if count_params(exported) == report["params_after"] else "NO",
-        "" if ratios == ratio else f"`ratios={ratios}`",
+        " ".join(
+            ([f"`ratios={ratios}`"] if ratios != ratio else [])
+            + ([f"`ignored_layers` {ignored}"] if ignored else [])
+        ),
     ]
 
 
