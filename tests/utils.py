@@ -474,7 +474,7 @@ def drawn_statistics(model: nn.Module) -> nn.Module:
     some inits give the last BN of a block), so every kept channel shows in the output."""
     generator = torch.Generator().manual_seed(5)
     for module in model.modules():
-        if isinstance(module, nn.BatchNorm2d):
+        if isinstance(module, (nn.BatchNorm2d, nn.BatchNorm3d)):
             for tensor, low, high in (
                 (module.weight.data, 0.5, 1.5),
                 (module.bias.data, -0.2, 0.2),

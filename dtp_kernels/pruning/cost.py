@@ -23,7 +23,14 @@ from torch import nn
 from .example_inputs import as_example_inputs, call_model
 from .experts import ExpertProjection, expert_layout
 
-CONV = (nn.Conv1d, nn.Conv2d, nn.ConvTranspose1d, nn.ConvTranspose2d)
+CONV = (
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+)
 COSTED = (*CONV, nn.Linear)  # the layers whose FLOPs are counted
 
 

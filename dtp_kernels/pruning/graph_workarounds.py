@@ -27,7 +27,9 @@ lets it through.
   these reshapes, which fails the whole graph, and maps the others as if they kept or
   flattened the channels' order, which a shuffle permutes. Inside
   `unmappable_reshapes_marked()` a reshape of a tensor of five or more dimensions (the
-  view back, where it divides by zero) is left unmapped and marked (`UNMAPPED_RESHAPE`);
+  view back, where it divides by zero) is left unmapped and marked (`UNMAPPED_RESHAPE`),
+  unless it leaves every channel of a video's or a volume's (N, C, D, H, W) where it was
+  (an instance norm's own reshapes, a pooled map flattened);
   the layers whose channels reach one are left whole with no search (groups.py), so no
   group passes one. torchvision's Swin merges its windows back the same way. So is any
   other reshape whose widths the inference takes for 0 and divides by (SHViT's view of
@@ -89,16 +91,42 @@ def _input_sizes(grad_fn) -> tuple:
     return ()
 
 
+def _output_sizes(grad_fn) -> tuple | None:
+    """The shape a reshape's autograd node gave (its gradient's), or None where torch
+    does not say."""
+    metadata = getattr(grad_fn, "_input_metadata", None)
+    return tuple(metadata[0].shape) if metadata else None
+
+
+def _keeps_channels(before: tuple, after: tuple | None) -> bool:
+    """Whether a reshape of `before` (N, C, ...) into `after` leaves every channel where
+    it was: the same shape; the batch folded into the channels or back, the rest as it
+    was (an instance norm over a video's or a volume's maps: (N, C, ...) to (1, N * C,
+    ...) and back); or (N, C, 1, ..., 1) flattened to (N, C) (a pooled map)."""
+    if after is None or len(before) < 2 or len(after) < 2:
+        return False
+    if after == before:
+        return True
+    rest = before[2:] == after[2:]
+    if rest and after[:2] == (1, before[0] * before[1]):  # the batch folded in
+        return True
+    if rest and before[:2] == (1, after[0] * after[1]):  # and back
+        return True
+    return after == before[:2] and all(size == 1 for size in before[2:])
+
+
 @contextlib.contextmanager
 def unmappable_reshapes_marked() -> Iterator[None]:
-    """Within the block, a reshape of a tensor of five or more dimensions, or one whose
-    mapping divides by zero, is left unmapped and marked with UNMAPPED_RESHAPE
-    (Torch-Pruning's width inference divides by zero on a channel shuffle's and on
-    SHViT's); the others are mapped as Torch-Pruning maps them."""
+    """Within the block, a reshape of a tensor of five or more dimensions that may move
+    its channels (all but those of `_keeps_channels`), or one whose mapping divides by
+    zero, is left unmapped and marked with UNMAPPED_RESHAPE (Torch-Pruning's width
+    inference divides by zero on a channel shuffle's and on SHViT's); the others are
+    mapped as Torch-Pruning maps them."""
     update = index_mapping.update_reshape_index_mapping
 
     def marking(graph, node) -> None:
-        if len(_input_sizes(node.grad_fn)) >= 5:
+        sizes = _input_sizes(node.grad_fn)
+        if len(sizes) >= 5 and not _keeps_channels(sizes, _output_sizes(node.grad_fn)):
             # a split dimension merged back, as after a shuffle's transpose: the channels
             # come out permuted, which no index mapping of the graph expresses
             setattr(node.module, UNMAPPED_RESHAPE, True)

@@ -23,7 +23,7 @@ from .ratios import kept_count
 def is_grouped(module: nn.Module) -> bool:
     """A grouped convolution that is not depthwise (ResNeXt, RegNet)."""
     return (
-        isinstance(module, (nn.Conv1d, nn.Conv2d))
+        isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
         and module.groups > 1
         and not (module.groups == module.in_channels == module.out_channels)
     )

@@ -58,7 +58,7 @@ from .masked_reads import own_matmul_ops, unmasked_readers
 @dataclass
 class ChannelGroup:
     name: str  # the root layer's module name
-    layer: nn.Conv1d | nn.Conv2d | nn.Linear  # the root: its output channels (features)
+    layer: nn.Conv1d | nn.Conv2d | nn.Conv3d | nn.Linear  # the root: its output channels (features)
     # the group's last per-channel affine op (BatchNorm, InstanceNorm, a per-channel
     # affine layer), when there is one
     bn: nn.Module | None
@@ -160,6 +160,8 @@ class ChannelGroup:
         return (units[:, None] * per_unit + torch.arange(per_unit)).flatten()
 
 
+# the convolutions whose output channels are group roots (1-D, images, video and volumes)
+CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 # how Torch-Pruning names the autograd nodes that merge several layers' outputs
 MERGING_OPS = ("AddBackward", "SubBackward", "CatBackward", "StackBackward")
 # attention (a softmax, or torch's fused scaled_dot_product_attention): its code
@@ -261,7 +263,7 @@ PER_CHANNEL_NORMS = (
 
 def _is_depthwise(module: nn.Module) -> bool:
     return (
-        isinstance(module, (nn.Conv1d, nn.Conv2d))
+        isinstance(module, CONVS)
         and module.groups > 1
         and (module.groups == module.in_channels == module.out_channels)
     )
@@ -269,7 +271,7 @@ def _is_depthwise(module: nn.Module) -> bool:
 
 def _per_channel_width(module: nn.Module) -> int:
     """The channels a BN, InstanceNorm, per-channel affine layer or depthwise conv acts on."""
-    if isinstance(module, (nn.Conv1d, nn.Conv2d)):
+    if isinstance(module, CONVS):
         return module.out_channels
     return getattr(module, "num_features", None) or module.weight.numel()
 
@@ -277,9 +279,7 @@ def _per_channel_width(module: nn.Module) -> int:
 def _plain_layer(module: nn.Module) -> bool:
     """Whether `module` is a linear layer or an ungrouped convolution: a gated group's
     mask goes on such a consumer's input columns."""
-    return isinstance(module, nn.Linear) or (
-        isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and module.groups == 1
-    )
+    return isinstance(module, nn.Linear) or (isinstance(module, CONVS) and module.groups == 1)
 
 
 def _in_width(layer: nn.Module) -> int:
@@ -752,7 +752,7 @@ def find_groups(
     """All prunable groups, in model order. `coupled`: also the residual-coupled widths
     that can be masked exactly (each producer masked at its BN)."""
     names = {module: name for name, module in model.named_modules()}
-    roots = [nn.Conv1d, nn.Conv2d, nn.Linear]
+    roots = [*CONVS, nn.Linear]
     ignored = ignored + output_layers(graph, tuple(roots)) + shuffled_layers(graph, tuple(roots))
     # the roots whose searches fail are left out and the search begun again, so that one
     # error names all of them: a user leaves them whole at the next try
@@ -1025,7 +1025,7 @@ def _columns_cover(
     for reader in ins:
         if isinstance(reader, nn.Linear):
             width = reader.in_features
-        elif isinstance(reader, (nn.Conv1d, nn.Conv2d)) and reader.groups == 1:
+        elif isinstance(reader, CONVS) and reader.groups == 1:
             width = reader.in_channels
         else:
             return False

@@ -327,10 +327,10 @@ def _biases_from_outside(
 
 
 # modules whose parameters are never per-head tables of an attention layer they are beside
-NOT_TABLES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding, nn.MultiheadAttention)
+NOT_TABLES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.MultiheadAttention)
 # layers inside an attention layer whose parameters are never its per-head tables (an
 # embedding of one column per head is found apart)
-CONVS_AND_EMBEDDINGS = (nn.Conv1d, nn.Conv2d, nn.Embedding)
+CONVS_AND_EMBEDDINGS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
 
 
 def _per_head_tables(

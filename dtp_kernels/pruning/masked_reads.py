@@ -77,7 +77,7 @@ def keeps_zero_per_channel(module: nn.Module) -> bool:
     """A module that computes each channel from that channel alone and maps zero to zero:
     a depthwise convolution with no bias (Xception's, between the group's BN and the next
     pointwise conv), a fixed per-channel filter."""
-    if isinstance(module, (nn.Conv1d, nn.Conv2d)):
+    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
         return (
             module.bias is None
             and module.groups > 1

@@ -59,7 +59,7 @@ MASK_AT = ("auto", "parameters", "activation")
 GRANULARITIES = ("filter", "weight", "n:m")
 SCORE_SOURCES = ("learned", "magnitude")
 # the layers granularity="weight" and "n:m" mask: weights laid out [out, in, ...]
-WEIGHT_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Linear)
+WEIGHT_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 EPILOGUE_BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
 
 
