@@ -29,7 +29,8 @@ lets it through.
   `unmappable_reshapes_marked()` a reshape of a tensor of five or more dimensions (the
   view back, where it divides by zero) is left unmapped and marked (`UNMAPPED_RESHAPE`),
   unless it leaves every channel of a video's or a volume's (N, C, D, H, W) where it was
-  (an instance norm's own reshapes, a pooled map flattened);
+  (an instance norm's own reshapes, a pooled map flattened) or flattens the leading
+  dimensions of features last into a linear layer's matmul (Video Swin's MLPs);
   the layers whose channels reach one are left whole with no search (groups.py), so no
   group passes one. torchvision's Swin merges its windows back the same way. So is any
   other reshape whose widths the inference takes for 0 and divides by (SHViT's view of
@@ -44,6 +45,7 @@ lets it through.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
@@ -115,18 +117,36 @@ def _keeps_channels(before: tuple, after: tuple | None) -> bool:
     return after == before[:2] and all(size == 1 for size in before[2:])
 
 
+# how autograd names a linear layer's own matmul of a 2-D input
+LINEAR_MATMULS = ("AddmmBackward", "MmBackward")
+
+
+def _into_linear(node, before: tuple, after: tuple | None) -> bool:
+    """Whether the reshape `node` flattens the leading dimensions of `before` (features
+    last) into the rows of a linear layer's matmul, which all its outputs are: the
+    features stay last, where the layer reads them."""
+    if after is None or len(after) != 2 or after != (math.prod(before[:-1]), before[-1]):
+        return False
+    names = [str(getattr(out.module, "_grad_fn", "")) for out in node.outputs]
+    return bool(names) and all(name.startswith(LINEAR_MATMULS) for name in names)
+
+
 @contextlib.contextmanager
 def unmappable_reshapes_marked() -> Iterator[None]:
     """Within the block, a reshape of a tensor of five or more dimensions that may move
-    its channels (all but those of `_keeps_channels`), or one whose mapping divides by
-    zero, is left unmapped and marked with UNMAPPED_RESHAPE (Torch-Pruning's width
-    inference divides by zero on a channel shuffle's and on SHViT's); the others are
-    mapped as Torch-Pruning maps them."""
+    its channels (all but those of `_keeps_channels` and `_into_linear`), or one whose
+    mapping divides by zero, is left unmapped and marked with UNMAPPED_RESHAPE
+    (Torch-Pruning's width inference divides by zero on a channel shuffle's and on
+    SHViT's); the others are mapped as Torch-Pruning maps them."""
     update = index_mapping.update_reshape_index_mapping
 
     def marking(graph, node) -> None:
-        sizes = _input_sizes(node.grad_fn)
-        if len(sizes) >= 5 and not _keeps_channels(sizes, _output_sizes(node.grad_fn)):
+        sizes, after = _input_sizes(node.grad_fn), _output_sizes(node.grad_fn)
+        if (
+            len(sizes) >= 5
+            and not _keeps_channels(sizes, after)
+            and not _into_linear(node, sizes, after)
+        ):
             # a split dimension merged back, as after a shuffle's transpose: the channels
             # come out permuted, which no index mapping of the graph expresses
             setattr(node.module, UNMAPPED_RESHAPE, True)

@@ -1,5 +1,5 @@
 """The classes export gives attention layers whose code ties the head size or the output
-width to the model width (torchvision's Swin and MaxViT, timm's EVA, BEiT, Swin V2 and
+width to the model width (torchvision's Swin, Video Swin and MaxViT, timm's EVA, BEiT, Swin V2 and
 others, Hugging Face's TrOCR, PVT v2, Table Transformer, Mask2Former and OneFormer):
 subclasses with the same parameters whose forward takes the sizes from the pruned
 projections, looked up by the layer's class; and those handed ALiBi for all the model's
@@ -19,6 +19,7 @@ from torch import nn
 PRUNED_CLASS_MODULES = {
     "torchvision.models.swin_transformer": "torchvision_attention",
     "torchvision.models.maxvit": "torchvision_attention",
+    "torchvision.models.video.swin_transformer": "torchvision_attention",
     "timm": "timm_attention",  # EVA's, BEiT's, Swin V2's, DaViT's, XCiT's, EdgeNeXt's, ...
     "transformers.models.trocr.modeling_trocr": "transformers_attention",
     "transformers.models.pvt_v2.modeling_pvt_v2": "transformers_attention",

@@ -1,5 +1,6 @@
 """torchvision's attention layers that tie their heads to the model width, with some of
-their heads removed: Swin's and Swin V2's shifted-window attention, MaxViT's.
+their heads removed: Swin's and Swin V2's shifted-window attention, Video Swin's (3-D
+windows), MaxViT's.
 
 torchvision computes a window attention layer's heads in one function that takes the head
 size to be the layer's input width over its head count and reshapes the heads' output to
@@ -7,7 +8,8 @@ the input width; MaxViT's attention reshapes its heads' output to the input widt
 a layer that has lost heads no longer runs. Export gives such a layer one of the classes
 below: a subclass with the same parameters, buffers and state-dict keys whose forward is
 the same computation with the head size taken from the projection
-(:func:`window_attention` for Swin's) and the output at the heads' own width.
+(:func:`window_attention` for Swin's, :func:`window_attention_3d` for Video Swin's) and
+the output at the heads' own width.
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ import torch
 from torch import nn
 from torchvision.models.maxvit import RelativePositionalMultiHeadAttention
 from torchvision.models.swin_transformer import ShiftedWindowAttention, ShiftedWindowAttentionV2
+from torchvision.models.video.swin_transformer import (
+    ShiftedWindowAttention3d,
+    _compute_attention_mask_3d,
+    _compute_pad_size_3d,
+    _get_window_and_shift_size,
+)
 
 # the bias a shifted window adds between tokens from different regions of the image
 OTHER_REGION = -100.0
@@ -99,6 +107,49 @@ def _region_mask(
     )
 
 
+def window_attention_3d(x: torch.Tensor, layer: ShiftedWindowAttention3d) -> torch.Tensor:
+    """Video Swin's window attention of `x` (batch, frames, height, width, channels) with
+    `layer.num_heads` heads of any size: 3-D windows of `layer.window_size` (no larger
+    than the map), cyclically shifted by `layer.shift_size` (none along a side one
+    window covers), the map zero-padded to whole windows and cropped back; torchvision's
+    computation, the head size taken from the projection."""
+    batch, frames, height, width, channels = x.shape
+    window, shift = _get_window_and_shift_size(
+        layer.shift_size.copy(), [frames, height, width], layer.window_size.copy()
+    )
+    bias = layer.get_relative_position_bias(window)
+    pad = _compute_pad_size_3d((frames, height, width), tuple(window))
+    x = nn.functional.pad(x, (0, 0, 0, pad[2], 0, pad[1], 0, pad[0]))
+    padded = tuple(x.shape[1:4])
+    shifted = sum(shift) > 0
+    if shifted:
+        x = torch.roll(x, shifts=(-shift[0], -shift[1], -shift[2]), dims=(1, 2, 3))
+    counts = [padded[i] // window[i] for i in range(3)]
+    tokens = window[0] * window[1] * window[2]
+    windows = x.view(batch, counts[0], window[0], counts[1], window[1], counts[2], window[2], -1)
+    windows = windows.permute(0, 1, 3, 5, 2, 4, 6, 7).reshape(-1, tokens, channels)
+
+    heads = layer.num_heads
+    qkv = layer.qkv(windows)
+    head_dim = qkv.shape[-1] // (3 * heads)
+    q, k, v = qkv.reshape(len(windows), tokens, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+    scores = (q * head_dim**-0.5).matmul(k.transpose(-2, -1)) + bias
+    if shifted:
+        mask = _compute_attention_mask_3d(windows, padded, tuple(window), tuple(shift))
+        scores = scores.view(batch, len(windows) // batch, heads, tokens, tokens)
+        scores = (scores + mask.unsqueeze(1).unsqueeze(0)).view(-1, heads, tokens, tokens)
+    attention = scores.softmax(dim=-1)
+    attention = nn.functional.dropout(attention, p=layer.attention_dropout, training=layer.training)
+
+    out = attention.matmul(v).transpose(1, 2).reshape(len(windows), tokens, heads * head_dim)
+    out = nn.functional.dropout(layer.proj(out), p=layer.dropout, training=layer.training)
+    out = out.view(batch, *counts, *window, channels).permute(0, 1, 4, 2, 5, 3, 6, 7)
+    out = out.reshape(batch, *padded, channels)
+    if shifted:
+        out = torch.roll(out, shifts=(shift[0], shift[1], shift[2]), dims=(1, 2, 3))
+    return out[:, :frames, :height, :width, :].contiguous()
+
+
 class _GivenToTheLayer:
     """A class export gives the layer itself: its parameters and buffers stay."""
 
@@ -129,6 +180,16 @@ class PrunedShiftedWindowAttentionV2(_GivenToTheLayer, ShiftedWindowAttentionV2)
         return window_attention(x, self, self.logit_scale)
 
 
+class PrunedShiftedWindowAttention3d(_GivenToTheLayer, ShiftedWindowAttention3d):
+    """Video Swin's ShiftedWindowAttention3d whose heads may be fewer than its input
+    width over their size."""
+
+    replaces = ShiftedWindowAttention3d
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return window_attention_3d(x, self)
+
+
 class PrunedMaxVitAttention(_GivenToTheLayer, RelativePositionalMultiHeadAttention):
     """torchvision MaxViT's RelativePositionalMultiHeadAttention whose heads may be fewer
     than the model width over their size (its scale stays the model width's)."""
@@ -152,5 +213,6 @@ class PrunedMaxVitAttention(_GivenToTheLayer, RelativePositionalMultiHeadAttenti
 PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     ShiftedWindowAttentionV2: PrunedShiftedWindowAttentionV2,
     ShiftedWindowAttention: PrunedShiftedWindowAttention,
+    ShiftedWindowAttention3d: PrunedShiftedWindowAttention3d,
     RelativePositionalMultiHeadAttention: PrunedMaxVitAttention,
 }

@@ -1,5 +1,5 @@
-"""3-D convolutions (video and volumes) prune as 2-D ones do: torchvision's video ResNets
-(R3D, MC3, R(2+1)D), a 3-D U-Net (skip concatenations, a transposed convolution,
+"""3-D convolutions (video and volumes) prune as 2-D ones do: torchvision's video networks
+(R3D, MC3, R(2+1)D, S3D), a 3-D U-Net (skip concatenations, a transposed convolution,
 instance norms), an X3D-style block (depthwise 3-D convolution, squeeze-and-excitation,
 a residual add), a grouped 3-D convolution and a 3-D channel shuffle (the layers before
 it left whole): the groups found, exact kept counts,
@@ -22,14 +22,17 @@ def video_clip() -> torch.Tensor:
     return torch.randn(2, 3, 4, 32, 32, generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize(("name", "groups"), [("r3d_18", 8), ("mc3_18", 8), ("r2plus1d_18", 25)])
-def test_torchvision_video_resnets(name, groups):
-    """A block's inner channels (R(2+1)D's between its spatial and temporal convs too);
-    the widths residual adds join stay whole."""
+@pytest.mark.parametrize(
+    ("name", "groups"), [("r3d_18", 8), ("mc3_18", 8), ("r2plus1d_18", 25), ("s3d", 77)]
+)
+def test_torchvision_video_networks(name, groups):
+    """A block's inner channels (R(2+1)D's between its spatial and temporal convs too;
+    S3D's separable Inception branches); the widths residual adds join stay whole."""
     torch.manual_seed(0)
     model = getattr(torchvision.models.video, name)(num_classes=5)
     model = drawn_statistics(model).eval()
-    x = video_clip()
+    # S3D pools its last maps with a (2, 7, 7) kernel: 16 frames of 224 x 224 at least
+    x = torch.randn(1, 3, 16, 224, 224) if name == "s3d" else video_clip()
     pruner = randomised(DTPPruner(model, (x[:1],), 0.5))
     assert len(pruner.groups) == groups
     assert all(isinstance(g.layer, nn.Conv3d) for g in pruner.groups)

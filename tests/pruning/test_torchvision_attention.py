@@ -1,8 +1,9 @@
-"""torchvision_attention.py: torchvision's shifted-window attention (Swin, Swin V2) and
-MaxViT's attention with the head size taken from the projection. With every head kept
-each computes exactly what torchvision's does (values and gradients; Swin's shifted or
-not, feature maps padded to whole windows or not); with heads removed, what the hard
-mask computes (here for MaxViT; test_vision_models.py and test_saving.py for Swin)."""
+"""torchvision_attention.py: torchvision's shifted-window attention (Swin, Swin V2, Video
+Swin) and MaxViT's attention with the head size taken from the projection. With every
+head kept each computes exactly what torchvision's does (values and gradients; Swin's
+shifted or not, feature maps padded to whole windows or not); with heads removed, what
+the hard mask computes (here for MaxViT and Video Swin; test_vision_models.py and
+test_saving.py for Swin)."""
 
 import pytest
 import torch
@@ -123,3 +124,65 @@ def test_an_exported_swin_compiles_whole():
     compiled = torch.compile(exported, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), exported(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shift", [[0, 0, 0], [1, 1, 1], [0, 1, 1]])
+@pytest.mark.parametrize("size", [(4, 4, 4), (3, 5, 6), (1, 4, 4)])
+@pytest.mark.parametrize("training", [False, True])
+def test_video_swin_attention_with_every_head_kept_computes_what_torchvision_computes(
+    shift, size, training
+):
+    """Bitwise the same outputs and parameter gradients as torchvision's 3-D window
+    attention (3 x 5 x 6 is padded to whole windows; one frame is not shifted in time)."""
+    from torchvision.models.video.swin_transformer import ShiftedWindowAttention3d
+
+    torch.manual_seed(0)
+    layer = ShiftedWindowAttention3d(16, [2, 2, 2], shift, 4).train(training)
+    x = torch.randn(2, *size, 16, requires_grad=True)
+    torch.manual_seed(1)  # the same dropout draws
+    want = layer(x)
+    want_grads = torch.autograd.grad(want.square().sum(), [x, *layer.parameters()])
+    layer.__class__ = PRUNED_CLASSES[ShiftedWindowAttention3d]
+    torch.manual_seed(1)
+    got = layer(x)
+    got_grads = torch.autograd.grad(got.square().sum(), [x, *layer.parameters()])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_video_swin_prunes_its_heads_and_mlps_with_a_float():
+    """Video Swin's heads (exported as PrunedShiftedWindowAttention3d) and MLP neurons
+    (channels last in 5-D maps, flattened into each linear layer's matmul) prune with a
+    float; the export equals the hard-masked model."""
+    from torchvision.models.video.swin_transformer import SwinTransformer3d
+
+    from dtp_kernels.pruning.torchvision_attention import PrunedShiftedWindowAttention3d
+
+    torch.manual_seed(0)
+    model = SwinTransformer3d(
+        patch_size=[2, 4, 4],
+        embed_dim=16,
+        depths=[2, 2],
+        num_heads=[2, 4],
+        window_size=[2, 2, 2],
+        num_classes=5,
+    ).eval()
+    x = torch.randn(2, 3, 4, 16, 16)
+    pruner = DTPPruner(model, (x[:1],), 0.5)
+    assert [g.name for g in pruner.groups] == [
+        f"features.{stage}.{block}.{part}"
+        for stage in (0, 2)
+        for block in (0, 1)
+        for part in ("attn", "mlp.0")
+    ]
+    with torch.no_grad():
+        pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
+        with pruner.hard_masked():
+            want = model(x)
+    exported = pruner.export().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(x), want, rtol=1e-5, atol=1e-5)
+    assert count_params(exported) == pruner.report()["params_after"]
+    layers = [m for m in exported.modules() if isinstance(m, PrunedShiftedWindowAttention3d)]
+    assert [m.num_heads for m in layers] == [1, 1, 2, 2]
