@@ -1,23 +1,23 @@
 """Prune every architecture of the installed transformers for a task at a float ratio and
 check each export (`python benchmarks/hf_prune_check.py [--task causal-lm | masked-lm |
 sequence-classification | image-classification | object-detection |
-semantic-segmentation | audio-classification] [model_type ...]`): the groups found by
-kind, the FLOPs reduction, the export's largest difference from the hard-masked model
-and its parameters against the report. A model the pruner refuses is tried again with
-the ratios its error gives (the ones that leave the refused groups whole), or with the
-layers it names left whole (`ignored_layers`: those whose search for coupled channels
-fails), as a user would, up to three tries; one refused then, or refused without either,
-gets the error's first words. GPT-2's
-Conv1D layers are made nn.Linear first, as `dtp prune` does.
+semantic-segmentation | audio-classification | video-classification] [model_type
+...]`): the groups found by kind, the FLOPs reduction, the export's largest difference
+from the hard-masked model and its parameters against the report. A model the pruner
+refuses is tried again with the ratios its error gives (the ones that leave the refused
+groups whole), or with the layers it names left whole (`ignored_layers`: those whose
+search for coupled channels fails), as a user would, up to three tries; one refused
+then, or refused without either, gets the error's first words. GPT-2's Conv1D layers
+are made nn.Linear first, as `dtp prune` does.
 
 Each architecture is built from its default config (`AutoConfig.for_model`, nothing
 downloaded) with the size fields it has set small (SIZES: 2 layers of width 64, 4 heads,
-a vocabulary of 256, 64 x 64 images), random weights and random scores, on 12 tokens (a
-sequence classifier's last one its end of sequence), one image (classifiers, detectors,
-segmenters), or 4,000 samples of audio (a spectrogram of the config's size for Whisper).
-A config whose own checks refuse that size, or a model that does not run at it, is
-listed as not built; one still over 30M parameters (a field SIZES does not name) is
-skipped."""
+a vocabulary of 256, 64 x 64 images, 4 frames), random weights and random scores, on 12
+tokens (a sequence classifier's last one its end of sequence), one image (classifiers,
+detectors, segmenters), one clip (video classifiers), or 4,000 samples of audio (a
+spectrogram of the config's size for Whisper). A config whose own checks refuse that
+size, or a model that does not run at it, is listed as not built; one still over 30M
+parameters (a field SIZES does not name) is skipped."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ from transformers import (
     AutoModelForObjectDetection,
     AutoModelForSemanticSegmentation,
     AutoModelForSequenceClassification,
+    AutoModelForVideoClassification,
 )
 from transformers.models.auto import modeling_auto
 
@@ -95,6 +96,7 @@ SIZES = {
     # images
     "image_size": 64,
     "patch_size": 8,
+    "num_frames": 4,  # videos
     "num_labels": 5,
 }
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
@@ -135,8 +137,14 @@ TASKS = {
         modeling_auto.MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES,
         "semantic segmenters",
     ),
+    "video-classification": (
+        AutoModelForVideoClassification,
+        modeling_auto.MODEL_FOR_VIDEO_CLASSIFICATION_MAPPING_NAMES,
+        "video classifiers",
+    ),
 }
 IMAGE_TASKS = ("image-classification", "object-detection", "semantic-segmentation")
+VIDEO_TASKS = ("video-classification",)
 LARGEST = 30e6  # parameters at the small size
 TRIES = 3  # the float, then as the refusals say
 # how a refusal names the layers whose search for coupled channels fails
@@ -194,7 +202,7 @@ def example(model: torch.nn.Module, task: str) -> torch.Tensor:
         config = model.config  # Whisper's encoder: (mel bins, twice its positions)
         length = 2 * getattr(config, "max_source_positions", 1500)
         return torch.randn(1, getattr(config, "num_mel_bins", 80), length, generator=generator)
-    if task not in IMAGE_TASKS:
+    if task not in (*IMAGE_TASKS, *VIDEO_TASKS):
         ids = torch.randint(3, 200, (1, 12), generator=generator)
         eos = getattr(model.config, "eos_token_id", None)
         if task == "sequence-classification" and isinstance(eos, int):
@@ -203,6 +211,9 @@ def example(model: torch.nn.Module, task: str) -> torch.Tensor:
     size = getattr(model.config, "image_size", 224)
     size = size if isinstance(size, int) else size[0]
     channels = getattr(model.config, "num_channels", 3)
+    if task in VIDEO_TASKS:  # (batch, frames, channels, height, width)
+        frames = getattr(model.config, "num_frames", 4)
+        return torch.randn(1, frames, channels, size, size, generator=generator)
     return torch.randn(1, channels, size, size, generator=generator)
 
 
@@ -312,6 +323,8 @@ def main() -> None:
     inputs = "12 tokens"
     if args.task in IMAGE_TASKS:
         inputs = "one 64 x 64 image"
+    elif args.task in VIDEO_TASKS:
+        inputs = "one clip of 4 frames of 64 x 64"
     elif args.task == "audio-classification":
         inputs = "4,000 samples of audio or Whisper's 80 x 3,000 spectrogram"
     lines = [

@@ -41,7 +41,8 @@ each (:func:`match_form`):
   ``attention_head_size``, the output projection being the ``output.dense`` beside it
   (Hugging Face's BERT), or ``query_proj``, ``key_proj``, ``value_proj`` there
   (DeBERTa-v2), or ``in_proj`` holding each head's query, key and value in turn
-  (DeBERTa);
+  (DeBERTa), or one ``qkv`` of all heads' queries, keys, then values with ``num_heads``
+  (TimeSformer's space and time attention);
 - one fused projection holding each unit's query heads, key and value in turn:
   GPT-NeoX's, Falcon's and BLOOM's ``query_key_value`` with ``dense``, GPT-BigCode's
   ``c_attn`` with ``c_proj``; MPT's ``Wqkv`` (query, key and value blocks) with
@@ -465,7 +466,12 @@ def _gpt2(name: str, module: nn.Module) -> HeadGroup | None:
 
 # the inner layer's projections in BERT's layout: separate (BERT; DeBERTa-v2), or one
 # holding each head's query, key and value in turn (DeBERTa's `in_proj`)
-BERT_FORMS = (("query", "key", "value"), ("query_proj", "key_proj", "value_proj"), ("in_proj",))
+BERT_FORMS = (
+    ("query", "key", "value"),
+    ("query_proj", "key_proj", "value_proj"),
+    ("in_proj",),
+    ("qkv",),
+)
 
 
 def _bert(name: str, module: nn.Module) -> HeadGroup | None:
@@ -474,7 +480,9 @@ def _bert(name: str, module: nn.Module) -> HeadGroup | None:
     DeBERTa-v2's ``query_proj``, ``key_proj``, ``value_proj``, with the projections of its
     relative position embeddings, ``pos_key_proj`` and ``pos_query_proj``, per head too;
     DeBERTa's ``in_proj`` (each head's query, key and value in turn; its query and value
-    biases are vectors of the query width) with ``pos_proj`` and ``pos_q_proj``."""
+    biases are vectors of the query width) with ``pos_proj`` and ``pos_q_proj``;
+    TimeSformer's ``qkv`` (all heads' queries, keys, then values) with ``num_heads``, the
+    head size its outputs over three times that."""
     output = getattr(module, "output", None)
     # the inner layer is `self` (BERT), or `attention` (the ViT layout of Data2Vec's
     # vision model and YOLOS)
@@ -489,7 +497,12 @@ def _bert(name: str, module: nn.Module) -> HeadGroup | None:
     out = _linear(output, "dense") if output is not None else None
     heads = getattr(inner, "num_attention_heads", None)
     head_dim = getattr(inner, "attention_head_size", None)
-    if any(x is None for x in layers) or out is None or not isinstance(heads, int):
+    if any(x is None for x in layers) or out is None:
+        return None
+    fused = names == ("qkv",)  # TimeSformer's: the head count alone
+    if fused and isinstance(getattr(inner, "num_heads", None), int) and inner.num_heads > 0:
+        heads, head_dim = inner.num_heads, layers[0].out_features // (3 * inner.num_heads)
+    if not isinstance(heads, int):
         return None
     blocks = 3 if len(layers) == 1 else 1  # per head: rows of each of `layers`
     positions = ("pos_key_proj", "pos_query_proj", "pos_proj", "pos_q_proj")
@@ -504,7 +517,10 @@ def _bert(name: str, module: nn.Module) -> HeadGroup | None:
             f"attention layer {name!r}: {'/'.join(names)} and output.dense are not "
             f"{heads} heads of attention_head_size {head_dim}"
         )
-    rows = [Projection(x, 1, blocks * head_dim) for x in layers]
+    if fused:  # all heads' queries, then keys, then values
+        rows = [Projection(layers[0], 3, head_dim)]
+    else:
+        rows = [Projection(x, 1, blocks * head_dim) for x in layers]
     rows += [Projection(x, 1, head_dim) for x in extra]
     out_rows = Projection(out, 1, head_dim)
     return HeadGroup(f"{name}.{inner_name}", inner, rows, out_rows, heads, 1, head_dim)

@@ -1,10 +1,10 @@
 """The classes export gives attention layers whose code ties the head size or the output
-width to the model width (torchvision's Swin, Video Swin and MaxViT, timm's EVA, BEiT, Swin V2 and
-others, Hugging Face's TrOCR, PVT v2, Table Transformer, Mask2Former and OneFormer):
-subclasses with the same parameters whose forward takes the sizes from the pruned
-projections, looked up by the layer's class; and those handed ALiBi for all the model's
-heads (BLOOM's, MPT's, Falcon's), whose forward picks the kept heads' entries
-(picked_heads.py)."""
+width to the model width (torchvision's Swin, Video Swin and MaxViT, timm's EVA, BEiT,
+Swin V2 and others, Hugging Face's TrOCR, PVT v2, TimeSformer, Table Transformer,
+Mask2Former and OneFormer): subclasses with the same parameters whose forward takes the
+sizes from the pruned projections, looked up by the layer's class; and those handed
+ALiBi for all the model's heads (BLOOM's, MPT's, Falcon's), whose forward picks the kept
+heads' entries (picked_heads.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ PRUNED_CLASS_MODULES = {
     "transformers.models.table_transformer.modeling_table_transformer": "transformers_attention",
     "transformers.models.mask2former.modeling_mask2former": "transformers_attention",
     "transformers.models.oneformer.modeling_oneformer": "transformers_attention",
+    "transformers.models.timesformer.modeling_timesformer": "transformers_attention",
     # handed ALiBi for all the model's heads: they pick their own (picked_heads.py)
     "transformers.models.bloom.modeling_bloom": "alibi_attention",
     "transformers.models.mpt.modeling_mpt": "alibi_attention",

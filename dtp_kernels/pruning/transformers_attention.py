@@ -1,7 +1,8 @@
 """Hugging Face attention layers that reshape their heads' output to the model width, with
 some of their heads removed: TrOCR's (its decoder's self- and cross-attention), PVT
-v2's, and the DETR-style attention that adds position embeddings to its queries and keys
-(Table Transformer's; Mask2Former's and OneFormer's, sequence first).
+v2's, TimeSformer's (over space and over time), and the DETR-style attention that adds
+position embeddings to its queries and keys (Table Transformer's; Mask2Former's and
+OneFormer's, sequence first).
 
 Their code reshapes the heads' output to the width of the layer's input, so a layer that
 has lost heads no longer runs. Export gives such a layer the subclass below: the same
@@ -22,6 +23,7 @@ from transformers.models.pvt_v2.modeling_pvt_v2 import PvtV2SelfAttention
 from transformers.models.table_transformer.modeling_table_transformer import (
     TableTransformerAttention,
 )
+from transformers.models.timesformer.modeling_timesformer import TimesformerSelfAttention
 from transformers.models.trocr.modeling_trocr import TrOCRAttention
 
 
@@ -254,10 +256,30 @@ class PrunedOneFormerAttention(_SequenceFirstAttention, OneFormerAttention):
     replaces = OneFormerAttention
 
 
+class PrunedTimesformerSelfAttention(_GivenToTheLayer, TimesformerSelfAttention):
+    """TimeSformer's attention (over space or over time) whose heads may be fewer than
+    the model width over their size."""
+
+    replaces = TimesformerSelfAttention
+
+    def forward(
+        self, hidden_states: torch.Tensor, output_attentions: bool = False
+    ) -> tuple[torch.Tensor, ...]:
+        batch, tokens, _ = hidden_states.shape
+        head_dim = self.qkv.out_features // (3 * self.num_heads)
+        qkv = self.qkv(hidden_states).reshape(batch, tokens, 3, self.num_heads, head_dim)
+        query, key, value = qkv.permute(2, 0, 3, 1, 4)
+        probs = ((query @ key.transpose(-2, -1)) * self.scale).softmax(dim=-1)
+        probs = self.attn_drop(probs)
+        context = (probs @ value).transpose(1, 2).reshape(batch, tokens, -1)
+        return (context, probs) if output_attentions else (context,)
+
+
 PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     TrOCRAttention: PrunedTrOCRAttention,
     PvtV2SelfAttention: PrunedPvtV2SelfAttention,
     TableTransformerAttention: PrunedTableTransformerAttention,
     Mask2FormerAttention: PrunedMask2FormerAttention,
     OneFormerAttention: PrunedOneFormerAttention,
+    TimesformerSelfAttention: PrunedTimesformerSelfAttention,
 }

@@ -357,3 +357,61 @@ def test_mask2former_prunes_its_heads_with_a_float():
     with torch.no_grad():
         for g, w in zip(exported(images), want, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def tiny_timesformer():
+    config = transformers.TimesformerConfig(
+        image_size=32,
+        patch_size=8,
+        num_frames=4,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        num_labels=5,
+    )
+    return transformers.TimesformerForVideoClassification(config)
+
+
+@pytest.mark.parametrize("output_attentions", [False, True])
+def test_timesformer_attention_with_every_head_kept_is_transformers(output_attentions):
+    """Bitwise the same outputs, attention weights and gradients."""
+    from transformers.models.timesformer.modeling_timesformer import TimesformerSelfAttention
+
+    torch.manual_seed(0)
+    layer = TimesformerSelfAttention(tiny_timesformer().config)
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    want = layer(x, output_attentions)
+    want_grads = torch.autograd.grad(want[0].square().sum(), [x, *layer.parameters()])
+    PRUNED_CLASSES[TimesformerSelfAttention].from_dense(layer)
+    got = layer(x, output_attentions)
+    got_grads = torch.autograd.grad(got[0].square().sum(), [x, *layer.parameters()])
+    assert len(got) == len(want) == 1 + output_attentions
+    for g, w in zip([*got, *got_grads], [*want, *want_grads], strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_timesformer_prunes_its_space_and_time_heads():
+    """TimeSformer's divided attention: each layer's attention over time and over space
+    (a fused qkv of all heads' queries, keys, then values; output.dense beside it) is a
+    head group; exported as PrunedTimesformerSelfAttention, equal to the hard-masked
+    model."""
+    torch.manual_seed(0)
+    model = HFLogits(tiny_timesformer()).eval()
+    video = torch.randn(2, 4, 3, 32, 32)
+    pruner = randomised(DTPPruner(model, (video[:1],), 0.5))
+    layers = "model.timesformer.encoder.layer"
+    heads = [g.name for g in pruner.groups if isinstance(g, HeadGroup)]
+    assert heads == [
+        f"{layers}.{i}.{part}.attention"
+        for i in (0, 1)
+        for part in ("attention", "temporal_attention")
+    ]
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(video)
+    exported = pruner.export().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(video), want, rtol=1e-5, atol=1e-5)
+    attention = exported.get_submodule(f"{layers}.0.temporal_attention.attention")
+    assert type(attention).__name__ == "PrunedTimesformerSelfAttention"
+    assert attention.num_heads == 2 and attention.qkv.out_features == 48
