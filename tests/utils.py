@@ -542,3 +542,28 @@ class PassedOn(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x, self.proj(x).softmax(1)], 1)
+
+
+def tiny_speech_encoder(family: str, **options) -> nn.Module:
+    """transformers' `{family}ForSequenceClassification` (Wav2Vec2, Hubert,
+    Wav2Vec2Conformer) of 2 layers of 4 heads of 8 and a feature extractor of two
+    convs, seeded; `options` set more config fields."""
+    import transformers
+
+    config = getattr(transformers, f"{family}Config")(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        conv_dim=[16, 16],
+        conv_stride=[5, 2],
+        conv_kernel=[10, 3],
+        num_feat_extract_layers=2,
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4,
+        classifier_proj_size=16,
+        num_labels=5,
+        **options,
+    )
+    torch.manual_seed(0)
+    return getattr(transformers, f"{family}ForSequenceClassification")(config)

@@ -10,7 +10,9 @@ each (:func:`match_form`):
   ``key``, ``value``, ``dense`` with ``attention_head_size``; T5's and UMT5's ``q``,
   ``k``, ``v``, ``o`` with ``key_value_proj_dim``; CTRL's ``Wq``, ``Wk``, ``Wv``,
   ``dense`` with ``head_dim``; XLM's and FlauBERT's ``q_lin``, ``k_lin``, ``v_lin``,
-  ``out_lin`` with ``head_dim``. An RMS normalization of the queries or keys over all
+  ``out_lin`` with ``head_dim``; Wav2Vec2-Conformer's ``linear_q``, ``linear_k``,
+  ``linear_v``, ``linear_out`` with ``head_size`` (its ``linear_pos`` of the relative
+  positions cut with the heads: heads.py). An RMS normalization of the queries or keys over all
   heads (OLMo 2's ``q_norm``, not Qwen3's per head) is kept exact as heads go
   (head_norms.py); any other normalization over all heads refuses the group; an output
   gate of the query width (AFMoE's ``gate_proj``) is cut with the heads, and any other
@@ -98,6 +100,7 @@ SEPARATE_FORMS = (
     (("q", "k", "v", "o"), "attention_head_size"),  # MPNet
     (("Wq", "Wk", "Wv", "dense"), "head_dim"),  # CTRL
     (("q_lin", "k_lin", "v_lin", "out_lin"), "head_dim"),  # XLM, FlauBERT
+    (("linear_q", "linear_k", "linear_v", "linear_out"), "head_size"),  # Wav2Vec2-Conformer
     # timm's NeXt-ViT, the attention pools of its CLIP ResNets (separate projections)
     (("q", "k", "v", "proj"), "head_dim"),
     # timm's class attention (CaiT, XCiT): num_heads, no head size

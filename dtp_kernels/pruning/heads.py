@@ -241,6 +241,9 @@ def _proven(group: HeadGroup, scope: nn.Module, call: tuple, zero, cut, cut_call
 # an attention layer's linear layer of the query width that gates the attention output
 # channel by channel before the output projection (AFMoE's, Beam's; timm EVA's `gate`)
 OUTPUT_GATES = ("gate_proj", "gate")
+# an attention layer's linear layer of the query width that projects the relative
+# position embeddings head by head (Wav2Vec2-Conformer's, Transformer-XL style)
+POSITION_PROJECTIONS = ("linear_pos",)
 
 
 def _head_mixers(group: HeadGroup) -> list[nn.Linear]:
@@ -260,9 +263,9 @@ def _head_mixers(group: HeadGroup) -> list[nn.Linear]:
 
 
 def _other_linears(group: HeadGroup) -> str:
-    """Add the attention layer's output gate to `group`'s rows; why another linear layer
-    of the layer's that computes the query width from the layer's input refuses it, or
-    ""."""
+    """Add the attention layer's output gate and relative-position projection to
+    `group`'s rows; why another linear layer of the layer's that computes the query
+    width from the layer's input refuses it, or ""."""
     width = group.units * group.query_heads_per_unit * group.head_dim  # the query width
     known = {group.out.layer, *(p.layer for p in group.rows)}
     for name, child in group.module.named_children():
@@ -273,7 +276,7 @@ def _other_linears(group: HeadGroup) -> str:
             or child.in_features != group.rows[0].layer.in_features
         ):
             continue
-        if name not in OUTPUT_GATES:
+        if name not in (*OUTPUT_GATES, *POSITION_PROJECTIONS):
             return (
                 f"its linear layer {name!r} computes the query width ({width}) from the "
                 "layer's input for a use the head forms do not know, so removing heads "

@@ -19,7 +19,7 @@ from dtp_kernels.pruning.base import _zero_ratios
 from dtp_kernels.pruning.cost import count_params
 from dtp_kernels.pruning.heads import HeadGroup
 from utils import LLAMA_VOCAB as VOCAB
-from utils import TINY_BERT, TINY_HF_VIT, randomised, tiny_deepseek, tiny_t5
+from utils import TINY_BERT, TINY_HF_VIT, randomised, tiny_deepseek, tiny_speech_encoder, tiny_t5
 
 transformers = pytest.importorskip("transformers")
 
@@ -1298,3 +1298,33 @@ def test_a_layer_beside_the_attention_with_as_many_outputs_as_heads_is_no_table(
         pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
     exported = export_checked(pruner, model, inputs)
     assert exported[0].router.weight.shape == (4, 32)
+
+
+def wav2vec2_conformer(position_embeddings_type: str):
+    return tiny_speech_encoder(
+        "Wav2Vec2Conformer",
+        conv_depthwise_kernel_size=3,
+        position_embeddings_type=position_embeddings_type,
+    ).eval()
+
+
+def test_wav2vec2_conformer_heads_with_relative_positions():
+    """Wav2Vec2-Conformer's linear_q/k/v/out with head_size: with relative positions,
+    linear_pos projects the position embeddings head by head (its rows cut with the
+    heads) and pos_bias_u, pos_bias_v hold a row per head (cut too); the export equals
+    the hard-masked model. With rotary embeddings, which split the layer's input into
+    its heads, the heads fail their proof and are refused by name."""
+    model = wav2vec2_conformer("relative")
+    wave = torch.randn(2, 4000, generator=torch.Generator().manual_seed(1))
+    pruner = DTPPruner(model, (wave[:1],), {"heads": 0.5})
+    layers = "wav2vec2_conformer.encoder.layers"
+    assert [g.name for g in pruner.groups] == [f"{layers}.{i}.self_attn" for i in (0, 1)]
+    with torch.no_grad():
+        pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
+    exported = export_checked(pruner, model, (wave,))
+    attention = exported.get_submodule(f"{layers}.0.self_attn")
+    assert attention.linear_pos.out_features == attention.linear_q.out_features == 16
+    assert attention.pos_bias_u.shape == attention.pos_bias_v.shape == (2, 8)
+    assert attention.num_heads == 2
+    with pytest.raises(ValueError, match=rf"heads of attention layer '{layers}.0.self_attn'"):
+        DTPPruner(wav2vec2_conformer("rotary"), (wave[:1],), {"heads": 0.5})

@@ -16,7 +16,7 @@ from torch.nn.utils.parametrizations import weight_norm
 from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.cost import count_params
 from dtp_kernels.pruning.masking import MaskSource, ScaleRows, strip_parametrizations
-from utils import randomised
+from utils import randomised, tiny_speech_encoder
 
 transformers = pytest.importorskip("transformers")
 
@@ -50,25 +50,6 @@ def test_a_weight_normed_layer_a_group_cuts_is_refused_by_name_and_prunes_once_f
     pruner.remove()
     parametrize.remove_parametrizations(model.first, "weight")  # folded: prunes
     assert [g.name for g in DTPPruner(model, (x,), 0.5).groups] == ["first", "second"]
-
-
-def tiny_speech_encoder(family: str) -> nn.Module:
-    config = getattr(transformers, f"{family}Config")(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        conv_dim=[16, 16],
-        conv_stride=[5, 2],
-        conv_kernel=[10, 3],
-        num_feat_extract_layers=2,
-        num_conv_pos_embeddings=16,
-        num_conv_pos_embedding_groups=4,
-        classifier_proj_size=16,
-        num_labels=5,
-    )
-    torch.manual_seed(0)
-    return getattr(transformers, f"{family}ForSequenceClassification")(config)
 
 
 @pytest.mark.parametrize("family", ["Wav2Vec2", "Hubert"])
