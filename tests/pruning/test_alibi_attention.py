@@ -12,6 +12,7 @@ import torch
 from dtp_kernels import load_pruned, save_pruned
 from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.heads import HeadGroup
+from dtp_kernels.pruning.precision import ieee_fp32
 
 transformers = pytest.importorskip("transformers")
 from dtp_kernels.pruning.alibi_attention import PRUNED_CLASSES  # noqa: E402
@@ -210,3 +211,21 @@ def test_falcon_without_alibi_keeps_its_class():
     assert [type(layer) for layer in layers] == [attention] * 2
     assert [layer.num_heads for layer in layers] == [2, 2]
     assert not any("kept_heads" in key for key in exported.state_dict())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("family", ["bloom", "mpt", "falcon"])
+def test_kept_heads_live_on_the_models_device(family, device):
+    """The kept heads' indices are a buffer of the model's device, and the export on it
+    equals the hard-masked model there."""
+    model, pruner = pruned(family)
+    model.to(device)
+    ids, mask = (t.to(device) for t in inputs())
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+    with pytest.warns(UserWarning, match="config cannot describe"):
+        exported = pruner.export().eval()
+    assert {layer.kept_heads.device.type for layer in attention_layers(exported)} == {device}
+    with torch.no_grad(), ieee_fp32():
+        got = exported(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

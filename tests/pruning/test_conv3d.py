@@ -12,6 +12,7 @@ from torch import nn
 
 from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.cost import count_flops, count_params
+from dtp_kernels.pruning.precision import ieee_fp32
 from utils import check_export, drawn_statistics, randomised
 
 torchvision = pytest.importorskip("torchvision")
@@ -225,3 +226,16 @@ def test_a_3d_channel_shuffle_leaves_the_layers_before_it_whole():
     pruner = randomised(DTPPruner(model, (x[:1],), 0.5))
     assert [g.name for g in pruner.groups] == ["grouped.0"]
     check_export(pruner, model, x)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_an_x3d_block_on_the_models_device(device):
+    torch.manual_seed(0)
+    model = drawn_statistics(X3dBlock()).eval()
+    nn.init.normal_(model.project[0].weight, std=0.5)  # the block's part of the output shows
+    model.to(device)
+    x = torch.randn(2, 8, 4, 6, 6, device=device)
+    pruner = randomised(DTPPruner(model, (x[:1],), 0.5))
+    with ieee_fp32():  # TF32 convolutions would round the two models apart
+        exported = check_export(pruner, model, x)
+    assert exported.expand[0].weight.device.type == device

@@ -116,3 +116,16 @@ def test_a_file_saved_without_kept_heads_loads(tmp_path):
     assert json.loads(fields["replaced"])  # loaded as the class export made
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), exported(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_kept_heads_live_on_the_models_device(device):
+    model, pruner, x = pruned_per_head_masked()
+    model.to(device)
+    x = x.to(device)
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(x)
+    exported = pruner.export().eval()
+    assert exported.attention.kept_heads.device.type == device
+    with torch.no_grad():
+        torch.testing.assert_close(exported(x), want, rtol=1e-4, atol=1e-4)
