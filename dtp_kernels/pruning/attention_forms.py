@@ -78,9 +78,20 @@ def _fused_pair(
     """The first (fused projection, output projection) names of `forms` that `module`
     holds as linear layers, with the layers."""
     for fused, output in forms:
-        qkv, out = _linear(module, fused), _linear(module, output)
+        qkv, out = _linear(module, fused), _linear(module, output) or _first_linear(module, output)
         if qkv is not None and out is not None:
             return fused, output, qkv, out
+    return None
+
+
+def _first_linear(module: nn.Module, name: str) -> nn.Linear | None:
+    """The linear layer of `module`'s Sequential `name` that holds it and then dropout
+    alone (torchvision MViT's `project`), or None."""
+    child = getattr(module, name, None)
+    if not isinstance(child, nn.Sequential) or not len(child):
+        return None
+    if isinstance(child[0], nn.Linear) and all(isinstance(m, nn.Dropout) for m in child[1:]):
+        return child[0]
     return None
 
 
@@ -242,7 +253,13 @@ def _latent(name: str, module: nn.Module) -> HeadGroup | None:
 
 # one fused projection of query, key and value blocks and the output projection
 # timm, MPT, ModernBERT, torchvision's MaxViT
-FUSED_FORMS = (("qkv", "proj"), ("Wqkv", "out_proj"), ("Wqkv", "Wo"), ("to_qkv", "merge"))
+FUSED_FORMS = (
+    ("qkv", "proj"),
+    ("Wqkv", "out_proj"),
+    ("Wqkv", "Wo"),
+    ("to_qkv", "merge"),
+    ("qkv", "project"),  # torchvision's MViT: a linear layer, then dropout
+)
 # where a fused form's layer keeps its head count (SAM's vision encoder: the third)
 HEAD_COUNTS = ("num_heads", "n_heads", "num_attention_heads")
 

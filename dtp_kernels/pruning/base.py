@@ -537,7 +537,12 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                     # hidden neurons of a bias MLP: timm's RelPosMlp): counted once
                     per_row = owner.in_features - lost.get(owner, (0, 0))[1]
                 params -= per_row * removed
-        return params, flops_after(self._layers, lost)
+        kept_rows = {  # layers run on each head apart (MViT's pooling convs)
+            layer: (int(mask.sum()), mask.numel())
+            for group, mask in zip(self.groups, masks, strict=True)
+            for layer in getattr(group, "per_head_layers", ())
+        }
+        return params, flops_after(self._layers, lost, kept_rows)
 
     @torch.no_grad()
     def report(self) -> dict:

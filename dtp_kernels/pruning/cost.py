@@ -218,10 +218,18 @@ def count_flops(model: nn.Module, example_inputs: torch.Tensor | tuple | Mapping
 def flops_after(
     layers: list[Layer | ExpertMatmul | PackedProjection],
     lost: dict[nn.Module | ExpertProjection, tuple[int, int]],
+    kept_rows: dict[nn.Module, tuple[int, int]] | None = None,
 ) -> int:
     """FLOPs with each layer's (output, input) channels reduced by `lost` (keyed by the
-    layer's module, or the expert's projection)."""
-    return sum(layer.flops(*lost.get(layer.module, (0, 0))) for layer in layers)
+    layer's module, or the expert's projection), and the rows of a layer run on each
+    attention head apart by `kept_rows` (kept heads, heads)."""
+    kept_rows = kept_rows or {}
+    total = 0
+    for layer in layers:
+        flops = layer.flops(*lost.get(layer.module, (0, 0)))
+        kept, heads = kept_rows.get(layer.module, (1, 1))
+        total += flops * kept // heads
+    return total
 
 
 # norms with one weight and one bias per channel
@@ -263,6 +271,8 @@ class FlopsRatio:
         for index, group in enumerate(groups):
             out_group.update(dict.fromkeys(group.kept_out, index))
             in_group.update(dict.fromkeys(group.kept_in, index))
+            # run on each head apart: its rows, so its FLOPs, scale with the kept heads
+            out_group.update(dict.fromkeys(getattr(group, "per_head_layers", ()), index))
         whole = len(groups)  # index of the constant ratio 1
         per_in, outs, ins, out_index = [], [], [], []
         for layer in layers:

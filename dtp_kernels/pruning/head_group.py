@@ -93,6 +93,9 @@ class HeadGroup:
     # the layer's attributes of its sizes, each set at export to the kept units times its
     # value here, in place of the attention forms' (a linear attention's head counts)
     attributes: dict[str, int] = field(default_factory=dict)
+    # layers inside the attention layer run on each query head apart (MViT's pooling: a
+    # depthwise conv over the head size): their FLOPs scale with the kept query heads
+    per_head_layers: list[nn.Module] = field(default_factory=list)
     kept_out: list[nn.Module] = field(init=False)
     kept_in: list[nn.Module] = field(init=False)
     # channels a module loses per unit removed: the cost model counts channels

@@ -68,6 +68,7 @@ def find_head_groups(
         if group.refusal:  # not split into heads: refused when asked for, nothing to find
             groups.append(group)
             continue
+        group.per_head_layers = _per_head_layers(group)
         if not group.latent:  # a latent's norms act before the heads' own projections
             group.norms = norms_over_all_heads(group.module, group.head_dim)
             group.refusal = group.refusal or _other_linears(group)
@@ -89,6 +90,18 @@ def find_head_groups(
             group.norms = tuple(n for n in group.norms if n not in before | after)
     _rescale_norms(model, inputs, [g for g in groups if g.norms and not g.refusal])
     return groups
+
+
+def _per_head_layers(group: HeadGroup) -> list[nn.Module]:
+    """The depthwise convolutions inside `group`'s attention layer over its head size
+    (MViT's pooling of the queries, keys and values): they run on each head apart."""
+    return [
+        m
+        for m in group.module.modules()
+        if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
+        and m.in_channels == m.out_channels == m.groups == group.head_dim
+        and group.head_dim > 1
+    ]
 
 
 def _rescale_norms(model: nn.Module, inputs: tuple, groups: list[HeadGroup]) -> None:
@@ -207,7 +220,7 @@ def prove_head_groups(model: nn.Module, groups: list[HeadGroup], inputs: tuple) 
 # attributes an attention layer's code may reshape its output to, holding the query width
 # (the model width as it is built): XGLM's, MVP's, InternVL's vision tower's; timm's
 # Hiera's `dim_out`, Hugging Face Hiera's `hidden_size_output`
-OUTPUT_WIDTH_ATTRIBUTES = ("embed_dim", "dim_out", "hidden_size_output")
+OUTPUT_WIDTH_ATTRIBUTES = ("embed_dim", "dim_out", "hidden_size_output", "output_dim")
 
 
 def _proven(group: HeadGroup, scope: nn.Module, call: tuple, zero, cut, cut_call) -> bool:

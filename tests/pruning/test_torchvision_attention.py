@@ -183,3 +183,58 @@ def test_video_swin_prunes_its_heads_and_mlps_with_a_float():
     assert count_params(exported) == pruner.report()["params_after"]
     layers = [m for m in exported.modules() if isinstance(m, PrunedShiftedWindowAttention3d)]
     assert [m.num_heads for m in layers] == [1, 1, 2, 2]
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_mvit_prunes_its_heads_and_mlps_with_a_float(version):
+    """torchvision's MViT (v1: a class token pooled with the keys; v2: residual pooling,
+    relative positions, the projection after the attention widening the blocks): its
+    fused `qkv` and `project` are the fused form, its heads' output reshaped to
+    `output_dim`, which export writes with the kept width; the pooling convs, shared by
+    all heads over their head size, stay whole, their FLOPs counted with the kept heads.
+    The export equals the hard-masked model."""
+    from torchvision.models.video.mvit import MSBlockConfig, MViT
+
+    from utils import check_export, randomised
+
+    def block(heads, width_in, width_out, kernel_q, stride_q, stride_kv):
+        return MSBlockConfig(
+            num_heads=heads,
+            input_channels=width_in,
+            output_channels=width_out,
+            kernel_q=kernel_q,
+            kernel_kv=[3, 3, 3],
+            stride_q=stride_q,
+            stride_kv=stride_kv,
+        )
+
+    blocks = [
+        block(2, 16, 16, [], [], [1, 2, 2]),
+        block(2, 16, 32, [3, 3, 3], [1, 2, 2], [1, 1, 1]),
+        block(4, 32, 32, [], [], [1, 1, 1]),
+    ]
+    torch.manual_seed(0)
+    v2 = version == 2
+    model = MViT(
+        spatial_size=(32, 32),
+        temporal_size=4,
+        block_setting=blocks,
+        residual_pool=v2,
+        residual_with_cls_embed=not v2,
+        rel_pos_embed=v2,
+        proj_after_attn=v2,
+        num_classes=5,
+    ).eval()
+    x = torch.randn(2, 3, 4, 32, 32)
+    pruner = randomised(DTPPruner(model, (x[:1],), 0.5))
+    heads = [(g.name, g.size) for g in pruner.groups if g.name.endswith("attn")]
+    assert heads == [("blocks.0.attn", 2), ("blocks.1.attn", 2), ("blocks.2.attn", 4)]
+    exported = check_export(pruner, model, x)  # the pooling convs' FLOPs with the heads
+    layers = [exported.blocks[i].attn for i in range(3)]
+    assert [(m.num_heads, m.output_dim) for m in layers] == [(1, 8), (1, 8 * (1 + v2)), (2, 16)]
+    pruner.remove()
+    budgeted = DTPPruner(model, (x[:1],), 0.5, budget="flops")  # F(alpha) at alpha = k/n
+    report = budgeted.report()
+    torch.testing.assert_close(
+        budgeted.flops_ratio().item(), report["flops_after"] / report["flops_before"]
+    )
