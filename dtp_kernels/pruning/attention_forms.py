@@ -54,6 +54,8 @@ each (:func:`match_form`):
   ``kv_b_proj`` hold each head's rows, ``o_proj`` its columns; the compressed latents
   before them (``q_a_proj``, ``kv_a_proj_with_mqa`` and their norms) serve all heads and
   stay whole, as does the rotary key all heads share;
+- CodeGen's ``qkv_proj``, interleaved over its 4 training shards (each shard's queries,
+  values and keys of its heads), and ``out_proj``: every shard keeps as many heads;
 - torch's ``nn.MultiheadAttention`` (torchvision's ViT). Its inner width is tied to the
   embedding width, so export replaces it with a ``PrunedMultiheadAttention``
   (multihead_attention.py), the same computation with fewer heads.
@@ -546,6 +548,34 @@ def _bert(name: str, module: nn.Module) -> HeadGroup | None:
     return HeadGroup(f"{name}.{inner_name}", inner, rows, out_rows, heads, 1, head_dim)
 
 
+def _sharded(name: str, module: nn.Module) -> HeadGroup | None:
+    """CodeGen's ``qkv_proj``, interleaved over the ``mp_num`` shards it was trained on
+    (each shard's queries, values and keys of its heads in turn), with ``out_proj``,
+    ``num_attention_heads`` and ``head_dim``: its code splits the projection into
+    ``mp_num`` equal parts, so every shard keeps as many heads (one segment each)."""
+    qkv, out = _linear(module, "qkv_proj"), _linear(module, "out_proj")
+    shards = getattr(module, "mp_num", None)
+    heads, head_dim = (getattr(module, a, None) for a in ("num_attention_heads", "head_dim"))
+    if qkv is None or out is None or not all(isinstance(v, int) for v in (shards, heads, head_dim)):
+        return None
+    width = heads * head_dim
+    if qkv.out_features != 3 * width or out.in_features != width or heads % shards:
+        raise ValueError(
+            f"attention layer {name!r}: qkv_proj ({qkv.out_features} outputs) and out_proj "
+            f"({out.in_features} inputs) are not {heads} heads of head_dim {head_dim} in "
+            f"{shards} equal shards"
+        )
+    rows = [Projection(qkv, 3, head_dim, outer=shards)]
+    out_rows = Projection(out, 1, head_dim)
+    # one head per shard: none can go while every shard keeps as many
+    alone = ""
+    if heads == shards:
+        alone = "each of its shards holds one head, and every shard must keep as many"
+    return HeadGroup(
+        name, module, rows, out_rows, heads, 1, head_dim, refusal=alone, segments=shards
+    )
+
+
 def _torch_mha(name: str, module: nn.Module) -> HeadGroup | None:
     """torch's nn.MultiheadAttention with one packed input projection."""
     if not isinstance(module, nn.MultiheadAttention):
@@ -588,6 +618,7 @@ FORMS = (
     _gpt2,
     _bert,
     _latent,
+    _sharded,
     _torch_mha,
 )
 

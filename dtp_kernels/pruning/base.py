@@ -44,7 +44,13 @@ from .groups import (
     out_channel_handler,
     traced_graph,
 )
-from .heads import HeadGroup, find_head_groups, prove_head_groups, prune_heads
+from .heads import (
+    HeadGroup,
+    check_shard_ratios,
+    find_head_groups,
+    prove_head_groups,
+    prune_heads,
+)
 from .hf_config import update_config
 from .mamba import MambaGroup, find_mamba_groups, prune_mamba
 from .mamba2 import Mamba2Group, check_mamba2_ratios, find_mamba2_groups
@@ -260,6 +266,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         check_whole_expert_ratios(all_groups, per_group, budget)
         check_mamba2_ratios(all_groups, per_group, budget)
         check_grouped_conv_ratios(all_groups, per_group, budget)
+        check_shard_ratios(all_groups, per_group, budget)
         self.groups = [g for g in all_groups if per_group[g.name] > 0]
         # Every group that cannot be pruned exactly, with why, in one error: a user who
         # gives the ratios it ends with prunes the rest at the next try.

@@ -66,12 +66,7 @@ def check_grouped_conv_ratios(groups: list, ratios: dict[str, float], budget: st
         )
     uneven = [g for g in pruned if kept_count(g.size, ratios[g.name]) % g.conv_groups]
     if uneven:
-        # ratio 1 - j/n keeps j of every group of n channels
-        fits = [
-            {Fraction(n - j, n) for j in range(1, n)}
-            for n in {g.size // g.conv_groups for g in uneven}
-        ]
-        common = sorted(set.intersection(*fits))
+        common = ratios_keeping_parts_alike({g.size // g.conv_groups for g in uneven})
         details = "; ".join(
             f"layer {g.name!r}: ratio {ratios[g.name]} keeps {kept_count(g.size, ratios[g.name])}"
             f" of {g.size} channels in {g.conv_groups} groups of {g.size // g.conv_groups}"
@@ -81,8 +76,15 @@ def check_grouped_conv_ratios(groups: list, ratios: dict[str, float], budget: st
         raise ValueError(
             f"grouped convolutions keep the same number of channels in each of their groups, "
             f"so a kept count must be a multiple of the groups: {details}{more}. Ratios "
-            f"every one of these layers can keep: {[f'{float(r):g}' for r in common]}"
+            f"every one of these layers can keep: {common}"
         )
+
+
+def ratios_keeping_parts_alike(parts: set[int]) -> list[str]:
+    """The ratios that keep as many of every part, for parts of each of the sizes
+    `parts` (1 - j/n keeps j of every part of n), as text."""
+    fits = [{Fraction(n - j, n) for j in range(1, n)} for n in parts]
+    return [f"{float(r):g}" for r in sorted(set.intersection(*fits))]
 
 
 def cut_grouped_inputs(conv: nn.Module, weight: torch.Tensor, keep: torch.Tensor) -> None:

@@ -28,6 +28,10 @@ class Projection:
     # rows after the blocks that all units share, always kept (the one key and value
     # head of multi-query attention in a fused projection)
     shared_rows: int = 0
+    # the units split into this many equal runs, each run's rows laid out in blocks of its
+    # own units in turn (CodeGen's fused projection, interleaved over the 4 shards it was
+    # trained on: each shard's queries, values and keys of its heads)
+    outer: int = 1
 
     @property
     def block_sizes(self) -> tuple[int, ...]:
@@ -35,10 +39,12 @@ class Projection:
 
     def kept(self, units: int, kept_units: torch.Tensor) -> torch.Tensor:
         """Indices of the rows (columns) that `kept_units` keep."""
-        rows, start = [], 0
-        for size in self.block_sizes:
-            rows.append(start + (kept_units[:, None] * size + torch.arange(size)).flatten())
-            start += units * size
+        rows, start, run = [], 0, units // self.outer
+        for first in range(0, units, run):  # each run of units (one run but for `outer`)
+            local = kept_units[(kept_units >= first) & (kept_units < first + run)] - first
+            for size in self.block_sizes:
+                rows.append(start + (local[:, None] * size + torch.arange(size)).flatten())
+                start += run * size
         rows.append(torch.arange(start, start + self.shared_rows))
         return torch.cat(rows)
 
@@ -93,6 +99,8 @@ class HeadGroup:
     # the layer's attributes of its sizes, each set at export to the kept units times its
     # value here, in place of the attention forms' (a linear attention's head counts)
     attributes: dict[str, int] = field(default_factory=dict)
+    # equal runs of units that each keep as many (CodeGen's shards): transport segments
+    segments: int = 1
     # layers inside the attention layer run on each query head apart (MViT's pooling: a
     # depthwise conv over the head size): their FLOPs scale with the kept query heads
     per_head_layers: list[nn.Module] = field(default_factory=list)

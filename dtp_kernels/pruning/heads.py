@@ -34,6 +34,7 @@ from torch import nn
 from .attention_forms import match_form
 from .cost import run_hooked
 from .cuts import cut_batch_norm, cut_depthwise, cut_linear
+from .grouped_convs import ratios_keeping_parts_alike
 from .groups import is_norm
 from .head_group import HeadGroup, Projection
 from .head_norms import (
@@ -49,6 +50,7 @@ from .multihead_attention import PrunedMultiheadAttention
 from .picked_heads import PicksItsHeads, keep_heads, picked_argument
 from .proof import cuts_exactly, dropped, example_calls
 from .pruned_classes import pruned_classes
+from .ratios import kept_count
 
 
 def find_head_groups(
@@ -102,6 +104,40 @@ def _per_head_layers(group: HeadGroup) -> list[nn.Module]:
         and m.in_channels == m.out_channels == m.groups == group.head_dim
         and group.head_dim > 1
     ]
+
+
+def check_shard_ratios(groups: list, ratios: dict[str, float], budget: str) -> None:
+    """ValueError, before any mask, when heads kept alike in equal shards (CodeGen's) are
+    asked to go under a budget other than "layer", or at a count the shards cannot keep
+    alike."""
+    sharded = [
+        g
+        for g in groups
+        if isinstance(g, HeadGroup) and g.segments > 1 and ratios[g.name] > 0 and not g.refusal
+    ]
+    if not sharded:
+        return
+    if budget != "layer":
+        raise ValueError(
+            f"budget = {budget!r} cannot keep the same number of heads in each shard of "
+            f"attention layer {sharded[0].name!r} (and {len(sharded) - 1} more), which its "
+            "code needs; use budget='layer', or leave them whole with ignored_layers=[...] or "
+            "a ratio of 0 for them"
+        )
+    uneven = [g for g in sharded if kept_count(g.size, ratios[g.name]) % g.segments]
+    if uneven:
+        details = "; ".join(
+            f"attention layer {g.name!r}: ratio {ratios[g.name]} keeps "
+            f"{kept_count(g.size, ratios[g.name])} of {g.size} heads in {g.segments} shards of "
+            f"{g.size // g.segments}"
+            for g in uneven[:4]
+        )
+        common = ratios_keeping_parts_alike({g.size // g.segments for g in uneven})
+        raise ValueError(
+            f"these attention layers keep the same number of heads in each of their shards, "
+            f"so a kept count must be a multiple of the shards: {details}. Ratios every one "
+            f"of these layers can keep: {common}"
+        )
 
 
 def _rescale_norms(model: nn.Module, inputs: tuple, groups: list[HeadGroup]) -> None:
@@ -232,7 +268,13 @@ def _proven(group: HeadGroup, scope: nn.Module, call: tuple, zero, cut, cut_call
     is tried only where the ones before fail, so a layer whose code reads the attribute
     as the model width is left as it is."""
     per_unit = (1, group.query_heads_per_unit)  # key/value heads, query heads
-    exact = partial(cuts_exactly, first_output=True, cut_call=cut_call, per_unit=per_unit)
+    exact = partial(
+        cuts_exactly,
+        first_output=True,
+        cut_call=cut_call,
+        per_unit=per_unit,
+        segments=group.segments,
+    )
     if exact(scope, call, group.units, zero, cut):
         return True
     width = group.units * group.query_heads_per_unit * group.head_dim

@@ -85,6 +85,7 @@ def cuts_exactly(
     first_output: bool = False,
     cut_call: Callable[[tuple[tuple, dict], torch.Tensor], tuple[tuple, dict]] | None = None,
     per_unit: tuple[int, ...] = (1,),
+    segments: int = 1,
 ) -> bool:
     """Whether `module` with all but a random half of its `units` cut (`cut`) computes,
     on the example call, what it computes with them zeroed (`zero`). One copy of the
@@ -96,9 +97,14 @@ def cuts_exactly(
     weights, a key/value head's cache), and must otherwise keep their shapes (a bias of
     the model width that the layer returns is not cut with its heads).
     `cut_call` gives the call the cut module runs on (an input of the units' width cut
-    to the kept units: the bias a tied attention layer is handed)."""
-    order = torch.randperm(units, generator=torch.Generator().manual_seed(0))
-    keep = order[: units // 2].sort().values
+    to the kept units: the bias a tied attention layer is handed). With `segments`, the
+    units are that many equal runs, each keeping as many (CodeGen's shards)."""
+    run = units // segments
+    order = torch.stack(
+        [torch.randperm(run, generator=torch.Generator().manual_seed(s)) for s in range(segments)]
+    )
+    keep = (order[:, : run // 2] + run * torch.arange(segments)[:, None]).flatten()
+    keep = keep.sort().values
     edited = copy.deepcopy(module)
     edited.eval()  # not chained: some layers' train() returns None (timm's TinyViT's)
     args, kwargs = call

@@ -1328,3 +1328,44 @@ def test_wav2vec2_conformer_heads_with_relative_positions():
     assert attention.num_heads == 2
     with pytest.raises(ValueError, match=rf"heads of attention layer '{layers}.0.self_attn'"):
         DTPPruner(wav2vec2_conformer("rotary"), (wave[:1],), {"heads": 0.5})
+
+
+def codegen(heads: int = 16):
+    config = transformers.CodeGenConfig(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=heads, rotary_dim=4, **TOKEN_IDS
+    )
+    return transformers.CodeGenForCausalLM(config).eval(), (tokens(),)
+
+
+def test_codegen_heads_prune_as_many_from_each_shard():
+    """CodeGen's qkv_proj is interleaved over the 4 shards it was trained on (each
+    shard's queries, values and keys of its heads) and its code splits it into 4 equal
+    parts: each shard is a transport segment keeping as many heads, the rows cut shard
+    by shard, `embed_dim` written with the kept width. A count the shards cannot keep
+    alike, a budget over several groups, and shards of one head each are refused by
+    name, with nothing mutated."""
+    torch.manual_seed(0)
+    model, inputs = codegen()
+    pruner = DTPPruner(model, inputs, {"heads": 0.5})
+    assert [(g.name, g.size, g.segments) for g in pruner.groups] == [
+        (f"transformer.h.{i}.attn", 16, 4) for i in (0, 1)
+    ]
+    with torch.no_grad():
+        pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
+    masks = pruner.hard_masks()
+    assert all(mask.view(4, 4).sum(1).tolist() == [2.0] * 4 for mask in masks)
+    exported = export_checked(pruner, model, inputs)
+    attention = exported.transformer.h[0].attn
+    assert (attention.qkv_proj.out_features, attention.embed_dim) == (96, 32)
+    assert attention.num_attention_heads == 8
+    params, _ = pruner.predicted_counts()
+    assert params == sum(p.numel() for p in exported.parameters())
+    pruner.remove()
+    with pytest.raises(ValueError, match=r"ratio 0.3 keeps 11 of 16 heads in 4 shards of 4"):
+        DTPPruner(model, inputs, {"heads": 0.3})
+    with pytest.raises(ValueError, match=r"budget = 'global' cannot keep the same number"):
+        DTPPruner(model, inputs, {"heads": 0.5}, budget="global")
+    alone, inputs = codegen(heads=4)
+    with pytest.raises(ValueError, match=r"each of its shards holds one head"):
+        DTPPruner(alone, inputs, {"heads": 0.5})
+    assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
