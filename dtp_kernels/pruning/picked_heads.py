@@ -1,5 +1,5 @@
 """Attention layers handed a bias for all the model's heads that add their own heads'
-entries of it (ALiBi: BLOOM's, MPT's).
+entries of it (ALiBi: BLOOM's, MPT's, Falcon's when built with it).
 
 The model computes the bias once, for the heads it was built with, and hands the whole
 of it to every layer. A layer that has lost heads must add each kept head's own entry,
