@@ -445,11 +445,17 @@ def hard_masked_and_exported(pruner, model, inputs: tuple):
     return exported, got, want
 
 
-def check_export(pruner, model: nn.Module, x: torch.Tensor, atol: float | None = None) -> nn.Module:
+def check_export(
+    pruner,
+    model: nn.Module,
+    x: torch.Tensor,
+    atol: float | None = None,
+    example: tuple | None = None,
+) -> nn.Module:
     """The exported model of a pruner over an image model checked: the hard masks change
     the output, the export computes what the hard-masked model computes (to `atol`,
-    by default 1e-5 of the output's scale), and its parameters and FLOPs are the
-    report's."""
+    by default 1e-5 of the output's scale), and its parameters and FLOPs (on `example`,
+    the pruner's example inputs: by default `x[:1]`) are the report's."""
     from dtp_kernels.pruning.cost import count_flops, count_params
 
     model.eval()
@@ -465,7 +471,7 @@ def check_export(pruner, model: nn.Module, x: torch.Tensor, atol: float | None =
         torch.testing.assert_close(exported(x), want, rtol=1e-5, atol=atol)
     report = pruner.report()
     assert count_params(exported) == report["params_after"]
-    assert count_flops(exported, (x[:1],)) == report["flops_after"]
+    assert count_flops(exported, example or (x[:1],)) == report["flops_after"]
     return exported
 
 
