@@ -4,7 +4,7 @@
 # go to $OUT/session.tar (one file: the device tool brings back at most 8), written again
 # after every step.
 #
-#   OUT=/tmp/gpu bash tools/gpu_session.sh [tests|host|bench|train|vit|moe|pipeline|pipeline-compiled|profile-pipeline|scale|all]...
+#   OUT=/tmp/gpu bash tools/gpu_session.sh [tests|host|bench|train|vit|moe|pipeline|pipeline-compiled|profile-pipeline|scale|op-errors|all]...
 #
 # tests: every test marked cuda but not slow (on $WORKERS pytest-xdist workers, default 4)
 # and, at the same time, `dtp prune` on the GPU (tests/pipeline/test_pipeline_gpu.py, on 3
@@ -22,7 +22,10 @@
 # 211 s); PIPELINE_WORKLOADS=resnet56 (or torchvision.resnet50) runs one
 # workload in either, PIPELINE_ROUNDS sets the rounds (default 3);
 # profile-pipeline: the CIFAR ResNet-56 step of `pipeline` profiled, eager and compiled
-# (profile_training_step.py --workload resnet56 [--compile]); all: every other one.
+# (profile_training_step.py --workload resnet56 [--compile]); op-errors: the native
+# backtrace (cuda-gdb, which runs host programs there) of a CUDA op called with a bad
+# argument, which ends the process with SIGSEGV on the H200 (gpu_tests_cuda.md, run 13);
+# all: every other one.
 # Benchmarks run one at a time, after the tests.
 #
 # The build is skipped when csrc/ and setup.py are unchanged since the last build on the
@@ -150,6 +153,17 @@ for step in $steps; do
     run profile_resnet56_compiled 240 $PY benchmarks/profile_training_step.py \
       --workload resnet56 --compile
     ;;&
+  op-errors)
+    run op_error_backtrace 150 cuda-gdb -q -batch \
+      -ex run -ex bt -ex "info registers rip" -ex "x/8i \$pc-16" --args $PY -c "
+import torch, dtp_kernels
+s = torch.rand(8, device='cuda'); o = torch.arange(3, device='cuda') * 4
+k, e = torch.full((2,), 2.0, device='cuda'), torch.full((2,), 0.5, dtype=torch.float64, device='cuda')
+try:
+    torch.ops.dtp.transport_mask(s, o, k, e, torch.zeros(8, device='cuda'), torch.zeros(2, device='cuda'), 1, False, 0, 5)
+except RuntimeError as error:
+    print('raised:', error)"
+    ;;
   scale | all)
     run bench_nm_step 120 $PY benchmarks/bench_nm_step.py --device cuda --rounds 5
     run profile_nm_step 90 $PY benchmarks/profile_nm_step.py --device cuda

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 import torch
 from transformers import TrainerCallback
 
+from ..pruning.example_inputs import on_model_device
 from ..pruning.prepare import prepare
 from ..pruning.pruner import DTPPruner
 
@@ -16,7 +17,8 @@ class DTPTrainerCallback(TrainerCallback):
     """Prune the Trainer's model with DTP while it trains.
 
     Args:
-        example_inputs: a tensor or tuple the model runs on (e.g. a batch of input ids);
+        example_inputs: a tensor, tuple or dict of keyword arguments the model runs on
+            (e.g. a batch of input ids, or ``{"input_ids": ..., "attention_mask": ...}``);
             moved to the model's device.
         ratios: as for :class:`DTPPruner` (e.g. ``{"heads": 0.5, "mlp": 0.5}``).
         score_lr, pruner_kwargs: as for :func:`dtp_kernels.prepare`.
@@ -29,7 +31,7 @@ class DTPTrainerCallback(TrainerCallback):
 
     def __init__(
         self,
-        example_inputs: torch.Tensor | tuple,
+        example_inputs: torch.Tensor | tuple | Mapping,
         ratios: float | Mapping[str, float] | str,
         *,
         score_lr: float | None = None,
@@ -48,9 +50,7 @@ class DTPTrainerCallback(TrainerCallback):
             raise RuntimeError("DTPTrainerCallback prunes one training run; make a new one")
         if model is None or optimizer is None:
             raise RuntimeError("the Trainer passed no model or optimizer to on_train_begin")
-        device = next(model.parameters()).device
-        inputs = self.example_inputs
-        inputs = tuple(t.to(device) for t in (inputs if isinstance(inputs, tuple) else (inputs,)))
+        inputs = on_model_device(self.example_inputs, model)
         self.pruner = prepare(
             model,
             optimizer,

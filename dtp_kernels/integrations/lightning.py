@@ -8,6 +8,7 @@ from collections.abc import Mapping
 import torch
 from lightning.pytorch import Callback
 
+from ..pruning.example_inputs import on_model_device
 from ..pruning.prepare import prepare
 from ..pruning.pruner import DTPPruner
 
@@ -16,7 +17,8 @@ class DTPCallback(Callback):
     """Prune the LightningModule with DTP while it trains.
 
     Args:
-        example_inputs: a tensor or tuple the module's forward runs on; moved to its device.
+        example_inputs: a tensor, tuple or dict of keyword arguments the module's
+            forward runs on; moved to its device.
         ratios: as for :class:`DTPPruner`.
         optimizer_index: which of the module's optimizers takes the scores.
         score_lr, pruner_kwargs: as for :func:`dtp_kernels.prepare`.
@@ -28,7 +30,7 @@ class DTPCallback(Callback):
 
     def __init__(
         self,
-        example_inputs: torch.Tensor | tuple,
+        example_inputs: torch.Tensor | tuple | Mapping,
         ratios: float | Mapping[str, float] | str,
         *,
         optimizer_index: int = 0,
@@ -51,10 +53,7 @@ class DTPCallback(Callback):
                 f"optimizer_index = {self.optimizer_index}; the module has {len(optimizers)} "
                 f"optimizers (allowed: 0 to {len(optimizers) - 1})"
             )
-        inputs = self.example_inputs
-        inputs = tuple(
-            t.to(pl_module.device) for t in (inputs if isinstance(inputs, tuple) else (inputs,))
-        )
+        inputs = on_model_device(self.example_inputs, pl_module)
         optimizer = optimizers[self.optimizer_index]
         schedulers = [
             config.scheduler

@@ -24,7 +24,7 @@ from . import ratios as ratio_rules
 from .conv1d import is_conv1d, linear_to_conv1d
 from .cost import COSTED, PER_CHANNEL_AFFINE, count_params, flops_after, params_after, trace_layers
 from .enclosing_readers import enclosing_reader_refusals
-from .example_inputs import as_example_inputs, call_model
+from .example_inputs import as_example_inputs, call_model, on_model_device
 from .experts import (
     ExpertGroup,
     Layout,
@@ -585,7 +585,9 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             for g in self.groups
         )
         graph_or_none = (
-            traced_graph(pruned, self.example_inputs) if needs_graph else contextlib.nullcontext()
+            traced_graph(pruned, on_model_device(self.example_inputs, pruned))
+            if needs_graph
+            else contextlib.nullcontext()
         )
         with graph_or_none as graph:
             names = dict(pruned.named_modules())

@@ -1,12 +1,14 @@
 """The example inputs a pruner runs the model on (to find its groups, prove them, count
 its cost and check the export): a tensor, a tuple of positional arguments, or a dict of
 keyword arguments (a Hugging Face processor's output: input ids with pixel values and
-image grids), kept as one `ExampleInputs` and run by `call_model`."""
+image grids), kept as one `ExampleInputs` and run by `call_model`; `on_model_device` moves them to
+where the model is now (a pruner is often built on the CPU and moved with its model)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
 from torch import nn
 
 
@@ -48,3 +50,32 @@ def call_model(model: nn.Module, inputs: tuple):
     """`model` run on example inputs (an ExampleInputs, or a plain tuple of positional
     ones)."""
     return model(*inputs, **getattr(inputs, "kwargs", {}))
+
+
+def _moved(value: object, device: torch.device) -> object:
+    """`value` with every tensor in it (through tuples, lists and dicts) on `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, Mapping):
+        return {key: _moved(item, device) for key, item in value.items()}
+    if isinstance(value, (tuple, list)):
+        items = [_moved(item, device) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
+
+
+def model_device(model: nn.Module) -> torch.device | None:
+    """The device of the model's first parameter or buffer; None when it has neither."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return None
+
+
+def on_model_device(inputs: object, model: nn.Module) -> ExampleInputs:
+    """`inputs` as example inputs whose tensors are on `model`'s device (the same tensors
+    where they are already there; their dtypes unchanged)."""
+    inputs = as_example_inputs(inputs)
+    device = model_device(model)
+    if device is None:
+        return inputs
+    return ExampleInputs(_moved(tuple(inputs), device), _moved(inputs.kwargs, device))

@@ -31,7 +31,7 @@ from . import nm as nm_rules
 from .base import ChannelPruner, ExportMismatchError
 from .conv1d import linear_to_conv1d
 from .cost import FlopsRatio
-from .example_inputs import call_model
+from .example_inputs import call_model, on_model_device
 from .experts import ExpertGroup, tied_units
 from .groups import out_width, output_tensors
 from .heads import HeadGroup
@@ -673,12 +673,13 @@ class DTPPruner(ChannelPruner):
         was_training, pruned_training = self.model.training, pruned.training
         self.model.eval()
         pruned.eval()
+        inputs = on_model_device(self.example_inputs, self.model)
         try:
             with ieee_fp32(), self.hard_masked():
-                want = output_tensors(call_model(self.model, self.example_inputs))
+                want = output_tensors(call_model(self.model, inputs))
             with ieee_fp32():
                 try:
-                    got = output_tensors(call_model(pruned, self.example_inputs))
+                    got = output_tensors(call_model(pruned, inputs))
                 except Exception as error:
                     raise ExportMismatchError(
                         f"the exported model fails on the example inputs "

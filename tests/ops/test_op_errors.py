@@ -1,9 +1,10 @@
 """The compiled ops, called directly with bad input, raise a RuntimeError naming the
 argument in the caller's process, on every device. Each call runs in a child process, so
 that a crash fails one case with its signal instead of taking the test worker down: on an
-H200 (torch 2.11, 2026-12-04) every error thrown in the CUDA ops' host code, then in
-the .cu files, ended the process with SIGSEGV (benchmarks/results/gpu_tests_cuda.md, run
-12b); the checks now run in csrc/cuda_entry_points.cpp."""
+H200 (torch 2.11, 2026-12-04) every error thrown by the CUDA ops ended the process with
+SIGSEGV, both from the .cu files' host code (run 12b) and, after the checks moved there,
+from csrc/cuda_entry_points.cpp, which the C++ compiler builds (run 13;
+benchmarks/results/gpu_tests_cuda.md). The CPU cases pass on that machine."""
 
 import subprocess
 import sys

@@ -220,8 +220,9 @@ def test_kept_heads_live_on_the_models_device(family, device):
     equals the hard-masked model there."""
     model, pruner = pruned(family)
     model.to(device)
+    pruner.to(device)
     ids, mask = (t.to(device) for t in inputs())
-    with torch.no_grad(), pruner.hard_masked():
+    with torch.no_grad(), pruner.hard_masked(), ieee_fp32():
         want = model(input_ids=ids, attention_mask=mask).logits[mask.bool()]
     with pytest.warns(UserWarning, match="config cannot describe"):
         exported = pruner.export().eval()

@@ -111,7 +111,8 @@ def test_hugging_face_trainer_callback_prunes_a_llama(tmp_path, options):
     model = tiny_llama()
     ids = torch.randint(0, 61, (8, 12), generator=torch.Generator().manual_seed(1))
     data = [{"input_ids": row, "labels": row} for row in ids]
-    callback = DTPTrainerCallback(ids[:1], {"heads": 0.5, "mlp": 0.5}, score_lr=0.05)
+    example = {"input_ids": ids[:1], "attention_mask": torch.ones(1, 12, dtype=torch.long)}
+    callback = DTPTrainerCallback(example, {"heads": 0.5, "mlp": 0.5}, score_lr=0.05)
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path),
         max_steps=4,

@@ -122,6 +122,7 @@ def test_a_file_saved_without_kept_heads_loads(tmp_path):
 def test_kept_heads_live_on_the_models_device(device):
     model, pruner, x = pruned_per_head_masked()
     model.to(device)
+    pruner.to(device)
     x = x.to(device)
     with torch.no_grad(), pruner.hard_masked():
         want = model(x)

@@ -67,3 +67,17 @@ def test_a_module_scaled_by_its_widths_is_refused_on_the_models_device(device):
     assert "layer 'conv' is read by ScaledByWidth 'block' (through 'block.proj')" in message
     assert "computes other values cut to the kept channels than with the removed" in message
     assert "layer 'a'" not in message and "layer 'b'" not in message
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_pruner_built_on_the_cpu_exports_after_moving_with_its_model(device):
+    """The common order: the pruner made on the CPU, then model and pruner moved to the
+    GPU. The export's trace and its check run the example inputs (kept on the CPU) on
+    the model's device."""
+    model, x = model_and_input(PassedOn, "cpu", out=16)
+    pruner = DTPPruner(model, (x[:1],), 0.5)
+    model.to(device)
+    pruner.to(device)
+    with ieee_fp32():
+        exported = check_export(randomised(pruner), model, x.to(device))
+    assert exported.conv.weight.device.type == device and pruner.kept == [4] * 3

@@ -233,14 +233,16 @@ def test_clipped_steps_do_not_sync_on_cuda():
 @pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "bf16-channels-last"])
 @pytest.mark.parametrize("backend", cuda_backends())
 @pytest.mark.cuda
-def test_training_step_in_cuda_graph_matches_eager(backend, amp):
+def test_training_step_in_cuda_graph_matches_eager(backend, amp, monkeypatch):
     """A whole DTP training step (forward, backward, SGD step, state commit) captured in a
     CUDA graph and replayed gives what the same steps give eagerly; also under bf16
     autocast with channels_last (the GPU benchmark's setting)."""
     from dtp_kernels.pipeline.step import training_step
 
     runs = {}
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    # restored after the test: the worker's later tests run with torch's defaults
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     for mode in ("eager", "graph"):
         model, pruner, optimizer, images, labels = dtp_training_setup(
             backend, channels_last=amp is not None
