@@ -553,10 +553,10 @@ class PassedOn(nn.Module):
 def tiny_speech_encoder(family: str, **options) -> nn.Module:
     """transformers' `{family}ForSequenceClassification` (Wav2Vec2, Hubert,
     Wav2Vec2Conformer) of 2 layers of 4 heads of 8 and a feature extractor of two
-    convs, seeded; `options` set more config fields."""
+    convs, seeded; `options` set other config fields or replace these."""
     import transformers
 
-    config = getattr(transformers, f"{family}Config")(
+    sizes = dict(
         hidden_size=32,
         num_hidden_layers=2,
         num_attention_heads=4,
@@ -569,7 +569,7 @@ def tiny_speech_encoder(family: str, **options) -> nn.Module:
         num_conv_pos_embedding_groups=4,
         classifier_proj_size=16,
         num_labels=5,
-        **options,
     )
+    config = getattr(transformers, f"{family}Config")(**(sizes | options))
     torch.manual_seed(0)
     return getattr(transformers, f"{family}ForSequenceClassification")(config)

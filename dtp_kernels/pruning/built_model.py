@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 VERSION = "4"  # pruned-model format version of a builder + safetensors file
 READS = ("3", VERSION)  # version 3 had no replaced modules
@@ -84,6 +85,12 @@ FORMER_NAMES = {
 }
 
 
+def _own_class(module: nn.Module) -> type:
+    """The module's class; for a parametrized one (weight norm), the class it had before:
+    each parametrized module gets a class of its own (ParametrizedConv1d)."""
+    return type(module).__bases__[0] if parametrize.is_parametrized(module) else type(module)
+
+
 def replaced_modules(dense: nn.Module, pruned: nn.Module, path) -> dict[str, str]:
     """Per module name, the export class `pruned` has where `dense` has the class it
     replaces; ValueError naming a module of another class than the builder's."""
@@ -91,7 +98,7 @@ def replaced_modules(dense: nn.Module, pruned: nn.Module, path) -> dict[str, str
     built = dict(dense.named_modules())
     replaced = {}
     for name, module in pruned.named_modules():
-        if name not in built or type(module) is type(built[name]):
+        if name not in built or _own_class(module) is _own_class(built[name]):
             continue
         if type(module) in classes and type(built[name]) is type(module).replaces:
             replaced[name] = classes[type(module)]

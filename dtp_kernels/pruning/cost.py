@@ -112,6 +112,12 @@ def _packed_attention(module: nn.Module) -> bool:
     )
 
 
+# attention layers whose forward reads their projections' weights without calling them
+# (WavLM's, through F.multi_head_attention_forward), by class name: the projections,
+# each run once per token of the layer's input. The classes export gives them call them.
+READ_PROJECTIONS = {"WavLMAttention": ("q_proj", "k_proj", "v_proj", "out_proj")}
+
+
 def _routed(module: nn.Module, experts: int, args: tuple, kwargs: dict) -> list[int]:
     """Tokens an experts module's forward routes to each expert: read from its integer
     argument, the experts chosen per token (ids outside [0, experts) are dropped tokens)."""
@@ -179,7 +185,18 @@ def trace_layers(
         if isinstance(module, nn.MultiheadAttention):  # its out_proj is read, not called
             layers.append(Layer(module.out_proj, 1, queries))
 
+    def read_projections_hook(module: nn.Module, args: tuple, kwargs: dict, _output) -> None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        for name in READ_PROJECTIONS[type(module).__name__]:
+            projection = getattr(module, name)
+            layers.append(Layer(projection, 1, hidden.numel() // projection.in_features))
+
     handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, COSTED)]
+    handles += [
+        m.register_forward_hook(read_projections_hook, with_kwargs=True)
+        for m in model.modules()
+        if type(m).__name__ in READ_PROJECTIONS
+    ]
     handles += [
         m.register_forward_hook(attention_hook, with_kwargs=True)
         for m in model.modules()

@@ -47,7 +47,7 @@ from .head_norms import (
     rescales_exactly,
 )
 from .multihead_attention import PrunedMultiheadAttention
-from .picked_heads import PicksItsHeads, keep_heads, picked_argument
+from .picked_heads import PicksItsHeads, keep_heads, picked_argument, picking_submodules
 from .proof import cuts_exactly, dropped, example_calls
 from .pruned_classes import pruned_classes
 from .ratios import kept_count
@@ -78,6 +78,8 @@ def find_head_groups(
             group.__post_init__()
         parent = group.name.rpartition(".")[0]  # the block holding the attention layer
         group.tables, mixed = _per_head_tables(group, modules[parent] if parent else None)
+        whole = picking_submodules(group.module, "whole")  # serving all the model's heads
+        group.tables = [t for t in group.tables if t[0] not in whole]
         group.row_vectors = _row_vectors(group)
         group.refusal = group.refusal or mixed
         groups.append(group)
@@ -96,14 +98,15 @@ def find_head_groups(
 
 def _per_head_layers(group: HeadGroup) -> list[nn.Module]:
     """The depthwise convolutions inside `group`'s attention layer over its head size
-    (MViT's pooling of the queries, keys and values): they run on each head apart."""
+    (MViT's pooling of the queries, keys and values) and the layers its picking class
+    runs per kept head (WavLM's gate): they run on each head apart."""
     return [
         m
         for m in group.module.modules()
         if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
         and m.in_channels == m.out_channels == m.groups == group.head_dim
         and group.head_dim > 1
-    ]
+    ] + picking_submodules(group.module, "per_head")
 
 
 def check_shard_ratios(groups: list, ratios: dict[str, float], budget: str) -> None:

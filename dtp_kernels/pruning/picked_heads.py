@@ -1,5 +1,6 @@
 """Attention layers handed a bias for all the model's heads that add their own heads'
-entries of it (ALiBi: BLOOM's, MPT's, Falcon's when built with it).
+entries of it (ALiBi: BLOOM's, MPT's, Falcon's when built with it; WavLM's relative
+position bias, which its first layer computes for all heads: wavlm_attention.py).
 
 The model computes the bias once, for the heads it was built with, and hands the whole
 of it to every layer. A layer that has lost heads must add each kept head's own entry,
@@ -24,6 +25,10 @@ class PicksItsHeads:
 
     picked: str = ""  # the forward argument holding the bias for all the model's heads
     head_count: str = ""  # the layer's attribute holding its number of heads
+    # its submodules that serve all the model's heads, kept whole (not per-head tables)
+    whole: tuple[str, ...] = ()
+    # its submodules run on each kept head apart: their FLOPs scale with the kept heads
+    per_head: tuple[str, ...] = ()
 
     @classmethod
     def picks(cls, layer: nn.Module) -> bool:
@@ -40,6 +45,16 @@ class PicksItsHeads:
             heads = torch.arange(getattr(layer, cls.head_count), device=device)
             layer.register_buffer("kept_heads", heads)
         return layer
+
+
+def picking_submodules(module: nn.Module, kind: str) -> list[nn.Module]:
+    """The submodules of `module` its picking class names in `kind`: "whole" (kept whole
+    for all the model's heads: WavLM's bias table) or "per_head" (run on each kept head
+    apart); none for a layer that picks nothing."""
+    if not picked_argument(module):
+        return []
+    cls = type(module) if isinstance(module, PicksItsHeads) else pruned_classes()[type(module)]
+    return [sub for name in getattr(cls, kind) if (sub := getattr(module, name, None)) is not None]
 
 
 def picked_argument(module: nn.Module) -> str:

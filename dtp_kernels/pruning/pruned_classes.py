@@ -3,8 +3,8 @@ width to the model width (torchvision's Swin, Video Swin and MaxViT, timm's EVA,
 Swin V2 and others, Hugging Face's TrOCR, PVT v2, TimeSformer, Table Transformer,
 Mask2Former and OneFormer): subclasses with the same parameters whose forward takes the
 sizes from the pruned projections, looked up by the layer's class; and those handed
-ALiBi for all the model's heads (BLOOM's, MPT's, Falcon's), whose forward picks the kept
-heads' entries (picked_heads.py)."""
+ALiBi for all the model's heads (BLOOM's, MPT's, Falcon's) or a relative position bias
+for them (WavLM's), whose forward picks the kept heads' entries (picked_heads.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ PRUNED_CLASS_MODULES = {
     "transformers.models.bloom.modeling_bloom": "alibi_attention",
     "transformers.models.mpt.modeling_mpt": "alibi_attention",
     "transformers.models.falcon.modeling_falcon": "alibi_attention",
+    # handed a relative position bias for all the model's heads by the first layer
+    "transformers.models.wavlm.modeling_wavlm": "wavlm_attention",
 }
 
 

@@ -4,7 +4,6 @@ of layers is one group, the same heads leave every layer of it and the first lay
 tables, and the export computes what the hard-masked model computes, generates as it
 does and, with one count for all, loads from its saved config."""
 
-import ast
 import warnings
 
 import pytest
@@ -358,38 +357,3 @@ def test_an_mpnet_layer_left_whole_refuses_the_heads_of_the_others():
     left = model.mpnet.encoder.layer[1].attention.attn
     with pytest.raises(ValueError, match=r"handed to 'mpnet.encoder.layer.1.attention.attn' too"):
         DTPPruner(model, inputs, {"heads": 0.5}, ignored_layers=[left])
-
-
-def test_wavlm_heads_are_refused_by_their_first_layers_proof_and_the_rest_prunes():
-    """WavLM's first layer computes the relative position bias and hands it on, as T5's
-    does, but its gate reads the layer's input split into heads: with heads removed the
-    first layer computes otherwise, so the chain is refused naming that layer (not as a
-    tied layer of itself), and the ratios the error gives prune the MLPs exactly."""
-    config = transformers.WavLMConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        conv_dim=(8, 8),
-        conv_stride=(5, 2),
-        conv_kernel=(10, 3),
-        num_conv_pos_embeddings=8,
-        num_conv_pos_embedding_groups=4,
-    )
-    torch.manual_seed(0)
-    model = transformers.WavLMForSequenceClassification(config).eval()
-    inputs = (torch.randn(1, 400, generator=torch.Generator().manual_seed(1)),)
-    with pytest.raises(ValueError) as refused:
-        DTPPruner(model, inputs, {"heads": 0.5})
-    message = str(refused.value)
-    assert message.startswith(
-        "cannot prune the heads of attention layer 'wavlm.encoder.layers.0.attention': with "
-        "some of its heads removed"
-    )
-    suggested = ast.literal_eval(message.rpartition("ratios=")[2])
-    assert suggested == {"heads": 0.5, "wavlm.encoder.layers.0.attention": 0}
-    pruner = randomised(DTPPruner(model, inputs, {"mlp": 0.5}))
-    with torch.no_grad(), pruner.hard_masked():
-        want = model(*inputs).logits
-    with torch.no_grad():
-        torch.testing.assert_close(pruner.export()(*inputs).logits, want, rtol=1e-5, atol=1e-5)
