@@ -11,6 +11,7 @@ from dtp_kernels import load_pruned, save_pruned
 from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.cost import count_flops, count_params
 from dtp_kernels.pruning.heads import HeadGroup
+from dtp_kernels.pruning.precision import ieee_fp32
 from utils import randomised, tiny_speech_encoder
 
 transformers = pytest.importorskip("transformers")
@@ -146,3 +147,21 @@ def test_a_builder_file_and_a_second_pruning_keep_the_models_heads(tmp_path):
     assert [layer.kept_heads.tolist() for layer in attention_layers(twice)] == [
         [heads[1]] for heads in first
     ]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_kept_heads_live_on_the_models_device(device):
+    """Built on the CPU, moved with its pruner: the kept heads are a buffer of the
+    model's device and the export there equals the hard-masked model."""
+    model, pruner = pruned()
+    model.to(device)
+    pruner.to(device)
+    x, mask = (t.to(device) for t in audio())
+    with torch.no_grad(), pruner.hard_masked(), ieee_fp32():
+        want = model(input_values=x, attention_mask=mask).logits
+    with pytest.warns(UserWarning, match="config cannot describe"):
+        exported = pruner.export().eval()
+    assert {layer.kept_heads.device.type for layer in attention_layers(exported)} == {device}
+    with torch.no_grad(), ieee_fp32():
+        got = exported(input_values=x, attention_mask=mask).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
