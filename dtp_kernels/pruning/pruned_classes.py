@@ -27,6 +27,9 @@ PRUNED_CLASS_MODULES = {
     "transformers.models.mask2former.modeling_mask2former": "transformers_attention",
     "transformers.models.oneformer.modeling_oneformer": "transformers_attention",
     "transformers.models.timesformer.modeling_timesformer": "transformers_attention",
+    "transformers.models.wav2vec2_conformer.modeling_wav2vec2_conformer": (
+        "transformers_attention"
+    ),
     # handed ALiBi for all the model's heads: they pick their own (picked_heads.py)
     "transformers.models.bloom.modeling_bloom": "alibi_attention",
     "transformers.models.mpt.modeling_mpt": "alibi_attention",

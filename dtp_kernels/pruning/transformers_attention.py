@@ -2,12 +2,13 @@
 some of their heads removed: TrOCR's (its decoder's self- and cross-attention), PVT
 v2's, TimeSformer's (over space and over time), and the DETR-style attention that adds
 position embeddings to its queries and keys (Table Transformer's; Mask2Former's and
-OneFormer's, sequence first).
+OneFormer's, sequence first); and Wav2Vec2-Conformer's, whose rotary embedding splits
+the layer's input into as many chunks as the layer has heads.
 
-Their code reshapes the heads' output to the width of the layer's input, so a layer that
-has lost heads no longer runs. Export gives such a layer the subclass below: the same
-parameters, state-dict keys, call and outputs (TrOCR's key/value cache included), a
-forward that reshapes the heads' output to their own width.
+Their code reshapes the heads' output (or the input) to the width of the layer's input
+by its head count, so a layer that has lost heads no longer runs. Export gives such a
+layer the subclass below: the same parameters, state-dict keys, call and outputs
+(TrOCR's key/value cache included), a forward that reshapes by the heads' own width.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from transformers.models.table_transformer.modeling_table_transformer import (
 )
 from transformers.models.timesformer.modeling_timesformer import TimesformerSelfAttention
 from transformers.models.trocr.modeling_trocr import TrOCRAttention
+from transformers.models.wav2vec2_conformer.modeling_wav2vec2_conformer import (
+    Wav2Vec2ConformerSelfAttention,
+)
 
 
 class _GivenToTheLayer:
@@ -275,6 +279,25 @@ class PrunedTimesformerSelfAttention(_GivenToTheLayer, TimesformerSelfAttention)
         return (context, probs) if output_attentions else (context,)
 
 
+class PrunedWav2Vec2ConformerSelfAttention(_GivenToTheLayer, Wav2Vec2ConformerSelfAttention):
+    """Wav2Vec2-Conformer's attention whose heads may be fewer than the model width over
+    their size: its rotary embedding turns each head-sized chunk of the layer's input,
+    however many heads the layer keeps (the input keeps the model width)."""
+
+    replaces = Wav2Vec2ConformerSelfAttention
+
+    def _apply_rotary_embedding(
+        self, hidden_states: torch.Tensor, relative_position_embeddings: torch.Tensor
+    ) -> torch.Tensor:
+        batch, length, width = hidden_states.shape
+        chunks = hidden_states.view(batch, length, width // self.head_size, self.head_size)
+        cos, sin = relative_position_embeddings[:, :length]  # (length, 1, 1, head size) each
+        half = self.head_size // 2
+        turned = torch.cat((-chunks[..., half:], chunks[..., :half]), dim=-1)
+        rotated = chunks.transpose(0, 1) * cos + turned.transpose(0, 1) * sin
+        return rotated.transpose(0, 1).reshape(batch, length, width)
+
+
 PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     TrOCRAttention: PrunedTrOCRAttention,
     PvtV2SelfAttention: PrunedPvtV2SelfAttention,
@@ -282,4 +305,5 @@ PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     Mask2FormerAttention: PrunedMask2FormerAttention,
     OneFormerAttention: PrunedOneFormerAttention,
     TimesformerSelfAttention: PrunedTimesformerSelfAttention,
+    Wav2Vec2ConformerSelfAttention: PrunedWav2Vec2ConformerSelfAttention,
 }

@@ -22,6 +22,9 @@ from utils import LLAMA_VOCAB as VOCAB
 from utils import TINY_BERT, TINY_HF_VIT, randomised, tiny_deepseek, tiny_speech_encoder, tiny_t5
 
 transformers = pytest.importorskip("transformers")
+from dtp_kernels.pruning.transformers_attention import (  # noqa: E402
+    PrunedWav2Vec2ConformerSelfAttention,
+)
 
 TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
@@ -1312,8 +1315,10 @@ def test_wav2vec2_conformer_heads_with_relative_positions():
     """Wav2Vec2-Conformer's linear_q/k/v/out with head_size: with relative positions,
     linear_pos projects the position embeddings head by head (its rows cut with the
     heads) and pos_bias_u, pos_bias_v hold a row per head (cut too); the export equals
-    the hard-masked model. With rotary embeddings, which split the layer's input into
-    its heads, the heads fail their proof and are refused by name."""
+    the hard-masked model. With rotary embeddings, which turn the layer's input split
+    into its heads, export gives the layers a class that splits it by the head size
+    (the input keeps the model width): with every head kept it computes what
+    transformers' does, and the pruned export equals the hard-masked model."""
     model = wav2vec2_conformer("relative")
     wave = torch.randn(2, 4000, generator=torch.Generator().manual_seed(1))
     pruner = DTPPruner(model, (wave[:1],), {"heads": 0.5})
@@ -1326,8 +1331,19 @@ def test_wav2vec2_conformer_heads_with_relative_positions():
     assert attention.linear_pos.out_features == attention.linear_q.out_features == 16
     assert attention.pos_bias_u.shape == attention.pos_bias_v.shape == (2, 8)
     assert attention.num_heads == 2
-    with pytest.raises(ValueError, match=rf"heads of attention layer '{layers}.0.self_attn'"):
-        DTPPruner(wav2vec2_conformer("rotary"), (wave[:1],), {"heads": 0.5})
+    rotary = wav2vec2_conformer("rotary")
+    with torch.no_grad():
+        want = rotary(wave).logits
+        for layer in rotary.wav2vec2_conformer.encoder.layers:
+            PrunedWav2Vec2ConformerSelfAttention.from_dense(layer.self_attn)
+        torch.testing.assert_close(rotary(wave).logits, want, rtol=0, atol=0)
+    pruner = DTPPruner(rotary, (wave[:1],), {"heads": 0.5})
+    with torch.no_grad():
+        pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
+    exported = export_checked(pruner, rotary, (wave,))
+    attention = exported.get_submodule(f"{layers}.1.self_attn")
+    assert type(attention) is PrunedWav2Vec2ConformerSelfAttention
+    assert attention.num_heads == 2 and attention.linear_q.out_features == 16
 
 
 def codegen(heads: int = 16):
