@@ -24,6 +24,7 @@ PRUNED_CLASS_MODULES = {
     "transformers.models.trocr.modeling_trocr": "transformers_attention",
     "transformers.models.pvt_v2.modeling_pvt_v2": "transformers_attention",
     "transformers.models.table_transformer.modeling_table_transformer": "transformers_attention",
+    "transformers.models.dab_detr.modeling_dab_detr": "transformers_attention",
     "transformers.models.mask2former.modeling_mask2former": "transformers_attention",
     "transformers.models.oneformer.modeling_oneformer": "transformers_attention",
     "transformers.models.timesformer.modeling_timesformer": "transformers_attention",

@@ -18,6 +18,7 @@ import math
 import torch
 from torch import nn
 from transformers.cache_utils import EncoderDecoderCache
+from transformers.models.dab_detr.modeling_dab_detr import DetrAttention as DabDetrEncoderAttention
 from transformers.models.mask2former.modeling_mask2former import Mask2FormerAttention
 from transformers.models.oneformer.modeling_oneformer import OneFormerAttention
 from transformers.models.pvt_v2.modeling_pvt_v2 import PvtV2SelfAttention
@@ -217,6 +218,30 @@ class PrunedTableTransformerAttention(_PositionedAttention, TableTransformerAtte
         return out, (weights if output_attentions else None)
 
 
+class PrunedDabDetrEncoderAttention(_PositionedAttention, DabDetrEncoderAttention):
+    """DAB-DETR's encoder attention (DETR's older code, which reshapes the heads' output
+    to the input width) whose heads may be fewer than the model width over their size."""
+
+    replaces = DabDetrEncoderAttention
+
+    @property
+    def dropout(self) -> float:  # the name `_attend` reads
+        return self.attention_dropout
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        object_queries: torch.Tensor | None = None,
+        key_value_states: torch.Tensor | None = None,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # self-attention only: the original reads no key_value_states either
+        bias = _additive(attention_mask, hidden_states.dtype)
+        out, weights = self._positioned(hidden_states, object_queries, None, None, bias)
+        return out, (weights if output_attentions else None)
+
+
 class _SequenceFirstAttention(_PositionedAttention):
     """Mask2Former's and OneFormer's form: (tokens, batch, width) in and out, a mask of
     one (queries, keys) slice per batch item and head."""
@@ -305,5 +330,6 @@ PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     Mask2FormerAttention: PrunedMask2FormerAttention,
     OneFormerAttention: PrunedOneFormerAttention,
     TimesformerSelfAttention: PrunedTimesformerSelfAttention,
+    DabDetrEncoderAttention: PrunedDabDetrEncoderAttention,
     Wav2Vec2ConformerSelfAttention: PrunedWav2Vec2ConformerSelfAttention,
 }

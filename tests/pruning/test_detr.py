@@ -1,5 +1,5 @@
-"""Hugging Face's DETR and Table Transformer (with a timm ResNet backbone and its frozen
-batch norms, as pretrained weights build it) and RT-DETR (its own ResNet, a hybrid
+"""Hugging Face's DETR, Table Transformer and DAB-DETR (with a timm ResNet backbone and
+its frozen batch norms, as pretrained weights build it) and RT-DETR (its own ResNet, a hybrid
 encoder and a deformable decoder), built small: a float ratio prunes the backbone's
 filters, the encoder's and decoder's attention heads (cross-attention too) and their MLP
 neurons; the exported model predicts the hard-masked model's class logits and boxes with
@@ -34,6 +34,28 @@ def detr(family: str = "Detr"):
         **HEADS,
     )
     return getattr(transformers, f"{family}ForObjectDetection")(config)
+
+
+def dab_detr():
+    """A small DAB-DETR: its encoder's attention is DETR's older code (a reshape to the
+    width: exported as PrunedDabDetrEncoderAttention); its decoder's attention projects
+    outside the attention layer (not a head form: left whole). Its encoder scales the
+    position embeddings by an MLP, drawn here so that they count (init makes them ~1e-3)."""
+    config = transformers.DabDetrConfig(
+        use_timm_backbone=True,
+        use_pretrained_backbone=False,
+        backbone="resnet18",
+        hidden_size=32,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        **SMALL,
+        **HEADS,
+    )
+    model = transformers.DabDetrForObjectDetection(config)
+    with torch.no_grad():
+        for layer in model.model.encoder.query_scale.layers:
+            layer.weight.normal_(0, 1, generator=torch.Generator().manual_seed(2))
+    return model
 
 
 def rt_detr():
@@ -84,6 +106,17 @@ class Predictions(torch.nn.Module):
             lambda: detr("TableTransformer"),
             ["encoder.layers.0.self_attn", "decoder.layers.0.self_attn", "encoder_attn"],
             0.5,
+        ),
+        # the encoder's self-attention; the box heads' first layers, whose weights the
+        # decoder's layers share, left whole as the float's refusal says
+        (
+            dab_detr,
+            ["encoder.layers.0.self_attn"],
+            {
+                "*": 0.5,
+                "detector.model.decoder.bbox_embed.layers.0": 0,
+                "detector.bbox_predictor.layers.0": 0,
+            },
         ),
         # the hybrid encoder's self-attention, the decoder's self-attention (its
         # deformable cross-attention samples per head: left whole); the projection that
