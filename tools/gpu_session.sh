@@ -128,7 +128,10 @@ for step in $steps; do
     ;;&
   train | all)
     fold=(--provider fold/cuda --provider fold/triton)
-    run bench_training_step 150 $PY benchmarks/bench_training_step.py --device cuda "${fold[@]}"
+    # TRAIN_ROUNDS: the eager step's interleaved rounds (default 20; its spread on an H200
+    # host needs about 100 to resolve 0.5%: 20 rounds took 23 s there)
+    run bench_training_step 150 $PY benchmarks/bench_training_step.py --device cuda "${fold[@]}" \
+      --rounds "${TRAIN_ROUNDS:-20}"
     run bench_training_graph 150 $PY -X faulthandler benchmarks/bench_training_step.py \
       --device cuda --graph "${fold[@]}"
     run profile_training_step 90 $PY benchmarks/profile_training_step.py --python
