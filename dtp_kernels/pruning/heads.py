@@ -6,10 +6,10 @@ not follow the per-head reshapes), each giving a group of its heads (head_group.
 Some are found only to be refused by name when their heads are asked for: layers handed
 a bias for all heads computed outside them, which would not lose the removed heads,
 unless export gives them a class that adds its kept heads' entries of it (ALiBi:
-BLOOM's, MPT's, Falcon's; picked_heads.py). T5's layers, handed the relative position
-bias the first layer of their stack computes, are one group with that layer, and
-MPNet's, handed the one their encoder computes from its table, one group with that
-table (tied_heads.py).
+BLOOM's, MPT's, Falcon's; WavLM's relative position bias; picked_heads.py). T5's
+layers, handed the relative position bias the first layer of their stack computes, are
+one group with that layer, and MPNet's, handed the one their encoder computes from
+its table, one group with that table (tied_heads.py).
 
 The unit is a key/value head together with the query heads that share it (grouped-query
 attention; one query head per unit without it); in multi-query attention, one key/value
@@ -519,7 +519,7 @@ def _prune_layer_heads(
     kept = mask.nonzero().flatten().cpu()
     per_unit = group.query_heads_per_unit
     query_heads = _query_heads(mask, per_unit)
-    if picked_argument(copy[names[group.module]]):  # handed ALiBi: before its count changes
+    if picked_argument(copy[names[group.module]]):  # picking its heads: before counts change
         keep_heads(copy[names[group.module]], query_heads)
     _cut_tables(group.tables, copy, names, query_heads)
     for inner in copy[names[group.module]].modules():  # its position-bias modules' counts
@@ -585,7 +585,7 @@ def _prune_layer_heads(
         if isinstance(getattr(module, attr, None), int):
             setattr(module, attr, value)
     pruned_class = pruned_classes().get(type(module))
-    # its code ties the head size to the model width (one picking ALiBi's heads is given
-    # above, where it is handed the bias)
+    # its code ties the head size to the model width (one picking its heads' entries of a
+    # bias is given above)
     if pruned_class is not None and not issubclass(pruned_class, PicksItsHeads):
         pruned_class.from_dense(module)

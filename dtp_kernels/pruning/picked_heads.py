@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .pruned_classes import pruned_classes
+from .pruned_classes import GivenToTheLayer, pruned_classes
 
 
-class PicksItsHeads:
+class PicksItsHeads(GivenToTheLayer):
     """A class export gives an attention layer handed a bias per head for all the
     model's heads: the layer itself, with the buffer `kept_heads` (the model's heads it
     computes, in order), whose forward picks their entries of the argument `picked`."""
@@ -39,7 +39,7 @@ class PicksItsHeads:
     def from_dense(cls, layer: nn.Module) -> nn.Module:
         """`layer` itself, given this class, keeping all its heads (a loader then gives
         it the saved `kept_heads`)."""
-        layer.__class__ = cls
+        layer = super().from_dense(layer)
         if "kept_heads" not in layer._buffers:
             device = next(layer.parameters()).device
             heads = torch.arange(getattr(layer, cls.head_count), device=device)

@@ -40,6 +40,17 @@ PRUNED_CLASS_MODULES = {
 }
 
 
+class GivenToTheLayer:
+    """A class export gives the layer itself: its parameters, buffers and state-dict keys
+    stay (a loader gives it the saved shapes)."""
+
+    @classmethod
+    def from_dense(cls, layer: nn.Module) -> nn.Module:
+        """`layer` itself, given this class."""
+        layer.__class__ = cls
+        return layer
+
+
 def pruned_classes() -> dict[type[nn.Module], type[nn.Module]]:
     """The class export gives an attention layer of each class above that loses heads
     (`from_dense(layer)` gives it). Only the libraries' modules already imported are

@@ -195,7 +195,7 @@ def tie_chains(model: nn.Module, groups: list[HeadGroup], inputs: tuple) -> list
         for g in groups
         if not g.refusal
         and BIAS_ARGUMENT in inspect.signature(g.module.forward).parameters
-        and picked_argument(g.module) != BIAS_ARGUMENT  # MPT's: picks its heads' entries
+        and picked_argument(g.module) != BIAS_ARGUMENT  # MPT's, WavLM's: pick their heads
     ]
     if not takers:
         return groups

@@ -43,15 +43,17 @@ from timm.models.volo import Attention as VoloAttention
 from timm.models.xcit import XCA
 from torch import nn
 
+from .pruned_classes import GivenToTheLayer
 
-class _GivenToTheLayer:
-    """A class export gives the layer itself."""
+
+class _GivenToTheLayer(GivenToTheLayer):
+    """A class export gives the layer itself, without its zero key-bias buffer."""
 
     @classmethod
     def from_dense(cls, layer: nn.Module) -> nn.Module:
         """`layer` itself, given this class, without its zero key-bias buffer (a loader
         then gives it the saved shapes)."""
-        layer.__class__ = cls
+        layer = super().from_dense(layer)
         if getattr(layer, "q_bias", None) is not None:
             layer.k_bias = None  # zeros, made in forward at the kept width
         return layer

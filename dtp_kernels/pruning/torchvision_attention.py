@@ -27,6 +27,8 @@ from torchvision.models.video.swin_transformer import (
     _get_window_and_shift_size,
 )
 
+from .pruned_classes import GivenToTheLayer
+
 # the bias a shifted window adds between tokens from different regions of the image
 OTHER_REGION = -100.0
 
@@ -150,17 +152,7 @@ def window_attention_3d(x: torch.Tensor, layer: ShiftedWindowAttention3d) -> tor
     return out[:, :frames, :height, :width, :].contiguous()
 
 
-class _GivenToTheLayer:
-    """A class export gives the layer itself: its parameters and buffers stay."""
-
-    @classmethod
-    def from_dense(cls, layer: nn.Module) -> nn.Module:
-        """`layer` itself, given this class (a loader then gives it the saved shapes)."""
-        layer.__class__ = cls
-        return layer
-
-
-class PrunedShiftedWindowAttention(_GivenToTheLayer, ShiftedWindowAttention):
+class PrunedShiftedWindowAttention(GivenToTheLayer, ShiftedWindowAttention):
     """torchvision's ShiftedWindowAttention whose heads may be fewer than its input width
     over their size: what export makes of one that lost heads."""
 
@@ -170,7 +162,7 @@ class PrunedShiftedWindowAttention(_GivenToTheLayer, ShiftedWindowAttention):
         return window_attention(x, self)
 
 
-class PrunedShiftedWindowAttentionV2(_GivenToTheLayer, ShiftedWindowAttentionV2):
+class PrunedShiftedWindowAttentionV2(GivenToTheLayer, ShiftedWindowAttentionV2):
     """torchvision's ShiftedWindowAttentionV2 (cosine attention, per-head logit scale)
     whose heads may be fewer than its input width over their size."""
 
@@ -180,7 +172,7 @@ class PrunedShiftedWindowAttentionV2(_GivenToTheLayer, ShiftedWindowAttentionV2)
         return window_attention(x, self, self.logit_scale)
 
 
-class PrunedShiftedWindowAttention3d(_GivenToTheLayer, ShiftedWindowAttention3d):
+class PrunedShiftedWindowAttention3d(GivenToTheLayer, ShiftedWindowAttention3d):
     """Video Swin's ShiftedWindowAttention3d whose heads may be fewer than its input
     width over their size."""
 
@@ -190,7 +182,7 @@ class PrunedShiftedWindowAttention3d(_GivenToTheLayer, ShiftedWindowAttention3d)
         return window_attention_3d(x, self)
 
 
-class PrunedMaxVitAttention(_GivenToTheLayer, RelativePositionalMultiHeadAttention):
+class PrunedMaxVitAttention(GivenToTheLayer, RelativePositionalMultiHeadAttention):
     """torchvision MaxViT's RelativePositionalMultiHeadAttention whose heads may be fewer
     than the model width over their size (its scale stays the model width's)."""
 

@@ -31,18 +31,10 @@ from transformers.models.wav2vec2_conformer.modeling_wav2vec2_conformer import (
     Wav2Vec2ConformerSelfAttention,
 )
 
-
-class _GivenToTheLayer:
-    """A class export gives the layer itself."""
-
-    @classmethod
-    def from_dense(cls, layer: nn.Module) -> nn.Module:
-        """`layer` itself, given this class."""
-        layer.__class__ = cls
-        return layer
+from .pruned_classes import GivenToTheLayer
 
 
-class PrunedTrOCRAttention(_GivenToTheLayer, TrOCRAttention):
+class PrunedTrOCRAttention(GivenToTheLayer, TrOCRAttention):
     """TrOCR's attention whose heads may be fewer than the model width over their size."""
 
     replaces = TrOCRAttention
@@ -107,7 +99,7 @@ class PrunedTrOCRAttention(_GivenToTheLayer, TrOCRAttention):
         return self.out_proj(out.transpose(1, 2).reshape(batch, length, -1)), per_head
 
 
-class PrunedPvtV2SelfAttention(_GivenToTheLayer, PvtV2SelfAttention):
+class PrunedPvtV2SelfAttention(GivenToTheLayer, PvtV2SelfAttention):
     """PVT v2's attention (keys and values from the tokens sub-sampled) whose heads may be
     fewer than the model width over their size."""
 
@@ -148,7 +140,7 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | N
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, -torch.inf)
 
 
-class _PositionedAttention(_GivenToTheLayer):
+class _PositionedAttention(GivenToTheLayer):
     """DETR's attention as Table Transformer, Mask2Former and OneFormer keep it: queries
     and keys from the states with their position embeddings added, values from the states
     alone; the heads' output reshaped to their own width."""
@@ -285,7 +277,7 @@ class PrunedOneFormerAttention(_SequenceFirstAttention, OneFormerAttention):
     replaces = OneFormerAttention
 
 
-class PrunedTimesformerSelfAttention(_GivenToTheLayer, TimesformerSelfAttention):
+class PrunedTimesformerSelfAttention(GivenToTheLayer, TimesformerSelfAttention):
     """TimeSformer's attention (over space or over time) whose heads may be fewer than
     the model width over their size."""
 
@@ -304,7 +296,7 @@ class PrunedTimesformerSelfAttention(_GivenToTheLayer, TimesformerSelfAttention)
         return (context, probs) if output_attentions else (context,)
 
 
-class PrunedWav2Vec2ConformerSelfAttention(_GivenToTheLayer, Wav2Vec2ConformerSelfAttention):
+class PrunedWav2Vec2ConformerSelfAttention(GivenToTheLayer, Wav2Vec2ConformerSelfAttention):
     """Wav2Vec2-Conformer's attention whose heads may be fewer than the model width over
     their size: its rotary embedding turns each head-sized chunk of the layer's input,
     however many heads the layer keeps (the input keeps the model width)."""
@@ -316,11 +308,10 @@ class PrunedWav2Vec2ConformerSelfAttention(_GivenToTheLayer, Wav2Vec2ConformerSe
     ) -> torch.Tensor:
         batch, length, width = hidden_states.shape
         chunks = hidden_states.view(batch, length, width // self.head_size, self.head_size)
-        cos, sin = relative_position_embeddings[:, :length]  # (length, 1, 1, head size) each
+        cos, sin = relative_position_embeddings[:, :length, 0]  # (length, 1, head size) each
         half = self.head_size // 2
         turned = torch.cat((-chunks[..., half:], chunks[..., :half]), dim=-1)
-        rotated = chunks.transpose(0, 1) * cos + turned.transpose(0, 1) * sin
-        return rotated.transpose(0, 1).reshape(batch, length, width)
+        return (chunks * cos + turned * sin).reshape(batch, length, width)
 
 
 PRUNED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {

@@ -58,11 +58,10 @@ class PrunedWavLMAttention(PicksItsHeads, WavLMAttention):
         gate = gate_a * (gate_b * self.gru_rel_pos_const - 1.0) + 2.0  # (batch, heads, T, 1)
         bias = position_bias.view(batch, model_heads, length, length)
         bias = (gate * bias.index_select(1, self.kept_heads)).view(batch * heads, length, length)
-        if attention_mask is not None:  # padded keys, as multi_head_attention_forward adds them
+        if attention_mask is not None:  # padded keys: -inf, as multi_head_attention_forward
             padded = attention_mask.ne(1).view(batch, 1, 1, length)
-            padding = torch.zeros(padded.shape, dtype=bias.dtype, device=bias.device)
-            padding = padding.masked_fill(padded, float("-inf"))
-            bias = bias + padding.expand(-1, heads, -1, -1).reshape(batch * heads, 1, length)
+            bias = bias.view(batch, heads, length, length).masked_fill(padded, float("-inf"))
+            bias = bias.view(batch * heads, length, length)
 
         def split(x: torch.Tensor) -> torch.Tensor:  # (batch * heads, T, size)
             return x.view(batch, length, heads, size).transpose(1, 2).reshape(-1, length, size)
