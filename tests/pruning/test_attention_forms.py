@@ -1344,6 +1344,7 @@ def test_wav2vec2_conformer_heads_with_relative_positions():
     attention = exported.get_submodule(f"{layers}.1.self_attn")
     assert type(attention) is PrunedWav2Vec2ConformerSelfAttention
     assert attention.num_heads == 2 and attention.linear_q.out_features == 16
+    assert count_params(exported) == pruner.report()["params_after"]
 
 
 def codegen(heads: int = 16):
