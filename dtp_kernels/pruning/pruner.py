@@ -28,11 +28,12 @@ from ..masked_channel_epilogue import masked_channel_epilogue
 from ..transport_mask import transport_mask
 from ..transport_state import TransportState
 from . import nm as nm_rules
-from .base import ChannelPruner, ExportMismatchError
+from .base import ChannelPruner, ExportMismatchError, _zero_ratios
 from .conv1d import linear_to_conv1d
 from .cost import FlopsRatio
 from .example_inputs import call_model, on_model_device
 from .experts import ExpertGroup, tied_units
+from .export_blame import TRIAL_EXPORTS, culprit_groups
 from .groups import out_width, output_tensors
 from .heads import HeadGroup
 from .mamba import MambaGroup
@@ -132,6 +133,7 @@ class DTPPruner(ChannelPruner):
     """
 
     BUDGETS = ("layer", "global", "flops")
+    _trial_masks: list[torch.Tensor] | None = None  # set only during export_blame's trials
     NONFINITE_CHECK_EVERY = 100  # steps between reads of the skipped-step counts (0: never)
 
     def __init__(
@@ -188,6 +190,7 @@ class DTPPruner(ChannelPruner):
             ignored_layers=ignored_layers,
             prune_coupled=prune_coupled,
         )
+        self._asked_ratios = ratios  # named back, with zeros, by a failed export's error
         self.eps, self.iters, self.backend, self.mask_at = float(eps), iters, backend, mask_at
         if self.nm is not None:
             self._check_nm_groups()
@@ -590,6 +593,8 @@ class DTPPruner(ChannelPruner):
     def hard_masks(self) -> list[torch.Tensor]:
         """0/1 mask per group (see ChannelPruner.hard_masks); under N:M, the N highest
         soft masks of every block of M, in block order."""
+        if self._trial_masks is not None:  # a trial export of some groups (export_blame.py)
+            return [mask.clone() for mask in self._trial_masks]
         if self.nm is None:
             return super().hard_masks()
         values = self.channel_scores().detach().float().cpu()
@@ -631,7 +636,19 @@ class DTPPruner(ChannelPruner):
         channels its mask keeps, and the exported model is run on the example inputs
         against the model under its hard masks (both in eval mode); if either differs,
         ExportMismatchError says where instead of handing back a model that is silently
-        wrong."""
+        wrong. When the run fails or differs, the groups to blame are found by exporting
+        again with only some groups pruned (export_blame.py: up to 48 trial exports, on
+        this failure path only) and the error names them with the ratios that leave them
+        whole."""
+        try:
+            return self._checked_export()
+        except _CheckRunError as error:
+            if self._trial_masks is not None:
+                raise
+            raise self._blamed(error) from error
+
+    def _checked_export(self) -> nn.Module:
+        """The export with both of its checks."""
         if self.granularity == "filter":
             pruned = super().export()
             self._check_widths(pruned)
@@ -681,13 +698,13 @@ class DTPPruner(ChannelPruner):
                 try:
                     got = output_tensors(call_model(pruned, inputs))
                 except Exception as error:
-                    raise ExportMismatchError(
+                    raise _CheckRunError(
                         f"the exported model fails on the example inputs "
-                        f"({type(error).__name__}: {error}): something the pruned groups "
-                        f"{[g.name for g in self.groups][:8]} reach still has their old "
-                        "size (a table with an entry per head or channel outside the pruned "
-                        "layers, such as a position bias all attention layers share): leave "
-                        "those groups whole with ignored_layers=[...]"
+                        f"({type(error).__name__}: {error})",
+                        "something they reach still has their old size (a reshape to the "
+                        "input's shape, a table with an entry per head or channel outside "
+                        "the pruned layers, such as a position bias all attention layers "
+                        "share)",
                     ) from error
         finally:
             self.model.train(was_training)
@@ -702,14 +719,52 @@ class DTPPruner(ChannelPruner):
             rtol, atol = TOLERANCES.get(w.dtype, FP32_TOLERANCE)
             if not close(g, w):
                 error = float((g - w).abs().max()) if g.shape == w.shape else float("inf")
-                raise ExportMismatchError(
+                raise _CheckRunError(
                     f"the exported model's output differs from the hard-masked model's by "
                     f"{error:.3g} (allowed {rtol} relative, {atol} times its largest "
-                    f"magnitude absolute); some layer after the pruned groups "
-                    f"{[g.name for g in self.groups][:8]} changes what removing channels does "
-                    "(a normalization over channels, a reshape, a custom op): leave the "
-                    "groups that reach it whole with ignored_layers=[...]"
+                    "magnitude absolute)",
+                    "some layer after them changes what removing channels does (a "
+                    "normalization over channels, a reshape, a custom op)",
                 )
+
+    def _blamed(self, error: _CheckRunError) -> ExportMismatchError:
+        """The error of a failed check run, naming the groups whose pruning alone makes
+        the export fail (export_blame.py)."""
+        masks = self.hard_masks()
+        pruned = [i for i, mask in enumerate(masks) if bool((mask == 0).any())]
+
+        def export_fails(subset: list[int]) -> bool | None:
+            chosen = set(subset)
+            self._trial_masks = [
+                mask if i in chosen else torch.ones_like(mask) for i, mask in enumerate(masks)
+            ]
+            try:
+                with warnings.catch_warnings():  # the first export has given them
+                    warnings.simplefilter("ignore")
+                    self._checked_export()
+            except _CheckRunError:
+                return True
+            except Exception:  # failed before the check run: it cannot tell
+                return None
+            finally:
+                self._trial_masks = None
+            return False
+
+        culprits = culprit_groups(pruned, export_fails, TRIAL_EXPORTS)
+        if culprits is None:
+            names = [self.groups[i].name for i in pruned]
+            return ExportMismatchError(
+                f"{error.what}: among the pruned groups {names[:8]}"
+                f"{' ...' if len(names) > 8 else ''}, {error.why}; the groups to blame were "
+                f"not found within {TRIAL_EXPORTS} trial exports: leave the groups that "
+                "reach it whole with ignored_layers=[...]"
+            )
+        names = [self.groups[i].name for i in culprits]
+        return ExportMismatchError(
+            f"{error.what}: an export with only the groups {names} pruned fails this check "
+            f"too, so {error.why}. Leave them whole with ignored_layers=[...] or a ratio of 0 "
+            f"for them: {_zero_ratios(self._asked_ratios, names)}"
+        )
 
     def _unmasked_copy(self) -> nn.Module:
         """A deep copy of the model without this pruner's masks, hooks and state."""
@@ -737,6 +792,15 @@ class DTPPruner(ChannelPruner):
         for module in list(self.model.modules()):
             if parametrize.is_parametrized(module):
                 strip_parametrizations(module)
+
+
+class _CheckRunError(ExportMismatchError):
+    """The exported model failed the run of the example inputs: `what` happened, `why`
+    the usual cause; export() turns it into an error that names the groups."""
+
+    def __init__(self, what: str, why: str) -> None:
+        super().__init__(f"{what}: {why}")
+        self.what, self.why = what, why
 
 
 def _affine_rows(norm: nn.Module | None) -> bool:

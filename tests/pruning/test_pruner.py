@@ -788,6 +788,9 @@ def test_export_that_would_differ_from_the_masked_model_raises(dtype):
     assert [g.name for g in pruner.groups] == ["c1", "c2"]
     with pytest.raises(ExportMismatchError, match=r"differs from the hard-masked model's by"):
         pruner.export()
+    # the channel mean reads c1's channels; c2's are read by ReLU and the head only
+    with pytest.raises(ExportMismatchError, match=r"only the groups \['c1'\] pruned"):
+        pruner.export()
 
 
 def test_channels_a_reader_sees_unmasked_are_left_whole():
