@@ -4,11 +4,11 @@ sequence-classification | image-classification | object-detection |
 semantic-segmentation | audio-classification | video-classification] [model_type
 ...]`): the groups found by kind, the FLOPs reduction, the export's largest difference
 from the hard-masked model and its parameters against the report. A model the pruner
-refuses is tried again with the ratios its error gives (the ones that leave the refused
-groups whole), or with the layers it names left whole (`ignored_layers`: those whose
-search for coupled channels fails), as a user would, up to three tries; one refused
-then, or refused without either, gets the error's first words. GPT-2's Conv1D layers
-are made nn.Linear first, as `dtp prune` does.
+refuses, when it is made or when it exports, is tried again with the ratios its error
+gives (the ones that leave the refused groups whole), or with the layers it names left
+whole (`ignored_layers`: those whose search for coupled channels fails), as a user
+would, up to three tries; one refused then, or refused without either, gets the error's
+first words. GPT-2's Conv1D layers are made nn.Linear first, as `dtp prune` does.
 
 Each architecture is built from its default config (`AutoConfig.for_model`, nothing
 downloaded) with the size fields it has set small (SIZES: 2 layers of width 64, 4 heads,
@@ -78,6 +78,8 @@ SIZES = {
     "first_k_dense_replace": 1,
     "n_group": 1,  # group-limited routing: one group of the few experts
     "topk_group": 1,
+    "attn_layer_period": 2,  # Jamba's and Zamba's attention layers: the second of two
+    "attn_layer_offset": 1,
     "decoder_layers": 2,
     "encoder_layers": 2,
     "decoder_attention_heads": 4,
@@ -96,8 +98,22 @@ SIZES = {
     # images
     "image_size": 64,
     "patch_size": 8,
+    "window_size": 4,  # Swin's: a whole stage of 8 x 8 patches is 4 windows
     "num_frames": 4,  # videos
     "num_labels": 5,
+}
+# fields with one entry per stage, cut to the first stages where the layer count is the
+# stage count (ConvNeXt's, Swin's)
+STAGE_LISTS = ("depths", "hidden_sizes", "num_heads", "masked_unit_attention")
+# size fields an architecture needs as they are: LeViT's stem always downsamples 16
+# times; MobileViT V2's last stage at 64 x 64 is smaller than 8 x 8 patches; BEiT's
+# and DPT's segmentation heads read four of their 12 layers
+KEPT = {
+    "levit": ("patch_size",),
+    "mobilevitv2": ("patch_size",),
+    "beit": ("num_hidden_layers",),
+    "data2vec-vision": ("num_hidden_layers",),
+    "dpt": ("num_hidden_layers",),
 }
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 # task: (model class, its architectures, what the results file calls them)
@@ -160,8 +176,20 @@ def small_model(model_type: str, task: str) -> torch.nn.Module:
     """The architecture built from its default config at the small size."""
     auto = TASKS[task][0]
     config = AutoConfig.for_model(model_type)
+    stage_lists = {  # built again so that the fields derived from them follow
+        field: list(getattr(config, field))[: SIZES["num_hidden_layers"]]
+        for field in STAGE_LISTS
+        if isinstance(getattr(config, field, None), (list, tuple))
+        and config.attribute_map.get("num_hidden_layers") in ("num_stages", "num_layers")
+    }
+    if isinstance(getattr(config, "num_query_pool", None), int) and stage_lists:
+        stage_lists["num_query_pool"] = 1  # Hiera's pooling stages: fewer than the stages
+    if stage_lists:
+        config = AutoConfig.for_model(model_type, **stage_lists)
     for field, value in SIZES.items():
         current = getattr(config, field, None)
+        if field in KEPT.get(model_type, ()):
+            continue
         if isinstance(current, int) and not isinstance(current, bool):
             with contextlib.suppress(AttributeError):  # a property derived from others
                 setattr(config, field, value)
@@ -172,16 +200,51 @@ def small_model(model_type: str, task: str) -> torch.nn.Module:
         current = getattr(config, field, None)
         if isinstance(current, int) and current >= SIZES["vocab_size"]:
             setattr(config, field, TOKEN_IDS.index(field))
-    layer_types = getattr(config, "layer_types", None)
-    if isinstance(layer_types, list):  # one type per layer: the last ones hold every type
+    types = getattr(config, "layer_types", None)
+    if isinstance(types, list) and types:  # one type per layer
         with contextlib.suppress(AttributeError):
-            config.layer_types = layer_types[-SIZES["num_hidden_layers"] :]
+            config.layer_types = _every_type(types, SIZES["num_hidden_layers"])
+    _fill_unset_defaults(config)
+    if task == "semantic-segmentation" and len(getattr(config, "out_indices", None) or []) == 1:
+        layers = config.num_hidden_layers  # BEiT's segmenter reads one layer per quarter
+        config.set_output_features_output_indices(
+            out_features=None, out_indices=[layers * q // 4 for q in (1, 2, 3, 4)]
+        )
     with torch.device("meta"):
         meta = auto.from_config(config)
     if sum(p.numel() for p in meta.parameters()) > LARGEST:
         raise OverflowError("over 30M parameters at this size")
     torch.manual_seed(0)
     return auto.from_config(config).eval()
+
+
+def _every_type(types: list, layers: int) -> list:
+    """`layers` layer types holding every type of `types` where they fit (a hybrid's
+    attention layers are few and far between): the last layers when they hold every
+    type or no `layers` can, or else each type's first layer, in order, the first type
+    repeated to fill."""
+    if set(types[-layers:]) == set(types) or len(set(types)) > layers:
+        return types[-layers:]
+    firsts = sorted({kind: i for i, kind in reversed(list(enumerate(types)))}.values())
+    kept = [types[i] for i in firsts][:layers]
+    return [types[0]] * (layers - len(kept)) + kept
+
+
+def _fill_unset_defaults(config) -> None:
+    """Fields some default configs leave unset although their models read them (the
+    pretrained checkpoints' configs set them)."""
+    if getattr(config, "architectures", []) is None:  # the task's first class
+        config.architectures = []
+    if getattr(config, "head_dim", 0) is None and isinstance(config.hidden_size, int):
+        config.head_dim = config.hidden_size // config.num_attention_heads
+    if getattr(config, "num_key_value_heads", 0) is None:  # "None: as many as queries"
+        config.num_key_value_heads = config.num_attention_heads
+    if getattr(config, "num_experts_per_tok", 0) is None:
+        config.num_experts_per_tok = SIZES["num_experts_per_tok"]
+    pad = getattr(config, "pad_token_id", None)
+    start = getattr(config, "decoder_start_token_id", None)
+    if config.is_encoder_decoder and start is None and pad is not None:
+        config.decoder_start_token_id = pad  # T5's convention
 
 
 def kinds(pruner: DTPPruner) -> str:
@@ -231,12 +294,20 @@ def check(model_type: str, ratio: float, task: str) -> list[str]:
     conv1d_to_linear(model)  # GPT-2's Conv1D layers, as `dtp prune` converts them
     result, ratios, ignored = "pruned", ratio, []
     for _ in range(TRIES):
+        pruner = None
         try:
             layers = [model.get_submodule(name) for name in ignored]
             pruner = DTPPruner(model, (ids,), ratios, ignored_layers=layers)
+            with torch.no_grad():
+                pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
+                with pruner.hard_masked():
+                    want = model(ids).logits
+            exported = pruner.export().eval()
             break
         except ValueError as error:
             last = error
+            if pruner is not None:  # refused by its export: the model as it was
+                pruner.remove()
             # the refusal names the ratios that leave the refused groups whole, or the
             # layers to leave whole whose search failed: a user's next try
             text = str(error)
@@ -250,14 +321,6 @@ def check(model_type: str, ratio: float, task: str) -> list[str]:
                 return [model_type, "refused", "", "", "", "", _first_words(error)]
     else:
         return [model_type, "refused", "", "", "", "", _first_words(last)]
-    with torch.no_grad():
-        pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
-        with pruner.hard_masked():
-            want = model(ids).logits
-    try:
-        exported = pruner.export().eval()
-    except ValueError as error:
-        return [model_type, "export refused", "", "", "", "", _first_words(error)]
     with torch.no_grad():
         got = exported(ids).logits
     report = pruner.report()
