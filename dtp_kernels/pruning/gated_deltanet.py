@@ -25,6 +25,14 @@ and its output columns. The layers name their projections three ways:
 A layer is recognised by these names, its head counts and sizes (``num_k_heads``,
 ``num_v_heads``, ``head_k_dim``, ``head_v_dim``) and its shapes, and each group is proven
 on its example input like every head group before any mask.
+
+Kimi Delta Attention (Kimi Linear) is the same rule with a decay per channel instead of
+per head: ``num_heads`` heads of ``head_dim`` (one value head per key head), ``q_proj``,
+``k_proj``, ``v_proj`` and ``conv1d`` over their concatenation, a ``forget_gate`` whose
+low-rank ``f_b_proj`` makes each head's decays (with a ``dt_bias`` entry per channel and
+an ``A_log`` entry per head), ``b_proj`` (one per head), the output gate's low-rank
+``g_b_proj`` (a head's channels), a norm per head of one weight all heads share, and
+``o_proj``. The low-rank inputs ``f_a_proj`` and ``g_a_proj`` serve all heads and stay.
 """
 
 from __future__ import annotations
@@ -55,6 +63,9 @@ LAYOUTS = (
     ),
 )
 SIZES = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
+# Kimi Delta Attention's projections of one row (b_proj) or one head's channels per head
+# (the forget gate's f_b_proj besides them)
+KIMI_ROWS = ("q_proj", "k_proj", "v_proj", "g_b_proj", "b_proj")
 # the parameters with one entry per value head
 TABLES = ("A_log", "dt_bias")
 
@@ -134,15 +145,65 @@ def gated_deltanet(name: str, module: nn.Module) -> LinearAttentionGroup | None:
     return None
 
 
+def kimi_delta_attention(name: str, module: nn.Module) -> LinearAttentionGroup | None:
+    """The group of a Kimi Delta Attention layer, or None."""
+    heads, size = getattr(module, "num_heads", None), getattr(module, "head_dim", None)
+    gate = getattr(module, "forget_gate", None)
+    conv = getattr(module, "conv1d", None)
+    if not (isinstance(heads, int) and isinstance(size, int) and heads > 0 and size > 0):
+        return None
+    if not isinstance(gate, nn.Module) or not isinstance(conv, nn.Conv1d):
+        return None
+    width = heads * size
+    layers = {
+        n: getattr(owner, n, None)
+        for owner, names in ((module, KIMI_ROWS), (gate, ("f_b_proj",)))
+        for n in names
+    }
+    out = getattr(module, "o_proj", None)
+    decay_bias, decay_rate = getattr(gate, "dt_bias", None), getattr(gate, "A_log", None)
+    if not (
+        all(isinstance(x, nn.Linear) for x in (*layers.values(), out))
+        and all(x.out_features == width for n, x in layers.items() if n != "b_proj")
+        and layers["b_proj"].out_features == heads
+        and out.in_features == width
+        and conv.groups == conv.in_channels == conv.out_channels == 3 * width
+        and isinstance(decay_bias, nn.Parameter)
+        and tuple(decay_bias.shape) == (width,)
+        and isinstance(decay_rate, nn.Parameter)
+        and decay_rate.numel() == heads
+        and heads in decay_rate.shape
+    ):
+        return None
+    rows = [Projection(x, 1, 1 if n == "b_proj" else size) for n, x in layers.items()]
+    per_unit = {"num_heads": 1, "qkv_dim": size, "conv_dim": 3 * size}
+    group = LinearAttentionGroup(
+        name,
+        module,
+        rows,
+        Projection(out, 1, size),
+        heads,
+        1,
+        size,
+        tables=[(gate, "A_log", list(decay_rate.shape).index(heads))],
+        convs=[Projection(conv, 3, size)],
+        attributes={a: n for a, n in per_unit.items() if getattr(module, a, None) == heads * n},
+    )
+    group.row_vectors = [(gate, "dt_bias")]  # one decay bias per channel of each head
+    return group
+
+
 def find_linear_attention_groups(
     model: nn.Module, ignored: list[nn.Module]
 ) -> list[LinearAttentionGroup]:
-    """Every Gated DeltaNet layer of `model` of at least two key heads, none of whose
-    layers is in `ignored`."""
+    """Every Gated DeltaNet or Kimi Delta Attention layer of `model` of at least two key
+    heads, none of whose layers is in `ignored`."""
     ignored_set = set(ignored)
     groups = []
     for name, module in model.named_modules():
-        group = gated_deltanet(name, module) if module not in ignored_set else None
+        group = None
+        if module not in ignored_set:
+            group = gated_deltanet(name, module) or kimi_delta_attention(name, module)
         if group is None or group.units < 2:
             continue
         if {*group.kept_out, *group.kept_in} & ignored_set:

@@ -95,7 +95,10 @@ def config_fields(config, groups: list[tuple[str, object]], masks: list) -> dict
         )
         if keys is None or per_key is None:
             return None
-        fields |= {"linear_num_key_heads": keys, "linear_num_value_heads": keys * per_key}
+        if hasattr(config, "linear_num_heads") and per_key == 1:  # Kimi Delta Attention
+            fields["linear_num_heads"] = keys
+        else:
+            fields |= {"linear_num_key_heads": keys, "linear_num_value_heads": keys * per_key}
     mixers = [int(m.sum()) for (kind, _), m in zip(groups, masks, strict=True) if kind == "mamba"]
     if mixers:
         found = _mamba_fields(config, groups, _uniform(mixers))

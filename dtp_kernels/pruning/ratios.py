@@ -92,7 +92,8 @@ def check_ratio_syntax(ratios: object) -> None:
 
 # conv output channels; linear layers' output features; attention heads; residual widths;
 # the intermediate neurons of mixture-of-experts blocks' experts; Mamba mixers' inner
-# channels; whole experts; linear attention's heads (Gated DeltaNet's)
+# channels; whole experts; linear attention's heads (Gated DeltaNet's, Kimi Delta
+# Attention's)
 KINDS = (
     "channels",
     "mlp",
@@ -132,7 +133,7 @@ def resolve(
     A dict's keys are module names, fnmatch patterns over them ("layer3.*"), or a kind
     of group (KINDS: "channels": convolutions, "mlp": linear layers, "heads", "coupled",
     "experts", "mamba": Mamba mixers' inner channels, "whole_experts",
-    "linear_attention": Gated DeltaNet's heads); a name beats a
+    "linear_attention": Gated DeltaNet's and Kimi Delta Attention's heads); a name beats a
     pattern, a pattern beats a kind. `kinds` maps each group name to its kind; groups of
     OPT_IN_KINDS get a ratio only from their name or their kind in a dict."""
     opt_in = [name for name in names if kinds.get(name) in OPT_IN_KINDS]

@@ -1,9 +1,9 @@
 """Gated DeltaNet linear-attention heads (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid,
-LaRA-mini; tiny configurations built here) and what prunes beside them: the gated
-attention of the Qwen hybrids (each query head with its output gate) and their shared
-experts. The export keeps exactly the key heads asked for with their value heads,
-computes what the hard-masked model computes, generates as it does and loads from its
-saved config."""
+LaRA-mini; tiny configurations built here), Kimi Linear's Kimi Delta Attention heads
+and what prunes beside them: the gated attention of the Qwen hybrids (each query head
+with its output gate) and their shared experts. The export keeps exactly the key heads
+asked for with their value heads, computes what the hard-masked model computes,
+generates as it does and loads from its saved config."""
 
 import warnings
 
@@ -169,3 +169,81 @@ def test_a_linear_attention_layer_mixing_its_heads_is_refused_by_name():
         "model.layers.0.linear_attn",
         "model.layers.2.linear_attn",
     ]
+
+
+def kimi_linear():
+    """Kimi Linear: Kimi Delta Attention layers (4 heads of 8) with a latent-attention
+    layer and mixture-of-experts MLPs after the first."""
+    config = transformers.KimiLinearConfig(
+        vocab_size=LLAMA_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        linear_head_dim=8,
+        linear_num_heads=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse"],
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = transformers.KimiLinearForCausalLM(config)
+    tokens = torch.randint(3, LLAMA_VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    return model, (tokens,)
+
+
+def test_kimi_delta_attention_heads_export_exactly_the_kept_heads(tmp_path):
+    """Each kept head keeps its rows of q, k, v, the forget gate's f_b_proj and the
+    output gate's g_b_proj, its b_proj row, its three runs of conv channels, its
+    decay bias (one per channel) and A_log entry and its output columns; the low-rank
+    inputs stay whole, and the config's `linear_num_heads` describes the layers."""
+    model, inputs = kimi_linear()
+    layers = {n: m for n, m in model.named_modules() if type(m).__name__.endswith("DeltaAttention")}
+    assert list(layers) == ["model.layers.0.self_attn", "model.layers.2.self_attn"]
+    dense = {n: {k: v.clone() for k, v in m.state_dict().items()} for n, m in layers.items()}
+    pruner = randomised(DTPPruner(model, inputs, {"linear_attention": 0.5}))
+    assert [g.name for g in pruner.groups] == list(layers)
+    assert all(isinstance(g, LinearAttentionGroup) and g.size == 4 for g in pruner.groups)
+    masks = pruner.hard_masks()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exported, got, want = hard_masked_and_exported(pruner, model, inputs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not [w for w in caught if "config cannot describe" in str(w.message)]
+    assert exported.config.linear_num_heads == 2
+    cut = dict(exported.named_modules())
+    for (name, original), mask in zip(layers.items(), masks, strict=True):
+        layer, kept = cut[name], mask.nonzero().flatten()
+        assert len(kept) == 2
+        channels = (kept[:, None] * 8 + torch.arange(8)).flatten()
+        assert (layer.num_heads, layer.qkv_dim, layer.conv_dim) == (2, 16, 48)
+        conv = torch.cat([channels + run * 32 for run in range(3)])
+        torch.testing.assert_close(layer.conv1d.weight, dense[name]["conv1d.weight"][conv])
+        gate = layer.forget_gate
+        torch.testing.assert_close(gate.dt_bias, dense[name]["forget_gate.dt_bias"][channels])
+        torch.testing.assert_close(gate.A_log, dense[name]["forget_gate.A_log"][:, :, kept])
+        for rows in ("q_proj", "k_proj", "v_proj", "g_b_proj", "forget_gate.f_b_proj"):
+            torch.testing.assert_close(
+                exported.get_submodule(f"{name}.{rows}").weight,
+                dense[name][f"{rows}.weight"][channels],
+            )
+        torch.testing.assert_close(layer.b_proj.weight, dense[name]["b_proj.weight"][kept])
+        torch.testing.assert_close(layer.o_proj.weight, dense[name]["o_proj.weight"][:, channels])
+        for whole in ("g_a_proj", "forget_gate.f_a_proj"):  # the low-rank inputs stay
+            assert exported.get_submodule(f"{name}.{whole}").weight.shape == (
+                original.get_submodule(whole).weight.shape
+            )
+    params, flops = pruner.predicted_counts()
+    assert params == sum(p.numel() for p in exported.parameters())
+    assert flops == count_flops(exported, inputs) < pruner.report()["flops_before"]
+    check_generate_and_round_trip(pruner, model, exported, inputs, tmp_path)
