@@ -105,6 +105,13 @@ SIZES = {
 # fields with one entry per stage, cut to the first stages where the layer count is the
 # stage count (ConvNeXt's, Swin's)
 STAGE_LISTS = ("depths", "hidden_sizes", "num_heads", "masked_unit_attention")
+# sizes a config with sizes per layer takes as arguments only (Gemma 4's full-attention
+# head_dim, its per-layer input embeddings' width and vocabulary)
+PER_LAYER_SIZES = {
+    "global_head_dim": 32,
+    "hidden_size_per_layer_input": 16,
+    "vocab_size_per_layer_input": 256,
+}
 # size fields an architecture needs as they are: LeViT's stem always downsamples 16
 # times; MobileViT V2's last stage at 64 x 64 is smaller than 8 x 8 patches; BEiT's
 # and DPT's segmentation heads read four of their 12 layers
@@ -186,6 +193,10 @@ def small_model(model_type: str, task: str) -> torch.nn.Module:
         stage_lists["num_query_pool"] = 1  # Hiera's pooling stages: fewer than the stages
     if stage_lists:
         config = AutoConfig.for_model(model_type, **stage_lists)
+    per_layer = config.__dict__.get("_heterogeneity_spec") is not None
+    if per_layer:  # its global sizes read and written below, the layers' own kept
+        config = _small_per_layer_config(model_type, config)
+        config.allow_global_per_layer_attribute_access = True
     for field, value in SIZES.items():
         current = getattr(config, field, None)
         if field in KEPT.get(model_type, ()):
@@ -210,12 +221,31 @@ def small_model(model_type: str, task: str) -> torch.nn.Module:
         config.set_output_features_output_indices(
             out_features=None, out_indices=[layers * q // 4 for q in (1, 2, 3, 4)]
         )
+    if per_layer:
+        config.allow_global_per_layer_attribute_access = False
     with torch.device("meta"):
         meta = auto.from_config(config)
     if sum(p.numel() for p in meta.parameters()) > LARGEST:
         raise OverflowError("over 30M parameters at this size")
     torch.manual_seed(0)
     return auto.from_config(config).eval()
+
+
+def _small_per_layer_config(model_type: str, config):
+    """A config with sizes per layer (Gemma 4's) built again at the small size: the
+    layers' own sizes come from arguments (PER_LAYER_SIZES) its constructor turns into
+    per-layer overrides, and their global values cannot be read to be changed."""
+    config.allow_global_per_layer_attribute_access = True
+    sizes = {
+        field: value
+        for field, value in SIZES.items()
+        if isinstance(getattr(config, field, None), int)
+        and not isinstance(getattr(config, field), bool)
+    }
+    types = getattr(config, "layer_types", None)
+    if isinstance(types, list) and types:
+        sizes["layer_types"] = _every_type(types, SIZES["num_hidden_layers"])
+    return AutoConfig.for_model(model_type, **sizes, **PER_LAYER_SIZES)
 
 
 def _every_type(types: list, layers: int) -> list:

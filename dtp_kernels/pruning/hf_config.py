@@ -3,16 +3,19 @@
 
 A config holds one size per kind for all layers (heads, key/value heads, head_dim,
 intermediate_size); a composite model's parts hold theirs in its sub-configs (a
-vision-language model's `text_config` and `vision_config`), each written with the
-groups inside that part. The new values are kept only when a model built from the updated
-config (on the meta device: no memory) has exactly the exported model's shapes;
-otherwise the config is left as it was, with a warning (the exported model itself is
-right; dtp_kernels.save_pruned saves it).
+vision-language model's `text_config` and `vision_config`), each written with the groups
+inside that part. A model whose config holds sizes per layer (transformers' heterogeneous
+configs, `per_layer_config`: Gemma 4's full-attention layers have their own head_dim)
+gets them layer by layer where one size for all cannot describe it. The new values are
+kept only when a model built from the updated config (on the meta device: no memory) has
+exactly the exported model's shapes; otherwise the config is left as it was, with a
+warning (the exported model itself is right; dtp_kernels.save_pruned saves it).
 """
 
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import torch
@@ -28,6 +31,10 @@ EXPERT_FIELDS = ("moe_intermediate_size", "intermediate_size")
 SHARED_EXPERT, SHARED_EXPERT_FIELD = "shared_expert.", "shared_expert_intermediate_size"
 # the number of experts per block
 COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+# a group's decoder layer by its module name ("model.layers.3.self_attn")
+LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def _mlp_field(config) -> str | None:
@@ -208,6 +215,66 @@ def _writes(
     return [*writes, (config, fields)]
 
 
+def _per_layer_fields(config, groups: list, masks: list) -> tuple[dict, dict] | None:
+    """(global fields, per-layer overrides) for a config that holds sizes per layer
+    (transformers' heterogeneous configs: Gemma 4's full-attention layers have their own
+    head_dim): each decoder layer's fields from its own config; a field is written per
+    layer where the layer already overrides it or where the layers differ, else once
+    for all. None when a group is in no numbered layer or a layer's sizes fit no field."""
+    spec = config.__dict__.get("_heterogeneity_spec")
+    existing = copy.deepcopy(spec.per_layer_overrides) if spec is not None else {}
+    members: dict[int, list[int]] = {}
+    for i, (_, group) in enumerate(groups):
+        found = LAYER_INDEX.search(group.name)
+        if found is None:
+            return None
+        members.setdefault(int(found.group(1)), []).append(i)
+    per_layer = {}
+    for layer, indices in members.items():
+        own = config.per_layer_config[layer]
+        fields = config_fields(own, [groups[i] for i in indices], [masks[i] for i in indices])
+        if fields is None:
+            return None
+        per_layer[layer] = fields
+    shared, overrides = {}, existing
+    for field in {f for fields in per_layer.values() for f in fields}:
+        values = {layer: fields[field] for layer, fields in per_layer.items() if field in fields}
+        free = {}
+        for layer, value in values.items():
+            if field in existing.get(layer, {}):
+                overrides[layer][field] = value
+            else:
+                free[layer] = value
+        if len(set(free.values())) == 1:
+            shared[field] = next(iter(free.values()))
+        else:
+            for layer, value in free.items():
+                overrides.setdefault(layer, {})[field] = value
+    return shared, overrides
+
+
+def _write_per_layer(model: nn.Module, config, groups: list, masks: list) -> bool:
+    """Write the exported sizes layer by layer (`_per_layer_fields`) when a model built
+    from the result matches; the config is unchanged otherwise."""
+    try:
+        found = _per_layer_fields(config, groups, masks)
+        if found is None:
+            return False
+        shared, overrides = found
+        trial = copy.deepcopy(config)
+        for name, value in shared.items():
+            setattr(trial, name, value)
+        trial.per_layer_config = overrides
+        if not _rebuilds(model, trial):
+            return False
+    except Exception:  # a config without per-layer sizes, or whose checks refuse them
+        return False
+    for name, value in shared.items():
+        setattr(config, name, value)
+    config.per_layer_config = overrides
+    return True
+
+
 def update_config(model: nn.Module, groups: list[tuple[str, object]], masks: list) -> bool:
     """Write the exported sizes into `model.config` (and, for a composite model, each
     part's sub-config) when a model built from it matches; whether the config describes
@@ -237,6 +304,8 @@ def update_config(model: nn.Module, groups: list[tuple[str, object]], masks: lis
             pass
         for target, name, value in reversed(before):
             setattr(target, name, value)
+    if not _parts(model, config) and _write_per_layer(model, config, groups, masks):
+        return True
     fields = {k: v for f in described if f for k, v in f.items()}
     why = (
         "no field of it holds them: layers pruned to different sizes, a width no field "

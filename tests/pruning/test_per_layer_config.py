@@ -1,0 +1,81 @@
+"""Configs that hold sizes per layer (transformers' heterogeneous configs: Gemma 4's
+full-attention layers have their own head_dim in `per_layer_config`): the export's sizes
+are written layer by layer where one size for all cannot describe them, and the saved
+model loads with `from_pretrained` and generates as the exported one does; sizes the
+model's code reads once for all layers (Gemma 4's MLP width) still warn and leave the
+config as it was."""
+
+import warnings
+
+import pytest
+import torch
+
+from dtp_kernels.pruning import DTPPruner
+from utils import hard_masked_and_exported, randomised
+
+transformers = pytest.importorskip("transformers")
+
+TOKENS = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+def gemma4():
+    """Two sliding-window layers of head_dim 16 and a full-attention one of 32."""
+    config = transformers.Gemma4TextConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        vocab_size_per_layer_input=256,
+        hidden_size_per_layer_input=16,
+        sliding_window=8,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    torch.manual_seed(0)
+    return transformers.Gemma4ForCausalLM(config).eval()
+
+
+def test_gemma4_exports_with_per_layer_head_dims_and_round_trips(tmp_path):
+    model = gemma4()
+    pruner = randomised(DTPPruner(model, (TOKENS,), 0.5))
+    kinds = sorted({type(g).__name__ for g in pruner.groups})
+    assert kinds == ["ChannelGroup", "HeadGroup"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exported, got, want = hard_masked_and_exported(pruner, model, (TOKENS,))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not [w for w in caught if "config cannot describe" in str(w.message)]
+    config = exported.config
+    config.allow_global_per_layer_attribute_access = True
+    assert (config.num_attention_heads, config.num_key_value_heads) == (2, 1)
+    assert config.intermediate_size == 64
+    layers = [config.per_layer_config[i] for i in range(3)]
+    assert [c.head_dim for c in layers] == [16, 16, 32]  # the full layer's own, kept
+    exported.save_pretrained(tmp_path)
+    loaded = transformers.Gemma4ForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(TOKENS).logits, got)
+    want_tokens = exported.generate(TOKENS[:1], max_new_tokens=4, do_sample=False)
+    assert torch.equal(loaded.generate(TOKENS[:1], max_new_tokens=4, do_sample=False), want_tokens)
+
+
+def test_gemma4_mlp_widths_differing_by_layer_warn_and_keep_the_config():
+    """Gemma 4's code reads the MLP width once for all layers: the layers' own widths
+    cannot be written, so the export warns and its config is the model's."""
+    model = gemma4()
+    before = model.config.to_dict()
+    ratios = {"mlp": 0.5, "model.layers.1.mlp.gate_proj": 0.75}
+    pruner = randomised(DTPPruner(model, (TOKENS,), ratios))
+    with pytest.warns(UserWarning, match=r"config cannot describe its sizes"):
+        exported, got, want = hard_masked_and_exported(pruner, model, (TOKENS,))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert exported.config.to_dict() == before
+    widths = [layer.mlp.gate_proj.out_features for layer in exported.model.layers]
+    assert widths == [64, 32, 64]
