@@ -78,6 +78,8 @@ SIZES = {
     "first_k_dense_replace": 1,
     "n_group": 1,  # group-limited routing: one group of the few experts
     "topk_group": 1,
+    "mamba_n_heads": 8,  # Mamba-2 mixers of a hybrid: 8 heads of 16, twice the width
+    "mamba_d_head": 16,
     "attn_layer_period": 2,  # Jamba's and Zamba's attention layers: the second of two
     "attn_layer_offset": 1,
     "decoder_layers": 2,
@@ -121,6 +123,7 @@ KEPT = {
     "beit": ("num_hidden_layers",),
     "data2vec-vision": ("num_hidden_layers",),
     "dpt": ("num_hidden_layers",),
+    "falcon_h1": ("mamba_n_heads", "mamba_d_head"),  # its mixer's width is its own field
 }
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 # task: (model class, its architectures, what the results file calls them)
@@ -267,6 +270,15 @@ def _fill_unset_defaults(config) -> None:
         config.architectures = []
     if getattr(config, "head_dim", 0) is None and isinstance(config.hidden_size, int):
         config.head_dim = config.hidden_size // config.num_attention_heads
+    # a hybrid whose small layers would hold no attention layer (transformers' cache then
+    # fails on the forward): the last of them attention, as the full-size model has
+    layers = SIZES["num_hidden_layers"]
+    if getattr(config, "attn_layer_indices", 0) is None:  # Bamba's
+        config.attn_layer_indices = [layers - 1]
+    types = getattr(config, "layer_types", None)
+    if isinstance(types, list) and set(types) == {"linear_attention"}:  # GraniteMoeHybrid's
+        with contextlib.suppress(AttributeError):  # derived in Mamba's: none to choose
+            config.layer_types = [*types[: layers - 1], "full_attention"]
     if getattr(config, "num_key_value_heads", 0) is None:  # "None: as many as queries"
         config.num_key_value_heads = config.num_attention_heads
     if getattr(config, "num_experts_per_tok", 0) is None:
