@@ -1,8 +1,8 @@
 """`dtp prune` on a Hugging Face causal language model (data.name text, model.source
-huggingface): a tiny Llama (and GPT-2, OLMo 2, Mamba-2, Mixtral) saved here with
-save_pretrained, text written here, nothing downloaded. The pruned model is saved with
-save_pretrained, loads with from_pretrained at the exact kept counts, and the summary's
-perplexity is that model's."""
+huggingface): a tiny Llama (and GPT-2, OLMo 2, Mamba-2, Qwen3.5, Gemma 4, Kimi Linear,
+Mixtral) saved here with save_pretrained, text written here, nothing downloaded. The
+pruned model is saved with save_pretrained, loads with from_pretrained at the exact kept
+counts, and the summary's perplexity is that model's."""
 
 from __future__ import annotations
 
@@ -247,6 +247,54 @@ def save_qwen3_5(where: Path, vocab: int = 256) -> Path:
     )
 
 
+def save_gemma4(where: Path, vocab: int = 256) -> Path:
+    """A tiny Gemma 4: a sliding-window layer of head_dim 8 and a full-attention layer
+    of 16, its own per layer in the config (`per_layer_config`)."""
+    return save_lm(
+        where,
+        "Gemma4Text",
+        "Gemma4",
+        vocab,
+        head_dim=8,
+        global_head_dim=16,
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        vocab_size_per_layer_input=vocab,
+        hidden_size_per_layer_input=8,
+        sliding_window=8,
+    )
+
+
+def save_kimi_linear(where: Path, vocab: int = 256) -> Path:
+    """A tiny Kimi Linear: a Kimi Delta Attention layer (4 heads of 8) and a latent
+    attention layer, the second with experts."""
+    config = transformers.KimiLinearConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        moe_intermediate_size=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        linear_head_dim=8,
+        linear_num_heads=4,
+        layer_types=["linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse"],
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    transformers.KimiLinearForCausalLM(config).save_pretrained(where)
+    return where
+
+
 LINEAR_AND_GATED = "prune.ratios={heads: 0.5, linear_attention: 0.5, mlp: 0.5}"
 
 
@@ -256,16 +304,19 @@ LINEAR_AND_GATED = "prune.ratios={heads: 0.5, linear_attention: 0.5, mlp: 0.5}"
         (save_olmo2, [], "pruned"),
         (save_mamba2, ["prune.ratios={mamba: 0.5}"], "pruned.pt"),
         (save_qwen3_5, [LINEAR_AND_GATED], "pruned"),
+        (save_gemma4, [], "pruned"),
+        (save_kimi_linear, ["prune.ratios={heads: 0.5, linear_attention: 0.5}"], "pruned"),
     ],
-    ids=["olmo2", "mamba2", "qwen3_5"],
+    ids=["olmo2", "mamba2", "qwen3_5", "gemma4", "kimi_linear"],
 )
 def test_prune_command_prunes_norms_over_all_heads_and_recurrent_mixers(
     save, ratios, saved, tmp_path
 ):
     """OLMo 2's heads with their norms over all heads (its config describes the export:
-    save_pretrained), Mamba-2 mixers' heads (each norm's epsilon its own: pruned.pt) and
-    Qwen3.5's linear-attention and gated-attention heads (save_pretrained) prune end to
-    end; the saved model computes the summary's perplexity."""
+    save_pretrained), Mamba-2 mixers' heads (each norm's epsilon its own: pruned.pt),
+    Qwen3.5's linear-attention and gated-attention heads, Gemma 4's heads and MLPs (its
+    config per layer) and Kimi Linear's delta-attention heads (save_pretrained) prune end
+    to end; the saved model computes the summary's perplexity."""
     from dtp_kernels import load_pruned
 
     model_dir, text = save(tmp_path / "model"), write_text(tmp_path / "text")
