@@ -6,7 +6,8 @@ intermediate_size); a composite model's parts hold theirs in its sub-configs (a
 vision-language model's `text_config` and `vision_config`), each written with the groups
 inside that part. A model whose config holds sizes per layer (transformers' heterogeneous
 configs, `per_layer_config`: Gemma 4's full-attention layers have their own head_dim)
-gets them layer by layer where one size for all cannot describe it. The new values are
+gets them layer by layer where one size for all cannot describe it, in its own config or
+a part's sub-config. The new values are
 kept only when a model built from the updated config (on the meta device: no memory) has
 exactly the exported model's shapes; otherwise the config is left as it was, with a
 warning (the exported model itself is right; dtp_kernels.save_pruned saves it).
@@ -198,21 +199,31 @@ def _parts(model: nn.Module, config) -> list[tuple[str, object]]:
     return parts
 
 
-def _writes(
-    model: nn.Module, config, groups: list, masks: list
-) -> list[tuple[object, dict | None]]:
-    """(config, its fields) for each config the exported sizes go to: each part's
-    sub-config for the groups inside that part, the model's config for the rest."""
+def _assignments(model: nn.Module, config, groups: list) -> list[tuple[object, list[int]]]:
+    """(config, the indices of its groups) for each config the exported sizes go to:
+    each part's sub-config for the groups inside that part, the model's config (last)
+    for the rest."""
     rest = list(range(len(groups)))
-    writes = []
+    assigned = []
     for prefix, sub in _parts(model, config):
         mine = [i for i in rest if groups[i][1].name.startswith(f"{prefix}.")]
         rest = [i for i in rest if i not in mine]
-        if mine:
-            fields = config_fields(sub, [groups[i] for i in mine], [masks[i] for i in mine])
-            writes.append((sub, fields))
-    fields = config_fields(config, [groups[i] for i in rest], [masks[i] for i in rest])
-    return [*writes, (config, fields)]
+        assigned.append((sub, mine))
+    return [*assigned, (config, rest)]
+
+
+def _writes(
+    model: nn.Module, config, groups: list, masks: list
+) -> list[tuple[object, dict | None]]:
+    """(config, its fields) for each config the exported sizes go to (`_assignments`)."""
+    writes = []
+    for target, indices in _assignments(model, config, groups):
+        if indices or target is config:
+            fields = config_fields(
+                target, [groups[i] for i in indices], [masks[i] for i in indices]
+            )
+            writes.append((target, fields))
+    return writes
 
 
 def _per_layer_fields(config, groups: list, masks: list) -> tuple[dict, dict] | None:
@@ -254,25 +265,39 @@ def _per_layer_fields(config, groups: list, masks: list) -> tuple[dict, dict] | 
 
 
 def _write_per_layer(model: nn.Module, config, groups: list, masks: list) -> bool:
-    """Write the exported sizes layer by layer (`_per_layer_fields`) when a model built
-    from the result matches; the config is unchanged otherwise."""
+    """Write the exported sizes layer by layer (`_per_layer_fields`) into each config
+    they go to (`_assignments`) when a model built from the result matches; the configs
+    are unchanged otherwise."""
+    keys = {id(getattr(config, k, None)): k for k in getattr(config, "sub_configs", None) or {}}
+    trial = copy.deepcopy(config)
+    writes = []  # (the config, its copy in `trial`, shared fields, per-layer overrides)
     try:
-        found = _per_layer_fields(config, groups, masks)
-        if found is None:
-            return False
-        shared, overrides = found
-        trial = copy.deepcopy(config)
-        for name, value in shared.items():
-            setattr(trial, name, value)
-        trial.per_layer_config = overrides
+        for target, indices in _assignments(model, config, groups):
+            if not indices:
+                continue
+            found = _per_layer_fields(
+                target, [groups[i] for i in indices], [masks[i] for i in indices]
+            )
+            if found is None:
+                return False
+            copied = trial if target is config else getattr(trial, keys[id(target)])
+            writes.append((target, copied, *found))
+        for _, copied, shared, overrides in writes:
+            _set_sizes(copied, shared, overrides)
         if not _rebuilds(model, trial):
             return False
     except Exception:  # a config without per-layer sizes, or whose checks refuse them
         return False
+    for target, _, shared, overrides in writes:
+        _set_sizes(target, shared, overrides)
+    return True
+
+
+def _set_sizes(config, shared: dict, overrides: dict) -> None:
     for name, value in shared.items():
         setattr(config, name, value)
-    config.per_layer_config = overrides
-    return True
+    if overrides or config.__dict__.get("_heterogeneity_spec") is not None:
+        config.per_layer_config = overrides
 
 
 def update_config(model: nn.Module, groups: list[tuple[str, object]], masks: list) -> bool:
@@ -304,7 +329,7 @@ def update_config(model: nn.Module, groups: list[tuple[str, object]], masks: lis
             pass
         for target, name, value in reversed(before):
             setattr(target, name, value)
-    if not _parts(model, config) and _write_per_layer(model, config, groups, masks):
+    if _write_per_layer(model, config, groups, masks):
         return True
     fields = {k: v for f in described if f for k, v in f.items()}
     why = (

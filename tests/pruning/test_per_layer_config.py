@@ -1,9 +1,10 @@
 """Configs that hold sizes per layer (transformers' heterogeneous configs: Gemma 4's
 full-attention layers have their own head_dim in `per_layer_config`): the export's sizes
-are written layer by layer where one size for all cannot describe them, and the saved
-model loads with `from_pretrained` and generates as the exported one does; sizes the
-model's code reads once for all layers (Gemma 4's MLP width) still warn and leave the
-config as it was."""
+are written layer by layer where one size for all cannot describe them, in the model's
+config or a composite model's text config (Gemma 4's vision-language model), and the
+saved model loads with `from_pretrained` and generates as the exported one does; sizes
+the model's code reads once for all layers (Gemma 4's MLP width) still warn and leave
+the config as it was."""
 
 import warnings
 
@@ -16,28 +17,37 @@ from utils import hard_masked_and_exported, randomised
 transformers = pytest.importorskip("transformers")
 
 TOKENS = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(1))
+LAYER_TYPES = ["sliding_attention", "full_attention"]
+
+
+def gemma4_text_config(**sizes) -> dict:
+    """Two sliding-window layers of head_dim 16 and a full-attention one of 32 (`sizes`
+    over them)."""
+    return (
+        dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            global_head_dim=32,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            vocab_size_per_layer_input=256,
+            hidden_size_per_layer_input=16,
+            sliding_window=8,
+            max_position_embeddings=128,
+            pad_token_id=0,
+            eos_token_id=1,
+            bos_token_id=2,
+        )
+        | sizes
+    )
 
 
 def gemma4():
-    """Two sliding-window layers of head_dim 16 and a full-attention one of 32."""
-    config = transformers.Gemma4TextConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        global_head_dim=32,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-        vocab_size_per_layer_input=256,
-        hidden_size_per_layer_input=16,
-        sliding_window=8,
-        max_position_embeddings=128,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-    )
+    config = transformers.Gemma4TextConfig(**gemma4_text_config())
     torch.manual_seed(0)
     return transformers.Gemma4ForCausalLM(config).eval()
 
@@ -79,3 +89,51 @@ def test_gemma4_mlp_widths_differing_by_layer_warn_and_keep_the_config():
     assert exported.config.to_dict() == before
     widths = [layer.mlp.gate_proj.out_features for layer in exported.model.layers]
     assert widths == [64, 32, 64]
+
+
+def test_gemma4_vision_language_model_writes_its_text_config_per_layer(tmp_path):
+    """The composite model's language model is pruned (text inputs: the vision tower is
+    not run, so it stays whole); its `text_config` gets the sizes, the full-attention
+    layer's head_dim kept, and the saved model loads and computes the same logits."""
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        patch_size=4,
+        position_embedding_size=64,
+        pooling_kernel_size=2,
+    )
+    special = {  # the image, video and audio tokens' ids, inside the small vocabulary
+        "boi_token_id": 250,
+        "eoi_token_id": 251,
+        "image_token_id": 252,
+        "video_token_id": 253,
+        "boa_token_id": 254,
+        "eoa_token_index": 255,
+        "audio_token_id": 249,
+    }
+    config = transformers.Gemma4Config(
+        text_config=gemma4_text_config(num_hidden_layers=2, layer_types=LAYER_TYPES),
+        vision_config=vision,
+        audio_config=None,
+        **special,
+    )
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForConditionalGeneration(config).eval()
+    with pytest.warns(UserWarning, match=r"not called on example_inputs"):
+        pruner = randomised(DTPPruner(model, (TOKENS,), 0.5))
+    assert all(g.name.startswith("model.language_model.") for g in pruner.groups)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exported, got, want = hard_masked_and_exported(pruner, model, (TOKENS,))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not [w for w in caught if "config cannot describe" in str(w.message)]
+    text = exported.config.text_config
+    assert [text.per_layer_config[i].head_dim for i in range(2)] == [16, 32]
+    exported.save_pretrained(tmp_path)
+    loaded = transformers.Gemma4ForConditionalGeneration.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(TOKENS).logits, got)
