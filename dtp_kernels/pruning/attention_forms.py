@@ -2,6 +2,8 @@
 (Torch-Pruning's graph does not follow the per-head reshapes), and the head group of
 each (:func:`match_form`):
 
+- DiffLlama's differential attention (the separate form's names, its heads paired
+  across the two halves: a unit is a pair of key/value heads with their query heads);
 - separate projections, as Hugging Face writes them: ``q_proj``, ``k_proj``, ``v_proj``
   and ``o_proj`` (Llama, Mistral, Qwen, Gemma), ``out_proj`` (OPT, BART, Whisper, CLIP,
   GPT-J, XGLM), ``dense`` (Phi), ``Wo`` (ModernBERT's decoder), ``projection_layer``
@@ -181,6 +183,58 @@ def _separate(name: str, module: nn.Module) -> HeadGroup | None:
 # (all heads' queries, keys or values in turn), before ``proj``: timm's PVT v2, Twins and
 # VOLO's class attention (q, kv); ConViT's gated positional attention (qk, v)
 SPLIT_FORMS = ((("q", 1), ("kv", 2)), (("qk", 2), ("v", 1)))
+
+
+def _differential(name: str, module: nn.Module) -> HeadGroup | None:
+    """DiffLlama's differential attention: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``
+    and ``head_dim``, with the learned ``lambda_q1`` and a ``groupnorm``. Its code pairs
+    query head h of the first half of the heads with head h of the second half (their
+    two attention maps subtracted, normalized together over both value halves), so a
+    unit is key/value heads j and j + K/2 with the G query heads that read each: G rows
+    of queries in each half of ``q_proj``, a key and a value head in each half of
+    ``k_proj`` and ``v_proj``, and the G pairs' 2 G head_dim columns of ``o_proj``.
+    The layer reads its head counts from the config, which export writes."""
+    layers = [_linear(module, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    head_dim = getattr(module, "head_dim", None)
+    if not (
+        all(layer is not None for layer in layers)
+        and isinstance(head_dim, int)
+        and isinstance(getattr(module, "lambda_q1", None), nn.Parameter)
+        and isinstance(getattr(module, "groupnorm", None), nn.Module)
+    ):
+        return None
+    q, k, v, o = layers
+    heads, kv_heads = o.in_features // head_dim, k.out_features // head_dim
+    if not (
+        q.out_features == o.in_features == heads * head_dim
+        and v.out_features == k.out_features == kv_heads * head_dim
+        and kv_heads % 2 == 0
+        and heads % kv_heads == 0
+    ):
+        raise ValueError(
+            f"attention layer {name!r}: q_proj ({q.out_features}), k_proj "
+            f"({k.out_features}), v_proj ({v.out_features}) outputs and o_proj "
+            f"({o.in_features}) inputs are not pairs of heads of head_dim {head_dim}"
+        )
+    per_kv = heads // kv_heads  # query heads per key/value head
+    rows = [
+        Projection(q, 2, per_kv * head_dim),
+        Projection(k, 2, head_dim),
+        Projection(v, 2, head_dim),
+    ]
+    out = Projection(o, 1, 2 * per_kv * head_dim)
+    lambdas = tuple(n for n, _ in module.named_parameters(recurse=False) if n.startswith("lambda"))
+    return HeadGroup(
+        name,
+        module,
+        rows,
+        out,
+        kv_heads // 2,
+        2 * per_kv,
+        head_dim,
+        kv_heads_per_unit=2,
+        shared_parameters=lambdas,
+    )
 
 
 def _split(name: str, module: nn.Module) -> HeadGroup | None:
@@ -609,6 +663,7 @@ def _unsplit(name: str, module: nn.Module, why: str) -> HeadGroup | None:
 
 # the forms in the order they are tried: the first that matches gives the group
 FORMS = (
+    _differential,  # before _separate, whose names it has
     _separate,
     _split,
     _per_head_qkv,

@@ -101,6 +101,11 @@ class HeadGroup:
     attributes: dict[str, int] = field(default_factory=dict)
     # equal runs of units that each keep as many (CodeGen's shards): transport segments
     segments: int = 1
+    # key/value heads per unit (DiffLlama's differential attention: a unit is a pair)
+    kv_heads_per_unit: int = 1
+    # the layer's own parameters that serve all heads, never per-head tables whatever
+    # their size (DiffLlama's lambda vectors of the head size, which may equal the heads')
+    shared_parameters: tuple[str, ...] = ()
     # layers inside the attention layer run on each query head apart (MViT's pooling: a
     # depthwise conv over the head size): their FLOPs scale with the kept query heads
     per_head_layers: list[nn.Module] = field(default_factory=list)

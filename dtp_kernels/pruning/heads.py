@@ -434,6 +434,8 @@ def _per_head_tables(
         candidates += [(owner, owner_name, n, p) for n, p in owner.named_parameters(recurse=False)]
     mixed = []
     for owner, owner_name, name, p in candidates:
+        if owner is group.module and name in group.shared_parameters:
+            continue
         if p.shape.count(heads) == 1:
             tables.append((owner, name, p.shape.index(heads)))
         elif p.shape.count(heads) > 1:
@@ -574,7 +576,7 @@ def _prune_layer_heads(
     if group.shared_kv:  # the one key/value head stays; it serves fewer query heads
         sizes["num_key_value_groups"] = heads
     else:
-        kv_heads = len(kept)
+        kv_heads = len(kept) * group.kv_heads_per_unit
         sizes |= {
             "num_key_value_heads": kv_heads,
             "num_kv_heads": kv_heads,

@@ -70,7 +70,8 @@ def config_fields(config, groups: list[tuple[str, object]], masks: list) -> dict
     if heads:
         units = _uniform([k for _, k in heads])
         per_unit = _uniform([g.query_heads_per_unit for g, _ in heads])
-        kv_heads = _uniform([1 if g.shared_kv else k for g, k in heads])  # multi-query: 1
+        # multi-query: 1; DiffLlama's pairs: 2 a unit
+        kv_heads = _uniform([1 if g.shared_kv else k * g.kv_heads_per_unit for g, k in heads])
         # whether every attention layer was pruned is left to the rebuild check (a hybrid
         # model's attention is one layer in a few: Jamba's)
         if units is None or per_unit is None or kv_heads is None:

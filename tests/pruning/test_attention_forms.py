@@ -362,19 +362,77 @@ def test_heads_export_with_exact_counts_equal_to_the_hard_masked_model(family, t
             torch.testing.assert_close(logits(loaded(*inputs)), logits(exported(*inputs)))
 
 
-@pytest.mark.parametrize("family", ["DiffLlama", "Doge"])
+@pytest.mark.parametrize("family", ["Doge"])
 def test_heads_the_layer_code_treats_otherwise_fail_their_proof_by_name(family):
     """Attention layers in a recognised form whose code treats the heads otherwise
-    (DiffLlama pairs them for its differential attention; Doge computes a mask per head
-    from the values through a projection of their width): with half the heads removed
-    the layer does not compute what it computes with them masked on its example input,
-    so the heads are refused by name when the pruner is made, not at export; their
-    MLPs prune."""
+    (Doge computes a mask per head from the values through a projection of their
+    width): with half the heads removed the layer does not compute what it computes
+    with them masked on its example input, so the heads are refused by name when the
+    pruner is made, not at export; their MLPs prune."""
     model, inputs = decoder(family, num_key_value_heads=2, head_dim=8)
     with pytest.raises(ValueError, match=r"layer 'model.layers.0.self_attn': with some of"):
         DTPPruner(model, inputs, {"heads": 0.5})
     assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
     export_checked(DTPPruner(model, inputs, {"mlp": 0.5}), model, inputs)
+
+
+def test_diffllama_heads_prune_in_pairs_across_the_two_halves(tmp_path):
+    """DiffLlama subtracts the attention of query head h + H/2 from that of head h and
+    normalizes each pair over both value halves: a unit is key/value heads j and
+    j + K/2 with their query heads, in both halves of each projection. 8 query heads
+    on 4 key/value heads: 2 units of 2 pairs; half kept. The export computes what the
+    hard-masked model computes (sdpa and eager), its config says 4 heads on 2, and it
+    round-trips and generates as the hard-masked model does."""
+    config = transformers.DiffLlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=8,
+        **TOKEN_IDS,
+    )
+    torch.manual_seed(0)
+    model, inputs = transformers.DiffLlamaForCausalLM(config), (tokens(),)
+    dense = [
+        {k: v.clone() for k, v in layer.self_attn.state_dict().items()}
+        for layer in model.model.layers
+    ]
+    pruner = randomised(DTPPruner(model, inputs, {"heads": 0.5}))
+    assert [(g.size, g.query_heads_per_unit) for g in pruner.groups] == [(2, 4)] * 2
+    masks = pruner.hard_masks()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exported = export_checked(pruner, model, inputs)
+    assert not [w for w in caught if "config cannot describe" in str(w.message)]
+    assert (exported.config.num_attention_heads, exported.config.num_key_value_heads) == (4, 2)
+    for layer, weights, mask in zip(exported.model.layers, dense, masks, strict=True):
+        (j,) = mask.nonzero().flatten().tolist()
+        cut = layer.self_attn
+        # query heads 2j, 2j+1 and 4+2j, 5+2j; key/value heads j and 2+j; pairs 2j, 2j+1
+        queries = torch.cat([torch.arange(s, s + 16) for s in (j * 16, 32 + j * 16)])
+        kv = torch.cat([torch.arange(s, s + 8) for s in (j * 8, 16 + j * 8)])
+        torch.testing.assert_close(cut.q_proj.weight, weights["q_proj.weight"][queries])
+        torch.testing.assert_close(cut.k_proj.weight, weights["k_proj.weight"][kv])
+        torch.testing.assert_close(cut.v_proj.weight, weights["v_proj.weight"][kv])
+        columns = weights["o_proj.weight"][:, j * 32 : j * 32 + 32]
+        torch.testing.assert_close(cut.o_proj.weight, columns)
+        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):  # all heads'
+            torch.testing.assert_close(getattr(cut, name), weights[name])
+    with torch.no_grad():
+        sdpa = logits(exported(*inputs))
+        exported.set_attn_implementation("eager")
+        torch.testing.assert_close(logits(exported(*inputs)), sdpa, rtol=1e-5, atol=1e-5)
+    with torch.no_grad(), pruner.hard_masked():
+        want = model.generate(*inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert torch.equal(
+        exported.generate(*inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False), want
+    )
+    exported.save_pretrained(tmp_path)
+    loaded = type(exported).from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(logits(loaded(*inputs)), logits(exported(*inputs)))
 
 
 def test_a_linear_layer_of_one_output_per_head_is_cut_with_the_heads(monkeypatch):
@@ -455,9 +513,9 @@ def bert_masked_lm():  # its LM head's dense layer feeds a LayerNorm over all ch
     [
         (bert_masked_lm, 0.5),
         (bert_masked_lm, {"heads": 0.5, "mlp": 0.25}),
-        (lambda: decoder("DiffLlama", num_key_value_heads=2, head_dim=8), 0.5),
+        (lambda: decoder("Doge", num_key_value_heads=2, head_dim=8), 0.5),
     ],
-    ids=["bert-float", "bert-dict", "diffllama-float"],
+    ids=["bert-float", "bert-dict", "doge-float"],
 )
 def test_a_refusal_names_ratios_that_leave_the_refused_whole_and_prune_the_rest(build, ratios):
     """The error for groups that cannot be pruned (through a LayerNorm; heads failing
