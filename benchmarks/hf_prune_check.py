@@ -1,9 +1,10 @@
 """Prune every architecture of the installed transformers for a task at a float ratio and
 check each export (`python benchmarks/hf_prune_check.py [--task causal-lm | masked-lm |
 sequence-classification | image-classification | object-detection |
-semantic-segmentation | audio-classification | video-classification] [model_type
-...]`): the groups found by kind, the FLOPs reduction, the export's largest difference
-from the hard-masked model and its parameters against the report. A model the pruner
+semantic-segmentation | audio-classification | video-classification |
+image-text-to-text] [model_type ...]`): the groups found by kind, the FLOPs reduction,
+the export's largest difference from the hard-masked model and its parameters against
+the report. A model the pruner
 refuses, when it is made or when it exports, is tried again with the ratios its error
 gives (the ones that leave the refused groups whole), or with the layers it names left
 whole (`ignored_layers`: those whose search for coupled channels fails), as a user
@@ -12,10 +13,12 @@ first words. GPT-2's Conv1D layers are made nn.Linear first, as `dtp prune` does
 
 Each architecture is built from its default config (`AutoConfig.for_model`, nothing
 downloaded) with the size fields it has set small (SIZES: 2 layers of width 64, 4 heads,
-a vocabulary of 256, 64 x 64 images, 4 frames), random weights and random scores, on 12
-tokens (a sequence classifier's last one its end of sequence), one image (classifiers,
-detectors, segmenters), one clip (video classifiers), or 4,000 samples of audio (a
-spectrogram of the config's size for Whisper). A config whose own checks refuse that
+a vocabulary of 256, 64 x 64 images, 4 frames; in each part's config too, for a
+vision-language model), random weights and random scores, on 12 tokens (a sequence
+classifier's last one its end of sequence; a vision-language model's text alone, so its
+vision tower stays whole), one image (classifiers, detectors, segmenters), one clip
+(video classifiers), or 4,000 samples of audio (a spectrogram of the config's size for
+Whisper). A config whose own checks refuse that
 size, or a model that does not run at it, is listed as not built; one still over 30M
 parameters (a field SIZES does not name) is skipped."""
 
@@ -36,6 +39,7 @@ from transformers import (
     AutoModelForAudioClassification,
     AutoModelForCausalLM,
     AutoModelForImageClassification,
+    AutoModelForImageTextToText,
     AutoModelForMaskedLM,
     AutoModelForObjectDetection,
     AutoModelForSemanticSegmentation,
@@ -163,6 +167,11 @@ TASKS = {
         modeling_auto.MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES,
         "semantic segmenters",
     ),
+    "image-text-to-text": (
+        AutoModelForImageTextToText,
+        modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+        "vision-language models (on text)",
+    ),
     "video-classification": (
         AutoModelForVideoClassification,
         modeling_auto.MODEL_FOR_VIDEO_CLASSIFICATION_MAPPING_NAMES,
@@ -200,6 +209,29 @@ def small_model(model_type: str, task: str) -> torch.nn.Module:
     if per_layer:  # its global sizes read and written below, the layers' own kept
         config = _small_per_layer_config(model_type, config)
         config.allow_global_per_layer_attribute_access = True
+    _shrink(config, model_type)
+    parts = getattr(config, "sub_configs", None) or {} if task == "image-text-to-text" else {}
+    for key in parts:  # a vision-language model's parts, each its own config
+        sub = getattr(config, key, None)
+        if hasattr(sub, "to_dict") and sub.__dict__.get("_heterogeneity_spec") is None:
+            _shrink(sub, sub.model_type)
+    if task == "semantic-segmentation" and len(getattr(config, "out_indices", None) or []) == 1:
+        layers = config.num_hidden_layers  # BEiT's segmenter reads one layer per quarter
+        config.set_output_features_output_indices(
+            out_features=None, out_indices=[layers * q // 4 for q in (1, 2, 3, 4)]
+        )
+    if per_layer:
+        config.allow_global_per_layer_attribute_access = False
+    with torch.device("meta"):
+        meta = auto.from_config(config)
+    if sum(p.numel() for p in meta.parameters()) > LARGEST:
+        raise OverflowError("over 30M parameters at this size")
+    torch.manual_seed(0)
+    return auto.from_config(config).eval()
+
+
+def _shrink(config, model_type: str) -> None:
+    """Set the size fields of SIZES `config` has, as the small model needs them."""
     for field, value in SIZES.items():
         current = getattr(config, field, None)
         if field in KEPT.get(model_type, ()):
@@ -219,19 +251,6 @@ def small_model(model_type: str, task: str) -> torch.nn.Module:
         with contextlib.suppress(AttributeError):
             config.layer_types = _every_type(types, SIZES["num_hidden_layers"])
     _fill_unset_defaults(config)
-    if task == "semantic-segmentation" and len(getattr(config, "out_indices", None) or []) == 1:
-        layers = config.num_hidden_layers  # BEiT's segmenter reads one layer per quarter
-        config.set_output_features_output_indices(
-            out_features=None, out_indices=[layers * q // 4 for q in (1, 2, 3, 4)]
-        )
-    if per_layer:
-        config.allow_global_per_layer_attribute_access = False
-    with torch.device("meta"):
-        meta = auto.from_config(config)
-    if sum(p.numel() for p in meta.parameters()) > LARGEST:
-        raise OverflowError("over 30M parameters at this size")
-    torch.manual_seed(0)
-    return auto.from_config(config).eval()
 
 
 def _small_per_layer_config(model_type: str, config):

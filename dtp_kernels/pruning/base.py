@@ -229,6 +229,8 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             )
         inputs = as_example_inputs(example_inputs)
         was_training = model.training
+        ran: set[nn.Module] = set()  # the modules the example forward calls
+        hooks = [m.register_forward_pre_hook(lambda m, _: ran.add(m)) for m in model.modules()]
         try:
             with torch.no_grad():
                 model.eval()
@@ -239,6 +241,8 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             ) from error
         finally:
             model.train(was_training)
+            for hook in hooks:
+                hook.remove()
         object.__setattr__(self, "model", model)  # not a submodule: the pruner is not the model
         self.example_inputs = inputs
         self.budget = budget
@@ -248,6 +252,14 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             all_groups = self._find_groups(model, inputs, list(ignored_layers))
         finally:
             model.train(was_training)  # Torch-Pruning's tracing leaves the model in eval mode
+        # attention layers the example never runs (a vision-language model's vision tower
+        # on text) stay whole, as idle conv and linear layers do: nothing would check them
+        # (one of a form whose shapes refuse it is still refused by name)
+        all_groups = [
+            g
+            for g in all_groups
+            if not isinstance(g, HeadGroup) or g.refusal or any(m.module in ran for m in g.members)
+        ]
         convs = [name for name, m in model.named_modules() if isinstance(m, nn.Conv2d)]
         if self._graph_error is not None and not _without_graph(ratios, all_groups):
             raise self._graph_error

@@ -233,3 +233,28 @@ def test_the_language_models_sizes_go_to_its_own_config(family, tmp_path):
     loaded = type(exported).from_pretrained(tmp_path).eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(**inputs).logits, exported(**inputs).logits)
+
+
+def test_on_text_alone_the_vision_tower_stays_whole_and_is_named():
+    """Example inputs without an image never run the vision tower: its attention heads
+    stay whole like its idle linear layers (nothing would check them), the warning names
+    its projections, and the export keeps every vision head while the language model's
+    go to half."""
+    model, inputs = llava()
+    text = {"input_ids": inputs["input_ids"][:, 19:]}  # no image token, no pixels
+    with pytest.warns(UserWarning, match=r"vision_tower\.encoder\.layers\.0\.self_attn\.k_proj"):
+        pruner = randomised(DTPPruner(model, text, 0.5))
+    assert all(g.name.startswith("model.language_model.") for g in pruner.groups)
+    assert [g.name for g in pruner.groups if isinstance(g, HeadGroup)] == [
+        f"model.language_model.layers.{i}.self_attn" for i in (0, 1)
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exported = pruner.export().eval()
+    tower = exported.model.vision_tower.encoder.layers
+    assert all(layer.self_attn.q_proj.out_features == 32 for layer in tower)
+    assert exported.model.language_model.layers[0].self_attn.q_proj.out_features == 16
+    with torch.no_grad(), pruner.hard_masked():  # an image as well: the tower is the dense one
+        want = model(**inputs).logits
+    with torch.no_grad():
+        torch.testing.assert_close(exported(**inputs).logits, want, rtol=1e-5, atol=1e-5)
