@@ -7,10 +7,10 @@ vision-language model's `text_config` and `vision_config`), each written with th
 inside that part. A model whose config holds sizes per layer (transformers' heterogeneous
 configs, `per_layer_config`: Gemma 4's full-attention layers have their own head_dim)
 gets them layer by layer where one size for all cannot describe it, in its own config or
-a part's sub-config. The new values are
-kept only when a model built from the updated config (on the meta device: no memory) has
-exactly the exported model's shapes; otherwise the config is left as it was, with a
-warning (the exported model itself is right; dtp_kernels.save_pruned saves it).
+a part's sub-config. The new values are kept only when a model built from the updated
+config (on the meta device: no memory) has exactly the exported model's shapes;
+otherwise the config is left as it was, with a warning (the exported model itself is
+right; dtp_kernels.save_pruned saves it).
 """
 
 from __future__ import annotations
@@ -295,6 +295,7 @@ def _write_per_layer(model: nn.Module, config, groups: list, masks: list) -> boo
 
 
 def _set_sizes(config, shared: dict, overrides: dict) -> None:
+    """Write `shared` fields for all layers and `overrides` layer by layer."""
     for name, value in shared.items():
         setattr(config, name, value)
     if overrides or config.__dict__.get("_heterogeneity_spec") is not None:

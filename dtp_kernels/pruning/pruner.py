@@ -732,6 +732,8 @@ class DTPPruner(ChannelPruner):
         the export fail (export_blame.py)."""
         masks = self.hard_masks()
         pruned = [i for i, mask in enumerate(masks) if bool((mask == 0).any())]
+        if not pruned:  # nothing cut, and still it fails: no group to blame
+            return ExportMismatchError(str(error))
 
         def export_fails(subset: list[int]) -> bool | None:
             chosen = set(subset)
