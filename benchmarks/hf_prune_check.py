@@ -111,6 +111,9 @@ SIZES = {
 # fields with one entry per stage, cut to the first stages where the layer count is the
 # stage count (ConvNeXt's, Swin's)
 STAGE_LISTS = ("depths", "hidden_sizes", "num_heads", "masked_unit_attention")
+# sizes of an architecture that SIZES' do not fit, set after them (Mamba-2's mixer: 8
+# heads of 16 make twice the width of 64, in 2 groups sharing their B and C)
+OWN_SIZES = {"mamba2": {"num_heads": 8, "n_groups": 2}}
 # sizes a config with sizes per layer takes as arguments only (Gemma 4's full-attention
 # head_dim, its per-layer input embeddings' width and vocabulary)
 PER_LAYER_SIZES = {
@@ -239,6 +242,8 @@ def _shrink(config, model_type: str) -> None:
         if isinstance(current, int) and not isinstance(current, bool):
             with contextlib.suppress(AttributeError):  # a property derived from others
                 setattr(config, field, value)
+    for field, value in OWN_SIZES.get(model_type, {}).items():
+        setattr(config, field, value)
     if isinstance(getattr(config, "qk_rope_head_dim", None), int):  # latent attention's
         with contextlib.suppress(AttributeError):  # rotary key is its head_dim
             config.head_dim = config.qk_rope_head_dim
