@@ -253,12 +253,12 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         finally:
             model.train(was_training)  # Torch-Pruning's tracing leaves the model in eval mode
         # attention layers the example never runs (a vision-language model's vision tower
-        # on text) stay whole, as idle conv and linear layers do: nothing would check them
-        # (one of a form whose shapes refuse it is still refused by name)
+        # on text) stay whole, as idle conv and linear layers do: nothing would check them,
+        # and one that could not be pruned need not be refused
         all_groups = [
             g
             for g in all_groups
-            if not isinstance(g, HeadGroup) or g.refusal or any(m.module in ran for m in g.members)
+            if not isinstance(g, HeadGroup) or any(m.module in ran for m in g.members)
         ]
         convs = [name for name, m in model.named_modules() if isinstance(m, nn.Conv2d)]
         if self._graph_error is not None and not _without_graph(ratios, all_groups):

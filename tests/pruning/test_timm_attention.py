@@ -567,13 +567,15 @@ class UnevenKeysValues(torch.nn.Module):
 
 def test_a_key_value_projection_that_does_not_split_into_the_heads_is_refused_by_name():
     """The q, kv, proj form reads kv as every head's key, then every head's value: a kv
-    of another width is refused naming the layer and the widths when its heads are
-    asked for."""
+    of another width is refused giving the widths (this layer cannot run: the pruner
+    leaves it whole as a layer the example never runs, and has no heads to prune)."""
+    from dtp_kernels.pruning.attention_forms import match_form
+
     model = UnevenKeysValues()
-    x = torch.randn(1, 9, 32)
-    refused = r"'attn': q \(32 outputs\), kv \(48 outputs\) and proj \(32 inputs\) are not 4 heads"
-    with pytest.raises(ValueError, match=refused):
-        DTPPruner(model, (x,), {"heads": 0.5})
+    group = match_form("attn", model.attn)
+    assert group.refusal.startswith("q (32 outputs), kv (48 outputs) and proj (32 inputs)")
+    with pytest.raises(ValueError, match=r"ratios asks to prune \['heads'\]"):
+        DTPPruner(model, (torch.randn(1, 9, 32),), {"heads": 0.5})
 
 
 def test_nest_masks_each_heads_channels_where_its_code_puts_them():
