@@ -111,6 +111,9 @@ SIZES = {
 # fields with one entry per stage, cut to the first stages where the layer count is the
 # stage count (ConvNeXt's, Swin's)
 STAGE_LISTS = ("depths", "hidden_sizes", "num_heads", "masked_unit_attention")
+# sizes of a vision-language model's parts besides SIZES (Qwen2-VL's vision tower: its
+# blocks, width and heads, its output the language model's width)
+PART_SIZES = {"depth": 2, "embed_dim": 64, "num_heads": 4, "out_hidden_size": 64}
 # sizes of an architecture that SIZES' do not fit, set after them (Mamba-2's mixer: 8
 # heads of 16 make twice the width of 64, in 2 groups sharing their B and C)
 OWN_SIZES = {"mamba2": {"num_heads": 8, "n_groups": 2}}
@@ -217,7 +220,7 @@ def small_model(model_type: str, task: str) -> torch.nn.Module:
     for key in parts:  # a vision-language model's parts, each its own config
         sub = getattr(config, key, None)
         if hasattr(sub, "to_dict") and sub.__dict__.get("_heterogeneity_spec") is None:
-            _shrink(sub, sub.model_type)
+            _shrink(sub, sub.model_type, PART_SIZES)
     if task == "semantic-segmentation" and len(getattr(config, "out_indices", None) or []) == 1:
         layers = config.num_hidden_layers  # BEiT's segmenter reads one layer per quarter
         config.set_output_features_output_indices(
@@ -233,9 +236,11 @@ def small_model(model_type: str, task: str) -> torch.nn.Module:
     return auto.from_config(config).eval()
 
 
-def _shrink(config, model_type: str) -> None:
-    """Set the size fields of SIZES `config` has, as the small model needs them."""
-    for field, value in SIZES.items():
+def _shrink(config, model_type: str, extra: dict | None = None) -> None:
+    """Set the size fields of SIZES (and `extra`) `config` has, as the small model needs
+    them; a multimodal rotary embedding's sections (Qwen2-VL's: time, height, width in
+    the proportions 2 : 3 : 3 of its pairs) fitted to the small head size."""
+    for field, value in {**SIZES, **(extra or {})}.items():
         current = getattr(config, field, None)
         if field in KEPT.get(model_type, ()):
             continue
@@ -255,6 +260,12 @@ def _shrink(config, model_type: str) -> None:
     if isinstance(types, list) and types:  # one type per layer
         with contextlib.suppress(AttributeError):
             config.layer_types = _every_type(types, SIZES["num_hidden_layers"])
+    rope = getattr(config, "rope_parameters", None)
+    if "mrope_section" in getattr(type(config), "ignore_keys_at_rope_validation", ()):
+        pairs = (getattr(config, "head_dim", None) or SIZES["head_dim"]) // 2
+        time = pairs // 4
+        if isinstance(rope, dict):
+            rope["mrope_section"] = [time, (pairs - time) // 2, pairs - time - (pairs - time) // 2]
     _fill_unset_defaults(config)
 
 
