@@ -3,8 +3,8 @@ check each export (`python benchmarks/hf_prune_check.py [--task causal-lm | mask
 sequence-classification | image-classification | object-detection |
 semantic-segmentation | audio-classification | video-classification |
 image-text-to-text] [model_type ...]`): the groups found by kind, the FLOPs reduction,
-the export's largest difference from the hard-masked model and its parameters against
-the report. A model the pruner
+the export's largest difference from the hard-masked model, its parameters against the
+report and whether its config rebuilds it (what save_pretrained needs). A model the pruner
 refuses, when it is made or when it exports, is tried again with the ratios its error
 gives (the ones that leave the refused groups whole), or with the layers it names left
 whole (`ignored_layers`: those whose search for coupled channels fails), as a user
@@ -52,6 +52,7 @@ from dtp_kernels import conv1d_to_linear
 from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.base import _kind
 from dtp_kernels.pruning.cost import count_params
+from dtp_kernels.pruning.hf_config import describes
 
 # the size fields of the families' configs, set where a config has them as numbers
 SIZES = {
@@ -365,9 +366,9 @@ def check(model_type: str, ratio: float, task: str) -> list[str]:
         with torch.no_grad():
             _ = model(ids).logits  # the output the check compares
     except OverflowError as error:
-        return [model_type, "skipped", "", "", "", "", str(error)]
+        return _unpruned(model_type, "skipped", str(error))
     except Exception as error:  # the config's own checks, or a model that needs more
-        return [model_type, "not built", "", "", "", "", type(error).__name__]
+        return _unpruned(model_type, "not built", type(error).__name__)
     conv1d_to_linear(model)  # GPT-2's Conv1D layers, as `dtp prune` converts them
     result, ratios, ignored = "pruned", ratio, []
     for _ in range(TRIES):
@@ -395,9 +396,9 @@ def check(model_type: str, ratio: float, task: str) -> list[str]:
                 ignored += ast.literal_eval(text.rsplit(IGNORED, 1)[1].removesuffix(")"))
                 result = "pruned with the refusal's layers left whole"
             else:
-                return [model_type, "refused", "", "", "", "", _first_words(error)]
+                return _unpruned(model_type, "refused", _first_words(error))
     else:
-        return [model_type, "refused", "", "", "", "", _first_words(last)]
+        return _unpruned(model_type, "refused", _first_words(last))
     with torch.no_grad():
         got = exported(ids).logits
     report = pruner.report()
@@ -409,11 +410,17 @@ def check(model_type: str, ratio: float, task: str) -> list[str]:
         f"{report['flops_before'] / report['flops_after']:.2f}x",
         f"{error:.1e}",
         "yes" if count_params(exported) == report["params_after"] else "NO",
+        "yes" if describes(exported) else "no",
         " ".join(
             ([f"`ratios={ratios}`"] if ratios != ratio else [])
             + ([f"`ignored_layers` {ignored}"] if ignored else [])
         ),
     ]
+
+
+def _unpruned(model_type: str, result: str, why: str) -> list[str]:
+    """The row of an architecture not pruned: its result and why, the rest blank."""
+    return [model_type, result, "", "", "", "", "", why]
 
 
 def _first_words(error: Exception) -> str:
@@ -443,7 +450,7 @@ def main() -> None:
         try:
             row = check(name, args.ratio, args.task)
         except _ExpiredError:
-            row = [name, "timed out", "", "", "", "", f"over {SECONDS} s"]
+            row = _unpruned(name, "timed out", f"over {SECONDS} s")
         finally:
             signal.alarm(0)
         rows.append(row)
@@ -456,6 +463,7 @@ def main() -> None:
         "FLOPs fewer",
         "export error",
         "params = report",
+        "config",
         "why",
     ]
     statuses = [row[1] for row in rows]
@@ -475,7 +483,9 @@ def main() -> None:
         f"{env['date']}; float ratio {args.ratio}, each architecture's default config at 2 "
         "layers of width 64 (the script's SIZES), random weights and scores, "
         f"{inputs}. Export error: "
-        "largest difference from the hard-masked model's logits, relative to their largest.",
+        "largest difference from the hard-masked model's logits, relative to their largest. "
+        "Config: whether the exported model's config rebuilds it, so save_pretrained writes "
+        "what from_pretrained loads (else save it with dtp_kernels.save_pruned).",
         "",
         f"{len(rows)} architectures: {summary}.",
         "",
