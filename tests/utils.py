@@ -399,6 +399,37 @@ def tiny_deepseek(version: int = 3, q_lora_rank: int | None = 20, seed: int = 0)
     return getattr(transformers, f"DeepseekV{version}ForCausalLM")(config)
 
 
+def tiny_kimi_linear(vocab: int = LLAMA_VOCAB, layers: int = 3, seed: int = 0):
+    """Kimi Linear: Kimi Delta Attention layers (4 heads of 8) around a latent-attention
+    layer, mixture-of-experts MLPs after the first layer."""
+    import transformers
+
+    config = transformers.KimiLinearConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        linear_head_dim=8,
+        linear_num_heads=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention"][:layers],
+        mlp_layer_types=["dense", "sparse", "sparse"][:layers],
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    return transformers.KimiLinearForCausalLM(config)
+
+
 def random_params(model: torch.nn.Module, part: str, std: float = 0.5) -> torch.nn.Module:
     """The model with every parameter whose name contains `part` drawn from N(0, std)
     (seeded): a norm's weight and bias start at an identity that would leave its
@@ -443,6 +474,19 @@ def hard_masked_and_exported(pruner, model, inputs: tuple):
     with torch.no_grad():
         got = exported(*inputs).logits
     return exported, got, want
+
+
+def described_export(pruner, model, inputs: tuple) -> tuple[nn.Module, torch.Tensor]:
+    """(exported model, its logits), checked: the export computes what the hard-masked
+    model computes and export gave no warning that the config cannot describe it."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exported, got, want = hard_masked_and_exported(pruner, model, inputs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not [w for w in caught if "config cannot describe" in str(w.message)]
+    return exported, got
 
 
 def check_export(

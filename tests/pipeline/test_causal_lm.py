@@ -19,7 +19,7 @@ from dtp_kernels.pipeline import recipe
 from dtp_kernels.pipeline.errors import RecipeError, UsageError
 from dtp_kernels.pipeline.run import build_data, run
 from dtp_kernels.pipeline.train import make_optimizer
-from utils import tiny_llama, tiny_mixtral
+from utils import tiny_kimi_linear, tiny_llama, tiny_mixtral
 
 transformers = pytest.importorskip("transformers")
 
@@ -266,32 +266,9 @@ def save_gemma4(where: Path, vocab: int = 256) -> Path:
 
 
 def save_kimi_linear(where: Path, vocab: int = 256) -> Path:
-    """A tiny Kimi Linear: a Kimi Delta Attention layer (4 heads of 8) and a latent
-    attention layer, the second with experts."""
-    config = transformers.KimiLinearConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        moe_intermediate_size=16,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        linear_head_dim=8,
-        linear_num_heads=4,
-        layer_types=["linear_attention", "full_attention"],
-        mlp_layer_types=["dense", "sparse"],
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    transformers.KimiLinearForCausalLM(config).save_pretrained(where)
+    """A tiny Kimi Linear (tests/utils.py): a Kimi Delta Attention layer and a latent
+    attention layer with experts."""
+    tiny_kimi_linear(vocab=vocab, layers=2).save_pretrained(where)
     return where
 
 
