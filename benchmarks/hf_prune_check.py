@@ -14,7 +14,8 @@ first words. GPT-2's Conv1D layers are made nn.Linear first, as `dtp prune` does
 Each architecture is built from its default config (`AutoConfig.for_model`, nothing
 downloaded) with the size fields it has set small (SIZES: 2 layers of width 64, 4 heads,
 a vocabulary of 256, 64 x 64 images, 4 frames; in each part's config too, for a
-vision-language model), random weights and random scores, on 12 tokens (a sequence
+vision-language model; a config that derives sizes from others when built is built
+again with them as arguments), random weights and random scores, on 12 tokens (a sequence
 classifier's last one its end of sequence; a vision-language model's text alone, so its
 vision tower stays whole), one image (classifiers, detectors, segmenters), one clip
 (video classifiers), or 4,000 samples of audio (a spectrogram of the config's size for
@@ -101,6 +102,9 @@ SIZES = {
     "v_head_dim": 16,
     "rotary_dim": 8,
     "attention_hidden_size": 64,
+    "index_n_heads": 2,  # the sparse attention's indexer (DeepSeek-V3.2's); fewer heads
+    # than the attention, as in the checkpoints (as many, its weights_proj reads as their table)
+    "index_head_dim": 16,
     "pooler_hidden_size": 64,  # DeBERTa's classification head
     # images
     "image_size": 64,
@@ -116,8 +120,31 @@ STAGE_LISTS = ("depths", "hidden_sizes", "num_heads", "masked_unit_attention")
 # blocks, width and heads, its output the language model's width)
 PART_SIZES = {"depth": 2, "embed_dim": 64, "num_heads": 4, "out_hidden_size": 64}
 # sizes of an architecture that SIZES' do not fit, set after them (Mamba-2's mixer: 8
-# heads of 16 make twice the width of 64, in 2 groups sharing their B and C)
-OWN_SIZES = {"mamba2": {"num_heads": 8, "n_groups": 2}}
+# heads of 16 make twice the width of 64, in 2 groups sharing their B and C), and fields
+# its default config leaves unset that its checkpoints set (dots.llm1's experts, LFM2-MoE's
+# layer types, DBRX's rotary base and clipping; its key/value heads and its experts'
+# sizes are in parts' configs)
+OWN_SIZES = {
+    "mamba2": {"num_heads": 8, "n_groups": 2},
+    "dots1": {"n_routed_experts": 4, "n_shared_experts": 1},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "qwen4_exp_text": {  # its sparse attention's indexer, n-gram embeddings in no layer
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 8,
+        "indexer_compress_ratio": 4,
+        "ple_layer_ids": [],
+        "hc_lowrank": 16,
+    },
+    "dbrx": {
+        "attn_config.rope_theta": 500000.0,
+        "attn_config.clip_qkv": 8.0,
+        "attn_config.kv_n_heads": 2,
+        "ffn_config.hidden_size": 64,
+        "ffn_config.ffn_hidden_size": 128,
+    },
+}
 # sizes a config with sizes per layer takes as arguments only (Gemma 4's full-attention
 # head_dim, its per-layer input embeddings' width and vocabulary)
 PER_LAYER_SIZES = {
@@ -135,7 +162,14 @@ KEPT = {
     "data2vec-vision": ("num_hidden_layers",),
     "dpt": ("num_hidden_layers",),
     "falcon_h1": ("mamba_n_heads", "mamba_d_head"),  # its mixer's width is its own field
+    "zamba2": ("attention_hidden_size",),  # twice the width: its own and the embeddings'
 }
+# fields with one type per layer (attention's, the feed-forward's: dense or experts;
+# Zamba2's blocks: Mamba-2 alone or with the shared attention)
+LAYER_TYPES = ("layer_types", "mlp_layer_types", "layers_block_type")
+# architectures whose configs compute sizes from others when they are built (Zamba2's
+# heads' widths): built again with SIZES' fields as arguments
+DERIVED_SIZES = ("zamba2",)
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 # task: (model class, its architectures, what the results file calls them)
 TASKS = {
@@ -214,8 +248,10 @@ def small_model(model_type: str, task: str) -> torch.nn.Module:
         config = AutoConfig.for_model(model_type, **stage_lists)
     per_layer = config.__dict__.get("_heterogeneity_spec") is not None
     if per_layer:  # its global sizes read and written below, the layers' own kept
-        config = _small_per_layer_config(model_type, config)
+        config = _small_config(model_type, config)
         config.allow_global_per_layer_attribute_access = True
+    elif model_type in DERIVED_SIZES:
+        config = _small_config(model_type, config)
     _shrink(config, model_type)
     parts = getattr(config, "sub_configs", None) or {} if task == "image-text-to-text" else {}
     for key in parts:  # a vision-language model's parts, each its own config
@@ -249,18 +285,24 @@ def _shrink(config, model_type: str, extra: dict | None = None) -> None:
             with contextlib.suppress(AttributeError):  # a property derived from others
                 setattr(config, field, value)
     for field, value in OWN_SIZES.get(model_type, {}).items():
-        setattr(config, field, value)
+        owner, _, name = field.rpartition(".")  # a field of a part's config: "part.field"
+        setattr(getattr(config, owner) if owner else config, name, value)
     if isinstance(getattr(config, "qk_rope_head_dim", None), int):  # latent attention's
         with contextlib.suppress(AttributeError):  # rotary key is its head_dim
             config.head_dim = config.qk_rope_head_dim
+        if isinstance(getattr(config, "qk_head_dim", None), int):  # a stored sum
+            config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        if isinstance(getattr(config, "kv_lora_rank", None), int):  # keys and values
+            config.num_key_value_heads = config.num_attention_heads  # per query head
     for field in TOKEN_IDS:  # ids of the default vocabulary, past the small one
         current = getattr(config, field, None)
         if isinstance(current, int) and current >= SIZES["vocab_size"]:
             setattr(config, field, TOKEN_IDS.index(field))
-    types = getattr(config, "layer_types", None)
-    if isinstance(types, list) and types:  # one type per layer
-        with contextlib.suppress(AttributeError):
-            config.layer_types = _every_type(types, SIZES["num_hidden_layers"])
+    for field in LAYER_TYPES:  # one type per layer
+        types = getattr(config, field, None)
+        if isinstance(types, list) and types:
+            with contextlib.suppress(AttributeError):
+                setattr(config, field, _every_type(types, SIZES["num_hidden_layers"]))
     rope = getattr(config, "rope_parameters", None)
     if "mrope_section" in getattr(type(config), "ignore_keys_at_rope_validation", ()):
         pairs = (getattr(config, "head_dim", None) or SIZES["head_dim"]) // 2
@@ -270,20 +312,26 @@ def _shrink(config, model_type: str, extra: dict | None = None) -> None:
     _fill_unset_defaults(config)
 
 
-def _small_per_layer_config(model_type: str, config):
-    """A config with sizes per layer (Gemma 4's) built again at the small size: the
-    layers' own sizes come from arguments (PER_LAYER_SIZES) its constructor turns into
-    per-layer overrides, and their global values cannot be read to be changed."""
-    config.allow_global_per_layer_attribute_access = True
+def _small_config(model_type: str, config):
+    """A config built again at the small size, its sizes given as arguments: one with
+    sizes per layer (Gemma 4's), whose layers' own sizes come from arguments
+    (PER_LAYER_SIZES) its constructor turns into per-layer overrides and whose global
+    values cannot be read to be changed; or one of DERIVED_SIZES."""
+    if model_type not in DERIVED_SIZES:
+        config.allow_global_per_layer_attribute_access = True
     sizes = {
         field: value
         for field, value in SIZES.items()
         if isinstance(getattr(config, field, None), int)
         and not isinstance(getattr(config, field), bool)
+        and field not in KEPT.get(model_type, ())
     }
-    types = getattr(config, "layer_types", None)
-    if isinstance(types, list) and types:
-        sizes["layer_types"] = _every_type(types, SIZES["num_hidden_layers"])
+    for field in LAYER_TYPES:
+        types = getattr(config, field, None)
+        if isinstance(types, list) and types:
+            sizes[field] = _every_type(types, SIZES["num_hidden_layers"])
+    if model_type in DERIVED_SIZES:
+        return AutoConfig.for_model(model_type, **sizes)
     return AutoConfig.for_model(model_type, **sizes, **PER_LAYER_SIZES)
 
 

@@ -50,7 +50,9 @@ each (:func:`match_form`):
 - one fused projection holding each unit's query heads, key and value in turn:
   GPT-NeoX's, Falcon's and BLOOM's ``query_key_value`` with ``dense``, GPT-BigCode's
   ``c_attn`` with ``c_proj``; MPT's ``Wqkv`` (query, key and value blocks) with
-  ``out_proj``, ModernBERT's with ``Wo``;
+  ``out_proj``, ModernBERT's with ``Wo``; DBRX's ``Wqkv`` of fewer key/value heads
+  (``num_key_value_heads``) than query heads, whose code splits it at its
+  ``hidden_size``, the query width export writes;
 - multi-head latent attention (DeepSeek-V2 and V3, and the families built on them): the
   query projection ``q_b_proj`` (or ``q_proj``) and the key/value up-projection
   ``kv_b_proj`` hold each head's rows, ``o_proj`` its columns; the compressed latents
@@ -341,6 +343,9 @@ def _fused(name: str, module: nn.Module) -> HeadGroup | None:
         return None
     if not isinstance(heads, int):
         heads = proj.in_features // head_dim
+    grouped = _grouped_fused(name, module, qkv, proj, heads, head_dim)
+    if grouped is not None:
+        return grouped
     if qkv.out_features != 3 * heads * head_dim or proj.in_features != heads * head_dim:
         raise ValueError(
             f"attention layer {name!r}: {fused} ({qkv.out_features} outputs) and {output} "
@@ -356,6 +361,32 @@ def _fused(name: str, module: nn.Module) -> HeadGroup | None:
     innermost = getattr(pruned_classes().get(type(module)), "heads_innermost", False)
     out = Projection(proj, head_dim, 1) if innermost else Projection(proj, 1, head_dim)
     return HeadGroup(name, module, rows, out, heads, 1, head_dim)
+
+
+def _grouped_fused(
+    name: str, module: nn.Module, qkv: nn.Linear, proj: nn.Linear, heads: int, head_dim: int
+) -> HeadGroup | None:
+    """A FUSED_FORMS projection of all query heads, then fewer key heads, then as many
+    value heads, with ``num_key_value_heads`` (DBRX's ``Wqkv``): a unit is a key/value
+    head with its query heads (one query head where there is a single key/value head, as
+    in multi-query attention). None where the layer has as many key/value heads as
+    query heads, or its shapes are not those of this layout."""
+    units = getattr(module, "num_key_value_heads", None)
+    if (
+        not isinstance(units, int)
+        or not 0 < units < heads
+        or heads % units
+        or proj.in_features != heads * head_dim
+        or qkv.out_features != (heads + 2 * units) * head_dim
+    ):
+        return None
+    if units == 1:  # rows: all query heads, then the key, then the value
+        return _query_head_units(name, module, qkv, proj, heads, head_dim)
+    per_unit = heads // units
+    rows = [Projection(qkv, 3, head_dim, (per_unit * head_dim, head_dim, head_dim))]
+    return HeadGroup(
+        name, module, rows, Projection(proj, 1, per_unit * head_dim), units, per_unit, head_dim
+    )
 
 
 def _linear_and_norm(module: nn.Module | None) -> tuple[nn.Linear | None, nn.Module | None]:

@@ -73,9 +73,9 @@ def find_head_groups(
         group.per_head_layers = _per_head_layers(group)
         if not group.latent:  # a latent's norms act before the heads' own projections
             group.norms = norms_over_all_heads(group.module, group.head_dim)
-            group.refusal = group.refusal or _other_linears(group)
             group.head_mixers = _head_mixers(group)
-            group.__post_init__()
+        group.refusal = group.refusal or _other_linears(group)
+        group.__post_init__()
         parent = group.name.rpartition(".")[0]  # the block holding the attention layer
         group.tables, mixed = _per_head_tables(group, modules[parent] if parent else None)
         whole = picking_submodules(group.module, "whole")  # serving all the model's heads
@@ -258,8 +258,15 @@ def prove_head_groups(model: nn.Module, groups: list[HeadGroup], inputs: tuple) 
 
 # attributes an attention layer's code may reshape its output to, holding the query width
 # (the model width as it is built): XGLM's, MVP's, InternVL's vision tower's; timm's
-# Hiera's `dim_out`, Hugging Face Hiera's `hidden_size_output`
-OUTPUT_WIDTH_ATTRIBUTES = ("embed_dim", "dim_out", "hidden_size_output", "output_dim")
+# Hiera's `dim_out`, Hugging Face Hiera's `hidden_size_output`; DBRX's `hidden_size`,
+# where it splits its fused projection's queries from the keys
+OUTPUT_WIDTH_ATTRIBUTES = (
+    "embed_dim",
+    "dim_out",
+    "hidden_size_output",
+    "output_dim",
+    "hidden_size",
+)
 
 
 def _proven(group: HeadGroup, scope: nn.Module, call: tuple, zero, cut, cut_call) -> bool:
@@ -326,12 +333,18 @@ def _other_linears(group: HeadGroup) -> str:
     width from the layer's input refuses it, or ""."""
     width = group.units * group.query_heads_per_unit * group.head_dim  # the query width
     known = {group.out.layer, *(p.layer for p in group.rows)}
+    # the layer's input: a latent attention's query rows read the compressed query, the
+    # output projection writes the model width its input has (HunYuan V4's output gate)
+    if group.latent:
+        given = group.out.layer.out_features
+    else:  # torch's MultiheadAttention is its own row projection: it has no in_features
+        given = getattr(group.rows[0].layer, "in_features", None)
     for name, child in group.module.named_children():
         if (
             not isinstance(child, nn.Linear)
             or child in known
             or child.out_features != width
-            or child.in_features != group.rows[0].layer.in_features
+            or child.in_features != given
         ):
             continue
         if name not in (*OUTPUT_GATES, *POSITION_PROJECTIONS):

@@ -1305,6 +1305,84 @@ def test_latent_attention_heads_export_exactly_without_the_channel_graph(
         torch.testing.assert_close(loaded(*inputs).logits, exported(*inputs).logits)
 
 
+def test_latent_attention_output_gate_and_sinks_are_cut_with_the_heads():
+    """HunYuan V4's latent attention gates its output head by head with gate_proj (of the
+    layer's input, not the compressed query q_b_proj reads) and adds a learned sink per
+    head beside a sparse-attention indexer of its own heads: the gate's rows and the
+    sinks of the kept heads stay, the indexer stays whole, and the export computes what
+    the hard-masked model computes."""
+    config = transformers.HYV4Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        q_lora_rank=20,
+        kv_lora_rank=12,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=8,
+        v_head_dim=6,
+        index_n_heads=2,
+        index_head_dim=8,
+        index_topk=4,
+        mlp_layer_types=["dense", "dense"],
+        **TOKEN_IDS,
+    )
+    torch.manual_seed(0)
+    model, inputs = transformers.HYV4ForCausalLM(config).eval(), (tokens(),)
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        attn.sinks.normal_()
+    gate, sinks = attn.gate_proj.weight.detach().clone(), attn.sinks.detach().clone()
+    indexer = {n: p.detach().clone() for n, p in attn.indexer.named_parameters()}
+    pruner = randomised(DTPPruner(model, inputs, {"heads": 0.5}))
+    assert [(g.name, g.latent) for g in pruner.groups] == [
+        (f"model.layers.{i}.self_attn", True) for i in (0, 1)
+    ]
+    kept = pruner.hard_masks()[0].nonzero().flatten()
+    exported = export_checked(pruner, model, inputs)
+    cut = exported.model.layers[0].self_attn
+    rows = (kept[:, None] * 6 + torch.arange(6)).flatten()
+    torch.testing.assert_close(cut.gate_proj.weight, gate[rows], rtol=0, atol=0)
+    torch.testing.assert_close(cut.sinks, sinks[kept], rtol=0, atol=0)
+    for name, parameter in cut.indexer.named_parameters():
+        torch.testing.assert_close(parameter, indexer[name], rtol=0, atol=0)
+
+
+def test_fused_projection_with_fewer_key_value_heads_prunes_by_key_value_head():
+    """DBRX's Wqkv holds all query heads, then 2 key heads, then 2 value heads, and its
+    code splits it at its `hidden_size`: a unit is a key/value head with its 2 query
+    heads; export keeps their rows, writes the layer's query width and head counts, and
+    computes what the hard-masked model computes."""
+    config = transformers.DbrxConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        n_heads=4,
+        n_layers=2,
+        max_seq_len=64,
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        ffn_config={"hidden_size": 32, "ffn_hidden_size": 32, "moe_num_experts": 2},
+        **TOKEN_IDS,
+    )
+    torch.manual_seed(0)
+    model, inputs = transformers.DbrxForCausalLM(config).eval(), (tokens(),)
+    fused = model.transformer.blocks[0].norm_attn_norm.attn.Wqkv.weight.detach().clone()
+    pruner = randomised(DTPPruner(model, inputs, {"heads": 0.5}))
+    assert [(g.name, g.units, g.query_heads_per_unit) for g in pruner.groups] == [
+        (f"transformer.blocks.{i}.norm_attn_norm.attn", 2, 2) for i in (0, 1)
+    ]
+    (unit,) = pruner.hard_masks()[0].nonzero().flatten().tolist()
+    # its key/value head count is in a part's config (attn_config), which export leaves
+    with pytest.warns(UserWarning, match="config cannot describe"):
+        exported = export_checked(pruner, model, inputs)
+    attn = exported.transformer.blocks[0].norm_attn_norm.attn
+    head = torch.arange(8)
+    rows = torch.cat([unit * 16 + torch.arange(16), 32 + unit * 8 + head, 48 + unit * 8 + head])
+    torch.testing.assert_close(attn.Wqkv.weight, fused[rows], rtol=0, atol=0)
+    assert (attn.hidden_size, attn.num_heads, attn.num_key_value_heads) == (16, 2, 1)
+
+
 def test_latent_attention_is_recognised_by_all_its_parts_and_checked_whole():
     """Without its key/value latent it is not latent attention; a value head size that
     does not divide o_proj's inputs is an error naming the layer."""
