@@ -127,6 +127,10 @@ PART_SIZES = {"depth": 2, "embed_dim": 64, "num_heads": 4, "out_hidden_size": 64
 OWN_SIZES = {
     "mamba2": {"num_heads": 8, "n_groups": 2},
     "dots1": {"n_routed_experts": 4, "n_shared_experts": 1},
+    # its grouped output projection: 2 groups of 4 heads of 16, to a rank of 24 each (its
+    # o_b_proj then reads 48, not the compressed query's 32 as q_b_proj does); 8 heads,
+    # not the 4 tokens its compressors pool, whose position biases would look per head
+    "deepseek_v4": {"num_attention_heads": 8, "o_groups": 2, "o_lora_rank": 24, "head_dim": 16},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     "qwen4_exp_text": {  # its sparse attention's indexer, n-gram embeddings in no layer
         "indexer_n_heads": 2,
@@ -284,9 +288,6 @@ def _shrink(config, model_type: str, extra: dict | None = None) -> None:
         if isinstance(current, int) and not isinstance(current, bool):
             with contextlib.suppress(AttributeError):  # a property derived from others
                 setattr(config, field, value)
-    for field, value in OWN_SIZES.get(model_type, {}).items():
-        owner, _, name = field.rpartition(".")  # a field of a part's config: "part.field"
-        setattr(getattr(config, owner) if owner else config, name, value)
     if isinstance(getattr(config, "qk_rope_head_dim", None), int):  # latent attention's
         with contextlib.suppress(AttributeError):  # rotary key is its head_dim
             config.head_dim = config.qk_rope_head_dim
@@ -294,6 +295,9 @@ def _shrink(config, model_type: str, extra: dict | None = None) -> None:
             config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         if isinstance(getattr(config, "kv_lora_rank", None), int):  # keys and values
             config.num_key_value_heads = config.num_attention_heads  # per query head
+    for field, value in OWN_SIZES.get(model_type, {}).items():
+        owner, _, name = field.rpartition(".")  # a field of a part's config: "part.field"
+        setattr(getattr(config, owner) if owner else config, name, value)
     for field in TOKEN_IDS:  # ids of the default vocabulary, past the small one
         current = getattr(config, field, None)
         if isinstance(current, int) and current >= SIZES["vocab_size"]:

@@ -58,6 +58,11 @@ each (:func:`match_form`):
   ``kv_b_proj`` hold each head's rows, ``o_proj`` its columns; the compressed latents
   before them (``q_a_proj``, ``kv_a_proj_with_mqa`` and their norms) serve all heads and
   stay whole, as does the rotary key all heads share;
+- DeepSeek-V4's multi-query attention: ``q_b_proj`` holds each query head's rows,
+  ``kv_proj`` the one key/value head all read (kept whole, as the compressed query
+  ``q_a_proj``), the grouped ``o_a_proj`` is block-diagonal over ``n_groups`` equal runs
+  of heads (a head's columns in its run's rows only: its mask and cut are per run, and
+  every run keeps as many heads), and the per-head sinks are cut with the heads;
 - CodeGen's ``qkv_proj``, interleaved over its 4 training shards (each shard's queries,
   values and keys of its heads), and ``out_proj``: every shard keeps as many heads;
 - torch's ``nn.MultiheadAttention`` (torchvision's ViT). Its inner width is tied to the
@@ -307,6 +312,42 @@ def _latent(name: str, module: nn.Module) -> HeadGroup | None:
         )
     rows = [Projection(query, 1, nope + rope), Projection(kv_up, 1, nope + value)]
     return HeadGroup(name, module, rows, Projection(out, 1, value), heads, 1, value, latent=True)
+
+
+def _grouped_output(name: str, module: nn.Module) -> HeadGroup | None:
+    """Multi-query attention whose output projection is block-diagonal over groups of
+    heads (DeepSeek-V4's): ``q_b_proj`` holds each query head's rows (after the
+    compressed query ``q_a_proj`` all heads share), ``kv_proj`` the one head all heads
+    read as key and value (kept whole), and ``o_a_proj`` (with ``n_groups``) projects
+    each equal run of heads to its own rows, which ``o_b_proj`` then mixes. A unit is a
+    query head; every run keeps as many (transport segments), as the grouped projection
+    needs."""
+    query, kv, out = (_linear(module, n) for n in ("q_b_proj", "kv_proj", "o_a_proj"))
+    runs, heads, head_dim = (
+        getattr(o, a, None)
+        for o, a in ((out, "n_groups"), (module, "num_heads"), (module, "head_dim"))
+    )
+    if query is None or kv is None or out is None:
+        return None
+    if not all(isinstance(v, int) and v > 0 for v in (runs, heads, head_dim)):
+        return None
+    if (
+        query.out_features != heads * head_dim
+        or kv.out_features != head_dim
+        or heads % runs
+        or head_dim % runs  # a removed head's columns span 1 / runs of the rows
+        or out.in_features * runs != heads * head_dim
+        or out.out_features % runs
+    ):
+        raise ValueError(
+            f"attention layer {name!r}: q_b_proj ({query.out_features} outputs), kv_proj "
+            f"({kv.out_features}) and o_a_proj ({out.in_features} inputs, {runs} groups) "
+            f"are not {heads} query heads of head_dim {head_dim} reading one key/value "
+            f"head, in {runs} groups of as many heads (a head_dim they divide)"
+        )
+    rows = [Projection(query, 1, head_dim)]
+    output = Projection(out, 1, head_dim, diagonal=runs)
+    return HeadGroup(name, module, rows, output, heads, 1, head_dim, shared_kv=True, segments=runs)
 
 
 # one fused projection of query, key and value blocks and the output projection
@@ -704,6 +745,7 @@ FORMS = (
     _gpt2,
     _bert,
     _latent,
+    _grouped_output,
     _sharded,
     _torch_mha,
 )

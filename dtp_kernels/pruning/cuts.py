@@ -27,6 +27,30 @@ def cut_linear(layer: nn.Linear, keep: torch.Tensor, dim: int = 0) -> None:
         layer.in_features = len(keep)
 
 
+def cut_diagonal_columns(
+    layer: nn.Linear, runs: int, per_unit: int, units: int, keep: torch.Tensor
+) -> None:
+    """Keep the units `keep` of a linear layer block-diagonal over `runs` equal runs of
+    `units` units of `per_unit` columns (DeepSeek-V4's grouped o_a_proj: its weight holds
+    one run's columns, run g's rows reading run g's units), in place. Every run keeps as
+    many units, each run its own: the rows stay, the columns become the kept units'."""
+    run = units // runs
+    weight = layer.weight.detach()
+    blocks = weight.view(runs, weight.shape[0] // runs, run, per_unit)
+    keep = keep.to(weight.device)
+    local = [keep[(keep >= g * run) & (keep < (g + 1) * run)] - g * run for g in range(runs)]
+    if len({len(kept) for kept in local}) != 1:
+        raise ValueError(
+            f"a block-diagonal projection of {runs} runs of {run} units must keep as many "
+            f"units in each run, not {[len(kept) for kept in local]}"
+        )
+    kept = torch.stack([blocks[g].index_select(1, local[g]) for g in range(runs)])
+    layer.weight = nn.Parameter(
+        kept.reshape(weight.shape[0], -1).clone(), requires_grad=layer.weight.requires_grad
+    )
+    layer.in_features = layer.weight.shape[1]
+
+
 def channel_dim(layer: nn.Module) -> int:
     """The dimension of a linear (last) or convolution (1) layer's input that holds its
     input channels."""

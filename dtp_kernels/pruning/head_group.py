@@ -32,10 +32,20 @@ class Projection:
     # own units in turn (CodeGen's fused projection, interleaved over the 4 shards it was
     # trained on: each shard's queries, values and keys of its heads)
     outer: int = 1
+    # an output projection block-diagonal over this many equal runs of the units: run g's
+    # columns feed the g-th block of rows only, and the weight holds one run's columns
+    # (DeepSeek-V4's grouped o_a_proj, computed run by run with a batched matmul)
+    diagonal: int = 1
 
     @property
     def block_sizes(self) -> tuple[int, ...]:
         return self.sizes or (self.per_unit,) * self.blocks
+
+    def unit_block(self, weight: torch.Tensor, units: int) -> torch.Tensor:
+        """A block-diagonal output projection's weight viewed (runs, rows of a run, units
+        of a run, per_unit): unit u's columns are [u // run, :, u % run]."""
+        runs = self.diagonal
+        return weight.view(runs, weight.shape[0] // runs, units // runs, self.per_unit)
 
     def kept(self, units: int, kept_units: torch.Tensor) -> torch.Tensor:
         """Indices of the rows (columns) that `kept_units` keep."""
@@ -120,6 +130,9 @@ class HeadGroup:
         self.kept_in = [self.out.layer, *self.head_mixers]
         projections = [*self.rows, *self.convs, *self.row_norms, self.out]
         self.width = {p.layer: sum(p.block_sizes) for p in projections}
+        # a block-diagonal output projection loses a unit's columns from its run's rows
+        # only: per unit removed, its per_unit columns over 1 / diagonal of the rows
+        self.width[self.out.layer] //= self.out.diagonal
         self.width |= dict.fromkeys(self.head_mixers, self.query_heads_per_unit)
 
     @property
@@ -159,6 +172,9 @@ class HeadGroup:
     def unit_weights(self) -> torch.Tensor:
         """The output projection's columns, one row per unit (the unit's filter)."""
         weight = self.out.layer.weight.detach()
+        if self.out.diagonal > 1:  # a unit's columns in its own run's rows
+            blocks = self.out.unit_block(weight, self.units)
+            return blocks.permute(0, 2, 1, 3).reshape(self.units, -1)
         columns = torch.stack(
             [self.out.kept(self.units, torch.tensor([u])) for u in range(self.units)]
         )

@@ -33,7 +33,7 @@ from torch import nn
 
 from .attention_forms import match_form
 from .cost import run_hooked
-from .cuts import cut_batch_norm, cut_depthwise, cut_linear
+from .cuts import cut_batch_norm, cut_depthwise, cut_diagonal_columns, cut_linear
 from .grouped_convs import ratios_keeping_parts_alike
 from .groups import is_norm
 from .head_group import HeadGroup, Projection
@@ -110,9 +110,9 @@ def _per_head_layers(group: HeadGroup) -> list[nn.Module]:
 
 
 def check_shard_ratios(groups: list, ratios: dict[str, float], budget: str) -> None:
-    """ValueError, before any mask, when heads kept alike in equal shards (CodeGen's) are
-    asked to go under a budget other than "layer", or at a count the shards cannot keep
-    alike."""
+    """ValueError, before any mask, when heads kept alike in equal groups (CodeGen's
+    shards, DeepSeek-V4's output groups) are asked to go under a budget other than
+    "layer", or at a count the groups cannot keep alike."""
     sharded = [
         g
         for g in groups
@@ -122,7 +122,7 @@ def check_shard_ratios(groups: list, ratios: dict[str, float], budget: str) -> N
         return
     if budget != "layer":
         raise ValueError(
-            f"budget = {budget!r} cannot keep the same number of heads in each shard of "
+            f"budget = {budget!r} cannot keep the same number of heads in each group of "
             f"attention layer {sharded[0].name!r} (and {len(sharded) - 1} more), which its "
             "code needs; use budget='layer', or leave them whole with ignored_layers=[...] or "
             "a ratio of 0 for them"
@@ -131,14 +131,15 @@ def check_shard_ratios(groups: list, ratios: dict[str, float], budget: str) -> N
     if uneven:
         details = "; ".join(
             f"attention layer {g.name!r}: ratio {ratios[g.name]} keeps "
-            f"{kept_count(g.size, ratios[g.name])} of {g.size} heads in {g.segments} shards of "
+            f"{kept_count(g.size, ratios[g.name])} of {g.size} heads in {g.segments} groups of "
             f"{g.size // g.segments}"
             for g in uneven[:4]
         )
         common = ratios_keeping_parts_alike({g.size // g.segments for g in uneven})
         raise ValueError(
-            f"these attention layers keep the same number of heads in each of their shards, "
-            f"so a kept count must be a multiple of the shards: {details}. Ratios every one "
+            f"these attention layers keep the same number of heads in each of their groups "
+            f"(CodeGen's shards, DeepSeek-V4's output groups), so a kept count must be a "
+            f"multiple of the groups: {details}. Ratios every one "
             f"of these layers can keep: {common}"
         )
 
@@ -227,8 +228,14 @@ def prove_head_groups(model: nn.Module, groups: list[HeadGroup], inputs: tuple) 
         def zero(copy: nn.Module, keep: torch.Tensor, group=group, names=names) -> None:
             out = copy.get_submodule(names[group.out.layer])
             units = dropped(group.units, keep, torch.device("cpu"))
-            columns = group.out.kept(group.units, units).to(out.weight.device)
-            out.weight[:, columns] = 0
+            if group.out.diagonal > 1:  # a unit's columns in its own run's rows
+                blocks = group.out.unit_block(out.weight, group.units)
+                run = group.units // group.out.diagonal
+                for unit in units.tolist():
+                    blocks[unit // run, :, unit % run] = 0
+            else:
+                columns = group.out.kept(group.units, units).to(out.weight.device)
+                out.weight[:, columns] = 0
             for mixer in group.head_mixers:  # the columns of the heads' mixes too
                 weight = copy.get_submodule(names[mixer]).weight
                 weight[:, units.to(weight.device)] = 0
@@ -552,7 +559,11 @@ def _prune_layer_heads(
         return
     for projection in group.rows:
         cut_linear(copy[names[projection.layer]], projection.kept(group.units, kept))
-    cut_linear(copy[names[group.out.layer]], group.out.kept(group.units, kept), dim=1)
+    out = group.out
+    if out.diagonal > 1:
+        cut_diagonal_columns(copy[names[out.layer]], out.diagonal, out.per_unit, group.units, kept)
+    else:
+        cut_linear(copy[names[out.layer]], out.kept(group.units, kept), dim=1)
     for rescaled in group.rescaled:  # their rows are cut: the norms follow, rescaled
         channels = Projection(rescaled.norm, 1, rescaled.channels_per_unit).kept(group.units, kept)
         cut_norm(copy[names[rescaled.norm]], copy[names[rescaled.rows]], channels)

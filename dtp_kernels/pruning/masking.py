@@ -165,6 +165,21 @@ class ScaleColumns(ScaleRows):
     DIM = 1
 
 
+class ScaleDiagonalColumns(nn.Module):
+    """Parametrization of a block-diagonal output projection (Projection.diagonal): unit
+    u's `per_unit` columns times its mask in the rows of its own run only, by
+    broadcasting over the weight viewed (runs, rows, units of a run, per_unit)."""
+
+    def __init__(self, source: MaskSource, index: int, per_unit: int, runs: int) -> None:
+        super().__init__()
+        self.source, self.index, self.per_unit, self.runs = source, index, per_unit, runs
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        mask = self.source.get(self.index).to(weight.dtype)
+        blocks = weight.view(self.runs, weight.shape[0] // self.runs, -1, self.per_unit)
+        return (blocks * mask.view(self.runs, 1, -1, 1)).view_as(weight)
+
+
 class ScaleLast(ScaleRows):
     """Parametrization w -> w * mask over the last dimension, by broadcasting (a GRN's
     bias, of shape (C,) in timm and (1, 1, 1, C) in Hugging Face)."""

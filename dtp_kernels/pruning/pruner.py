@@ -43,6 +43,7 @@ from .masking import (
     HardMasks,
     MaskSource,
     ScaleColumns,
+    ScaleDiagonalColumns,
     ScaleEach,
     ScaleExperts,
     ScaleLast,
@@ -328,7 +329,11 @@ class DTPPruner(ChannelPruner):
             return
         if isinstance(group, HeadGroup):  # the output projection's columns, per unit
             for layer in group.members:  # every layer of a chain tied by its bias
-                scale = ScaleColumns(self._source, index, layer.out.per_unit, layer.out.blocks)
+                out = layer.out
+                if out.diagonal > 1:  # each unit's columns in its own run's rows
+                    scale = ScaleDiagonalColumns(self._source, index, out.per_unit, out.diagonal)
+                else:
+                    scale = ScaleColumns(self._source, index, out.per_unit, out.blocks)
                 parametrize.register_parametrization(layer.layer, "weight", scale)
                 for mixer in layer.head_mixers:  # a mix over the heads reads none removed
                     scale = ScaleColumns(self._source, index)

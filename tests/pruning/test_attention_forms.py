@@ -15,11 +15,20 @@ import pytest
 import torch
 
 from dtp_kernels.pruning import DTPPruner
+from dtp_kernels.pruning.attention_forms import match_form
 from dtp_kernels.pruning.base import _zero_ratios
 from dtp_kernels.pruning.cost import count_params
 from dtp_kernels.pruning.heads import HeadGroup
 from utils import LLAMA_VOCAB as VOCAB
-from utils import TINY_BERT, TINY_HF_VIT, randomised, tiny_deepseek, tiny_speech_encoder, tiny_t5
+from utils import (
+    TINY_BERT,
+    TINY_HF_VIT,
+    described_export,
+    randomised,
+    tiny_deepseek,
+    tiny_speech_encoder,
+    tiny_t5,
+)
 
 transformers = pytest.importorskip("transformers")
 from dtp_kernels.pruning.transformers_attention import (  # noqa: E402
@@ -1383,6 +1392,94 @@ def test_fused_projection_with_fewer_key_value_heads_prunes_by_key_value_head():
     assert (attn.hidden_size, attn.num_heads, attn.num_key_value_heads) == (16, 2, 1)
 
 
+def tiny_deepseek_v4():
+    """DeepSeek-V4 at 8 query heads of 16 reading one key/value head, its output
+    projection block-diagonal over 2 groups of 4 heads; a sliding-window layer, then one
+    of compressed sparse attention with an indexer of 2 heads of its own."""
+    config = transformers.DeepseekV4Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_attention_heads=8,
+        head_dim=16,
+        q_lora_rank=20,
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "compressed_sparse_attention"],
+        moe_intermediate_size=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        o_groups=2,
+        o_lora_rank=12,
+        index_n_heads=2,
+        index_head_dim=8,
+        index_topk=4,
+        sliding_window=4,
+        **TOKEN_IDS,
+    )
+    torch.manual_seed(0)
+    model = transformers.DeepseekV4ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_()
+    return model
+
+
+def test_grouped_output_projection_keeps_as_many_heads_in_each_group():
+    """DeepSeek-V4's o_a_proj is block-diagonal: group g's 4 heads feed its 12 rows only.
+    A head's mask zeroes its columns in its own group's rows (not the same columns of the
+    other group), every group keeps as many heads, export keeps each group's own heads'
+    columns, q_b_proj's rows and sinks, the key/value head whole, and computes what the
+    hard-masked model computes with the parameters the report predicts; the config
+    rebuilds it."""
+    model, inputs = tiny_deepseek_v4(), (tokens(),)
+    attn = model.model.layers[0].self_attn
+    dense = {n: p.detach().clone() for n, p in attn.named_parameters()}
+    # a head's filter (magnitude scores, the L1 baseline): its columns in its group's rows
+    filters = match_form("attn", attn).unit_weights()
+    blocks = dense["o_a_proj.weight"].view(2, 12, 4, 16)
+    for head in range(8):
+        torch.testing.assert_close(filters[head], blocks[head // 4, :, head % 4].flatten())
+    pruner = randomised(DTPPruner(model, inputs, {"heads": 0.5}))
+    assert [(g.name, g.size, g.segments) for g in pruner.groups if isinstance(g, HeadGroup)] == [
+        (f"model.layers.{i}.self_attn", 8, 2) for i in (0, 1)
+    ]
+    mask = pruner.hard_masks()[0]
+    assert mask.view(2, 4).sum(1).tolist() == [2, 2]
+    with torch.no_grad(), pruner.hard_masked():  # the mask, seen on the weight
+        blocks = attn.o_a_proj.weight.view(2, 12, 4, 16)
+        for head, on in enumerate(mask.tolist()):
+            in_run = blocks[head // 4, :, head % 4]
+            assert bool(in_run.abs().sum() > 0) == bool(on)
+    kept = mask.nonzero().flatten()
+    exported, _ = described_export(pruner, model, inputs)
+    cut = exported.model.layers[0].self_attn
+    want = torch.stack(
+        [
+            dense["o_a_proj.weight"].view(2, 12, 4, 16)[g][:, kept[kept // 4 == g] % 4]
+            for g in (0, 1)
+        ]
+    ).reshape(24, 32)
+    torch.testing.assert_close(cut.o_a_proj.weight, want, rtol=0, atol=0)
+    rows = (kept[:, None] * 16 + torch.arange(16)).flatten()
+    torch.testing.assert_close(cut.q_b_proj.weight, dense["q_b_proj.weight"][rows], rtol=0, atol=0)
+    torch.testing.assert_close(cut.sinks, dense["sinks"][kept], rtol=0, atol=0)
+    torch.testing.assert_close(cut.kv_proj.weight, dense["kv_proj.weight"], rtol=0, atol=0)
+    assert (cut.num_heads, cut.num_key_value_groups, exported.config.num_attention_heads) == (
+        4,
+        4,
+        4,
+    )
+    assert pruner.predicted_counts()[0] == count_params(exported)
+
+
+def test_grouped_output_projection_refuses_a_count_its_groups_cannot_keep_alike():
+    """3 of 8 heads cannot be kept as many in each of 2 groups: an error naming the layer
+    and ratios every such layer can keep, before anything changes."""
+    model, inputs = tiny_deepseek_v4(), (tokens(),)
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn': ratio 0.6 keeps 3 of 8"):
+        DTPPruner(model, inputs, {"heads": 0.6})
+    assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
+
+
 def test_latent_attention_is_recognised_by_all_its_parts_and_checked_whole():
     """Without its key/value latent it is not latent attention; a value head size that
     does not divide o_proj's inputs is an error naming the layer."""
@@ -1514,7 +1611,7 @@ def test_codegen_heads_prune_as_many_from_each_shard():
     params, _ = pruner.predicted_counts()
     assert params == sum(p.numel() for p in exported.parameters())
     pruner.remove()
-    with pytest.raises(ValueError, match=r"ratio 0.3 keeps 11 of 16 heads in 4 shards of 4"):
+    with pytest.raises(ValueError, match=r"ratio 0.3 keeps 11 of 16 heads in 4 groups of 4"):
         DTPPruner(model, inputs, {"heads": 0.3})
     with pytest.raises(ValueError, match=r"budget = 'global' cannot keep the same number"):
         DTPPruner(model, inputs, {"heads": 0.5}, budget="global")
