@@ -399,6 +399,41 @@ def tiny_deepseek(version: int = 3, q_lora_rank: int | None = 20, seed: int = 0)
     return getattr(transformers, f"DeepseekV{version}ForCausalLM")(config)
 
 
+def tiny_deepseek_v4(vocab: int = LLAMA_VOCAB):
+    """DeepSeek-V4 at 8 query heads of 16 reading one key/value head, its output
+    projection block-diagonal over 2 groups of 4 heads; a sliding-window layer, then one
+    of compressed sparse attention with an indexer of 2 heads of its own."""
+    import transformers
+
+    config = transformers.DeepseekV4Config(
+        vocab_size=vocab,
+        hidden_size=32,
+        num_attention_heads=8,
+        head_dim=16,
+        q_lora_rank=20,
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "compressed_sparse_attention"],
+        moe_intermediate_size=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        o_groups=2,
+        o_lora_rank=12,
+        index_n_heads=2,
+        index_head_dim=8,
+        index_topk=4,
+        sliding_window=4,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = transformers.DeepseekV4ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_()
+    return model
+
+
 def tiny_kimi_linear(vocab: int = LLAMA_VOCAB, layers: int = 3, seed: int = 0):
     """Kimi Linear: Kimi Delta Attention layers (4 heads of 8) around a latent-attention
     layer, mixture-of-experts MLPs after the first layer."""

@@ -19,7 +19,7 @@ from dtp_kernels.pipeline import recipe
 from dtp_kernels.pipeline.errors import RecipeError, UsageError
 from dtp_kernels.pipeline.run import build_data, run
 from dtp_kernels.pipeline.train import make_optimizer
-from utils import tiny_kimi_linear, tiny_llama, tiny_mixtral
+from utils import tiny_deepseek_v4, tiny_kimi_linear, tiny_llama, tiny_mixtral
 
 transformers = pytest.importorskip("transformers")
 
@@ -272,6 +272,13 @@ def save_kimi_linear(where: Path, vocab: int = 256) -> Path:
     return where
 
 
+def save_deepseek_v4(where: Path, vocab: int = 256) -> Path:
+    """A tiny DeepSeek-V4 (tests/utils.py): multi-query attention whose output projection
+    is block-diagonal over 2 groups of 4 heads."""
+    tiny_deepseek_v4(vocab=vocab).save_pretrained(where)
+    return where
+
+
 LINEAR_AND_GATED = "prune.ratios={heads: 0.5, linear_attention: 0.5, mlp: 0.5}"
 
 
@@ -283,8 +290,9 @@ LINEAR_AND_GATED = "prune.ratios={heads: 0.5, linear_attention: 0.5, mlp: 0.5}"
         (save_qwen3_5, [LINEAR_AND_GATED], "pruned"),
         (save_gemma4, [], "pruned"),
         (save_kimi_linear, ["prune.ratios={heads: 0.5, linear_attention: 0.5}"], "pruned"),
+        (save_deepseek_v4, ["prune.ratios={heads: 0.5}"], "pruned"),
     ],
-    ids=["olmo2", "mamba2", "qwen3_5", "gemma4", "kimi_linear"],
+    ids=["olmo2", "mamba2", "qwen3_5", "gemma4", "kimi_linear", "deepseek_v4"],
 )
 def test_prune_command_prunes_norms_over_all_heads_and_recurrent_mixers(
     save, ratios, saved, tmp_path
@@ -292,8 +300,9 @@ def test_prune_command_prunes_norms_over_all_heads_and_recurrent_mixers(
     """OLMo 2's heads with their norms over all heads (its config describes the export:
     save_pretrained), Mamba-2 mixers' heads (each norm's epsilon its own: pruned.pt),
     Qwen3.5's linear-attention and gated-attention heads, Gemma 4's heads and MLPs (its
-    config per layer) and Kimi Linear's delta-attention heads (save_pretrained) prune end
-    to end; the saved model computes the summary's perplexity."""
+    config per layer), Kimi Linear's delta-attention heads (save_pretrained) and
+    DeepSeek-V4's heads (as many kept in each group of its grouped output projection)
+    prune end to end; the saved model computes the summary's perplexity."""
     from dtp_kernels import load_pruned
 
     model_dir, text = save(tmp_path / "model"), write_text(tmp_path / "text")

@@ -26,6 +26,7 @@ from utils import (
     described_export,
     randomised,
     tiny_deepseek,
+    tiny_deepseek_v4,
     tiny_speech_encoder,
     tiny_t5,
 )
@@ -1390,37 +1391,6 @@ def test_fused_projection_with_fewer_key_value_heads_prunes_by_key_value_head():
     rows = torch.cat([unit * 16 + torch.arange(16), 32 + unit * 8 + head, 48 + unit * 8 + head])
     torch.testing.assert_close(attn.Wqkv.weight, fused[rows], rtol=0, atol=0)
     assert (attn.hidden_size, attn.num_heads, attn.num_key_value_heads) == (16, 2, 1)
-
-
-def tiny_deepseek_v4():
-    """DeepSeek-V4 at 8 query heads of 16 reading one key/value head, its output
-    projection block-diagonal over 2 groups of 4 heads; a sliding-window layer, then one
-    of compressed sparse attention with an indexer of 2 heads of its own."""
-    config = transformers.DeepseekV4Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_attention_heads=8,
-        head_dim=16,
-        q_lora_rank=20,
-        num_hidden_layers=2,
-        layer_types=["sliding_attention", "compressed_sparse_attention"],
-        moe_intermediate_size=16,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        o_groups=2,
-        o_lora_rank=12,
-        index_n_heads=2,
-        index_head_dim=8,
-        index_topk=4,
-        sliding_window=4,
-        **TOKEN_IDS,
-    )
-    torch.manual_seed(0)
-    model = transformers.DeepseekV4ForCausalLM(config).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.sinks.normal_()
-    return model
 
 
 def test_grouped_output_projection_keeps_as_many_heads_in_each_group():
