@@ -14,7 +14,7 @@ first words. GPT-2's Conv1D layers are made nn.Linear first, as `dtp prune` does
 Each architecture is built from its default config (`AutoConfig.for_model`, nothing
 downloaded) with the size fields it has set small (SIZES: 2 layers of width 64, 4 heads,
 a vocabulary of 256, 64 x 64 images, 4 frames; in each part's config too, for a
-vision-language model; a config that derives sizes from others when built is built
+multimodal model; a config that derives sizes from others when built is built
 again with them as arguments), random weights and random scores, on 12 tokens (a sequence
 classifier's last one its end of sequence; a vision-language model's text alone, so its
 vision tower stays whole), one image (classifiers, detectors, segmenters), one clip
@@ -257,8 +257,8 @@ def small_model(model_type: str, task: str) -> torch.nn.Module:
     elif model_type in DERIVED_SIZES:
         config = _small_config(model_type, config)
     _shrink(config, model_type)
-    parts = getattr(config, "sub_configs", None) or {} if task == "image-text-to-text" else {}
-    for key in parts:  # a vision-language model's parts, each its own config
+    parts = getattr(config, "sub_configs", None) or {}
+    for key in parts:  # a multimodal model's parts (CLIP's, a VLM's), each its own config
         sub = getattr(config, key, None)
         if hasattr(sub, "to_dict") and sub.__dict__.get("_heterogeneity_spec") is None:
             _shrink(sub, sub.model_type, PART_SIZES)
@@ -401,9 +401,11 @@ def example(model: torch.nn.Module, task: str) -> torch.Tensor:
         if task == "sequence-classification" and isinstance(eos, int):
             ids[0, -1] = eos  # an encoder-decoder classifies at its last end of sequence
         return ids
-    size = getattr(model.config, "image_size", 224)
+    # the image config: the model's, or its vision part's (CLIP's, SigLIP's classifiers)
+    config = getattr(model.config, "vision_config", None) or model.config
+    size = getattr(config, "image_size", 224)
     size = size if isinstance(size, int) else size[0]
-    channels = getattr(model.config, "num_channels", 3)
+    channels = getattr(config, "num_channels", 3)
     if task in VIDEO_TASKS:  # (batch, frames, channels, height, width)
         frames = getattr(model.config, "num_frames", 4)
         return torch.randn(1, frames, channels, size, size, generator=generator)
