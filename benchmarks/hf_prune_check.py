@@ -127,6 +127,17 @@ PART_SIZES = {"depth": 2, "embed_dim": 64, "num_heads": 4, "out_hidden_size": 64
 OWN_SIZES = {
     "mamba2": {"num_heads": 8, "n_groups": 2},
     "dots1": {"n_routed_experts": 4, "n_shared_experts": 1},
+    # 4 layers, the last 2 reading the keys and values of the first 2 (KV sharing); its
+    # per-layer inputs and activation sparsity at that size
+    "gemma3n_text": {
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "num_kv_shared_layers": 2,
+        "vocab_size_per_layer_input": 256,
+        "hidden_size_per_layer_input": 16,
+        "laurel_rank": 8,
+        "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
+    },
     # its grouped output projection: 2 groups of 4 heads of 16, to a rank of 24 each (its
     # o_b_proj then reads 48, not the compressed query's 32 as q_b_proj does); 8 heads,
     # not the 4 tokens its compressors pool, whose position biases would look per head
@@ -302,11 +313,13 @@ def _shrink(config, model_type: str, extra: dict | None = None) -> None:
         current = getattr(config, field, None)
         if isinstance(current, int) and current >= SIZES["vocab_size"]:
             setattr(config, field, TOKEN_IDS.index(field))
+    layers = getattr(config, "num_hidden_layers", None)  # an architecture's own count
+    layers = layers if isinstance(layers, int) else SIZES["num_hidden_layers"]
     for field in LAYER_TYPES:  # one type per layer
         types = getattr(config, field, None)
         if isinstance(types, list) and types:
             with contextlib.suppress(AttributeError):
-                setattr(config, field, _every_type(types, SIZES["num_hidden_layers"]))
+                setattr(config, field, _every_type(types, layers))
     rope = getattr(config, "rope_parameters", None)
     if "mrope_section" in getattr(type(config), "ignore_keys_at_rope_validation", ()):
         pairs = (getattr(config, "head_dim", None) or SIZES["head_dim"]) // 2

@@ -58,6 +58,8 @@ each (:func:`match_form`):
   ``kv_b_proj`` hold each head's rows, ``o_proj`` its columns; the compressed latents
   before them (``q_a_proj``, ``kv_a_proj_with_mqa`` and their norms) serve all heads and
   stay whole, as does the rotary key all heads share;
+- a layer reading the keys and values of an earlier layer (Gemma 3n's and Gemma 4's KV
+  sharing): ``q_proj`` and ``o_proj``, pruned tied to that layer (shared_kv.py);
 - DeepSeek-V4's multi-query attention: ``q_b_proj`` holds each query head's rows,
   ``kv_proj`` the one key/value head all read (kept whole, as the compressed query
   ``q_a_proj``), the grouped ``o_a_proj`` is block-diagonal over ``n_groups`` equal runs
@@ -733,8 +735,45 @@ def _unsplit(name: str, module: nn.Module, why: str) -> HeadGroup | None:
     return HeadGroup(name, module, [], out, 1, 1, 1, refusal=reason)
 
 
+# the flag of a layer that reads another layer's keys and values (transformers' KV sharing)
+READS_KV = "is_kv_shared_layer"
+
+
+def _kv_reusing(name: str, module: nn.Module) -> HeadGroup | None:
+    """The heads of a layer that reads its keys and values from an earlier layer (KV
+    sharing, Gemma 3n's and Gemma 4's: it has no key or value projection):
+    ``q_proj``'s rows and ``o_proj``'s columns of each unit (a key/value head it reads,
+    with its ``num_key_value_groups`` query heads; each query head where it reads one);
+    None for any other layer."""
+    if getattr(module, READS_KV, None) is not True:
+        return None
+    q, o = getattr(module, "q_proj", None), getattr(module, "o_proj", None)
+    head_dim = getattr(module, "head_dim", None)
+    per_unit = getattr(module, "num_key_value_groups", None)
+    if not (isinstance(q, nn.Linear) and isinstance(o, nn.Linear)):
+        return None
+    if not all(isinstance(v, int) and v > 0 for v in (head_dim, per_unit)):
+        return None
+    heads = o.in_features // head_dim
+    if q.out_features != o.in_features or o.in_features % head_dim or heads % per_unit:
+        raise ValueError(
+            f"attention layer {name!r}: q_proj ({q.out_features} outputs) and o_proj "
+            f"({o.in_features} inputs) are not query heads of head_dim {head_dim} in "
+            f"groups of {per_unit} per key/value head"
+        )
+    units = heads // per_unit
+    if units == 1 and heads > 1:  # it reads one key/value head: a unit is a query head
+        rows, out = [Projection(q, 1, head_dim)], Projection(o, 1, head_dim)
+        return HeadGroup(name, module, rows, out, heads, 1, head_dim, shared_kv=True)
+    # its units are the store layer's key/value heads: pruned only tied to it (shared_kv.py)
+    rows = [Projection(q, 1, per_unit * head_dim)]
+    out = Projection(o, 1, per_unit * head_dim)
+    return HeadGroup(name, module, rows, out, units, per_unit, head_dim)
+
+
 # the forms in the order they are tried: the first that matches gives the group
 FORMS = (
+    _kv_reusing,  # before _separate: it has q_proj and o_proj only
     _differential,  # before _separate, whose names it has
     _separate,
     _split,

@@ -56,6 +56,7 @@ from .mamba import MambaGroup, find_mamba_groups, prune_mamba
 from .mamba2 import Mamba2Group, check_mamba2_ratios, find_mamba2_groups
 from .mlps import FormMLPGroup, find_form_mlps, prune_form_mlp
 from .response_norms import adopt_response_norms, rescale_response_norm
+from .shared_kv import tie_kv_sharing
 from .tied_heads import tie_chains
 from .weight_transforms import weight_transform_refusals
 from .whole_experts import (
@@ -427,7 +428,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         Torch-Pruning's graph fails: MLP modules found by their form)."""
         linear = find_linear_attention_groups(model, ignored)  # no attention form of theirs
         found = find_head_groups(model, ignored + [g.module for g in linear], inputs)
-        heads = tie_chains(model, found, inputs) + linear
+        heads = tie_kv_sharing(tie_chains(model, found, inputs)) + linear
         experts = find_expert_groups(model, ignored)
         whole = find_whole_expert_groups(model, ignored, inputs)
         mixers = find_mamba_groups(model, ignored, inputs)
