@@ -265,6 +265,24 @@ def save_gemma4(where: Path, vocab: int = 256) -> Path:
     )
 
 
+def save_gemma4_sharing_kv(where: Path, vocab: int = 256) -> Path:
+    """A tiny Gemma 4 whose last 2 of 4 layers read the keys and values of the first 2."""
+    return save_lm(
+        where,
+        "Gemma4Text",
+        "Gemma4",
+        vocab,
+        head_dim=8,
+        global_head_dim=8,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        num_kv_shared_layers=2,
+        vocab_size_per_layer_input=vocab,
+        hidden_size_per_layer_input=8,
+        sliding_window=8,
+    )
+
+
 def save_kimi_linear(where: Path, vocab: int = 256) -> Path:
     """A tiny Kimi Linear (tests/utils.py): a Kimi Delta Attention layer and a latent
     attention layer with experts."""
@@ -291,8 +309,9 @@ LINEAR_AND_GATED = "prune.ratios={heads: 0.5, linear_attention: 0.5, mlp: 0.5}"
         (save_gemma4, [], "pruned"),
         (save_kimi_linear, ["prune.ratios={heads: 0.5, linear_attention: 0.5}"], "pruned"),
         (save_deepseek_v4, ["prune.ratios={heads: 0.5}"], "pruned"),
+        (save_gemma4_sharing_kv, [], "pruned"),
     ],
-    ids=["olmo2", "mamba2", "qwen3_5", "gemma4", "kimi_linear", "deepseek_v4"],
+    ids=["olmo2", "mamba2", "qwen3_5", "gemma4", "kimi_linear", "deepseek_v4", "gemma4_kv"],
 )
 def test_prune_command_prunes_norms_over_all_heads_and_recurrent_mixers(
     save, ratios, saved, tmp_path
@@ -302,7 +321,8 @@ def test_prune_command_prunes_norms_over_all_heads_and_recurrent_mixers(
     Qwen3.5's linear-attention and gated-attention heads, Gemma 4's heads and MLPs (its
     config per layer), Kimi Linear's delta-attention heads (save_pretrained) and
     DeepSeek-V4's heads (as many kept in each group of its grouped output projection)
-    prune end to end; the saved model computes the summary's perplexity."""
+    and those of Gemma 4's layers sharing keys and values prune end to end; the saved
+    model computes the summary's perplexity."""
     from dtp_kernels import load_pruned
 
     model_dir, text = save(tmp_path / "model"), write_text(tmp_path / "text")
