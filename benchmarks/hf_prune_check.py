@@ -300,8 +300,11 @@ def _shrink(config, model_type: str, extra: dict | None = None) -> None:
             with contextlib.suppress(AttributeError):  # a property derived from others
                 setattr(config, field, value)
     if isinstance(getattr(config, "qk_rope_head_dim", None), int):  # latent attention's
-        with contextlib.suppress(AttributeError):  # rotary key is its head_dim
-            config.head_dim = config.qk_rope_head_dim
+        # rotary key is its head_dim, or that part of it its rotary factor says (Mistral 4's)
+        rope = getattr(config, "rope_parameters", None)
+        part = rope.get("partial_rotary_factor", 1) if isinstance(rope, dict) else 1
+        with contextlib.suppress(AttributeError):
+            config.head_dim = round(config.qk_rope_head_dim / part)
         if isinstance(getattr(config, "qk_head_dim", None), int):  # a stored sum
             config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         if isinstance(getattr(config, "kv_lora_rank", None), int):  # keys and values
@@ -321,11 +324,15 @@ def _shrink(config, model_type: str, extra: dict | None = None) -> None:
             with contextlib.suppress(AttributeError):
                 setattr(config, field, _every_type(types, layers))
     rope = getattr(config, "rope_parameters", None)
-    if "mrope_section" in getattr(type(config), "ignore_keys_at_rope_validation", ()):
-        pairs = (getattr(config, "head_dim", None) or SIZES["head_dim"]) // 2
+    sections = "mrope_section" in getattr(type(config), "ignore_keys_at_rope_validation", ())
+    if isinstance(rope, dict) and (sections or "mrope_section" in rope):
+        # the pairs of its rotary part (GLM-4.5V's: half of each head)
+        rotary = (getattr(config, "head_dim", None) or SIZES["head_dim"]) * rope.get(
+            "partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1
+        )
+        pairs = round(rotary) // 2
         time = pairs // 4
-        if isinstance(rope, dict):
-            rope["mrope_section"] = [time, (pairs - time) // 2, pairs - time - (pairs - time) // 2]
+        rope["mrope_section"] = [time, (pairs - time) // 2, pairs - time - (pairs - time) // 2]
     _fill_unset_defaults(config)
 
 
