@@ -434,6 +434,38 @@ def tiny_deepseek_v4(vocab: int = LLAMA_VOCAB):
     return model
 
 
+def tiny_gemma_sharing_kv(family: str, sparsity: float = 0.0):
+    """Gemma 3n or Gemma 4 ("gemma3n", "gemma4"): 4 layers of 4 query heads of 16 over 2
+    key/value heads, the last 2 reading the keys and values of the first 2 (one of each
+    type); Gemma 3n's first MLP with activation sparsity `sparsity`."""
+    import transformers
+
+    sizes = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        num_kv_shared_layers=2,
+        vocab_size_per_layer_input=256,
+        hidden_size_per_layer_input=16,
+        sliding_window=8,
+    )
+    if family == "gemma3n":
+        config = transformers.Gemma3nTextConfig(
+            **sizes, laurel_rank=8, activation_sparsity_pattern=[sparsity, 0.0, 0.0, 0.0]
+        )
+        build = transformers.Gemma3nForCausalLM
+    else:
+        config = transformers.Gemma4TextConfig(**sizes, global_head_dim=16)
+        build = transformers.Gemma4ForCausalLM
+    torch.manual_seed(0)
+    return build(config).eval()
+
+
 def tiny_kimi_linear(vocab: int = LLAMA_VOCAB, layers: int = 3, seed: int = 0):
     """Kimi Linear: Kimi Delta Attention layers (4 heads of 8) around a latent-attention
     layer, mixture-of-experts MLPs after the first layer."""

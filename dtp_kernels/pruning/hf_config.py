@@ -7,10 +7,11 @@ vision-language model's `text_config` and `vision_config`), each written with th
 inside that part. A model whose config holds sizes per layer (transformers' heterogeneous
 configs, `per_layer_config`: Gemma 4's full-attention layers have their own head_dim)
 gets them layer by layer where one size for all cannot describe it, in its own config or
-a part's sub-config. The new values are kept only when a model built from the updated
-config (on the meta device: no memory) has exactly the exported model's shapes;
-otherwise the config is left as it was, with a warning (the exported model itself is
-right; dtp_kernels.save_pruned saves it).
+a part's sub-config; a field holding one MLP width per layer (Gemma 3n's
+intermediate_size) gets each pruned layer's. The new values are kept only when a model
+built from the updated config (on the meta device: no memory) has exactly the exported
+model's shapes; otherwise the config is left as it was, with a warning (the exported
+model itself is right; dtp_kernels.save_pruned saves it).
 """
 
 from __future__ import annotations
@@ -40,6 +41,34 @@ LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 def _mlp_field(config) -> str | None:
     return next((f for f in MLP_FIELDS if isinstance(getattr(config, f, None), int)), None)
+
+
+def _mlp_widths_field(config) -> str | None:
+    """The MLP field holding one width per layer (Gemma 3n's intermediate_size), or None."""
+    layers = getattr(config, "num_hidden_layers", None)
+    return next(
+        (
+            f
+            for f in MLP_FIELDS
+            if isinstance(widths := getattr(config, f, None), list)
+            and len(widths) == layers
+            and all(isinstance(w, int) for w in widths)
+        ),
+        None,
+    )
+
+
+def _per_layer_widths(config, field: str, mlps: list[tuple[object, int]]) -> list[int]:
+    """`config`'s list of MLP widths per layer with each pruned layer's kept width, from
+    the groups of `mlps` named in a layer and as wide as its MLP (others, another
+    module's hidden width, are left to the rebuild check)."""
+    widths = list(getattr(config, field))
+    for group, kept in mlps:
+        found = LAYER_INDEX.search(group.name)
+        index = int(found.group(1)) if found else -1
+        if 0 <= index < len(widths) and widths[index] == group.size:
+            widths[index] = kept
+    return widths
 
 
 def _uniform(kept: list[int]) -> int | None:
@@ -87,6 +116,12 @@ def config_fields(config, groups: list[tuple[str, object]], masks: list) -> dict
         if size is None:
             return None
         fields[mlp_field] = size
+    widths_field = None if mlp_field else _mlp_widths_field(config)
+    if widths_field is not None:  # one width per layer: each layer's own
+        pruned = [
+            (g, int(m.sum())) for (kind, g), m in zip(groups, masks, strict=True) if kind == "mlp"
+        ]
+        fields[widths_field] = _per_layer_widths(config, widths_field, pruned)
     if shared:
         size = _uniform(shared)
         if size is None:
@@ -319,7 +354,11 @@ def update_config(model: nn.Module, groups: list[tuple[str, object]], masks: lis
             for target, fields in writes:
                 for name, value in fields.items():
                     current = getattr(target, name, None)
-                    if isinstance(current, (list, tuple)):  # one per stage (SegFormer's heads)
+                    # one per stage (SegFormer's heads), unless written as a list of as many
+                    # (Gemma 3n's MLP widths, one per layer)
+                    if isinstance(current, (list, tuple)) and not (
+                        isinstance(value, list) and len(value) == len(current)
+                    ):
                         raise TypeError(f"{name} holds one value per stage")
                     # a read-only field (Falcon's head_dim) raises, as does a value a
                     # config's own checks refuse

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dtp_kernels.pruning import DTPPruner
-from utils import described_export, hard_masked_and_exported, randomised
+from utils import described_export, hard_masked_and_exported, randomised, tiny_gemma_sharing_kv
 
 transformers = pytest.importorskip("transformers")
 
@@ -127,3 +127,20 @@ def test_gemma4_vision_language_model_writes_its_text_config_per_layer(tmp_path)
     loaded = transformers.Gemma4ForConditionalGeneration.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(TOKENS).logits, got)
+
+
+def test_mlp_widths_held_per_layer_are_written_layer_by_layer(tmp_path):
+    """Gemma 3n holds one MLP width per layer (`intermediate_size` a list): its first
+    layer's MLP, whose activation sparsity reads all its neurons' statistics, stays whole
+    while the others lose half; the config gets each layer's width, and the export
+    (heads of layers sharing keys and values too) round-trips through save_pretrained."""
+    model = tiny_gemma_sharing_kv("gemma3n", sparsity=0.95)
+    ratios = {"heads": 0.5, "*.mlp.gate_proj": 0.5}
+    pruner = randomised(DTPPruner(model, (TOKENS,), ratios))
+    assert "model.layers.0.mlp.gate_proj" not in {g.name for g in pruner.groups}
+    exported, got = described_export(pruner, model, (TOKENS,))
+    assert exported.config.intermediate_size == [128, 64, 64, 64]
+    exported.save_pretrained(tmp_path)
+    loaded = transformers.Gemma3nForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(TOKENS).logits, got, rtol=0, atol=0)

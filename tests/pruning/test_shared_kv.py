@@ -9,40 +9,9 @@ import torch
 
 from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.shared_kv import SharedKVGroup
-from utils import described_export, randomised
+from utils import described_export, randomised, tiny_gemma_sharing_kv
 
 transformers = pytest.importorskip("transformers")
-
-TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
-
-
-def tiny(family: str):
-    """4 layers of 4 query heads of 16 over 2 key/value heads; the last 2 read the keys
-    and values of the first 2 (one of each type)."""
-    sizes = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        layer_types=TYPES,
-        num_kv_shared_layers=2,
-        vocab_size_per_layer_input=256,
-        hidden_size_per_layer_input=16,
-        sliding_window=8,
-    )
-    if family == "gemma3n":
-        config = transformers.Gemma3nTextConfig(
-            **sizes, laurel_rank=8, activation_sparsity_pattern=[0.0] * 4
-        )
-        build = transformers.Gemma3nForCausalLM
-    else:
-        config = transformers.Gemma4TextConfig(**sizes, global_head_dim=16)
-        build = transformers.Gemma4ForCausalLM
-    torch.manual_seed(0)
-    return build(config).eval()
 
 
 def tokens() -> torch.Tensor:
@@ -56,7 +25,7 @@ def test_a_store_layer_and_its_readers_lose_the_same_heads(family):
     readers get no group of their own, and the export computes what the hard-masked
     model computes, with the parameters the report predicts and a config that
     rebuilds it."""
-    model, inputs = tiny(family), (tokens(),)
+    model, inputs = tiny_gemma_sharing_kv(family), (tokens(),)
     layers = model.model.layers
     dense = {i: layers[i].self_attn.q_proj.weight.detach().clone() for i in range(4)}
     pruner = randomised(DTPPruner(model, inputs, {"heads": 0.5}))
@@ -80,7 +49,7 @@ def test_a_store_layer_and_its_readers_lose_the_same_heads(family):
 def test_a_reader_stays_whole_with_its_store_layer():
     """A store layer left whole (a ratio of 0) leaves its reader whole too: the reader
     has no group to prune, and the others still prune exactly."""
-    model, inputs = tiny("gemma3n"), (tokens(),)
+    model, inputs = tiny_gemma_sharing_kv("gemma3n"), (tokens(),)
     ratios = {"heads": 0.5, "model.layers.0.self_attn": 0}
     pruner = randomised(DTPPruner(model, inputs, ratios))
     with pytest.warns(UserWarning, match="config cannot describe"):  # layers differ
@@ -97,7 +66,7 @@ def test_a_reader_stays_whole_with_its_store_layer():
 def test_a_reader_of_a_layer_not_pruned_with_it_is_refused_by_name():
     """A reader whose store layer is ignored (no group) cannot lose heads: asking for
     them is an error naming it, before anything changes."""
-    model, inputs = tiny("gemma3n"), (tokens(),)
+    model, inputs = tiny_gemma_sharing_kv("gemma3n"), (tokens(),)
     store = model.model.layers[0].self_attn
     with pytest.raises(ValueError, match=r"'model.layers.2.self_attn': it reads the keys"):
         DTPPruner(model, inputs, {"heads": 0.5}, ignored_layers=[store])
