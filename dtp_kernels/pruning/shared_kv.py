@@ -70,7 +70,7 @@ def tie_kv_sharing(groups: list[HeadGroup]) -> list[HeadGroup]:
     """`groups` with each store layer and the reuse layers reading its keys and values
     (the latest store layer of their type before them) replaced by one SharedKVGroup
     where the store layer stood. A reuse layer whose store layer is not among `groups`
-    (left whole) or has other heads stays refused."""
+    (left whole) or has other heads is refused."""
     readers = [g for g in groups if getattr(g.module, READS_KV, None) is True and not g.shared_kv]
     if not readers:
         return groups
