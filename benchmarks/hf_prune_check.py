@@ -127,6 +127,7 @@ PART_SIZES = {"depth": 2, "embed_dim": 64, "num_heads": 4, "out_hidden_size": 64
 OWN_SIZES = {
     "mamba2": {"num_heads": 8, "n_groups": 2},
     "dots1": {"n_routed_experts": 4, "n_shared_experts": 1},
+    "recurrent_gemma": {"lru_width": 64},  # its recurrent blocks' width
     # 4 layers, the last 2 reading the keys and values of the first 2 (KV sharing); its
     # per-layer inputs and activation sparsity at that size
     "gemma3n_text": {
@@ -180,8 +181,9 @@ KEPT = {
     "zamba2": ("attention_hidden_size",),  # twice the width: its own and the embeddings'
 }
 # fields with one type per layer (attention's, the feed-forward's: dense or experts;
-# Zamba2's blocks: Mamba-2 alone or with the shared attention)
-LAYER_TYPES = ("layer_types", "mlp_layer_types", "layers_block_type")
+# Zamba2's blocks: Mamba-2 alone or with the shared attention; RecurrentGemma's
+# recurrent and attention blocks, repeated)
+LAYER_TYPES = ("layer_types", "mlp_layer_types", "layers_block_type", "block_types")
 # architectures whose configs compute sizes from others when they are built (Zamba2's
 # heads' widths): built again with SIZES' fields as arguments
 DERIVED_SIZES = ("zamba2",)
