@@ -434,14 +434,14 @@ def tiny_deepseek_v4(vocab: int = LLAMA_VOCAB):
     return model
 
 
-def tiny_gemma_sharing_kv(family: str, sparsity: float = 0.0):
+def tiny_gemma_sharing_kv(family: str, sparsity: float = 0.0, vocab: int = 256):
     """Gemma 3n or Gemma 4 ("gemma3n", "gemma4"): 4 layers of 4 query heads of 16 over 2
     key/value heads, the last 2 reading the keys and values of the first 2 (one of each
     type); Gemma 3n's first MLP with activation sparsity `sparsity`."""
     import transformers
 
     sizes = dict(
-        vocab_size=256,
+        vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=4,
@@ -450,7 +450,7 @@ def tiny_gemma_sharing_kv(family: str, sparsity: float = 0.0):
         head_dim=16,
         layer_types=["sliding_attention", "full_attention"] * 2,
         num_kv_shared_layers=2,
-        vocab_size_per_layer_input=256,
+        vocab_size_per_layer_input=vocab,
         hidden_size_per_layer_input=16,
         sliding_window=8,
     )

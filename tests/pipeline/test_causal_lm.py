@@ -19,7 +19,13 @@ from dtp_kernels.pipeline import recipe
 from dtp_kernels.pipeline.errors import RecipeError, UsageError
 from dtp_kernels.pipeline.run import build_data, run
 from dtp_kernels.pipeline.train import make_optimizer
-from utils import tiny_deepseek_v4, tiny_kimi_linear, tiny_llama, tiny_mixtral
+from utils import (
+    tiny_deepseek_v4,
+    tiny_gemma_sharing_kv,
+    tiny_kimi_linear,
+    tiny_llama,
+    tiny_mixtral,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -266,21 +272,10 @@ def save_gemma4(where: Path, vocab: int = 256) -> Path:
 
 
 def save_gemma4_sharing_kv(where: Path, vocab: int = 256) -> Path:
-    """A tiny Gemma 4 whose last 2 of 4 layers read the keys and values of the first 2."""
-    return save_lm(
-        where,
-        "Gemma4Text",
-        "Gemma4",
-        vocab,
-        head_dim=8,
-        global_head_dim=8,
-        num_hidden_layers=4,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        num_kv_shared_layers=2,
-        vocab_size_per_layer_input=vocab,
-        hidden_size_per_layer_input=8,
-        sliding_window=8,
-    )
+    """A tiny Gemma 4 (tests/utils.py) whose last 2 of 4 layers read the keys and values
+    of the first 2."""
+    tiny_gemma_sharing_kv("gemma4", vocab=vocab).save_pretrained(where)
+    return where
 
 
 def save_kimi_linear(where: Path, vocab: int = 256) -> Path:
