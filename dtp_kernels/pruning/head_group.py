@@ -49,6 +49,8 @@ class Projection:
 
     def kept(self, units: int, kept_units: torch.Tensor) -> torch.Tensor:
         """Indices of the rows (columns) that `kept_units` keep."""
+        if self.diagonal > 1:  # its units' columns differ by run: unit_block, not indices
+            raise ValueError("a block-diagonal projection's kept units are not columns")
         rows, start, run = [], 0, units // self.outer
         for first in range(0, units, run):  # each run of units (one run but for `outer`)
             local = kept_units[(kept_units >= first) & (kept_units < first + run)] - first
