@@ -54,7 +54,8 @@ each (:func:`match_form`):
   (``num_key_value_heads``) than query heads, whose code splits it at its
   ``hidden_size``, the query width export writes;
 - multi-head latent attention (DeepSeek-V2 and V3, and the families built on them): the
-  query projection ``q_b_proj`` (or ``q_proj``) and the key/value up-projection
+  query projection ``q_b_proj`` (or ``q_proj``, or A.X K2's ``q_gate_proj`` of each
+  head's query and output gate in turn) and the key/value up-projection
   ``kv_b_proj`` hold each head's rows, ``o_proj`` its columns; the compressed latents
   before them (``q_a_proj``, ``kv_a_proj_with_mqa`` and their norms) serve all heads and
   stay whole, as does the rotary key all heads share;
@@ -287,8 +288,12 @@ def _latent(name: str, module: nn.Module) -> HeadGroup | None:
     """Multi-head latent attention: q_b_proj (or q_proj) rows of qk_nope_head_dim +
     qk_rope_head_dim per head, kv_b_proj rows of qk_nope_head_dim + v_head_dim per head
     (its key part, then its value), o_proj columns of v_head_dim per head; beside the
-    compressed key/value latent kv_a_proj_with_mqa (DeepSeek-V2, V3)."""
+    compressed key/value latent kv_a_proj_with_mqa (DeepSeek-V2, V3). A.X K2's fused
+    q_gate_proj holds each head's query rows, then the v_head_dim rows of its output
+    gate (applied before o_proj, channel by channel)."""
     query = _linear(module, "q_b_proj") or _linear(module, "q_proj")
+    gated = query is None and _linear(module, "q_gate_proj") is not None
+    query = _linear(module, "q_gate_proj") if gated else query
     kv_up, out = _linear(module, "kv_b_proj"), _linear(module, "o_proj")
     sizes = [getattr(module, f"{part}_head_dim", None) for part in ("qk_nope", "qk_rope", "v")]
     if (
@@ -300,19 +305,21 @@ def _latent(name: str, module: nn.Module) -> HeadGroup | None:
     ):
         return None
     nope, rope, value = sizes
+    per_query = nope + rope + (value if gated else 0)
     heads = out.in_features // value
     if (
         out.in_features % value
-        or query.out_features != heads * (nope + rope)
+        or query.out_features != heads * per_query
         or kv_up.out_features != heads * (nope + value)
     ):
+        gate = f" + {value} gate" if gated else ""
         raise ValueError(
             f"latent attention layer {name!r}: its query ({query.out_features} outputs), "
             f"kv_b_proj ({kv_up.out_features} outputs) and o_proj ({out.in_features} inputs) "
-            f"are not {heads} heads of {nope} + {rope} query, {nope} + {value} key/value "
-            "dimensions"
+            f"are not {heads} heads of {nope} + {rope} query{gate}, {nope} + {value} "
+            "key/value dimensions"
         )
-    rows = [Projection(query, 1, nope + rope), Projection(kv_up, 1, nope + value)]
+    rows = [Projection(query, 1, per_query), Projection(kv_up, 1, nope + value)]
     return HeadGroup(name, module, rows, Projection(out, 1, value), heads, 1, value, latent=True)
 
 

@@ -1315,30 +1315,34 @@ def test_latent_attention_heads_export_exactly_without_the_channel_graph(
         torch.testing.assert_close(loaded(*inputs).logits, exported(*inputs).logits)
 
 
+# a latent attention (4 heads; query 8 + 4 rotary, value 6) beside a sparse-attention
+# indexer of 2 heads of its own, in 2 dense layers (HunYuan V4's, A.X K2's configs)
+SPARSE_LATENT = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    num_hidden_layers=2,
+    intermediate_size=64,
+    q_lora_rank=20,
+    kv_lora_rank=12,
+    qk_rope_head_dim=4,
+    qk_nope_head_dim=8,
+    v_head_dim=6,
+    index_n_heads=2,
+    index_head_dim=8,
+    index_topk=4,
+    mlp_layer_types=["dense", "dense"],
+)
+
+
 def test_latent_attention_output_gate_and_sinks_are_cut_with_the_heads():
     """HunYuan V4's latent attention gates its output head by head with gate_proj (of the
     layer's input, not the compressed query q_b_proj reads) and adds a learned sink per
     head beside a sparse-attention indexer of its own heads: the gate's rows and the
     sinks of the kept heads stay, the indexer stays whole, and the export computes what
     the hard-masked model computes."""
-    config = transformers.HYV4Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        q_lora_rank=20,
-        kv_lora_rank=12,
-        qk_rope_head_dim=4,
-        qk_nope_head_dim=8,
-        v_head_dim=6,
-        index_n_heads=2,
-        index_head_dim=8,
-        index_topk=4,
-        mlp_layer_types=["dense", "dense"],
-        **TOKEN_IDS,
-    )
+    config = transformers.HYV4Config(**SPARSE_LATENT, **TOKEN_IDS)
     torch.manual_seed(0)
     model, inputs = transformers.HYV4ForCausalLM(config).eval(), (tokens(),)
     attn = model.model.layers[0].self_attn
@@ -1358,6 +1362,52 @@ def test_latent_attention_output_gate_and_sinks_are_cut_with_the_heads():
     torch.testing.assert_close(cut.sinks, sinks[kept], rtol=0, atol=0)
     for name, parameter in cut.indexer.named_parameters():
         torch.testing.assert_close(parameter, indexer[name], rtol=0, atol=0)
+
+
+def test_latent_attention_fused_query_and_gate_are_cut_head_by_head(tmp_path):
+    """A.X K2's latent attention has no q_b_proj: q_gate_proj holds each head's query
+    rows (nope + rope), then the v_head_dim rows of its sigmoid output gate. Its heads
+    prune: export keeps whole blocks of the kept heads' rows there (query and gate),
+    in kv_b_proj and o_proj's columns, leaves the compressed query (which the
+    sparse-attention indexer also reads) and the indexer whole, computes what the
+    hard-masked model computes and round-trips through save_pretrained."""
+    config = transformers.AXK2Config(
+        moe_intermediate_size=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        head_dim=4,
+        gated_norm_rank=4,
+        **SPARSE_LATENT,
+        **TOKEN_IDS,
+    )
+    torch.manual_seed(0)
+    model, inputs = transformers.AXK2ForCausalLM(config).eval(), (tokens(),)
+    attn = model.model.layers[0].self_attn
+    fused, kv_up = attn.q_gate_proj.weight.detach().clone(), attn.kv_b_proj.weight.detach().clone()
+    whole = {
+        n: p.detach().clone() for n, p in attn.named_parameters() if "q_a_" in n or "indexer" in n
+    }
+    pruner = randomised(DTPPruner(model, inputs, {"heads": 0.5}))
+    assert [(g.name, g.size, g.latent) for g in pruner.groups] == [
+        (f"model.layers.{i}.self_attn", 4, True) for i in (0, 1)
+    ]
+    kept = pruner.hard_masks()[0].nonzero().flatten()
+    exported = export_checked(pruner, model, inputs)
+    cut = exported.model.layers[0].self_attn
+    for weight, dense, per_head in (
+        (cut.q_gate_proj.weight, fused, 18),
+        (cut.kv_b_proj.weight, kv_up, 14),
+    ):
+        rows = (kept[:, None] * per_head + torch.arange(per_head)).flatten()
+        torch.testing.assert_close(weight, dense[rows], rtol=0, atol=0)
+    for name, parameter in cut.named_parameters():
+        if name in whole:
+            torch.testing.assert_close(parameter, whole[name], rtol=0, atol=0)
+    assert exported.config.num_attention_heads == 2
+    exported.save_pretrained(tmp_path)
+    loaded = type(exported).from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(*inputs).logits, exported(*inputs).logits)
 
 
 def test_fused_projection_with_fewer_key_value_heads_prunes_by_key_value_head():
