@@ -118,7 +118,14 @@ SIZES = {
 STAGE_LISTS = ("depths", "hidden_sizes", "num_heads", "masked_unit_attention")
 # sizes of a vision-language model's parts besides SIZES (Qwen2-VL's vision tower: its
 # blocks, width and heads, its output the language model's width)
-PART_SIZES = {"depth": 2, "embed_dim": 64, "num_heads": 4, "out_hidden_size": 64}
+PART_SIZES = {
+    "depth": 2,
+    "embed_dim": 64,
+    "num_heads": 4,
+    "out_hidden_size": 64,
+    "adapter_input_size": 64,  # dots.llm3's audio adapter: from the audio width to the text's
+    "adapter_out_dim": 64,
+}
 # sizes of an architecture that SIZES' do not fit, set after them (Mamba-2's mixer: 8
 # heads of 16 make twice the width of 64, in 2 groups sharing their B and C), and fields
 # its default config leaves unset that its checkpoints set (dots.llm1's experts, LFM2-MoE's
@@ -128,6 +135,7 @@ OWN_SIZES = {
     "mamba2": {"num_heads": 8, "n_groups": 2},
     "dots1": {"n_routed_experts": 4, "n_shared_experts": 1},
     "recurrent_gemma": {"lru_width": 64},  # its recurrent blocks' width
+    "step3p5": {"sliding_window": 8},  # Step 3.7's language model: unset by default
     # 4 layers, the last 2 reading the keys and values of the first 2 (KV sharing); its
     # per-layer inputs and activation sparsity at that size
     "gemma3n_text": {
@@ -167,6 +175,21 @@ PER_LAYER_SIZES = {
     "global_head_dim": 32,
     "hidden_size_per_layer_input": 16,
     "vocab_size_per_layer_input": 256,
+}
+# sizes per layer an architecture takes as arguments of its own (dots.llm3's sliding-window
+# layers: latent attention of sizes apart from the others'; its vision adapter, from the
+# vision width to the text's)
+PER_LAYER_OWN = {
+    "dots3_note_vision_encoder": {"adapter_in_dim": 64, "adapter_out_dim": 64},
+    "dots3_note_text": {
+        "swa_num_attention_heads": 4,
+        "swa_num_key_value_heads": 4,
+        "swa_q_lora_rank": 32,
+        "swa_kv_lora_rank": 16,
+        "swa_head_dim": 16,
+        "swa_qk_nope_head_dim": 8,
+        "swa_v_head_dim": 16,
+    },
 }
 # size fields an architecture needs as they are: LeViT's stem always downsamples 16
 # times; MobileViT V2's last stage at 64 x 64 is smaller than 8 x 8 patches; BEiT's
@@ -263,7 +286,11 @@ def small_model(model_type: str, task: str) -> torch.nn.Module:
         stage_lists["num_query_pool"] = 1  # Hiera's pooling stages: fewer than the stages
     if stage_lists:
         config = AutoConfig.for_model(model_type, **stage_lists)
-    per_layer = config.__dict__.get("_heterogeneity_spec") is not None
+    # a config of sizes per layer, built again at the small size; a multimodal one's
+    # parts are, each on its own, below (dots.llm3's takes no sizes of its parts)
+    per_layer = config.__dict__.get("_heterogeneity_spec") is not None and not getattr(
+        config, "sub_configs", None
+    )
     if per_layer:  # its global sizes read and written below, the layers' own kept
         config = _small_config(model_type, config)
         config.allow_global_per_layer_attribute_access = True
@@ -273,8 +300,15 @@ def small_model(model_type: str, task: str) -> torch.nn.Module:
     parts = getattr(config, "sub_configs", None) or {}
     for key in parts:  # a multimodal model's parts (CLIP's, a VLM's), each its own config
         sub = getattr(config, key, None)
-        if hasattr(sub, "to_dict") and sub.__dict__.get("_heterogeneity_spec") is None:
-            _shrink(sub, sub.model_type, PART_SIZES)
+        if not hasattr(sub, "to_dict"):
+            continue
+        if sub.__dict__.get("_heterogeneity_spec") is not None:  # Gemma 4's language model
+            sub = _small_config(sub.model_type, sub)
+            setattr(config, key, sub)
+            sub.allow_global_per_layer_attribute_access = True
+        _shrink(sub, sub.model_type, PART_SIZES)
+        if sub.__dict__.get("_heterogeneity_spec") is not None:
+            sub.allow_global_per_layer_attribute_access = False
     if task == "semantic-segmentation" and len(getattr(config, "out_indices", None) or []) == 1:
         layers = config.num_hidden_layers  # BEiT's segmenter reads one layer per quarter
         config.set_output_features_output_indices(
@@ -304,6 +338,8 @@ def _shrink(config, model_type: str, extra: dict | None = None) -> None:
     if isinstance(getattr(config, "qk_rope_head_dim", None), int):  # latent attention's
         # rotary key is its head_dim, or that part of it its rotary factor says (Mistral 4's)
         rope = getattr(config, "rope_parameters", None)
+        if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
+            rope = next(iter(rope.values()))  # one per layer type (dots.llm3's): alike here
         part = rope.get("partial_rotary_factor", 1) if isinstance(rope, dict) else 1
         with contextlib.suppress(AttributeError):
             config.head_dim = round(config.qk_rope_head_dim / part)
@@ -356,9 +392,12 @@ def _small_config(model_type: str, config):
         types = getattr(config, field, None)
         if isinstance(types, list) and types:
             sizes[field] = _every_type(types, SIZES["num_hidden_layers"])
+    if isinstance(getattr(config, "kv_lora_rank", None), int):  # keys and values per head
+        sizes["num_key_value_heads"] = sizes.get("num_attention_heads", config.num_attention_heads)
     if model_type in DERIVED_SIZES:
         return AutoConfig.for_model(model_type, **sizes)
-    return AutoConfig.for_model(model_type, **sizes, **PER_LAYER_SIZES)
+    own = PER_LAYER_OWN.get(model_type, {})
+    return AutoConfig.for_model(model_type, **sizes, **PER_LAYER_SIZES, **own)
 
 
 def _every_type(types: list, layers: int) -> list:
