@@ -109,6 +109,8 @@ def plan(recipe: dict) -> dict:
         # under a global or FLOPs budget DTP learns each layer's count; the total is fixed
         "kept_counts": "learned per group" if learned else "fixed",
         "groups": [{k: g[k] for k in ("name", "n", "k")} for g in report["groups"]],
+        # the conv and linear layers no group cuts, with why (a ratio of 0, a residual add)
+        "left_whole": report["left_whole"],
         "params_before": report["params_before"],
         "params_after": report["params_after"],
         "flops_before": report["flops_before"],

@@ -147,6 +147,47 @@ def _warn_idle_layers(model: nn.Module, layers: list, ignored: list) -> None:
         )
 
 
+def _left_whole(
+    model: nn.Module,
+    groups: list,
+    ratios: dict[str, float],
+    ignored: Sequence[nn.Module],
+    ran: set[nn.Module],
+    reasons: dict[nn.Module, str],
+) -> dict[str, str]:
+    """Each conv and linear layer of `model` (by name, in model order) that no group with
+    a ratio above 0 cuts, with why: a ratio of 0, `ignored`, not called on the example,
+    or the reason the search for groups recorded in `reasons` (its channels meet a
+    residual add, are the model's outputs, ...)."""
+    cut_by: dict[nn.Module, object] = {}  # each layer a group cuts (rows or columns)
+    for group in groups:
+        tables = [layer for layer, _, _ in getattr(group, "tables", ())]
+        for layer in (
+            *getattr(group, "kept_out", ()),
+            *getattr(group, "kept_in", ()),
+            *tables,
+            getattr(group, "layer", None),
+        ):
+            if isinstance(layer, nn.Module):
+                cut_by.setdefault(layer, group)
+    held = [name for name, module in model.named_modules() if module in ignored]
+    whole = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, COSTED):
+            continue
+        group = cut_by.get(module)
+        if group is not None:
+            if ratios[group.name] == 0:
+                whole[name] = f"the ratio of its group {group.name!r} is 0"
+        elif any(name == n or name.startswith(f"{n}.") for n in held):
+            whole[name] = "in ignored_layers (or inside one of them)"
+        elif module not in ran:
+            whole[name] = "not called on example_inputs"
+        else:
+            whole[name] = reasons.get(module, "no group holds its output channels")
+    return whole
+
+
 def _check_tied_names(ratios, groups: list) -> None:
     """A ratios dict may not name a layer whose heads are tied to another's (T5's, whose
     first layer of a stack computes the bias per head for the others: tied_heads.py):
@@ -249,6 +290,8 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         self.budget = budget
         # set by _find_groups when Torch-Pruning's graph cannot follow the model
         self._graph_error: ChannelGraphError | None = None
+        # filled by _find_groups: why layers whose output channels no group holds are whole
+        self._whole_reasons: dict[nn.Module, str] = {}
         try:
             all_groups = self._find_groups(model, inputs, list(ignored_layers))
         finally:
@@ -281,6 +324,10 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         check_grouped_conv_ratios(all_groups, per_group, budget)
         check_shard_ratios(all_groups, per_group, budget)
         self.groups = [g for g in all_groups if per_group[g.name] > 0]
+        self.left_whole = _left_whole(
+            model, all_groups, per_group, ignored_layers, ran, self._whole_reasons
+        )
+        self._whole_reasons = {}  # the modules are the model's: hold them no longer
         # Every group that cannot be pruned exactly, with why, in one error: a user who
         # gives the ratios it ends with prunes the rest at the next try.
         refusals: list[tuple[str, list[str]]] = []  # (what and why, the groups' names)
@@ -435,13 +482,16 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         mixers += find_mamba2_groups(model, ignored, inputs)
         projections = [layer for g in heads + mixers for layer in (*g.kept_out, *g.kept_in)]
         # a latent attention's compressed latents serve all its heads and stay whole
-        projections += [
+        latents = [
             layer
             for g in heads
             if g.latent
             for name in LATENT_LAYERS
             if isinstance(layer := getattr(g.module, name, None), nn.Linear)
         ]
+        for layer in latents:
+            self._whole_reasons[layer] = "a latent attention's compressed latent: all heads read it"
+        projections += latents
         # a router that is a linear layer is cut with its experts, no group of its own
         projections += [g.router for g in whole if isinstance(g.router, nn.Linear)]
         # a linear layer computing one output per head (a table cut with the heads: Swin
@@ -449,13 +499,21 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         projections += [o for g in heads for o, _, _ in g.tables if isinstance(o, nn.Linear)]
         try:
             with traced_graph(model, inputs) as graph:
-                channels = find_groups(model, graph, ignored + projections, self.prune_coupled)
+                channels = find_groups(
+                    model, graph, ignored + projections, self.prune_coupled, self._whole_reasons
+                )
             adopt_response_norms(model, channels, inputs)
             # MLPs with a norm over their hidden width, which the graph leaves out
             grouped = [m for g in channels for m in (g.layer, *g.kept_out, *g.kept_in)]
             channels += find_form_mlps(model, ignored + projections + grouped, inputs, True)
         except ChannelGraphError as error:  # raised unless the ratios need no graph
             self._graph_error = error
+            for layer in model.modules():
+                self._whole_reasons.setdefault(
+                    layer,
+                    "Torch-Pruning's channel graph fails on the model (only heads, "
+                    "experts, Mamba mixers and MLPs found by their form prune)",
+                )
             channels = find_form_mlps(model, ignored + projections, inputs)
         order = {name: index for index, (name, _) in enumerate(model.named_modules())}
 
@@ -580,6 +638,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             "flops_after": flops,
             "sparsity": 1 - params / self._base_params,
             "speedup": self._base_flops / flops,
+            "left_whole": dict(self.left_whole),
         }
 
     def export(self) -> nn.Module:

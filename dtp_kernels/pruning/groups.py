@@ -747,20 +747,34 @@ def shuffled_layers(graph: tp.DependencyGraph, roots: tuple[type, ...]) -> list[
 
 
 def find_groups(
-    model: nn.Module, graph: tp.DependencyGraph, ignored: list[nn.Module], coupled: bool = False
+    model: nn.Module,
+    graph: tp.DependencyGraph,
+    ignored: list[nn.Module],
+    coupled: bool = False,
+    whole: dict[nn.Module, str] | None = None,
 ) -> list[ChannelGroup]:
     """All prunable groups, in model order. `coupled`: also the residual-coupled widths
-    that can be masked exactly (each producer masked at its BN)."""
+    that can be masked exactly (each producer masked at its BN). `whole`, when given,
+    gets why each layer whose output channels no group holds was left whole (its first
+    reason: a layer may be in several of the graph's groups)."""
+    whole = {} if whole is None else whole
     names = {module: name for name, module in model.named_modules()}
     roots = [*CONVS, nn.Linear]
-    ignored = ignored + output_layers(graph, tuple(roots)) + shuffled_layers(graph, tuple(roots))
+    outputs, shuffled = output_layers(graph, tuple(roots)), shuffled_layers(graph, tuple(roots))
+    for layer in outputs:
+        whole.setdefault(layer, "its outputs are the model's outputs: no layer reads them")
+    for layer in shuffled:
+        whole.setdefault(layer, "a channel shuffle reorders its channels")
+    ignored = ignored + outputs + shuffled
     # the roots whose searches fail are left out and the search begun again, so that one
     # error names all of them: a user leaves them whole at the next try
     failed: dict[nn.Module, str] = {}
     while True:
         try:
             with _bounded_search(graph, names), mappings_held(graph):  # nothing pruned here
-                found = _channel_groups(model, graph, ignored + list(failed), coupled, names, roots)
+                found = _channel_groups(
+                    model, graph, ignored + list(failed), coupled, names, roots, whole
+                )
             break
         except SearchFailedError as error:
             if error.layer in failed:  # a search of the root's own code, not a root's
@@ -771,6 +785,33 @@ def find_groups(
     return [found[m] for m in model.modules() if m in found]
 
 
+def _leave(
+    whole: dict[nn.Module, str], layers: list[nn.Module], why: str, readers: list = ()
+) -> None:
+    """Record why `layers` are left whole, and why their `readers` read all of their
+    channels, where no reason was recorded for them before."""
+    for layer in layers:
+        whole.setdefault(layer, why)
+    for layer in readers:
+        whole.setdefault(layer, f"the channels it reads are left whole ({why})")
+
+
+def _coupled_why(
+    layers: list[nn.Module], ops: list[str], names: dict[nn.Module, str], coupled: bool
+) -> str:
+    """Why channels several layers produce together are left whole: where they meet."""
+    merges = sorted({op.rstrip("0123456789") for op in ops if op.startswith(MERGING_OPS)})
+    at = f" at {', '.join(merges)}" if merges else ""
+    others = f"{len(layers) - 1} other layer{'s' if len(layers) > 2 else ''}"
+    why = (
+        f"its output channels are coupled with those of {others}{at} "
+        f"({', '.join(repr(names[m]) for m in layers[:3])}{' ...' if len(layers) > 3 else ''})"
+    )
+    if not coupled and not any(isinstance(m, nn.Linear) for m in layers):
+        why += "; prune_coupled=True prunes coupled conv channels masked at their BNs"
+    return why
+
+
 def _channel_groups(
     model: nn.Module,
     graph: tp.DependencyGraph,
@@ -778,8 +819,10 @@ def _channel_groups(
     coupled: bool,
     names: dict[nn.Module, str],
     roots: list[type],
+    whole: dict[nn.Module, str],
 ) -> dict[nn.Module, ChannelGroup]:
-    """find_groups' search: each prunable group by its root layer."""
+    """find_groups' search: each prunable group by its root layer; why each group it
+    leaves out is left whole goes into `whole`, for the layers whose outputs it holds."""
     owners = _parameter_owners(model)
     shared = _shared_parameters(model)
     order = {module: index for index, module in enumerate(model.modules())}
@@ -787,10 +830,17 @@ def _channel_groups(
     returning = {n for n in graph.module2node.values() if n.grad_fn in returned}
     found = {}
     for group in graph.get_all_groups(ignored_layers=list(ignored), root_module_types=roots):
-        if getattr(group, UNFOLLOWED, False):
-            continue  # the graph maps its channels wrongly somewhere: left whole
+        out_layers: list[nn.Module] = [group[0].dep.target.module]  # the root, until all found
+        if getattr(group, UNFOLLOWED, False):  # left whole
+            _leave(
+                whole,
+                out_layers,
+                "the channel graph cannot follow its channels (a reshape it maps wrongly)",
+            )
+            continue
         if any(d.target in returning and d.handler not in READER_HANDLERS for d, _ in group):
-            continue  # the model returns the channels (a detector's feature maps): whole
+            _leave(whole, out_layers, "the model returns its channels (a detector's feature maps)")
+            continue
         out_layers, bns, outs, ins, norms, depthwise, ops = [], [], [], [], [], [], []
         op_ids: list[int] = []  # each op's module, to tell the readers' own matmuls
         group_norms, params, param_owners, affines = [], [], [], []
@@ -845,10 +895,22 @@ def _channel_groups(
             # the mask goes on the consumers' columns, one per channel: a consumer or a
             # producer of another width (CaiT's qkv through its talking heads, where
             # Torch-Pruning follows the channels through a matmul) is no gated MLP
+            _leave(
+                whole,
+                out_layers,
+                "its channels are multiplied with channels of another width",
+                ins,
+            )
             continue
         if gated and any(op.startswith(REDUCING_OPS) for op in ops):
             # a sum over the channels after the product (Dory's L2 norm): the removed ones
             # would still count in it, masked on the consumers' columns
+            _leave(
+                whole,
+                out_layers,
+                "its gated channels are summed over after the product (a norm over them)",
+                ins,
+            )
             continue
         residual = (
             coupled
@@ -869,17 +931,42 @@ def _channel_groups(
             mask_at = max([*bns, *depthwise], key=lambda m: order[m], default=None)
             root = excited_root(graph, out_layers, path, mask_at)
             out_layers = [root] if root is not None else out_layers
-        if (len(out_layers) != 1 and not gated and not residual) or not ins:
-            continue  # coupled through a residual add or a concatenation, or an output
+        if not ins:
+            _leave(
+                whole, out_layers, "no layer reads its channels (they reach the model's outputs)"
+            )
+            continue
+        if len(out_layers) != 1 and not gated and not residual:
+            _leave(whole, out_layers, _coupled_why(out_layers, ops, names, coupled), ins)
+            continue
         if any(op.startswith(ATTENTION_OPS) for op in ops):
-            continue  # reshaped into heads by the attention's code
+            _leave(
+                whole,
+                out_layers,
+                "attention code the pruner does not know reshapes its channels into heads",
+                ins,
+            )
+            continue
         if any(
             not isinstance(m, nn.Linear if form == LAST else nn.Conv2d)
             for m in out_layers
             for _, form in affines
         ):
-            continue  # a per-channel affine layer proven over other dimensions
+            _leave(
+                whole,
+                out_layers,
+                "a per-channel affine layer reads its channels along another dimension",
+                ins,
+            )
+            continue
         if set(out_layers) & set(ignored):
+            held = [names[m] for m in out_layers if m in ignored]
+            _leave(
+                whole,
+                out_layers,
+                f"its output channels go with those of {held}, left whole",
+                ins,
+            )
             continue
         layer = min(out_layers, key=lambda m: order[m])
         # cutting one use of a shared weight would untie it from the others (refused)
@@ -889,6 +976,12 @@ def _channel_groups(
         if any(is_grouped(m) for m in [*outs, *ins]):  # as many from each of its groups
             equal = equal_parts([m for m in outs if is_grouped(m)], grouped_reads, size)
             if equal is None or residual or gated or group_norms:
+                _leave(
+                    whole,
+                    out_layers,
+                    "a grouped conv reads its channels in groups of unequal parts",
+                    ins,
+                )
                 continue
             conv_groups = equal
         # a consumer reading each channel at several inputs (a linear layer after a
@@ -897,9 +990,21 @@ def _channel_groups(
         if not residual and any(_per_channel_width(m) != size for m in [*bns, *depthwise]):
             # a BN over a concatenation (DenseNet): it reads other layers' channels too, and
             # every such BN would need the mask at the group's offset in it, not one place
+            _leave(
+                whole,
+                out_layers,
+                "a BatchNorm over a concatenation of several layers' channels reads them",
+                ins,
+            )
             continue
         parts = _parts(graph, layer)
         if parts is None:
+            _leave(
+                whole,
+                out_layers,
+                "its channels go in parts the channel graph does not remove together",
+                ins,
+            )
             continue
         if parts > 1:  # channel i of each part combined into the consumers' input i
             part = size // parts
@@ -911,8 +1016,14 @@ def _channel_groups(
                 or not any(op.startswith("MulBackward") for op in ops)
                 or any(op.startswith(MERGING_OPS) for op in ops)
                 or bns + norms + depthwise + group_norms + params
-            ):
-                continue  # the mask could not go where the parts are combined
+            ):  # the mask could not go where the parts are combined
+                _leave(
+                    whole,
+                    out_layers,
+                    "its channels are split into parts combined where no mask can go",
+                    ins,
+                )
+                continue
             found[layer] = ChannelGroup(
                 names[layer],
                 layer,
@@ -938,6 +1049,9 @@ def _channel_groups(
         ):
             # the channels also leave before `last` (GhostNet concatenates the root's
             # output with the depthwise conv's): a mask at `last` would not cover them
+            _leave(
+                whole, out_layers, "its channels are concatenated before the last per-channel op"
+            )
             continue
         bn = last if last in bns else None
         rows = last if last in depthwise else layer
@@ -968,8 +1082,14 @@ def _channel_groups(
             and not gated
             and not any(is_response_norm_shaped(owner, size) for owner in param_owners)
             and unmasked_readers(graph, ins, bn or rows, outs)
-        ):
-            continue  # a raw per-channel parameter added after the mask: left whole
+        ):  # a raw per-channel parameter added after the mask: left whole
+            _leave(
+                whole,
+                out_layers,
+                "a raw per-channel parameter is added to its channels after the mask",
+                ins,
+            )
+            continue
         if (
             not norms + param_owners
             and not gated
@@ -981,6 +1101,12 @@ def _channel_groups(
             own = own_matmul_ops(graph, ins)
             between = [op for op, i in zip(ops, op_ids, strict=True) if i not in own]
             if not _columns_cover(ins, read, size, between, group_norm, params, conv_groups):
+                _leave(
+                    whole,
+                    out_layers,
+                    "a layer reads its channels where no mask reaches them",
+                    ins,
+                )
                 continue
             gated, bn, rows = True, None, layer
         found[layer] = ChannelGroup(

@@ -288,6 +288,10 @@ class DTPPruner(ChannelPruner):
             for name, module in layers
             if len(owners[module.weight]) > 1
         }
+        for name in tied:
+            self._whole_reasons[model.get_submodule(name)] = (
+                f"its weight is tied to {tied[name]}'s: a mask would reach one use of it"
+            )
         if tied:
             warnings.warn(
                 f"the weights of {list(tied)} are tied to other modules' (layer: those "

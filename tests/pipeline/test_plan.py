@@ -122,6 +122,10 @@ def test_the_command_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     assert main([*argv, "--out", str(out), *[a for s in sets for a in ("--set", s)]]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["params_after"] < printed["params_before"]
+    # every layer but the output one is cut (tests/pruning/test_left_whole.py)
+    assert printed["left_whole"] == {
+        "lm_head": "its outputs are the model's outputs: no layer reads them"
+    }
     assert not out.exists()
     out.mkdir()
     (out / "summary.json").write_text("{}")

@@ -1,0 +1,121 @@
+"""pruner.left_whole: every conv and linear layer no group cuts, with why. Each layer the
+export leaves its full shape is listed, and no other."""
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+from dtp_kernels import DTPPruner
+from dtp_kernels.models import resnet20
+from dtp_kernels.pruning.cost import COSTED
+from utils import LLAMA_VOCAB, tiny_deepseek, tiny_gemma_sharing_kv
+
+
+def _tokens(vocab: int) -> tuple:
+    return (torch.randint(3, vocab, (2, 12), generator=torch.Generator().manual_seed(0)),)
+
+
+# (model, example inputs, ratios): a CNN with residual adds, a Gemma 3n whose first MLP
+# keeps activation statistics over all its neurons, a DeepSeek with latent attention
+CASES = {
+    "resnet18": (lambda: torchvision.models.resnet18(), (torch.randn(1, 3, 64, 64),), 0.5),
+    "gemma3n": (lambda: tiny_gemma_sharing_kv("gemma3n", 0.95), _tokens(256), 0.5),
+    "deepseek-heads": (lambda: tiny_deepseek(), _tokens(LLAMA_VOCAB), {"heads": 0.5}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_layers_export_leaves_their_full_shape_are_the_listed_ones(case):
+    make, inputs, ratios = CASES[case]
+    model = make().eval()
+    dense = {n: m.weight.shape for n, m in model.named_modules() if isinstance(m, COSTED)}
+    pruner = DTPPruner(model, inputs, ratios)
+    with torch.no_grad():
+        pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
+    exported = pruner.export()
+    kept = {n for n, m in exported.named_modules() if isinstance(m, COSTED)}
+    whole = {n for n in kept if exported.get_submodule(n).weight.shape == dense[n]}
+    assert kept == set(dense)
+    assert set(pruner.left_whole) == whole
+    assert list(pruner.left_whole) == [n for n in dense if n in whole]  # model order
+    assert all(why for why in pruner.left_whole.values())
+    assert pruner.report()["left_whole"] == pruner.left_whole
+
+
+def test_a_residual_network_names_the_coupled_layers_and_the_classifier():
+    """ResNet-18's stem and downsample convs feed the residual adds, and the classifier
+    keeps its outputs; prune_coupled=True prunes the residual widths, the classifier's
+    input columns with them."""
+    inputs = (torch.randn(1, 3, 64, 64),)
+    model = torchvision.models.resnet18().eval()
+    whole = DTPPruner(model, inputs, 0.5).left_whole
+    coupled = ["conv1", *(f"layer{i}.0.downsample.0" for i in (2, 3, 4))]
+    assert list(whole) == [*coupled, "fc"]
+    for name in coupled:
+        assert "coupled with those of 2 other layers at AddBackward" in whole[name]
+        assert "prune_coupled=True" in whole[name]
+    assert whole["fc"] == "its outputs are the model's outputs: no layer reads them"
+    model = torchvision.models.resnet18().eval()
+    assert DTPPruner(model, inputs, 0.5, prune_coupled=True).left_whole == {}
+
+
+def test_an_mlp_with_statistics_over_its_neurons_is_listed_with_where_they_meet():
+    """Gemma 3n's first MLP subtracts a cutoff computed over all its neurons from the
+    gate (activation sparsity): the gate's channels meet the up projection's there, so
+    the MLP is whole; the other layers' MLPs prune."""
+    model = tiny_gemma_sharing_kv("gemma3n", 0.95).eval()
+    whole = DTPPruner(model, _tokens(256), 0.5).left_whole
+    mlps = [n for n in whole if ".mlp." in n]
+    assert mlps == [f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")]
+    assert "coupled with those of 1 other layer at AddBackward, SubBackward" in whole[mlps[0]]
+    assert whole[mlps[2]].startswith("the channels it reads are left whole (its output")
+
+
+def test_ratio_zero_ignored_idle_and_latent_layers_say_so():
+    model = resnet20().eval()
+    first = model.layer1[0].conv1
+    pruner = DTPPruner(
+        model,
+        torch.randn(1, 3, 32, 32),
+        {"*": 0.5, "layer2.0.conv1": 0},
+        ignored_layers=[first],
+    )
+    whole = pruner.left_whole
+    assert whole["layer1.0.conv1"] == "in ignored_layers (or inside one of them)"
+    assert whole["layer2.0.conv1"] == "the ratio of its group 'layer2.0.conv1' is 0"
+    # the ignored layer's and the ratio-0 group's readers read all their channels too
+    assert whole["layer2.0.conv2"] == "the ratio of its group 'layer2.0.conv1' is 0"
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.idle, self.out = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(torch.relu(self.used(x)))
+
+    with pytest.warns(UserWarning, match="not called on example_inputs"):
+        whole = DTPPruner(Branchy(), torch.randn(2, 8), 0.5).left_whole
+    assert whole == {"idle": "not called on example_inputs"}  # `out` loses input columns
+    whole = DTPPruner(tiny_deepseek().eval(), _tokens(LLAMA_VOCAB), 0.5).left_whole
+    latent = "a latent attention's compressed latent: all heads read it"
+    assert whole["model.layers.0.self_attn.q_a_proj"] == latent
+    assert whole["model.layers.1.self_attn.kv_a_proj_with_mqa"] == latent
+
+
+def test_weights_tied_to_another_module_are_listed_under_weight_granularity():
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.mix, self.head = nn.Embedding(10, 8), nn.Linear(8, 8), nn.Linear(8, 10)
+            self.head.weight = self.embed.weight
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.mix(self.embed(ids)))
+
+    with pytest.warns(UserWarning, match="tied"):
+        pruner = DTPPruner(Tied(), torch.arange(6)[None], 0.5, granularity="weight")
+    assert pruner.left_whole == {
+        "head": "its weight is tied to ['embed']'s: a mask would reach one use of it"
+    }
