@@ -4,7 +4,8 @@ sequence-classification | image-classification | object-detection |
 semantic-segmentation | audio-classification | video-classification |
 image-text-to-text] [model_type ...]`): the groups found by kind, the FLOPs reduction,
 the export's largest difference from the hard-masked model, its parameters against the
-report and whether its config rebuilds it (what save_pretrained needs). A model the pruner
+report, whether the layers it leaves their shapes are the ones `pruner.left_whole` lists,
+and whether its config rebuilds it (what save_pretrained needs). A model the pruner
 refuses, when it is made or when it exports, is tried again with the ratios its error
 gives (the ones that leave the refused groups whole), or with the layers it names left
 whole (`ignored_layers`: those whose search for coupled channels fails), as a user
@@ -29,8 +30,10 @@ import argparse
 import ast
 import contextlib
 import signal
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import transformers
@@ -54,6 +57,9 @@ from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.base import _kind
 from dtp_kernels.pruning.cost import count_params
 from dtp_kernels.pruning.hf_config import describes
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+from utils import layer_shapes, whole_as_listed
 
 # the size fields of the families' configs, set where a config has them as numbers
 SIZES = {
@@ -485,6 +491,7 @@ def check(model_type: str, ratio: float, task: str) -> list[str]:
     except Exception as error:  # the config's own checks, or a model that needs more
         return _unpruned(model_type, "not built", type(error).__name__)
     conv1d_to_linear(model)  # GPT-2's Conv1D layers, as `dtp prune` converts them
+    shapes = layer_shapes(model)
     result, ratios, ignored = "pruned", ratio, []
     for _ in range(TRIES):
         pruner = None
@@ -525,6 +532,7 @@ def check(model_type: str, ratio: float, task: str) -> list[str]:
         f"{report['flops_before'] / report['flops_after']:.2f}x",
         f"{error:.1e}",
         "yes" if count_params(exported) == report["params_after"] else "NO",
+        "yes" if whole_as_listed(exported, shapes, pruner.left_whole) else "NO",
         "yes" if describes(exported) else "no",
         " ".join(
             ([f"`ratios={ratios}`"] if ratios != ratio else [])
@@ -535,7 +543,7 @@ def check(model_type: str, ratio: float, task: str) -> list[str]:
 
 def _unpruned(model_type: str, result: str, why: str) -> list[str]:
     """The row of an architecture not pruned: its result and why, the rest blank."""
-    return [model_type, result, "", "", "", "", "", why]
+    return [model_type, result, "", "", "", "", "", "", why]
 
 
 def _first_words(error: Exception) -> str:
@@ -578,6 +586,7 @@ def main() -> None:
         "FLOPs fewer",
         "export error",
         "params = report",
+        "whole = listed",
         "config",
         "why",
     ]
@@ -599,8 +608,10 @@ def main() -> None:
         "layers of width 64 (the script's SIZES), random weights and scores, "
         f"{inputs}. Export error: "
         "largest difference from the hard-masked model's logits, relative to their largest. "
-        "Config: whether the exported model's config rebuilds it, so save_pretrained writes "
-        "what from_pretrained loads (else save it with dtp_kernels.save_pruned).",
+        "Whole = listed: whether the layers the export leaves their shapes are the ones "
+        "pruner.left_whole lists. Config: whether the exported model's config rebuilds it, "
+        "so save_pretrained writes what from_pretrained loads (else save it with "
+        "dtp_kernels.save_pruned).",
         "",
         f"{len(rows)} architectures: {summary}.",
         "",

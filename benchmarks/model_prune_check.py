@@ -1,6 +1,7 @@
 """Prune timm and torchvision models at a float ratio and check each export: FLOPs and
 parameter reduction, the export's largest difference from the hard-masked model,
-parameters against the report (`python benchmarks/model_prune_check.py [model ...]`;
+parameters against the report, whether the layers it leaves their shapes are the ones
+`pruner.left_whole` lists (`python benchmarks/model_prune_check.py [model ...]`;
 a timm model by its name, a torchvision one as "torchvision.<name>", on 224 x 224
 images).
 
@@ -28,7 +29,7 @@ from dtp_kernels.pruning.base import ExportMismatchError
 from dtp_kernels.pruning.cost import count_params
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-from utils import drawn_statistics, randomised
+from utils import drawn_statistics, layer_shapes, randomised, whole_as_listed
 
 MODELS = [
     # the group search (dtp_kernels/pruning/group_search.py) made these prunable
@@ -112,18 +113,19 @@ def check(name: str, ratio: float) -> list[str]:
     for head in model.modules():  # an output away from zero, so every channel shows
         if isinstance(head, torch.nn.Linear) and head.out_features == 5:
             torch.nn.init.normal_(head.weight, std=0.1)
+    shapes = layer_shapes(model)
     start = time.monotonic()
     try:
         pruner = randomised(DTPPruner(model, (x[:1],), ratios(name, ratio)))
     except ValueError as error:
-        return [name, "refused: " + str(error)[:80].replace("|", "/")] + [""] * 5
+        return [name, "refused: " + str(error)[:80].replace("|", "/")] + [""] * 6
     seconds = time.monotonic() - start
     with torch.no_grad(), pruner.hard_masked():
         want = model(x)
     try:
         exported = pruner.export().eval()
     except ExportMismatchError as error:  # export's own check refused it
-        return [name, "export refused: " + str(error)[:80].replace("|", "/")] + [""] * 5
+        return [name, "export refused: " + str(error)[:80].replace("|", "/")] + [""] * 6
     with torch.no_grad():
         error = ((exported(x) - want).abs().max() / want.abs().max()).item()
     report = pruner.report()
@@ -134,6 +136,7 @@ def check(name: str, ratio: float) -> list[str]:
         f"{report['params_before'] / report['params_after']:.2f}x",
         f"{error:.1e}",
         "yes" if count_params(exported) == report["params_after"] else "NO",
+        "yes" if whole_as_listed(exported, shapes, pruner.left_whole) else "NO",
         f"{seconds:.1f}",
     ]
 
@@ -153,6 +156,7 @@ def main() -> None:
         "params fewer",
         "export error",
         "params = report",
+        "whole = listed",
         "find groups (s)",
     ]
     lines = [
@@ -167,7 +171,8 @@ def main() -> None:
             for name, patterns in LEFT_WHOLE.items()
         )
         + "). Export error: largest difference from the hard-masked model, relative to its "
-        "largest output.",
+        "largest output. Whole = listed: whether the layers the export leaves their shapes "
+        "are the ones pruner.left_whole lists.",
         "",
         "| " + " | ".join(header) + " |",
         "|" + " --- |" * len(header),

@@ -519,6 +519,23 @@ def randomised(pruner):
     return pruner
 
 
+def layer_shapes(model: nn.Module) -> dict[str, torch.Size]:
+    """The weight shape of each conv and linear layer of `model`, by name."""
+    from dtp_kernels.pruning.cost import COSTED
+
+    return {n: m.weight.shape for n, m in model.named_modules() if isinstance(m, COSTED)}
+
+
+def whole_as_listed(exported: nn.Module, shapes: dict, left_whole: dict) -> bool:
+    """Whether the conv and linear layers `exported` leaves the shapes they had before
+    (`shapes`: layer_shapes of the model) are exactly the ones a pruner's `left_whole`
+    lists, among those it still holds by name (export replaces some attention layers
+    with classes of their own)."""
+    held = {n: s for n, s in layer_shapes(exported).items() if n in shapes}
+    unchanged = {n for n, s in held.items() if s == shapes[n]}
+    return unchanged == set(left_whole) & set(held)
+
+
 def bf16_step_and_export(pruner, model, inputs: tuple):
     """One bf16-autocast training step of a causal LM on the GPU, then its fp32 export
     (IEEE matmuls) checked equal to the hard-masked model: (the scores' gradients, the

@@ -243,7 +243,7 @@ def prune_and_finetune(
         times["prune"] = result["seconds"]  # the whole stage's, across resumes
     else:
         times["prune"] = time.perf_counter() - start
-    groups = pruner.report()["groups"]
+    report = pruner.report()
     start = time.perf_counter()
     pruned = pruner.export()
     times["export"] = time.perf_counter() - start
@@ -275,7 +275,8 @@ def prune_and_finetune(
         "sparsity": 1 - params / base_params,
         "speedup": base_flops / flops,
         "seconds": times,
-        "groups": groups,
+        "groups": report["groups"],
+        "left_whole": report["left_whole"],  # the layers no group cut, with why
         "model": pruned,
     }
     if "perplexity" in before_finetune:

@@ -147,19 +147,20 @@ def _warn_idle_layers(model: nn.Module, layers: list, ignored: list) -> None:
         )
 
 
-def _left_whole(
+def _layer_fates(
     model: nn.Module,
     groups: list,
     ratios: dict[str, float],
     ignored: Sequence[nn.Module],
     ran: set[nn.Module],
     reasons: dict[nn.Module, str],
-) -> dict[str, str]:
-    """Each conv and linear layer of `model` (by name, in model order) that no group with
-    a ratio above 0 cuts, with why: a ratio of 0, `ignored`, not called on the example,
-    or the reason the search for groups recorded in `reasons` (its channels meet a
-    residual add, are the model's outputs, ...)."""
-    cut_by: dict[nn.Module, object] = {}  # each layer a group cuts (rows or columns)
+) -> dict[str, str | list[str]]:
+    """Each conv and linear layer of `model` by name, in model order: the names of the
+    groups with a ratio above 0 that cut it (rows or columns), or, where there are none,
+    why it is left whole: a ratio of 0, `ignored`, not called on the example, or the
+    reason the search for groups recorded in `reasons` (its channels meet a residual
+    add, are the model's outputs, ...)."""
+    cut_by: dict[nn.Module, list] = {}
     for group in groups:
         tables = [layer for layer, _, _ in getattr(group, "tables", ())]
         for layer in (
@@ -168,24 +169,25 @@ def _left_whole(
             *tables,
             getattr(group, "layer", None),
         ):
-            if isinstance(layer, nn.Module):
-                cut_by.setdefault(layer, group)
+            if isinstance(layer, nn.Module) and group not in cut_by.setdefault(layer, []):
+                cut_by[layer].append(group)
     held = [name for name, module in model.named_modules() if module in ignored]
-    whole = {}
+    fates: dict[str, str | list[str]] = {}
     for name, module in model.named_modules():
         if not isinstance(module, COSTED):
             continue
-        group = cut_by.get(module)
-        if group is not None:
-            if ratios[group.name] == 0:
-                whole[name] = f"the ratio of its group {group.name!r} is 0"
+        cutting = [g.name for g in cut_by.get(module, ()) if ratios[g.name] > 0]
+        if cutting:
+            fates[name] = cutting
+        elif module in cut_by:
+            fates[name] = f"the ratio of its group {cut_by[module][0].name!r} is 0"
         elif any(name == n or name.startswith(f"{n}.") for n in held):
-            whole[name] = "in ignored_layers (or inside one of them)"
+            fates[name] = "in ignored_layers (or inside one of them)"
         elif module not in ran:
-            whole[name] = "not called on example_inputs"
+            fates[name] = "not called on example_inputs"
         else:
-            whole[name] = reasons.get(module, "no group holds its output channels")
-    return whole
+            fates[name] = reasons.get(module, "no group holds its output channels")
+    return fates
 
 
 def _check_tied_names(ratios, groups: list) -> None:
@@ -324,7 +326,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         check_grouped_conv_ratios(all_groups, per_group, budget)
         check_shard_ratios(all_groups, per_group, budget)
         self.groups = [g for g in all_groups if per_group[g.name] > 0]
-        self.left_whole = _left_whole(
+        self._layer_fates = _layer_fates(
             model, all_groups, per_group, ignored_layers, ran, self._whole_reasons
         )
         self._whole_reasons = {}  # the modules are the model's: hold them no longer
@@ -534,6 +536,25 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         return self.kept
 
     # -- shared --------------------------------------------------------------------------
+    @property
+    def left_whole(self) -> dict[str, str]:
+        """Every conv and linear layer that no group cuts, by name in model order, with
+        why: a ratio of 0, `ignored_layers`, not called on the example inputs, its
+        channels coupled with others' (and where), the model's outputs, ..., or its
+        groups keeping all their units under the current hard masks (a group of one
+        unit always does). Exactly these layers keep their shapes in the export."""
+        masks = self.hard_masks()
+        full = {g.name for g, m in zip(self.groups, masks, strict=True) if bool(m.all())}
+        whole = {}
+        for name, fate in self._layer_fates.items():
+            if isinstance(fate, str):
+                whole[name] = fate
+            elif all(group in full for group in fate):
+                whole[name] = f"its group {fate[0]!r} keeps all its units" + (
+                    f" (as do {fate[1:]})" if len(fate) > 1 else ""
+                )
+        return whole
+
     @torch.no_grad()
     def hard_masks(self) -> list[torch.Tensor]:
         """0/1 float mask per group: the top-k channels by `channel_scores()`.

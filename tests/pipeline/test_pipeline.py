@@ -77,6 +77,7 @@ def test_prune_command_end_to_end(tmp_path, method, capsys):
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["method"] == method and 0 < summary["sparsity"] < 1 and summary["speedup"] > 1
+    assert summary["left_whole"] == {}  # every layer of the digits CNN is cut
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert {r["stage"].split("-")[0] for r in rows} >= {"pretrain", "finetune"}
     from dtp_kernels import load_pruned

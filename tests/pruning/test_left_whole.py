@@ -8,8 +8,14 @@ from torch import nn
 
 from dtp_kernels import DTPPruner
 from dtp_kernels.models import resnet20
-from dtp_kernels.pruning.cost import COSTED
-from utils import LLAMA_VOCAB, tiny_deepseek, tiny_gemma_sharing_kv
+from utils import (
+    LLAMA_VOCAB,
+    layer_shapes,
+    randomised,
+    tiny_deepseek,
+    tiny_gemma_sharing_kv,
+    whole_as_listed,
+)
 
 
 def _tokens(vocab: int) -> tuple:
@@ -29,16 +35,12 @@ CASES = {
 def test_the_layers_export_leaves_their_full_shape_are_the_listed_ones(case):
     make, inputs, ratios = CASES[case]
     model = make().eval()
-    dense = {n: m.weight.shape for n, m in model.named_modules() if isinstance(m, COSTED)}
-    pruner = DTPPruner(model, inputs, ratios)
-    with torch.no_grad():
-        pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
+    dense = layer_shapes(model)
+    pruner = randomised(DTPPruner(model, inputs, ratios))
     exported = pruner.export()
-    kept = {n for n, m in exported.named_modules() if isinstance(m, COSTED)}
-    whole = {n for n in kept if exported.get_submodule(n).weight.shape == dense[n]}
-    assert kept == set(dense)
-    assert set(pruner.left_whole) == whole
-    assert list(pruner.left_whole) == [n for n in dense if n in whole]  # model order
+    assert set(layer_shapes(exported)) == set(dense)
+    assert whole_as_listed(exported, dense, pruner.left_whole)
+    assert list(pruner.left_whole) == [n for n in dense if n in pruner.left_whole]  # in order
     assert all(why for why in pruner.left_whole.values())
     assert pruner.report()["left_whole"] == pruner.left_whole
 
@@ -119,3 +121,25 @@ def test_weights_tied_to_another_module_are_listed_under_weight_granularity():
     assert pruner.left_whole == {
         "head": "its weight is tied to ['embed']'s: a mask would reach one use of it"
     }
+
+
+def test_a_group_that_keeps_all_its_units_is_listed_as_its_masks_say():
+    """A group of one unit keeps it whatever the ratio; under a global budget a group's
+    count follows its scores, so the list follows the hard masks."""
+    model = nn.Sequential(nn.Linear(4, 1), nn.ReLU(), nn.Linear(1, 3))
+    whole = DTPPruner(model, torch.randn(2, 4), 0.5).left_whole
+    assert whole == dict.fromkeys(["0", "2"], "its group '0' keeps all its units")
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 3))
+    pruner = DTPPruner(model, torch.randn(2, 4), 0.5, budget="global")
+    with torch.no_grad():  # the first group's units above all the second's
+        pruner.scores.copy_(torch.tensor([5.0, 6, 7, 8, 1, 2, 3, 4]))
+    assert pruner.left_whole == {"0": "its group '0' keeps all its units"}
+    with torch.no_grad():
+        pruner.scores.copy_(torch.tensor([1.0, 2, 3, 4, 5, 6, 7, 8]))
+    assert pruner.left_whole == {"4": "its group '2' keeps all its units"}
+    exported = pruner.export()
+    assert [m.weight.shape for m in exported if isinstance(m, nn.Linear)] == [
+        (1, 4),
+        (4, 1),
+        (3, 4),
+    ]
