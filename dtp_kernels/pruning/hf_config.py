@@ -35,6 +35,11 @@ SHARED_EXPERT, SHARED_EXPERT_FIELD = "shared_expert.", "shared_expert_intermedia
 COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
+# the config field of a low-rank layer's rank, by the rank's first layer's name: Gemma
+# 3n's learned augmented residual (LAuReL)
+RANK_FIELDS = {"laurel.linear_left": "laurel_rank"}
+
+
 # a group's decoder layer by its module name ("model.layers.3.self_attn")
 LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -127,6 +132,16 @@ def config_fields(config, groups: list[tuple[str, object]], masks: list) -> dict
         if size is None:
             return None
         fields[SHARED_EXPERT_FIELD] = size
+    for suffix, field in RANK_FIELDS.items():
+        ranks = [
+            int(m.sum())
+            for (kind, g), m in zip(groups, masks, strict=True)
+            if kind == "mlp" and g.name.endswith(suffix) and g.size == getattr(config, field, -1)
+        ]
+        if ranks:  # whether every such layer was pruned is left to the rebuild check
+            if (rank := _uniform(ranks)) is None:
+                return None
+            fields[field] = rank
     linear = [
         int(m.sum())
         for (kind, _), m in zip(groups, masks, strict=True)

@@ -144,3 +144,21 @@ def test_mlp_widths_held_per_layer_are_written_layer_by_layer(tmp_path):
     loaded = transformers.Gemma3nForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(TOKENS).logits, got, rtol=0, atol=0)
+
+
+def test_a_low_rank_residual_rank_is_written(tmp_path):
+    """Gemma 3n's learned augmented residual (laurel: linear_left to laurel_rank, then
+    linear_right back) prunes its rank like an MLP's width: the config gets the kept rank
+    and the export round-trips through save_pretrained. (Its AltUp router's outputs, one
+    per AltUp input, have no field of their own: left whole here.)"""
+    model = tiny_gemma_sharing_kv("gemma3n", sparsity=0.95)
+    ratios = {"*.altup.modality_router": 0, "*": 0.5}
+    pruner = randomised(DTPPruner(model, (TOKENS,), ratios))
+    assert sum(g.name.endswith("laurel.linear_left") for g in pruner.groups) == 4
+    exported, got = described_export(pruner, model, (TOKENS,))
+    assert exported.config.laurel_rank == 4
+    assert exported.model.layers[0].laurel.linear_right.in_features == 4
+    exported.save_pretrained(tmp_path)
+    loaded = transformers.Gemma3nForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(TOKENS).logits, got, rtol=0, atol=0)
