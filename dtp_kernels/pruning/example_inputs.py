@@ -11,6 +11,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from .precision import HALF
+
 
 class ExampleInputs(tuple):
     """The positional example inputs (the tuple itself), with the keyword ones in
@@ -52,16 +54,32 @@ def call_model(model: nn.Module, inputs: tuple):
     return model(*inputs, **getattr(inputs, "kwargs", {}))
 
 
-def _moved(value: object, device: torch.device) -> object:
-    """`value` with every tensor in it (through tuples, lists and dicts) on `device`."""
+def _mapped(value: object, change) -> object:
+    """`value` with `change` applied to every tensor in it (through tuples, lists and
+    dicts)."""
     if isinstance(value, torch.Tensor):
-        return value.to(device)
+        return change(value)
     if isinstance(value, Mapping):
-        return {key: _moved(item, device) for key, item in value.items()}
+        return {key: _mapped(item, change) for key, item in value.items()}
     if isinstance(value, (tuple, list)):
-        items = [_moved(item, device) for item in value]
+        items = [_mapped(item, change) for item in value]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     return value
+
+
+def _moved(value: object, device: torch.device) -> object:
+    """`value` with every tensor in it (through tuples, lists and dicts) on `device`."""
+    return _mapped(value, lambda tensor: tensor.to(device))
+
+
+def in_float32(inputs: ExampleInputs) -> ExampleInputs:
+    """`inputs` with their half-precision tensors in float32 (images, embeddings), for a
+    model run with float32 weights."""
+
+    def widen(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.float() if tensor.dtype in HALF else tensor
+
+    return ExampleInputs(_mapped(tuple(inputs), widen), _mapped(inputs.kwargs, widen))
 
 
 def model_device(model: nn.Module) -> torch.device | None:

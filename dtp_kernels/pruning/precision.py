@@ -1,4 +1,5 @@
-"""Full-precision float32 while a check compares two models' outputs."""
+"""Full-precision float32 while a check compares two models' outputs: float32 products
+(no TF32), and half-precision weights held in float32."""
 
 from __future__ import annotations
 
@@ -25,3 +26,33 @@ def ieee_fp32() -> Iterator[None]:
         yield
     finally:
         matmul.fp32_precision, conv.fp32_precision = before
+
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+@contextlib.contextmanager
+def float32_weights(model: torch.nn.Module) -> Iterator[None]:
+    """`model`'s half-precision parameters and buffers held in float32 while the block
+    runs, then given back their own dtypes: exactly the values they had, since every
+    float16 and bfloat16 value is a float32 one. The parameters stay the same objects (an
+    optimizer's references hold); the memory of those tensors doubles meanwhile."""
+    parameters = [p for p in model.parameters() if p.dtype in HALF]
+    buffers = [
+        (module, name, buffer)
+        for module in model.modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None and buffer.dtype in HALF
+    ]
+    dtypes = [p.dtype for p in parameters]
+    try:
+        for parameter in parameters:
+            parameter.data = parameter.data.float()
+        for module, name, buffer in buffers:
+            module._buffers[name] = buffer.float()
+        yield
+    finally:
+        for parameter, dtype in zip(parameters, dtypes, strict=True):
+            parameter.data = parameter.data.to(dtype)
+        for module, name, buffer in buffers:
+            module._buffers[name] = buffer  # the tensor it held

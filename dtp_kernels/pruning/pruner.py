@@ -14,6 +14,7 @@ columns, GroupNorm groups on the norm's rows.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from collections.abc import Mapping, Sequence
@@ -31,7 +32,7 @@ from . import nm as nm_rules
 from .base import ChannelPruner, ExportMismatchError, _zero_ratios
 from .conv1d import linear_to_conv1d
 from .cost import FlopsRatio
-from .example_inputs import call_model, on_model_device
+from .example_inputs import call_model, in_float32, on_model_device
 from .experts import ExpertGroup, tied_units
 from .export_blame import TRIAL_EXPORTS, culprit_groups
 from .groups import out_width, output_tensors
@@ -53,7 +54,7 @@ from .masking import (
     read_folded_first,
     strip_parametrizations,
 )
-from .precision import ieee_fp32
+from .precision import HALF, float32_weights, ieee_fp32
 from .proof import FP32_TOLERANCE, TOLERANCES, close
 from .whole_experts import MaskedRouting, WholeExpertsGroup, mask_router, unmask_router
 
@@ -695,15 +696,46 @@ class DTPPruner(ChannelPruner):
 
     @torch.no_grad()
     def _check_export(self, pruned: nn.Module) -> None:
-        """Raise ExportMismatchError unless `pruned` computes what the hard-masked model does."""
+        """Raise ExportMismatchError unless `pruned` computes what the hard-masked model
+        does. Outputs in half precision that part by more than its tolerance are compared
+        again with both models' weights in float32: rounding grows with depth (a deep
+        bfloat16 LLM's sums over fewer terms, its export's, part by a few percent), while
+        a wrong export differs in float32 too."""
+        want, got = self._check_outputs(pruned, float32=False)
+        mismatch = _mismatch(got, want)
+        if mismatch is None:
+            return
+        if not any(w.dtype in HALF for w in want):
+            raise _CheckRunError(*mismatch)
+        try:
+            want, got = self._check_outputs(pruned, float32=True)
+        except torch.OutOfMemoryError:
+            raise ExportMismatchError(
+                f"{mismatch[0]}, more than half-precision rounding allows in one layer; the "
+                "check that tells a deep model's rounding from a wrong export, the same "
+                "weights run in float32, ran out of memory: export with the model and the "
+                "pruner on the CPU (model.cpu(); pruner.cpu()), or in float32"
+            ) from None
+        mismatch = _mismatch(got, want)
+        if mismatch is not None:
+            raise _CheckRunError(mismatch[0] + " with the weights in float32", mismatch[1])
+
+    def _check_outputs(
+        self, pruned: nn.Module, float32: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(the hard-masked model's outputs, the exported model's) on the example inputs,
+        in eval mode, with float32 products; with `float32`, each model's half-precision
+        weights (and the inputs) in float32 while it runs, one model at a time."""
         was_training, pruned_training = self.model.training, pruned.training
         self.model.eval()
         pruned.eval()
         inputs = on_model_device(self.example_inputs, self.model)
+        inputs = in_float32(inputs) if float32 else inputs
+        widened = float32_weights if float32 else lambda _: contextlib.nullcontext()
         try:
-            with ieee_fp32(), self.hard_masked():
+            with ieee_fp32(), widened(self.model), self.hard_masked():
                 want = output_tensors(call_model(self.model, inputs))
-            with ieee_fp32():
+            with ieee_fp32(), widened(pruned):
                 try:
                     got = output_tensors(call_model(pruned, inputs))
                 except Exception as error:
@@ -722,19 +754,7 @@ class DTPPruner(ChannelPruner):
             raise ExportMismatchError(
                 f"the exported model returns {len(got)} tensors, the masked one {len(want)}"
             )
-        for g, w in zip(got, want, strict=True):
-            # the proof's tolerance for the output's dtype: sums over fewer (zero) terms,
-            # and a norm's rescaled weights (head_norms.py), round apart in half precision
-            rtol, atol = TOLERANCES.get(w.dtype, FP32_TOLERANCE)
-            if not close(g, w):
-                error = float((g - w).abs().max()) if g.shape == w.shape else float("inf")
-                raise _CheckRunError(
-                    f"the exported model's output differs from the hard-masked model's by "
-                    f"{error:.3g} (allowed {rtol} relative, {atol} times its largest "
-                    "magnitude absolute)",
-                    "some layer after them changes what removing channels does (a "
-                    "normalization over channels, a reshape, a custom op)",
-                )
+        return want, got
 
     def _blamed(self, error: _CheckRunError) -> ExportMismatchError:
         """The error of a failed check run, naming the groups whose pruning alone makes
@@ -803,6 +823,25 @@ class DTPPruner(ChannelPruner):
         for module in list(self.model.modules()):
             if parametrize.is_parametrized(module):
                 strip_parametrizations(module)
+
+
+def _mismatch(got: list[torch.Tensor], want: list[torch.Tensor]) -> tuple[str, str] | None:
+    """(what differs, its usual cause) where an output of the exported model is not the
+    hard-masked model's within the proof's tolerance for its dtype (sums over fewer
+    (zero) terms, and a norm's rescaled weights (head_norms.py), round apart in half
+    precision); None where all are."""
+    for g, w in zip(got, want, strict=True):
+        if not close(g, w):
+            rtol, atol = TOLERANCES.get(w.dtype, FP32_TOLERANCE)
+            error = float((g - w).abs().max()) if g.shape == w.shape else float("inf")
+            return (
+                f"the exported model's output differs from the hard-masked model's by "
+                f"{error:.3g} (allowed {rtol} relative, {atol} times its largest "
+                "magnitude absolute)",
+                "some layer after them changes what removing channels does (a "
+                "normalization over channels, a reshape, a custom op)",
+            )
+    return None
 
 
 class _CheckRunError(ExportMismatchError):
