@@ -252,6 +252,12 @@ def test_heads_experts_and_mlps_prune_where_the_graph_fails(name, tmp_path, monk
     params, flops = pruner.predicted_counts()
     assert params == sum(p.numel() for p in exported.parameters())
     assert flops == count_flops(exported, inputs)
+    # the layers left whole say the graph failed, or why their forms keep them
+    whole = pruner.left_whole
+    assert whole["lm_head"].startswith("Torch-Pruning's channel graph fails on the model")
+    assert all(
+        why.startswith(("Torch-Pruning's", "a latent attention's")) for why in whole.values()
+    )
     assert {k: getattr(exported.config, k) for k in fields} == fields
     width = fields["intermediate_size"]  # the module's own width attribute follows
     assert exported.get_submodule(mlp).intermediate_size == width
