@@ -399,6 +399,31 @@ def tiny_deepseek(version: int = 3, q_lora_rank: int | None = 20, seed: int = 0)
     return getattr(transformers, f"DeepseekV{version}ForCausalLM")(config)
 
 
+def tiny_dbrx(ffn_hidden_size: int = 32, experts: int = 2):
+    """DBRX: 2 layers of 4 query heads of 8 over 2 key/value heads (its fused Wqkv), and
+    `experts` experts of `ffn_hidden_size` per block, in its raw 2-D w1, v1 and w2."""
+    import transformers
+
+    config = transformers.DbrxConfig(
+        vocab_size=LLAMA_VOCAB,
+        d_model=32,
+        n_heads=4,
+        n_layers=2,
+        max_seq_len=64,
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        ffn_config={
+            "hidden_size": 32,
+            "ffn_hidden_size": ffn_hidden_size,
+            "moe_num_experts": experts,
+        },
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    return transformers.DbrxForCausalLM(config).eval()
+
+
 def tiny_deepseek_v4(vocab: int = LLAMA_VOCAB):
     """DeepSeek-V4 at 8 query heads of 16 reading one key/value head, its output
     projection block-diagonal over 2 groups of 4 heads; a sliding-window layer, then one

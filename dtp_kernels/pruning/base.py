@@ -464,7 +464,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         unknown = unrecognised_experts(model, list(ignored_layers))
         if unknown:
             warnings.warn(
-                f"the experts of {unknown} are kept in raw 3-D parameters in a layout the "
+                f"the experts of {unknown} are kept in raw parameters in a layout the "
                 "pruner does not recognise (it reads transformers' experts layout, described "
                 "by use_experts_implementation), so they are left whole",
                 UserWarning,

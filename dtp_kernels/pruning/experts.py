@@ -154,17 +154,36 @@ def find_expert_groups(model: nn.Module, ignored: list[nn.Module]) -> list[Exper
     return groups
 
 
+# an experts module's attributes that hold its expert count
+COUNT_ATTRIBUTES = ("num_experts", "moe_num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _raw_expert_weights(module: nn.Module) -> bool:
+    """Whether `module` holds experts' matrices in raw parameters of its own: a 3-D
+    `down_proj`, experts first, or, where it has an expert count E, one parameter of E
+    matrices stacked ([E, out, in]: JetMoe's) or concatenated ([E * out, in] with out
+    above 1: DBRX's w1, v1 and w2). A router's [E, in] is neither."""
+    down = getattr(module, "down_proj", None)
+    if isinstance(down, nn.Parameter) and down.dim() == 3:
+        return True
+    counts = [c for a in COUNT_ATTRIBUTES if isinstance(c := getattr(module, a, None), int)]
+    return any(
+        (p.dim() == 3 and p.shape[0] == e)
+        or (p.dim() == 2 and p.shape[0] % e == 0 < p.shape[0] - e)
+        for p in module.parameters(recurse=False)
+        for e in counts
+        if e > 1
+    )
+
+
 def unrecognised_experts(model: nn.Module, ignored: list[nn.Module]) -> list[str]:
-    """Names of the modules not in `ignored` that hold experts in raw 3-D parameters (a
-    `down_proj` of their own, experts first) in a layout `expert_layout` does not
-    recognise: no group is found for them, so they stay whole."""
+    """Names of the modules not in `ignored` that hold experts in raw parameters
+    (`_raw_expert_weights`) in a layout `expert_layout` does not recognise: no group is
+    found for them, so they stay whole."""
     return [
         name
         for name, module in model.named_modules()
-        if isinstance(getattr(module, "down_proj", None), nn.Parameter)
-        and module.down_proj.dim() == 3
-        and module not in ignored
-        and expert_layout(module) is None
+        if _raw_expert_weights(module) and module not in ignored and expert_layout(module) is None
     ]
 
 

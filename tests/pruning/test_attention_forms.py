@@ -25,6 +25,7 @@ from utils import (
     TINY_HF_VIT,
     described_export,
     randomised,
+    tiny_dbrx,
     tiny_deepseek,
     tiny_deepseek_v4,
     tiny_speech_encoder,
@@ -1415,18 +1416,7 @@ def test_fused_projection_with_fewer_key_value_heads_prunes_by_key_value_head():
     code splits it at its `hidden_size`: a unit is a key/value head with its 2 query
     heads; export keeps their rows, writes the layer's query width and head counts, and
     computes what the hard-masked model computes."""
-    config = transformers.DbrxConfig(
-        vocab_size=VOCAB,
-        d_model=32,
-        n_heads=4,
-        n_layers=2,
-        max_seq_len=64,
-        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
-        ffn_config={"hidden_size": 32, "ffn_hidden_size": 32, "moe_num_experts": 2},
-        **TOKEN_IDS,
-    )
-    torch.manual_seed(0)
-    model, inputs = transformers.DbrxForCausalLM(config).eval(), (tokens(),)
+    model, inputs = tiny_dbrx(), (tokens(),)
     fused = model.transformer.blocks[0].norm_attn_norm.attn.Wqkv.weight.detach().clone()
     pruner = randomised(DTPPruner(model, inputs, {"heads": 0.5}))
     assert [(g.name, g.units, g.query_heads_per_unit) for g in pruner.groups] == [

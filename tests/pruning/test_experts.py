@@ -17,7 +17,13 @@ from dtp_kernels.pruning.cost import ExpertMatmul, count_flops, trace_layers
 from dtp_kernels.pruning.experts import WIDTH_ATTRIBUTES, ExpertGroup, expert_layout
 from dtp_kernels.pruning.heads import HeadGroup
 from utils import LLAMA_VOCAB as VOCAB
-from utils import bf16_step_and_export, hard_masked_and_exported, randomised, tiny_deepseek
+from utils import (
+    bf16_step_and_export,
+    hard_masked_and_exported,
+    randomised,
+    tiny_dbrx,
+    tiny_deepseek,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -417,9 +423,26 @@ def test_raw_experts_of_a_layout_not_recognised_are_named_and_stay_whole():
         def forward(self, x):
             return self.down(torch.relu(self.up(x))) + self.experts(x)
 
-    with pytest.warns(UserWarning, match=r"the experts of \['experts'\] are kept in raw 3-D"):
+    with pytest.warns(UserWarning, match=r"the experts of \['experts'\] are kept in raw param"):
         pruner = DTPPruner(Block(), torch.randn(3, 4), 0.5)
     assert [g.name for g in pruner.groups] == ["up"]
+
+
+def test_experts_concatenated_in_2d_parameters_are_named_and_stay_whole():
+    """DBRX keeps each block's experts in three raw 2-D parameters, w1, v1 and w2 of
+    [experts * ffn_hidden_size, d_model]: a layout the pruner does not know, so a warning
+    names them; the heads still prune, and the experts are exported as they were. (Its
+    router's [experts, d_model] weight is no experts' parameter: not named.)"""
+    model, inputs = tiny_dbrx(ffn_hidden_size=16, experts=4), (tokens(),)
+    experts = [f"transformer.blocks.{i}.ffn.experts.mlp" for i in (0, 1)]
+    with pytest.warns(UserWarning, match=rf"the experts of \{experts}\ are kept in raw param"):
+        pruner = randomised(DTPPruner(model, inputs, {"heads": 0.5}))
+    assert {type(g).__name__ for g in pruner.groups} == {"HeadGroup"}
+    exported, got, want = hard_masked_and_exported(pruner, model, inputs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for name in experts:
+        for weight in ("w1", "v1", "w2"):
+            assert getattr(exported.get_submodule(name), weight).shape == (64, 32)
 
 
 def test_experts_of_one_block_with_different_ratios_are_refused_by_name():
