@@ -786,7 +786,10 @@ def find_groups(
 
 
 def _leave(
-    whole: dict[nn.Module, str], layers: list[nn.Module], why: str, readers: list = ()
+    whole: dict[nn.Module, str],
+    layers: list[nn.Module],
+    why: str,
+    readers: list[nn.Module] | tuple = (),
 ) -> None:
     """Record why `layers` are left whole, and why their `readers` read all of their
     channels, where no reason was recorded for them before."""
@@ -831,7 +834,7 @@ def _channel_groups(
     found = {}
     for group in graph.get_all_groups(ignored_layers=list(ignored), root_module_types=roots):
         out_layers: list[nn.Module] = [group[0].dep.target.module]  # the root, until all found
-        if getattr(group, UNFOLLOWED, False):  # left whole
+        if getattr(group, UNFOLLOWED, False):
             _leave(
                 whole,
                 out_layers,
