@@ -14,11 +14,13 @@ first words. GPT-2's Conv1D layers are made nn.Linear first, as `dtp prune` does
 
 Each architecture is built from its default config (`AutoConfig.for_model`, nothing
 downloaded) with the size fields it has set small (SIZES: 2 layers of width 64, 4 heads,
-a vocabulary of 256, 64 x 64 images, 4 frames; in each part's config too, for a
-multimodal model; a config that derives sizes from others when built is built
-again with them as arguments), random weights and random scores, on 12 tokens (a sequence
+a vocabulary of 256, 64 x 64 images, 4 frames; in each part's config too, and its
+parts', for a multimodal model; a config that derives sizes from others, or holds
+sizes per layer, when built is built again with them as arguments), random weights and
+random scores, on 12 tokens (a sequence
 classifier's last one its end of sequence; a vision-language model's text alone, so its
-vision tower stays whole), one image (classifiers, detectors, segmenters), one clip
+vision tower stays whole), one image (classifiers, detectors, segmenters; SigLIP 2's as
+its patches), one clip
 (video classifiers), or 4,000 samples of audio (a spectrogram of the config's size for
 Whisper). A config whose own checks refuse that
 size, or a model that does not run at it, is listed as not built; one still over 30M
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import inspect
 import signal
 import sys
 import time
@@ -131,6 +134,7 @@ PART_SIZES = {
     "out_hidden_size": 64,
     "adapter_input_size": 64,  # dots.llm3's audio adapter: from the audio width to the text's
     "adapter_out_dim": 64,
+    "cross_attention_hidden_size": 64,  # T5Gemma's decoder: the encoder's width
 }
 # sizes of an architecture that SIZES' do not fit, set after them (Mamba-2's mixer: 8
 # heads of 16 make twice the width of 64, in 2 groups sharing their B and C), and fields
@@ -142,6 +146,7 @@ OWN_SIZES = {
     "dots1": {"n_routed_experts": 4, "n_shared_experts": 1},
     "recurrent_gemma": {"lru_width": 64},  # its recurrent blocks' width
     "step3p5": {"sliding_window": 8},  # Step 3.7's language model: unset by default
+    "esm": {"vocab_size": 33, "pad_token_id": 1, "mask_token_id": 32},  # ESM-2's: unset
     # 4 layers, the last 2 reading the keys and values of the first 2 (KV sharing); its
     # per-layer inputs and activation sparsity at that size
     "gemma3n_text": {
@@ -303,18 +308,7 @@ def small_model(model_type: str, task: str) -> torch.nn.Module:
     elif model_type in DERIVED_SIZES:
         config = _small_config(model_type, config)
     _shrink(config, model_type)
-    parts = getattr(config, "sub_configs", None) or {}
-    for key in parts:  # a multimodal model's parts (CLIP's, a VLM's), each its own config
-        sub = getattr(config, key, None)
-        if not hasattr(sub, "to_dict"):
-            continue
-        if sub.__dict__.get("_heterogeneity_spec") is not None:  # Gemma 4's language model
-            sub = _small_config(sub.model_type, sub)
-            setattr(config, key, sub)
-            sub.allow_global_per_layer_attribute_access = True
-        _shrink(sub, sub.model_type, PART_SIZES)
-        if sub.__dict__.get("_heterogeneity_spec") is not None:
-            sub.allow_global_per_layer_attribute_access = False
+    _shrink_parts(config)
     if task == "semantic-segmentation" and len(getattr(config, "out_indices", None) or []) == 1:
         layers = config.num_hidden_layers  # BEiT's segmenter reads one layer per quarter
         config.set_output_features_output_indices(
@@ -328,6 +322,23 @@ def small_model(model_type: str, task: str) -> torch.nn.Module:
         raise OverflowError("over 30M parameters at this size")
     torch.manual_seed(0)
     return auto.from_config(config).eval()
+
+
+def _shrink_parts(config) -> None:
+    """Make each part of a multimodal model (CLIP's, a VLM's: its own config) small, and
+    the parts of those parts (T5Gemma 2's encoder holds a text and a vision config)."""
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        if not hasattr(sub, "to_dict"):
+            continue
+        if sub.__dict__.get("_heterogeneity_spec") is not None:  # Gemma 4's language model
+            sub = _small_config(sub.model_type, sub)
+            setattr(config, key, sub)
+            sub.allow_global_per_layer_attribute_access = True
+        _shrink(sub, sub.model_type, PART_SIZES)
+        if sub.__dict__.get("_heterogeneity_spec") is not None:
+            sub.allow_global_per_layer_attribute_access = False
+        _shrink_parts(sub)
 
 
 def _shrink(config, model_type: str, extra: dict | None = None) -> None:
@@ -452,9 +463,10 @@ def kinds(pruner: DTPPruner) -> str:
     return ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
 
 
-def example(model: torch.nn.Module, task: str) -> torch.Tensor:
-    """12 token ids; one image of the config's size and channels; 4,000 samples of audio
-    or, for a model of spectrograms, one of the config's mel bins and length."""
+def example(model: torch.nn.Module, task: str) -> torch.Tensor | dict:
+    """12 token ids; one image of the config's size and channels (SigLIP 2's as patches,
+    with their mask and grid: keyword inputs); 4,000 samples of audio or, for a model of
+    spectrograms, one of the config's mel bins and length."""
     generator = torch.Generator().manual_seed(1)
     if task == "audio-classification":
         if model.main_input_name == "input_values":
@@ -463,7 +475,9 @@ def example(model: torch.nn.Module, task: str) -> torch.Tensor:
         length = 2 * getattr(config, "max_source_positions", 1500)
         return torch.randn(1, getattr(config, "num_mel_bins", 80), length, generator=generator)
     if task not in (*IMAGE_TASKS, *VIDEO_TASKS):
-        ids = torch.randint(3, 200, (1, 12), generator=generator)
+        vocab = getattr(model.config.get_text_config(), "vocab_size", None)
+        high = min(200, vocab) if isinstance(vocab, int) else 200  # ESM-2's 33 amino acids
+        ids = torch.randint(3, high, (1, 12), generator=generator)
         eos = getattr(model.config, "eos_token_id", None)
         if task == "sequence-classification" and isinstance(eos, int):
             ids[0, -1] = eos  # an encoder-decoder classifies at its last end of sequence
@@ -473,6 +487,15 @@ def example(model: torch.nn.Module, task: str) -> torch.Tensor:
     size = getattr(config, "image_size", 224)
     size = size if isinstance(size, int) else size[0]
     channels = getattr(config, "num_channels", 3)
+    if "spatial_shapes" in inspect.signature(model.forward).parameters:
+        # SigLIP 2's patches of any aspect ratio (NaFlex), as its processor gives them
+        patch = config.patch_size
+        grid, width = size // patch, channels * patch * patch
+        return {
+            "pixel_values": torch.randn(1, grid * grid, width, generator=generator),
+            "pixel_attention_mask": torch.ones(1, grid * grid, dtype=torch.long),
+            "spatial_shapes": torch.tensor([[grid, grid]]),
+        }
     if task in VIDEO_TASKS:  # (batch, frames, channels, height, width)
         frames = getattr(model.config, "num_frames", 4)
         return torch.randn(1, frames, channels, size, size, generator=generator)
@@ -485,7 +508,7 @@ def check(model_type: str, ratio: float, task: str) -> list[str]:
         model = small_model(model_type, task)
         ids = example(model, task)
         with torch.no_grad():
-            _ = model(ids).logits  # the output the check compares
+            _ = _run(model, ids).logits  # the output the check compares
     except OverflowError as error:
         return _unpruned(model_type, "skipped", str(error))
     except Exception as error:  # the config's own checks, or a model that needs more
@@ -497,11 +520,11 @@ def check(model_type: str, ratio: float, task: str) -> list[str]:
         pruner = None
         try:
             layers = [model.get_submodule(name) for name in ignored]
-            pruner = DTPPruner(model, (ids,), ratios, ignored_layers=layers)
+            pruner = DTPPruner(model, _inputs(ids), ratios, ignored_layers=layers)
             with torch.no_grad():
                 pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
                 with pruner.hard_masked():
-                    want = model(ids).logits
+                    want = _run(model, ids).logits
             exported = pruner.export().eval()
             break
         except ValueError as error:
@@ -522,7 +545,7 @@ def check(model_type: str, ratio: float, task: str) -> list[str]:
     else:
         return _unpruned(model_type, "refused", _first_words(last))
     with torch.no_grad():
-        got = exported(ids).logits
+        got = _run(exported, ids).logits
     report = pruner.report()
     error = float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
     return [
@@ -539,6 +562,16 @@ def check(model_type: str, ratio: float, task: str) -> list[str]:
             + ([f"`ignored_layers` {ignored}"] if ignored else [])
         ),
     ]
+
+
+def _inputs(example: torch.Tensor | dict) -> tuple | dict:
+    """The pruner's example inputs: the one positional input, or keyword inputs."""
+    return example if isinstance(example, dict) else (example,)
+
+
+def _run(model: torch.nn.Module, example: torch.Tensor | dict):
+    """`model` run on the example (positional, or keyword inputs)."""
+    return model(**example) if isinstance(example, dict) else model(example)
 
 
 def _unpruned(model_type: str, result: str, why: str) -> list[str]:
