@@ -234,6 +234,26 @@ def _rebuilds(model: nn.Module, config) -> bool:
     return _shapes(fresh) == _shapes(model)
 
 
+def _unexplained(model: nn.Module, config, writes: list[tuple[object, dict]]) -> list[str]:
+    """The modules of `model` whose parameter or buffer shapes a model built from
+    `config` with `writes` made (to it or its parts' configs) would not have, in order;
+    [] where that model cannot be built."""
+    keys = {id(getattr(config, k, None)): k for k in getattr(config, "sub_configs", None) or {}}
+    try:
+        trial = copy.deepcopy(config)
+        for target, fields in writes:
+            dest = trial if target is config else getattr(trial, keys[id(target)])
+            for name, value in fields.items():
+                setattr(dest, name, value)
+        with torch.device("meta"):
+            fresh = _shapes(type(model)(trial))
+    except Exception:  # a config refusing the sizes, or a part not found by its key
+        return []
+    exported = _shapes(model)
+    differ = [n for n in exported if fresh.get(n) != exported[n]]
+    return list(dict.fromkeys(n.rpartition(".")[0] for n in differ))
+
+
 def _parts(model: nn.Module, config) -> list[tuple[str, object]]:
     """(module name, config) of each part of a composite model that holds one of its
     config's sub-configs as its own (a vision-language model's vision tower and language
@@ -388,12 +408,18 @@ def update_config(model: nn.Module, groups: list[tuple[str, object]], masks: lis
     if _write_per_layer(model, config, groups, masks):
         return True
     fields = {k: v for f in described if f for k, v in f.items()}
-    why = (
-        "no field of it holds them: layers pruned to different sizes, a width no field "
-        "holds, or a Mamba-2 mixer's norm epsilon, rescaled in each layer"
-        if None in described
-        else f"a model built from the updated config {fields} would not have the exported shapes"
-    )
+    if None in described:
+        why = (
+            "no field of it holds them: layers pruned to different sizes, a width no field "
+            "holds, or a Mamba-2 mixer's norm epsilon, rescaled in each layer"
+        )
+    else:
+        layers = _unexplained(model, config, writes)
+        named = f": {layers[:4]}{' ...' if len(layers) > 4 else ''}" if layers else ""
+        why = (
+            f"a model built from the updated config {fields} would not have the exported "
+            f"shapes{named}; a ratio of 0 for those layers' groups keeps a config that does"
+        )
     warnings.warn(
         f"the exported model's config cannot describe its sizes ({why}); the config is "
         "unchanged. The model is right; save it with dtp_kernels.save_pruned, not "

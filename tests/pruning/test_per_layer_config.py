@@ -162,3 +162,18 @@ def test_a_low_rank_residual_rank_is_written(tmp_path):
     loaded = transformers.Gemma3nForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(TOKENS).logits, got, rtol=0, atol=0)
+
+
+def test_the_warning_names_the_layers_no_config_field_describes():
+    """With its AltUp routers pruned too (a float ratio), Gemma 3n's config has no field
+    for their outputs: the export warns, naming the AltUp layers whose shapes a model
+    built from the updated config would not have, and keeps the config as it was."""
+    model = tiny_gemma_sharing_kv("gemma3n", sparsity=0.95)
+    before = model.config.to_dict()
+    pruner = randomised(DTPPruner(model, (TOKENS,), 0.5))
+    with pytest.warns(UserWarning, match=r"config cannot describe") as caught:
+        exported = pruner.export()
+    message = str(next(w.message for w in caught if "cannot describe" in str(w.message)))
+    assert "['model.layers.0.altup.correction_coefs', 'model.layers.0.altup." in message
+    assert "'model.layers.0.altup.modality_router'" in message
+    assert exported.config.to_dict() == before
