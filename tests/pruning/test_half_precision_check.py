@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from dtp_kernels.pruning import DTPPruner, base, proof
+from dtp_kernels.pruning import pruner as pruner_module
 from dtp_kernels.pruning.base import ExportMismatchError
 from dtp_kernels.pruning.precision import float32_weights
 from utils import randomised
@@ -31,6 +32,9 @@ def bf16_llama():
     return model, (torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0)),)
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
 def strict_bf16(monkeypatch) -> None:
     """No difference allowed in bfloat16 (after the pruner is made: its proofs keep the
     tolerance): any rounding difference fails the first check."""
@@ -50,6 +54,27 @@ def test_rounding_apart_in_bfloat16_passes_the_float32_check(monkeypatch):
     assert not proof.close(got, want)  # the first check failed: the float32 one decided
     assert {n: (p, p.dtype) for n, p in model.named_parameters()} == parameters
     assert {p.dtype for p in exported.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_float32_check_runs_where_the_model_is(device, monkeypatch):
+    """Outputs taken as parted in bfloat16 whatever they are (so the float32 check runs
+    on every device): it decides, on the model's device, and the model and its export
+    keep their dtypes and device."""
+    model, (ids,) = bf16_llama()
+    model, inputs = model.to(device), (ids.to(device),)
+    pruner = randomised(DTPPruner(model, inputs, {"mlp": 0.5}))
+    real, seen = pruner_module._mismatch, []
+
+    def parted_in_bf16(got, want):
+        seen.append((want[0].dtype, want[0].device.type))
+        return ("parted", "rounding") if want[0].dtype == torch.bfloat16 else real(got, want)
+
+    monkeypatch.setattr(pruner_module, "_mismatch", parted_in_bf16)
+    exported = pruner.export()
+    assert seen == [(torch.bfloat16, device), (torch.float32, device)]
+    for module in (model, exported):
+        assert {(p.dtype, p.device.type) for p in module.parameters()} == {(torch.bfloat16, device)}
 
 
 def test_a_wrong_export_is_refused_in_float32_too(monkeypatch):
