@@ -525,6 +525,7 @@ def check(model_type: str, ratio: float, task: str) -> list[str]:
                 pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
                 with pruner.hard_masked():
                     want = _run(model, ids).logits
+            predicted = pruner.config_describes_export()
             exported = pruner.export().eval()
             break
         except ValueError as error:
@@ -556,12 +557,19 @@ def check(model_type: str, ratio: float, task: str) -> list[str]:
         f"{error:.1e}",
         "yes" if count_params(exported) == report["params_after"] else "NO",
         "yes" if whole_as_listed(exported, shapes, pruner.left_whole) else "NO",
-        "yes" if describes(exported) else "no",
+        _config_cell(describes(exported), predicted),
         " ".join(
             ([f"`ratios={ratios}`"] if ratios != ratio else [])
             + ([f"`ignored_layers` {ignored}"] if ignored else [])
         ),
     ]
+
+
+def _config_cell(described: bool, predicted: bool | None) -> str:
+    """Whether the config describes the export; flagged where the pruner's prediction,
+    made before the export (config_describes_export), says otherwise."""
+    said = "yes" if described else "no"
+    return said if predicted == described else f"{said.upper()} (predicted {predicted})"
 
 
 def _inputs(example: torch.Tensor | dict) -> tuple | dict:
@@ -644,7 +652,8 @@ def main() -> None:
         "Whole = listed: whether the layers the export leaves their shapes are the ones "
         "pruner.left_whole lists. Config: whether the exported model's config rebuilds it, "
         "so save_pretrained writes what from_pretrained loads (else save it with "
-        "dtp_kernels.save_pruned).",
+        "dtp_kernels.save_pruned); in capitals, with the prediction, where "
+        "pruner.config_describes_export() said otherwise before the export.",
         "",
         f"{len(rows)} architectures: {summary}.",
         "",

@@ -2,8 +2,10 @@
 
 The recipe, the model (its weights loaded) and the data are read and checked as a run
 reads them, on the CPU; the pruner is built on the model and reports each group's size
-and kept count, the parameters and FLOPs before and after pruning, and the memory each
-stage's training state takes. Nothing is trained and nothing is written.
+and kept count, the parameters and FLOPs before and after pruning, how a Hugging Face
+model will be saved (save_pretrained, or pruned.pt where its config cannot describe the
+pruned sizes), and the memory each stage's training state takes. Nothing is trained and
+nothing is written.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from . import schema
 from .activation_memory import saved_activation_bytes
 from .run import check_starting_point, make_pruner, prepare, run_options
 from .run import frozen as run_frozen
+from .saved_form import saved_form
 from .train import accumulation_plan, stage_steps
 
 
@@ -108,9 +111,12 @@ def plan(recipe: dict) -> dict:
         "budget": settings["budget"],
         # under a global or FLOPs budget DTP learns each layer's count; the total is fixed
         "kept_counts": "learned per group" if learned else "fixed",
-        "groups": [{k: g[k] for k in ("name", "n", "k")} for g in report["groups"]],
+        "groups": [{k: g[k] for k in ("name", "kind", "n", "k")} for g in report["groups"]],
         # the conv and linear layers no group cuts, with why (a ratio of 0, a residual add)
         "left_whole": report["left_whole"],
+        # a Hugging Face model: saved with save_pretrained ("pruned") or to pruned.pt,
+        # and the kinds whose ratio of 0 would keep save_pretrained (saved_form.py)
+        "saved": saved_form(pruner) if recipe["model"]["source"] == "huggingface" else None,
         "params_before": report["params_before"],
         "params_after": report["params_after"],
         "flops_before": report["flops_before"],

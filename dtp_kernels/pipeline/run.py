@@ -9,6 +9,7 @@ import fnmatch
 import json
 import os
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from .model_source import (
     vocabulary_size,
 )
 from .preemption import PreemptionGuard
+from .saved_form import saved_form, saved_form_message
 from .train import Checkpointing, MetricsLog, RunOptions, metrics, train
 
 METHODS = ("dtp", "l1", "random")
@@ -220,6 +222,10 @@ def prune_and_finetune(
     times = {}
     start = time.perf_counter()
     pruner = make_pruner(model, settings, example)
+    form = saved_form(pruner) if recipe["model"]["source"] == "huggingface" else None
+    if form is not None and form["saved"] != "pruned":  # said now, not after training
+        learned = method == "dtp" and settings["budget"] != "layer"
+        warnings.warn(saved_form_message(form, learned), UserWarning, stacklevel=2)
     if method == "dtp":
 
         def trace(epoch: int) -> None:  # soft masks of sample filters, for the Fig. 3a plot

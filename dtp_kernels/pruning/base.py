@@ -51,7 +51,7 @@ from .heads import (
     prove_head_groups,
     prune_heads,
 )
-from .hf_config import update_config
+from .hf_config import predicts_described, update_config
 from .mamba import MambaGroup, find_mamba_groups, prune_mamba
 from .mamba2 import Mamba2Group, check_mamba2_ratios, find_mamba2_groups
 from .mlps import FormMLPGroup, find_form_mlps, prune_form_mlp
@@ -645,12 +645,19 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
 
     @torch.no_grad()
     def report(self) -> dict:
-        """Per group n and k; totals of parameters and FLOPs before and after pruning."""
+        """Per group its kind, n and k; totals of parameters and FLOPs before and after
+        pruning; the layers left whole."""
         masks = self.hard_masks()
         params, flops = self.predicted_counts(masks)
         return {
             "groups": [
-                {"name": g.name, "n": g.size, "k": int(m.sum()), "ratio": self.ratios[g.name]}
+                {
+                    "name": g.name,
+                    "kind": _kind(g),  # as ratio dicts name it: "heads", "mlp", ...
+                    "n": g.size,
+                    "k": int(m.sum()),
+                    "ratio": self.ratios[g.name],
+                }
                 for g, m in zip(self.groups, masks, strict=True)
             ],
             "params_before": self._base_params,
@@ -661,6 +668,19 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             "speedup": self._base_flops / flops,
             "left_whole": dict(self.left_whole),
         }
+
+    @torch.no_grad()
+    def config_describes_export(self, masks: list[torch.Tensor] | None = None) -> bool | None:
+        """Whether export() will write the pruned sizes into the model's transformers
+        config so that save_pretrained / from_pretrained rebuild the exported model,
+        predicted before any export from the counts `masks` keep (the current hard masks:
+        under a learned budget, the counts learned so far). None for a model without a
+        transformers config. Exact where the parameter count predicted_counts gives is
+        the export's (every architecture of benchmarks/hf_prune_check.py)."""
+        masks = self.hard_masks() if masks is None else masks
+        params, _ = self.predicted_counts(masks)
+        kinds = [(_kind(g), g) for g in self.groups]
+        return predicts_described(self.model, kinds, masks, params)
 
     def export(self) -> nn.Module:
         """A physically smaller copy of the model: Torch-Pruning removes the channels whose

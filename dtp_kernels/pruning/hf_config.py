@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import re
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -44,8 +45,23 @@ RANK_FIELDS = {"laurel.linear_left": "laurel_rank"}
 LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
+# a field left None for a width of a multiple of the hidden size: GPT-2's n_inner (its
+# pretrained configs' null: 4 x n_embd)
+UNSET_MLP_FIELDS = {"n_inner": ("n_embd", 4)}
+
+
 def _mlp_field(config) -> str | None:
-    return next((f for f in MLP_FIELDS if isinstance(getattr(config, f, None), int)), None)
+    return next((f for f in MLP_FIELDS if isinstance(_mlp_width(config, f), int)), None)
+
+
+def _mlp_width(config, field: str) -> int | None:
+    """The MLP width `field` of `config` says, the default where it is unset (None)."""
+    value = getattr(config, field, None)
+    if value is None and field in UNSET_MLP_FIELDS and hasattr(config, field):
+        hidden, times = UNSET_MLP_FIELDS[field]
+        width = getattr(config, hidden, None)
+        return width * times if isinstance(width, int) else None
+    return value
 
 
 def _mlp_widths_field(config) -> str | None:
@@ -97,7 +113,7 @@ def config_fields(config, groups: list[tuple[str, object]], masks: list) -> dict
         for (kind, g), m in zip(groups, masks, strict=True)
         if kind == "mlp"
         and mlp_field is not None
-        and g.size == getattr(config, mlp_field)
+        and g.size == _mlp_width(config, mlp_field)
         and not (shared and SHARED_EXPERT in g.name)
     ]
     fields = {}
@@ -222,8 +238,13 @@ def describes(model: nn.Module) -> bool:
     return config is not None and _rebuilds(model, config)
 
 
-def _rebuilds(model: nn.Module, config) -> bool:
-    """Whether a model built from `config` has `model`'s parameter and buffer shapes."""
+# whether a model built from a config is the one wanted (`_rebuilds`)
+Matches = Callable[[nn.Module], bool]
+
+
+def _rebuilds(model: nn.Module, config, matches: Matches | None = None) -> bool:
+    """Whether a model built from `config` has `model`'s parameter and buffer shapes (or,
+    given `matches`, is matched by it)."""
     try:
         if hasattr(config, "validate"):
             config.validate()
@@ -231,7 +252,7 @@ def _rebuilds(model: nn.Module, config) -> bool:
             fresh = type(model)(copy.deepcopy(config))
     except Exception:
         return False
-    return _shapes(fresh) == _shapes(model)
+    return matches(fresh) if matches is not None else _shapes(fresh) == _shapes(model)
 
 
 def _unexplained(model: nn.Module, config, writes: list[tuple[object, dict]]) -> list[str]:
@@ -335,7 +356,9 @@ def _per_layer_fields(config, groups: list, masks: list) -> tuple[dict, dict] | 
     return shared, overrides
 
 
-def _write_per_layer(model: nn.Module, config, groups: list, masks: list) -> bool:
+def _write_per_layer(
+    model: nn.Module, config, groups: list, masks: list, matches: Matches | None
+) -> bool:
     """Write the exported sizes layer by layer (`_per_layer_fields`) into each config
     they go to (`_assignments`) when a model built from the result matches; the configs
     are unchanged otherwise."""
@@ -355,7 +378,7 @@ def _write_per_layer(model: nn.Module, config, groups: list, masks: list) -> boo
             writes.append((target, copied, *found))
         for _, copied, shared, overrides in writes:
             _set_sizes(copied, shared, overrides)
-        if not _rebuilds(model, trial):
+        if not _rebuilds(model, trial, matches):
             return False
     except Exception:  # a config without per-layer sizes, or whose checks refuse them
         return False
@@ -372,16 +395,23 @@ def _set_sizes(config, shared: dict, overrides: dict) -> None:
         config.per_layer_config = overrides
 
 
-def update_config(model: nn.Module, groups: list[tuple[str, object]], masks: list) -> bool:
+def update_config(
+    model: nn.Module,
+    groups: list[tuple[str, object]],
+    masks: list,
+    matches: Matches | None = None,
+) -> bool:
     """Write the exported sizes into `model.config` (and, for a composite model, each
     part's sub-config) when a model built from it matches; whether the config describes
-    the exported model (False without a config)."""
+    the exported model (False without a config). A model built from the config matches
+    when it has `model`'s shapes, or, given `matches` (a prediction made on the unpruned
+    model: `predicts_described`), when `matches` accepts it; then nothing is warned."""
     config = _transformers_config(model)
     if config is None:
         return False
     writes = _writes(model, config, groups, masks)
     described = [fields for _, fields in writes]
-    if all(fields == {} for fields in described) and _rebuilds(model, config):
+    if all(fields == {} for fields in described) and _rebuilds(model, config, matches):
         return True
     before = []  # (config, field, value) to restore
     if None not in described:  # None: no one size per kind; all {}: it did not rebuild
@@ -399,14 +429,16 @@ def update_config(model: nn.Module, groups: list[tuple[str, object]], masks: lis
                     # config's own checks refuse
                     setattr(target, name, value)
                     before.append((target, name, current))
-            if _rebuilds(model, config):
+            if _rebuilds(model, config, matches):
                 return True
         except Exception:  # any refusal of a write leaves the config as it was
             pass
         for target, name, value in reversed(before):
             setattr(target, name, value)
-    if _write_per_layer(model, config, groups, masks):
+    if _write_per_layer(model, config, groups, masks, matches):
         return True
+    if matches is not None:
+        return False
     fields = {k: v for f in described if f for k, v in f.items()}
     if None in described:
         why = (
@@ -428,3 +460,30 @@ def update_config(model: nn.Module, groups: list[tuple[str, object]], masks: lis
         stacklevel=3,
     )
     return False
+
+
+def predicts_described(
+    model: nn.Module, groups: list[tuple[str, object]], masks: list, params_after: int
+) -> bool | None:
+    """Whether the export of `model` (unpruned) with `masks` will have a config that
+    describes it, before any export: update_config run on `model`'s own config, a model
+    built from the updated config matching when it has `params_after` parameters (the
+    pruner's prediction of the export's: exact, the sweeps check it). The config and its
+    parts' sub-configs are given back their fields afterwards. None without a
+    transformers config."""
+    config = _transformers_config(model)
+    if config is None:
+        return None
+    configs = [config, *(sub for _, sub in _parts(model, config))]
+    keep = {id(c): c for c in configs}  # the configs stay the objects the modules hold
+    saved = [(c, copy.deepcopy(vars(c), dict(keep))) for c in configs]
+
+    def matches(fresh: nn.Module) -> bool:
+        return sum(p.numel() for p in fresh.parameters()) == params_after
+
+    try:
+        return update_config(model, groups, masks, matches)
+    finally:
+        for c, fields in saved:
+            vars(c).clear()
+            vars(c).update(fields)

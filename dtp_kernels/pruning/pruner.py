@@ -631,6 +631,12 @@ class DTPPruner(ChannelPruner):
             row["distance_to_hard"] = float(((s - h) ** 2).mean())
         return result
 
+    def config_describes_export(self, masks: list[torch.Tensor] | None = None) -> bool | None:
+        if self.granularity == "filter":
+            return super().config_describes_export(masks)
+        # unstructured and N:M pruning keep every shape: the config as it is
+        return super().config_describes_export([torch.ones(n) for n in self.sizes])
+
     def predicted_counts(self, masks: list[torch.Tensor] | None = None) -> tuple[int, int]:
         if self.granularity == "filter":
             return super().predicted_counts(masks)

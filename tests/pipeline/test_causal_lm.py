@@ -17,6 +17,7 @@ import torch
 from dtp_kernels.cli import main
 from dtp_kernels.pipeline import recipe
 from dtp_kernels.pipeline.errors import RecipeError, UsageError
+from dtp_kernels.pipeline.plan import plan
 from dtp_kernels.pipeline.run import build_data, run
 from dtp_kernels.pipeline.train import make_optimizer
 from utils import (
@@ -163,7 +164,10 @@ def test_layers_of_different_sizes_are_saved_as_a_module_with_the_tokenizer(tmp_
     tokenizer = llama_with_word_tokenizer(model_dir, text)
     ratios = "prune.ratios={mlp: 0.5, model.layers.1.mlp.gate_proj: 0.75}"
     settings = lm_recipe(model_dir, text, "data.tokenizer=model", ratios, "data.seq_len=16")
-    summary = run(settings, tmp_path / "run")
+    # known before training: the plan says it, and the run warns at its start
+    assert plan(settings)["saved"] == {"saved": "pruned.pt", "whole_kinds": ["mlp"]}
+    with pytest.warns(UserWarning, match=r"saved to pruned.pt .* a ratio of 0 for 'mlp'"):
+        summary = run(settings, tmp_path / "run")
     assert [(g["n"], g["k"]) for g in summary["groups"]] == [(48, 24), (48, 12)]
     assert summary["saved"] == "pruned.pt"
     assert not (tmp_path / "run" / "pruned").exists()
@@ -196,12 +200,18 @@ def test_prune_command_prunes_gpt2_and_saves_it_in_its_own_layout(tmp_path):
     from dtp_kernels import load_pruned
 
     model_dir, text = save_gpt2(tmp_path / "gpt2"), write_text(tmp_path / "text")
-    summary = run(lm_recipe(model_dir, text, "prune.ratios={mlp: 0.5}"), tmp_path / "mlp")
+    settings = lm_recipe(model_dir, text, "prune.ratios={mlp: 0.5}")
+    assert plan(settings)["saved"] == {"saved": "pruned", "whole_kinds": []}
+    summary = run(settings, tmp_path / "mlp")
     assert summary["saved"] == "pruned"
     pruned = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "mlp" / "pruned")
     assert pruned.config.n_inner == 32 and pruned.transformer.h[0].mlp.c_fc.nf == 32
     assert sum(p.numel() for p in pruned.parameters()) == summary["params"]
-    summary = run(lm_recipe(model_dir, text), tmp_path / "both")
+    settings = lm_recipe(model_dir, text)
+    # the plan says which kind's ratio of 0 would keep save_pretrained: the heads
+    assert plan(settings)["saved"] == {"saved": "pruned.pt", "whole_kinds": ["heads"]}
+    with pytest.warns(UserWarning, match=r"a ratio of 0 for 'heads' would keep save_pretrained"):
+        summary = run(settings, tmp_path / "both")
     assert summary["saved"] == "pruned.pt"
     pruned = load_pruned(tmp_path / "both" / "pruned.pt", trusted=True)
     attention = pruned.transformer.h[0].attn

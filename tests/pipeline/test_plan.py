@@ -99,6 +99,10 @@ def test_the_plan_of_a_language_model_is_what_the_run_holds(tmp_path, overrides)
     assert [(g["n"], g["k"]) for g in predicted["groups"]] == [
         (g["n"], g["k"]) for g in summary["groups"]
     ]
+    # one count per kind: the config describes the export (GPT-2's heads cannot:
+    # tests/pipeline/test_causal_lm.py)
+    assert predicted["saved"] == {"saved": "pruned", "whole_kinds": []}
+    assert summary["saved"] == "pruned"
     checkpoints = tmp_path / "run" / "checkpoints"
     dtp = torch.load(checkpoints / "dtp.pt", weights_only=True)
     finetune = torch.load(checkpoints / "finetune.pt", weights_only=True)
@@ -149,4 +153,5 @@ def test_a_global_budget_says_the_counts_are_learned(tmp_path):
     settings = recipe.load(DIGITS_RECIPE, ["model.weights=random", "prune.budget=global"])
     predicted = plan(settings)
     assert predicted["kept_counts"] == "learned per group"
+    assert predicted["saved"] is None  # not a Hugging Face model
     assert sum(g["k"] for g in predicted["groups"]) == sum(g["n"] for g in predicted["groups"]) // 2

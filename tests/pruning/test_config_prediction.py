@@ -1,0 +1,78 @@
+"""pruner.config_describes_export(): whether export() will leave a config that
+describes the exported model (so save_pretrained's files load), said before any export
+and agreeing with what the export then writes; the model's config and its parts'
+sub-configs are left as they were (benchmarks/hf_prune_check.py checks the prediction
+against the export over every architecture it builds)."""
+
+import warnings
+
+import pytest
+import torch
+from test_vision_language import llava
+
+from dtp_kernels.pruning import DTPPruner
+from dtp_kernels.pruning.conv1d import conv1d_to_linear
+from dtp_kernels.pruning.hf_config import describes
+from utils import LLAMA_VOCAB, group_norm_net, tiny_llama
+
+transformers = pytest.importorskip("transformers")
+
+IDS = torch.randint(0, LLAMA_VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+
+
+def predicted_then_exported(model, inputs, ratios, **options) -> tuple[bool | None, bool]:
+    """The prediction, checked to leave the config as it was, and whether the export's
+    config describes it."""
+    pruner = DTPPruner(model, inputs, ratios, **options)
+    before = model.config.to_json_string()
+    predicted = pruner.config_describes_export()
+    assert model.config.to_json_string() == before
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the export's own warning when it cannot
+        exported = pruner.export()
+    return predicted, describes(exported)
+
+
+@pytest.mark.parametrize(
+    "ratios, described",
+    [
+        (0.5, True),  # one count per kind: heads, key/value heads, intermediate_size
+        ({"heads": 0.25, "mlp": 0.75}, True),
+        # the two MLPs keep 24 and 12: one intermediate_size cannot hold both
+        ({"mlp": 0.5, "model.layers.1.mlp.gate_proj": 0.75}, False),
+        ({"model.layers.0.self_attn": 0.5}, False),  # one layer's heads, not the other's
+    ],
+)
+def test_a_llama_is_predicted_as_exported(ratios, described):
+    assert predicted_then_exported(tiny_llama(), (IDS,), ratios) == (described, described)
+
+
+def test_gpt2_heads_cannot_be_described_and_its_mlps_can():
+    """GPT-2 derives its head size from n_embd / n_head: no config holds fewer heads."""
+    config = transformers.GPT2Config(vocab_size=LLAMA_VOCAB, n_embd=32, n_layer=2, n_head=4)
+    for ratios, described in [(0.5, False), ({"heads": 0, "mlp": 0.5}, True)]:
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config)
+        conv1d_to_linear(model)  # as `dtp prune` takes it
+        assert predicted_then_exported(model, (IDS,), ratios) == (described, described)
+
+
+def test_a_composite_models_sub_configs_stay_the_parts_own():
+    """LLaVA's vision tower and language model hold its vision_config and text_config:
+    the prediction writes sizes there and gives them back, the same objects. (CLIP's
+    head size is hidden_size / heads, and no field holds the projector's width: they
+    stay whole for a config that describes the rest.)"""
+    whole = {"model.multi_modal_projector.*": 0, "heads": 0, "mlp": 0.5}
+    for ratios, described in [(whole, True), (0.5, False)]:
+        model, inputs = llava()
+        language, vision = model.model.language_model, model.model.vision_tower
+        assert predicted_then_exported(model, inputs, ratios) == (described, described)
+        assert language.config is model.config.text_config
+        assert vision.config is model.config.vision_config
+
+
+def test_unstructured_pruning_keeps_the_config_and_a_cnn_has_none():
+    predicted, exported = predicted_then_exported(tiny_llama(), (IDS,), 0.5, granularity="weight")
+    assert predicted is exported is True
+    pruner = DTPPruner(group_norm_net(), (torch.randn(1, 3, 8, 8),), 0.5)
+    assert pruner.config_describes_export() is None
