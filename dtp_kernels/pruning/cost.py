@@ -172,7 +172,7 @@ def trace_layers(
         for e, rows in enumerate(routed):
             up = ExpertProjection(module, layout.up, e)
             layers.append(ExpertMatmul(up, up_out, layout.hidden, rows))
-            down = ExpertProjection(module, "down_proj", e)
+            down = ExpertProjection(module, layout.down, e)
             layers.append(ExpertMatmul(down, layout.hidden, layout.width, rows))
 
     def attention_hook(module: nn.Module, args: tuple, kwargs: dict, _output) -> None:

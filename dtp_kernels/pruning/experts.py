@@ -10,6 +10,11 @@ recognised, and those of KNOWN_LAYOUTS by their class (Llama 4's, whose every ex
 computes on every token). Intermediate neuron j of expert e is row j and I + j of its gate/up
 projection (2j and 2j + 1 when interleaved) and column j of its down projection.
 
+DBRX keeps its experts in 2-D parameters of its experts module's `mlp`, one expert's
+matrix after another: the gate `w1` and up `v1` projections [E * I, H] (out, in per
+expert) and the down projection `w2` [E * I, H] (in, out per expert); neuron j of expert
+e is row e I + j of all three (DBRX_LAYOUT).
+
 Each expert is one group and one transport segment. The mask goes on the down
 projection's columns: exact whatever the activation computes from neuron j's gate and
 up. Export keeps the kept neurons of every expert in one smaller 3-D parameter, so all
@@ -28,8 +33,9 @@ from torch import nn
 
 # the attributes use_experts_implementation sets, which say how the weights are laid out
 LAYOUT_FLAGS = ("has_gate", "is_concatenated", "is_transposed", "has_bias")
-# an experts module's attributes that hold its intermediate width
-WIDTH_ATTRIBUTES = ("intermediate_dim", "intermediate_size", "expert_dim")
+# an experts module's (or its parameters' module's) attributes that hold its
+# intermediate width
+WIDTH_ATTRIBUTES = ("intermediate_dim", "intermediate_size", "expert_dim", "ffn_hidden_size")
 # experts modules without those flags, by class name: their flags (in LAYOUT_FLAGS order)
 # and whether every expert computes on every token
 KNOWN_LAYOUTS = {
@@ -42,10 +48,11 @@ KNOWN_LAYOUTS = {
 
 @dataclass(frozen=True)
 class Layout:
-    """How one experts module stores its weights."""
+    """How one experts module stores its weights. Parameters are named by their path
+    from the experts module ("gate_up_proj"; DBRX's "mlp.v1")."""
 
-    up: str  # "gate_up_proj", or "up_proj" without a gate
-    parts: int  # 2 (gate and up side by side per neuron) or 1
+    up: str  # "gate_up_proj", or "up_proj" without a gate (or beside a separate `gate`)
+    parts: int  # 2 (gate and up per neuron) or 1
     concatenated: bool  # gate rows [0, I), up rows [I, 2I); else interleaved
     transposed: bool  # weights stored (in, out) per expert: [E, H, 2I] and [E, I, H]
     bias: bool
@@ -55,11 +62,71 @@ class Layout:
     # every expert computes on every token (its input: experts x tokens rows of H);
     # else on the tokens routed to it (transformers' experts: the experts chosen per token)
     every_token: bool = False
+    down: str = "down_proj"
+    gate: str | None = None  # the gate in a parameter of its own, shaped as `up`
+    # the down projection stored (in, out) per expert: [E, I, H] (None: as `transposed`)
+    down_transposed: bool | None = None
+    flat: bool = False  # 2-D parameters, the experts' matrices one after another
+
+    @property
+    def down_in_rows(self) -> bool:
+        return self.transposed if self.down_transposed is None else self.down_transposed
+
+    @property
+    def fused_parts(self) -> int:
+        """The parts of each neuron in the `up` parameter: 2 for a gate fused with it."""
+        return 1 if self.gate is not None else self.parts
+
+    def mask_shape(self) -> tuple[int, ...]:
+        """The shape a block's flat mask (expert by expert) takes to scale its down
+        projection's intermediate neurons."""
+        if self.flat:  # rows e I + j: one row per neuron of every expert in turn
+            return (-1, 1)
+        return (self.experts, -1, 1) if self.down_in_rows else (self.experts, 1, -1)
+
+
+def owner_and_name(experts: nn.Module, path: str) -> tuple[nn.Module, str]:
+    """The module holding the parameter at `path` from `experts`, and its name there."""
+    owner, _, name = path.rpartition(".")
+    return (experts.get_submodule(owner) if owner else experts), name
+
+
+def stacked(experts: nn.Module, layout: Layout, path: str) -> torch.Tensor:
+    """The parameter at `path` as [experts, rows, columns] (a view of a flat one)."""
+    owner, name = owner_and_name(experts, path)
+    tensor = getattr(owner, name)
+    return tensor.view(layout.experts, -1, tensor.shape[-1]) if layout.flat else tensor
+
+
+# DBRX's experts module: mlp.w1 (gate), mlp.v1 (up), mlp.w2 (down), each [E * I, H]
+DBRX_EXPERTS = "DbrxExperts"
+
+
+def _dbrx_layout(module: nn.Module) -> Layout | None:
+    """The layout of DBRX's experts module (DBRX_EXPERTS), or None where its parameters
+    do not have the shapes its counts say."""
+    mlp = getattr(module, "mlp", None)
+    experts, width = getattr(module, "num_experts", None), getattr(module, "ffn_hidden_size", None)
+    weights = [getattr(mlp, name, None) for name in ("w1", "v1", "w2")]
+    if not (isinstance(experts, int) and isinstance(width, int)) or not all(
+        isinstance(w, torch.Tensor) and w.dim() == 2 for w in weights
+    ):
+        return None
+    shapes = {tuple(w.shape) for w in weights}
+    if len(shapes) != 1 or next(iter(shapes))[0] != experts * width:
+        return None
+    hidden = weights[0].shape[1]
+    return Layout(
+        "mlp.v1", 2, True, False, False, experts, width, hidden,
+        down="mlp.w2", gate="mlp.w1", down_transposed=True, flat=True,
+    )  # fmt: skip
 
 
 def expert_layout(module: nn.Module) -> Layout | None:
     """The layout of an experts module in transformers' form; None for any other module
     (or one whose weight shapes do not match its flags)."""
+    if type(module).__name__ == DBRX_EXPERTS:
+        return _dbrx_layout(module)
     flags = [getattr(module, name, None) for name in LAYOUT_FLAGS]
     every_token = False
     if not all(isinstance(flag, bool) for flag in flags):
@@ -119,7 +186,7 @@ class ExpertGroup:
 
     @property
     def kept_in(self) -> tuple[ExpertProjection, ...]:
-        return (ExpertProjection(self.experts, "down_proj", self.expert),)
+        return (ExpertProjection(self.experts, self.layout.down, self.expert),)
 
     @property
     def width(self) -> dict[ExpertProjection, int]:
@@ -128,11 +195,16 @@ class ExpertGroup:
 
     def unit_weights(self) -> torch.Tensor:
         """The gate and up weights of each neuron side by side, one row per neuron."""
-        weight = getattr(self.experts, self.layout.up).detach()[self.expert]
-        if self.layout.transposed:
-            weight = weight.t()
-        width, hidden = self.layout.width, self.layout.hidden
-        if self.layout.parts > 1 and self.layout.concatenated:
+        layout = self.layout
+        parts = [layout.up] if layout.gate is None else [layout.gate, layout.up]
+        weights = []
+        for path in parts:
+            weight = stacked(self.experts, layout, path).detach()[self.expert]
+            weights.append(weight.t() if layout.transposed else weight)
+        if layout.gate is not None:  # [I, H] each
+            return torch.cat(weights, dim=1)
+        weight, width, hidden = weights[0], layout.width, layout.hidden
+        if layout.parts > 1 and layout.concatenated:
             return weight.reshape(2, width, hidden).transpose(0, 1).reshape(width, -1)
         return weight.reshape(width, -1)  # interleaved pairs are already side by side
 
@@ -158,6 +230,16 @@ def find_expert_groups(model: nn.Module, ignored: list[nn.Module]) -> list[Exper
 COUNT_ATTRIBUTES = ("num_experts", "moe_num_experts", "num_local_experts", "n_routed_experts")
 
 
+def _inside_known_experts(model: nn.Module) -> set[nn.Module]:
+    """The modules within experts modules `expert_layout` recognises (DBRX's `mlp`)."""
+    return {
+        inner
+        for module in model.modules()
+        if expert_layout(module) is not None
+        for inner in module.modules()
+    }
+
+
 def _raw_expert_weights(module: nn.Module) -> bool:
     """Whether `module` holds experts' matrices in raw parameters of its own: a 3-D
     `down_proj`, experts first, or, where it has an expert count E, one parameter of E
@@ -180,10 +262,11 @@ def unrecognised_experts(model: nn.Module, ignored: list[nn.Module]) -> list[str
     """Names of the modules not in `ignored` that hold experts in raw parameters
     (`_raw_expert_weights`) in a layout `expert_layout` does not recognise: no group is
     found for them, so they stay whole."""
+    known = _inside_known_experts(model)
     return [
         name
         for name, module in model.named_modules()
-        if _raw_expert_weights(module) and module not in ignored and expert_layout(module) is None
+        if _raw_expert_weights(module) and module not in ignored and module not in known
     ]
 
 
@@ -229,7 +312,7 @@ def tied_units(groups: list) -> list[int] | None:
 
 def intermediate_index(layout: Layout, units: torch.Tensor) -> torch.Tensor:
     """Positions of neurons `units` along the up projection's intermediate dimension."""
-    if layout.parts == 1:
+    if layout.fused_parts == 1:
         return units
     if layout.concatenated:
         return torch.cat([units, units + layout.width])
@@ -242,22 +325,33 @@ def prune_experts(experts: nn.Module, layout: Layout, masks: list[torch.Tensor])
     kept = [mask.nonzero().flatten().to(torch.long) for mask in masks]
     width = len(kept[0])
     # (in, out) storage: the intermediate dimension is the last of the up projection
-    up_dim, down_dim = (2, 1) if layout.transposed else (1, 2)
-    names = [(layout.up, up_dim, True), ("down_proj", down_dim, False)]
+    up_dim = 2 if layout.transposed else 1
+    down_dim = 1 if layout.down_in_rows else 2
+    paths = [(layout.up, up_dim, True), (layout.down, down_dim, False)]
+    if layout.gate is not None:
+        paths.append((layout.gate, up_dim, True))
     if layout.bias:
-        names.append((f"{layout.up}_bias", 1, True))
-    for name, dim, up_side in names:
-        old = getattr(experts, name)
-        picked = [
-            old[e].index_select(
-                dim - 1, (intermediate_index(layout, units) if up_side else units).to(old.device)
-            )
-            for e, units in enumerate(kept)
-        ]
-        setattr(experts, name, nn.Parameter(torch.stack(picked), old.requires_grad))
-    for attribute in WIDTH_ATTRIBUTES:
-        if getattr(experts, attribute, None) == layout.width:
-            setattr(experts, attribute, width)
+        paths.append((f"{layout.up}_bias", 1, True))
+    for path, dim, up_side in paths:
+        owner, name = owner_and_name(experts, path)
+        old = getattr(owner, name)
+        view = stacked(experts, layout, path)
+        picked = torch.stack(
+            [
+                view[e].index_select(
+                    dim - 1,
+                    (intermediate_index(layout, units) if up_side else units).to(old.device),
+                )
+                for e, units in enumerate(kept)
+            ]
+        )
+        if layout.flat:
+            picked = picked.reshape(-1, old.shape[-1])
+        setattr(owner, name, nn.Parameter(picked, old.requires_grad))
+    for module in experts.modules():  # DBRX's experts module and its `mlp` both hold I
+        for attribute in WIDTH_ATTRIBUTES:
+            if getattr(module, attribute, None) == layout.width:
+                setattr(module, attribute, width)
 
 
 # torch's grouped_mm, transformers' default experts implementation, reads rows of a
@@ -272,11 +366,13 @@ def run_misaligned_experts(model: nn.Module, blocks: dict[str, nn.Module]) -> No
     config = getattr(model, "config", None)
     if getattr(config, "_experts_implementation", None) != "grouped_mm":
         return
-    widths = {name: expert_layout(block).width for name, block in blocks.items()}
+    layouts = {name: expert_layout(block) for name, block in blocks.items()}
     misaligned = {
-        name: width
-        for name, width in widths.items()
-        if width * blocks[name].down_proj.element_size() % GROUPED_MM_ROW_BYTES
+        name: layout.width
+        for name, layout in layouts.items()
+        if layout.width
+        * stacked(blocks[name], layout, layout.down).element_size()
+        % GROUPED_MM_ROW_BYTES
     }
     if not misaligned:
         return

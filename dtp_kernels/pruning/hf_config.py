@@ -28,8 +28,9 @@ from torch import nn
 # (the decoder's alike); GPT-2 (when set); DistilBERT; T5
 MLP_FIELDS = ("intermediate_size", "ffn_dim", "n_inner", "hidden_dim", "d_ff")
 # the experts' width: its own field where the family has dense MLPs too (Qwen3-MoE,
-# DeepSeek), else the MLP's (Mixtral, OLMoE, GPT-OSS); the one holding the experts' width
-EXPERT_FIELDS = ("moe_intermediate_size", "intermediate_size")
+# DeepSeek), else the MLP's (Mixtral, OLMoE, GPT-OSS), or a sub-config's (DBRX's
+# ffn_config); the one holding the experts' width
+EXPERT_FIELDS = ("moe_intermediate_size", "intermediate_size", "ffn_config.ffn_hidden_size")
 # the module name of a shared expert and its config field
 SHARED_EXPERT, SHARED_EXPERT_FIELD = "shared_expert.", "shared_expert_intermediate_size"
 # the number of experts per block
@@ -48,6 +49,21 @@ LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # a field left None for a width of a multiple of the hidden size: GPT-2's n_inner (its
 # pretrained configs' null: 4 x n_embd)
 UNSET_MLP_FIELDS = {"n_inner": ("n_embd", 4)}
+
+
+def _get(config, field: str):
+    """`config`'s field, a dotted one read in its sub-config ("ffn_config.ffn_hidden_size")."""
+    for name in field.split("."):
+        config = getattr(config, name, None)
+    return config
+
+
+def _set(config, field: str, value) -> None:
+    """Set `config`'s field, a dotted one in its sub-config."""
+    *path, name = field.split(".")
+    for part in path:
+        config = getattr(config, part)
+    setattr(config, name, value)
 
 
 def _mlp_field(config) -> str | None:
@@ -185,7 +201,7 @@ def config_fields(config, groups: list[tuple[str, object]], masks: list) -> dict
     ]
     if experts:  # whether every block was pruned is left to the rebuild check
         width = experts[0][0].size
-        field = next((f for f in EXPERT_FIELDS if getattr(config, f, None) == width), None)
+        field = next((f for f in EXPERT_FIELDS if _get(config, f) == width), None)
         size = _uniform([kept for _, kept in experts])
         if field is None or size is None or fields.get(field, size) != size:
             return None
@@ -265,7 +281,7 @@ def _unexplained(model: nn.Module, config, writes: list[tuple[object, dict]]) ->
         for target, fields in writes:
             dest = trial if target is config else getattr(trial, keys[id(target)])
             for name, value in fields.items():
-                setattr(dest, name, value)
+                _set(dest, name, value)
         with torch.device("meta"):
             fresh = _shapes(type(model)(trial))
     except Exception:  # a config refusing the sizes, or a part not found by its key
@@ -390,7 +406,7 @@ def _write_per_layer(
 def _set_sizes(config, shared: dict, overrides: dict) -> None:
     """Write `shared` fields for all layers and `overrides` layer by layer."""
     for name, value in shared.items():
-        setattr(config, name, value)
+        _set(config, name, value)
     if overrides or config.__dict__.get("_heterogeneity_spec") is not None:
         config.per_layer_config = overrides
 
@@ -418,7 +434,7 @@ def update_config(
         try:
             for target, fields in writes:
                 for name, value in fields.items():
-                    current = getattr(target, name, None)
+                    current = _get(target, name)
                     # one per stage (SegFormer's heads), unless written as a list of as many
                     # (Gemma 3n's MLP widths, one per layer)
                     if isinstance(current, (list, tuple)) and not (
@@ -427,14 +443,14 @@ def update_config(
                         raise TypeError(f"{name} holds one value per stage")
                     # a read-only field (Falcon's head_dim) raises, as does a value a
                     # config's own checks refuse
-                    setattr(target, name, value)
+                    _set(target, name, value)
                     before.append((target, name, current))
             if _rebuilds(model, config, matches):
                 return True
         except Exception:  # any refusal of a write leaves the config as it was
             pass
         for target, name, value in reversed(before):
-            setattr(target, name, value)
+            _set(target, name, value)
     if _write_per_layer(model, config, groups, masks, matches):
         return True
     if matches is not None:
@@ -462,6 +478,16 @@ def update_config(
     return False
 
 
+def _configs_within(config) -> list:
+    """`config` and the configs its fields hold, theirs too (a composite model's parts'
+    sub-configs; DBRX's ffn_config)."""
+    found = [config]
+    for value in vars(config).values():
+        if hasattr(value, "to_dict") and hasattr(value, "sub_configs"):
+            found += [c for c in _configs_within(value) if all(c is not f for f in found)]
+    return found
+
+
 def predicts_described(
     model: nn.Module, groups: list[tuple[str, object]], masks: list, params_after: int
 ) -> bool | None:
@@ -474,7 +500,7 @@ def predicts_described(
     config = _transformers_config(model)
     if config is None:
         return None
-    configs = [config, *(sub for _, sub in _parts(model, config))]
+    configs = _configs_within(config)
     keep = {id(c): c for c in configs}  # the configs stay the objects the modules hold
     saved = [(c, copy.deepcopy(vars(c), dict(keep))) for c in configs]
 

@@ -189,16 +189,20 @@ class ScaleLast(ScaleRows):
 
 
 class ScaleExperts(nn.Module):
-    """Parametrization of a 3-D expert projection (experts first, the intermediate
-    neurons along `dim`): each expert's neurons times the mask of its own group, the
+    """Parametrization of an experts' down projection (the block's flat mask viewed as
+    `shape`: experts first, the intermediate neurons along one dimension; a 2-D
+    projection of the experts' matrices one after another, a row per neuron): each
+    expert's neurons times the mask of its own group, the
     groups `first`, `first + 1`, ... of one expert each. The soft masks are read as one
     view of the flat mask: no copy per expert. An eager experts forward reads the weight
     once per expert it runs, so the product is made once per forward and read back while
     the weight is unchanged (not under torch.compile, which traces every read)."""
 
-    def __init__(self, source: MaskSource, first: int, experts: int, dim: int) -> None:
+    def __init__(
+        self, source: MaskSource, first: int, experts: int, shape: tuple[int, ...]
+    ) -> None:
         super().__init__()
-        self.source, self.first, self.experts, self.dim = source, first, experts, dim
+        self.source, self.first, self.experts, self.shape = source, first, experts, shape
         self.offset = sum(source.sizes[:first])
         self.length = sum(source.sizes[first : first + experts])
 
@@ -214,9 +218,7 @@ class ScaleExperts(nn.Module):
         else:
             refuse_no_grad_read(source, source.flat)
             mask = source.flat.narrow(0, self.offset, self.length)
-        shape = [self.experts, 1, 1]
-        shape[self.dim] = -1
-        product = weight * mask.to(weight.dtype).view(shape)
+        product = weight * mask.to(weight.dtype).view(self.shape)
         if reuse:
             source.products[self] = (weight, weight._version, product)
         return product

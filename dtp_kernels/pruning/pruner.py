@@ -33,7 +33,7 @@ from .base import ChannelPruner, ExportMismatchError, _zero_ratios
 from .conv1d import linear_to_conv1d
 from .cost import FlopsRatio
 from .example_inputs import call_model, in_float32, on_model_device
-from .experts import ExpertGroup, tied_units
+from .experts import ExpertGroup, owner_and_name, tied_units
 from .export_blame import TRIAL_EXPORTS, culprit_groups
 from .groups import out_width, output_tensors
 from .heads import HeadGroup
@@ -314,9 +314,10 @@ class DTPPruner(ChannelPruner):
             return
         if isinstance(group, ExpertGroup):  # the down projection's columns, per expert
             if group.expert == 0:  # one parametrization for the block's experts
-                dim = 1 if group.layout.transposed else 2
-                scale = ScaleExperts(self._source, index, group.layout.experts, dim)
-                parametrize.register_parametrization(group.experts, "down_proj", scale)
+                layout = group.layout
+                scale = ScaleExperts(self._source, index, layout.experts, layout.mask_shape())
+                owner, name = owner_and_name(group.experts, layout.down)
+                parametrize.register_parametrization(owner, name, scale)
             return
         if isinstance(group, WholeExpertsGroup):  # log(mask) on the router's logits
             mask_router(group.router, self._source, index, group.size)

@@ -428,21 +428,45 @@ def test_raw_experts_of_a_layout_not_recognised_are_named_and_stay_whole():
     assert [g.name for g in pruner.groups] == ["up"]
 
 
-def test_experts_concatenated_in_2d_parameters_are_named_and_stay_whole():
-    """DBRX keeps each block's experts in three raw 2-D parameters, w1, v1 and w2 of
-    [experts * ffn_hidden_size, d_model]: a layout the pruner does not know, so a warning
-    names them; the heads still prune, and the experts are exported as they were. (Its
-    router's [experts, d_model] weight is no experts' parameter: not named.)"""
+def test_dbrx_experts_in_2d_parameters_export_the_kept_neurons_of_every_expert(tmp_path):
+    """DBRX keeps each block's experts in three raw 2-D parameters of its experts
+    module's `mlp`, one expert's matrix after another: w1 (gate) and v1 (up) [E * I, H],
+    w2 (down) [E * I, H], neuron j of expert e in row e I + j of each. Its experts prune
+    like transformers' (no warning; its router's [E, H] weight is not an expert's): the
+    export keeps exactly each expert's kept rows, computes what the hard-masked model
+    does, parameters and routed FLOPs follow, and with its heads whole (DBRX derives the
+    head size from d_model / n_heads) ffn_config.ffn_hidden_size describes the export."""
     model, inputs = tiny_dbrx(ffn_hidden_size=16, experts=4), (tokens(),)
-    experts = [f"transformer.blocks.{i}.ffn.experts.mlp" for i in (0, 1)]
-    with pytest.warns(UserWarning, match=rf"the experts of \{experts}\ are kept in raw param"):
-        pruner = randomised(DTPPruner(model, inputs, {"heads": 0.5}))
-    assert {type(g).__name__ for g in pruner.groups} == {"HeadGroup"}
-    exported, got, want = hard_masked_and_exported(pruner, model, inputs)
+    blocks = [f"transformer.blocks.{i}.ffn.experts" for i in (0, 1)]
+    dense = {b: model.get_submodule(b).mlp.state_dict() for b in blocks}
+    dense = {b: {k: v.clone() for k, v in weights.items()} for b, weights in dense.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "kept in raw parameters" warning
+        pruner = randomised(DTPPruner(model, inputs, {"heads": 0, "experts": 0.5}))
+    assert [g.name for g in pruner.groups] == [f"{b}.{e}" for b in blocks for e in range(4)]
+    masks = pruner.hard_masks()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the config describes the export
+        exported, got, want = hard_masked_and_exported(pruner, model, inputs)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    for name in experts:
+    for index, name in enumerate(blocks):
+        block = exported.get_submodule(name)
+        rows = torch.cat([e * 16 + masks[index * 4 + e].nonzero().flatten() for e in range(4)])
         for weight in ("w1", "v1", "w2"):
-            assert getattr(exported.get_submodule(name), weight).shape == (64, 32)
+            kept = getattr(block.mlp, weight)
+            torch.testing.assert_close(kept, dense[name][weight][rows], rtol=0, atol=0)
+        assert block.ffn_hidden_size == block.mlp.ffn_hidden_size == 8
+    params, flops = pruner.predicted_counts()
+    assert params == sum(p.numel() for p in exported.parameters())
+    assert flops == count_flops(exported, inputs) < pruner.report()["flops_before"]
+    matmuls = [m for m in trace_layers(model, inputs) if isinstance(m, ExpertMatmul)]
+    downs = [m for m in matmuls if m.module.name == "mlp.w2"]
+    assert sum(m.rows for m in downs) == BATCH * LENGTH * model.config.ffn_config.moe_top_k * 2
+    assert exported.config.ffn_config.ffn_hidden_size == 8
+    exported.save_pretrained(tmp_path)
+    loaded = type(exported).from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(*inputs).logits, got)
 
 
 def test_experts_of_one_block_with_different_ratios_are_refused_by_name():
