@@ -3,11 +3,13 @@ begins (the Trainer has made its optimizer by then)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 
 import torch
 from transformers import TrainerCallback
 
+from ..pruning.config_forecast import config_forecast, forecast_message
 from ..pruning.example_inputs import on_model_device
 from ..pruning.prepare import prepare
 from ..pruning.pruner import DTPPruner
@@ -25,8 +27,11 @@ class DTPTrainerCallback(TrainerCallback):
 
     The scores follow the Trainer's learning-rate schedule. After ``trainer.train()``,
     ``callback.pruner.export()`` is the smaller model, with its
-    config updated for ``save_pretrained``. The scores and transport state are not in the
-    Trainer's checkpoints: a run is trained from its start.
+    config updated for ``save_pretrained``; where the config cannot describe the pruned
+    sizes (GPT-2's fewer heads), training begins with a warning to save it with
+    ``save_pruned`` (:func:`dtp_kernels.pruning.config_forecast.config_forecast`). The
+    scores and transport state are not in the Trainer's checkpoints: a run is trained
+    from its start.
     """
 
     def __init__(
@@ -60,4 +65,8 @@ class DTPTrainerCallback(TrainerCallback):
             scheduler=lr_scheduler,
             **self.pruner_kwargs,
         )
+        forecast = config_forecast(self.pruner)
+        if forecast is not None and not forecast["describes"]:  # now, not after training
+            learned = self.pruner.budget != "layer"
+            warnings.warn(forecast_message(forecast, learned), UserWarning, stacklevel=2)
         return control

@@ -14,11 +14,11 @@ import logging
 
 import torch
 
+from ..pruning.config_forecast import config_forecast
 from . import schema
 from .activation_memory import saved_activation_bytes
 from .run import check_starting_point, make_pruner, prepare, run_options
 from .run import frozen as run_frozen
-from .saved_form import saved_form
 from .train import accumulation_plan, stage_steps
 
 
@@ -58,6 +58,17 @@ def measure_activations(model, shapes, options) -> int | str:
         return f"not measured: the forward does not run on fake tensors ({cause})"
     finally:
         quiet.setLevel(level)
+
+
+def saved_form(pruner) -> dict | None:
+    """How the run will save the pruned Hugging Face model: {"saved": "pruned" (with
+    save_pretrained) or "pruned.pt" (save_pruned), "whole_kinds": the kinds whose ratio
+    of 0 would keep save_pretrained}; None without a transformers config."""
+    forecast = config_forecast(pruner)
+    if forecast is None:
+        return None
+    saved = "pruned" if forecast["describes"] else "pruned.pt"
+    return {"saved": saved, "whole_kinds": forecast["whole_kinds"]}
 
 
 def plan(recipe: dict) -> dict:
@@ -115,7 +126,7 @@ def plan(recipe: dict) -> dict:
         # the conv and linear layers no group cuts, with why (a ratio of 0, a residual add)
         "left_whole": report["left_whole"],
         # a Hugging Face model: saved with save_pretrained ("pruned") or to pruned.pt,
-        # and the kinds whose ratio of 0 would keep save_pretrained (saved_form.py)
+        # and the kinds whose ratio of 0 would keep save_pretrained (config_forecast.py)
         "saved": saved_form(pruner) if recipe["model"]["source"] == "huggingface" else None,
         "params_before": report["params_before"],
         "params_after": report["params_after"],

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 
 from ..models import CIFAR_MODELS, TORCHVISION_MODELS
 from ..pruning import DTPPruner, L1Pruner, RandomPruner, save_pruned
+from ..pruning.config_forecast import config_forecast, forecast_message
 from ..pruning.cost import count_flops, count_params
 from ..pruning.hf_config import describes
 from . import data as datasets
@@ -36,7 +37,6 @@ from .model_source import (
     vocabulary_size,
 )
 from .preemption import PreemptionGuard
-from .saved_form import saved_form, saved_form_message
 from .train import Checkpointing, MetricsLog, RunOptions, metrics, train
 
 METHODS = ("dtp", "l1", "random")
@@ -222,10 +222,11 @@ def prune_and_finetune(
     times = {}
     start = time.perf_counter()
     pruner = make_pruner(model, settings, example)
-    form = saved_form(pruner) if recipe["model"]["source"] == "huggingface" else None
-    if form is not None and form["saved"] != "pruned":  # said now, not after training
+    forecast = config_forecast(pruner) if recipe["model"]["source"] == "huggingface" else None
+    if forecast is not None and not forecast["describes"]:  # said now, not after training
         learned = method == "dtp" and settings["budget"] != "layer"
-        warnings.warn(saved_form_message(form, learned), UserWarning, stacklevel=2)
+        message = forecast_message(forecast, learned) + " (the run writes it to pruned.pt)"
+        warnings.warn(message, UserWarning, stacklevel=2)
     if method == "dtp":
 
         def trace(epoch: int) -> None:  # soft masks of sample filters, for the Fig. 3a plot

@@ -2,6 +2,8 @@
 callback on a tiny Llama and the Lightning callback on a small module, each with a few
 real training steps of the framework itself."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -126,7 +128,10 @@ def test_hugging_face_trainer_callback_prunes_a_llama(tmp_path, options):
         **options,
     )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
-    trainer.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert not [w for w in caught if "will not describe" in str(w.message)]  # it will
     pruner = callback.pruner
     assert int(pruner.state.steps) == 4  # committed after each of the Trainer's steps
     assert pruner.state.log_odds.abs().sum() > 0  # the scores learned
@@ -135,6 +140,27 @@ def test_hugging_face_trainer_callback_prunes_a_llama(tmp_path, options):
     exported.save_pretrained(tmp_path / "pruned")
     loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "pruned")
     assert count_params(loaded) == count_params(exported)
+
+
+def test_the_trainer_callback_warns_at_the_start_of_a_config_that_will_not_describe(tmp_path):
+    """Two MLPs asked for different counts: no one intermediate_size holds both, so
+    training begins with the warning to save the export with save_pruned."""
+    transformers = pytest.importorskip("transformers")
+    from dtp_kernels.integrations.huggingface import DTPTrainerCallback
+
+    ids = torch.randint(0, 61, (4, 12), generator=torch.Generator().manual_seed(1))
+    ratios = {"mlp": 0.5, "model.layers.1.mlp.gate_proj": 0.75}
+    callback = DTPTrainerCallback(ids[:1], ratios)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, report_to=[],
+        save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True,
+    )  # fmt: skip
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    trainer = transformers.Trainer(
+        model=tiny_llama(), args=args, train_dataset=data, callbacks=[callback]
+    )
+    with pytest.warns(UserWarning, match=r"save_pruned; a ratio of 0 for 'mlp' would keep"):
+        trainer.train()
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
