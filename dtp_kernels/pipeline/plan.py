@@ -62,13 +62,14 @@ def measure_activations(model, shapes, options) -> int | str:
 
 def saved_form(pruner) -> dict | None:
     """How the run will save the pruned Hugging Face model: {"saved": "pruned" (with
-    save_pretrained) or "pruned.pt" (save_pruned), "whole_kinds": the kinds whose ratio
-    of 0 would keep save_pretrained}; None without a transformers config."""
+    save_pretrained) or "pruned.pt" (save_pruned), "ratios_for_save_pretrained": for
+    pruned.pt, the ratios that would keep save_pretrained (None if none found)}; None
+    without a transformers config."""
     forecast = config_forecast(pruner)
     if forecast is None:
         return None
     saved = "pruned" if forecast["describes"] else "pruned.pt"
-    return {"saved": saved, "whole_kinds": forecast["whole_kinds"]}
+    return {"saved": saved, "ratios_for_save_pretrained": forecast["ratios"]}
 
 
 def plan(recipe: dict) -> dict:
@@ -126,7 +127,7 @@ def plan(recipe: dict) -> dict:
         # the conv and linear layers no group cuts, with why (a ratio of 0, a residual add)
         "left_whole": report["left_whole"],
         # a Hugging Face model: saved with save_pretrained ("pruned") or to pruned.pt,
-        # and the kinds whose ratio of 0 would keep save_pretrained (config_forecast.py)
+        # and the ratios that would keep save_pretrained (config_forecast.py)
         "saved": saved_form(pruner) if recipe["model"]["source"] == "huggingface" else None,
         "params_before": report["params_before"],
         "params_after": report["params_after"],

@@ -72,14 +72,9 @@ from .whole_experts import (
 
 def _zero_ratios(ratios, names: list[str]) -> str:
     """The ratios that leave the groups `names` whole and prune the rest as `ratios` asks,
-    for an error message: a float p becomes {"*": p, name: 0, ...} (a name beats a
-    pattern), a dict gains name: 0 entries; any other form is named as is."""
-    zeros = {name: 0 for name in names}
-    if isinstance(ratios, (int, float)) and not isinstance(ratios, bool):
-        return f"ratios={ {'*': ratios, **zeros} }"
-    if isinstance(ratios, dict):
-        return f"ratios={ {**ratios, **zeros} }"
-    return f"the keys {list(zeros)} with 0"
+    for an error message (ratio_rules.with_zeros); any other form is named as is."""
+    zeroed = ratio_rules.with_zeros(ratios, names)
+    return f"ratios={zeroed}" if zeroed is not None else f"the keys {names} with 0"
 
 
 # the head of a refusal whose export would not compute what the masked model does
@@ -290,6 +285,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         object.__setattr__(self, "model", model)  # not a submodule: the pruner is not the model
         self.example_inputs = inputs
         self.budget = budget
+        self._asked_ratios = ratios  # named back, with zeros, in advice to leave groups whole
         # set by _find_groups when Torch-Pruning's graph cannot follow the model
         self._graph_error: ChannelGraphError | None = None
         # filled by _find_groups: why layers whose output channels no group holds are whole

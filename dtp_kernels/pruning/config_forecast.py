@@ -5,44 +5,81 @@ from it has the exported shapes; where none can (layers pruned to different size
 sizes no field holds: GPT-2 derives its head size from the hidden size, so fewer heads
 cannot be written), the exported model must be saved with save_pruned, not
 save_pretrained. The pruner predicts which from the counts its masks keep
-(config_describes_export), and for a config that cannot, the kinds of groups whose ratio
-of 0 would let it: `dtp prune --plan`, the start of a `dtp prune` run and the Trainer
-callback say it before any training.
+(config_describes_export). For a config that cannot, the forecast finds the groups to
+leave whole: it tries each kind of group of each part of the model (a composite model's
+vision tower and language model hold configs of their own) pruned alone, and leaves
+whole the kinds a config cannot describe even alone, when the config then describes the
+rest. `dtp prune --plan`, the start of a `dtp prune` run and the Hugging Face Trainer
+callback say it before any training, with the ratios that keep save_pretrained.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .hf_config import part_names
+from .ratios import with_zeros
+
 
 def config_forecast(pruner) -> dict | None:
-    """{"describes": whether the export's config will describe it, "whole_kinds": the
-    kinds of groups ("heads", "mlp", ...) each of which, left whole with a ratio of 0,
-    would let the config describe the rest (only where it will not)}. None for a model
-    without a transformers config. From the current hard masks: under a learned budget,
-    the counts learned so far."""
+    """{"describes": whether the export's config will describe it; where it will not,
+    "whole": the names of the groups to leave whole for a config that does ([] where no
+    choice of whole kinds gives one), and "ratios": the ratios that leave them whole and
+    prune the rest as asked (None without advice, or for ratios per stage or layer)}.
+    None for a model without a transformers config. From the current hard masks: under a
+    learned budget, the counts learned so far."""
     masks = pruner.hard_masks()
     described = pruner.config_describes_export(masks)
     if described is None:
         return None
-    kinds = [row["kind"] for row in pruner.report()["groups"]]
-    whole = []
-    for kind in [] if described else dict.fromkeys(kinds):
-        trial = [torch.ones_like(m) if k == kind else m for k, m in zip(kinds, masks, strict=True)]
-        if pruner.config_describes_export(trial):
-            whole.append(kind)
-    return {"describes": described, "whole_kinds": whole}
+    if described:
+        return {"describes": True, "whole": [], "ratios": None}
+    rows = pruner.report()["groups"]
+    parts = part_names(pruner.model)
+    units: dict[tuple[str, str], list[int]] = {}  # (part, kind) -> its groups' indices
+    for i, row in enumerate(rows):
+        part = next((p for p in parts if row["name"].startswith(f"{p}.")), "")
+        units.setdefault((part, row["kind"]), []).append(i)
+
+    def describes_with(pruned: list[tuple[str, str]]) -> bool:  # the other units whole
+        cut = {i for unit in pruned for i in units[unit]}
+        trial = [m if i in cut else torch.ones_like(m) for i, m in enumerate(masks)]
+        return bool(pruner.config_describes_export(trial))
+
+    whole = [unit for unit in units if not describes_with([unit])]
+    rest = [unit for unit in units if unit not in whole]
+    if not whole or not rest or not describes_with(rest):
+        return {"describes": False, "whole": [], "ratios": None}
+    names = [rows[i]["name"] for unit in whole for i in units[unit]]
+    kinds = {kind for _, kind in whole}
+    everywhere = all(unit in whole for unit in units if unit[1] in kinds)  # whole kinds
+    advice = _per_kind(rows, kinds) if everywhere else None
+    return {
+        "describes": False,
+        "whole": names,
+        "ratios": advice or with_zeros(pruner._asked_ratios, names),
+    }
+
+
+def _per_kind(rows: list[dict], whole_kinds: set[str]) -> dict | None:
+    """Ratios per kind, 0 for `whole_kinds` (GPT-2's heads: {"heads": 0, "mlp": 0.5}),
+    where every kind has one ratio over the model; else None."""
+    ratios: dict[str, set[float]] = {}
+    for row in rows:
+        ratios.setdefault(row["kind"], set()).add(row["ratio"])
+    if any(len(r) > 1 for kind, r in ratios.items() if kind not in whole_kinds):
+        return None
+    return {k: 0 if k in whole_kinds else r.pop() for k, r in ratios.items()}
 
 
 def forecast_message(forecast: dict, learned: bool = False) -> str:
     """Why the exported model is to be saved with save_pruned, not save_pretrained, and
-    which ratios of 0 would keep save_pretrained. `learned`: the counts are learned
+    the ratios that would keep save_pretrained. `learned`: the counts are learned
     (budget "global" or "flops"), so the forecast holds for the counts at the start."""
-    kinds = " or ".join(repr(kind) for kind in forecast["whole_kinds"])
     return (
         "the pruned model's config will not describe its sizes (layers pruned to different "
         "sizes, or a size no field of the config holds), so save_pretrained's files would "
         "not load it: it is to be saved with dtp_kernels.save_pruned"
-        + (f"; a ratio of 0 for {kinds} would keep save_pretrained" if kinds else "")
+        + (f"; ratios={forecast['ratios']} keep save_pretrained" if forecast["ratios"] else "")
         + ("; forecast from the counts at the start, which DTP learns" if learned else "")
     )

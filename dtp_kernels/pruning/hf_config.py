@@ -307,6 +307,13 @@ def _parts(model: nn.Module, config) -> list[tuple[str, object]]:
     return parts
 
 
+def part_names(model: nn.Module) -> list[str]:
+    """The module names of a composite model's parts that hold sub-configs of their own
+    (`_parts`: LLaVA's vision tower and language model); [] for a model of one config."""
+    config = _transformers_config(model)
+    return [name for name, _ in _parts(model, config)] if config is not None else []
+
+
 def _assignments(model: nn.Module, config, groups: list) -> list[tuple[object, list[int]]]:
     """(config, the indices of its groups) for each config the exported sizes go to:
     each part's sub-config for the groups inside that part, the model's config (last)

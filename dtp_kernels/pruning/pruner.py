@@ -192,7 +192,6 @@ class DTPPruner(ChannelPruner):
             ignored_layers=ignored_layers,
             prune_coupled=prune_coupled,
         )
-        self._asked_ratios = ratios  # named back, with zeros, by a failed export's error
         self.eps, self.iters, self.backend, self.mask_at = float(eps), iters, backend, mask_at
         if self.nm is not None:
             self._check_nm_groups()

@@ -67,6 +67,18 @@ def parse_layer_map(text: str) -> dict[int, float]:
     return out
 
 
+def with_zeros(ratios: object, names: list[str]) -> dict | None:
+    """The ratios that leave the groups `names` whole and prune the rest as `ratios`
+    asks: a float p becomes {"*": p, name: 0, ...} (a name beats a pattern), a dict gains
+    name: 0 entries; None for the per-stage and per-layer forms."""
+    zeros = dict.fromkeys(names, 0)
+    if isinstance(ratios, (int, float)) and not isinstance(ratios, bool):
+        return {"*": ratios, **zeros}
+    if isinstance(ratios, Mapping):
+        return {**ratios, **zeros}
+    return None
+
+
 def check_ratio_syntax(ratios: object) -> None:
     """Raise TypeError/ValueError unless `ratios` is one of the accepted forms, with every
     ratio in [0, 1); what needs the model (names, stage and layer counts) is checked when

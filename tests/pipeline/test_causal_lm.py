@@ -165,8 +165,9 @@ def test_layers_of_different_sizes_are_saved_as_a_module_with_the_tokenizer(tmp_
     ratios = "prune.ratios={mlp: 0.5, model.layers.1.mlp.gate_proj: 0.75}"
     settings = lm_recipe(model_dir, text, "data.tokenizer=model", ratios, "data.seq_len=16")
     # known before training: the plan says it, and the run warns at its start
-    assert plan(settings)["saved"] == {"saved": "pruned.pt", "whole_kinds": ["mlp"]}
-    with pytest.warns(UserWarning, match=r"save_pruned; a ratio of 0 for 'mlp' would keep"):
+    # (no ratios keep save_pretrained but the MLPs whole: none are advised)
+    assert plan(settings)["saved"] == {"saved": "pruned.pt", "ratios_for_save_pretrained": None}
+    with pytest.warns(UserWarning, match=r"save_pruned \(the run writes it to pruned.pt\)"):
         summary = run(settings, tmp_path / "run")
     assert [(g["n"], g["k"]) for g in summary["groups"]] == [(48, 24), (48, 12)]
     assert summary["saved"] == "pruned.pt"
@@ -201,16 +202,17 @@ def test_prune_command_prunes_gpt2_and_saves_it_in_its_own_layout(tmp_path):
 
     model_dir, text = save_gpt2(tmp_path / "gpt2"), write_text(tmp_path / "text")
     settings = lm_recipe(model_dir, text, "prune.ratios={mlp: 0.5}")
-    assert plan(settings)["saved"] == {"saved": "pruned", "whole_kinds": []}
+    assert plan(settings)["saved"] == {"saved": "pruned", "ratios_for_save_pretrained": None}
     summary = run(settings, tmp_path / "mlp")
     assert summary["saved"] == "pruned"
     pruned = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "mlp" / "pruned")
     assert pruned.config.n_inner == 32 and pruned.transformer.h[0].mlp.c_fc.nf == 32
     assert sum(p.numel() for p in pruned.parameters()) == summary["params"]
     settings = lm_recipe(model_dir, text)
-    # the plan says which kind's ratio of 0 would keep save_pretrained: the heads
-    assert plan(settings)["saved"] == {"saved": "pruned.pt", "whole_kinds": ["heads"]}
-    with pytest.warns(UserWarning, match=r"a ratio of 0 for 'heads' would keep save_pretrained"):
+    # the plan gives the ratios that would keep save_pretrained: the heads whole
+    advice = {"heads": 0, "mlp": 0.5}
+    assert plan(settings)["saved"] == {"saved": "pruned.pt", "ratios_for_save_pretrained": advice}
+    with pytest.warns(UserWarning, match=r"ratios=\{'heads': 0, 'mlp': 0.5\} keep save_pretr"):
         summary = run(settings, tmp_path / "both")
     assert summary["saved"] == "pruned.pt"
     pruned = load_pruned(tmp_path / "both" / "pruned.pt", trusted=True)

@@ -101,7 +101,7 @@ def test_the_plan_of_a_language_model_is_what_the_run_holds(tmp_path, overrides)
     ]
     # one count per kind: the config describes the export (GPT-2's heads cannot:
     # tests/pipeline/test_causal_lm.py)
-    assert predicted["saved"] == {"saved": "pruned", "whole_kinds": []}
+    assert predicted["saved"] == {"saved": "pruned", "ratios_for_save_pretrained": None}
     assert summary["saved"] == "pruned"
     checkpoints = tmp_path / "run" / "checkpoints"
     dtp = torch.load(checkpoints / "dtp.pt", weights_only=True)

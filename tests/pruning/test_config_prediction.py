@@ -2,7 +2,8 @@
 describes the exported model (so save_pretrained's files load), said before any export
 and agreeing with what the export then writes; the model's config and its parts'
 sub-configs are left as they were (benchmarks/hf_prune_check.py checks the prediction
-against the export over every architecture it builds)."""
+against the export over every architecture it builds). config_forecast's advice, the
+ratios that keep save_pretrained, gives a config that describes the export."""
 
 import warnings
 
@@ -11,6 +12,7 @@ import torch
 from test_vision_language import llava
 
 from dtp_kernels.pruning import DTPPruner
+from dtp_kernels.pruning.config_forecast import config_forecast
 from dtp_kernels.pruning.conv1d import conv1d_to_linear
 from dtp_kernels.pruning.hf_config import describes
 from utils import LLAMA_VOCAB, group_norm_net, tiny_llama
@@ -33,6 +35,14 @@ def predicted_then_exported(model, inputs, ratios, **options) -> tuple[bool | No
     return predicted, describes(exported)
 
 
+def gpt2() -> torch.nn.Module:
+    config = transformers.GPT2Config(vocab_size=LLAMA_VOCAB, n_embd=32, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    conv1d_to_linear(model)  # as `dtp prune` takes it
+    return model
+
+
 @pytest.mark.parametrize(
     "ratios, described",
     [
@@ -48,13 +58,10 @@ def test_a_llama_is_predicted_as_exported(ratios, described):
 
 
 def test_gpt2_heads_cannot_be_described_and_its_mlps_can():
-    """GPT-2 derives its head size from n_embd / n_head: no config holds fewer heads."""
-    config = transformers.GPT2Config(vocab_size=LLAMA_VOCAB, n_embd=32, n_layer=2, n_head=4)
+    """GPT-2 derives its head size from n_embd / n_head: no config holds fewer heads. Its
+    unset n_inner (4 x n_embd) is written with the MLPs' kept width."""
     for ratios, described in [(0.5, False), ({"heads": 0, "mlp": 0.5}, True)]:
-        torch.manual_seed(0)
-        model = transformers.GPT2LMHeadModel(config)
-        conv1d_to_linear(model)  # as `dtp prune` takes it
-        assert predicted_then_exported(model, (IDS,), ratios) == (described, described)
+        assert predicted_then_exported(gpt2(), (IDS,), ratios) == (described, described)
 
 
 def test_a_composite_models_sub_configs_stay_the_parts_own():
@@ -76,3 +83,39 @@ def test_unstructured_pruning_keeps_the_config_and_a_cnn_has_none():
     assert predicted is exported is True
     pruner = DTPPruner(group_norm_net(), (torch.randn(1, 3, 8, 8),), 0.5)
     assert pruner.config_describes_export() is None
+
+
+FORECASTS = {
+    # GPT-2's heads, whole everywhere: the advice per kind
+    "gpt2": (gpt2, (IDS,), 0.5, {"heads": 0, "mlp": 0.5}),
+    # LLaVA's vision heads and projector only (its language model's heads are described):
+    # a 0 for each of those groups' names
+    "llava": (
+        lambda: llava()[0],
+        llava()[1],
+        0.5,
+        {
+            "*": 0.5,
+            "model.vision_tower.encoder.layers.0.self_attn": 0,
+            "model.vision_tower.encoder.layers.1.self_attn": 0,
+            "model.multi_modal_projector.linear_1": 0,
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("family", FORECASTS)
+def test_the_advised_ratios_keep_a_config_that_describes_the_export(family):
+    build, inputs, ratios, advice = FORECASTS[family]
+    forecast = config_forecast(DTPPruner(build(), inputs, ratios))
+    assert forecast["describes"] is False and forecast["ratios"] == advice
+    assert predicted_then_exported(build(), inputs, advice) == (True, True)
+
+
+def test_no_advice_where_only_leaving_everything_whole_would_do():
+    """The two MLPs asked for different counts, and nothing else pruned."""
+    ratios = {"mlp": 0.5, "model.layers.1.mlp.gate_proj": 0.75}
+    forecast = config_forecast(DTPPruner(tiny_llama(), (IDS,), ratios))
+    assert forecast == {"describes": False, "whole": [], "ratios": None}
+    described = config_forecast(DTPPruner(tiny_llama(), (IDS,), 0.5))
+    assert described == {"describes": True, "whole": [], "ratios": None}

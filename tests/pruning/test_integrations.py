@@ -159,7 +159,7 @@ def test_the_trainer_callback_warns_at_the_start_of_a_config_that_will_not_descr
     trainer = transformers.Trainer(
         model=tiny_llama(), args=args, train_dataset=data, callbacks=[callback]
     )
-    with pytest.warns(UserWarning, match=r"save_pruned; a ratio of 0 for 'mlp' would keep"):
+    with pytest.warns(UserWarning, match=r"it is to be saved with dtp_kernels.save_pruned"):
         trainer.train()
 
 
