@@ -58,6 +58,7 @@ from transformers.models.auto import modeling_auto
 from dtp_kernels import conv1d_to_linear
 from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.base import _kind
+from dtp_kernels.pruning.config_forecast import config_forecast
 from dtp_kernels.pruning.cost import count_params
 from dtp_kernels.pruning.hf_config import describes
 
@@ -147,6 +148,12 @@ OWN_SIZES = {
     "recurrent_gemma": {"lru_width": 64},  # its recurrent blocks' width
     "step3p5": {"sliding_window": 8},  # Step 3.7's language model: unset by default
     "esm": {"vocab_size": 33, "pad_token_id": 1, "mask_token_id": 32},  # ESM-2's: unset
+    # GPT-Neo's layers' attention kinds (global, then local) for 2 layers, as its config
+    # derives them from attention_types when built
+    "gpt_neo": {
+        "attention_types": [[["global", "local"], 1]],
+        "attention_layers": ["global", "local"],
+    },
     # 4 layers, the last 2 reading the keys and values of the first 2 (KV sharing); its
     # per-layer inputs and activation sparsity at that size
     "gemma3n_text": {
@@ -558,11 +565,33 @@ def check(model_type: str, ratio: float, task: str) -> list[str]:
         "yes" if count_params(exported) == report["params_after"] else "NO",
         "yes" if whole_as_listed(exported, shapes, pruner.left_whole) else "NO",
         _config_cell(describes(exported), predicted),
+        _advice_cell(model_type, task, ids, pruner, ignored, describes(exported)),
         " ".join(
             ([f"`ratios={ratios}`"] if ratios != ratio else [])
             + ([f"`ignored_layers` {ignored}"] if ignored else [])
         ),
     ]
+
+
+def _advice_cell(
+    model_type: str, task: str, ids, pruner: DTPPruner, ignored: list[str], described: bool
+) -> str:
+    """Where the config does not describe the export: whether a model pruned with the
+    ratios config_forecast advises exports with a config that does ("none": it advises
+    none)."""
+    if described:
+        return ""
+    advice = config_forecast(pruner)["ratios"]
+    if advice is None:
+        return "none"
+    model = small_model(model_type, task)
+    conv1d_to_linear(model)
+    layers = [model.get_submodule(name) for name in ignored]
+    try:
+        exported = DTPPruner(model, _inputs(ids), advice, ignored_layers=layers).export()
+    except ValueError as error:
+        return f"NO ({_first_words(error)[:60]})"
+    return "yes" if describes(exported) else "NO"
 
 
 def _config_cell(described: bool, predicted: bool | None) -> str:
@@ -584,7 +613,7 @@ def _run(model: torch.nn.Module, example: torch.Tensor | dict):
 
 def _unpruned(model_type: str, result: str, why: str) -> list[str]:
     """The row of an architecture not pruned: its result and why, the rest blank."""
-    return [model_type, result, "", "", "", "", "", "", why]
+    return [model_type, result, "", "", "", "", "", "", "", why]
 
 
 def _first_words(error: Exception) -> str:
@@ -629,6 +658,7 @@ def main() -> None:
         "params = report",
         "whole = listed",
         "config",
+        "advice",
         "why",
     ]
     statuses = [row[1] for row in rows]
@@ -653,7 +683,9 @@ def main() -> None:
         "pruner.left_whole lists. Config: whether the exported model's config rebuilds it, "
         "so save_pretrained writes what from_pretrained loads (else save it with "
         "dtp_kernels.save_pruned); in capitals, with the prediction, where "
-        "pruner.config_describes_export() said otherwise before the export.",
+        "pruner.config_describes_export() said otherwise before the export. Advice: where "
+        "it does not, whether the model pruned with the ratios config_forecast advises "
+        "exports with a config that does (none: no ratios but leaving everything whole).",
         "",
         f"{len(rows)} architectures: {summary}.",
         "",

@@ -15,10 +15,12 @@ callback say it before any training, with the ratios that keep save_pretrained.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from .hf_config import part_names
-from .ratios import with_zeros
+from .ratios import KINDS, with_zeros
 
 
 def config_forecast(pruner) -> dict | None:
@@ -51,25 +53,22 @@ def config_forecast(pruner) -> dict | None:
     if not whole or not rest or not describes_with(rest):
         return {"describes": False, "whole": [], "ratios": None}
     names = [rows[i]["name"] for unit in whole for i in units[unit]]
-    kinds = {kind for _, kind in whole}
+    kinds = list(dict.fromkeys(kind for _, kind in whole))
     everywhere = all(unit in whole for unit in units if unit[1] in kinds)  # whole kinds
-    advice = _per_kind(rows, kinds) if everywhere else None
-    return {
-        "describes": False,
-        "whole": names,
-        "ratios": advice or with_zeros(pruner._asked_ratios, names),
-    }
+    asked = pruner._asked_ratios
+    advice = _per_kind(asked, [row["kind"] for row in rows], kinds) if everywhere else None
+    return {"describes": False, "whole": names, "ratios": advice or with_zeros(asked, names)}
 
 
-def _per_kind(rows: list[dict], whole_kinds: set[str]) -> dict | None:
-    """Ratios per kind, 0 for `whole_kinds` (GPT-2's heads: {"heads": 0, "mlp": 0.5}),
-    where every kind has one ratio over the model; else None."""
-    ratios: dict[str, set[float]] = {}
-    for row in rows:
-        ratios.setdefault(row["kind"], set()).add(row["ratio"])
-    if any(len(r) > 1 for kind, r in ratios.items() if kind not in whole_kinds):
-        return None
-    return {k: 0 if k in whole_kinds else r.pop() for k, r in ratios.items()}
+def _per_kind(asked, present: list[str], whole_kinds: list[str]) -> dict | None:
+    """The asked ratios per kind with 0 for `whole_kinds` (GPT-2's heads at 0.5:
+    {"heads": 0, "mlp": 0.5}), where they were asked as a float or by kind alone; else
+    None (names and patterns: the whole groups are named instead)."""
+    if isinstance(asked, (int, float)) and not isinstance(asked, bool):
+        return {kind: 0 if kind in whole_kinds else asked for kind in dict.fromkeys(present)}
+    if isinstance(asked, Mapping) and all(key in KINDS for key in asked):
+        return {**asked, **dict.fromkeys(whole_kinds, 0)}
+    return None
 
 
 def forecast_message(forecast: dict, learned: bool = False) -> str:

@@ -24,9 +24,20 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-# the config field of an MLP's hidden width, by family: most; OPT, BART and Whisper
-# (the decoder's alike); GPT-2 (when set); DistilBERT; T5
-MLP_FIELDS = ("intermediate_size", "ffn_dim", "n_inner", "hidden_dim", "d_ff")
+# the config field of an MLP's hidden width, by family: most; OPT; GPT-2 (when set);
+# DistilBERT; T5; Falcon; CTRL
+MLP_FIELDS = (
+    "intermediate_size",
+    "ffn_dim",
+    "n_inner",
+    "hidden_dim",
+    "d_ff",
+    "ffn_hidden_size",
+    "dff",
+)
+# an encoder-decoder's MLP widths, a field per side (BART, Marian, Whisper; TrOCR's
+# decoder), by the module name's part
+SIDE_MLP_FIELDS = {"encoder": "encoder_ffn_dim", "decoder": "decoder_ffn_dim"}
 # the experts' width: its own field where the family has dense MLPs too (Qwen3-MoE,
 # DeepSeek), else the MLP's (Mixtral, OLMoE, GPT-OSS), or a sub-config's (DBRX's
 # ffn_config); the one holding the experts' width
@@ -47,8 +58,8 @@ LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 # a field left None for a width of a multiple of the hidden size: GPT-2's n_inner (its
-# pretrained configs' null: 4 x n_embd)
-UNSET_MLP_FIELDS = {"n_inner": ("n_embd", 4)}
+# pretrained configs' null: 4 x n_embd), GPT-Neo's intermediate_size
+UNSET_MLP_FIELDS = {"n_inner": ("n_embd", 4), "intermediate_size": ("hidden_size", 4)}
 
 
 def _get(config, field: str):
@@ -153,6 +164,17 @@ def config_fields(config, groups: list[tuple[str, object]], masks: list) -> dict
         if size is None:
             return None
         fields[mlp_field] = size
+    for side, field in SIDE_MLP_FIELDS.items():
+        width = getattr(config, field, None)
+        kept = [
+            int(m.sum())
+            for (kind, g), m in zip(groups, masks, strict=True)
+            if kind == "mlp" and f".{side}." in f".{g.name}" and g.size == width
+        ]
+        if kept:  # whether every layer of the side was pruned is left to the rebuild check
+            if (size := _uniform(kept)) is None:
+                return None
+            fields[field] = size
     widths_field = None if mlp_field else _mlp_widths_field(config)
     if widths_field is not None:  # one width per layer: each layer's own
         pruned = [
@@ -442,6 +464,8 @@ def update_config(
             for target, fields in writes:
                 for name, value in fields.items():
                     current = _get(target, name)
+                    if current == value:  # unchanged: not written (Falcon's read-only
+                        continue  # head_dim, its heads whole)
                     # one per stage (SegFormer's heads), unless written as a list of as many
                     # (Gemma 3n's MLP widths, one per layer)
                     if isinstance(current, (list, tuple)) and not (

@@ -1181,10 +1181,12 @@ def test_a_group_cutting_a_tied_weight_is_refused_with_the_ratios_that_leave_it_
 
 
 def test_a_config_that_cannot_rebuild_the_export_warns_even_with_nothing_to_write():
-    """BART's MLP widths are two fields (encoder, decoder): save_pretrained would write
-    what from_pretrained cannot load, so export says so."""
+    """BLOOM's MLP width is 4 x hidden_size, no field of its config: save_pretrained
+    would write what from_pretrained cannot load, so export says so. (BART's two MLP
+    widths are written: tests/pruning/test_mlp_config_fields.py.)"""
     torch.manual_seed(0)
-    model, inputs = bart()
+    config = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4)
+    model, inputs = transformers.BloomForCausalLM(config), (tokens(),)
     pruner = DTPPruner(model, inputs, {"mlp": 0.5})
     with pytest.warns(UserWarning, match=r"config cannot describe its sizes"):
         pruner.export()
