@@ -148,6 +148,8 @@ OWN_SIZES = {
     "recurrent_gemma": {"lru_width": 64},  # its recurrent blocks' width
     "step3p5": {"sliding_window": 8},  # Step 3.7's language model: unset by default
     "esm": {"vocab_size": 33, "pad_token_id": 1, "mask_token_id": 32},  # ESM-2's: unset
+    "laguna": {"num_attention_heads_per_layer": [4, 4]},  # one per layer, 40 by default
+    "zaya": {"num_experts_per_tok": 1},  # the only routing it supports
     # GPT-Neo's layers' attention kinds (global, then local) for 2 layers, as its config
     # derives them from attention_types when built
     "gpt_neo": {
@@ -585,6 +587,8 @@ def _advice_cell(
     if advice is None:
         return "none"
     model = small_model(model_type, task)
+    with torch.no_grad():  # as check's model ran (BigBird's switches its attention then)
+        _run(model, ids)
     conv1d_to_linear(model)
     layers = [model.get_submodule(name) for name in ignored]
     try:

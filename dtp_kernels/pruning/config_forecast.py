@@ -6,20 +6,21 @@ sizes no field holds: GPT-2 derives its head size from the hidden size, so fewer
 cannot be written), the exported model must be saved with save_pruned, not
 save_pretrained. The pruner predicts which from the counts its masks keep
 (config_describes_export). For a config that cannot, the forecast finds the groups to
-leave whole: it tries each kind of group of each part of the model (a composite model's
-vision tower and language model hold configs of their own) pruned alone, and leaves
-whole the kinds a config cannot describe even alone, when the config then describes the
-rest. `dtp prune --plan`, the start of a `dtp prune` run and the Hugging Face Trainer
+leave whole: it tries each kind of group pruned alone and, for a kind no config then
+describes, each of its units (its groups at one place in every layer:
+"model.layers.*.self_attn" heads, BERT's pooler) alone, and leaves whole what a config
+cannot describe even alone, when the config then describes the rest.
+`dtp prune --plan`, the start of a `dtp prune` run and the Hugging Face Trainer
 callback say it before any training, with the ratios that keep save_pretrained.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 import torch
 
-from .hf_config import part_names
 from .ratios import KINDS, with_zeros
 
 
@@ -37,38 +38,57 @@ def config_forecast(pruner) -> dict | None:
     if described:
         return {"describes": True, "whole": [], "ratios": None}
     rows = pruner.report()["groups"]
-    parts = part_names(pruner.model)
-    units: dict[tuple[str, str], list[int]] = {}  # (part, kind) -> its groups' indices
-    for i, row in enumerate(rows):
-        part = next((p for p in parts if row["name"].startswith(f"{p}.")), "")
-        units.setdefault((part, row["kind"]), []).append(i)
+    kinds = [row["kind"] for row in rows]
 
-    def describes_with(pruned: list[tuple[str, str]]) -> bool:  # the other units whole
-        cut = {i for unit in pruned for i in units[unit]}
+    def describes_with(cut: set[int]) -> bool:  # the groups `cut` pruned, the others whole
         trial = [m if i in cut else torch.ones_like(m) for i, m in enumerate(masks)]
         return bool(pruner.config_describes_export(trial))
 
-    whole = [unit for unit in units if not describes_with([unit])]
-    rest = [unit for unit in units if unit not in whole]
-    if not whole or not rest or not describes_with(rest):
+    # a kind pruned alone, else each of its units (its groups at one place in every
+    # layer): a kind's units may need each other (SigLIP's encoder and head MLPs share
+    # intermediate_size), a kind may hold one no field describes (BERT's pooler)
+    cut: set[int] = set()
+    whole_kinds = []
+    for kind in dict.fromkeys(kinds):
+        members = {i for i, k in enumerate(kinds) if k == kind}
+        if describes_with(members):
+            cut |= members
+            continue
+        units: dict[str, set[int]] = {}
+        for i in members:
+            units.setdefault(LAYER_NUMBER.sub(".*", rows[i]["name"]), set()).add(i)
+        fits = [unit for unit in units.values() if describes_with(unit)]
+        cut |= set().union(*fits)
+        if not fits:
+            whole_kinds.append(kind)
+    if not cut or not describes_with(cut):
         return {"describes": False, "whole": [], "ratios": None}
-    names = [rows[i]["name"] for unit in whole for i in units[unit]]
-    kinds = list(dict.fromkeys(kind for _, kind in whole))
-    everywhere = all(unit in whole for unit in units if unit[1] in kinds)  # whole kinds
-    asked = pruner._asked_ratios
-    advice = _per_kind(asked, [row["kind"] for row in rows], kinds) if everywhere else None
-    return {"describes": False, "whole": names, "ratios": advice or with_zeros(asked, names)}
+    whole = [i for i in range(len(rows)) if i not in cut]
+    names = [rows[i]["name"] for i in whole]
+    named = [rows[i]["name"] for i in whole if kinds[i] not in whole_kinds]
+    advice = _advice(pruner._asked_ratios, kinds, whole_kinds, named, names)
+    return {"describes": False, "whole": names, "ratios": advice}
 
 
-def _per_kind(asked, present: list[str], whole_kinds: list[str]) -> dict | None:
-    """The asked ratios per kind with 0 for `whole_kinds` (GPT-2's heads at 0.5:
-    {"heads": 0, "mlp": 0.5}), where they were asked as a float or by kind alone; else
-    None (names and patterns: the whole groups are named instead)."""
+# a module name's numbered parts (layers, experts): one unit of the forecast over them
+LAYER_NUMBER = re.compile(r"\.\d+(?=\.|$)")
+
+
+def _advice(
+    asked, kinds: list[str], whole_kinds: list[str], named: list[str], names: list[str]
+) -> dict | None:
+    """The ratios that leave the groups `names` whole and prune the rest as asked. Asked
+    as a float or by kind alone: per kind, 0 for the kinds whole everywhere (GPT-2's
+    heads at 0.5: {"heads": 0, "mlp": 0.5}), with a 0 for each other whole group's name
+    (`named`; a name beats a kind); else the asked ratios with a 0 for every name."""
     if isinstance(asked, (int, float)) and not isinstance(asked, bool):
-        return {kind: 0 if kind in whole_kinds else asked for kind in dict.fromkeys(present)}
+        if not whole_kinds:
+            return {"*": asked, **dict.fromkeys(named, 0)}
+        per_kind = {kind: 0 if kind in whole_kinds else asked for kind in dict.fromkeys(kinds)}
+        return {**per_kind, **dict.fromkeys(named, 0)}
     if isinstance(asked, Mapping) and all(key in KINDS for key in asked):
-        return {**asked, **dict.fromkeys(whole_kinds, 0)}
-    return None
+        return {**asked, **dict.fromkeys(whole_kinds, 0), **dict.fromkeys(named, 0)}
+    return with_zeros(asked, names)
 
 
 def forecast_message(forecast: dict, learned: bool = False) -> str:

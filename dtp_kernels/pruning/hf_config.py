@@ -329,13 +329,6 @@ def _parts(model: nn.Module, config) -> list[tuple[str, object]]:
     return parts
 
 
-def part_names(model: nn.Module) -> list[str]:
-    """The module names of a composite model's parts that hold sub-configs of their own
-    (`_parts`: LLaVA's vision tower and language model); [] for a model of one config."""
-    config = _transformers_config(model)
-    return [name for name, _ in _parts(model, config)] if config is not None else []
-
-
 def _assignments(model: nn.Module, config, groups: list) -> list[tuple[object, list[int]]]:
     """(config, the indices of its groups) for each config the exported sizes go to:
     each part's sub-config for the groups inside that part, the model's config (last)
@@ -454,6 +447,10 @@ def update_config(
     config = _transformers_config(model)
     if config is None:
         return False
+    # a group keeping all its units changes no size: nothing of it is written (Falcon's
+    # read-only head_dim; MiMo's sliding-window layers' own head count, their heads whole)
+    cut = [i for i, mask in enumerate(masks) if not bool(mask.all())]
+    groups, masks = [groups[i] for i in cut], [masks[i] for i in cut]
     writes = _writes(model, config, groups, masks)
     described = [fields for _, fields in writes]
     if all(fields == {} for fields in described) and _rebuilds(model, config, matches):
@@ -464,8 +461,6 @@ def update_config(
             for target, fields in writes:
                 for name, value in fields.items():
                     current = _get(target, name)
-                    if current == value:  # unchanged: not written (Falcon's read-only
-                        continue  # head_dim, its heads whole)
                     # one per stage (SegFormer's heads), unless written as a list of as many
                     # (Gemma 3n's MLP widths, one per layer)
                     if isinstance(current, (list, tuple)) and not (

@@ -15,7 +15,7 @@ from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.config_forecast import config_forecast
 from dtp_kernels.pruning.conv1d import conv1d_to_linear
 from dtp_kernels.pruning.hf_config import describes
-from utils import LLAMA_VOCAB, group_norm_net, tiny_llama
+from utils import LLAMA_VOCAB, TINY_BERT, group_norm_net, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -85,9 +85,42 @@ def test_unstructured_pruning_keeps_the_config_and_a_cnn_has_none():
     assert pruner.config_describes_export() is None
 
 
+def bert_classifier() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(**TINY_BERT, num_labels=3)
+    return transformers.BertForSequenceClassification(config)
+
+
+def siglip_classifier() -> torch.nn.Module:
+    """SigLIP's vision tower with its attention-pooling head (an MLP of its own)."""
+    torch.manual_seed(0)
+    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    config = transformers.SiglipConfig(
+        vision_config=tower | {"image_size": 16, "patch_size": 4},
+        text_config=tower | {"vocab_size": 64, "eos_token_id": 1},
+    )
+    return transformers.SiglipForImageClassification(config)
+
+
 FORECASTS = {
     # GPT-2's heads, whole everywhere: the advice per kind
     "gpt2": (gpt2, (IDS,), 0.5, {"heads": 0, "mlp": 0.5}),
+    # BERT's heads (head size hidden_size / heads) everywhere, and its pooler's width,
+    # which no field holds: a 0 per kind, and by name beside the kind's other groups
+    "bert-classifier": (
+        bert_classifier,
+        (IDS,),
+        0.5,
+        {"heads": 0, "mlp": 0.5, "bert.pooler.dense": 0},
+    ),
+    # SigLIP's heads; its encoder's and its pooling head's MLPs share intermediate_size,
+    # so they are described together, not one at a time
+    "siglip-classifier": (
+        siglip_classifier,
+        (torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(0)),),
+        0.5,
+        {"heads": 0, "mlp": 0.5},
+    ),
     # LLaVA's vision heads and projector only (its language model's heads are described):
     # a 0 for each of those groups' names
     "llava": (

@@ -1,8 +1,8 @@
 """The config fields an exported model's MLP widths are written to, so save_pretrained /
 from_pretrained rebuild it (tiny Hugging Face configurations built here): an
 encoder-decoder's one field per side (BART's encoder_ffn_dim and decoder_ffn_dim,
-Whisper's), Falcon's ffn_hidden_size beside its read-only head_dim (left unwritten,
-unchanged), CTRL's dff, and GPT-Neo's unset intermediate_size (4 x hidden_size)."""
+Whisper's), Falcon's ffn_hidden_size beside its read-only head_dim (unwritten where its heads
+keep every unit), CTRL's dff, and GPT-Neo's unset intermediate_size (4 x hidden_size)."""
 
 import warnings
 
@@ -95,7 +95,7 @@ def test_the_mlp_widths_are_written_where_the_family_keeps_them(case, tmp_path):
 
 
 def test_falcons_heads_kept_whole_leave_its_read_only_head_dim_unwritten():
-    """Falcon derives head_dim from hidden_size / heads (a read-only property): heads
+    """Falcon derives head_dim from hidden_size / heads (a read-only property): groups
     that keep every unit write no field, so the forecast finds its MLPs describable with
     its heads whole, and advises that."""
     torch.manual_seed(0)
