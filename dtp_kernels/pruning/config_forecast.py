@@ -26,8 +26,8 @@ from .ratios import KINDS, with_zeros
 
 def config_forecast(pruner) -> dict | None:
     """{"describes": whether the export's config will describe it; where it will not,
-    "whole": the names of the groups to leave whole for a config that does ([] where no
-    choice of whole kinds gives one), and "ratios": the ratios that leave them whole and
+    "whole": the names of the groups to leave whole for a config that does ([] where
+    none is found), and "ratios": the ratios that leave them whole and
     prune the rest as asked (None without advice, or for ratios per stage or layer)}.
     None for a model without a transformers config. From the current hard masks: under a
     learned budget, the counts learned so far."""

@@ -13,13 +13,14 @@ projection (2j and 2j + 1 when interleaved) and column j of its down projection.
 DBRX keeps its experts in 2-D parameters of its experts module's `mlp`, one expert's
 matrix after another: the gate `w1` and up `v1` projections [E * I, H] (out, in per
 expert) and the down projection `w2` [E * I, H] (in, out per expert); neuron j of expert
-e is row e I + j of all three (DBRX_LAYOUT).
+e is row e I + j of all three (DBRX_EXPERTS).
 
 Each expert is one group and one transport segment. The mask goes on the down
-projection's columns: exact whatever the activation computes from neuron j's gate and
-up. Export keeps the kept neurons of every expert in one smaller 3-D parameter, so all
-experts of a block keep the same count: one ratio per block, under budget "layer" or
-"flops" (one learned ratio per block); the pruner checks. A kept width torch's
+projection's columns (DBRX's: w2's rows): exact whatever the activation computes from
+neuron j's gate and up. Export keeps the kept neurons of every expert in one smaller
+parameter (3-D; DBRX's 2-D), so all experts of a block keep the same count: one ratio
+per block, under budget "layer" or "flops" (one learned ratio per block); the pruner
+checks. A kept width torch's
 grouped_mm cannot read makes the exported model run its experts with batched_mm.
 """
 
