@@ -60,16 +60,24 @@ def measure_activations(model, shapes, options) -> int | str:
         quiet.setLevel(level)
 
 
-def saved_form(pruner) -> dict | None:
+def saved_form(pruner, learned: bool) -> dict | None:
     """How the run will save the pruned Hugging Face model: {"saved": "pruned" (with
     save_pretrained) or "pruned.pt" (save_pruned), "ratios_for_save_pretrained": for
     pruned.pt, the ratios that would keep save_pretrained (None if none found)}; None
-    without a transformers config."""
+    without a transformers config. `learned`: the counts are learned (budget "global"
+    or "flops"), so the forecast, from the counts at the start, says so: layers of one
+    kind learned to different counts go to pruned.pt."""
     forecast = config_forecast(pruner)
     if forecast is None:
         return None
     saved = "pruned" if forecast["describes"] else "pruned.pt"
-    return {"saved": saved, "ratios_for_save_pretrained": forecast["ratios"]}
+    form = {"saved": saved, "ratios_for_save_pretrained": forecast["ratios"]}
+    if learned:
+        form["forecast_from"] = (
+            "the counts at the start; layers of one kind learned to different counts are "
+            "saved to pruned.pt"
+        )
+    return form
 
 
 def plan(recipe: dict) -> dict:
@@ -128,7 +136,9 @@ def plan(recipe: dict) -> dict:
         "left_whole": report["left_whole"],
         # a Hugging Face model: saved with save_pretrained ("pruned") or to pruned.pt,
         # and the ratios that would keep save_pretrained (config_forecast.py)
-        "saved": saved_form(pruner) if recipe["model"]["source"] == "huggingface" else None,
+        "saved": (
+            saved_form(pruner, learned) if recipe["model"]["source"] == "huggingface" else None
+        ),
         "params_before": report["params_before"],
         "params_after": report["params_after"],
         "flops_before": report["flops_before"],

@@ -155,3 +155,15 @@ def test_a_global_budget_says_the_counts_are_learned(tmp_path):
     assert predicted["kept_counts"] == "learned per group"
     assert predicted["saved"] is None  # not a Hugging Face model
     assert sum(g["k"] for g in predicted["groups"]) == sum(g["n"] for g in predicted["groups"]) // 2
+
+
+def test_a_learned_budget_says_the_saved_form_is_forecast_from_the_start(tmp_path):
+    """Under budget "flops" DTP learns each layer's count: the plan's saved form is the
+    one the counts at the start give, and says so."""
+    model_dir, text = save_llama(tmp_path / "llama"), write_text(tmp_path / "text")
+    fixed = plan(lm_recipe(model_dir, text))["saved"]
+    assert fixed == {"saved": "pruned", "ratios_for_save_pretrained": None}
+    flops = ("prune.budget=flops", "prune.flops_target=0.5")
+    learned = plan(lm_recipe(model_dir, text, *flops))["saved"]
+    assert learned["saved"] == "pruned"
+    assert learned["forecast_from"].startswith("the counts at the start")
