@@ -55,7 +55,7 @@ class Layout:
     up: str  # "gate_up_proj", or "up_proj" without a gate (or beside a separate `gate`)
     parts: int  # 2 (gate and up per neuron) or 1
     concatenated: bool  # gate rows [0, I), up rows [I, 2I); else interleaved
-    transposed: bool  # weights stored (in, out) per expert: [E, H, 2I] and [E, I, H]
+    transposed: bool  # the up projection stored (in, out) per expert: [E, H, 2I]
     bias: bool
     experts: int
     width: int  # I, the intermediate neurons per expert
@@ -65,13 +65,9 @@ class Layout:
     every_token: bool = False
     down: str = "down_proj"
     gate: str | None = None  # the gate in a parameter of its own, shaped as `up`
-    # the down projection stored (in, out) per expert: [E, I, H] (None: as `transposed`)
-    down_transposed: bool | None = None
+    # the down projection stored (in, out) per expert: [E, I, H] (transformers': as up)
+    down_transposed: bool = False
     flat: bool = False  # 2-D parameters, the experts' matrices one after another
-
-    @property
-    def down_in_rows(self) -> bool:
-        return self.transposed if self.down_transposed is None else self.down_transposed
 
     @property
     def fused_parts(self) -> int:
@@ -83,7 +79,7 @@ class Layout:
         projection's intermediate neurons."""
         if self.flat:  # rows e I + j: one row per neuron of every expert in turn
             return (-1, 1)
-        return (self.experts, -1, 1) if self.down_in_rows else (self.experts, 1, -1)
+        return (self.experts, -1, 1) if self.down_transposed else (self.experts, 1, -1)
 
 
 def owner_and_name(experts: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -148,8 +144,9 @@ def expert_layout(module: nn.Module) -> Layout | None:
     if tuple(up.shape) != want_up:
         return None
     return Layout(
-        up_name, parts, concatenated, transposed, bias, experts, width, hidden, every_token
-    )
+        up_name, parts, concatenated, transposed, bias, experts, width, hidden, every_token,
+        down_transposed=transposed,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -327,7 +324,7 @@ def prune_experts(experts: nn.Module, layout: Layout, masks: list[torch.Tensor])
     width = len(kept[0])
     # (in, out) storage: the intermediate dimension is the last of the up projection
     up_dim = 2 if layout.transposed else 1
-    down_dim = 1 if layout.down_in_rows else 2
+    down_dim = 1 if layout.down_transposed else 2
     paths = [(layout.up, up_dim, True), (layout.down, down_dim, False)]
     if layout.gate is not None:
         paths.append((layout.gate, up_dim, True))
