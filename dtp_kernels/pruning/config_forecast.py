@@ -8,8 +8,8 @@ save_pretrained. The pruner predicts which from the counts its masks keep
 (config_describes_export). For a config that cannot, the forecast finds the groups to
 leave whole: it tries each kind of group pruned alone and, for a kind no config then
 describes, each of its units (its groups at one place in every layer:
-"model.layers.*.self_attn" heads, BERT's pooler) alone, and leaves whole what a config
-cannot describe even alone, when the config then describes the rest.
+"model.layers.*.self_attn" heads, BERT's pooler) alone, or else the kind less one unit,
+and leaves whole what a config cannot describe, when the config then describes the rest.
 `dtp prune --plan`, the start of a `dtp prune` run and the Hugging Face Trainer
 callback say it before any training, with the ratios that keep save_pretrained.
 """
@@ -46,7 +46,9 @@ def config_forecast(pruner) -> dict | None:
 
     # a kind pruned alone, else each of its units (its groups at one place in every
     # layer): a kind's units may need each other (SigLIP's encoder and head MLPs share
-    # intermediate_size), a kind may hold one no field describes (BERT's pooler)
+    # intermediate_size), a kind may hold one no field describes (BERT's pooler); where
+    # no unit is described alone, the kind less one unit (MobileBERT's four MLPs per
+    # layer share intermediate_size; its attention's bottleneck has no field of its own)
     cut: set[int] = set()
     whole_kinds = []
     for kind in dict.fromkeys(kinds):
@@ -58,6 +60,9 @@ def config_forecast(pruner) -> dict | None:
         for i in members:
             units.setdefault(LAYER_NUMBER.sub(".*", rows[i]["name"]), set()).add(i)
         fits = [unit for unit in units.values() if describes_with(unit)]
+        if not fits and len(units) > 2:  # (of two: the other one, tried alone)
+            fits = [members - unit for unit in units.values() if describes_with(members - unit)]
+            fits = fits[:1]
         cut |= set().union(*fits)
         if not fits:
             whole_kinds.append(kind)

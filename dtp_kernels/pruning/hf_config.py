@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 # the config field of an MLP's hidden width, by family: most; OPT; GPT-2 (when set);
-# DistilBERT; T5; Falcon; CTRL
+# DistilBERT; T5; Falcon; CTRL; XLNet and Funnel
 MLP_FIELDS = (
     "intermediate_size",
     "ffn_dim",
@@ -34,6 +34,7 @@ MLP_FIELDS = (
     "d_ff",
     "ffn_hidden_size",
     "dff",
+    "d_inner",
 )
 # an encoder-decoder's MLP widths, a field per side (BART, Marian, Whisper; TrOCR's
 # decoder), by the module name's part

@@ -1,5 +1,5 @@
-"""Attention heads tied across the layers of a stack: T5's and MPNet's relative position
-bias.
+"""Attention heads tied across the layers of a stack: T5's, MPNet's and LayoutLMv3's
+relative position bias.
 
 The first self-attention layer of a T5 stack computes a bias per head from its table
 (``relative_attention_bias``) and hands that tensor to every later layer of the stack,
@@ -13,9 +13,10 @@ columns, one transport segment, named after the chain's first layer.
 Chains are found in one forward of the example inputs (:func:`tie_chains`): a layer
 handed no bias that returns one starts a chain; a layer handed that very tensor belongs
 to it. Layers handed one tensor that no such layer returned are a chain too when the
-model computes it from a table of one column per head outside them (MPNet's encoder's
-``relative_attention_bias``), proven in one forward with half the table's columns kept;
-the table loses the removed heads' columns with the layers. A layer handed a bias no
+model computes it from tables of one entry per head outside them (MPNet's encoder's
+``relative_attention_bias``; LayoutLMv3's three linear layers, summed), proven in
+forwards with half the tables' entries kept; the tables lose the removed heads' entries
+with the layers. A layer handed a bias no
 table gives is refused by name, as is a chain whose layers' heads differ; MPT's layers,
 handed the ALiBi bias the model computes for all heads, are not chains: export gives
 them a class that adds its kept heads' entries (picked_heads.py).
@@ -61,13 +62,14 @@ class TiedHeadGroup(HeadGroup):
         cls,
         chain: list[HeadGroup],
         bias_dims: dict[nn.Module, int],
-        source: tuple[nn.Module, str, int] | None = None,
+        sources: list[tuple[nn.Module, str, int]] | None = None,
     ) -> TiedHeadGroup:
         """The group of `chain` (its first layer first), whose layers have equal heads;
-        `source` the table outside them the bias comes from, if any (MPNet's)."""
+        `sources` the tables outside them the bias comes from, if any (MPNet's,
+        LayoutLMv3's)."""
         first = chain[0]
         own = {f.name: getattr(first, f.name) for f in fields(HeadGroup) if f.init}
-        own["tables"] = [t for g in chain for t in g.tables] + ([source] if source else [])
+        own["tables"] = [t for g in chain for t in g.tables] + list(sources or [])
         own["row_vectors"] = [v for g in chain for v in g.row_vectors]
         own["rescaled"] = [r for g in chain for r in g.rescaled]
         own["norms"] = tuple(n for g in chain for n in g.norms)
@@ -127,52 +129,86 @@ def _unlike(group: HeadGroup, first: HeadGroup, bias: torch.Tensor, whose: str) 
 
 
 class _SeenError(Exception):
-    """Raised by the hook of `_source_table` once it has the bias: nothing more runs."""
+    """Raised by the hook of `_bias_with_tables_cut` once it has the bias: nothing more runs."""
 
 
-def _source_table(
+def _source_tables(
     model: nn.Module, inputs: tuple, chain: list[HeadGroup], bias: torch.Tensor, dim: int
-) -> tuple[nn.Module, str, int] | None:
-    """The embedding, outside the chain's layers, of one column per head from which the
-    model computes the `bias` it hands them (MPNet's encoder's relative_attention_bias),
-    as (module, "weight", 1); None when none is. A candidate is proven in one forward on
-    `inputs` with every other of its columns kept: the bias handed to the chain's first
-    layer must then be `bias` with every other head kept along `dim`."""
+) -> list[tuple[nn.Module, str, int]]:
+    """The tables outside the chain's layers, one entry per head, from which the model
+    computes the `bias` it hands them, as (module, parameter name, dimension of the
+    heads): an embedding of one column per head (MPNet's encoder's
+    relative_attention_bias), a linear layer of one output per head, whose weight is
+    indexed by bucket (LayoutLMv3's encoder's rel_pos_bias and its 2-D x and y tables,
+    summed); [] when none is. Proven in forwards on `inputs` with every other head's
+    entries of the tables kept: the bias handed to the chain's first layer must then be
+    `bias` with every other head kept along `dim`. One table alone is tried first, then
+    all of them, less each whose entries, kept whole, still give that bias (one the bias
+    does not read)."""
     first = chain[0]
     heads = first.units * first.query_heads_per_unit
     if heads < 2:  # nothing to prove with one
-        return None
+        return []
     inside = {m for g in chain for m in g.module.modules()}
-    candidates = [
-        m
-        for m in model.modules()
-        if isinstance(m, nn.Embedding) and m.embedding_dim == heads and m not in inside
-    ]
+    candidates = []
+    for module in model.modules():
+        if module in inside:
+            continue
+        if isinstance(module, nn.Embedding) and module.embedding_dim == heads:
+            candidates.append([(module, "weight", 1)])
+        elif isinstance(module, nn.Linear) and module.out_features == heads:
+            candidates.append([(module, n, 0) for n, _ in module.named_parameters()])
     keep = torch.arange(0, heads, 2)
     want = bias.index_select(dim, keep.to(bias.device))
-    for table in candidates:
-        seen = []
 
-        def stop(module, args, kwargs, seen=seen):
-            given = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
-            seen.append(given.get(BIAS_ARGUMENT))
-            raise _SeenError
+    def gives_bias(tables: list[tuple[nn.Module, str, int]]) -> bool:
+        return _bias_with_tables_cut(model, inputs, first.module, tables, keep, want)
 
-        weight = table.weight
-        table.weight = nn.Parameter(weight.detach()[:, keep.to(weight.device)])
-        try:
-            run_watched(
-                model, inputs, [first.module.register_forward_pre_hook(stop, with_kwargs=True)]
-            )
-        # _SeenError once the bias is seen; any other: the model fails with the table cut
-        except Exception:  # `seen` tells which
-            pass
-        finally:
-            table.weight = weight
-        got = seen[0] if seen else None
-        if isinstance(got, torch.Tensor) and got.shape == want.shape and torch.equal(got, want):
-            return (table, "weight", 1)
-    return None
+    for tables in candidates:
+        if gives_bias(tables):
+            return tables
+    if len(candidates) < 2:
+        return []
+    chosen = list(candidates)
+    if not gives_bias([t for tables in chosen for t in tables]):
+        return []
+    for tables in list(chosen):
+        rest = [t for other in chosen if other is not tables for t in other]
+        if gives_bias(rest):
+            chosen.remove(tables)
+    return [t for tables in chosen for t in tables]
+
+
+def _bias_with_tables_cut(
+    model: nn.Module,
+    inputs: tuple,
+    first: nn.Module,
+    tables: list[tuple[nn.Module, str, int]],
+    keep: torch.Tensor,
+    want: torch.Tensor,
+) -> bool:
+    """Whether, with `tables`' entries cut to the heads `keep`, the model hands `first`
+    the bias `want`; the model runs until `first` is called, the tables restored after."""
+    seen = []
+
+    def stop(module, args, kwargs):
+        given = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+        seen.append(given.get(BIAS_ARGUMENT))
+        raise _SeenError
+
+    whole = [getattr(owner, name) for owner, name, _ in tables]
+    for (owner, name, dim), param in zip(tables, whole, strict=True):
+        setattr(owner, name, nn.Parameter(param.detach().index_select(dim, keep.to(param.device))))
+    try:
+        run_watched(model, inputs, [first.register_forward_pre_hook(stop, with_kwargs=True)])
+    # _SeenError once the bias is seen; any other: the model fails with the tables cut
+    except Exception:  # `seen` tells which
+        pass
+    finally:
+        for (owner, name, _), param in zip(tables, whole, strict=True):
+            setattr(owner, name, param)
+    got = seen[0] if seen else None
+    return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.equal(got, want)
 
 
 def _bias_dim(bias: torch.Tensor, heads: int) -> int | None:
@@ -227,15 +263,15 @@ def tie_chains(model: nn.Module, groups: list[HeadGroup], inputs: tuple) -> list
             continue
         chains.setdefault(first.module, [first]).append(group)
         bias_dims.setdefault(first.module, {})[group.module] = dim
-    sources = {}  # per first layer of a chain handed a bias from outside: its table
+    sources = {}  # per first layer of a chain handed a bias from outside: its tables
     for chain in outside.values():
         first, bias = chain[0], handed[chain[0].module]
         dims = {g.module: _bias_dim(bias, g.units * g.query_heads_per_unit) for g in chain}
         unlike = [g for g in chain if _heads(g) != _heads(first)]
-        source = None
+        source = []
         if not unlike and None not in dims.values():
-            source = _source_table(model, inputs, chain, bias, dims[first.module])
-        if source is None:
+            source = _source_tables(model, inputs, chain, bias, dims[first.module])
+        if not source:
             for group in chain:
                 group.refusal = OUTSIDE
                 if any(g is group for g in unlike):

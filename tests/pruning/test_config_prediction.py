@@ -102,6 +102,23 @@ def siglip_classifier() -> torch.nn.Module:
     return transformers.SiglipForImageClassification(config)
 
 
+def mobilebert() -> torch.nn.Module:
+    """MobileBERT: four MLPs per layer (intermediate_size each) and the bottleneck its
+    queries and keys read (true_hidden_size, which sizes the rest of the layer too)."""
+    torch.manual_seed(0)
+    config = transformers.MobileBertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        embedding_size=16,
+        true_hidden_size=16,
+        intra_bottleneck_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=32,
+    )
+    return transformers.MobileBertForMaskedLM(config)
+
+
 FORECASTS = {
     # GPT-2's heads, whole everywhere: the advice per kind
     "gpt2": (gpt2, (IDS,), 0.5, {"heads": 0, "mlp": 0.5}),
@@ -120,6 +137,19 @@ FORECASTS = {
         (torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(0)),),
         0.5,
         {"heads": 0, "mlp": 0.5},
+    ),
+    # MobileBERT's MLPs, which no one of the four alone describes, less its bottlenecks,
+    # which no field describes
+    "mobilebert": (
+        mobilebert,
+        (IDS,),
+        0.5,
+        {
+            "heads": 0,
+            "mlp": 0.5,
+            "mobilebert.encoder.layer.0.bottleneck.attention.dense": 0,
+            "mobilebert.encoder.layer.1.bottleneck.attention.dense": 0,
+        },
     ),
     # LLaVA's vision heads and projector only (its language model's heads are described):
     # a 0 for each of those groups' names

@@ -2,7 +2,8 @@
 from_pretrained rebuild it (tiny Hugging Face configurations built here): an
 encoder-decoder's one field per side (BART's encoder_ffn_dim and decoder_ffn_dim,
 Whisper's), Falcon's ffn_hidden_size beside its read-only head_dim (unwritten where its heads
-keep every unit), CTRL's dff, and GPT-Neo's unset intermediate_size (4 x hidden_size)."""
+keep every unit), CTRL's dff, XLNet's and Funnel's d_inner, and GPT-Neo's unset
+intermediate_size (4 x hidden_size)."""
 
 import warnings
 
@@ -56,6 +57,21 @@ def gpt_neo():
     return transformers.GPTNeoForCausalLM(config)
 
 
+def xlnet():
+    config = transformers.XLNetConfig(
+        vocab_size=VOCAB, d_model=32, n_layer=2, n_head=4, d_head=8, d_inner=64,
+    )  # fmt: skip
+    return transformers.XLNetLMHeadModel(config)
+
+
+def funnel():
+    config = transformers.FunnelConfig(
+        vocab_size=VOCAB, d_model=32, block_sizes=[1, 1], n_head=4, d_head=8, d_inner=64,
+        num_decoder_layers=1,
+    )  # fmt: skip
+    return transformers.FunnelForMaskedLM(config)
+
+
 # model -> (ratios, the fields the export writes)
 CASES = {
     # (its layers' cross-attention, which no encoder feeds here, stays whole)
@@ -69,6 +85,9 @@ CASES = {
     "falcon": (falcon, {"mlp": 0.5}, {"ffn_hidden_size": 32}),
     "ctrl": (ctrl, {"mlp": 0.5}, {"dff": 32}),
     "gpt_neo": (gpt_neo, {"mlp": 0.5}, {"intermediate_size": 64}),
+    "xlnet": (xlnet, {"mlp": 0.5}, {"d_inner": 32}),
+    # its blocks' and its decoder's MLPs (its MLM head's dense stays whole: no field)
+    "funnel": (funnel, {"*.ffn.linear_1": 0.5}, {"d_inner": 32}),
 }
 
 

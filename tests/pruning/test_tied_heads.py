@@ -260,6 +260,17 @@ def test_a_chain_whose_bias_reaches_a_layer_left_whole_is_refused_naming_it():
     assert tied == [s.format(0, "SelfAttention") for s in STACKS[::2]]
 
 
+def exported_as_masked(pruner, model, inputs: tuple):
+    """The export of a model of one tied group, checked equal to the hard-masked model,
+    and the units that group keeps."""
+    model.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(*inputs)
+    exported = pruner.export()
+    torch.testing.assert_close(exported(*inputs), want, rtol=1e-5, atol=1e-5)
+    return exported, pruner.hard_masks()[0].nonzero().flatten()
+
+
 class TableBiasedStack(torch.nn.Module):
     """Layers of BiasedAttention handed a bias per head that the model computes, from a
     table of its own (`from_table`, as MPNet's encoder does) or from a buffer beside an
@@ -293,12 +304,7 @@ def test_layers_handed_a_bias_the_model_computes_from_a_table_are_tied_with_it()
     (group,) = pruner.groups
     assert [m.name for m in group.tied] == ["layers.0", "layers.1", "layers.2"]
     assert group.tables == [(model.relative_attention_bias, "weight", 1)]
-    model.eval()
-    with torch.no_grad(), pruner.hard_masked():
-        want = model(*inputs)
-    exported = pruner.export()
-    torch.testing.assert_close(exported(*inputs), want, rtol=1e-5, atol=1e-5)
-    kept = pruner.hard_masks()[0].nonzero().flatten()
+    exported, kept = exported_as_masked(pruner, model, inputs)
     torch.testing.assert_close(
         exported.relative_attention_bias.weight, model.relative_attention_bias.weight[:, kept]
     )
@@ -357,3 +363,87 @@ def test_an_mpnet_layer_left_whole_refuses_the_heads_of_the_others():
     left = model.mpnet.encoder.layer[1].attention.attn
     with pytest.raises(ValueError, match=r"handed to 'mpnet.encoder.layer.1.attention.attn' too"):
         DTPPruner(model, inputs, {"heads": 0.5}, ignored_layers=[left])
+
+
+class LinearTablesStack(torch.nn.Module):
+    """Layers of BiasedAttention handed one bias per head that the model sums from two
+    linear layers' weights of one row per head, indexed by bucket (LayoutLMv3's 1-D and
+    2-D tables), and a classifier of as many outputs as there are heads that the bias
+    does not read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(BiasedAttention(4, False) for _ in range(2))
+        self.by_position = torch.nn.Linear(5, 4, bias=False)
+        self.by_box = torch.nn.Linear(3, 4, bias=False)
+        self.classifier = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        where = torch.arange(x.shape[1])
+        buckets = (where[None] - where[:, None]).clamp(-2, 2) + 2
+        bias = (self.by_position.weight[:, buckets] + self.by_box.weight[:, buckets % 3])[None]
+        for layer in self.layers:
+            out, _ = layer(x, position_bias=bias)
+            x = x + out
+        return self.classifier(x)
+
+
+def test_a_bias_summed_from_linear_tables_ties_the_layers_with_those_tables_only():
+    """A bias per head the model sums from linear layers of one output per head is
+    proven with all of them cut: the layers are one group with those tables, and the
+    classifier of as many outputs, which the bias does not read, keeps its outputs."""
+    torch.manual_seed(0)
+    model, inputs = LinearTablesStack(), (torch.randn(2, 6, 16),)
+    pruner = randomised(DTPPruner(model, inputs, {"heads": 0.5}))
+    (group,) = pruner.groups
+    assert [m.name for m in group.tied] == ["layers.0", "layers.1"]
+    assert group.tables == [(model.by_position, "weight", 0), (model.by_box, "weight", 0)]
+    exported, kept = exported_as_masked(pruner, model, inputs)
+    torch.testing.assert_close(exported.by_box.weight, model.by_box.weight[kept])
+    assert exported.by_position.out_features == 2 and exported.classifier.out_features == 4
+
+
+def tiny_layoutlmv3():
+    config = transformers.LayoutLMv3Config(
+        vocab_size=64,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        coordinate_size=10,  # 4 coordinates and 2 sizes: the width
+        shape_size=12,
+        num_labels=3,
+    )
+    generator = torch.Generator().manual_seed(1)
+    corners = torch.randint(0, 500, (2, 9, 2, 2), generator=generator).sort(dim=2).values
+    inputs = {
+        "input_ids": torch.randint(3, 64, (2, 9), generator=generator),
+        "bbox": corners.transpose(2, 3).flatten(2),  # (x0, y0, x1, y1)
+    }
+    return transformers.LayoutLMv3ForSequenceClassification(config).eval(), inputs
+
+
+def test_layoutlmv3_heads_are_tied_to_its_encoders_position_tables_and_export_exactly():
+    """LayoutLMv3's encoder sums its 1-D and 2-D (x, y) relative position biases from
+    three linear layers of one output per head and hands the sum to every layer: the
+    layers' heads are one group with those three tables, and the export computes on
+    words and their boxes what the hard-masked model computes, with the report's
+    parameters."""
+    torch.manual_seed(0)
+    model, inputs = tiny_layoutlmv3()
+    encoder = model.layoutlmv3.encoder
+    pruner = randomised(DTPPruner(model, inputs, {"heads": 0.5, "mlp": 0.5}))
+    (tied,) = [g for g in pruner.groups if isinstance(g, TiedHeadGroup)]
+    assert [m.module for m in tied.tied] == [layer.attention.self for layer in encoder.layer]
+    tables = {encoder.rel_pos_bias, encoder.rel_pos_x_bias, encoder.rel_pos_y_bias}
+    assert {owner for owner, _, _ in tied.tables if owner not in tied.module.modules()} == tables
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(**inputs).logits
+    exported = pruner.export().eval()
+    with torch.no_grad():
+        got = exported(**inputs).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    cut = exported.layoutlmv3.encoder
+    assert cut.rel_pos_bias.weight.shape == (2, 32) and cut.rel_pos_y_bias.out_features == 2
+    params, _ = pruner.predicted_counts()
+    assert params == sum(p.numel() for p in exported.parameters())
