@@ -29,10 +29,8 @@ parameters (a field SIZES does not name) is skipped."""
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import inspect
-import signal
 import sys
 import time
 import warnings
@@ -41,6 +39,7 @@ from pathlib import Path
 import torch
 import transformers
 from _harness import RESULTS, environment
+from _prune_sweep import prune_as_refusals_say, row_within, table
 from transformers import (
     AutoConfig,
     AutoModelForAudioClassification,
@@ -181,6 +180,19 @@ OWN_SIZES = {
         "ple_layer_ids": [],
         "hc_lowrank": 16,
     },
+    # text models whose layers' sizes are tied otherwise: Funnel's blocks (one layer
+    # each), SqueezeBERT's embeddings (its width), MobileBERT's (under its width: its
+    # language-model head makes up the rest), ESM C's key/value heads (one per query
+    # head), LayoutLMv3's box embeddings (4 coordinates and 2 sizes make its width),
+    # LiLT's (6 of a sixth of its width, so 96 wide)
+    "funnel": {"block_sizes": [1, 1], "block_repeats": [1, 1], "n_head": 4, "d_head": 16},
+    "squeezebert": {"embedding_size": 64},
+    "mobilebert": {"embedding_size": 32},
+    "esmc": {"num_key_value_heads": 4},
+    "layoutlmv3": {"coordinate_size": 10, "shape_size": 12},
+    "lilt": {"hidden_size": 96, "intermediate_size": 192},
+    "xlnet": {"d_head": 16, "mem_len": 16},
+    "xmod": {"default_language": "en_XX"},  # its adapters': which language's to run
     "dbrx": {
         "attn_config.rope_theta": 500000.0,
         "attn_config.clip_qkv": 8.0,
@@ -271,7 +283,7 @@ TASKS = {
     "image-text-to-text": (
         AutoModelForImageTextToText,
         modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
-        "vision-language models (on text)",
+        "vision-language models (on text, with an image where the harness gives one)",
     ),
     "video-classification": (
         AutoModelForVideoClassification,
@@ -280,16 +292,11 @@ TASKS = {
     ),
 }
 IMAGE_TASKS = ("image-classification", "object-detection", "semantic-segmentation")
+# a vision-language model's config fields of its image token id
+IMAGE_TOKEN_FIELDS = ("image_token_id", "image_token_index")
 VIDEO_TASKS = ("video-classification",)
 LARGEST = 30e6  # parameters at the small size
-TRIES = 3  # the float, then as the refusals say
-# how a refusal names the layers whose search for coupled channels fails
-IGNORED = "(the modules named "
 SECONDS = 120  # per architecture
-
-
-class _ExpiredError(BaseException):
-    """Raised by the timer; not an Exception, so no `except Exception` takes it."""
 
 
 def small_model(model_type: str, task: str) -> torch.nn.Module:
@@ -325,12 +332,28 @@ def small_model(model_type: str, task: str) -> torch.nn.Module:
         )
     if per_layer:
         config.allow_global_per_layer_attribute_access = False
+    if task == "image-text-to-text":
+        _small_image_inputs(config)
     with torch.device("meta"):
         meta = auto.from_config(config)
     if sum(p.numel() for p in meta.parameters()) > LARGEST:
         raise OverflowError("over 30M parameters at this size")
     torch.manual_seed(0)
     return auto.from_config(config).eval()
+
+
+def _small_image_inputs(config) -> None:
+    """A vision-language model's image token id moved to the small vocabulary's last id
+    (its default is an id of the full vocabulary), and the resolutions it cuts an image
+    into crops at (LLaVA-NeXT's grid pinpoints) one crop of the small image size."""
+    vocab = getattr(config.get_text_config(), "vocab_size", None)
+    for field in IMAGE_TOKEN_FIELDS:
+        token = getattr(config, field, None)
+        if isinstance(token, int) and isinstance(vocab, int) and token >= vocab:
+            setattr(config, field, vocab - 1)
+    size = getattr(getattr(config, "vision_config", None), "image_size", None)
+    if getattr(config, "image_grid_pinpoints", None) and isinstance(size, int):
+        config.image_grid_pinpoints = [[size, size]]
 
 
 def _shrink_parts(config) -> None:
@@ -359,7 +382,9 @@ def _shrink(config, model_type: str, extra: dict | None = None) -> None:
         if field in KEPT.get(model_type, ()):
             continue
         if isinstance(current, int) and not isinstance(current, bool):
-            with contextlib.suppress(AttributeError):  # a property derived from others
+            # a property derived from others, or one the family does not set (XLNet's
+            # positions: it has no limit; Funnel's layers: the sum of its blocks')
+            with contextlib.suppress(AttributeError, NotImplementedError):
                 setattr(config, field, value)
     if isinstance(getattr(config, "qk_rope_head_dim", None), int):  # latent attention's
         # rotary key is its head_dim, or that part of it its rotary factor says (Mistral 4's)
@@ -473,10 +498,16 @@ def kinds(pruner: DTPPruner) -> str:
 
 
 def example(model: torch.nn.Module, task: str) -> torch.Tensor | dict:
-    """12 token ids; one image of the config's size and channels (SigLIP 2's as patches,
-    with their mask and grid: keyword inputs); 4,000 samples of audio or, for a model of
-    spectrograms, one of the config's mel bins and length."""
+    """12 token ids (a vision-language model's: 10 around the image tokens of one image,
+    and the image, where image_and_text gives them); one image of the
+    config's size and channels (SigLIP 2's as patches, with their mask and grid: keyword
+    inputs); 4,000 samples of audio or, for a model of spectrograms, one of the config's
+    mel bins and length."""
     generator = torch.Generator().manual_seed(1)
+    if task == "image-text-to-text":
+        with_image = image_and_text(model)
+        if with_image is not None:
+            return with_image
     if task == "audio-classification":
         if model.main_input_name == "input_values":
             return torch.randn(1, 4000, generator=generator)
@@ -511,68 +542,121 @@ def example(model: torch.nn.Module, task: str) -> torch.Tensor | dict:
     return torch.randn(1, channels, size, size, generator=generator)
 
 
+def image_and_text(model: torch.nn.Module) -> dict | None:
+    """One image of the vision config's size (as patches with their grid where the model
+    takes a grid: Qwen2-VL's; with its one crop where it cuts crops: LLaVA-NeXT's) and 10
+    token ids with as many image tokens as the model makes features of it after the
+    first 2 (with the image size, or the token types, where the model takes them). None
+    where the config has no image token or vision config, or the model no
+    get_image_features, or where these inputs do not run it (a model of image crops or
+    of other image inputs: the text alone is its example)."""
+    config = model.config
+    vision = getattr(config, "vision_config", None)
+    token = next(
+        (t for f in IMAGE_TOKEN_FIELDS if isinstance(t := getattr(config, f, None), int)), None
+    )
+    if token is None or vision is None or not hasattr(model, "get_image_features"):
+        return None
+    generator = torch.Generator().manual_seed(2)
+    size = getattr(vision, "image_size", 64)
+    size = size if isinstance(size, int) else size[0]
+    channels = getattr(vision, "num_channels", getattr(vision, "in_channels", 3))
+    pixels = torch.randn(1, channels, size, size, generator=generator)
+    takes = inspect.signature(model.get_image_features).parameters
+    extra = {}
+    if "image_sizes" in takes:
+        extra["image_sizes"] = torch.tensor([[size, size]])
+        if getattr(config, "image_grid_pinpoints", None):  # the image and its one crop
+            pixels = torch.randn(1, 2, channels, size, size, generator=generator)
+    if "image_grid_thw" in takes:  # patches of `temporal` frames, merged `merge` x `merge`
+        patch = vision.patch_size
+        temporal = getattr(vision, "temporal_patch_size", 1)
+        merge = getattr(vision, "spatial_merge_size", 1)
+        side = size // patch // merge * merge
+        width = channels * temporal * patch * patch
+        pixels = torch.randn(side * side, width, generator=generator)
+        extra["image_grid_thw"] = torch.tensor([[1, side, side]])
+    vocab = config.get_text_config().vocab_size
+    text = torch.randint(3, min(200, vocab), (1, 12 - 2), generator=generator)
+    try:
+        with torch.no_grad():
+            features = _feature_count(model.get_image_features(pixel_values=pixels, **extra))
+            image = torch.full((1, features), token)
+            ids = torch.cat([text[:, :2], image, text[:, 2:]], dim=1)
+            inputs = {"input_ids": ids, "pixel_values": pixels, **extra}
+            if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
+                inputs["mm_token_type_ids"] = (ids == token).long()
+            model(**inputs)
+    except Exception:  # inputs of another form: the text alone
+        return None
+    return inputs
+
+
+def _feature_count(features) -> int:
+    """The number of feature vectors get_image_features returned (a tensor, a list of
+    them, or an output whose pooler_output holds them)."""
+    if isinstance(features, torch.Tensor):
+        return features.shape[:-1].numel()
+    if isinstance(features, (list, tuple)):
+        return sum(_feature_count(f) for f in features)
+    return _feature_count(features.pooler_output)
+
+
 def check(model_type: str, ratio: float, task: str) -> list[str]:
-    """The table row of one architecture."""
+    """The table row of one architecture (a vision-language model's with what its
+    example inputs hold after its result)."""
     try:
         model = small_model(model_type, task)
         ids = example(model, task)
         with torch.no_grad():
             _ = _run(model, ids).logits  # the output the check compares
     except OverflowError as error:
-        return _unpruned(model_type, "skipped", str(error))
+        return _with_inputs(_unpruned(model_type, "skipped", str(error)), task, None)
     except Exception as error:  # the config's own checks, or a model that needs more
-        return _unpruned(model_type, "not built", type(error).__name__)
+        return _with_inputs(_unpruned(model_type, "not built", type(error).__name__), task, None)
     conv1d_to_linear(model)  # GPT-2's Conv1D layers, as `dtp prune` converts them
     shapes = layer_shapes(model)
-    result, ratios, ignored = "pruned", ratio, []
-    for _ in range(TRIES):
-        pruner = None
-        try:
-            layers = [model.get_submodule(name) for name in ignored]
-            pruner = DTPPruner(model, _inputs(ids), ratios, ignored_layers=layers)
-            with torch.no_grad():
-                pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
-                with pruner.hard_masked():
-                    want = _run(model, ids).logits
-            predicted = pruner.config_describes_export()
-            exported = pruner.export().eval()
-            break
-        except ValueError as error:
-            last = error
-            if pruner is not None:  # refused by its export: the model as it was
-                pruner.remove()
-            # the refusal names the ratios that leave the refused groups whole, or the
-            # layers to leave whole whose search failed: a user's next try
-            text = str(error)
-            if "ratios={" in text:
-                ratios = ast.literal_eval(text.rsplit("ratios=", 1)[1])
-                result = result if ignored else "pruned with the refusal's ratios"
-            elif IGNORED in text:
-                ignored += ast.literal_eval(text.rsplit(IGNORED, 1)[1].removesuffix(")"))
-                result = "pruned with the refusal's layers left whole"
-            else:
-                return _unpruned(model_type, "refused", _first_words(error))
-    else:
-        return _unpruned(model_type, "refused", _first_words(last))
+    pruned = prune_as_refusals_say(
+        model,
+        _inputs(ids),
+        ratio,
+        lambda m: _run(m, ids).logits,
+        before_export=lambda p: p.config_describes_export(),
+    )
+    if isinstance(pruned, ValueError):
+        return _with_inputs(_unpruned(model_type, "refused", _first_words(pruned)), task, ids)
+    pruner, exported, ignored = pruned.pruner, pruned.exported, pruned.ignored
     with torch.no_grad():
         got = _run(exported, ids).logits
     report = pruner.report()
-    error = float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
-    return [
+    error = float((got - pruned.want).abs().max() / pruned.want.abs().max().clamp_min(1e-12))
+    row = [
         model_type,
-        result,
+        pruned.result,
         kinds(pruner),
         f"{report['flops_before'] / report['flops_after']:.2f}x",
         f"{error:.1e}",
         "yes" if count_params(exported) == report["params_after"] else "NO",
         "yes" if whole_as_listed(exported, shapes, pruner.left_whole) else "NO",
-        _config_cell(describes(exported), predicted),
+        _config_cell(describes(exported), pruned.before),
         _advice_cell(model_type, task, ids, pruner, ignored, describes(exported)),
         " ".join(
-            ([f"`ratios={ratios}`"] if ratios != ratio else [])
+            ([f"`ratios={pruned.ratios}`"] if pruned.ratios != ratio else [])
             + ([f"`ignored_layers` {ignored}"] if ignored else [])
         ),
     ]
+    return _with_inputs(row, task, ids)
+
+
+def _with_inputs(row: list[str], task: str, example) -> list[str]:
+    """`row` with, for a vision-language model, what its example holds after its result
+    ("" where it was not built)."""
+    if task != "image-text-to-text":
+        return row
+    held = "" if example is None else "text"
+    if isinstance(example, dict) and "pixel_values" in example:
+        held = "text and image"
+    return [*row[:2], held, *row[2:]]
 
 
 def _advice_cell(
@@ -634,28 +718,19 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
-
-    def expire(*_):
-        raise _ExpiredError
-
-    signal.signal(signal.SIGALRM, expire)
     _, architectures, what = TASKS[args.task]
     rows = []
     for name in args.models or sorted(architectures):
         start = time.perf_counter()
-        signal.alarm(SECONDS)
-        try:
-            row = check(name, args.ratio, args.task)
-        except _ExpiredError:
-            row = _unpruned(name, "timed out", f"over {SECONDS} s")
-        finally:
-            signal.alarm(0)
+        expired = _with_inputs(_unpruned(name, "timed out", f"over {SECONDS} s"), args.task, None)
+        row = row_within(SECONDS, expired, check, name, args.ratio, args.task)
         rows.append(row)
         print(f"{' | '.join(row)} ({time.perf_counter() - start:.1f} s)", flush=True)
     env = environment(torch.device("cpu"))
     header = [
         "model type",
         "result",
+        *(["inputs"] if args.task == "image-text-to-text" else []),
         "groups",
         "FLOPs fewer",
         "export error",
@@ -665,8 +740,6 @@ def main() -> None:
         "advice",
         "why",
     ]
-    statuses = [row[1] for row in rows]
-    summary = ", ".join(f"{statuses.count(s)} {s}" for s in dict.fromkeys(statuses))
     inputs = "12 tokens"
     if args.task in IMAGE_TASKS:
         inputs = "one 64 x 64 image"
@@ -674,6 +747,12 @@ def main() -> None:
         inputs = "one clip of 4 frames of 64 x 64"
     elif args.task == "audio-classification":
         inputs = "4,000 samples of audio or Whisper's 80 x 3,000 spectrogram"
+    elif args.task == "image-text-to-text":
+        inputs = (
+            "12 tokens, or where the model takes an image in the harness's form (its "
+            "`inputs` column), one image of its vision config's size and 10 tokens around "
+            "its image tokens"
+        )
     lines = [
         f"# Hugging Face {what} pruned and exported "
         f"(`benchmarks/hf_prune_check.py --task {args.task}`)",
@@ -691,11 +770,7 @@ def main() -> None:
         "it does not, whether the model pruned with the ratios config_forecast advises "
         "exports with a config that does (none: no ratios but leaving everything whole).",
         "",
-        f"{len(rows)} architectures: {summary}.",
-        "",
-        "| " + " | ".join(header) + " |",
-        "|" + " --- |" * len(header),
-        *("| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows),
+        *table(header, rows, 1, "architectures"),
     ]
     report = "\n".join(lines) + "\n"
     if not args.no_save:

@@ -130,3 +130,19 @@ def test_tokenize_benchmark_times_both_ways_on_the_same_ids():
     assert done.returncode == 0, done.stderr[-2000:]
     for way in ("| whole |", "| chunked |"):
         assert way in done.stdout, way
+
+
+@pytest.mark.slow
+def test_timm_sweep_follows_a_refusals_ratios_and_checks_the_export():
+    """benchmarks/timm_prune_check.py on one module: CoaT's smallest architecture, whose
+    attention feeds a norm over all its channels, is refused at a float ratio, pruned
+    again with the ratios the refusal names, and its export equals the hard-masked
+    model with the report's parameters and the layers left whole as listed."""
+    pytest.importorskip("timm")
+    done = run_script("timm_prune_check.py", "--no-save", "--module", "coat", timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = [line for line in done.stdout.splitlines() if line.startswith("| coat |")]
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[1:3] == ["coat_tiny", "pruned with the refusal's ratios"]
+    assert float(cells[6]) < 1e-5 and cells[7:9] == ["yes", "yes"]
+    assert cells[9].startswith("26 at 0: serial_blocks1.0.factoratt_crpe")

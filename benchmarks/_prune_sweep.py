@@ -1,0 +1,111 @@
+"""What the architecture sweeps (hf_prune_check.py, timm_prune_check.py) share: pruning
+as a user would after a refusal (the float ratio first, then the ratios or the layers
+left whole that the refusal names, as its message gives them), a time limit per
+architecture, and the results table."""
+
+from __future__ import annotations
+
+import ast
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dtp_kernels.pruning import DTPPruner
+
+TRIES = 3  # the float, then as the refusals say
+# how a refusal names the layers whose search for coupled channels fails
+IGNORED = "(the modules named "
+
+
+@dataclass
+class Pruned:
+    """A model pruned and exported: the pruner, the hard-masked model's output `want`,
+    the export, how it was reached (`result`, the `ratios` and `ignored` layer names),
+    and what `before_export` gave."""
+
+    pruner: DTPPruner
+    want: torch.Tensor
+    exported: nn.Module
+    result: str = "pruned"
+    ratios: float | dict = 0.5
+    ignored: list[str] = field(default_factory=list)
+    before: object = None
+
+
+def prune_as_refusals_say(
+    model: nn.Module,
+    inputs: tuple | dict,
+    ratio: float,
+    output: Callable[[nn.Module], torch.Tensor],
+    before_export: Callable[[DTPPruner], object] | None = None,
+) -> Pruned | ValueError:
+    """`model` pruned at `ratio` with random scores and exported, its hard-masked
+    `output` taken before; after a refusal naming the ratios or the layers to leave
+    whole, pruned again so, up to TRIES times. The last refusal where none succeeds."""
+    result, ratios, ignored = "pruned", ratio, []
+    last = None
+    for _ in range(TRIES):
+        pruner = None
+        try:
+            layers = [model.get_submodule(name) for name in ignored]
+            pruner = DTPPruner(model, inputs, ratios, ignored_layers=layers)
+            with torch.no_grad():
+                pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
+                with pruner.hard_masked():
+                    want = output(model)
+            before = before_export(pruner) if before_export else None
+            exported = pruner.export().eval()
+            return Pruned(pruner, want, exported, result, ratios, ignored, before)
+        except ValueError as error:
+            last = error
+            if pruner is not None:  # refused by its export: the model as it was
+                pruner.remove()
+            text = str(error)
+            if "ratios={" in text:
+                ratios = ast.literal_eval(text.rsplit("ratios=", 1)[1])
+                result = result if ignored else "pruned with the refusal's ratios"
+            elif IGNORED in text:
+                ignored += ast.literal_eval(text.rsplit(IGNORED, 1)[1].removesuffix(")"))
+                result = "pruned with the refusal's layers left whole"
+            else:
+                return error
+    return last
+
+
+class _ExpiredError(BaseException):
+    """Raised by the timer; not an Exception, so no `except Exception` takes it."""
+
+
+def _expire(*_) -> None:
+    raise _ExpiredError
+
+
+def row_within(
+    seconds: int, expired: list[str], check: Callable[..., list[str]], *args
+) -> list[str]:
+    """`check(*args)`'s table row, or `expired` where it runs over `seconds`."""
+    signal.signal(signal.SIGALRM, _expire)
+    signal.alarm(seconds)
+    try:
+        return check(*args)
+    except _ExpiredError:
+        return expired
+    finally:
+        signal.alarm(0)
+
+
+def table(header: list[str], rows: list[list[str]], status: int, what: str) -> list[str]:
+    """The markdown lines of the results: a count per status (column `status` of each
+    row) of the `what` checked, then the table."""
+    statuses = [row[status] for row in rows]
+    summary = ", ".join(f"{statuses.count(s)} {s}" for s in dict.fromkeys(statuses))
+    return [
+        f"{len(rows)} {what}: {summary}.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + " --- |" * len(header),
+        *("| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows),
+    ]
