@@ -22,7 +22,15 @@ from torch.nn.utils import parametrize
 from . import masking
 from . import ratios as ratio_rules
 from .conv1d import is_conv1d, linear_to_conv1d
-from .cost import COSTED, PER_CHANNEL_AFFINE, count_params, flops_after, params_after, trace_layers
+from .cost import (
+    COSTED,
+    PER_CHANNEL_AFFINE,
+    count_params,
+    extra_parameters,
+    flops_after,
+    params_after,
+    trace_layers,
+)
 from .enclosing_readers import enclosing_reader_refusals
 from .example_inputs import as_example_inputs, call_model, on_model_device
 from .experts import (
@@ -601,6 +609,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             formula = isinstance(module, (*COSTED, *PER_CHANNEL_AFFINE, nn.MultiheadAttention))
             if formula and not masking.foreign_parametrizations(module):
                 params += params_after(module, *lost.get(module, (0, 0)))
+                params += extra_parameters(module)
             elif not isinstance(module, parametrize.ParametrizationList):  # owner counts it
                 params += sum(p.numel() for p in module.parameters(recurse=False))
                 if parametrize.is_parametrized(module):  # an experts block's masked weight

@@ -277,6 +277,20 @@ def params_after(module: nn.Module, out_lost: int, in_lost: int) -> int:
     raise TypeError(f"no parameter formula for {type(module).__name__}")
 
 
+def extra_parameters(module: nn.Module) -> int:
+    """The values of a conv or linear layer's own parameters besides its weight and bias,
+    which params_after's formula leaves out and export keeps whole: a subclass's own
+    (NFNet's ScaledStdConv2d's `gain`, one per filter; such a conv's channels are never
+    cut, as weight_transforms.py proves). 0 for any other module."""
+    if not isinstance(module, COSTED):
+        return 0
+    return sum(
+        p.numel()
+        for name, p in module.named_parameters(recurse=False)
+        if name not in ("weight", "bias")
+    )
+
+
 class FlopsRatio:
     """F(alpha) of the appendix: the FLOPs kept at per-group kept ratios alpha over the
     dense FLOPs, differentiable in alpha (the FLOPs budget). Every costed layer scales

@@ -152,3 +152,23 @@ def test_bit_and_nfnet_are_refused_by_name_at_construction(build, conv):
     with pytest.raises(ValueError, match=rf"{conv} '[\w.]+', cut to fewer input channels"):
         DTPPruner(model, (x,), 0.5)
     assert not any(parametrize.is_parametrized(m) for m in model.modules())
+
+
+def test_a_scaled_std_convs_gain_counts_in_the_predicted_parameters():
+    """NFNet's ScaledStdConv2d holds a gain per filter besides its weight and bias: left
+    whole, it keeps it, and the report's parameters after pruning count it as the
+    export has it."""
+    from timm.layers import ScaledStdConv2d
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        ScaledStdConv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 3), nn.ReLU(),
+        nn.Conv2d(16, 4, 1),
+    )  # fmt: skip
+    x = torch.randn(2, 3, 12, 12)
+    pruner = DTPPruner(model, (x[:1],), {"*": 0.5, "0": 0})
+    assert [g.name for g in pruner.groups] == ["2"]
+    assert_export_equal(pruner, model, x)
+    exported = pruner.export()
+    assert exported[0].gain.shape == (8, 1, 1, 1)
+    assert pruner.report()["params_after"] == sum(p.numel() for p in exported.parameters())
