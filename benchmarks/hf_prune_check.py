@@ -193,6 +193,19 @@ OWN_SIZES = {
     "lilt": {"hidden_size": 96, "intermediate_size": 192},
     "xlnet": {"d_head": 16, "mem_len": 16},
     "xmod": {"default_language": "en_XX"},  # its adapters': which language's to run
+    # vision-language models' image features at the small sizes: PaliGemma's projected to
+    # the text width; Gemma 3's 8 x 8 patches pooled to 4 x 4 tokens
+    "paligemma": {"projection_dim": 64, "vision_config.projection_dim": 64},
+    "gemma3": {"mm_tokens_per_image": 16},
+    "shieldgemma2": {"mm_tokens_per_image": 16},
+    # Qwen2.5-VL's vision tower: windows of 2 x 2 merged tokens (the SIZES' window of 4
+    # pixels holds none), its second block of full attention; ViP-LLaVA's projector
+    # reading the last 2 of the 2 vision layers
+    **{
+        vision: {"window_size": 32, "fullatt_block_indexes": [1]}
+        for vision in ("qwen2_5_vl_vision", "exaone4_5_vision", "qwen2_5_omni_vision_encoder")
+    },
+    "vipllava": {"vision_feature_layers": [-2, -1]},
     "dbrx": {
         "attn_config.rope_theta": 500000.0,
         "attn_config.clip_qkv": 8.0,
@@ -544,12 +557,12 @@ def example(model: torch.nn.Module, task: str) -> torch.Tensor | dict:
 
 def image_and_text(model: torch.nn.Module) -> dict | None:
     """One image of the vision config's size (as patches with their grid where the model
-    takes a grid: Qwen2-VL's; with its one crop where it cuts crops: LLaVA-NeXT's) and 10
-    token ids with as many image tokens as the model makes features of it after the
-    first 2 (with the image size, or the token types, where the model takes them). None
-    where the config has no image token or vision config, or the model no
-    get_image_features, or where these inputs do not run it (a model of image crops or
-    of other image inputs: the text alone is its example)."""
+    takes a grid: Qwen2-VL's; with its one crop where it cuts crops: LLaVA-NeXT's; the one
+    image of a sample's images where it takes several: Idefics') and 10 token ids with as
+    many image tokens as the model makes features of it after the first 2 (with the image
+    size, or the token types, where the model takes them). None where the config has no
+    image token or vision config, or the model no get_image_features, or where these
+    inputs do not run it (a model of other image inputs: the text alone is its example)."""
     config = model.config
     vision = getattr(config, "vision_config", None)
     token = next(
@@ -578,17 +591,26 @@ def image_and_text(model: torch.nn.Module) -> dict | None:
         extra["image_grid_thw"] = torch.tensor([[1, side, side]])
     vocab = config.get_text_config().vocab_size
     text = torch.randint(3, min(200, vocab), (1, 12 - 2), generator=generator)
-    try:
-        with torch.no_grad():
-            features = _feature_count(model.get_image_features(pixel_values=pixels, **extra))
-            image = torch.full((1, features), token)
-            ids = torch.cat([text[:, :2], image, text[:, 2:]], dim=1)
-            inputs = {"input_ids": ids, "pixel_values": pixels, **extra}
-            if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
-                inputs["mm_token_type_ids"] = (ids == token).long()
-            model(**inputs)
-    except Exception:  # inputs of another form: the text alone
-        return None
+    # (batch, channels, height, width), else one image of images per sample (Idefics')
+    for form in (pixels, pixels[:, None]) if pixels.dim() == 4 else (pixels,):
+        try:
+            return _image_inputs(model, form, extra, text, token)
+        except Exception:  # inputs of another form
+            continue
+    return None
+
+
+def _image_inputs(model: torch.nn.Module, pixels, extra: dict, text, token: int) -> dict:
+    """The inputs of `pixels` with `text` around as many image tokens as the model makes
+    features of them, run once (an error where the model does not take them so)."""
+    with torch.no_grad():
+        features = _feature_count(model.get_image_features(pixel_values=pixels, **extra))
+        image = torch.full((1, features), token)
+        ids = torch.cat([text[:, :2], image, text[:, 2:]], dim=1)
+        inputs = {"input_ids": ids, "pixel_values": pixels, **extra}
+        if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
+            inputs["mm_token_type_ids"] = (ids == token).long()
+        model(**inputs)
     return inputs
 
 

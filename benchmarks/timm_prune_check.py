@@ -24,13 +24,15 @@ from pathlib import Path
 
 import timm
 import torch
+
+# the checkout's dtp_kernels and the tests' helpers, run from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _harness import RESULTS, environment
 from _prune_sweep import prune_as_refusals_say, row_within, table
 
 from dtp_kernels.pruning.base import _kind
 from dtp_kernels.pruning.cost import count_params
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from utils import drawn_statistics, layer_shapes, whole_as_listed
 
 LARGEST = 90e6  # parameters of a module's smallest architecture
