@@ -35,18 +35,38 @@ class Pruned:
     before: object = None
 
 
+@dataclass
+class Refused:
+    """The refusals of a model none of whose tries succeeded, the first and the last."""
+
+    first: ValueError
+    last: ValueError
+
+    def why(self, length: int = 160) -> str:
+        """The first refusal's first words and, after it was followed, the last's."""
+        said = first_words(self.first, length)
+        if self.last is not self.first:
+            said += f"; then: {first_words(self.last, length)}"
+        return said
+
+
+def first_words(error: Exception, length: int = 160) -> str:
+    """The error's message on one line, cut to `length` characters, no table bars."""
+    return " ".join(str(error).split())[:length].replace("|", "/")
+
+
 def prune_as_refusals_say(
     model: nn.Module,
     inputs: tuple | dict,
     ratio: float,
     output: Callable[[nn.Module], torch.Tensor],
     before_export: Callable[[DTPPruner], object] | None = None,
-) -> Pruned | ValueError:
+) -> Pruned | Refused:
     """`model` pruned at `ratio` with random scores and exported, its hard-masked
     `output` taken before; after a refusal naming the ratios or the layers to leave
-    whole, pruned again so, up to TRIES times. The last refusal where none succeeds."""
+    whole, pruned again so, up to TRIES times. The refusals where none succeeds."""
     result, ratios, ignored = "pruned", ratio, []
-    last = None
+    refusals: list[ValueError] = []
     for _ in range(TRIES):
         pruner = None
         try:
@@ -60,7 +80,7 @@ def prune_as_refusals_say(
             exported = pruner.export().eval()
             return Pruned(pruner, want, exported, result, ratios, ignored, before)
         except ValueError as error:
-            last = error
+            refusals.append(error)
             if pruner is not None:  # refused by its export: the model as it was
                 pruner.remove()
             text = str(error)
@@ -71,8 +91,8 @@ def prune_as_refusals_say(
                 ignored += ast.literal_eval(text.rsplit(IGNORED, 1)[1].removesuffix(")"))
                 result = "pruned with the refusal's layers left whole"
             else:
-                return error
-    return last
+                break
+    return Refused(refusals[0], refusals[-1])
 
 
 class _ExpiredError(BaseException):

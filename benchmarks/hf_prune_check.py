@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import transformers
 from _harness import RESULTS, environment
-from _prune_sweep import prune_as_refusals_say, row_within, table
+from _prune_sweep import Refused, first_words, prune_as_refusals_say, row_within, table
 from transformers import (
     AutoConfig,
     AutoModelForAudioClassification,
@@ -645,8 +645,8 @@ def check(model_type: str, ratio: float, task: str) -> list[str]:
         lambda m: _run(m, ids).logits,
         before_export=lambda p: p.config_describes_export(),
     )
-    if isinstance(pruned, ValueError):
-        return _with_inputs(_unpruned(model_type, "refused", _first_words(pruned)), task, ids)
+    if isinstance(pruned, Refused):
+        return _with_inputs(_unpruned(model_type, "refused", pruned.why()), task, ids)
     pruner, exported, ignored = pruned.pruner, pruned.exported, pruned.ignored
     with torch.no_grad():
         got = _run(exported, ids).logits
@@ -700,7 +700,7 @@ def _advice_cell(
     try:
         exported = DTPPruner(model, _inputs(ids), advice, ignored_layers=layers).export()
     except ValueError as error:
-        return f"NO ({_first_words(error)[:60]})"
+        return f"NO ({first_words(error, 60)})"
     return "yes" if describes(exported) else "NO"
 
 
@@ -724,10 +724,6 @@ def _run(model: torch.nn.Module, example: torch.Tensor | dict):
 def _unpruned(model_type: str, result: str, why: str) -> list[str]:
     """The row of an architecture not pruned: its result and why, the rest blank."""
     return [model_type, result, "", "", "", "", "", "", "", why]
-
-
-def _first_words(error: Exception) -> str:
-    return " ".join(str(error).split())[:160]
 
 
 def main() -> None:

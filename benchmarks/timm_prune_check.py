@@ -9,8 +9,9 @@ input size. A refusal that names the ratios or the layers to leave whole is foll
 user would (_prune_sweep.py). Export error: the export's largest difference from the
 hard-masked model, relative to its largest output. Params = report: the export's
 parameters against the report's. Whole = listed: whether the layers the export leaves
-their shapes are the ones pruner.left_whole lists. An error other than a refusal is
-recorded as `failed` with its type: a bug to look at.
+their shapes are the ones pruner.left_whole lists. A refused row says the first
+refusal's reason, then the last's. An error other than a refusal is recorded as
+`failed` with its type: a bug to look at.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _harness import RESULTS, environment
-from _prune_sweep import prune_as_refusals_say, row_within, table
+from _prune_sweep import Refused, first_words, prune_as_refusals_say, row_within, table
 
 from dtp_kernels.pruning.base import _kind
 from dtp_kernels.pruning.cost import count_params
@@ -83,9 +84,9 @@ def check(module: str, name: str, ratio: float) -> list[str]:
     try:
         pruned = prune_as_refusals_say(model, (x[:1],), ratio, lambda m: m(x))
     except Exception as error:  # not a refusal: a bug
-        return _unpruned(module, name, "failed", f"{type(error).__name__}: {_first_words(error)}")
-    if isinstance(pruned, ValueError):
-        return _unpruned(module, name, "refused", _first_words(pruned))
+        return _unpruned(module, name, "failed", f"{type(error).__name__}: {first_words(error)}")
+    if isinstance(pruned, Refused):
+        return _unpruned(module, name, "refused", pruned.why())
     with torch.no_grad():
         got = pruned.exported(x)
     report = pruned.pruner.report()
@@ -121,10 +122,6 @@ def _asked(ratios: float | dict, ignored: list[str]) -> str:
 
 def _unpruned(module: str, name: str, result: str, why: str) -> list[str]:
     return [module, name, result, "", "", "", "", "", "", why]
-
-
-def _first_words(error: Exception) -> str:
-    return " ".join(str(error).split())[:160].replace("|", "/")
 
 
 def main() -> None:

@@ -146,3 +146,24 @@ def test_timm_sweep_follows_a_refusals_ratios_and_checks_the_export():
     assert cells[1:3] == ["coat_tiny", "pruned with the refusal's ratios"]
     assert float(cells[6]) < 1e-5 and cells[7:9] == ["yes", "yes"]
     assert cells[9].startswith("26 at 0: serial_blocks1.0.factoratt_crpe")
+
+
+def test_a_sweep_row_of_a_refused_model_says_why_first():
+    """A model whose float ratio is refused (its only group feeds a LayerNorm) and whose
+    refusal's ratios then leave nothing: the sweeps' row says the first reason, then
+    the last."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from _prune_sweep import Refused, prune_as_refusals_say
+
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 2)
+    ).eval()
+    x = torch.randn(2, 8)
+    refused = prune_as_refusals_say(model, (x,), 0.5, lambda m: m(x))
+    assert isinstance(refused, Refused) and refused.first is not refused.last
+    why = refused.why()
+    assert why.startswith("cannot prune these groups") and "LayerNorm '1'" in why
+    assert "; then: the ratios prune nothing of this model" in why
