@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -29,10 +29,10 @@ class Pruned:
     pruner: DTPPruner
     want: torch.Tensor
     exported: nn.Module
-    result: str = "pruned"
-    ratios: float | dict = 0.5
-    ignored: list[str] = field(default_factory=list)
-    before: object = None
+    result: str
+    ratios: float | dict
+    ignored: list[str]
+    before: object
 
 
 @dataclass
