@@ -1,6 +1,7 @@
 """What the architecture sweeps (hf_prune_check.py, timm_prune_check.py) share: pruning
 as a user would after a refusal (the float ratio first, then the ratios or the layers
-left whole that the refusal names, as its message gives them), a time limit per
+left whole that the refusal names, as its message gives them, or prune_coupled=True
+where it says that residual-coupled widths are groups only so), a time limit per
 architecture, and the results table."""
 
 from __future__ import annotations
@@ -15,16 +16,18 @@ from torch import nn
 
 from dtp_kernels.pruning import DTPPruner
 
-TRIES = 3  # the float, then as the refusals say
+TRIES = 4  # the float, then as the refusals say
 # how a refusal names the layers whose search for coupled channels fails
 IGNORED = "(the modules named "
+# how a refusal says that residual-coupled widths would be groups
+COUPLED = "prune_coupled=True"
 
 
 @dataclass
 class Pruned:
     """A model pruned and exported: the pruner, the hard-masked model's output `want`,
-    the export, how it was reached (`result`, the `ratios` and `ignored` layer names),
-    and what `before_export` gave."""
+    the export, how it was reached (`result`, the `ratios`, the `ignored` layer names
+    and whether with prune_coupled=True), and what `before_export` gave."""
 
     pruner: DTPPruner
     want: torch.Tensor
@@ -33,6 +36,7 @@ class Pruned:
     ratios: float | dict
     ignored: list[str]
     before: object
+    coupled: bool = False
 
 
 @dataclass
@@ -64,21 +68,22 @@ def prune_as_refusals_say(
 ) -> Pruned | Refused:
     """`model` pruned at `ratio` with random scores and exported, its hard-masked
     `output` taken before; after a refusal naming the ratios or the layers to leave
-    whole, pruned again so, up to TRIES times. The refusals where none succeeds."""
-    result, ratios, ignored = "pruned", ratio, []
+    whole, or saying that prune_coupled=True would find groups, pruned again so, up to
+    TRIES times. The refusals where none succeeds."""
+    result, ratios, ignored, coupled = "pruned", ratio, [], False
     refusals: list[ValueError] = []
     for _ in range(TRIES):
         pruner = None
         try:
             layers = [model.get_submodule(name) for name in ignored]
-            pruner = DTPPruner(model, inputs, ratios, ignored_layers=layers)
+            pruner = DTPPruner(model, inputs, ratios, ignored_layers=layers, prune_coupled=coupled)
             with torch.no_grad():
                 pruner.scores.copy_(torch.rand(pruner.scores.shape, generator=torch.Generator()))
                 with pruner.hard_masked():
                     want = output(model)
             before = before_export(pruner) if before_export else None
             exported = pruner.export().eval()
-            return Pruned(pruner, want, exported, result, ratios, ignored, before)
+            return Pruned(pruner, want, exported, result, ratios, ignored, before, coupled)
         except ValueError as error:
             refusals.append(error)
             if pruner is not None:  # refused by its export: the model as it was
@@ -90,6 +95,9 @@ def prune_as_refusals_say(
             elif IGNORED in text:
                 ignored += ast.literal_eval(text.rsplit(IGNORED, 1)[1].removesuffix(")"))
                 result = "pruned with the refusal's layers left whole"
+            elif COUPLED in text and not coupled:
+                coupled = True
+                result = "pruned with prune_coupled=True"
             else:
                 break
     return Refused(refusals[0], refusals[-1])

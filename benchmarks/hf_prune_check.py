@@ -7,10 +7,12 @@ the export's largest difference from the hard-masked model, its parameters again
 report, whether the layers it leaves their shapes are the ones `pruner.left_whole` lists,
 and whether its config rebuilds it (what save_pretrained needs). A model the pruner
 refuses, when it is made or when it exports, is tried again with the ratios its error
-gives (the ones that leave the refused groups whole), or with the layers it names left
-whole (`ignored_layers`: those whose search for coupled channels fails), as a user
-would, up to three tries; one refused then, or refused without either, gets the error's
-first words. GPT-2's Conv1D layers are made nn.Linear first, as `dtp prune` does.
+gives (the ones that leave the refused groups whole), with the layers it names left
+whole (`ignored_layers`: those whose search for coupled channels fails), or with
+prune_coupled=True where it says residual-coupled widths are groups only so, as a user
+would, up to four tries; one refused then, or refused without any of them, gets the
+first error's first words and the last's. GPT-2's Conv1D layers are made nn.Linear
+first, as `dtp prune` does.
 
 Each architecture is built from its default config (`AutoConfig.for_model`, nothing
 downloaded) with the size fields it has set small (SIZES: 2 layers of width 64, 4 heads,
@@ -18,8 +20,9 @@ a vocabulary of 256, 64 x 64 images, 4 frames; in each part's config too, and it
 parts', for a multimodal model; a config that derives sizes from others, or holds
 sizes per layer, when built is built again with them as arguments), random weights and
 random scores, on 12 tokens (a sequence
-classifier's last one its end of sequence; a vision-language model's text alone, so its
-vision tower stays whole), one image (classifiers, detectors, segmenters; SigLIP 2's as
+classifier's last one its end of sequence; a vision-language model's with one image of
+its vision config's size where `image_and_text` can build it, else its text alone, its
+vision tower then whole), one image (classifiers, detectors, segmenters; SigLIP 2's as
 its patches), one clip
 (video classifiers), or 4,000 samples of audio (a spectrogram of the config's size for
 Whisper). A config whose own checks refuse that
@@ -663,7 +666,8 @@ def check(model_type: str, ratio: float, task: str) -> list[str]:
         _config_cell(describes(exported), pruned.before),
         _advice_cell(model_type, task, ids, pruner, ignored, describes(exported)),
         " ".join(
-            ([f"`ratios={pruned.ratios}`"] if pruned.ratios != ratio else [])
+            (["`prune_coupled=True`"] if pruned.coupled else [])
+            + ([f"`ratios={pruned.ratios}`"] if pruned.ratios != ratio else [])
             + ([f"`ignored_layers` {ignored}"] if ignored else [])
         ),
     ]

@@ -5,12 +5,13 @@ Every module of timm's registry (a family: `resnet`, `vision_transformer`, `byob
 is represented by its architecture of the fewest parameters (counted on the meta device;
 timm's `test_*` models left out), built with random weights and 5 classes, BN statistics
 drawn away from the identity and random scores, and run on two images of its default
-input size. A refusal that names the ratios or the layers to leave whole is followed as a
-user would (_prune_sweep.py). Export error: the export's largest difference from the
-hard-masked model, relative to its largest output. Params = report: the export's
-parameters against the report's. Whole = listed: whether the layers the export leaves
-their shapes are the ones pruner.left_whole lists. A refused row says the first
-refusal's reason, then the last's. An error other than a refusal is recorded as
+input size. A refusal that names the ratios or the layers to leave whole, or says that
+prune_coupled=True would find groups, is followed as a user would (_prune_sweep.py).
+Export error: the export's largest difference from the hard-masked model, relative to
+its largest output. Params = report: the export's parameters against the report's.
+Whole = listed: whether the layers the export leaves their shapes are the ones
+pruner.left_whole lists. A refused row says the first refusal's reason, then the last's.
+An error other than a refusal is recorded as
 `failed` with its type: a bug to look at.
 """
 
@@ -104,14 +105,14 @@ def check(module: str, name: str, ratio: float) -> list[str]:
         f"{error:.1e}",
         "yes" if count_params(pruned.exported) == report["params_after"] else "NO",
         "yes" if whole_as_listed(pruned.exported, shapes, pruned.pruner.left_whole) else "NO",
-        _asked(pruned.ratios, pruned.ignored),
+        _asked(pruned.ratios, pruned.ignored, pruned.coupled),
     ]
 
 
-def _asked(ratios: float | dict, ignored: list[str]) -> str:
-    """What the refusals had asked: the layers at 0 and the layers left whole, the
-    first three of each by name."""
-    said = []
+def _asked(ratios: float | dict, ignored: list[str], coupled: bool) -> str:
+    """What the refusals had asked: prune_coupled=True, the layers at 0 and the layers
+    left whole, the first three of each by name."""
+    said = ["prune_coupled=True"] if coupled else []
     if isinstance(ratios, dict):
         zeros = [name for name, value in ratios.items() if value == 0]
         said.append(f"{len(zeros)} at 0: {', '.join(zeros[:3])}{', ...' * (len(zeros) > 3)}")
@@ -167,9 +168,9 @@ def main() -> None:
         "the hard-masked model, relative to its largest output. Params = report: the "
         "export's parameters against the pruner's report. Whole = listed: whether the "
         "layers the export leaves their shapes are the ones pruner.left_whole lists. A "
-        "refusal naming the ratios or the layers to leave whole is followed as a user "
-        f"would (why: what was asked then). Architectures over {LARGEST / 1e6:.0f}M "
-        "parameters are skipped.",
+        "refusal naming the ratios or the layers to leave whole, or prune_coupled=True, "
+        "is followed as a user would (why: what was asked then). Architectures over "
+        f"{LARGEST / 1e6:.0f}M parameters are skipped.",
         "",
         *table(header, rows, 2, "modules"),
     ]

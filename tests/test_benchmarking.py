@@ -167,3 +167,36 @@ def test_a_sweep_row_of_a_refused_model_says_why_first():
     why = refused.why()
     assert why.startswith("cannot prune these groups") and "LayerNorm '1'" in why
     assert "; then: the ratios prune nothing of this model" in why
+
+
+def test_a_sweep_follows_a_refusal_saying_prune_coupled():
+    """A conv net whose only width meets a residual add: refused at a float ratio (no
+    group without prune_coupled=True), then pruned with it as the refusal says, the
+    export equal to the hard-masked model."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from _prune_sweep import Pruned, prune_as_refusals_say
+
+    class Residual(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8))
+            self.body = torch.nn.Sequential(
+                torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+            )
+            self.head = torch.nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.stem(x)
+            h = torch.relu(h + self.body(h))
+            return self.head(h.mean((2, 3)))
+
+    model = Residual().eval()
+    x = torch.randn(2, 3, 10, 10)
+    pruned = prune_as_refusals_say(model, (x,), 0.5, lambda m: m(x))
+    assert isinstance(pruned, Pruned), pruned.why()
+    assert pruned.coupled and pruned.result == "pruned with prune_coupled=True"
+    assert pruned.exported.stem[0].out_channels == 4
+    torch.testing.assert_close(pruned.exported(x), pruned.want, rtol=1e-5, atol=1e-5)

@@ -574,6 +574,29 @@ def bf16_step_and_export(pruner, model, inputs: tuple):
     return pruner.scores.grad, exported
 
 
+def bfloat16_trained_and_exported(model: nn.Module, x: torch.Tensor, ratios) -> None:
+    """`model` in bfloat16 pruned at `ratios`, trained three SGD steps on `x` (its soft
+    masks with it), and exported: checked equal to the hard-masked model within
+    bfloat16's rounding."""
+    model, x = model.to(torch.bfloat16), x.to(torch.bfloat16)
+    from dtp_kernels.pruning import DTPPruner
+
+    pruner = DTPPruner(model, (x[:1],), ratios)
+    optimizer = torch.optim.SGD([*model.parameters(), pruner.scores], lr=0.05)
+    pruner.attach(optimizer)
+    model.train()
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(x).float().square().mean().backward()
+        optimizer.step()
+    model.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(x).float()
+    with torch.no_grad():
+        got = pruner.export().eval()(x).float()
+    torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
+
+
 def hard_masked_and_exported(pruner, model, inputs: tuple):
     """(exported model, its logits, the hard-masked model's logits) on `inputs`."""
     model.eval()

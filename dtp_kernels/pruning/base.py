@@ -21,6 +21,7 @@ from torch.nn.utils import parametrize
 
 from . import masking
 from . import ratios as ratio_rules
+from .channel_rms_norms import adopt_rms_norms, cut_and_rescale
 from .conv1d import is_conv1d, linear_to_conv1d
 from .cost import (
     COSTED,
@@ -509,6 +510,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                     model, graph, ignored + projections, self.prune_coupled, self._whole_reasons
                 )
             adopt_response_norms(model, channels, inputs)
+            adopt_rms_norms(model, channels, inputs)
             # MLPs with a norm over their hidden width, which the graph leaves out
             grouped = [m for g in channels for m in (g.layer, *g.kept_out, *g.kept_in)]
             channels += find_form_mlps(model, ignored + projections + grouped, inputs, True)
@@ -749,6 +751,12 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                 for norm in group.response_norms:  # cut with the channels: rescaled
                     rescaled = names[original_names[norm]]
                     rescale_response_norm(rescaled, group.size, group.size - len(drop))
+                if group.rms_norms:  # cut with the channels (or here): rescaled
+                    fed = [
+                        (names[original_names[n]], names[original_names[f]])
+                        for n, f in group.rms_norms
+                    ]
+                    cut_and_rescale(fed, group.size, mask.nonzero().flatten())
                 if group.group_norm is not None:  # whole groups went: as many fewer groups
                     norm = names[original_names[group.group_norm]]
                     norm.num_groups -= len(dropped_units)

@@ -65,6 +65,7 @@ def _members(group: ChannelGroup) -> set[int]:
         *group.norms,
         *group.param_owners,
         *group.response_norms,
+        *(norm for norm, _ in group.rms_norms),
         *(layer for pair in group.producers for layer in pair),
     ]
     return {id(m) for m in held if m is not None}

@@ -105,6 +105,10 @@ class ChannelGroup:
     # layers the group cuts whose weights other modules hold too (an output layer tied to
     # the embedding): export would untie them, so the pruner refuses the group
     shared_weights: list[str] = field(default_factory=list)
+    # RMS norms over the channels, each with the module whose output it reads (the root,
+    # a depthwise conv, another of them), exact when export rescales them with it
+    # (channel_rms_norms.py)
+    rms_norms: list[tuple[nn.Module, nn.Module]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.rows is None:
@@ -140,7 +144,7 @@ class ChannelGroup:
     @property
     def cut_norms(self) -> list[tuple[nn.Module, int]]:
         """The norms cut with the units: (norm, its parameters per unit)."""
-        norms = [*self.response_norms, *self.channel_affines]
+        norms = [*self.response_norms, *self.channel_affines, *(n for n, _ in self.rms_norms)]
         return [(n, sum(p.numel() for p in n.parameters()) // self.size) for n in norms]
 
     def unit_weights(self) -> torch.Tensor:

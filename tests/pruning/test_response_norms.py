@@ -14,7 +14,7 @@ from dtp_kernels.pruning.response_norms import (
     rescale_response_norm,
     rescales_exactly,
 )
-from utils import ChannelAffine, random_params
+from utils import ChannelAffine, bfloat16_trained_and_exported, random_params
 
 timm = pytest.importorskip("timm")
 transformers = pytest.importorskip("transformers")
@@ -188,17 +188,4 @@ def test_convnextv2_exports_its_grns_cut_and_rescaled(conv_mlp, mask_at, ratios)
 
 
 def test_convnextv2_trains_in_bfloat16_and_exports_within_its_rounding():
-    model, x = convnextv2(), torch.randn(4, 3, 32, 32)
-    pruner = DTPPruner(model.to(torch.bfloat16), (x[:1].to(torch.bfloat16),), {"mlp": 0.5})
-    optimizer = torch.optim.SGD([*model.parameters(), pruner.scores], lr=0.05)
-    pruner.attach(optimizer)
-    model.train()
-    for _ in range(3):
-        optimizer.zero_grad()
-        model(x.to(torch.bfloat16)).float().square().mean().backward()
-        optimizer.step()
-    model.eval()
-    with torch.no_grad(), pruner.hard_masked():
-        want = model(x.to(torch.bfloat16)).float()
-    got = pruner.export().eval()(x.to(torch.bfloat16)).float()
-    torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
+    bfloat16_trained_and_exported(convnextv2(), torch.randn(4, 3, 32, 32), {"mlp": 0.5})
