@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .example_inputs import as_example_inputs, call_model
-from .experts import ExpertProjection, expert_layout
+from .experts import ExpertProjection, Layout, expert_layout
 
 CONV = (
     nn.Conv1d,
@@ -132,6 +132,19 @@ def _routed(module: nn.Module, experts: int, args: tuple, kwargs: dict) -> list[
     )
 
 
+def _counted(module: nn.Module, experts: int, args: tuple, kwargs: dict) -> list[int]:
+    """Tokens routed to each expert, as a call inside an experts module that routes them
+    itself is given them: a list of as many counts as experts (JetMoe's expert_size)."""
+    for value in (*args, *kwargs.values()):
+        counts = isinstance(value, (list, tuple)) and len(value) == experts
+        if counts and all(isinstance(n, int) for n in value):
+            return list(value)
+    raise ValueError(
+        f"the experts module {type(module).__name__} handed on no list of the tokens "
+        "routed to each expert, so its FLOPs cannot be counted"
+    )
+
+
 def count_params(model: nn.Module) -> int:
     """Number of parameters (BN affine included; buffers excluded)."""
     return sum(p.numel() for p in model.parameters())
@@ -163,12 +176,23 @@ def trace_layers(
 
     def expert_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         layout = expert_layout(module)
-        up_out = layout.parts * layout.width
+        if layout.counts_at is not None:  # counted where they are handed on
+            return
         if layout.every_token:  # its input: every token once per expert
             tokens = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
             routed = [tokens.numel() // (layout.hidden * layout.experts)] * layout.experts
         else:
             routed = _routed(module, layout.experts, args, kwargs)
+        add_experts(module, layout, routed)
+
+    def counts_hook(experts: nn.Module, layout: Layout):
+        def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            add_experts(experts, layout, _counted(experts, layout.experts, args, kwargs))
+
+        return hook
+
+    def add_experts(module: nn.Module, layout: Layout, routed: list[int]) -> None:
+        up_out = layout.parts * layout.width
         for e, rows in enumerate(routed):
             up = ExpertProjection(module, layout.up, e)
             layers.append(ExpertMatmul(up, up_out, layout.hidden, rows))
@@ -206,6 +230,13 @@ def trace_layers(
         m.register_forward_pre_hook(expert_hook, with_kwargs=True)
         for m in model.modules()
         if expert_layout(m) is not None
+    ]
+    handles += [
+        m.get_submodule(layout.counts_at).register_forward_pre_hook(
+            counts_hook(m, layout), with_kwargs=True
+        )
+        for m in model.modules()
+        if (layout := expert_layout(m)) is not None and layout.counts_at is not None
     ]
     run_hooked(model, example_inputs, handles)
     return layers

@@ -13,7 +13,10 @@ projection (2j and 2j + 1 when interleaved) and column j of its down projection.
 DBRX keeps its experts in 2-D parameters of its experts module's `mlp`, one expert's
 matrix after another: the gate `w1` and up `v1` projections [E * I, H] (out, in per
 expert) and the down projection `w2` [E * I, H] (in, out per expert); neuron j of expert
-e is row e I + j of all three (DBRX_EXPERTS).
+e is row e I + j of all three (DBRX_EXPERTS). JetMoe's experts block routes its tokens
+itself and keeps its experts in modules of its own: `input_linear.weight` [E, 2I, H]
+(gate rows, then up rows) and `output_linear.weight` [E, H, I] (JETMOE_EXPERTS); the
+tokens each expert computes on are read where the block hands them on (`counts_at`).
 
 Each expert is one group and one transport segment. The mask goes on the down
 projection's columns (DBRX's: w2's rows): exact whatever the activation computes from
@@ -68,6 +71,10 @@ class Layout:
     # the down projection stored (in, out) per expert: [E, I, H] (transformers': as up)
     down_transposed: bool = False
     flat: bool = False  # 2-D parameters, the experts' matrices one after another
+    # the submodule whose call is given the tokens routed to each expert, a list of E
+    # counts, where the experts module routes them itself (JetMoe's input_linear, given
+    # its router's expert_size); else its forward is given the experts chosen per token
+    counts_at: str | None = None
 
     @property
     def fused_parts(self) -> int:
@@ -119,11 +126,36 @@ def _dbrx_layout(module: nn.Module) -> Layout | None:
     )  # fmt: skip
 
 
+# JetMoe's mixture of MLP experts: input_linear.weight [E, 2I, H] (gate rows, then up
+# rows) and output_linear.weight [E, H, I], each in a module of its own
+JETMOE_EXPERTS = "JetMoeMoE"
+
+
+def _jetmoe_layout(module: nn.Module) -> Layout | None:
+    """The layout of JetMoe's experts block (JETMOE_EXPERTS), or None where its
+    parameters do not have the shapes that says."""
+    up = getattr(getattr(module, "input_linear", None), "weight", None)
+    down = getattr(getattr(module, "output_linear", None), "weight", None)
+    if not (isinstance(up, torch.Tensor) and isinstance(down, torch.Tensor)):
+        return None
+    if up.dim() != 3 or down.dim() != 3:
+        return None
+    experts, hidden, width = down.shape
+    if tuple(up.shape) != (experts, 2 * width, hidden):
+        return None
+    return Layout(
+        "input_linear.weight", 2, True, False, False, experts, width, hidden,
+        down="output_linear.weight", counts_at="input_linear",
+    )  # fmt: skip
+
+
 def expert_layout(module: nn.Module) -> Layout | None:
     """The layout of an experts module in transformers' form; None for any other module
     (or one whose weight shapes do not match its flags)."""
     if type(module).__name__ == DBRX_EXPERTS:
         return _dbrx_layout(module)
+    if type(module).__name__ == JETMOE_EXPERTS:
+        return _jetmoe_layout(module)
     flags = [getattr(module, name, None) for name in LAYOUT_FLAGS]
     every_token = False
     if not all(isinstance(flag, bool) for flag in flags):

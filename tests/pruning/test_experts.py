@@ -469,6 +469,69 @@ def test_dbrx_experts_in_2d_parameters_export_the_kept_neurons_of_every_expert(t
         torch.testing.assert_close(loaded(*inputs).logits, got)
 
 
+def tiny_jetmoe() -> nn.Module:
+    """JetMoe at 2 layers of width 32: a mixture of EXPERTS MLP experts (TOP_K chosen
+    per token) of 16 neurons per layer, beside its mixture of attention experts."""
+    config = transformers.JetMoeConfig(
+        **{k: SIZES[k] for k in ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id")},
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        kv_channels=8,
+        intermediate_size=16,
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+    )
+    torch.manual_seed(0)
+    return transformers.JetMoeForCausalLM(config).eval()
+
+
+def test_jetmoe_experts_export_the_kept_neurons_of_every_expert(tmp_path):
+    """JetMoe's experts block routes its tokens itself and keeps its experts in two
+    modules of its own: input_linear.weight [E, 2I, H] (each expert's gate rows, then its
+    up rows) and output_linear.weight [E, H, I]. Its experts prune: the export keeps
+    exactly each expert's kept neurons, computes what the hard-masked model does, and
+    parameters and FLOPs follow, the FLOPs counting the tokens its router hands each
+    expert; its mixture of attention experts, another layout, is named and stays whole,
+    and the config describes the export."""
+    model, inputs = tiny_jetmoe(), (tokens(),)
+    blocks = [f"model.layers.{i}.mlp" for i in (0, 1)]
+    dense = {
+        b: [
+            model.get_submodule(f"{b}.{p}_linear").weight.detach().clone()
+            for p in ("input", "output")
+        ]
+        for b in blocks
+    }
+    with pytest.warns(UserWarning, match=r"self_attention\.experts\.input_linear"):
+        pruner = randomised(DTPPruner(model, inputs, {"experts": 0.5}))
+    assert [g.name for g in pruner.groups] == [f"{b}.{e}" for b in blocks for e in range(EXPERTS)]
+    masks = pruner.hard_masks()
+    exported, got, want = hard_masked_and_exported(pruner, model, inputs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for index, name in enumerate(blocks):
+        up, down = dense[name]
+        for e in range(EXPERTS):
+            kept = masks[index * EXPERTS + e].nonzero().flatten()
+            block = exported.get_submodule(name)
+            rows = torch.cat([kept, kept + 16])  # its gate's, then its up's
+            torch.testing.assert_close(block.input_linear.weight[e], up[e][rows], rtol=0, atol=0)
+            torch.testing.assert_close(
+                block.output_linear.weight[e], down[e][:, kept], rtol=0, atol=0
+            )
+    params, flops = pruner.predicted_counts()
+    assert params == sum(p.numel() for p in exported.parameters())
+    assert flops == count_flops(exported, inputs) < pruner.report()["flops_before"]
+    matmuls = [m for m in trace_layers(model, inputs) if isinstance(m, ExpertMatmul)]
+    downs = [m for m in matmuls if m.module.name == "output_linear.weight"]
+    assert sum(m.rows for m in downs) == BATCH * LENGTH * TOP_K * 2
+    assert len({m.rows for m in downs}) > 1  # routing, not an even split
+    exported.save_pretrained(tmp_path)
+    loaded = type(exported).from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(*inputs).logits, got)
+
+
 def test_experts_of_one_block_with_different_ratios_are_refused_by_name():
     torch.manual_seed(0)
     model, inputs = moe("Mixtral", **MIXTRAL)
