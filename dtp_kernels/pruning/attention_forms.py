@@ -62,8 +62,9 @@ each (:func:`match_form`):
 - a layer reading the keys and values of an earlier layer (Gemma 3n's and Gemma 4's KV
   sharing): ``q_proj`` and ``o_proj``, pruned tied to that layer (shared_kv.py);
 - DeepSeek-V4's multi-query attention: ``q_b_proj`` holds each query head's rows,
-  ``kv_proj`` the one key/value head all read (kept whole, as the compressed query
-  ``q_a_proj``), the grouped ``o_a_proj`` is block-diagonal over ``n_groups`` equal runs
+  ``kv_proj`` the one key/value head all read (kept whole; the compressed query
+  ``q_a_proj`` is no part of the heads: its width, through its RMS norm, is a channel
+  group of its own), the grouped ``o_a_proj`` is block-diagonal over ``n_groups`` equal runs
   of heads (a head's columns in its run's rows only: its mask and cut are per run, and
   every run keeps as many heads), and the per-head sinks are cut with the heads;
 - CodeGen's ``qkv_proj``, interleaved over its 4 training shards (each shard's queries,
