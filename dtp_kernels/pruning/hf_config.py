@@ -50,8 +50,9 @@ COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num
 
 
 # the config field of a low-rank layer's rank, by the rank's first layer's name: Gemma
-# 3n's learned augmented residual (LAuReL)
-RANK_FIELDS = {"laurel.linear_left": "laurel_rank"}
+# 3n's learned augmented residual (LAuReL); DeepSeek-V4's compressed query (through its
+# RMS norm: channel_rms_norms.py)
+RANK_FIELDS = {"laurel.linear_left": "laurel_rank", "self_attn.q_a_proj": "q_lora_rank"}
 
 
 # a group's decoder layer by its module name ("model.layers.3.self_attn")

@@ -1483,6 +1483,23 @@ def test_grouped_output_projection_keeps_as_many_heads_in_each_group():
     assert pruner.predicted_counts()[0] == count_params(exported)
 
 
+def test_deepseek_v4_compressed_query_prunes_through_its_rms_norm():
+    """DeepSeek-V4's compressed query q_a_proj feeds an RMS norm over its width, then
+    q_b_proj: a channel group of its own, the norm cut and rescaled with q_a_proj's rows
+    (channel_rms_norms.py), with the heads and experts under a float ratio; the export
+    computes what the hard-masked model does and q_lora_rank describes it."""
+    model, inputs = tiny_deepseek_v4(), (tokens(),)
+    pruner = randomised(DTPPruner(model, inputs, 0.5))
+    latents = {g.name: g for g in pruner.groups if g.name.endswith("q_a_proj")}
+    assert list(latents) == [f"model.layers.{i}.self_attn.q_a_proj" for i in (0, 1)]
+    for name, group in latents.items():
+        norm = model.get_submodule(name.replace("q_a_proj", "q_a_norm"))
+        assert group.rms_norms == [(norm, model.get_submodule(name))]
+    exported, _ = described_export(pruner, model, inputs)
+    assert exported.config.q_lora_rank == 10
+    assert exported.model.layers[1].self_attn.q_b_proj.in_features == 10
+
+
 def test_grouped_output_projection_refuses_a_count_its_groups_cannot_keep_alike():
     """3 of 8 heads cannot be kept as many in each of 2 groups: an error naming the layer
     and ratios every such layer can keep, before anything changes."""
