@@ -107,22 +107,28 @@ def _feeders(
 
 def _scales_through(model: nn.Module, inputs: tuple, feeder: nn.Module, norm: nn.Module) -> bool:
     """Whether `norm`'s input doubles when `feeder`'s output does (what lies between, a
-    pooling, is linear in it on the example), comparing two eval forwards."""
-    seen: list[torch.Tensor] = []
+    pooling, is linear in it on the example), comparing its first input in two eval
+    forwards."""
+    seen: list[list[torch.Tensor]] = [[], []]
 
     def doubled(_module, _args, output):
         return output * 2
 
-    def record(_norm, args):
-        seen.append(args[0])
+    def record(run: int):
+        def hook(_norm, args):
+            seen[run].append(args[0])
 
-    run_watched(model, inputs, [norm.register_forward_pre_hook(record)])
+        return hook
+
+    run_watched(model, inputs, [norm.register_forward_pre_hook(record(0))])
     run_watched(
         model,
         inputs,
-        [feeder.register_forward_hook(doubled), norm.register_forward_pre_hook(record)],
+        [feeder.register_forward_hook(doubled), norm.register_forward_pre_hook(record(1))],
     )
-    return len(seen) >= 2 and seen[0].shape == seen[-1].shape and close(seen[-1], seen[0] * 2)
+    if not (seen[0] and seen[1]) or seen[0][0].shape != seen[1][0].shape:
+        return False
+    return close(seen[1][0], seen[0][0] * 2)
 
 
 def _zeros_reach(model: nn.Module, inputs: tuple, groups: list[ChannelGroup]) -> set[int]:
