@@ -66,6 +66,11 @@ from .mamba2 import Mamba2Group, check_mamba2_ratios, find_mamba2_groups
 from .mlps import FormMLPGroup, find_form_mlps, prune_form_mlp
 from .response_norms import adopt_response_norms, rescale_response_norm
 from .shared_kv import tie_kv_sharing
+from .split_gated_convs import (
+    SplitGatedConvGroup,
+    find_split_gated_convs,
+    prune_split_gated_conv,
+)
 from .tied_heads import tie_chains
 from .weight_transforms import weight_transform_refusals
 from .whole_experts import (
@@ -514,6 +519,9 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             # MLPs with a norm over their hidden width, which the graph leaves out
             grouped = [m for g in channels for m in (g.layer, *g.kept_out, *g.kept_in)]
             channels += find_form_mlps(model, ignored + projections + grouped, inputs, True)
+            # gated convolution blocks split unequally, which the graph cannot follow
+            grouped = [m for g in channels for m in (g.layer, *g.kept_out, *g.kept_in)]
+            channels += find_split_gated_convs(model, ignored + projections + grouped, inputs)
         except ChannelGraphError as error:  # raised unless the ratios need no graph
             self._graph_error = error
             for layer in model.modules():
@@ -523,6 +531,8 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                     "experts, Mamba mixers and MLPs found by their form prune)",
                 )
             channels = find_form_mlps(model, ignored + projections, inputs)
+            grouped = [m for g in channels for m in (g.layer, *g.kept_out, *g.kept_in)]
+            channels += find_split_gated_convs(model, ignored + projections + grouped, inputs)
         order = {name: index for index, (name, _) in enumerate(model.named_modules())}
 
         def position(group) -> tuple[int, int]:  # a block's experts in turn, together
@@ -592,6 +602,11 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         """Per affected module: (output channels lost, input channels lost)."""
         lost: dict[nn.Module, list[int]] = {}
         for group, mask in zip(self.groups, masks, strict=True):
+            if hasattr(group, "channels_lost"):  # which units go decides it
+                for module, counts in group.channels_lost(mask).items():
+                    entry = lost.setdefault(module, [0, 0])
+                    entry[0], entry[1] = entry[0] + counts[0], entry[1] + counts[1]
+                continue
             pruned = int(mask.numel() - mask.sum())
             width = getattr(group, "width", {})  # channels per unit (heads); else 1
             for module in group.kept_out:
@@ -715,6 +730,9 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             for group, mask in zip(self.groups, masks, strict=True):
                 if isinstance(group, HeadGroup):
                     prune_heads(group, names, original_names, mask)
+                    continue
+                if isinstance(group, SplitGatedConvGroup):
+                    prune_split_gated_conv(names[original_names[group.block]], mask)
                     continue
                 if isinstance(group, FormMLPGroup):
                     prune_form_mlp(group, names, original_names, mask)
