@@ -394,8 +394,10 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             refusals.append(
                 (
                     f"{INEXACT}: {details}. A normalization over all channels (LayerNorm, "
-                    "RMSNorm, a second GroupNorm) computes every channel from all the others, "
-                    "so removing any changes the rest",
+                    "a second GroupNorm) computes every channel from all the others, so "
+                    "removing any changes the rest (an RMS norm is rescaled at export only "
+                    "where the removed channels reach it as zeros, through linear layers: "
+                    "docs/architectures.md, Normalizations)",
                     [g.name for g in normed],
                 )
             )
