@@ -491,12 +491,29 @@ def prune_heads(
     if own:  # a table outside every layer (MPNet's encoder's bias table: tied_heads.py)
         query_heads = _query_heads(mask, group.query_heads_per_unit)
         _cut_tables(own, copy, names, query_heads)
-        for owner, _, _ in own:  # the head count the table's holder keeps (MPNet's n_heads)
-            holder = copy[names[owner].rpartition(".")[0]]
-            _set_head_count(holder, group.units * group.query_heads_per_unit, len(query_heads))
+        members = [names[m.module] for m in group.members]
+        for owner, _, _ in own:  # the head counts the table's holders keep
+            for holder in table_holders(names[owner], members):
+                heads = group.units * group.query_heads_per_unit
+                set_head_count(copy[holder], heads, len(query_heads))
 
 
-def _set_head_count(owner: nn.Module, heads: int, kept: int) -> None:
+def table_holders(owner: str, members: list[str]) -> list[str]:
+    """The names of the modules holding a table outside the attention layers `members`
+    (by module name) whose head counts go with it: its owner's parent (MPNet's encoder,
+    its n_heads), and every module above the owner that holds none of the layers (timm's
+    RelPosMlp above its MLP's last layer: its num_heads and bias_shape). Not the model."""
+    parts = owner.split(".")
+    above = [".".join(parts[:depth]) for depth in range(len(parts) - 1, 0, -1)]
+    holders = above[:1]
+    for name in above[1:]:
+        if any(m == name or m.startswith(name + ".") for m in members):
+            break
+        holders.append(name)
+    return holders
+
+
+def set_head_count(owner: nn.Module, heads: int, kept: int) -> None:
     """The head count a module of an attention layer keeps of its own, `num_heads` (or
     `n_heads`) and the head entry (last, or else first) of `bias_shape` (timm's relative-position
     modules, which shape their bias by it), set from `heads` to `kept`."""
@@ -545,7 +562,7 @@ def _prune_layer_heads(
         keep_heads(copy[names[group.module]], query_heads)
     _cut_tables(group.tables, copy, names, query_heads)
     for inner in copy[names[group.module]].modules():  # its position-bias modules' counts
-        _set_head_count(inner, group.units * per_unit, len(query_heads))
+        set_head_count(inner, group.units * per_unit, len(query_heads))
     query_rows = Projection(group.module, 1, per_unit * group.head_dim).kept(group.units, kept)
     for owner, name in group.row_vectors:
         vector = getattr(copy[names[owner]], name).detach()

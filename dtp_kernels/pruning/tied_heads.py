@@ -14,9 +14,10 @@ Chains are found in one forward of the example inputs (:func:`tie_chains`): a la
 handed no bias that returns one starts a chain; a layer handed that very tensor belongs
 to it. Layers handed one tensor that no such layer returned are a chain too when the
 model computes it from tables of one entry per head outside them (MPNet's encoder's
-``relative_attention_bias``; LayoutLMv3's three linear layers, summed), proven in
-forwards with half the tables' entries kept; the tables lose the removed heads' entries
-with the layers. A layer handed a bias no
+``relative_attention_bias``; LayoutLMv3's three linear layers, summed; the last layer of
+timm's shared relative-position MLP), proven in forwards with half the tables' entries
+kept (and the head counts of the modules holding them set: heads.table_holders); the
+tables lose the removed heads' entries with the layers. A layer handed a bias no
 table gives is refused by name, as is a chain whose layers' heads differ; MPT's layers,
 handed the ALiBi bias the model computes for all heads, are not chains: export gives
 them a class that adds its kept heads' entries (picked_heads.py).
@@ -32,14 +33,21 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch import nn
 
-from .heads import HeadGroup
+from .heads import HeadGroup, set_head_count, table_holders
 from .picked_heads import picked_argument
-from .proof import run_watched
+from .proof import close, run_watched
 
-# the argument by which an attention layer is handed the bias of another layer (T5, mT5,
+# the arguments by which an attention layer is handed the bias of another layer (T5, mT5,
 # LongT5, Switch Transformers, Pop2Piano) or of the model (MPNet's, from a table; MPT's
-# ALiBi, picked by the layer: picked_heads.py)
-BIAS_ARGUMENT = "position_bias"
+# ALiBi, picked by the layer: picked_heads.py; timm's ViT with a shared relative
+# position MLP, `shared_rel_pos`)
+BIAS_ARGUMENTS = ("position_bias", "shared_rel_pos")
+
+
+def bias_argument(module: nn.Module) -> str | None:
+    """The argument of BIAS_ARGUMENTS that `module`'s forward takes, or None."""
+    parameters = inspect.signature(module.forward).parameters
+    return next((name for name in BIAS_ARGUMENTS if name in parameters), None)
 
 
 @dataclass
@@ -98,18 +106,22 @@ class TiedHeadGroup(HeadGroup):
         per_unit = member.query_heads_per_unit
         heads = (keep[:, None] * per_unit + torch.arange(per_unit)).flatten()
         bound = inspect.signature(member.module.forward).bind_partial(*args, **kwargs)
-        bias = bound.arguments[BIAS_ARGUMENT]
-        bound.arguments[BIAS_ARGUMENT] = bias.index_select(dim, heads.to(bias.device))
+        argument = bias_argument(member.module)
+        bias = bound.arguments[argument]
+        bound.arguments[argument] = bias.index_select(dim, heads.to(bias.device))
         return bound.args, bound.kwargs
 
 
-# why a layer handed a bias for all heads from outside the chains is refused
-OUTSIDE = (
-    f"its forward takes `{BIAS_ARGUMENT}`, and the example inputs hand it a bias for all "
-    "heads that no attention layer computed and no table of the model gives head by head "
-    "(ALiBi computed by the model, where export has no class for the layer that picks "
-    "its heads' entries), or none: it would not lose the heads removed from the layer"
-)
+def _outside_why(group: HeadGroup) -> str:
+    """Why `group`'s layer, handed a bias for all heads from outside the chains, is
+    refused."""
+    return (
+        f"its forward takes `{bias_argument(group.module)}`, and the example inputs hand it a "
+        "bias for all heads that no attention layer computed and no table of the model gives "
+        "head by head (ALiBi computed by the model, where export has no class for the layer "
+        "that picks its heads' entries), or none: it would not lose the heads removed from "
+        "the layer"
+    )
 
 
 def _heads(group: HeadGroup) -> tuple[int, int, int]:
@@ -126,6 +138,10 @@ def _unlike(group: HeadGroup, first: HeadGroup, bias: torch.Tensor, whose: str) 
         f"of shape {tuple(bias.shape)}) are not that layer's "
         f"{first.units * first.query_heads_per_unit} of {first.head_dim}"
     )
+
+
+# the attributes set_head_count may change on a table's holder
+HEAD_COUNTS = ("num_heads", "n_heads", "bias_shape")
 
 
 class _SeenError(Exception):
@@ -160,9 +176,15 @@ def _source_tables(
             candidates.append([(module, n, 0) for n, _ in module.named_parameters()])
     keep = torch.arange(0, heads, 2)
     want = bias.index_select(dim, keep.to(bias.device))
+    names = {m: n for n, m in model.named_modules()}
+    members = [names[g.module] for g in chain]
 
     def gives_bias(tables: list[tuple[nn.Module, str, int]]) -> bool:
-        return _bias_with_tables_cut(model, inputs, first.module, tables, keep, want)
+        held = {h for owner, _, _ in tables for h in table_holders(names[owner], members)}
+        holders = [model.get_submodule(h) for h in held]
+        return _bias_with_tables_cut(
+            model, inputs, first.module, tables, keep, want, holders, heads
+        )
 
     for tables in candidates:
         if gives_bias(tables):
@@ -186,14 +208,21 @@ def _bias_with_tables_cut(
     tables: list[tuple[nn.Module, str, int]],
     keep: torch.Tensor,
     want: torch.Tensor,
+    holders: list[nn.Module],
+    heads: int,
 ) -> bool:
-    """Whether, with `tables`' entries cut to the heads `keep`, the model hands `first`
-    the bias `want`; the model runs until `first` is called, the tables restored after."""
+    """Whether, with `tables`' entries cut to the heads `keep` (and the head counts of
+    their `holders` with them, as export sets them), the model hands `first` the bias
+    `want`; the model runs until `first` is called, the tables and counts restored
+    after."""
     seen = []
+    counts = [(h, {a: getattr(h, a) for a in HEAD_COUNTS if hasattr(h, a)}) for h in holders]
+    for holder, _ in counts:
+        set_head_count(holder, heads, len(keep))
 
     def stop(module, args, kwargs):
         given = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
-        seen.append(given.get(BIAS_ARGUMENT))
+        seen.append(given.get(bias_argument(module)))
         raise _SeenError
 
     whole = [getattr(owner, name) for owner, name, _ in tables]
@@ -207,8 +236,12 @@ def _bias_with_tables_cut(
     finally:
         for (owner, name, _), param in zip(tables, whole, strict=True):
             setattr(owner, name, param)
+        for holder, saved in counts:
+            for attribute, value in saved.items():
+                setattr(holder, attribute, value)
     got = seen[0] if seen else None
-    return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.equal(got, want)
+    # close, not equal: a linear table's outputs round apart in a narrower product
+    return isinstance(got, torch.Tensor) and got.shape == want.shape and close(got, want)
 
 
 def _bias_dim(bias: torch.Tensor, heads: int) -> int | None:
@@ -230,13 +263,13 @@ def tie_chains(model: nn.Module, groups: list[HeadGroup], inputs: tuple) -> list
         g
         for g in groups
         if not g.refusal
-        and BIAS_ARGUMENT in inspect.signature(g.module.forward).parameters
-        and picked_argument(g.module) != BIAS_ARGUMENT  # MPT's, WavLM's: pick their heads
+        and bias_argument(g.module) is not None
+        and picked_argument(g.module) != bias_argument(g.module)  # MPT's, WavLM's pick theirs
     ]
     if not takers:
         return groups
     names = {m: n for n, m in model.named_modules()}
-    receivers = [m for m in names if BIAS_ARGUMENT in inspect.signature(m.forward).parameters]
+    receivers = [m for m in names if bias_argument(m) is not None]
     handed, returned = _watch(model, inputs, receivers)
     # the tensors each layer handed no bias returned, by identity (`returned` holds them)
     firsts = {
@@ -255,7 +288,7 @@ def tie_chains(model: nn.Module, groups: list[HeadGroup], inputs: tuple) -> list
             if isinstance(bias, torch.Tensor):
                 outside.setdefault(id(bias), []).append(group)
             else:
-                group.refusal = OUTSIDE
+                group.refusal = _outside_why(group)
             continue
         dim = _bias_dim(bias, group.units * group.query_heads_per_unit)
         if dim is None or _heads(group) != _heads(first):
@@ -273,7 +306,7 @@ def tie_chains(model: nn.Module, groups: list[HeadGroup], inputs: tuple) -> list
             source = _source_tables(model, inputs, chain, bias, dims[first.module])
         if not source:
             for group in chain:
-                group.refusal = OUTSIDE
+                group.refusal = _outside_why(group)
                 if any(g is group for g in unlike):
                     group.refusal = _unlike(group, first, bias, "is handed")
             continue
@@ -328,7 +361,7 @@ def _watch(
     def before(module, args, kwargs):
         if module not in handed:
             given = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
-            handed[module] = given.get(BIAS_ARGUMENT)
+            handed[module] = given.get(bias_argument(module))
 
     def after(module, _args, _kwargs, output):
         if module not in returned:

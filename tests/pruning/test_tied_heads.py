@@ -447,3 +447,47 @@ def test_layoutlmv3_heads_are_tied_to_its_encoders_position_tables_and_export_ex
     assert cut.rel_pos_bias.weight.shape == (2, 32) and cut.rel_pos_y_bias.out_features == 2
     params, _ = pruner.predicted_counts()
     assert params == sum(p.numel() for p in exported.parameters())
+
+
+def tiny_shared_relpos_vit() -> torch.nn.Module:
+    """timm's ViT with one relative-position MLP for all blocks (vit_srelpos's form): the
+    model computes the bias per head once, from its RelPosMlp, whose last layer has one
+    output per head and whose num_heads and bias_shape shape that bias."""
+    timm = pytest.importorskip("timm")
+    from timm.models.vision_transformer_relpos import VisionTransformerRelPos
+
+    torch.manual_seed(0)
+    model = VisionTransformerRelPos(
+        img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, qkv_bias=False,
+        fc_norm=False, rel_pos_dim=16, shared_rel_pos=True, num_classes=5,
+    )  # fmt: skip
+    assert timm.__version__
+    return model.eval()
+
+
+def test_a_shared_relative_position_mlp_ties_the_blocks_heads_and_keeps_its_counts():
+    """The blocks handed the shared bias (`shared_rel_pos`) are one group with the MLP's
+    last layer; the proof and the export set the head counts of the modules holding it
+    (RelPosMlp's num_heads and bias_shape), and the export computes what the
+    hard-masked model computes, with the report's parameters."""
+    model, x = tiny_shared_relpos_vit(), torch.randn(2, 3, 32, 32)
+    pruner = randomised(DTPPruner(model, (x[:1],), {"heads": 0.5}))
+    (tied,) = [g for g in pruner.groups if isinstance(g, TiedHeadGroup)]
+    assert [m.module for m in tied.tied] == [block.attn for block in model.blocks]
+    assert {owner for owner, _, _ in tied.tables} == {model.shared_rel_pos.mlp.fc2}
+    exported, _ = exported_as_masked(pruner, model, (x,))
+    shared = exported.shared_rel_pos
+    assert (shared.num_heads, shared.bias_shape[-1], shared.mlp.fc2.out_features) == (2, 2, 2)
+    assert pruner.predicted_counts()[0] == sum(p.numel() for p in exported.parameters())
+
+
+def test_a_tables_holders_are_its_parent_and_those_above_holding_no_layer():
+    from dtp_kernels.pruning.heads import table_holders
+
+    layers = ["encoder.layer.0.attention", "encoder.layer.1.attention"]
+    assert table_holders("encoder.relative_attention_bias", layers) == ["encoder"]
+    blocks = ["blocks.0.attn", "blocks.1.attn"]
+    assert table_holders("shared_rel_pos.mlp.fc2", blocks) == [
+        "shared_rel_pos.mlp",
+        "shared_rel_pos",
+    ]

@@ -405,28 +405,6 @@ def test_a_split_the_graph_does_not_couple_is_left_whole():
         DTPPruner(model, x, {"mlp": 0.5})
 
 
-def test_an_attention_handed_a_bias_for_all_heads_is_refused_by_name():
-    """timm's relative-position ViT with a shared position bias computes it once, for all
-    heads, and hands it to every layer: with fewer heads a layer fails its proof
-    (proof.py) and is refused by name when the pruner is made; its MLPs prune."""
-    from timm.models.vision_transformer_relpos import VisionTransformerRelPos
-
-    torch.manual_seed(0)
-    model = VisionTransformerRelPos(
-        img_size=16,
-        patch_size=4,
-        embed_dim=32,
-        depth=1,
-        num_heads=4,
-        num_classes=5,
-        shared_rel_pos=True,
-    )
-    x = torch.randn(1, 3, 16, 16)
-    with pytest.raises(ValueError, match=r"layer 'blocks.0.attn': with some of its heads"):
-        DTPPruner(model, x, {"heads": 0.5})
-    DTPPruner(model, x, {"mlp": 0.5})
-
-
 class _Ghost(torch.nn.Module):
     """GhostNet's module after a stem: the primary conv's channels are concatenated with
     the depthwise ("cheap") conv's made from them, so they leave before the depthwise
