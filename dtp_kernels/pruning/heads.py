@@ -492,21 +492,22 @@ def prune_heads(
         query_heads = _query_heads(mask, group.query_heads_per_unit)
         _cut_tables(own, copy, names, query_heads)
         members = [names[m.module] for m in group.members]
+        heads = group.units * group.query_heads_per_unit
         for owner, _, _ in own:  # the head counts the table's holders keep
             for holder in table_holders(names[owner], members):
-                heads = group.units * group.query_heads_per_unit
                 set_head_count(copy[holder], heads, len(query_heads))
 
 
 def table_holders(owner: str, members: list[str]) -> list[str]:
     """The names of the modules holding a table outside the attention layers `members`
     (by module name) whose head counts go with it: its owner's parent (MPNet's encoder,
-    its n_heads), and every module above the owner that holds none of the layers (timm's
-    RelPosMlp above its MLP's last layer: its num_heads and bias_shape). Not the model."""
-    parts = owner.split(".")
-    above = [".".join(parts[:depth]) for depth in range(len(parts) - 1, 0, -1)]
-    holders = above[:1]
-    for name in above[1:]:
+    its n_heads; "", the model, for a table of its own), and every module above that
+    parent, below the model, that holds none of the layers (timm's RelPosMlp above its
+    MLP's last layer: its num_heads and bias_shape)."""
+    name = owner.rpartition(".")[0]
+    holders = [name]
+    while "." in name:
+        name = name.rpartition(".")[0]
         if any(m == name or m.startswith(name + ".") for m in members):
             break
         holders.append(name)

@@ -486,6 +486,7 @@ def test_a_tables_holders_are_its_parent_and_those_above_holding_no_layer():
 
     layers = ["encoder.layer.0.attention", "encoder.layer.1.attention"]
     assert table_holders("encoder.relative_attention_bias", layers) == ["encoder"]
+    assert table_holders("relative_attention_bias", ["layers.0"]) == [""]  # the model's own
     blocks = ["blocks.0.attn", "blocks.1.attn"]
     assert table_holders("shared_rel_pos.mlp.fc2", blocks) == [
         "shared_rel_pos.mlp",
