@@ -521,9 +521,6 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             # MLPs with a norm over their hidden width, which the graph leaves out
             grouped = [m for g in channels for m in (g.layer, *g.kept_out, *g.kept_in)]
             channels += find_form_mlps(model, ignored + projections + grouped, inputs, True)
-            # gated convolution blocks split unequally, which the graph cannot follow
-            grouped = [m for g in channels for m in (g.layer, *g.kept_out, *g.kept_in)]
-            channels += find_split_gated_convs(model, ignored + projections + grouped, inputs)
         except ChannelGraphError as error:  # raised unless the ratios need no graph
             self._graph_error = error
             for layer in model.modules():
@@ -533,8 +530,9 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                     "experts, Mamba mixers and MLPs found by their form prune)",
                 )
             channels = find_form_mlps(model, ignored + projections, inputs)
-            grouped = [m for g in channels for m in (g.layer, *g.kept_out, *g.kept_in)]
-            channels += find_split_gated_convs(model, ignored + projections + grouped, inputs)
+        # gated convolution blocks split unequally, which the graph cannot follow
+        grouped = [m for g in channels for m in (g.layer, *g.kept_out, *g.kept_in)]
+        channels += find_split_gated_convs(model, ignored + projections + grouped, inputs)
         order = {name: index for index, (name, _) in enumerate(model.named_modules())}
 
         def position(group) -> tuple[int, int]:  # a block's experts in turn, together
