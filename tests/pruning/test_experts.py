@@ -469,21 +469,13 @@ def test_dbrx_experts_in_2d_parameters_export_the_kept_neurons_of_every_expert(t
         torch.testing.assert_close(loaded(*inputs).logits, got)
 
 
-def tiny_jetmoe() -> nn.Module:
-    """JetMoe at 2 layers of width 32: a mixture of EXPERTS MLP experts (TOP_K chosen
-    per token) of 16 neurons per layer, beside its mixture of attention experts."""
-    config = transformers.JetMoeConfig(
-        **{k: SIZES[k] for k in ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id")},
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_key_value_heads=2,
-        kv_channels=8,
-        intermediate_size=16,
-        num_local_experts=EXPERTS,
-        num_experts_per_tok=TOP_K,
-    )
-    torch.manual_seed(0)
-    return transformers.JetMoeForCausalLM(config).eval()
+JETMOE = dict(  # beside its mixture of attention experts
+    num_hidden_layers=2,
+    kv_channels=8,
+    intermediate_size=16,
+    num_local_experts=EXPERTS,
+    num_experts_per_tok=TOP_K,
+)
 
 
 def test_jetmoe_experts_export_the_kept_neurons_of_every_expert(tmp_path):
@@ -494,7 +486,8 @@ def test_jetmoe_experts_export_the_kept_neurons_of_every_expert(tmp_path):
     parameters and FLOPs follow, the FLOPs counting the tokens its router hands each
     expert; its mixture of attention experts, another layout, is named and stays whole,
     and the config describes the export."""
-    model, inputs = tiny_jetmoe(), (tokens(),)
+    torch.manual_seed(0)
+    model, inputs = moe("JetMoe", **JETMOE)
     blocks = [f"model.layers.{i}.mlp" for i in (0, 1)]
     dense = {
         b: [
