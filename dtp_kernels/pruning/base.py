@@ -613,6 +613,12 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                 lost.setdefault(module, [0, 0])[0] += pruned * width.get(module, 1)
             for module in group.kept_in:
                 lost.setdefault(module, [0, 0])[1] += pruned * width.get(module, 1)
+            # a linear layer of one output per head (Swin V2's bias MLP, a position table
+            # several layers share): its rows go with the heads, FLOPs and parameters
+            for owner in {o for o, _, dim in getattr(group, "tables", ()) if dim == 0}:
+                if isinstance(owner, nn.Linear):
+                    rows = pruned * getattr(group, "rows_per_table_unit", 1)
+                    lost.setdefault(owner, [0, 0])[0] += rows
         return {m: (a, b) for m, (a, b) in lost.items()}
 
     @torch.no_grad()
@@ -650,14 +656,11 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                 params -= int(mask.numel() - mask.sum()) * rows
             # per-head tables; a Mamba mixer's per-channel parameters; raw per-channel scales
             for owner, name, dim in [*getattr(group, "tables", ()), *getattr(group, "scales", ())]:
+                if isinstance(owner, nn.Linear) and dim == 0:  # its rows: in `lost` above
+                    continue
                 table = getattr(owner, name)
                 removed = int(mask.numel() - mask.sum()) * getattr(group, "rows_per_table_unit", 1)
-                per_row = table.numel() // table.shape[dim]
-                if isinstance(owner, nn.Linear) and name == "weight" and dim == 0:
-                    # a linear layer's rows per head whose columns another group cuts (the
-                    # hidden neurons of a bias MLP: timm's RelPosMlp): counted once
-                    per_row = owner.in_features - lost.get(owner, (0, 0))[1]
-                params -= per_row * removed
+                params -= table.numel() // table.shape[dim] * removed
         kept_rows = {  # layers run on each head apart (MViT's pooling convs)
             layer: (int(mask.sum()), mask.numel())
             for group, mask in zip(self.groups, masks, strict=True)

@@ -1496,6 +1496,7 @@ def test_deepseek_v4_compressed_query_prunes_through_its_rms_norm():
         norm = model.get_submodule(name.replace("q_a_proj", "q_a_norm"))
         assert group.rms_norms == [(norm, model.get_submodule(name))]
     exported, _ = described_export(pruner, model, inputs)
+    assert pruner.predicted_counts()[0] == count_params(exported)
     assert exported.config.q_lora_rank == 10
     assert exported.model.layers[1].self_attn.q_b_proj.in_features == 10
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dtp_kernels.pruning import DTPPruner
-from dtp_kernels.pruning.cost import count_params
+from dtp_kernels.pruning.cost import count_flops, count_params
 from utils import bfloat16_trained_and_exported
 
 timm = pytest.importorskip("timm")
@@ -79,7 +79,8 @@ def test_mobilenetv5_exports_its_rms_norms_cut_and_rescaled(mask_at):
         want = model(x)
     exported = pruner.export().eval()
     torch.testing.assert_close(exported(x), want, rtol=1e-5, atol=1e-5)
-    assert count_params(exported) == pruner.report()["params_after"]
+    params, flops = pruner.predicted_counts()
+    assert params == count_params(exported) and flops == count_flops(exported, (x[:1],))
     after = norm_weights(exported)
     for name in ("blocks.1.0.pw_exp.bn", "blocks.1.0.dw_mid.bn", "msfa.norm"):
         width, kept = dense[name].numel(), after[name].numel()

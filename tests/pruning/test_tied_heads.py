@@ -478,7 +478,9 @@ def test_a_shared_relative_position_mlp_ties_the_blocks_heads_and_keeps_its_coun
     exported, _ = exported_as_masked(pruner, model, (x,))
     shared = exported.shared_rel_pos
     assert (shared.num_heads, shared.bias_shape[-1], shared.mlp.fc2.out_features) == (2, 2, 2)
-    assert pruner.predicted_counts()[0] == sum(p.numel() for p in exported.parameters())
+    params, flops = pruner.predicted_counts()
+    assert params == sum(p.numel() for p in exported.parameters())
+    assert flops == count_flops(exported, (x[:1],))
 
 
 def test_a_tables_holders_are_its_parent_and_those_above_holding_no_layer():
