@@ -66,6 +66,13 @@ from .mamba2 import Mamba2Group, check_mamba2_ratios, find_mamba2_groups
 from .mlps import FormMLPGroup, find_form_mlps, prune_form_mlp
 from .response_norms import adopt_response_norms, rescale_response_norm
 from .shared_kv import tie_kv_sharing
+from .shared_weights import (
+    held_elsewhere,
+    holders,
+    tie_again,
+    tie_weight_sharing_heads,
+    weight_copies,
+)
 from .split_gated_convs import (
     SplitGatedConvGroup,
     find_split_gated_convs,
@@ -199,6 +206,18 @@ def _layer_fates(
     return fates
 
 
+def _with_kinds_found(error: ChannelGraphError, ratios, groups: list) -> ChannelGraphError:
+    """The graph's failure, for a float ratio with the dict of ratios that prunes, at it,
+    the kinds of group found without the graph (none: as it is)."""
+    kinds = {_kind(g) for g in groups}
+    if isinstance(ratios, bool) or not isinstance(ratios, (int, float)) or not kinds:
+        return error
+    advice = {kind: ratios for kind in GRAPHLESS_KINDS if kind in kinds}
+    found = ChannelGraphError(f"{error}. This model's groups found without it: ratios={advice}")
+    found.__cause__ = error.__cause__
+    return found
+
+
 def _check_tied_names(ratios, groups: list) -> None:
     """A ratios dict may not name a layer whose heads are tied to another's (T5's, whose
     first layer of a stack computes the bias per head for the others: tied_heads.py):
@@ -318,7 +337,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         ]
         convs = [name for name, m in model.named_modules() if isinstance(m, nn.Conv2d)]
         if self._graph_error is not None and not _without_graph(ratios, all_groups):
-            raise self._graph_error
+            raise _with_kinds_found(self._graph_error, ratios, all_groups)
         self._graph_error = None  # its traceback would hold the failed trace's frames
         kinds = {g.name: _kind(g) for g in all_groups}
         _check_tied_names(ratios, all_groups)
@@ -401,17 +420,25 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                     [g.name for g in normed],
                 )
             )
-        shared = [g for g in open_groups() if getattr(g, "shared_weights", None)]
+        # groups cutting a weight other modules hold too (found with the channels, or here)
+        shared = {
+            g.name: g.shared_weights for g in open_groups() if getattr(g, "shared_weights", None)
+        }
+        shared |= held_elsewhere(
+            model, [g for g in open_groups() if not getattr(g, "shared_weights", None)]
+        )
         if shared:
             details = "; ".join(
-                f"layer {g.name!r} cuts {', '.join(map(repr, g.shared_weights))}" for g in shared
+                f"layer {name!r} cuts {', '.join(map(repr, layers))}"
+                for name, layers in shared.items()
             )
             refusals.append(
                 (
                     f"cannot prune these groups: they cut layers whose weights other modules "
-                    f"hold too ({details}; an output layer tied to the embedding), and export "
-                    "would untie them",
-                    [g.name for g in shared],
+                    f"hold too ({details}: an output layer tied to the embedding, a block that "
+                    "several layers share but that is not attention alone), and export would "
+                    "untie them",
+                    list(shared),
                 )
             )
         # the modules that read a group's channels from outside it, proven on the example
@@ -490,6 +517,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         linear = find_linear_attention_groups(model, ignored)  # no attention form of theirs
         found = find_head_groups(model, ignored + [g.module for g in linear], inputs)
         heads = tie_kv_sharing(tie_chains(model, found, inputs)) + linear
+        heads = tie_weight_sharing_heads(heads)  # a block several layers share: one group
         experts = find_expert_groups(model, ignored)
         whole = find_whole_expert_groups(model, ignored, inputs)
         mixers = find_mamba_groups(model, ignored, inputs)
@@ -627,7 +655,10 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         masks = self.hard_masks() if masks is None else masks
         lost = self._kept_channels(masks)
         params, owners = 0, {}
+        copies = weight_copies(self.model)  # counted, and cut alike, with the first holder
         for module in self.model.modules():
+            if module in copies:
+                continue
             # a layer the model parametrizes itself is never cut: its own parameters count
             formula = isinstance(module, (*COSTED, *PER_CHANNEL_AFFINE, nn.MultiheadAttention))
             if formula and not masking.foreign_parametrizations(module):
@@ -640,8 +671,8 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                     params += sum(p.numel() for plist in lists for p in plist.parameters())
             for p in module.parameters(recurse=False):
                 owners[p] = owners.get(p, -1) + 1
-        # a weight tied between modules (an embedding and the output layer) counts once;
-        # tied weights are never pruned
+        # a weight tied between modules holding other weights too (an embedding and an
+        # output layer with a bias) counts once; such weights are never pruned
         params -= sum(p.numel() * extra for p, extra in owners.items())
         for group, mask in zip(self.groups, masks, strict=True):
             # raw 3-D parameters: no layer formula
@@ -713,6 +744,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         masks = self.hard_masks()
         self._check_shared_head_counts(masks)
         pruned = self._unmasked_copy()
+        tied = holders(pruned)  # tied weights: each held by several modules of the copy
         # per experts module: its layout and its experts' masks in order
         expert_masks: dict[str, tuple[Layout, list[torch.Tensor]]] = {}
         needs_graph = any(
@@ -784,6 +816,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         for name, (layout, block_masks) in expert_masks.items():  # after Torch-Pruning's
             prune_experts(names[name], layout, block_masks)
         run_misaligned_experts(pruned, {name: names[name] for name in expert_masks})
+        tie_again(tied, pruned)  # the holders of one weight hold one again
         set_model_counts(pruned, self.groups, masks)
         linear_to_conv1d(pruned)  # GPT-2's layers in its own layout again (conv1d.py)
         described = update_config(pruned, [(_kind(g), g) for g in self.groups], masks)

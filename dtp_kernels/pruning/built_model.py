@@ -248,21 +248,28 @@ def load_built(path: str | Path, fields: dict, shapes: dict[str, tuple]) -> nn.M
             raise ValueError(f"{path}: module {name!r} is not in the builder's model")
         for key, value in attributes.items():
             setattr(modules[name], key, tuple(value) if isinstance(value, list) else value)
+    # one new tensor per tensor, for all its holders: tied weights stay tied (the file
+    # names a tied weight once, as safetensors saves it)
+    resized: dict[int, nn.Parameter] = {}
     for name, module in modules.items():
         prefix = f"{name}." if name else ""
-        for key, tensor in list(module.named_parameters(recurse=False)):
+        for key, tensor in module.named_parameters(recurse=False):
             shape = shapes.get(prefix + key)
             if shape is not None and shape != tuple(tensor.shape):
-                setattr(module, key, nn.Parameter(tensor.new_empty(shape)))
+                resized.setdefault(id(tensor), nn.Parameter(tensor.new_empty(shape)))
         for key, tensor in list(module.named_buffers(recurse=False)):
             shape = shapes.get(prefix + key)
             if tensor is not None and shape is not None and shape != tuple(tensor.shape):
                 module._buffers[key] = tensor.new_empty(shape)
+    for module in modules.values():
+        for key, tensor in list(module.named_parameters(recurse=False)):
+            if id(tensor) in resized:
+                setattr(module, key, resized[id(tensor)])
     with torch.no_grad():
         missing, unexpected = load_model(model, str(path), strict=False)
     if missing or unexpected:
         raise ValueError(
-            f"{path}: the weights do not cover the builder's model (missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]})"
+            f"{path}: the weights do not cover the builder's model (missing "
+            f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})"
         )
     return model

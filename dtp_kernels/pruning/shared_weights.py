@@ -1,0 +1,182 @@
+"""Weights that several modules hold (tied): groups that would cut them, attention
+layers pruned as one, and the export tied again.
+
+A model may hold one parameter in several modules: an output layer tied to the
+embedding, or one block reused by several layers as separate modules holding the same
+tensors (Zamba's and Zamba2's shared transformer blocks, built per hybrid layer and
+tied). Cutting one holder of such a weight and not the others would untie them: the
+export would hold copies where the model held one tensor, more parameters than the
+report counts, and a structure its config cannot describe.
+
+- Attention layers whose projections are all the same tensors, in the same order
+  (:func:`tie_weight_sharing_heads`), and which hold nothing per head besides them, are
+  one group: one mask on every layer, the same heads removed from each
+  (:class:`~dtp_kernels.pruning.tied_heads.TiedHeadGroup`, handed no bias).
+- Any other group cutting a weight that a module it does not cut holds too is refused,
+  by name (:func:`held_elsewhere`).
+- Export cuts each holder of a tied group alike; :func:`tie_again` then gives every
+  holder of a weight the copy held once (:func:`holders`, before the cut) the one cut
+  tensor, and refuses an export where the holders' cut tensors differ.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from .head_group import HeadGroup
+from .tied_heads import TiedHeadGroup
+
+
+def _holders(model: nn.Module) -> dict[int, list[tuple[str, str]]]:
+    """Per parameter (by id): the (module name, parameter name) of every module holding it."""
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for module_name, module in model.named_modules():
+        for name, parameter in module.named_parameters(recurse=False):
+            holders.setdefault(id(parameter), []).append((module_name, name))
+    return holders
+
+
+def cut_modules(model: nn.Module, group) -> list[nn.Module]:
+    """The modules whose parameters `group` cuts: its layers cut by rows or columns and
+    the holders of its per-unit tables, vectors, norms and scales."""
+    modules = [*getattr(group, "kept_out", ()), *getattr(group, "kept_in", ())]
+    for attribute in ("tables", "scales"):
+        modules += [owner for owner, *_ in getattr(group, attribute, ())]
+    modules += [owner for owner, _ in getattr(group, "row_vectors", ())]
+    modules += [norm for norm, _ in getattr(group, "cut_norms", ())]
+    modules += list(getattr(group, "channel_affines", ()))
+    modules += [norm for norm, _ in getattr(group, "rms_norms", ())]
+    modules += [getattr(group, name, None) for name in ("experts", "router")]
+    if hasattr(group, "module_name"):  # an experts module's expert
+        modules.append(model.get_submodule(group.module_name))
+    return list({id(m): m for m in modules if isinstance(m, nn.Module)}.values())
+
+
+def held_elsewhere(model: nn.Module, groups: list) -> dict[str, list[str]]:
+    """Per group that would untie a weight: the names of its layers holding a parameter
+    that a module it does not cut holds too."""
+    holders = _holders(model)
+    names = {module: name for name, module in model.named_modules()}
+    untied: dict[str, list[str]] = {}
+    for group in groups:
+        cut = cut_modules(model, group)
+        inside = {names[m] for m in cut}
+        layers = [
+            names[m]
+            for m in cut
+            if any(
+                any(holder not in inside for holder, _ in holders[id(p)])
+                for p in m.parameters(recurse=False)
+            )
+        ]
+        if layers:
+            untied[group.name] = layers
+    return untied
+
+
+def _own_weights(module: nn.Module) -> list[torch.Tensor]:
+    """The parameters `module` holds itself, a parametrized one's original among them."""
+    own = list(module.parameters(recurse=False))
+    if parametrize.is_parametrized(module):
+        lists = module.parametrizations.values()  # `original`, or original0, original1, ...
+        own += [p for plist in lists for p in plist.parameters(recurse=False)]
+    return own
+
+
+def weight_copies(model: nn.Module) -> set[nn.Module]:
+    """The modules of `model` holding only weights a module before them holds (a shared
+    block's later holders, Zamba2's), with their parametrizations' lists: the cost model
+    counts those weights once, with the first holder."""
+    seen: set[int] = set()
+    copies: set[nn.Module] = set()
+    for module in model.modules():
+        if isinstance(module, parametrize.ParametrizationList):
+            continue
+        own = _own_weights(module)
+        if own and all(id(p) in seen for p in own):
+            copies.add(module)
+            if parametrize.is_parametrized(module):
+                copies.update(module.parametrizations.values())
+        seen.update(id(p) for p in own)
+    return copies
+
+
+def _plain(group: HeadGroup) -> bool:
+    """Whether the attention layer holds nothing per head besides its projections (the
+    one form pruned tied by its weights)."""
+    extras = (
+        group.tables,
+        group.row_vectors,
+        group.rescaled,
+        group.norms,
+        group.convs,
+        group.row_norms,
+        group.head_mixers,
+        group.per_head_layers,
+    )
+    return type(group) is HeadGroup and not any(extras) and not group.refusal
+
+
+def _weights(group: HeadGroup) -> tuple[int, ...]:
+    """The ids of the parameters of the layer's projections, in order."""
+    layers = [*group.kept_out, *group.kept_in]
+    return tuple(id(p) for layer in layers for p in layer.parameters(recurse=False))
+
+
+def tie_weight_sharing_heads(groups: list) -> list:
+    """`groups` with the attention layers whose projections hold the same parameters (a
+    block shared by several layers) made one group each, named after the first; the
+    rest as they were. Layers sharing some of their weights only, or holding per-head
+    parameters besides them, stay apart (and are refused: held_elsewhere)."""
+    alike: dict[tuple[int, ...], list[HeadGroup]] = {}
+    for group in groups:
+        if isinstance(group, HeadGroup) and _plain(group):
+            alike.setdefault(_weights(group), []).append(group)
+    tied = {id(chain[0]): chain for chain in alike.values() if len(chain) > 1}
+    later = {id(g) for chain in tied.values() for g in chain[1:]}
+    result = []
+    for group in groups:
+        if id(group) in tied:
+            result.append(TiedHeadGroup.of(tied[id(group)], {}))
+        elif id(group) not in later:
+            result.append(group)
+    return result
+
+
+class UntiedExportError(ValueError):
+    """The holders of a weight the model holds once were cut apart."""
+
+
+def holders(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """The (module name, parameter name) of every holder of each parameter that several
+    modules of `model` hold."""
+    return [places for places in _holders(model).values() if len(places) > 1]
+
+
+@torch.no_grad()
+def tie_again(places: list[list[tuple[str, str]]], exported: nn.Module) -> None:
+    """Give every holder in `exported` of each weight in `places` (holders(copy) of the
+    copy before it was cut) one tensor again: the first holder's, where every holder's
+    cut tensor equals it; else raise UntiedExportError naming them."""
+    modules = dict(exported.named_modules())
+    for weight in places:
+        # holders the export replaced or removed (a conv made an identity) are gone
+        held = [
+            (m, n) for m, n in weight if isinstance(getattr(modules.get(m), n, None), nn.Parameter)
+        ]
+        tensors = [getattr(modules[m], n) for m, n in held]
+        if len(tensors) < 2:
+            continue
+        first = tensors[0]
+        if all(t is first for t in tensors):
+            continue
+        if not all(t.shape == first.shape and torch.equal(t, first) for t in tensors):
+            shapes = {f"{m}.{n}": tuple(t.shape) for (m, n), t in zip(held, tensors, strict=True)}
+            raise UntiedExportError(
+                f"the modules holding one weight of the model were cut apart ({shapes}); "
+                "the model is unchanged. Leave them whole with ignored_layers=[...]"
+            )
+        for module_name, name in held[1:]:
+            setattr(modules[module_name], name, first)
