@@ -26,13 +26,15 @@ A layer is recognised by these names, its head counts and sizes (``num_k_heads``
 ``num_v_heads``, ``head_k_dim``, ``head_v_dim``) and its shapes, and each group is proven
 on its example input like every head group before any mask.
 
-Kimi Delta Attention (Kimi Linear) is the same rule with a decay per channel instead of
-per head: ``num_heads`` heads of ``head_dim`` (one value head per key head), ``q_proj``,
-``k_proj``, ``v_proj`` and ``conv1d`` over their concatenation, a ``forget_gate`` whose
-low-rank ``f_b_proj`` makes each head's decays (with a ``dt_bias`` entry per channel and
-an ``A_log`` entry per head), ``b_proj`` (one per head), the output gate's low-rank
-``g_b_proj`` (a head's channels), a norm per head of one weight all heads share, and
-``o_proj``. The low-rank inputs ``f_a_proj`` and ``g_a_proj`` serve all heads and stay.
+Kimi Delta Attention (Kimi Linear; the Bailing hybrid's linear-attention layers) is the
+same rule with a decay per channel instead of per head: ``num_heads`` heads of
+``head_dim`` (one value head per key head), ``q_proj``, ``k_proj``, ``v_proj`` and
+``conv1d`` over their concatenation, a ``forget_gate`` whose low-rank ``f_b_proj`` (the
+Bailing hybrid's full-rank ``f_proj``) makes each head's decays (with a ``dt_bias`` entry
+per channel and an ``A_log`` entry per head), ``b_proj`` (one per head), the output
+gate's low-rank ``g_b_proj`` (full-rank ``g_proj``: a head's channels), a norm per head
+of one weight all heads share, and ``o_proj``. The low-rank inputs ``f_a_proj`` and
+``g_a_proj`` serve all heads and stay.
 """
 
 from __future__ import annotations
@@ -64,8 +66,10 @@ LAYOUTS = (
 )
 SIZES = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
 # Kimi Delta Attention's projections of one row (b_proj) or one head's channels per head
-# (the forget gate's f_b_proj besides them)
-KIMI_ROWS = ("q_proj", "k_proj", "v_proj", "g_b_proj", "b_proj")
+KIMI_ROWS = ("q_proj", "k_proj", "v_proj", "b_proj")
+# and those of its gates, under their low-rank (Kimi Linear) or full-rank (Bailing
+# hybrid) names: the output gate's on the layer, the decays' on its forget gate
+KIMI_GATES = (("g_b_proj", "g_proj"), ("f_b_proj", "f_proj"))
 # the parameters with one entry per value head
 TABLES = ("A_log", "dt_bias")
 
@@ -155,11 +159,10 @@ def kimi_delta_attention(name: str, module: nn.Module) -> LinearAttentionGroup |
     if not isinstance(gate, nn.Module) or not isinstance(conv, nn.Conv1d):
         return None
     width = heads * size
-    layers = {
-        n: getattr(owner, n, None)
-        for owner, names in ((module, KIMI_ROWS), (gate, ("f_b_proj",)))
-        for n in names
-    }
+    layers = {n: getattr(module, n, None) for n in KIMI_ROWS}
+    for owner, names in zip((module, gate), KIMI_GATES, strict=True):
+        found = next((n for n in names if isinstance(getattr(owner, n, None), nn.Linear)), None)
+        layers[found or names[0]] = getattr(owner, found) if found else None
     out = getattr(module, "o_proj", None)
     decay_bias, decay_rate = getattr(gate, "dt_bias", None), getattr(gate, "A_log", None)
     if not (

@@ -1,9 +1,9 @@
 """Gated DeltaNet linear-attention heads (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid,
-LaRA-mini; tiny configurations built here), Kimi Linear's Kimi Delta Attention heads
-and what prunes beside them: the gated attention of the Qwen hybrids (each query head
-with its output gate) and their shared experts. The export keeps exactly the key heads
-asked for with their value heads, computes what the hard-masked model computes,
-generates as it does and loads from its saved config."""
+LaRA-mini; tiny configurations built here), Kimi Linear's and the Bailing hybrid's Kimi
+Delta Attention heads and what prunes beside them: the gated attention of the Qwen
+hybrids (each query head with its output gate) and their shared experts. The export
+keeps exactly the key heads asked for with their value heads, computes what the
+hard-masked model computes, generates as it does and loads from its saved config."""
 
 import pytest
 import torch
@@ -202,4 +202,77 @@ def test_kimi_delta_attention_heads_export_exactly_the_kept_heads(tmp_path):
     params, flops = pruner.predicted_counts()
     assert params == sum(p.numel() for p in exported.parameters())
     assert flops == count_flops(exported, inputs) < pruner.report()["flops_before"]
+    check_generate_and_round_trip(pruner, model, exported, inputs, tmp_path)
+
+
+def tiny_bailing_hybrid() -> torch.nn.Module:
+    """The Bailing hybrid: a Kimi Delta Attention layer (4 heads of 8) with full-rank
+    gates (`g_proj`, the forget gate's `f_proj`), then a latent-attention layer with
+    mixture-of-experts MLPs."""
+    config = transformers.BailingHybridConfig(
+        vocab_size=LLAMA_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_token=2,
+        num_expert_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        linear_num_heads=4,
+        linear_head_dim=8,
+        layer_types=["linear_attention", "full_attention"],
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    return transformers.BailingHybridForCausalLM(config)
+
+
+def test_bailing_hybrid_delta_attention_heads_with_full_rank_gates(tmp_path):
+    """The Bailing hybrid's linear-attention layer is Kimi Delta Attention with full-rank
+    gates: each kept head keeps its rows of q, k, v, the output gate's g_proj and the
+    forget gate's f_proj, its b_proj row, conv channels, decay bias and A_log entry and
+    its output columns; a float prunes it with the latent attention's heads and the
+    experts, exported equal to the hard-masked model with the counts predicted, and the
+    config's `linear_num_heads` describes it."""
+    model = tiny_bailing_hybrid()
+    inputs = (torch.randint(3, LLAMA_VOCAB, (2, 9), generator=torch.Generator().manual_seed(1)),)
+    name = "model.layers.0.self_attn"
+    dense = {k: v.clone() for k, v in model.get_submodule(name).state_dict().items()}
+    pruner = randomised(DTPPruner(model, inputs, 0.5))
+    groups = {g.name: g for g in pruner.groups}
+    assert isinstance(groups[name], LinearAttentionGroup) and groups[name].size == 4
+    assert isinstance(groups["model.layers.1.self_attn"], HeadGroup)
+    kept = pruner.hard_masks()[list(groups).index(name)].nonzero().flatten()
+    exported, _ = described_export(pruner, model, inputs)
+    assert exported.config.linear_num_heads == 2
+    layer = exported.get_submodule(name)
+    channels = (kept[:, None] * 8 + torch.arange(8)).flatten()
+    assert (layer.num_heads, layer.qkv_dim, layer.conv_dim, layer.forget_gate.num_heads) == (
+        2,
+        16,
+        48,
+        2,
+    )
+    for rows in ("q_proj", "k_proj", "v_proj", "g_proj", "forget_gate.f_proj"):
+        torch.testing.assert_close(
+            layer.get_submodule(rows).weight, dense[f"{rows}.weight"][channels]
+        )
+    torch.testing.assert_close(layer.forget_gate.dt_bias, dense["forget_gate.dt_bias"][channels])
+    torch.testing.assert_close(layer.forget_gate.A_log, dense["forget_gate.A_log"][kept])
+    torch.testing.assert_close(layer.b_proj.weight, dense["b_proj.weight"][kept])
+    torch.testing.assert_close(layer.o_proj.weight, dense["o_proj.weight"][:, channels])
+    params, flops = pruner.predicted_counts()
+    assert params == sum(p.numel() for p in exported.parameters())
+    assert flops == count_flops(exported, inputs)
     check_generate_and_round_trip(pruner, model, exported, inputs, tmp_path)
