@@ -49,6 +49,7 @@ from .grouped_convs import check_grouped_conv_ratios, cut_grouped_inputs, is_gro
 from .groups import (
     ChannelGraphError,
     ChannelGroup,
+    GraphBuildError,
     find_groups,
     out_channel_handler,
     traced_graph,
@@ -207,13 +208,15 @@ def _layer_fates(
 
 
 def _with_kinds_found(error: ChannelGraphError, ratios, groups: list) -> ChannelGraphError:
-    """The graph's failure, for a float ratio with the dict of ratios that prunes, at it,
-    the kinds of group found without the graph (none: as it is)."""
+    """The graph's failure to be built at all, for a float ratio with the dict of ratios
+    that prunes, at it, the kinds of group found without the graph; any other failure
+    (a search naming the layers to leave whole) as it is."""
     kinds = {_kind(g) for g in groups}
-    if isinstance(ratios, bool) or not isinstance(ratios, (int, float)) or not kinds:
+    numeric = isinstance(ratios, (int, float)) and not isinstance(ratios, bool)
+    if not isinstance(error, GraphBuildError) or not numeric or not kinds:
         return error
     advice = {kind: ratios for kind in GRAPHLESS_KINDS if kind in kinds}
-    found = ChannelGraphError(f"{error}. This model's groups found without it: ratios={advice}")
+    found = GraphBuildError(f"{error}. This model's groups found without it: ratios={advice}")
     found.__cause__ = error.__cause__
     return found
 

@@ -406,6 +406,10 @@ class ChannelGraphError(ValueError):
     its search for the channels coupled to one layer, fails or does not end."""
 
 
+class GraphBuildError(ChannelGraphError):
+    """Torch-Pruning's DependencyGraph cannot be built on the model at all."""
+
+
 class SearchFailedError(ChannelGraphError):
     """Torch-Pruning's search for the channels coupled to `layer` raised (`why`)."""
 
@@ -497,7 +501,7 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
                 )
             except Exception as error:  # its own errors say nothing of the model or what to do
                 _remove_new_hooks(hooks)  # a failed trace leaves its hooks on the model
-                raise ChannelGraphError(
+                raise GraphBuildError(
                     f"cannot find the prunable groups of {type(model).__name__}: Torch-Pruning's "
                     f"DependencyGraph, which follows its channels, fails on it "
                     f"({type(error).__name__}: {error}). Heads, experts, Mamba mixers and MLP "

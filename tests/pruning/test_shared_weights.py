@@ -161,6 +161,27 @@ def test_an_mlp_found_by_its_form_on_shared_weights_is_refused_and_the_heads_pru
     assert params == sum(p.numel() for p in exported.parameters())
 
 
+def test_a_failed_search_names_its_layers_not_the_kinds(monkeypatch):
+    """Only a graph that cannot be built at all gives the kinds' ratios: a search that
+    fails for one layer names that layer to leave whole (the advice that prunes most)."""
+    from dtp_kernels.pruning import groups
+
+    search = groups.coupled_group
+    model, ids = zamba2(), tokens()
+    failing = model.get_submodule(SHARED.format(0) + ".feed_forward.down_proj")
+
+    def fails_at_one_layer(graph, module, handler, idxs):
+        if module is failing:
+            raise IndexError("list index out of range")
+        return search(graph, module, handler, idxs)
+
+    monkeypatch.setattr(groups, "coupled_group", fails_at_one_layer)
+    named = "'model.layers.0.shared_transformer.feed_forward.down_proj' fails"
+    with pytest.raises(ChannelGraphError, match=named) as failed:
+        DTPPruner(model, (ids,), 0.5)
+    assert "found without it" not in str(failed.value)
+
+
 def test_an_export_with_one_weight_cut_apart_is_refused():
     """tie_again refuses a copy whose holders of one tensor differ (one cut, one not),
     and ties holders whose cut tensors are equal."""
