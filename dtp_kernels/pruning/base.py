@@ -68,9 +68,11 @@ from .mlps import FormMLPGroup, find_form_mlps, prune_form_mlp
 from .response_norms import adopt_response_norms, rescale_response_norm
 from .shared_kv import tie_kv_sharing
 from .shared_weights import (
+    cut_modules,
     held_elsewhere,
     holders,
     tie_again,
+    tie_sets,
     tie_weight_sharing_heads,
     weight_copies,
 )
@@ -423,13 +425,27 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                     [g.name for g in normed],
                 )
             )
-        # groups cutting a weight other modules hold too (found with the channels, or here)
-        shared = {
-            g.name: g.shared_weights for g in open_groups() if getattr(g, "shared_weights", None)
-        }
-        shared |= held_elsewhere(
-            model, [g for g in open_groups() if not getattr(g, "shared_weights", None)]
-        )
+        # groups cutting one tensor that several modules hold (a block several layers
+        # hold: shared_weights.py) prune with one mask, or are refused
+        tied = tie_sets(model, all_groups, ran)
+        apart = [s for s in tied if len({per_group[g.name] for g in s}) > 1 or budget != "layer"]
+        if apart:
+            details = "; ".join(str([g.name for g in s]) for s in apart)
+            refusals.append(
+                (
+                    f"cannot prune these groups apart: each set cuts one tensor that its layers "
+                    f"hold, so they take one mask, with one ratio under budget='layer' ({details})",
+                    [g.name for s in apart for g in s if per_group[g.name] > 0],
+                )
+            )
+        tied = [s for s in tied if s not in apart]
+        shared = held_elsewhere(model, open_groups(), ran, tied)
+        names = {module: name for name, module in model.named_modules()}
+        for g in open_groups():  # shared layers the channel graph cuts that cut_modules misses
+            known = {names[m] for m in cut_modules(model, g)}
+            missed = [n for n in getattr(g, "shared_weights", ()) if n not in known]
+            if missed:
+                shared[g.name] = list(dict.fromkeys([*shared.get(g.name, []), *missed]))
         if shared:
             details = "; ".join(
                 f"layer {name!r} cuts {', '.join(map(repr, layers))}"
@@ -438,9 +454,8 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             refusals.append(
                 (
                     f"cannot prune these groups: they cut layers whose weights other modules "
-                    f"hold too ({details}: an output layer tied to the embedding, a block that "
-                    "several layers share but that is not attention alone), and export would "
-                    "untie them",
+                    f"hold too and run ({details}: an output layer tied to the embedding), "
+                    "and export would untie them",
                     list(shared),
                 )
             )
@@ -469,6 +484,9 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             refusals.append((f"cannot prune {details}", [g.name for g in unproven]))
         if refusals:
             names = list(dict.fromkeys(name for _, group in refusals for name in group))
+            for members in tied:  # a set's groups are left whole together, or none
+                if any(g.name in names for g in members):
+                    names += [g.name for g in members if g.name not in names]
             raise ValueError(
                 ". ".join(what for what, _ in refusals)
                 + ". Leave these layers whole with ignored_layers=[...] or a ratio of 0 for "
@@ -487,6 +505,13 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             raise ValueError(f"the ratios prune nothing of this model ({found})")
         self.ratios = {g.name: per_group[g.name] for g in self.groups}
         self.sizes = [g.size for g in self.groups]
+        # each group's mask: its own, or that of the first group of its tie set
+        index = {id(g): i for i, g in enumerate(self.groups)}
+        self.mask_of = list(range(len(self.groups)))
+        for members in tied:
+            if id(members[0]) in index:  # (a set left whole by its ratios is no group)
+                for g in members[1:]:
+                    self.mask_of[index[id(g)]] = index[id(members[0])]
         if budget != "global":
             self.kept = [ratio_rules.kept_count(g.size, self.ratios[g.name]) for g in self.groups]
         else:  # one budget over all groups, from the (single) ratio
@@ -620,7 +645,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                 mask = torch.zeros(segments, len(part) // segments)
                 top = torch.topk(part.view(segments, -1), k // segments, sorted=False)
                 masks.append(mask.scatter_(1, top.indices, 1.0).flatten())
-            return masks
+            return [masks[i] for i in self.mask_of]  # a tie set's groups: its first's
         flat = torch.zeros_like(values)
         flat[torch.topk(values, kept[0], sorted=False).indices] = 1.0
         masks = list(flat.split(self.sizes))
@@ -659,13 +684,17 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         lost = self._kept_channels(masks)
         params, owners = 0, {}
         copies = weight_copies(self.model)  # counted, and cut alike, with the first holder
+        cut = dict(lost)  # a copy cut where its first holder is not (one it never runs)
+        for holder, first in copies.items():
+            if holder in lost and first is not None:
+                cut.setdefault(first, lost[holder])
         for module in self.model.modules():
             if module in copies:
                 continue
             # a layer the model parametrizes itself is never cut: its own parameters count
             formula = isinstance(module, (*COSTED, *PER_CHANNEL_AFFINE, nn.MultiheadAttention))
             if formula and not masking.foreign_parametrizations(module):
-                params += params_after(module, *lost.get(module, (0, 0)))
+                params += params_after(module, *cut.get(module, (0, 0)))
                 params += extra_parameters(module)
             elif not isinstance(module, parametrize.ParametrizationList):  # owner counts it
                 params += sum(p.numel() for p in module.parameters(recurse=False))

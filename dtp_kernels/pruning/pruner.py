@@ -249,8 +249,8 @@ class DTPPruner(ChannelPruner):
             # load_state_dict(assign=True) puts new parameter tensors in the BNs
             model.register_load_state_dict_post_hook(self._refresh_fold),
         ]
-        for index, group in enumerate(self.groups):
-            self._attach_mask(index, group)
+        for index, group in enumerate(self.groups):  # a tie set's groups read its first's
+            self._attach_mask(self.mask_of[index], group)
         self._refresh_fold()
 
     def _forward_done(self, *_) -> None:

@@ -48,26 +48,68 @@ def cut_modules(model: nn.Module, group) -> list[nn.Module]:
     modules += [norm for norm, _ in getattr(group, "cut_norms", ())]
     modules += list(getattr(group, "channel_affines", ()))
     modules += [norm for norm, _ in getattr(group, "rms_norms", ())]
-    modules += [getattr(group, name, None) for name in ("experts", "router")]
+    modules += list(getattr(group, "response_norms", ()))
+    modules += [getattr(group, name, None) for name in ("experts", "router", "bn", "group_norm")]
     if hasattr(group, "module_name"):  # an experts module's expert
         modules.append(model.get_submodule(group.module_name))
     return list({id(m): m for m in modules if isinstance(m, nn.Module)}.values())
 
 
-def held_elsewhere(model: nn.Module, groups: list) -> dict[str, list[str]]:
+def tie_sets(model: nn.Module, groups: list, ran: set[nn.Module]) -> list[list]:
+    """The sets of two or more of `groups` that cut one tensor in different modules the
+    example forward runs (a block several layers hold: its MLP in each), in model order:
+    one mask must serve each set. (Two groups cutting one module, one its rows and one
+    its columns, are no set.)"""
+    shared = {key for key, places in _holders(model).items() if len(places) > 1}
+    cutting: dict[int, list[tuple[int, set[int]]]] = {}  # tensor: (group, its holders)
+    for index, group in enumerate(groups):
+        held: dict[int, set[int]] = {}
+        for module in cut_modules(model, group):
+            if module in ran:
+                for p in module.parameters(recurse=False):
+                    if id(p) in shared:
+                        held.setdefault(id(p), set()).add(id(module))
+        for key, modules in held.items():
+            cutting.setdefault(key, []).append((index, modules))
+    leader = list(range(len(groups)))
+
+    def find(i: int) -> int:
+        while leader[i] != i:
+            leader[i] = leader[leader[i]]
+            i = leader[i]
+        return i
+
+    for cuts in cutting.values():
+        for i, (a, modules_a) in enumerate(cuts):
+            for b, modules_b in cuts[:i]:
+                if modules_a != modules_b:
+                    leader[find(a)] = find(b)
+    sets: dict[int, list] = {}
+    for index, group in enumerate(groups):
+        sets.setdefault(find(index), []).append(group)
+    return [members for members in sets.values() if len(members) > 1]
+
+
+def held_elsewhere(
+    model: nn.Module, groups: list, ran: set[nn.Module], tied: list[list]
+) -> dict[str, list[str]]:
     """Per group that would untie a weight: the names of its layers holding a parameter
-    that a module it does not cut holds too."""
+    that a module neither it nor the groups `tied` with it cut holds too, where that
+    module runs (one that never runs is handed the cut tensor at export)."""
     holders = _holders(model)
-    names = {module: name for name, module in model.named_modules()}
+    modules = dict(model.named_modules())
+    names = {module: name for name, module in modules.items()}
+    members = {id(g): s for s in tied for g in s}
     untied: dict[str, list[str]] = {}
     for group in groups:
         cut = cut_modules(model, group)
-        inside = {names[m] for m in cut}
+        together = [m for g in members.get(id(group), [group]) for m in cut_modules(model, g)]
+        inside = {names[m] for m in together}
         layers = [
             names[m]
             for m in cut
             if any(
-                any(holder not in inside for holder, _ in holders[id(p)])
+                any(h not in inside and modules[h] in ran for h, _ in holders[id(p)])
                 for p in m.parameters(recurse=False)
             )
         ]
@@ -85,21 +127,23 @@ def _own_weights(module: nn.Module) -> list[torch.Tensor]:
     return own
 
 
-def weight_copies(model: nn.Module) -> set[nn.Module]:
+def weight_copies(model: nn.Module) -> dict[nn.Module, nn.Module | None]:
     """The modules of `model` holding only weights a module before them holds (a shared
-    block's later holders, Zamba2's), with their parametrizations' lists: the cost model
-    counts those weights once, with the first holder."""
-    seen: set[int] = set()
-    copies: set[nn.Module] = set()
+    block's later holders, Zamba2's), each with that first holder, and their
+    parametrizations' lists (with None): the cost model counts those weights once, with
+    the first holder, cut as whichever holder the pruner cuts."""
+    first: dict[int, nn.Module] = {}
+    copies: dict[nn.Module, nn.Module | None] = {}
     for module in model.modules():
         if isinstance(module, parametrize.ParametrizationList):
             continue
         own = _own_weights(module)
-        if own and all(id(p) in seen for p in own):
-            copies.add(module)
+        if own and all(id(p) in first for p in own):
+            copies[module] = first[id(own[0])]
             if parametrize.is_parametrized(module):
-                copies.update(module.parametrizations.values())
-        seen.update(id(p) for p in own)
+                copies.update(dict.fromkeys(module.parametrizations.values()))
+        for p in own:
+            first.setdefault(id(p), module)
     return copies
 
 
@@ -149,34 +193,48 @@ class UntiedExportError(ValueError):
     """The holders of a weight the model holds once were cut apart."""
 
 
-def holders(model: nn.Module) -> list[list[tuple[str, str]]]:
-    """The (module name, parameter name) of every holder of each parameter that several
-    modules of `model` hold."""
-    return [places for places in _holders(model).values() if len(places) > 1]
+def holders(model: nn.Module) -> list[tuple[torch.Tensor, list[tuple[str, str]]]]:
+    """Each parameter that several modules of `model` hold, with the (module name,
+    parameter name) of every holder."""
+    tensors = {id(p): p for m in model.modules() for p in m.parameters(recurse=False)}
+    return [(tensors[key], places) for key, places in _holders(model).items() if len(places) > 1]
+
+
+def _sync_sizes(module: nn.Module, name: str) -> None:
+    """A linear or conv layer handed a cut weight: its size attributes follow it."""
+    if name != "weight":
+        return
+    weight = module.weight
+    if isinstance(module, nn.Linear):
+        module.out_features, module.in_features = weight.shape
+    elif isinstance(module, nn.modules.conv._ConvNd):
+        module.out_channels, module.in_channels = weight.shape[0], weight.shape[1] * module.groups
 
 
 @torch.no_grad()
-def tie_again(places: list[list[tuple[str, str]]], exported: nn.Module) -> None:
-    """Give every holder in `exported` of each weight in `places` (holders(copy) of the
-    copy before it was cut) one tensor again: the first holder's, where every holder's
-    cut tensor equals it; else raise UntiedExportError naming them."""
+def tie_again(tied: list[tuple[torch.Tensor, list[tuple[str, str]]]], exported: nn.Module) -> None:
+    """Give every holder in `exported` of each weight of `tied` (holders(copy) of the
+    copy before it was cut) one tensor again: the one its holders were cut to, which
+    every cut holder must hold alike (else UntiedExportError naming them); a holder left
+    uncut (a module the forward never runs) is handed it too."""
     modules = dict(exported.named_modules())
-    for weight in places:
+    for original, places in tied:
         # holders the export replaced or removed (a conv made an identity) are gone
         held = [
-            (m, n) for m, n in weight if isinstance(getattr(modules.get(m), n, None), nn.Parameter)
+            (m, n) for m, n in places if isinstance(getattr(modules.get(m), n, None), nn.Parameter)
         ]
         tensors = [getattr(modules[m], n) for m, n in held]
-        if len(tensors) < 2:
+        cut = [t for t in tensors if t is not original]
+        if not cut or all(t is cut[0] for t in tensors):
             continue
-        first = tensors[0]
-        if all(t is first for t in tensors):
-            continue
-        if not all(t.shape == first.shape and torch.equal(t, first) for t in tensors):
+        first = cut[0]
+        if not all(t.shape == first.shape and torch.equal(t, first) for t in cut):
             shapes = {f"{m}.{n}": tuple(t.shape) for (m, n), t in zip(held, tensors, strict=True)}
             raise UntiedExportError(
                 f"the modules holding one weight of the model were cut apart ({shapes}); "
                 "the model is unchanged. Leave them whole with ignored_layers=[...]"
             )
-        for module_name, name in held[1:]:
-            setattr(modules[module_name], name, first)
+        for (module_name, name), tensor in zip(held, tensors, strict=True):
+            if tensor is not first:
+                setattr(modules[module_name], name, first)
+                _sync_sizes(modules[module_name], name)

@@ -1,16 +1,18 @@
-"""Weights several modules hold (shared_weights.py), on transformers' Zamba2 (tiny
-configurations built here, nothing downloaded), whose hybrid layers each hold the shared
-transformer block as a module of their own with the same tensors: the attention heads of
-the layers sharing a block are one group, exported with one tensor per weight again,
-equal to the hard-masked model, with the parameters predicted; a group that would cut a
-shared weight apart (the block's MLP) is refused by name; an export whose holders of one
-weight were cut apart is refused."""
+"""Weights several modules hold (shared_weights.py), on transformers' Zamba2 and Zamba
+(tiny configurations built here, nothing downloaded), whose hybrid layers each hold the
+shared transformer block as a module of their own with the same tensors: the attention
+heads of the layers sharing a block are one group, the MLP's groups in each layer take
+one mask, and the export holds one tensor per weight again, equal to the hard-masked
+model, with the parameters and FLOPs predicted; groups of one tensor given different
+ratios are refused together; an export whose holders of one weight were cut apart is
+refused."""
 
 import pytest
 import torch
 from torch import nn
 
 from dtp_kernels.pruning import DTPPruner, load_pruned, save_pruned
+from dtp_kernels.pruning.cost import count_flops
 from dtp_kernels.pruning.groups import ChannelGraphError
 from dtp_kernels.pruning.shared_weights import UntiedExportError, holders, tie_again
 from dtp_kernels.pruning.tied_heads import TiedHeadGroup
@@ -99,22 +101,88 @@ def test_a_saved_export_loads_tied(tmp_path):
     assert attention(loaded, 3).q_proj.weight is attention(loaded, 0).q_proj.weight
 
 
-def test_a_group_cutting_a_shared_weight_apart_is_refused_by_name():
-    """The block's MLP is a group of channels per layer: each would cut the tensors the
-    others hold too, so a float ratio is refused naming them, with the ratios that leave
-    them whole, which then prune the rest."""
+def test_the_shared_blocks_groups_of_channels_take_one_mask_and_export_tied():
+    """The block's output width (its MLP's down_proj rows, read by each hybrid layer's
+    own `linear`) is a group of channels in each layer, all cutting one tensor: they
+    take the first's mask. A float ratio prunes them with the heads, the mixers and the
+    rank of the adapter each layer runs; the export equals the hard-masked model, holds
+    the block's tensors one per weight again, hands the adapter a layer's group cut to
+    the holders that never run it, and has the parameters and FLOPs predicted."""
     model, ids = zamba2(), tokens()
-    with pytest.raises(ValueError, match="weights other modules hold too") as refused:
-        DTPPruner(model, (ids,), 0.5)
-    message = str(refused.value)
-    for layer in (0, 2, 3):
-        assert f"{SHARED.format(layer)}.feed_forward" in message
-    ratios = eval(message.rsplit("ratios=", 1)[1])  # the refusal's advice, as a user takes it
-    pruner = randomised(DTPPruner(model, (ids,), ratios))
+    pruner = randomised(DTPPruner(model, (ids,), 0.5))
+    names = [g.name for g in pruner.groups]
+    width = [names.index(SHARED.format(layer) + ".feed_forward.down_proj") for layer in (0, 2, 3)]
+    assert [pruner.mask_of[i] for i in width] == [width[0]] * 3
+    masks = pruner.hard_masks()
+    assert all(torch.equal(masks[i], masks[width[0]]) for i in width)
     exported, got, want = hard_masked_and_exported(pruner, model, (ids,))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    params, _ = pruner.predicted_counts()
+    mlps = [exported.get_submodule(SHARED.format(layer) + ".feed_forward") for layer in (0, 2, 3)]
+    assert all(m.down_proj.weight is mlps[0].down_proj.weight for m in mlps)
+    assert mlps[0].down_proj.weight.shape == (16, 32)
+    for layer in (0, 2, 3):  # each layer's own reader of the block's output
+        assert exported.get_submodule(f"model.layers.{layer}.linear").in_features == 16
+    # the adapter the second hybrid layer runs, cut by its group, held by the first too
+    adapters = [m.gate_up_proj_adapter_list[1] for m in mlps]
+    assert adapters[0][0].weight is adapters[1][0].weight
+    assert adapters[0][0].out_features == adapters[1][0].weight.shape[0] == 64
+    params, flops = pruner.predicted_counts()
     assert params == sum(p.numel() for p in exported.parameters())
+    assert flops == count_flops(exported, (ids,))
+
+
+def test_a_tie_sets_later_groups_learn_through_the_first_ones_mask():
+    """In training, the later groups of a set read the first one's soft mask: the loss
+    reaches its scores alone, none of theirs."""
+    model, ids = zamba2(), tokens()
+    pruner = randomised(DTPPruner(model.train(), (ids,), 0.5))
+    model(ids, labels=ids).loss.backward()
+    grads = pruner.scores.grad.split(pruner.sizes)
+    for index, source in enumerate(pruner.mask_of):
+        assert bool(grads[index].any()) == (source == index), pruner.groups[index].name
+
+
+def test_a_shared_tensor_one_holder_of_which_stays_whole_is_refused():
+    """A layer that runs the block's MLP uncut (left whole by ignored_layers, so its
+    group is none) holds the tensors the other layer's group cuts: that group is refused
+    by name; a member of a set refused for a reason of its own takes its set with it."""
+    from dtp_kernels.pruning import base
+
+    model, ids = causal_lm("Zamba", ZAMBA), tokens()
+    whole = model.get_submodule("model.layers.2.shared_transf.feed_forward.gate_proj")
+    with pytest.raises(ValueError, match="hold too and run") as refused:
+        DTPPruner(model, (ids,), {"mlp": 0.5}, ignored_layers=[whole])
+    assert "'model.layers.1.shared_transf.feed_forward.gate_proj' cuts" in str(refused.value)
+    model, ids = zamba2(), tokens()
+    groups = [SHARED.format(layer) + ".feed_forward.down_proj" for layer in (0, 2, 3)]
+    real = base.enclosing_reader_refusals
+
+    def refusing_the_middle_one(model, groups_, inputs):
+        return {**real(model, groups_, inputs), groups[1]: ["a reader outside it"]}
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(base, "enclosing_reader_refusals", refusing_the_middle_one)
+        with pytest.raises(ValueError, match="a reader outside it") as refused:
+            DTPPruner(model, (ids,), 0.5)
+    ratios = eval(str(refused.value).rsplit("ratios=", 1)[1])
+    assert all(ratios[name] == 0 for name in groups)
+
+
+def test_groups_cutting_one_tensor_with_other_ratios_are_refused_together():
+    """One group of the set given a ratio of its own, or a global budget, would cut
+    the tensor its tie set shares apart: refused naming the set, with the ratios that
+    leave all of it whole, which then prune the rest."""
+    model, ids = zamba2(), tokens()
+    first = SHARED.format(0) + ".feed_forward.down_proj"
+    with pytest.raises(ValueError, match="cannot prune these groups apart") as refused:
+        DTPPruner(model, (ids,), {"*": 0.5, first: 0.25})
+    ratios = eval(str(refused.value).rsplit("ratios=", 1)[1])  # as a user takes the advice
+    assert all(ratios[SHARED.format(layer) + ".feed_forward.down_proj"] == 0 for layer in (0, 2, 3))
+    pruner = randomised(DTPPruner(model, (ids,), ratios))
+    _, got, want = hard_masked_and_exported(pruner, model, (ids,))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="one ratio under budget='layer'"):  # (no mixers:
+        DTPPruner(causal_lm("Zamba", ZAMBA), (ids,), {"mlp": 0.5}, budget="global")  # theirs)
 
 
 # Zamba: 2 hybrid layers sharing one block, whose MLP is found by its form (Torch-Pruning's
@@ -136,27 +204,31 @@ ZAMBA = dict(
 )
 
 
-def test_an_mlp_found_by_its_form_on_shared_weights_is_refused_and_the_heads_prune():
-    """A float ratio is refused, Torch-Pruning's graph failing on the model, with the
-    ratios of the kinds found without it; given them, Zamba's block MLP, found by its
-    form in each hybrid layer, would cut the tensors the other layer holds: refused
-    naming both layers' MLPs; its heads, one group, prune and export tied, equal to the
-    hard-masked model, with the parameters predicted."""
+def test_a_graphless_model_prunes_its_shared_blocks_heads_and_mlp_tied():
+    """Torch-Pruning's graph cannot be built on Zamba: a float ratio is refused with the
+    ratios of the kinds found without it; given them, the shared block's heads (one
+    group) and its MLP found by its form in each hybrid layer (one mask) prune, exported
+    equal to the hard-masked model with one tensor per weight, the parameters predicted."""
     model, ids = causal_lm("Zamba", ZAMBA), tokens()
     with pytest.raises(ChannelGraphError, match="found without it") as failed:
         DTPPruner(model, (ids,), 0.5)
     ratios = eval(str(failed.value).rsplit("ratios=", 1)[1])  # as a user takes the advice
     assert ratios == {"heads": 0.5, "mlp": 0.5}
-    with pytest.raises(ValueError, match="weights other modules hold too") as refused:
-        DTPPruner(model, (ids,), ratios)
-    for layer in (1, 2):
-        assert f"model.layers.{layer}.shared_transf.feed_forward.gate_proj" in str(refused.value)
-    pruner = randomised(DTPPruner(model, (ids,), {"heads": 0.5}))
-    assert [g.name for g in pruner.groups] == ["model.layers.1.shared_transf.self_attn"]
+    pruner = randomised(DTPPruner(model, (ids,), ratios))
+    names = [g.name for g in pruner.groups]
+    block = "model.layers.{}.shared_transf"
+    assert names == [
+        block.format(1) + ".self_attn",
+        block.format(1) + ".feed_forward.gate_proj",
+        block.format(2) + ".feed_forward.gate_proj",
+    ]
+    assert pruner.mask_of == [0, 1, 1]
     exported, got, want = hard_masked_and_exported(pruner, model, (ids,))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    blocks = [exported.get_submodule(f"model.layers.{i}.shared_transf.self_attn") for i in (1, 2)]
-    assert blocks[0].o_proj.weight is blocks[1].o_proj.weight
+    blocks = [exported.get_submodule(block.format(i)) for i in (1, 2)]
+    assert blocks[0].self_attn.o_proj.weight is blocks[1].self_attn.o_proj.weight
+    assert blocks[0].feed_forward.up_proj.weight is blocks[1].feed_forward.up_proj.weight
+    assert blocks[0].feed_forward.up_proj.out_features == 16
     params, _ = pruner.predicted_counts()
     assert params == sum(p.numel() for p in exported.parameters())
 
