@@ -190,6 +190,16 @@ def _layer_fates(
         ):
             if isinstance(layer, nn.Module) and group not in cut_by.setdefault(layer, []):
                 cut_by[layer].append(group)
+    # a layer holding a tensor a group cuts in another (an adapter of a shared block
+    # that only another layer runs) is cut with it
+    holders: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for parameter in module.parameters(recurse=False):
+            holders.setdefault(id(parameter), []).append(module)
+    for layer, cutting in list(cut_by.items()):
+        for parameter in layer.parameters(recurse=False):
+            for holder in holders[id(parameter)]:
+                cut_by.setdefault(holder, cutting)
     held = [name for name, module in model.named_modules() if module in ignored]
     fates: dict[str, str | list[str]] = {}
     for name, module in model.named_modules():

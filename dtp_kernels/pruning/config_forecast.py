@@ -39,8 +39,14 @@ def config_forecast(pruner) -> dict | None:
         return {"describes": True, "whole": [], "ratios": None}
     rows = pruner.report()["groups"]
     kinds = [row["kind"] for row in rows]
+    mask_of = getattr(pruner, "mask_of", list(range(len(rows))))
+
+    def tied(indices: set[int]) -> set[int]:  # with the groups sharing their masks
+        sources = {mask_of[i] for i in indices}
+        return {i for i in range(len(rows)) if mask_of[i] in sources}
 
     def describes_with(cut: set[int]) -> bool:  # the groups `cut` pruned, the others whole
+        cut = tied(cut)  # a tie set's groups are pruned or whole together
         trial = [m if i in cut else torch.ones_like(m) for i, m in enumerate(masks)]
         return bool(pruner.config_describes_export(trial))
 
@@ -66,6 +72,7 @@ def config_forecast(pruner) -> dict | None:
         cut |= set().union(*fits)
         if not fits:
             whole_kinds.append(kind)
+    cut = tied(cut)
     if not cut or not describes_with(cut):
         return {"describes": False, "whole": [], "ratios": None}
     whole = [i for i in range(len(rows)) if i not in cut]

@@ -1,5 +1,5 @@
-"""Weights that several modules hold (tied): groups that would cut them, attention
-layers pruned as one, and the export tied again.
+"""Weights that several modules hold (tied): groups that cut them pruned with one mask,
+groups that would untie them refused, and the export tied again.
 
 A model may hold one parameter in several modules: an output layer tied to the
 embedding, or one block reused by several layers as separate modules holding the same
@@ -12,11 +12,15 @@ report counts, and a structure its config cannot describe.
   (:func:`tie_weight_sharing_heads`), and which hold nothing per head besides them, are
   one group: one mask on every layer, the same heads removed from each
   (:class:`~dtp_kernels.pruning.tied_heads.TiedHeadGroup`, handed no bias).
-- Any other group cutting a weight that a module it does not cut holds too is refused,
-  by name (:func:`held_elsewhere`).
-- Export cuts each holder of a tied group alike; :func:`tie_again` then gives every
-  holder of a weight the copy held once (:func:`holders`, before the cut) the one cut
-  tensor, and refuses an export where the holders' cut tensors differ.
+- Other groups that cut one tensor in different modules the example forward runs are a
+  tie set (:func:`tie_sets`): the pruner gives each group of a set the first one's mask
+  (``mask_of``), so each holder is cut alike.
+- A group cutting a weight that a module outside its set holds and runs is refused, by
+  name (:func:`held_elsewhere`); a holder that never runs is handed the cut tensor.
+- Export cuts each holder alike; :func:`tie_again` then gives every holder of a weight
+  the copy held once (:func:`holders`, before the cut) the one cut tensor, and refuses
+  an export where the cut holders differ. The cost model counts a tensor once, with its
+  first holder (:func:`weight_copies`).
 """
 
 from __future__ import annotations

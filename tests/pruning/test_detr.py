@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dtp_kernels.pruning import DTPPruner
+from dtp_kernels.pruning.config_forecast import config_forecast
 from dtp_kernels.pruning.cost import count_params
 from dtp_kernels.pruning.heads import HeadGroup
 from dtp_kernels.pruning.pruned_classes import pruned_classes
@@ -107,17 +108,9 @@ class Predictions(torch.nn.Module):
             ["encoder.layers.0.self_attn", "decoder.layers.0.self_attn", "encoder_attn"],
             0.5,
         ),
-        # the encoder's self-attention; the box heads' first layers, whose weights the
-        # decoder's layers share, left whole as the float's refusal says
-        (
-            dab_detr,
-            ["encoder.layers.0.self_attn"],
-            {
-                "*": 0.5,
-                "detector.model.decoder.bbox_embed.layers.0": 0,
-                "detector.bbox_predictor.layers.0": 0,
-            },
-        ),
+        # the encoder's self-attention; the box head's first layer, whose weights the
+        # decoder holds too (one mask: test_the_box_head_the_decoder_holds_too_...)
+        (dab_detr, ["encoder.layers.0.self_attn"], 0.5),
         # the hybrid encoder's self-attention, the decoder's self-attention (its
         # deformable cross-attention samples per head: left whole); the projection that
         # scores the encoder's tokens for the queries feeds a LayerNorm: left whole, as
@@ -155,3 +148,31 @@ def test_a_detr_prunes_with_a_float_and_exports_equal(build, heads, ratios):
     report = pruner.report()
     assert count_params(exported) == report["params_after"]
     assert report["speedup"] > 1.3
+
+
+def test_the_box_head_the_decoder_holds_too_prunes_with_one_mask_and_is_forecast_so():
+    """DAB-DETR's decoder holds the box predictor's MLP as a module of its own with the
+    same weights: their groups are one tie set (the predictor's reads the decoder's
+    mask), exported equal to the hard-masked model with the parameters reported; the
+    config forecast leaves the set whole together, and its ratios build a pruner whose
+    config describes the export."""
+    torch.manual_seed(0)
+    model, images = dab_detr().eval(), torch.randn(2, 3, 64, 64)
+    pruner = DTPPruner(model, (images[:1],), 0.5)
+    names = [g.name for g in pruner.groups]
+    first, later = "model.decoder.bbox_embed.layers.0", "bbox_predictor.layers.0"
+    assert pruner.mask_of[names.index(later)] == names.index(first)
+    with torch.no_grad():
+        pruner.scores.uniform_(0, 1, generator=torch.Generator().manual_seed(1))
+        with pruner.hard_masked():
+            want = model(images)
+        exported = pruner.export().eval()
+        got = exported(images)
+    torch.testing.assert_close(got.pred_boxes, want.pred_boxes, rtol=1e-5, atol=1e-5)
+    box, decoder_box = exported.bbox_predictor.layers[0], exported.model.decoder.bbox_embed
+    assert box.weight is decoder_box.layers[0].weight
+    assert count_params(exported) == pruner.report()["params_after"]
+    ratios = config_forecast(pruner)["ratios"]
+    assert ratios[first] == ratios[later] == 0
+    pruner.remove()
+    assert DTPPruner(model, (images[:1],), ratios).config_describes_export()

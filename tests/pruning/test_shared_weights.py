@@ -17,7 +17,7 @@ from dtp_kernels.pruning.groups import ChannelGraphError
 from dtp_kernels.pruning.shared_weights import UntiedExportError, holders, tie_again
 from dtp_kernels.pruning.tied_heads import TiedHeadGroup
 from utils import LLAMA_VOCAB as VOCAB
-from utils import causal_lm, hard_masked_and_exported, randomised
+from utils import causal_lm, hard_masked_and_exported, layer_shapes, randomised, whole_as_listed
 
 transformers = pytest.importorskip("transformers")
 
@@ -107,8 +107,10 @@ def test_the_shared_blocks_groups_of_channels_take_one_mask_and_export_tied():
     take the first's mask. A float ratio prunes them with the heads, the mixers and the
     rank of the adapter each layer runs; the export equals the hard-masked model, holds
     the block's tensors one per weight again, hands the adapter a layer's group cut to
-    the holders that never run it, and has the parameters and FLOPs predicted."""
+    the holders that never run it (not listed as left whole), and has the parameters and
+    FLOPs predicted."""
     model, ids = zamba2(), tokens()
+    shapes = layer_shapes(model)
     pruner = randomised(DTPPruner(model, (ids,), 0.5))
     names = [g.name for g in pruner.groups]
     width = [names.index(SHARED.format(layer) + ".feed_forward.down_proj") for layer in (0, 2, 3)]
@@ -126,6 +128,7 @@ def test_the_shared_blocks_groups_of_channels_take_one_mask_and_export_tied():
     adapters = [m.gate_up_proj_adapter_list[1] for m in mlps]
     assert adapters[0][0].weight is adapters[1][0].weight
     assert adapters[0][0].out_features == adapters[1][0].weight.shape[0] == 64
+    assert whole_as_listed(exported, shapes, pruner.left_whole)  # the idle holders: cut
     params, flops = pruner.predicted_counts()
     assert params == sum(p.numel() for p in exported.parameters())
     assert flops == count_flops(exported, (ids,))
