@@ -68,6 +68,7 @@ from .mlps import FormMLPGroup, find_form_mlps, prune_form_mlp
 from .response_norms import adopt_response_norms, rescale_response_norm
 from .shared_kv import tie_kv_sharing
 from .shared_weights import (
+    cut_alike,
     cut_modules,
     held_elsewhere,
     holders,
@@ -438,13 +439,18 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         # groups cutting one tensor that several modules hold (a block several layers
         # hold: shared_weights.py) prune with one mask, or are refused
         tied = tie_sets(model, all_groups, ran)
-        apart = [s for s in tied if len({per_group[g.name] for g in s}) > 1 or budget != "layer"]
+        apart = [
+            s
+            for s in tied
+            if len({per_group[g.name] for g in s}) > 1 or budget != "layer" or not cut_alike(s)
+        ]
         if apart:
             details = "; ".join(str([g.name for g in s]) for s in apart)
             refusals.append(
                 (
                     f"cannot prune these groups apart: each set cuts one tensor that its layers "
-                    f"hold, so they take one mask, with one ratio under budget='layer' ({details})",
+                    f"hold, so they take one mask, with one ratio under budget='layer', where "
+                    f"they are of one kind and size and cut the tensor alike ({details})",
                     [g.name for s in apart for g in s if per_group[g.name] > 0],
                 )
             )

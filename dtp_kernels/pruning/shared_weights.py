@@ -94,6 +94,27 @@ def tie_sets(model: nn.Module, groups: list, ran: set[nn.Module]) -> list[list]:
     return [members for members in sets.values() if len(members) > 1]
 
 
+def _roles(group) -> dict[int, set[str]]:
+    """Per parameter of the layers `group` cuts: how it cuts them ("rows", "columns")."""
+    roles: dict[int, set[str]] = {}
+    for role, layers in (("rows", "kept_out"), ("columns", "kept_in")):
+        for layer in getattr(group, layers, ()):
+            for p in layer.parameters(recurse=False):
+                roles.setdefault(id(p), set()).add(role)
+    return roles
+
+
+def cut_alike(groups: list) -> bool:
+    """Whether one mask can serve `groups`, a tie set: groups of one kind and size, each
+    cutting the tensors they share as the others do (rows where they cut rows)."""
+    if len({type(g) for g in groups}) > 1 or len({g.size for g in groups}) > 1:
+        return False
+    roles = [_roles(g) for g in groups]
+    return all(
+        r[key] == other[key] for r in roles for other in roles for key in r.keys() & other.keys()
+    )
+
+
 def held_elsewhere(
     model: nn.Module, groups: list, ran: set[nn.Module], tied: list[list]
 ) -> dict[str, list[str]]:

@@ -257,6 +257,31 @@ def test_a_failed_search_names_its_layers_not_the_kinds(monkeypatch):
     assert "found without it" not in str(failed.value)
 
 
+class RowsAndColumns(nn.Module):
+    """One 8 x 8 tensor held by `d` and by `e`: the groups rooted at `d` and at `e` cut
+    its rows, the one rooted at `g` (which `e` reads) its columns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.d, self.f1 = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.g, self.e, self.f2 = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+        self.e.weight = self.d.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.f1(torch.relu(self.d(x))) + self.f2(torch.relu(self.e(torch.relu(self.g(x)))))
+
+
+def test_groups_cutting_one_tensor_as_rows_and_as_columns_are_refused():
+    """Two groups cutting one tensor, one by its rows and one by its columns, or of other
+    sizes, cannot share a mask: refused as a set before any mask, not at export."""
+    torch.manual_seed(0)
+    model = RowsAndColumns()
+    with pytest.raises(ValueError, match="cut the tensor alike") as refused:
+        DTPPruner(model, (torch.randn(2, 8),), 0.5)
+    assert "['d', 'g', 'e']" in str(refused.value)
+    assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
+
+
 def test_an_export_with_one_weight_cut_apart_is_refused():
     """tie_again refuses a copy whose holders of one tensor differ (one cut, one not),
     and ties holders whose cut tensors are equal."""
