@@ -94,25 +94,19 @@ def tie_sets(model: nn.Module, groups: list, ran: set[nn.Module]) -> list[list]:
     return [members for members in sets.values() if len(members) > 1]
 
 
-def _roles(group) -> dict[int, set[str]]:
-    """Per parameter of the layers `group` cuts: how it cuts them ("rows", "columns")."""
-    roles: dict[int, set[str]] = {}
-    for role, layers in (("rows", "kept_out"), ("columns", "kept_in")):
-        for layer in getattr(group, layers, ()):
-            for p in layer.parameters(recurse=False):
-                roles.setdefault(id(p), set()).add(role)
-    return roles
-
-
 def cut_alike(groups: list) -> bool:
-    """Whether one mask can serve `groups`, a tie set: groups of one kind and size, each
-    cutting the tensors they share as the others do (rows where they cut rows)."""
+    """Whether one mask can serve `groups`, a tie set: groups of one kind and size, under
+    which every holder of a tensor they cut is cut alike (its rows where another
+    holder's rows are cut, its columns where another's columns are)."""
     if len({type(g) for g in groups}) > 1 or len({g.size for g in groups}) > 1:
         return False
-    roles = [_roles(g) for g in groups]
-    return all(
-        r[key] == other[key] for r in roles for other in roles for key in r.keys() & other.keys()
-    )
+    cuts: dict[int, dict[int, set[str]]] = {}  # tensor: holder: how the set cuts it
+    for group in groups:
+        for role, layers in (("rows", "kept_out"), ("columns", "kept_in")):
+            for layer in getattr(group, layers, ()):
+                for p in layer.parameters(recurse=False):
+                    cuts.setdefault(id(p), {}).setdefault(id(layer), set()).add(role)
+    return all(len({frozenset(r) for r in held.values()}) == 1 for held in cuts.values())
 
 
 def held_elsewhere(

@@ -282,6 +282,43 @@ def test_groups_cutting_one_tensor_as_rows_and_as_columns_are_refused():
     assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
 
 
+class TwoHoldersOfOneMLP(nn.Module):
+    """A three-layer MLP held twice, as modules of their own with the same tensors (a
+    detector's box head its decoder holds too), run on two inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
+        self.first.append(nn.Linear(8, 4))
+        self.second = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
+        self.second.append(nn.Linear(8, 4))
+        for a, b in zip(self.first, self.second, strict=True):
+            for name, parameter in a.named_parameters():
+                setattr(b, name, parameter)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.first(x) + self.second(2 * x)
+
+
+def test_both_layers_of_an_mlp_held_twice_are_one_set_cut_alike_in_each_holder():
+    """Each holder's middle layer loses its rows to one group and its columns to the
+    other: the four groups are one set, each holder cut alike, so a float prunes it,
+    exported equal to the hard-masked model, tied, with the parameters predicted."""
+    torch.manual_seed(0)
+    model, x = TwoHoldersOfOneMLP(), torch.randn(3, 8)
+    pruner = randomised(DTPPruner(model, (x,), 0.5))
+    assert [g.name for g in pruner.groups] == ["first.0", "first.2", "second.0", "second.2"]
+    assert pruner.mask_of == [0, 0, 0, 0]
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(x)
+    exported = pruner.export()
+    torch.testing.assert_close(exported(x), want, rtol=1e-6, atol=1e-6)
+    assert exported.first[2].weight is exported.second[2].weight
+    assert exported.first[2].weight.shape == (4, 4)
+    params, _ = pruner.predicted_counts()
+    assert params == sum(p.numel() for p in exported.parameters())
+
+
 def test_an_export_with_one_weight_cut_apart_is_refused():
     """tie_again refuses a copy whose holders of one tensor differ (one cut, one not),
     and ties holders whose cut tensors are equal."""
