@@ -152,6 +152,24 @@ OWN_SIZES = {
     "esm": {"vocab_size": 33, "pad_token_id": 1, "mask_token_id": 32},  # ESM-2's: unset
     "laguna": {"num_attention_heads_per_layer": [4, 4]},  # one per layer, 40 by default
     "zaya": {"num_experts_per_tok": 1},  # the only routing it supports
+    # xLSTM: its width besides hidden_size; its query/key width at the full width, as its
+    # cache rounds that width up to 64 where its layers do not
+    "xlstm": {"embedding_dim": 64, "qk_dim_factor": 1.0, "num_blocks": 2},
+    # the Bailing hybrid's linear attention: 4 heads of 16 (32 of 128 by default)
+    "bailing_hybrid": {"linear_num_heads": 4, "linear_head_dim": 16},
+    # Zamba's and Zamba2's shared transformer block in two layers, the later one holding
+    # the first one's tensors, as their checkpoints' layers do
+    "zamba2": {
+        "num_hidden_layers": 3,
+        "layers_block_type": ["linear_attention", "hybrid", "hybrid"],
+        "hybrid_layer_ids": [1, 2],  # derived from the types when built: set with them
+        "num_mem_blocks": 1,
+    },
+    "zamba": {
+        "num_hidden_layers": 3,
+        "layers_block_type": ["linear_attention", "hybrid", "hybrid"],
+        "mamba_dt_rank": 8,
+    },
     # GPT-Neo's layers' attention kinds (global, then local) for 2 layers, as its config
     # derives them from attention_types when built
     "gpt_neo": {
@@ -249,7 +267,9 @@ KEPT = {
     "data2vec-vision": ("num_hidden_layers",),
     "dpt": ("num_hidden_layers",),
     "falcon_h1": ("mamba_n_heads", "mamba_d_head"),  # its mixer's width is its own field
-    "zamba2": ("attention_hidden_size",),  # twice the width: its own and the embeddings'
+    **{  # twice the width: its own and the embeddings'
+        zamba: ("attention_hidden_size",) for zamba in ("zamba", "zamba2")
+    },
 }
 # fields with one type per layer (attention's, the feed-forward's: dense or experts;
 # Zamba2's blocks: Mamba-2 alone or with the shared attention; RecurrentGemma's
@@ -257,7 +277,7 @@ KEPT = {
 LAYER_TYPES = ("layer_types", "mlp_layer_types", "layers_block_type", "block_types")
 # architectures whose configs compute sizes from others when they are built (Zamba2's
 # heads' widths): built again with SIZES' fields as arguments
-DERIVED_SIZES = ("zamba2",)
+DERIVED_SIZES = ("zamba", "zamba2")
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 # task: (model class, its architectures, what the results file calls them)
 TASKS = {
