@@ -59,9 +59,9 @@ from transformers.models.auto import modeling_auto
 
 from dtp_kernels import conv1d_to_linear
 from dtp_kernels.pruning import DTPPruner
-from dtp_kernels.pruning.base import _kind
 from dtp_kernels.pruning.config_forecast import config_forecast
 from dtp_kernels.pruning.cost import count_params
+from dtp_kernels.pruning.group_kinds import kind_of
 from dtp_kernels.pruning.hf_config import describes
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
@@ -529,7 +529,7 @@ def kinds(pruner: DTPPruner) -> str:
     """The groups by kind, as ratio dicts name them ("heads", "mlp", "experts", ...)."""
     counts: dict[str, int] = {}
     for group in pruner.groups:
-        counts[_kind(group)] = counts.get(_kind(group), 0) + 1
+        counts[kind_of(group)] = counts.get(kind_of(group), 0) + 1
     return ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
 
 

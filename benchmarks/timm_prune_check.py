@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _harness import RESULTS, environment
 from _prune_sweep import Refused, first_words, prune_as_refusals_say, row_within, table
 
-from dtp_kernels.pruning.base import _kind
 from dtp_kernels.pruning.cost import count_params
+from dtp_kernels.pruning.group_kinds import kind_of
 from utils import drawn_statistics, layer_shapes, whole_as_listed
 
 LARGEST = 90e6  # parameters of a module's smallest architecture
@@ -94,7 +94,7 @@ def check(module: str, name: str, ratio: float) -> list[str]:
     error = float((got - pruned.want).abs().max() / pruned.want.abs().max().clamp_min(1e-12))
     counts: dict[str, int] = {}
     for group in pruned.pruner.groups:
-        counts[_kind(group)] = counts.get(_kind(group), 0) + 1
+        counts[kind_of(group)] = counts.get(kind_of(group), 0) + 1
     return [
         module,
         name,

@@ -36,6 +36,15 @@ def test_every_block_has_an_entry_here():
     assert set(blocks()) == set(ENTRIES), "a Python block in docs/ is not run by this file"
 
 
+def test_design_maps_every_pruning_file():
+    """docs/design.md's map of the pruning layer names each of its files, and no other."""
+    design = (DOCS / "design.md").read_text()
+    table = design[design.index("| what users call |") :].split("\n\n")[0]
+    mapped = set(re.findall(r"`(\w+\.py)`", table))
+    files = {p.name for p in (DOCS.parent / "dtp_kernels" / "pruning").glob("*.py")}
+    assert mapped == files - {"__init__.py"}, (sorted(files - mapped), sorted(mapped - files))
+
+
 def ops_loop(tmp_path, monkeypatch):
     """docs/ops.md: the op in a training loop of 100 steps."""
     torch.manual_seed(0)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import copy
-import fnmatch
 import warnings
 from collections.abc import Mapping, Sequence
 
@@ -32,7 +31,6 @@ from .cost import (
     params_after,
     trace_layers,
 )
-from .enclosing_readers import enclosing_reader_refusals
 from .example_inputs import as_example_inputs, call_model, on_model_device
 from .experts import (
     ExpertGroup,
@@ -43,13 +41,12 @@ from .experts import (
     run_misaligned_experts,
     unrecognised_experts,
 )
-from .gated_deltanet import LinearAttentionGroup, find_linear_attention_groups
+from .gated_deltanet import find_linear_attention_groups
+from .group_kinds import asks_only_graphless, kind_of, with_kinds_found
 from .group_search import UNFOLLOWED
 from .grouped_convs import check_grouped_conv_ratios, cut_grouped_inputs, is_grouped
 from .groups import (
     ChannelGraphError,
-    ChannelGroup,
-    GraphBuildError,
     find_groups,
     out_channel_handler,
     traced_graph,
@@ -58,22 +55,19 @@ from .heads import (
     HeadGroup,
     check_shard_ratios,
     find_head_groups,
-    prove_head_groups,
     prune_heads,
 )
 from .hf_config import predicts_described, update_config
+from .layer_fates import layer_fates, warn_idle_layers
 from .mamba import MambaGroup, find_mamba_groups, prune_mamba
 from .mamba2 import Mamba2Group, check_mamba2_ratios, find_mamba2_groups
 from .mlps import FormMLPGroup, find_form_mlps, prune_form_mlp
+from .refusals import refuse_inexact
 from .response_norms import adopt_response_norms, rescale_response_norm
 from .shared_kv import tie_kv_sharing
 from .shared_weights import (
-    cut_alike,
-    cut_modules,
-    held_elsewhere,
     holders,
     tie_again,
-    tie_sets,
     tie_weight_sharing_heads,
     weight_copies,
 )
@@ -83,155 +77,17 @@ from .split_gated_convs import (
     prune_split_gated_conv,
 )
 from .tied_heads import tie_chains
-from .weight_transforms import weight_transform_refusals
 from .whole_experts import (
     MaskedRouting,
     WholeExpertsGroup,
     check_whole_expert_ratios,
     find_whole_expert_groups,
-    prove_whole_expert_groups,
     prune_whole_experts,
     set_model_counts,
 )
 
-
-def _zero_ratios(ratios, names: list[str]) -> str:
-    """The ratios that leave the groups `names` whole and prune the rest as `ratios` asks,
-    for an error message (ratio_rules.with_zeros); any other form is named as is."""
-    zeroed = ratio_rules.with_zeros(ratios, names)
-    return f"ratios={zeroed}" if zeroed is not None else f"the keys {names} with 0"
-
-
-# the head of a refusal whose export would not compute what the masked model does
-INEXACT = "cannot prune these groups so that the exported model equals the masked one"
-
-
-def _kind(group) -> str:
-    """The group's kind for ratio dicts: "heads", "linear_attention", "experts",
-    "whole_experts", "mamba", "coupled", "mlp", "channels"."""
-    if isinstance(group, WholeExpertsGroup):
-        return "whole_experts"
-    if isinstance(group, LinearAttentionGroup):
-        return "linear_attention"
-    if isinstance(group, HeadGroup):
-        return "heads"
-    if isinstance(group, (MambaGroup, Mamba2Group)):
-        return "mamba"
-    if isinstance(group, ExpertGroup):
-        return "experts"
-    if getattr(group, "producers", None):
-        return "coupled"
-    return "mlp" if isinstance(group.layer, nn.Linear) else "channels"
-
-
 # the layers of a latent attention (DeepSeek-V2, V3) computing the compressed latents
 LATENT_LAYERS = ("q_a_proj", "kv_a_proj_with_mqa")
-
-# the kinds of group found without Torch-Pruning's graph (MLPs: where it fails, by form)
-GRAPHLESS_KINDS = ("heads", "linear_attention", "experts", "whole_experts", "mamba", "mlp")
-
-
-def _without_graph(ratios, groups: list) -> bool:
-    """Whether `ratios` asks only for what is found without Torch-Pruning's graph (a dict
-    whose every key is one of GRAPHLESS_KINDS or names some of `groups`, the model's
-    heads, experts, Mamba mixers and MLP modules found by their form)."""
-    if not isinstance(ratios, Mapping):
-        return False
-    names = [g.name for g in groups]
-    return all(
-        key in GRAPHLESS_KINDS or any(fnmatch.fnmatchcase(name, key) for name in names)
-        for key in ratios
-    )
-
-
-def _warn_idle_layers(model: nn.Module, layers: list, ignored: list) -> None:
-    """Warn about conv and linear layers the example forward never called: no group can
-    be found for them, so they stay whole whatever the ratios say (the experts of a
-    ModuleList no example token was routed to, a branch the example does not take, a
-    layer whose weight the model's code reads without calling it)."""
-    ran = {layer.module for layer in layers}
-    idle = [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, COSTED) and module not in ran and module not in ignored
-    ]
-    if idle:
-        warnings.warn(
-            f"{len(idle)} conv/linear layers were not called on example_inputs, so they "
-            f"are left whole: {idle[:6]}{' ...' if len(idle) > 6 else ''}. Give example "
-            "inputs that run them (enough tokens to reach every expert, every branch) to "
-            "prune them; a layer whose weight the model reads without calling it (Mamba's "
-            "conv1d) stays whole whatever the inputs",
-            UserWarning,
-            stacklevel=3,
-        )
-
-
-def _layer_fates(
-    model: nn.Module,
-    groups: list,
-    ratios: dict[str, float],
-    ignored: Sequence[nn.Module],
-    ran: set[nn.Module],
-    reasons: dict[nn.Module, str],
-) -> dict[str, str | list[str]]:
-    """Each conv and linear layer of `model` by name, in model order: the names of the
-    groups with a ratio above 0 that cut it (rows or columns), or, where there are none,
-    why it is left whole: a ratio of 0, `ignored`, not called on the example, or the
-    reason the search for groups recorded in `reasons` (its channels meet a residual
-    add, are the model's outputs, ...)."""
-    cut_by: dict[nn.Module, list] = {}
-    for group in groups:
-        tables = [layer for layer, _, _ in getattr(group, "tables", ())]
-        for layer in (
-            *getattr(group, "kept_out", ()),
-            *getattr(group, "kept_in", ()),
-            *tables,
-            getattr(group, "layer", None),
-        ):
-            if isinstance(layer, nn.Module) and group not in cut_by.setdefault(layer, []):
-                cut_by[layer].append(group)
-    # a layer holding a tensor a group cuts in another (an adapter of a shared block
-    # that only another layer runs) is cut with it
-    holders: dict[int, list[nn.Module]] = {}
-    for module in model.modules():
-        for parameter in module.parameters(recurse=False):
-            holders.setdefault(id(parameter), []).append(module)
-    for layer, cutting in list(cut_by.items()):
-        for parameter in layer.parameters(recurse=False):
-            for holder in holders[id(parameter)]:
-                cut_by.setdefault(holder, cutting)
-    held = [name for name, module in model.named_modules() if module in ignored]
-    fates: dict[str, str | list[str]] = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, COSTED):
-            continue
-        cutting = [g.name for g in cut_by.get(module, ()) if ratios[g.name] > 0]
-        if cutting:
-            fates[name] = cutting
-        elif module in cut_by:
-            fates[name] = f"the ratio of its group {cut_by[module][0].name!r} is 0"
-        elif any(name == n or name.startswith(f"{n}.") for n in held):
-            fates[name] = "in ignored_layers (or inside one of them)"
-        elif module not in ran:
-            fates[name] = "not called on example_inputs"
-        else:
-            fates[name] = reasons.get(module, "no group holds its output channels")
-    return fates
-
-
-def _with_kinds_found(error: ChannelGraphError, ratios, groups: list) -> ChannelGraphError:
-    """The graph's failure to be built at all, for a float ratio with the dict of ratios
-    that prunes, at it, the kinds of group found without the graph; any other failure
-    (a search naming the layers to leave whole) as it is."""
-    kinds = {_kind(g) for g in groups}
-    numeric = isinstance(ratios, (int, float)) and not isinstance(ratios, bool)
-    if not isinstance(error, GraphBuildError) or not numeric or not kinds:
-        return error
-    advice = {kind: ratios for kind in GRAPHLESS_KINDS if kind in kinds}
-    found = GraphBuildError(f"{error}. This model's groups found without it: ratios={advice}")
-    found.__cause__ = error.__cause__
-    return found
 
 
 def _check_tied_names(ratios, groups: list) -> None:
@@ -263,21 +119,6 @@ def _carries_masks(module: nn.Module) -> bool:
     return parametrize.is_parametrized(module) and any(
         masking.is_mask(p) for plist in module.parametrizations.values() for p in plist
     )
-
-
-def _parametrized_layers(model: nn.Module, groups: list) -> dict[str, dict[str, list[str]]]:
-    """The layers that `groups` cut (or mask) whose tensors the model parametrizes itself
-    (a weight norm: `weight` computed from `original0` and `original1`), by name, with
-    those tensors' parametrizations: export cannot cut a computed tensor."""
-    names = {m: n for n, m in model.named_modules()}
-    found = {}
-    for group in groups:
-        touched = [*getattr(group, "kept_out", ()), *getattr(group, "kept_in", ())]
-        touched.append(getattr(group, "layer", None))
-        for module in touched:
-            if isinstance(module, nn.Module) and (own := masking.foreign_parametrizations(module)):
-                found[names[module]] = own
-    return found
 
 
 class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
@@ -352,10 +193,10 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             if not isinstance(g, HeadGroup) or any(m.module in ran for m in g.members)
         ]
         convs = [name for name, m in model.named_modules() if isinstance(m, nn.Conv2d)]
-        if self._graph_error is not None and not _without_graph(ratios, all_groups):
-            raise _with_kinds_found(self._graph_error, ratios, all_groups)
+        if self._graph_error is not None and not asks_only_graphless(ratios, all_groups):
+            raise with_kinds_found(self._graph_error, ratios, all_groups)
         self._graph_error = None  # its traceback would hold the failed trace's frames
-        kinds = {g.name: _kind(g) for g in all_groups}
+        kinds = {g.name: kind_of(g) for g in all_groups}
         _check_tied_names(ratios, all_groups)
         per_group = ratio_rules.resolve(
             ratios,
@@ -371,143 +212,13 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         check_grouped_conv_ratios(all_groups, per_group, budget)
         check_shard_ratios(all_groups, per_group, budget)
         self.groups = [g for g in all_groups if per_group[g.name] > 0]
-        self._layer_fates = _layer_fates(
+        self._layer_fates = layer_fates(
             model, all_groups, per_group, ignored_layers, ran, self._whole_reasons
         )
         self._whole_reasons = {}  # the modules are the model's: hold them no longer
-        # Every group that cannot be pruned exactly, with why, in one error: a user who
-        # gives the ratios it ends with prunes the rest at the next try.
-        refusals: list[tuple[str, list[str]]] = []  # (what and why, the groups' names)
-
-        def open_groups(kind=None) -> list:
-            refused = {name for _, names in refusals for name in names}
-            return [
-                g
-                for g in self.groups
-                if g.name not in refused and (kind is None or type(g) is kind)
-            ]
-
-        # layers whose forward transforms their weight, proven on the example
-        transformed = weight_transform_refusals(model, open_groups(ChannelGroup), inputs)
-        if transformed:
-            details = " / ".join(
-                f"layer {name!r}: {'; '.join(lines)}" for name, lines in transformed.items()
-            )
-            refusals.append(
-                (
-                    f"{INEXACT}: {details}. Such a layer transforms its weight in its forward "
-                    "(weight standardization normalizes each filter over all its input "
-                    "channels)",
-                    list(transformed),
-                )
-            )
-        parametrized = {g.name: _parametrized_layers(model, [g]) for g in open_groups()}
-        parametrized = {name: own for name, own in parametrized.items() if own}
-        if parametrized:
-            layers = {layer: own for each in parametrized.values() for layer, own in each.items()}
-            details = "; ".join(
-                f"layer {layer!r}: {', '.join(f'{t} by {classes}' for t, classes in own.items())}"
-                for layer, own in layers.items()
-            )
-            refusals.append(
-                (
-                    f"cannot prune these groups: the model parametrizes tensors of layers they "
-                    f"cut ({details}), which export cannot cut; fold the parametrization into "
-                    "the tensor first (torch.nn.utils.parametrize.remove_parametrizations("
-                    "layer, name))",
-                    list(parametrized),
-                )
-            )
-        normed = [g for g in open_groups() if g.norms]
-        if normed:
-            names = {m: n for n, m in model.named_modules()}
-            feeds = {
-                g.name: ", ".join(f"{type(m).__name__} {names[m]!r}" for m in g.norms)
-                for g in normed
-            }
-            details = "; ".join(f"layer {name!r} feeds {norms}" for name, norms in feeds.items())
-            refusals.append(
-                (
-                    f"{INEXACT}: {details}. A normalization over all channels (LayerNorm, "
-                    "a second GroupNorm) computes every channel from all the others, so "
-                    "removing any changes the rest (an RMS norm is rescaled at export only "
-                    "where the removed channels reach it as zeros, through linear layers: "
-                    "docs/architectures.md, Normalizations)",
-                    [g.name for g in normed],
-                )
-            )
-        # groups cutting one tensor that several modules hold (a block several layers
-        # hold: shared_weights.py) prune with one mask, or are refused
-        tied = tie_sets(model, all_groups, ran)
-        apart = [
-            s
-            for s in tied
-            if len({per_group[g.name] for g in s}) > 1 or budget != "layer" or not cut_alike(s)
-        ]
-        if apart:
-            details = "; ".join(str([g.name for g in s]) for s in apart)
-            refusals.append(
-                (
-                    f"cannot prune these groups apart: each set cuts one tensor that its layers "
-                    f"hold, so they take one mask, with one ratio under budget='layer', where "
-                    f"they are of one kind and size and cut the tensor alike ({details})",
-                    [g.name for s in apart for g in s if per_group[g.name] > 0],
-                )
-            )
-        tied = [s for s in tied if s not in apart]
-        shared = held_elsewhere(model, open_groups(), ran, tied)
-        names = {module: name for name, module in model.named_modules()}
-        for g in open_groups():  # shared layers the channel graph cuts that cut_modules misses
-            known = {names[m] for m in cut_modules(model, g)}
-            missed = [n for n in getattr(g, "shared_weights", ()) if n not in known]
-            if missed:
-                shared[g.name] = list(dict.fromkeys([*shared.get(g.name, []), *missed]))
-        if shared:
-            details = "; ".join(
-                f"layer {name!r} cuts {', '.join(map(repr, layers))}"
-                for name, layers in shared.items()
-            )
-            refusals.append(
-                (
-                    f"cannot prune these groups: they cut layers whose weights other modules "
-                    f"hold too and run ({details}: an output layer tied to the embedding), "
-                    "and export would untie them",
-                    list(shared),
-                )
-            )
-        # the modules that read a group's channels from outside it, proven on the example
-        enclosing = enclosing_reader_refusals(model, open_groups(ChannelGroup), inputs)
-        if enclosing:
-            details = " / ".join(
-                f"layer {name!r} is read by {'; '.join(lines)}" for name, lines in enclosing.items()
-            )
-            refusals.append((f"{INEXACT}: {details}", list(enclosing)))
-        # the heads to prune are proven on the example (a copy of each attention layer)
-        heads = [g for g in open_groups() if isinstance(g, HeadGroup) and not g.refusal]
-        prove_head_groups(model, heads, inputs)
-        # and the routers of the blocks to lose experts, at the counts asked for
-        whole = [g for g in open_groups() if isinstance(g, WholeExpertsGroup)]
-        kept = {g.name: ratio_rules.kept_count(g.size, per_group[g.name]) for g in whole}
-        prove_whole_expert_groups(model, whole, kept, inputs)
-        unproven = [g for g in open_groups() if getattr(g, "refusal", "")]
-        if unproven:
-            what = {
-                "heads": "the heads of attention layer",
-                "linear_attention": "the heads of linear-attention layer",
-                "whole_experts": "whole experts of",
-            }
-            details = "; ".join(f"{what[_kind(g)]} {g.name!r}: {g.refusal}" for g in unproven)
-            refusals.append((f"cannot prune {details}", [g.name for g in unproven]))
-        if refusals:
-            names = list(dict.fromkeys(name for _, group in refusals for name in group))
-            for members in tied:  # a set's groups are left whole together, or none
-                if any(g.name in names for g in members):
-                    names += [g.name for g in members if g.name not in names]
-            raise ValueError(
-                ". ".join(what for what, _ in refusals)
-                + ". Leave these layers whole with ignored_layers=[...] or a ratio of 0 for "
-                f"them: {_zero_ratios(ratios, names)}"
-            )
+        tied = refuse_inexact(
+            model, self.groups, all_groups, per_group, budget, ran, inputs, ratios
+        )
         if not self.groups:
             if all_groups:
                 found = f"its groups: {[g.name for g in all_groups][:8]}"
@@ -543,7 +254,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             for g in self.groups
             for m in (*getattr(g, "kept_out", ()), *getattr(g, "kept_in", ()))
         ]
-        _warn_idle_layers(model, self._layers, [*ignored_layers, *pruned])
+        warn_idle_layers(model, self._layers, [*ignored_layers, *pruned])
         unknown = unrecognised_experts(model, list(ignored_layers))
         if unknown:
             warnings.warn(
@@ -757,7 +468,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             "groups": [
                 {
                     "name": g.name,
-                    "kind": _kind(g),  # as ratio dicts name it: "heads", "mlp", ...
+                    "kind": kind_of(g),  # as ratio dicts name it: "heads", "mlp", ...
                     "n": g.size,
                     "k": int(m.sum()),
                     "ratio": self.ratios[g.name],
@@ -783,7 +494,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         the export's (every architecture of benchmarks/hf_prune_check.py)."""
         masks = self.hard_masks() if masks is None else masks
         params, _ = self.predicted_counts(masks)
-        kinds = [(_kind(g), g) for g in self.groups]
+        kinds = [(kind_of(g), g) for g in self.groups]
         return predicts_described(self.model, kinds, masks, params)
 
     def export(self) -> nn.Module:
@@ -867,7 +578,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         tie_again(tied, pruned)  # the holders of one weight hold one again
         set_model_counts(pruned, self.groups, masks)
         linear_to_conv1d(pruned)  # GPT-2's layers in its own layout again (conv1d.py)
-        described = update_config(pruned, [(_kind(g), g) for g in self.groups], masks)
+        described = update_config(pruned, [(kind_of(g), g) for g in self.groups], masks)
         if not described and any(getattr(g, "heads_from_config", False) for g in self.groups):
             raise ExportMismatchError(
                 "the model's config cannot describe the exported heads (see the warning), "

@@ -29,7 +29,7 @@ from ..masked_channel_epilogue import masked_channel_epilogue
 from ..transport_mask import transport_mask
 from ..transport_state import TransportState
 from . import nm as nm_rules
-from .base import ChannelPruner, ExportMismatchError, _zero_ratios
+from .base import ChannelPruner, ExportMismatchError
 from .conv1d import linear_to_conv1d
 from .cost import FlopsRatio
 from .example_inputs import call_model, in_float32, on_model_device
@@ -56,6 +56,7 @@ from .masking import (
 )
 from .precision import HALF, float32_weights, ieee_fp32
 from .proof import FP32_TOLERANCE, TOLERANCES, close
+from .refusals import zero_ratios
 from .whole_experts import MaskedRouting, WholeExpertsGroup, mask_router, unmask_router
 
 MASK_AT = ("auto", "parameters", "activation")
@@ -800,7 +801,7 @@ class DTPPruner(ChannelPruner):
         return ExportMismatchError(
             f"{error.what}: an export with only the groups {names} pruned fails this check "
             f"too, so {error.why}. Leave them whole with ignored_layers=[...] or a ratio of 0 "
-            f"for them: {_zero_ratios(self._asked_ratios, names)}"
+            f"for them: {zero_ratios(self._asked_ratios, names)}"
         )
 
     def _unmasked_copy(self) -> nn.Module:

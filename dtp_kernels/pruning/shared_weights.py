@@ -33,7 +33,7 @@ from .head_group import HeadGroup
 from .tied_heads import TiedHeadGroup
 
 
-def _holders(model: nn.Module) -> dict[int, list[tuple[str, str]]]:
+def parameter_holders(model: nn.Module) -> dict[int, list[tuple[str, str]]]:
     """Per parameter (by id): the (module name, parameter name) of every module holding it."""
     holders: dict[int, list[tuple[str, str]]] = {}
     for module_name, module in model.named_modules():
@@ -64,7 +64,7 @@ def tie_sets(model: nn.Module, groups: list, ran: set[nn.Module]) -> list[list]:
     example forward runs (a block several layers hold: its MLP in each), in model order:
     one mask must serve each set. (Two groups cutting one module, one its rows and one
     its columns, are no set.)"""
-    shared = {key for key, places in _holders(model).items() if len(places) > 1}
+    shared = {key for key, places in parameter_holders(model).items() if len(places) > 1}
     cutting: dict[int, list[tuple[int, set[int]]]] = {}  # tensor: (group, its holders)
     for index, group in enumerate(groups):
         held: dict[int, set[int]] = {}
@@ -115,7 +115,7 @@ def held_elsewhere(
     """Per group that would untie a weight: the names of its layers holding a parameter
     that a module neither it nor the groups `tied` with it cut holds too, where that
     module runs (one that never runs is handed the cut tensor at export)."""
-    holders = _holders(model)
+    holders = parameter_holders(model)
     modules = dict(model.named_modules())
     names = {module: name for name, module in modules.items()}
     members = {id(g): s for s in tied for g in s}
@@ -216,7 +216,11 @@ def holders(model: nn.Module) -> list[tuple[torch.Tensor, list[tuple[str, str]]]
     """Each parameter that several modules of `model` hold, with the (module name,
     parameter name) of every holder."""
     tensors = {id(p): p for m in model.modules() for p in m.parameters(recurse=False)}
-    return [(tensors[key], places) for key, places in _holders(model).items() if len(places) > 1]
+    return [
+        (tensors[key], places)
+        for key, places in parameter_holders(model).items()
+        if len(places) > 1
+    ]
 
 
 def _sync_sizes(module: nn.Module, name: str) -> None:

@@ -16,9 +16,9 @@ import torch
 
 from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.attention_forms import match_form
-from dtp_kernels.pruning.base import _zero_ratios
 from dtp_kernels.pruning.cost import count_params
 from dtp_kernels.pruning.heads import HeadGroup
+from dtp_kernels.pruning.refusals import zero_ratios
 from utils import LLAMA_VOCAB as VOCAB
 from utils import (
     TINY_BERT,
@@ -550,9 +550,9 @@ def test_a_refusal_names_ratios_that_leave_the_refused_whole_and_prune_the_rest(
 
 def test_a_refusal_under_ratios_of_another_form_names_the_keys_to_set_to_0():
     """Per-stage lists and strings cannot take a name: the message names the keys."""
-    assert _zero_ratios([0, 0.5], ["a.b"]) == "the keys ['a.b'] with 0"
-    assert _zero_ratios("[0:0, 1-15:0.5]", ["a"]) == "the keys ['a'] with 0"
-    assert _zero_ratios(1, ["a"]) == "ratios={'*': 1, 'a': 0}"
+    assert zero_ratios([0, 0.5], ["a.b"]) == "the keys ['a.b'] with 0"
+    assert zero_ratios("[0:0, 1-15:0.5]", ["a"]) == "the keys ['a'] with 0"
+    assert zero_ratios(1, ["a"]) == "ratios={'*': 1, 'a': 0}"
 
 
 def test_an_unknown_linear_layer_of_the_query_width_refuses_the_heads():

@@ -149,7 +149,7 @@ def test_a_shared_tensor_one_holder_of_which_stays_whole_is_refused():
     """A layer that runs the block's MLP uncut (left whole by ignored_layers, so its
     group is none) holds the tensors the other layer's group cuts: that group is refused
     by name; a member of a set refused for a reason of its own takes its set with it."""
-    from dtp_kernels.pruning import base
+    from dtp_kernels.pruning import refusals
 
     model, ids = causal_lm("Zamba", ZAMBA), tokens()
     whole = model.get_submodule("model.layers.2.shared_transf.feed_forward.gate_proj")
@@ -158,13 +158,13 @@ def test_a_shared_tensor_one_holder_of_which_stays_whole_is_refused():
     assert "'model.layers.1.shared_transf.feed_forward.gate_proj' cuts" in str(refused.value)
     model, ids = zamba2(), tokens()
     groups = [SHARED.format(layer) + ".feed_forward.down_proj" for layer in (0, 2, 3)]
-    real = base.enclosing_reader_refusals
+    real = refusals.enclosing_reader_refusals
 
     def refusing_the_middle_one(model, groups_, inputs):
         return {**real(model, groups_, inputs), groups[1]: ["a reader outside it"]}
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(base, "enclosing_reader_refusals", refusing_the_middle_one)
+        patch.setattr(refusals, "enclosing_reader_refusals", refusing_the_middle_one)
         with pytest.raises(ValueError, match="a reader outside it") as refused:
             DTPPruner(model, (ids,), 0.5)
     ratios = eval(str(refused.value).rsplit("ratios=", 1)[1])
