@@ -20,6 +20,7 @@ from torch.nn.utils import parametrize
 
 from . import masking
 from . import ratios as ratio_rules
+from .channel_graph import ChannelGraphError, traced_graph
 from .channel_rms_norms import adopt_rms_norms, cut_and_rescale
 from .conv1d import is_conv1d, linear_to_conv1d
 from .cost import (
@@ -45,12 +46,7 @@ from .gated_deltanet import find_linear_attention_groups
 from .group_kinds import asks_only_graphless, kind_of, with_kinds_found
 from .group_search import UNFOLLOWED
 from .grouped_convs import check_grouped_conv_ratios, cut_grouped_inputs, is_grouped
-from .groups import (
-    ChannelGraphError,
-    find_groups,
-    out_channel_handler,
-    traced_graph,
-)
+from .groups import find_groups, out_channel_handler
 from .heads import (
     HeadGroup,
     check_shard_ratios,

@@ -26,9 +26,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .channel_graph import output_tensors
 from .cuts import channel_dim, cut_inputs
 from .grouped_convs import is_grouped
-from .groups import ChannelGroup, output_tensors
+from .groups import ChannelGroup
 from .precision import ieee_fp32
 from .proof import close, dropped, example_calls, random_half
 

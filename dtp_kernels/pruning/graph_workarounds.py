@@ -166,7 +166,7 @@ def unmappable_reshapes_marked() -> Iterator[None]:
 def tuple_returning_linears(model: nn.Module, example_inputs: tuple) -> list[nn.Module]:
     """The `nn.Linear` subclasses in `model` with a forward of their own that returns a
     tuple on `example_inputs`, found in one eval forward (run under the caller's
-    settings: groups.py traces without the key/value cache); without such a subclass no
+    settings: channel_graph.py traces without the key/value cache); without such a subclass no
     forward is run."""
     candidates = [
         m

@@ -8,9 +8,9 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from .channel_graph import ChannelGraphError, GraphBuildError
 from .experts import ExpertGroup
 from .gated_deltanet import LinearAttentionGroup
-from .groups import ChannelGraphError, GraphBuildError
 from .heads import HeadGroup
 from .mamba import MambaGroup
 from .mamba2 import Mamba2Group

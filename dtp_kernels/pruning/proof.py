@@ -19,8 +19,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .channel_graph import output_tensors, without_cache
 from .example_inputs import call_model
-from .groups import output_tensors, without_cache
 from .precision import ieee_fp32
 
 # what a proof does to a copy of the module: zero (or cut) every unit but `keep`

@@ -30,12 +30,13 @@ from ..transport_mask import transport_mask
 from ..transport_state import TransportState
 from . import nm as nm_rules
 from .base import ChannelPruner, ExportMismatchError
+from .channel_graph import output_tensors
 from .conv1d import linear_to_conv1d
 from .cost import FlopsRatio
 from .example_inputs import call_model, in_float32, on_model_device
 from .experts import ExpertGroup, owner_and_name, tied_units
 from .export_blame import TRIAL_EXPORTS, culprit_groups
-from .groups import out_width, output_tensors
+from .groups import out_width
 from .heads import HeadGroup
 from .mamba import MambaGroup
 from .mamba2 import Mamba2Group

@@ -39,8 +39,8 @@ from torch import nn
 from torch.nn import functional
 from torch.overrides import TorchFunctionMode
 
+from .channel_graph import output_tensors
 from .experts import Layout, expert_layout
-from .groups import output_tensors
 from .precision import ieee_fp32
 from .proof import close, example_calls
 from .ratios import kept_count

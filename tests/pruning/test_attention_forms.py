@@ -451,9 +451,9 @@ def test_a_linear_layer_of_one_output_per_head_is_cut_with_the_heads(monkeypatch
     (`g_proj`), a table cut with the heads. It is no group root of its own: Torch-Pruning's
     search from it does not end (bounded here to 5 s), and a float ratio prunes heads,
     experts and MLPs together, exported equal to the hard-masked model."""
-    from dtp_kernels.pruning import groups
+    from dtp_kernels.pruning import channel_graph
 
-    monkeypatch.setattr(groups, "GROUP_SEARCH_SECONDS", 5.0)
+    monkeypatch.setattr(channel_graph, "GROUP_SEARCH_SECONDS", 5.0)
     torch.manual_seed(0)
     model, inputs = decoder(
         "Laguna",

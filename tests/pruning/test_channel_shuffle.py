@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torchvision.models import shufflenet_v2_x0_5
 
-from dtp_kernels.pruning import DTPPruner, groups
+from dtp_kernels.pruning import DTPPruner, channel_graph, groups
 from dtp_kernels.pruning.cost import count_flops, count_params
 from dtp_kernels.pruning.graph_workarounds import UNMAPPED_RESHAPE
 from utils import check_export, drawn_statistics, randomised
@@ -105,7 +105,7 @@ def test_the_shuffles_reshapes_are_marked_and_their_layers_searched_for_no_group
     search."""
     model = shufflenet_v2_x0_5(num_classes=5).eval()
     roots = (nn.Conv2d, nn.Linear)
-    with groups.traced_graph(model, (torch.randn(1, 3, 32, 32),)) as graph:
+    with channel_graph.traced_graph(model, (torch.randn(1, 3, 32, 32),)) as graph:
         marked = [n for n in graph.module2node.values() if getattr(n.module, UNMAPPED_RESHAPE, 0)]
         names = {m: n for n, m in model.named_modules()}
         shuffled = {names[m] for m in groups.shuffled_layers(graph, roots)}
@@ -119,7 +119,7 @@ def test_without_the_workaround_the_graph_fails_and_the_model_is_refused_by_name
     """Torch-Pruning's own graph fails on ShuffleNetV2 (a division by zero): a ValueError
     naming the model and pointing to the supported ones, not Torch-Pruning's own error,
     and the model is left as it was (training mode, no masks, the same weights)."""
-    monkeypatch.setattr(groups, "unmappable_reshapes_marked", contextlib.nullcontext)
+    monkeypatch.setattr(channel_graph, "unmappable_reshapes_marked", contextlib.nullcontext)
     model = shufflenet_v2_x0_5(num_classes=5).train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"prunable groups of ShuffleNetV2: Torch-Pruning"):
@@ -140,7 +140,7 @@ def test_swins_layers_whose_residual_stream_meets_its_window_merge_are_not_searc
 
     model = SwinTransformer([4, 4], 16, [1, 1], [2, 2], [2, 2], num_classes=5).eval()
     names = {m: n for n, m in model.named_modules()}
-    with groups.traced_graph(model, (torch.randn(1, 3, 32, 32),)) as graph:
+    with channel_graph.traced_graph(model, (torch.randn(1, 3, 32, 32),)) as graph:
         shuffled = {names[m] for m in groups.shuffled_layers(graph, (nn.Conv2d, nn.Linear))}
     for block in ("features.1.0", "features.3.0"):
         assert f"{block}.mlp.3" in shuffled
@@ -172,7 +172,7 @@ def test_a_reshape_whose_widths_the_graph_infers_as_zero_is_marked_and_the_rest_
     torch.manual_seed(0)
     model = drawn_statistics(shvit()).eval()
     x = torch.randn(2, 3, 64, 64)
-    with groups.traced_graph(model, (x[:1],)) as graph:
+    with channel_graph.traced_graph(model, (x[:1],)) as graph:
         marked = [n for n in graph.module2node.values() if getattr(n.module, UNMAPPED_RESHAPE, 0)]
     assert len(marked) == 2  # one per single-head attention
     pruner = randomised(DTPPruner(model, (x[:1],), 0.5))

@@ -26,8 +26,9 @@ from torchvision.ops import FrozenBatchNorm2d
 from torchvision.ops.feature_pyramid_network import LastLevelP6P7
 
 from dtp_kernels.pruning import DTPPruner
+from dtp_kernels.pruning.channel_graph import output_tensors, traced_graph
 from dtp_kernels.pruning.cost import count_flops, count_params, flops_after, trace_layers
-from dtp_kernels.pruning.groups import output_layers, output_tensors, traced_graph
+from dtp_kernels.pruning.groups import output_layers
 from utils import randomised
 
 SIZES = {"min_size": 64, "max_size": 96}

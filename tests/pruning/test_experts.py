@@ -627,9 +627,11 @@ def test_ratios_that_need_the_channel_graph_say_it_fails(ratios, monkeypatch):
     MLPs) raises its failure, naming the model and what works without it: DeepSeek-V3's
     graph, without the workaround for the concatenation Torch-Pruning's width inference
     fails on (test_graph_workarounds.py), fails."""
-    from dtp_kernels.pruning import groups
+    from dtp_kernels.pruning import channel_graph
 
-    monkeypatch.setattr(groups, "unknown_concat_widths_left_unmapped", contextlib.nullcontext)
+    monkeypatch.setattr(
+        channel_graph, "unknown_concat_widths_left_unmapped", contextlib.nullcontext
+    )
     model, inputs = tiny_deepseek(), (tokens(),)
     with pytest.raises(ValueError, match=r"DeepseekV3ForCausalLM: Torch-Pruning's.*'mlp' alone"):
         DTPPruner(model, inputs, ratios)

@@ -236,9 +236,11 @@ def test_heads_experts_and_mlps_prune_where_the_graph_fails(name, tmp_path, monk
     experts and MLPs (dense and shared experts) prune together: the export equals the
     hard-masked model, counts are exact, and the config describes it (save_pretrained /
     from_pretrained)."""
-    from dtp_kernels.pruning import groups
+    from dtp_kernels.pruning import channel_graph
 
-    monkeypatch.setattr(groups, "unknown_concat_widths_left_unmapped", contextlib.nullcontext)
+    monkeypatch.setattr(
+        channel_graph, "unknown_concat_widths_left_unmapped", contextlib.nullcontext
+    )
     build, kinds, fields, mlp = MODELS[name]
     model, inputs = build(), (tokens(),)
     with pytest.raises(ValueError, match=r"Torch-Pruning"):

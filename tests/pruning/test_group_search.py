@@ -14,13 +14,14 @@ from torch_pruning.dependency import index_mapping
 
 from dtp_kernels.models import get_model
 from dtp_kernels.pruning import DTPPruner
+from dtp_kernels.pruning.channel_graph import traced_graph
 from dtp_kernels.pruning.group_search import (
     LARGEST_TENSOR,
     UNFOLLOWED,
     LargestTensor,
     coupled_group,
 )
-from dtp_kernels.pruning.groups import out_channel_handler, out_width, traced_graph
+from dtp_kernels.pruning.groups import out_channel_handler, out_width
 from utils import check_export, drawn_statistics, randomised
 
 timm = pytest.importorskip("timm")
@@ -162,9 +163,9 @@ def test_an_unfollowed_group_is_left_whole(monkeypatch, channels):
     """A group whose search ended at an index past a layer's width is no group: its
     layer is left whole, the others prune. So too when only the search from one of its
     channels ends so (the one that measures how its channels go together)."""
-    from dtp_kernels.pruning import groups
+    from dtp_kernels.pruning import channel_graph
 
-    search = groups.coupled_group
+    search = channel_graph.coupled_group
 
     def unfollowed_from_one_layer(graph, module, handler, idxs):
         group = search(graph, module, handler, idxs)
@@ -177,7 +178,7 @@ def test_an_unfollowed_group_is_left_whole(monkeypatch, channels):
     pruner = DTPPruner(model, (x,), 0.5)
     names = [g.name for g in pruner.groups]
     pruner.remove()
-    monkeypatch.setattr(groups, "coupled_group", unfollowed_from_one_layer)
+    monkeypatch.setattr(channel_graph, "coupled_group", unfollowed_from_one_layer)
     left = [g.name for g in DTPPruner(model, (x,), 0.5).groups]
     assert "layer2.0.conv1" in names
     assert left == [n for n in names if n != "layer2.0.conv1"]
@@ -187,19 +188,19 @@ def test_an_export_whose_search_ends_unfollowed_is_refused_by_name(monkeypatch):
     """Were a group's search at export to end unfollowed (the graph of the copy being cut
     mapping its channels past a width), the export stops naming the group, rather than
     cut a part of what the group couples."""
-    from dtp_kernels.pruning import groups
+    from dtp_kernels.pruning import channel_graph
     from dtp_kernels.pruning.base import ExportMismatchError
 
     model = get_model("resnet20")
     pruner = randomised(DTPPruner(model, (torch.randn(1, 3, 32, 32),), 0.5))
-    search = groups.coupled_group
+    search = channel_graph.coupled_group
 
     def unfollowed_at_export(graph, module, handler, idxs):
         group = search(graph, module, handler, idxs)
         setattr(group, UNFOLLOWED, module is graph.model.layer2[0].conv1)
         return group
 
-    monkeypatch.setattr(groups, "coupled_group", unfollowed_at_export)
+    monkeypatch.setattr(channel_graph, "coupled_group", unfollowed_at_export)
     with pytest.raises(ExportMismatchError, match=r"coupled to group 'layer2.0.conv1' cannot"):
         pruner.export()
 

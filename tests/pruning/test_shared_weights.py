@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from dtp_kernels.pruning import DTPPruner, load_pruned, save_pruned
+from dtp_kernels.pruning.channel_graph import ChannelGraphError
 from dtp_kernels.pruning.cost import count_flops
-from dtp_kernels.pruning.groups import ChannelGraphError
 from dtp_kernels.pruning.shared_weights import UntiedExportError, holders, tie_again
 from dtp_kernels.pruning.tied_heads import TiedHeadGroup
 from utils import LLAMA_VOCAB as VOCAB
@@ -239,9 +239,9 @@ def test_a_graphless_model_prunes_its_shared_blocks_heads_and_mlp_tied():
 def test_a_failed_search_names_its_layers_not_the_kinds(monkeypatch):
     """Only a graph that cannot be built at all gives the kinds' ratios: a search that
     fails for one layer names that layer to leave whole (the advice that prunes most)."""
-    from dtp_kernels.pruning import groups
+    from dtp_kernels.pruning import channel_graph
 
-    search = groups.coupled_group
+    search = channel_graph.coupled_group
     model, ids = zamba2(), tokens()
     failing = model.get_submodule(SHARED.format(0) + ".feed_forward.down_proj")
 
@@ -250,7 +250,7 @@ def test_a_failed_search_names_its_layers_not_the_kinds(monkeypatch):
             raise IndexError("list index out of range")
         return search(graph, module, handler, idxs)
 
-    monkeypatch.setattr(groups, "coupled_group", fails_at_one_layer)
+    monkeypatch.setattr(channel_graph, "coupled_group", fails_at_one_layer)
     named = "'model.layers.0.shared_transformer.feed_forward.down_proj' fails"
     with pytest.raises(ChannelGraphError, match=named) as failed:
         DTPPruner(model, (ids,), 0.5)

@@ -469,17 +469,17 @@ def test_a_group_search_that_does_not_end_is_stopped_and_named(monkeypatch):
     the way out, the model is unchanged and no timer or SIGALRM handler is left behind."""
     import signal
 
-    from dtp_kernels.pruning import groups
+    from dtp_kernels.pruning import channel_graph
 
-    search = groups.coupled_group
+    search = channel_graph.coupled_group
 
     def endless_from_the_last_block(graph, module, handler, idxs):
         while module is model.layer3[2].conv1:
             pass
         return search(graph, module, handler, idxs)
 
-    monkeypatch.setattr(groups, "GROUP_SEARCH_SECONDS", 1.0)
-    monkeypatch.setattr(groups, "coupled_group", endless_from_the_last_block)
+    monkeypatch.setattr(channel_graph, "GROUP_SEARCH_SECONDS", 1.0)
+    monkeypatch.setattr(channel_graph, "coupled_group", endless_from_the_last_block)
     model = get_model("resnet20").train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     handler = signal.getsignal(signal.SIGALRM)
@@ -496,16 +496,16 @@ def test_a_group_search_that_does_not_end_is_stopped_and_named(monkeypatch):
 def test_a_group_search_that_fails_is_named(monkeypatch):
     """A search that fails inside Torch-Pruning's code (an index mapping's IndexError)
     raises a ValueError naming the layer and the way out, the model unchanged."""
-    from dtp_kernels.pruning import groups
+    from dtp_kernels.pruning import channel_graph
 
-    search = groups.coupled_group
+    search = channel_graph.coupled_group
 
     def failing_from_the_last_block(graph, module, handler, idxs):
         if module is model.layer3[2].conv1:
             raise IndexError("list index out of range")
         return search(graph, module, handler, idxs)
 
-    monkeypatch.setattr(groups, "coupled_group", failing_from_the_last_block)
+    monkeypatch.setattr(channel_graph, "coupled_group", failing_from_the_last_block)
     model = get_model("resnet20")
     named = r"coupled to layer 'layer3.2.conv1' fails \(IndexError: .*ignored_layers"
     with pytest.raises(ValueError, match=named):
@@ -516,16 +516,16 @@ def test_a_group_search_that_fails_is_named(monkeypatch):
 def test_every_group_search_that_fails_is_named_in_one_error(monkeypatch):
     """Searches that fail for two layers: one error names both, with Torch-Pruning's
     errors; leaving both whole (ignored_layers) prunes the rest."""
-    from dtp_kernels.pruning import groups
+    from dtp_kernels.pruning import channel_graph
 
-    search = groups.coupled_group
+    search = channel_graph.coupled_group
 
     def failing_at_two_layers(graph, module, handler, idxs):
         if module in (model.layer2[0].conv1, model.layer3[2].conv1):
             raise IndexError("list index out of range")
         return search(graph, module, handler, idxs)
 
-    monkeypatch.setattr(groups, "coupled_group", failing_at_two_layers)
+    monkeypatch.setattr(channel_graph, "coupled_group", failing_at_two_layers)
     model, x = get_model("resnet20"), torch.randn(1, 3, 32, 32)
     named = (
         r"coupled to layers 'layer2.0.conv1' \(IndexError: list index out of range\), "
@@ -576,9 +576,9 @@ def test_an_expiry_the_search_swallows_fires_again(monkeypatch):
     collector runs during the search): it repeats until the search ends, so a search that
     spends most of its time in finalizers is still stopped. (A search still running
     after 10 s returns, and the test fails.)"""
-    from dtp_kernels.pruning import groups
+    from dtp_kernels.pruning import channel_graph
 
-    monkeypatch.setattr(groups, "GROUP_SEARCH_SECONDS", 0.2)
+    monkeypatch.setattr(channel_graph, "GROUP_SEARCH_SECONDS", 0.2)
     rng = random.Random(0)
 
     class Finalized:
@@ -598,8 +598,10 @@ def test_an_expiry_the_search_swallows_fires_again(monkeypatch):
     reported = []
     monkeypatch.setattr(sys, "unraisablehook", reported.append)
     # a ChannelGraphError: ratios for heads and experts alone go on without the graph
-    expired = pytest.raises(groups.ChannelGraphError, match=r"'layer' did not end within 0.2 s")
-    with expired, groups._bounded_search(graph, {layer: "layer"}):
+    expired = pytest.raises(
+        channel_graph.ChannelGraphError, match=r"'layer' did not end within 0.2 s"
+    )
+    with expired, channel_graph.bounded_search(graph, {layer: "layer"}):
         graph.get_pruning_group(layer, None, [0])
     assert reported == [] and sys.unraisablehook == reported.append
 
