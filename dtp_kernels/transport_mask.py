@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
+from typing import overload
 
 import torch
 
@@ -701,6 +702,35 @@ _IMPLEMENTATIONS = {
     "triton": _transport_mask_triton,
     "cuda": _transport_mask_compiled,  # the same op; the dispatcher picks the CUDA kernel
 }
+
+
+# the mask comes back in the form of the scores: type checkers see which (py.typed)
+@overload
+def transport_mask(
+    scores: torch.Tensor,
+    keep: torch.Tensor | Sequence[float] | float,
+    state: TransportState,
+    eps: float | Sequence[float] | torch.Tensor = 1.0,
+    iters: int = 1,
+    update: bool = True,
+    backend: str = "auto",
+    nonfinite: str = "propagate",
+    blocks_per_segment: int = 0,
+) -> torch.Tensor: ...
+
+
+@overload
+def transport_mask(
+    scores: Sequence[torch.Tensor],
+    keep: torch.Tensor | Sequence[float] | float,
+    state: TransportState,
+    eps: float | Sequence[float] | torch.Tensor = 1.0,
+    iters: int = 1,
+    update: bool = True,
+    backend: str = "auto",
+    nonfinite: str = "propagate",
+    blocks_per_segment: int = 0,
+) -> list[torch.Tensor]: ...
 
 
 def transport_mask(

@@ -24,6 +24,7 @@ names = zipfile.ZipFile(sys.argv[1]).namelist()
 compiled = any(n.startswith("dtp_kernels/_C") for n in names)
 assert compiled == (sys.argv[2] == "1"), f"compiled module in the wheel: {compiled}"
 assert "dtp_kernels/configs/paper/table1_resnet56_cifar10.yaml" in names, "recipes missing"
+assert "dtp_kernels/py.typed" in names, "py.typed missing: type checkers would skip the hints"
 EOF
   "$PY" -m pip install --quiet --no-deps --no-index --target "$site" "$wheel_file"
   cd "$WORK"

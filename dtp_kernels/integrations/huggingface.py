@@ -13,6 +13,7 @@ from ..pruning.config_forecast import config_forecast, forecast_message
 from ..pruning.example_inputs import on_model_device
 from ..pruning.prepare import prepare
 from ..pruning.pruner import DTPPruner
+from ..pruning.ratios import Ratios
 
 
 class DTPTrainerCallback(TrainerCallback):
@@ -37,7 +38,7 @@ class DTPTrainerCallback(TrainerCallback):
     def __init__(
         self,
         example_inputs: torch.Tensor | tuple | Mapping,
-        ratios: float | Mapping[str, float] | str,
+        ratios: Ratios,
         *,
         score_lr: float | None = None,
         **pruner_kwargs,

@@ -11,6 +11,7 @@ from lightning.pytorch import Callback
 from ..pruning.example_inputs import on_model_device
 from ..pruning.prepare import prepare
 from ..pruning.pruner import DTPPruner
+from ..pruning.ratios import Ratios
 
 
 class DTPCallback(Callback):
@@ -31,7 +32,7 @@ class DTPCallback(Callback):
     def __init__(
         self,
         example_inputs: torch.Tensor | tuple | Mapping,
-        ratios: float | Mapping[str, float] | str,
+        ratios: Ratios,
         *,
         optimizer_index: int = 0,
         score_lr: float | None = None,

@@ -58,6 +58,7 @@ from .layer_fates import layer_fates, warn_idle_layers
 from .mamba import MambaGroup, find_mamba_groups, prune_mamba
 from .mamba2 import Mamba2Group, check_mamba2_ratios, find_mamba2_groups
 from .mlps import FormMLPGroup, find_form_mlps, prune_form_mlp
+from .ratios import Ratios
 from .refusals import refuse_inexact
 from .response_norms import adopt_response_norms, rescale_response_norm
 from .shared_kv import tie_kv_sharing
@@ -126,7 +127,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         self,
         model: nn.Module,
         example_inputs: torch.Tensor | tuple | Mapping,
-        ratios: float | Mapping[str, float] | str,
+        ratios: Ratios,
         *,
         budget: str = "layer",
         ignored_layers: Sequence[nn.Module] = (),

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .pruner import DTPPruner
+from .ratios import Ratios
 
 
 def unwrap_optimizer(optimizer) -> torch.optim.Optimizer:
@@ -70,7 +71,7 @@ def prepare(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     example_inputs: torch.Tensor | tuple | Mapping,
-    ratios: float | Mapping[str, float] | str,
+    ratios: Ratios,
     *,
     score_lr: float | None = None,
     score_weight_decay: float = 0.0,

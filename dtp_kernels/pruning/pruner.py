@@ -57,6 +57,7 @@ from .masking import (
 )
 from .precision import HALF, float32_weights, ieee_fp32
 from .proof import FP32_TOLERANCE, TOLERANCES, close
+from .ratios import Ratios
 from .refusals import zero_ratios
 from .whole_experts import MaskedRouting, WholeExpertsGroup, mask_router, unmask_router
 
@@ -99,8 +100,9 @@ class DTPPruner(ChannelPruner):
             tuple of positional arguments or a dict of keyword arguments (a Hugging Face
             processor's output: input ids with pixel values).
         ratios: a float; a dict of module names, fnmatch patterns or kinds of group
-            ("channels", "mlp", "heads", "experts", "coupled") to ratios;
-            "[0, 0.5, 0.5, 0.5]" (per ResNet stage) or "[0:0, 1-15:0.5]" (per convolution
+            ("channels", "mlp", "heads", "experts", "coupled") to ratios; a list of one
+            ratio per ResNet stage ([0, 0.5, 0.5, 0.5]); or the paper's strings,
+            "[0, 0.5, 0.5, 0.5]" (per stage) or "[0:0, 1-15:0.5]" (per convolution
             index); each in [0, 1).
         budget: "layer" (one transport segment per group, or per group of experts under
             group-limited routing), "global" (one over all), or
@@ -144,7 +146,7 @@ class DTPPruner(ChannelPruner):
         self,
         model: nn.Module,
         example_inputs: torch.Tensor | tuple | Mapping,
-        ratios: float | Mapping[str, float] | str,
+        ratios: Ratios,
         *,
         budget: str = "layer",
         granularity: str = "filter",

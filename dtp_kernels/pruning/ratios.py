@@ -12,7 +12,10 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+
+# what every pruner's `ratios` argument takes (the module docstring says how each reads)
+Ratios = float | Mapping[str, float] | Sequence[float] | str
 
 
 def kept_count(n: int, ratio: float) -> int:
@@ -134,7 +137,7 @@ def _key_for(name: str, ratios: Mapping, matched: dict, kind: str | None) -> str
 
 
 def resolve(
-    ratios: float | Mapping[str, float] | str,
+    ratios: Ratios,
     names: list[str],
     conv_index: dict[str, int],
     all_convs: int,
