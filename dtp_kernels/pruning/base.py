@@ -457,8 +457,9 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
 
     @torch.no_grad()
     def report(self) -> dict:
-        """Per group its kind, n and k; totals of parameters and FLOPs before and after
-        pruning; the layers left whole."""
+        """Per group its kind, n and k and the group whose mask it reads (its own, or
+        the first of its tie set: shared_weights.py); totals of parameters and FLOPs
+        before and after pruning; the layers left whole."""
         masks = self.hard_masks()
         params, flops = self.predicted_counts(masks)
         return {
@@ -469,8 +470,9 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                     "n": g.size,
                     "k": int(m.sum()),
                     "ratio": self.ratios[g.name],
+                    "mask_of": self.groups[source].name,
                 }
-                for g, m in zip(self.groups, masks, strict=True)
+                for g, m, source in zip(self.groups, masks, self.mask_of, strict=True)
             ],
             "params_before": self._base_params,
             "params_after": params,

@@ -621,16 +621,16 @@ class DTPPruner(ChannelPruner):
 
     def report(self) -> dict:
         """Base report plus, per group, the soft-mask mass inside the top k and the mean
-        squared distance of the soft mask from the hard one."""
+        squared distance of the soft mask from the hard one (of the mask the group
+        reads: a tie set's later groups report its first one's)."""
         result = super().report()
         with torch.no_grad():
-            soft = self._transport(update=False).float().cpu()
-        hard = torch.cat(self.hard_masks())
-        for row, skipped in zip(result["groups"], self.skipped_steps(), strict=True):
-            row["skipped_steps"] = skipped
-        for row, s, h in zip(
-            result["groups"], soft.split(self.sizes), hard.split(self.sizes), strict=True
-        ):
+            soft = self._transport(update=False).float().cpu().split(self.sizes)
+        hard = self.hard_masks()
+        skipped = self.skipped_steps()
+        for row, source in zip(result["groups"], self.mask_of, strict=True):
+            s, h = soft[source], hard[source].flatten().float().cpu()
+            row["skipped_steps"] = skipped[source]
             row["mass_in_top_k"] = float((s * h).sum() / h.sum().clamp(min=1))
             row["distance_to_hard"] = float(((s - h) ** 2).mean())
         return result

@@ -145,6 +145,31 @@ def test_a_tie_sets_later_groups_learn_through_the_first_ones_mask():
         assert bool(grads[index].any()) == (source == index), pruner.groups[index].name
 
 
+def test_the_report_names_the_mask_each_group_reads_and_reports_that_masks_figures():
+    """report() says which group's mask each group reads (its own, or its set's first),
+    and a later group of a set reports the figures of that mask (its k, the soft mask's
+    mass in its top k, its distance to the hard one, its skipped steps), not of the
+    untrained scores it never reads."""
+    model, ids = zamba2(), tokens()
+    pruner = randomised(DTPPruner(model.train(), (ids,), 0.5))
+    optimizer = torch.optim.SGD(pruner.parameters(), lr=1.0)
+    pruner.attach(optimizer)
+    for _ in range(3):  # the first group's soft mask moves; the later ones' scores do not
+        optimizer.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+    rows = pruner.report()["groups"]
+    figures = ("k", "mass_in_top_k", "distance_to_hard", "skipped_steps")
+    followers = [i for i, source in enumerate(pruner.mask_of) if source != i]
+    assert followers
+    for index, (row, source) in enumerate(zip(rows, pruner.mask_of, strict=True)):
+        assert row["mask_of"] == pruner.groups[source].name, row
+        assert {f: row[f] for f in figures} == {f: rows[source][f] for f in figures}, index
+    soft = pruner._transport(update=False).detach().float().split(pruner.sizes)
+    own = soft[followers[0]]  # what the follower's own scores would have reported
+    assert not torch.equal(own, soft[pruner.mask_of[followers[0]]])
+
+
 def test_a_shared_tensor_one_holder_of_which_stays_whole_is_refused():
     """A layer that runs the block's MLP uncut (left whole by ignored_layers, so its
     group is none) holds the tensors the other layer's group cuts: that group is refused
