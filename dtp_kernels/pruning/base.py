@@ -213,6 +213,8 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             model, all_groups, per_group, ignored_layers, ran, self._whole_reasons
         )
         self._whole_reasons = {}  # the modules are the model's: hold them no longer
+        # every group that cannot be pruned exactly goes in one error (refusals.py); what
+        # comes back are the sets of groups that prune with one mask (shared_weights.py)
         tied = refuse_inexact(
             model, self.groups, all_groups, per_group, budget, ran, inputs, ratios
         )
