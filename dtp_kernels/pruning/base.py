@@ -12,7 +12,7 @@ import abc
 import contextlib
 import copy
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -108,6 +108,43 @@ class ExportMismatchError(ValueError):
     """export() produced a model that does not compute what the hard-masked one does."""
 
 
+def _ignored_modules(model: nn.Module, ignored: Iterable[nn.Module | str]) -> list[nn.Module]:
+    """`ignored_layers` as modules of `model`, each given as one of its modules or its
+    name, with every module inside them (a block leaves all its layers whole); TypeError
+    or ValueError naming the entry otherwise (a module of another model or a misspelt
+    name would leave nothing whole, without a word)."""
+    if isinstance(ignored, (str, nn.Module)) or not isinstance(ignored, Iterable):
+        raise TypeError(
+            "ignored_layers must be a list of the model's modules or their names, got "
+            f"{type(ignored).__name__}"
+            + (" (put it in a list)" if isinstance(ignored, (str, nn.Module)) else "")
+        )
+    names = {module: name for name, module in model.named_modules()}
+    modules = []
+    for index, entry in enumerate(ignored):
+        if isinstance(entry, str):
+            module = dict(model.named_modules()).get(entry)
+            if module is None:
+                raise ValueError(
+                    f"ignored_layers[{index}] = {entry!r} names no module of "
+                    f"{type(model).__name__} (module names as model.named_modules() gives them)"
+                )
+        elif isinstance(entry, nn.Module):
+            if entry not in names:
+                raise ValueError(
+                    f"ignored_layers[{index}] is a {type(entry).__name__} that is not a module "
+                    f"of this {type(model).__name__}"
+                )
+            module = entry
+        else:
+            raise TypeError(
+                f"ignored_layers[{index}] is a {type(entry).__name__}; give the model's modules "
+                "or their names"
+            )
+        modules.extend(module.modules())
+    return list(dict.fromkeys(modules))
+
+
 def _carries_masks(module: nn.Module) -> bool:
     """Whether a pruner's masks are on `module` (a parametrization of masking.py, a
     router's masked forward)."""
@@ -130,10 +167,13 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         ratios: Ratios,
         *,
         budget: str = "layer",
-        ignored_layers: Sequence[nn.Module] = (),
+        ignored_layers: Sequence[nn.Module | str] = (),
         prune_coupled: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        ignored_layers = _ignored_modules(model, ignored_layers)
         if not isinstance(prune_coupled, bool):
             raise TypeError(f"prune_coupled must be a bool, got {type(prune_coupled).__name__}")
         self.prune_coupled = prune_coupled

@@ -130,8 +130,8 @@ class DTPPruner(ChannelPruner):
         mask_at: "auto" (parameters where possible), "parameters" or "activation".
         epilogue_backend: backend of `masked_channel_epilogue` for activation masks
             ("auto", "torch" for eager masking, "cpu", "triton", "cuda").
-        ignored_layers: layers (convolutions, linear layers, attention modules) never to
-            prune.
+        ignored_layers: layers (convolutions, linear layers, attention modules, or
+            modules holding them) never to prune, as modules of the model or their names.
         prune_coupled: also prune the channel widths that residual adds couple (kind
             "coupled"), one segment per width, masked at every producer's BN (or its
             rows); widths that meet a concatenation, a LayerNorm, an added parameter or a
@@ -155,7 +155,7 @@ class DTPPruner(ChannelPruner):
         eps: float = 1.0,
         iters: int = 1,
         mask_at: str = "auto",
-        ignored_layers: Sequence[nn.Module] = (),
+        ignored_layers: Sequence[nn.Module | str] = (),
         backend: str = "auto",
         epilogue_backend: str = "auto",
         prune_coupled: bool = False,

@@ -329,6 +329,15 @@ BAD = [
         r"granularity = 'kernel'; allowed: \['filter', 'weight', 'n:m'\]",
     ),
     (dict(mask_at="weights"), ValueError, r"mask_at = 'weights'"),
+    # ignored layers the model does not have would leave nothing whole, without a word
+    (dict(ignored_layers=["layer1.0.conv9"]), ValueError, r"\[0\] = 'layer1.0.conv9' names no"),
+    (
+        dict(ignored_layers=[torch.nn.Conv2d(3, 16, 3)]),
+        ValueError,
+        r"\[0\] is a Conv2d that is not",
+    ),
+    (dict(ignored_layers=["conv1", 3]), TypeError, r"ignored_layers\[1\] is a int; give"),
+    (dict(ignored_layers="conv1"), TypeError, r"list .* got str \(put it in a list\)"),
 ]
 
 
@@ -344,6 +353,22 @@ def test_bad_input_leaves_model_untouched(kwargs, error, pattern):
     assert not model._forward_pre_hooks
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_ignored_layers_by_name_leave_the_same_layers_whole_as_by_module():
+    """ignored_layers takes the model's modules or their names alike (the names refusals
+    print); a module holding layers leaves them all whole; a model that is no module is
+    refused by name."""
+    by_module = DTPPruner(resnet20(), X1, 0.5, ignored_layers=[])
+    names = [g.name for g in by_module.groups]
+    model = resnet20()
+    pruned = DTPPruner(model, X1, 0.5, ignored_layers=[model.layer1[0].conv1, "layer2"])
+    by_name = DTPPruner(resnet20(), X1, 0.5, ignored_layers=("layer1.0.conv1", "layer2"))
+    kept = [n for n in names if n != "layer1.0.conv1" and not n.startswith("layer2.")]
+    assert [g.name for g in pruned.groups] == [g.name for g in by_name.groups] == kept
+    assert by_name.left_whole["layer2.1.conv1"] == "in ignored_layers (or inside one of them)"
+    with pytest.raises(TypeError, match=r"model must be an nn\.Module, got str"):
+        DTPPruner("resnet20", X1, 0.5)
 
 
 MODELS = [
