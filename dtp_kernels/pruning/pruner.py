@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -186,8 +187,8 @@ class DTPPruner(ChannelPruner):
                 f"epilogue_backend = {epilogue_backend!r}; allowed: {list(EPILOGUE_BACKENDS)}"
             )
         self.epilogue_backend = epilogue_backend
-        if not (isinstance(eps, (int, float)) and eps > 0):
-            raise ValueError(f"eps = {eps!r}; it must be a number > 0")
+        if isinstance(eps, bool) or not (isinstance(eps, (int, float)) and 0 < eps < math.inf):
+            raise ValueError(f"eps = {eps!r}; it must be a finite number > 0")
         super().__init__(
             model,
             example_inputs,
@@ -554,6 +555,11 @@ class DTPPruner(ChannelPruner):
         host read of a DTP step) and warns, at most once per check, when a group skipped
         steps since the last check because its scores were NaN or Inf.
         """
+
+        if not callable(getattr(optimizer, "register_step_post_hook", None)):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
 
         def after_step(*_) -> None:
             self._source.release_graph()

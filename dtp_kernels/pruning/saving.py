@@ -48,11 +48,16 @@ def save_pruned(
         builder in its header, loaded without pickle.
     architecture: ``{"name": ..., "num_classes": ...}`` as for ``get_model``; with it the
         file is weights only (torch format). metadata: plain values (e.g. method, ratios)
-        stored with it and checked by ``load_pruned(expect=...)``.
+        stored with it in every format and checked by ``load_pruned(expect=...)``; a
+        value of another type is a TypeError naming it, before anything is written.
     Neither: the module is pickled (loading needs ``trusted=True``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    # checked before writing: a value the file cannot hold plainly would leave a file
+    # that loads only unpickled (torch format) or not at all (safetensors header)
+    _check_plain(metadata or {}, "metadata")
+    _check_plain(builder_kwargs or {}, "builder_kwargs")
     if builder is not None:
         if architecture is not None:
             raise ValueError("give builder or architecture, not both")
@@ -63,7 +68,8 @@ def save_pruned(
     if builder_kwargs is not None:
         raise ValueError("builder_kwargs needs builder")
     if architecture is None:
-        torch.save({"format": FORMAT, "version": PICKLED, "model": model}, path)
+        payload = {"format": FORMAT, "version": PICKLED, "model": model}
+        torch.save({**payload, "metadata": dict(metadata or {})}, path)
         return
     if set(architecture) != {"name", "num_classes"}:
         raise ValueError(f"architecture needs exactly name and num_classes, got {architecture}")
@@ -132,6 +138,7 @@ def load_pruned(
     if version == PICKLED:
         if not trusted:
             raise ValueError(f"{path} holds a pickled module; pass trusted=True to load it")
+        _check_expected(path, payload.get("metadata", {}), expect)  # an older file holds none
         return payload["model"]
     if version != VERSION:
         raise ValueError(
@@ -147,6 +154,27 @@ def load_pruned(
     _shrink_to(model, state, path)
     model.load_state_dict(state)
     return model.to(map_location) if map_location is not None else model
+
+
+def _check_plain(value, where: str) -> None:
+    """TypeError naming the entry of `value` (at `where`) that is not a plain value: None,
+    a bool, int, float or str, or a list or dict (with str keys) of them."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_plain(item, f"{where}[{index}]")
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{where} has the key {key!r}; its keys must be strings")
+            _check_plain(item, f"{where}[{key!r}]")
+        return
+    raise TypeError(
+        f"{where} is a {type(value).__name__}; save_pruned stores plain values: None, "
+        "numbers, strings, booleans, and lists and dicts of them"
+    )
 
 
 def _check_expected(path, known: dict, expect: dict | None) -> None:

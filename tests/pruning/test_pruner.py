@@ -305,6 +305,38 @@ def test_pickled_module_format_needs_trust(tmp_path):
     torch.testing.assert_close(loaded(XB), exported(XB))
 
 
+def test_attach_refuses_what_is_no_optimizer():
+    pruner = DTPPruner(resnet20(), X1, 0.5)
+    with pytest.raises(TypeError, match=r"optimizer must be a torch\.optim\.Optimizer, got str"):
+        pruner.attach("sgd")
+
+
+def test_metadata_is_plain_and_checked_in_every_format(tmp_path):
+    """save_pruned refuses metadata it cannot store plainly, naming the entry, before
+    writing (a weights-only file would need unpickling, a builder file would not be
+    written); the pickled format stores it too, and load_pruned(expect=...) checks it
+    there as in the others."""
+    model = resnet20()
+    with pytest.raises(TypeError, match=r"metadata\['ratios'\]\[1\] is a set"):
+        save_pruned(
+            tmp_path / "a.pt",
+            model,
+            {"name": "resnet20", "num_classes": 10},
+            metadata={"ratios": [0.5, {0.5}]},
+        )
+    with pytest.raises(TypeError, match=r"builder_kwargs has the key 3"):
+        save_pruned(
+            tmp_path / "b", model, builder="dtp_kernels.models:resnet20", builder_kwargs={3: "x"}
+        )
+    assert not list(tmp_path.iterdir())
+    save_pruned(tmp_path / "any.pt", model, metadata={"method": "dtp", "ratio": 0.5})
+    assert isinstance(
+        load_pruned(tmp_path / "any.pt", expect={"ratio": 0.5}, trusted=True), torch.nn.Module
+    )
+    with pytest.raises(ValueError, match=r"holds a model with ratio = 0.5, expected 0.7"):
+        load_pruned(tmp_path / "any.pt", expect={"ratio": 0.7}, trusted=True)
+
+
 BAD = [
     (dict(ratios=1.0), ValueError, r"ratio 1.0 is outside \[0, 1\)"),
     (dict(ratios=-0.1), ValueError, r"outside \[0, 1\)"),
@@ -329,6 +361,7 @@ BAD = [
         r"granularity = 'kernel'; allowed: \['filter', 'weight', 'n:m'\]",
     ),
     (dict(mask_at="weights"), ValueError, r"mask_at = 'weights'"),
+    (dict(eps=float("inf")), ValueError, r"eps = inf; it must be a finite number > 0"),
     # ignored layers the model does not have would leave nothing whole, without a word
     (dict(ignored_layers=["layer1.0.conv9"]), ValueError, r"\[0\] = 'layer1.0.conv9' names no"),
     (
