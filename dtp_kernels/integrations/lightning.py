@@ -1,5 +1,6 @@
-"""DTP in PyTorch Lightning: a Callback that prepares the pruner when training starts (the
-Trainer has made the LightningModule's optimizers by then)."""
+"""DTP in PyTorch Lightning: a Callback that prepares the pruner when fitting starts (the
+Trainer has made the LightningModule's optimizers by then, and not yet loaded their
+state from a checkpoint) and keeps its state in Lightning's checkpoints."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 from lightning.pytorch import Callback
 
 from ..pruning.example_inputs import on_model_device
-from ..pruning.prepare import prepare
+from ..pruning.masking import unmasked_keys
+from ..pruning.prepare import _check_options, join_optimizer
 from ..pruning.pruner import DTPPruner
 from ..pruning.ratios import Ratios
 
@@ -25,8 +27,13 @@ class DTPCallback(Callback):
         score_lr, pruner_kwargs: as for :func:`dtp_kernels.prepare`.
 
     The scores follow the optimizer's learning-rate schedule. After ``trainer.fit()``,
-    ``callback.pruner.export()`` is the smaller module. The scores
-    and transport state are not in Lightning's checkpoints: a run is trained from its start.
+    ``callback.pruner.export()`` is the smaller module. A checkpoint holds the module's
+    weights under their own names (without the masks' parametrizations, so it loads
+    into the module as it was built) and, as the callback's state, the pruner's scores
+    and transport state: ``trainer.fit(module, ckpt_path=...)`` with a new callback of
+    the same arguments resumes the run where it stopped (the scores' optimizer state
+    too). A weights-only checkpoint (``save_weights_only=True``) holds neither the
+    pruner's state nor the renamed weights: it does not resume a DTP run.
     """
 
     def __init__(
@@ -38,14 +45,16 @@ class DTPCallback(Callback):
         score_lr: float | None = None,
         **pruner_kwargs,
     ) -> None:
+        _check_options(score_lr, 0.0, None, pruner_kwargs.get("scores"))
         self.example_inputs = example_inputs
         self.ratios = ratios
         self.optimizer_index = optimizer_index
         self.score_lr = score_lr
         self.pruner_kwargs = pruner_kwargs
         self.pruner: DTPPruner | None = None
+        self._resumed: dict | None = None  # a checkpoint's pruner state, until the pruner
 
-    def on_train_start(self, trainer, pl_module) -> None:
+    def on_fit_start(self, trainer, pl_module) -> None:
         if self.pruner is not None:
             raise RuntimeError("DTPCallback prunes one training run; make a new one")
         optimizers = trainer.optimizers
@@ -61,12 +70,21 @@ class DTPCallback(Callback):
             for config in trainer.lr_scheduler_configs
             if config.scheduler.optimizer is optimizer
         ]
-        self.pruner = prepare(
-            pl_module,
-            optimizer,
-            inputs,
-            self.ratios,
-            score_lr=self.score_lr,
-            scheduler=schedulers or None,
-            **self.pruner_kwargs,
-        )
+        pruner = DTPPruner(pl_module, inputs, self.ratios, **self.pruner_kwargs)
+        if self._resumed is not None:  # before the Trainer loads the optimizer's state
+            pruner.load_state_dict(self._resumed)
+            self._resumed = None
+        join_optimizer(pruner, optimizer, score_lr=self.score_lr, scheduler=schedulers or None)
+        self.pruner = pruner
+
+    def state_dict(self) -> dict:
+        return {} if self.pruner is None else {"pruner": self.pruner.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # called when a checkpoint is restored, before fitting starts: kept until then
+        self._resumed = state_dict.get("pruner")
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        renamed = unmasked_keys(pl_module)
+        weights = checkpoint["state_dict"]
+        checkpoint["state_dict"] = {renamed.get(key, key): value for key, value in weights.items()}

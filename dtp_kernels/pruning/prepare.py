@@ -96,19 +96,49 @@ def prepare(
             scores' group then follows the first group's schedule (a scheduler made after
             this call covers every group itself).
     """
-    inner = unwrap_optimizer(optimizer)
+    _check_options(score_lr, score_weight_decay, scheduler, pruner_kwargs.get("scores"))
+    unwrap_optimizer(optimizer)  # a wrong optimizer is refused before the model is touched
+    pruner = DTPPruner(model, example_inputs, ratios, **pruner_kwargs)
+    join_optimizer(
+        pruner,
+        optimizer,
+        score_lr=score_lr,
+        score_weight_decay=score_weight_decay,
+        scheduler=scheduler,
+    )
+    return pruner
+
+
+def _check_options(score_lr, score_weight_decay, scheduler, scores) -> None:
     if score_lr is not None and not (isinstance(score_lr, (int, float)) and score_lr > 0):
         raise ValueError(f"score_lr = {score_lr!r}; it must be a number > 0")
     if not (isinstance(score_weight_decay, (int, float)) and score_weight_decay >= 0):
         raise ValueError(f"score_weight_decay = {score_weight_decay!r}; it must be >= 0")
-    if pruner_kwargs.get("scores") == "magnitude" and score_lr is not None:
+    if scores == "magnitude" and score_lr is not None:
         raise ValueError(
             f"score_lr = {score_lr!r} with scores = 'magnitude': the scores are the weights' "
             "|w|, trained with the model's own learning rate; leave score_lr out"
         )
     if scheduler is not None:
         _check_scheduler(scheduler)
-    pruner = DTPPruner(model, example_inputs, ratios, **pruner_kwargs)
+
+
+def join_optimizer(
+    pruner: DTPPruner,
+    optimizer: torch.optim.Optimizer,
+    *,
+    score_lr: float | None = None,
+    score_weight_decay: float = 0.0,
+    scheduler=None,
+) -> None:
+    """The second half of :func:`prepare`, for a pruner made before the optimizer (a
+    Lightning callback makes it before the Trainer makes the optimizers, so that a
+    checkpoint's model and optimizer state load into their parametrized, extended
+    forms): add its scores to `optimizer` as a group of their own and commit its
+    state after every step. Arguments as for prepare()."""
+    scores = "magnitude" if pruner.scores is None else "learned"  # (|w| under magnitude)
+    _check_options(score_lr, score_weight_decay, scheduler, scores)
+    inner = unwrap_optimizer(optimizer)
     # scores and learned ratios; no scores under scores="magnitude"
     params = [p for p in (pruner.scores, getattr(pruner, "theta", None)) if p is not None]
     if params:
@@ -122,4 +152,3 @@ def prepare(
         if scheduler is not None:
             _extend_scheduler(scheduler, lr)
     pruner.attach(inner)
-    return pruner

@@ -23,6 +23,37 @@ def small_net():
     )
 
 
+# a Lightning Trainer on the CPU that writes nothing of its own
+QUIET = dict(
+    accelerator="cpu",
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+)
+
+
+def classifier(lightning, net, configure_optimizers):
+    """A LightningModule of `net` trained with cross-entropy on (x, y) batches."""
+
+    class Module(lightning.pytorch.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, _index):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self(x), y)
+
+        def configure_optimizers(self):
+            return configure_optimizers(self)
+
+    return Module()
+
+
 def test_prepare_adds_the_scores_and_the_commit_hook():
     model = small_net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
@@ -169,34 +200,12 @@ def test_lightning_callback_prunes_a_module(accumulate):
     lightning = pytest.importorskip("lightning")
     from dtp_kernels.integrations.lightning import DTPCallback
 
-    class Module(lightning.pytorch.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = small_net()
-
-        def forward(self, x):
-            return self.net(x)
-
-        def training_step(self, batch, _index):
-            x, y = batch
-            return torch.nn.functional.cross_entropy(self(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
     x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
     callback = DTPCallback(torch.randn(1, 8), 0.5)
-    module = Module()
+    module = classifier(lightning, small_net(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
     trainer = lightning.pytorch.Trainer(
-        max_steps=4,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback],
-        accumulate_grad_batches=accumulate,
+        max_steps=4, callbacks=[callback], accumulate_grad_batches=accumulate, **QUIET
     )
     start = module.net[0].weight.detach().norm(dim=1)  # the scores' initial values
     trainer.fit(module, loader)
@@ -205,3 +214,62 @@ def test_lightning_callback_prunes_a_module(accumulate):
     assert not torch.allclose(pruner.scores.detach()[:32], start)
     exported = pruner.export()
     assert exported.net[0].out_features == 16
+
+
+def test_a_lightning_checkpoint_resumes_the_dtp_run_bitwise(tmp_path):
+    """A checkpoint written after the first epoch holds the module's weights under their
+    own names and the pruner's state; fitting on from it with a new callback ends
+    bitwise equal to one uninterrupted run: weights, BN statistics, scores, transport
+    state, the scores' momentum and their learning-rate schedule."""
+    lightning = pytest.importorskip("lightning")
+    from dtp_kernels.integrations.lightning import DTPCallback
+
+    def conv_net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3),
+            torch.nn.BatchNorm2d(8),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(8, 8, 3),
+            torch.nn.BatchNorm2d(8),
+            torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(),
+            torch.nn.Linear(8, 3),
+        )
+
+    def sgd_halved_each_epoch(module):
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)]
+
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 3, 8, 8, generator=generator), torch.randint(0, 3, (32,))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+    example = torch.randn(1, 3, 8, 8, generator=generator)
+
+    def fit(epochs: int, resume=None, save=None):
+        module = classifier(lightning, conv_net(), sgd_halved_each_epoch)
+        callback = DTPCallback(example, 0.5)
+        trainer = lightning.pytorch.Trainer(max_epochs=epochs, callbacks=[callback], **QUIET)
+        trainer.fit(module, loader, ckpt_path=resume)
+        if save is not None:
+            trainer.save_checkpoint(save)
+        return module, callback.pruner, trainer.optimizers[0]
+
+    whole, whole_pruner, whole_optimizer = fit(3)
+    fit(1, save=tmp_path / "epoch1.ckpt")
+    saved = torch.load(tmp_path / "epoch1.ckpt", weights_only=False)
+    assert not any("parametrizations" in key for key in saved["state_dict"])
+    assert "net.0.weight" in saved["state_dict"]
+    resumed, pruner, optimizer = fit(3, resume=tmp_path / "epoch1.ckpt")
+    assert int(pruner.state.steps) == int(whole_pruner.state.steps) == 6
+    for one, other in ((whole_pruner, pruner), (whole, resumed)):
+        want, got = one.state_dict(), other.state_dict()
+        assert want.keys() == got.keys()
+        for key in want:
+            assert torch.equal(want[key], got[key]), key
+    scores = optimizer.param_groups[-1]
+    assert scores["params"][0] is pruner.scores
+    assert scores["lr"] == whole_optimizer.param_groups[-1]["lr"] == pytest.approx(0.1 * 0.5**3)
+    momentum = optimizer.state[pruner.scores]["momentum_buffer"]
+    assert torch.equal(momentum, whole_optimizer.state[whole_pruner.scores]["momentum_buffer"])
