@@ -49,6 +49,8 @@ def conv1d_to_linear(model: nn.Module) -> nn.Module:
     The converted model's weights are transposed against the Conv1D layout its
     ``from_pretrained`` expects; the pruner's export puts the Conv1D layers back
     (:func:`linear_to_conv1d`)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     linears: dict[nn.Module, nn.Linear] = {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

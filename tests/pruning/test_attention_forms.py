@@ -621,6 +621,8 @@ def test_gpt2_conv1d_layers_are_refused_until_converted_to_equal_linear_layers()
     mlp = model.transformer.h[0].mlp
     assert type(mlp.c_fc) is torch.nn.Linear and mlp.c_fc.weight.shape == (64, 32)
     torch.testing.assert_close(mlp.c_fc.weight.t(), before["transformer.h.0.mlp.c_fc.weight"])
+    with pytest.raises(TypeError, match=r"model must be an nn\.Module, got str"):
+        conv1d_to_linear("gpt2")
 
 
 def test_gpt2_heads_and_mlp_export_equal_to_the_hard_masked_model_and_generate():
