@@ -11,7 +11,7 @@ from lightning.pytorch import Callback
 
 from ..pruning.example_inputs import on_model_device
 from ..pruning.masking import unmasked_keys
-from ..pruning.prepare import _check_options, join_optimizer
+from ..pruning.prepare import check_score_options, join_optimizer
 from ..pruning.pruner import DTPPruner
 from ..pruning.ratios import Ratios
 
@@ -45,7 +45,7 @@ class DTPCallback(Callback):
         score_lr: float | None = None,
         **pruner_kwargs,
     ) -> None:
-        _check_options(score_lr, 0.0, None, pruner_kwargs.get("scores"))
+        check_score_options(score_lr, 0.0, None, pruner_kwargs.get("scores"))
         self.example_inputs = example_inputs
         self.ratios = ratios
         self.optimizer_index = optimizer_index

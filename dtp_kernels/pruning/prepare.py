@@ -96,7 +96,7 @@ def prepare(
             scores' group then follows the first group's schedule (a scheduler made after
             this call covers every group itself).
     """
-    _check_options(score_lr, score_weight_decay, scheduler, pruner_kwargs.get("scores"))
+    check_score_options(score_lr, score_weight_decay, scheduler, pruner_kwargs.get("scores"))
     unwrap_optimizer(optimizer)  # a wrong optimizer is refused before the model is touched
     pruner = DTPPruner(model, example_inputs, ratios, **pruner_kwargs)
     join_optimizer(
@@ -109,7 +109,9 @@ def prepare(
     return pruner
 
 
-def _check_options(score_lr, score_weight_decay, scheduler, scores) -> None:
+def check_score_options(score_lr, score_weight_decay, scheduler, scores) -> None:
+    """ValueError or TypeError naming the first of prepare()'s own arguments out of range
+    (`scores`: the pruner's score source)."""
     if score_lr is not None and not (isinstance(score_lr, (int, float)) and score_lr > 0):
         raise ValueError(f"score_lr = {score_lr!r}; it must be a number > 0")
     if not (isinstance(score_weight_decay, (int, float)) and score_weight_decay >= 0):
@@ -137,7 +139,7 @@ def join_optimizer(
     forms): add its scores to `optimizer` as a group of their own and commit its
     state after every step. Arguments as for prepare()."""
     scores = "magnitude" if pruner.scores is None else "learned"  # (|w| under magnitude)
-    _check_options(score_lr, score_weight_decay, scheduler, scores)
+    check_score_options(score_lr, score_weight_decay, scheduler, scores)
     inner = unwrap_optimizer(optimizer)
     # scores and learned ratios; no scores under scores="magnitude"
     params = [p for p in (pruner.scores, getattr(pruner, "theta", None)) if p is not None]

@@ -56,6 +56,9 @@ def save_pruned(
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     # checked before writing: a value the file cannot hold plainly would leave a file
     # that loads only unpickled (torch format) or not at all (safetensors header)
+    for name, given in (("metadata", metadata), ("builder_kwargs", builder_kwargs)):
+        if given is not None and not isinstance(given, dict):
+            raise TypeError(f"{name} must be a dict, got {type(given).__name__}")
     _check_plain(metadata or {}, "metadata")
     _check_plain(builder_kwargs or {}, "builder_kwargs")
     if builder is not None:
