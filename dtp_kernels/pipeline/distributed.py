@@ -3,7 +3,8 @@
 Under torchrun (WORLD_SIZE > 1) the process group starts from the environment (NCCL on
 GPUs, gloo on CPU), each rank reads its shard of the training set (DistributedSampler),
 the model trains wrapped in DistributedDataParallel, and the pruner's own parameters
-(scores, learned ratios) are averaged over the ranks before every optimizer step. Every
+(scores, learned ratios) are averaged over the ranks before every optimizer step (by the
+hook DTPPruner.attach registers when the process group has several ranks). Every
 rank then computes the same masks and the same transport state from the same scores
 with the same deterministic kernels; only rank 0 writes files.
 """
@@ -66,14 +67,3 @@ def wrap(model: nn.Module) -> nn.Module:
     device = next(model.parameters()).device
     ids = [device.index] if device.type == "cuda" else None
     return nn.parallel.DistributedDataParallel(model, device_ids=ids)
-
-
-def average_gradients(module: nn.Module) -> None:
-    """All-reduce the gradients of `module`'s own parameters to their mean (in place)."""
-    if not active():
-        return
-    world = dist.get_world_size()
-    for parameter in module.parameters():
-        if parameter.grad is not None:
-            dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)
-            parameter.grad.div_(world)

@@ -337,9 +337,7 @@ def train(
     scaler = torch.amp.GradScaler(options.device.type) if options.amp == "fp16" else None
     optimizer = make_optimizer(model, settings, pruner, options.optimizer_state_dtype)
     schedule = make_schedule(optimizer, settings, total, per_epoch=updates)
-    if pruner is not None:
-        if distributed.active():  # same scores on every rank: same masks and state
-            optimizer.register_step_pre_hook(lambda *_: distributed.average_gradients(pruner))
+    if pruner is not None:  # (under torchrun it averages the scores' gradients over ranks)
         pruner.attach(optimizer)
     if keep_zero:
         hold_at_zero(optimizer, keep_zero)

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -90,6 +91,17 @@ def parameter_slot(model: nn.Module) -> tuple[nn.Module, str] | None:
         return None
     prefix, _, key = name.rpartition(".")
     return model.get_submodule(prefix), key
+
+
+class StepHooks:
+    """The optimizer hooks DTPPruner.attach() registers, removed together."""
+
+    def __init__(self, handles: list) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 class DTPPruner(ChannelPruner):
@@ -545,8 +557,14 @@ class DTPPruner(ChannelPruner):
             mask = self._transport(update=False, scores=scores)
         return mask + 1e-12 * scores.nan_to_num(0.5, 0.5, 0.5)  # ties (masks at 0 or 1)
 
-    def attach(self, optimizer: torch.optim.Optimizer):
-        """Commit the transport state after every `optimizer.step()`; returns the handle.
+    def attach(self, optimizer: torch.optim.Optimizer) -> StepHooks:
+        """Commit the transport state after every `optimizer.step()`; returns the hooks'
+        handle (its `remove()` detaches the pruner).
+
+        When the process runs distributed (a torch.distributed process group of several
+        ranks, as under DistributedDataParallel), the scores' gradients are also averaged
+        over the ranks before every step, as DDP averages the model's: every rank then
+        steps the same scores and computes the same masks and transport state.
 
         The step also drops the autograd graph of the last forward's masks (its backward
         has run): held into the next step it would keep the scores' and BN parameters'
@@ -571,7 +589,18 @@ class DTPPruner(ChannelPruner):
                 self._steps_since_check = 0
                 self._warn_skipped()
 
-        return optimizer.register_step_post_hook(after_step)
+        hooks = [optimizer.register_step_post_hook(after_step)]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            hooks.append(optimizer.register_step_pre_hook(lambda *_: self._average_over_ranks()))
+        return StepHooks(hooks)
+
+    def _average_over_ranks(self) -> None:
+        """All-reduce the gradients of the pruner's own parameters to their mean."""
+        ranks = dist.get_world_size()
+        for parameter in self.parameters():
+            if parameter.grad is not None:
+                dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)
+                parameter.grad.div_(ranks)
 
     def _warn_skipped(self) -> None:
         counts = self.skipped_steps()

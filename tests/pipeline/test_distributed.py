@@ -1,7 +1,9 @@
 """Multi-process training (issue 6): 2 processes with the gloo backend on CPU, each on its
 shard of the data under DDP. Masks, scores and transport state are identical on every
-rank because the pruner's gradients are averaged before each step; without that average
-they drift apart (the control)."""
+rank because the pruner's gradients are averaged before each step (the hook
+DTPPruner.attach registers under a process group of several ranks: the pipeline's loop
+and a user's own loop with prepare() alike); without that average they drift apart (the
+control)."""
 
 from __future__ import annotations
 
@@ -31,27 +33,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker(rank: int, port: int, out: str, sync_pruner: bool) -> None:
+def worker(rank: int, port: int, out: str, sync_pruner: bool, loop: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        from dtp_kernels import DTPPruner
+        from dtp_kernels import DTPPruner, prepare
         from dtp_kernels.models import digits_cnn
-        from dtp_kernels.pipeline import distributed, recipe
+        from dtp_kernels.pipeline import recipe
         from dtp_kernels.pipeline.run import build_data
         from dtp_kernels.pipeline.train import MetricsLog, train
 
         if not sync_pruner:
-            distributed.average_gradients = lambda module: None
+            DTPPruner._average_over_ranks = lambda self: None
         settings = recipe.load(None, ["prune.epochs=2"])
         train_loader, test_loader = build_data(settings)
         torch.manual_seed(0)
         model = digits_cnn()
-        pruner = DTPPruner(model, next(iter(test_loader))[0][:1], 0.5)
+        example = next(iter(test_loader))[0][:1]
         first = next(iter(train_loader))[0]
-        train(
-            model, train_loader, test_loader, settings["prune"], MetricsLog(), "dtp", pruner=pruner
-        )
+        if loop == "pipeline":
+            pruner = DTPPruner(model, example, 0.5)
+            train(
+                model,
+                train_loader,
+                test_loader,
+                settings["prune"],
+                MetricsLog(),
+                "dtp",
+                pruner=pruner,
+            )
+        else:  # a user's own loop: prepare(), then DDP around the model
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            pruner = prepare(model, optimizer, example, 0.5)
+            ddp = torch.nn.parallel.DistributedDataParallel(model)
+            for images, labels in train_loader:  # (the DistributedSampler's shard)
+                loss = torch.nn.functional.cross_entropy(ddp(images), labels)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
         torch.save(
             {
                 "pruner": pruner.state_dict(),
@@ -65,13 +84,14 @@ def worker(rank: int, port: int, out: str, sync_pruner: bool) -> None:
         dist.destroy_process_group()
 
 
-def run_ranks(tmp_path: Path, sync_pruner: bool) -> list[dict]:
-    mp.spawn(worker, args=(free_port(), str(tmp_path), sync_pruner), nprocs=2, join=True)
+def run_ranks(tmp_path: Path, sync_pruner: bool, loop: str = "pipeline") -> list[dict]:
+    mp.spawn(worker, args=(free_port(), str(tmp_path), sync_pruner, loop), nprocs=2, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
-def test_two_gloo_ranks_keep_identical_masks_and_state(tmp_path):
-    a, b = run_ranks(tmp_path, sync_pruner=True)
+@pytest.mark.parametrize("loop", ["pipeline", "prepare"])
+def test_two_gloo_ranks_keep_identical_masks_and_state(tmp_path, loop):
+    a, b = run_ranks(tmp_path, sync_pruner=True, loop=loop)
     assert not torch.equal(a["first"], b["first"])  # each rank trained on its own shard
     for key in a["pruner"]:
         assert torch.equal(a["pruner"][key], b["pruner"][key]), key
@@ -81,8 +101,9 @@ def test_two_gloo_ranks_keep_identical_masks_and_state(tmp_path):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
 
 
-def test_without_the_pruner_gradient_average_ranks_drift_apart(tmp_path):
-    a, b = run_ranks(tmp_path, sync_pruner=False)
+@pytest.mark.parametrize("loop", ["pipeline", "prepare"])
+def test_without_the_pruner_gradient_average_ranks_drift_apart(tmp_path, loop):
+    a, b = run_ranks(tmp_path, sync_pruner=False, loop=loop)
     assert not torch.equal(a["pruner"]["scores"], b["pruner"]["scores"])
 
 
