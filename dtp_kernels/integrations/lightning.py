@@ -11,7 +11,7 @@ from lightning.pytorch import Callback
 
 from ..pruning.example_inputs import on_model_device
 from ..pruning.masking import unmasked_keys
-from ..pruning.prepare import check_score_options, join_optimizer
+from ..pruning.prepare import check_score_options, join_optimizer, unwrap_optimizer
 from ..pruning.pruner import DTPPruner
 from ..pruning.ratios import Ratios
 
@@ -70,6 +70,11 @@ class DTPCallback(Callback):
             for config in trainer.lr_scheduler_configs
             if config.scheduler.optimizer is optimizer
         ]
+        # what join_optimizer refuses, refused before the module gets its masks
+        check_score_options(
+            self.score_lr, 0.0, schedulers or None, self.pruner_kwargs.get("scores")
+        )
+        unwrap_optimizer(optimizer)
         pruner = DTPPruner(pl_module, inputs, self.ratios, **self.pruner_kwargs)
         if self._resumed is not None:  # before the Trainer loads the optimizer's state
             pruner.load_state_dict(self._resumed)
