@@ -194,6 +194,29 @@ def test_the_trainer_callback_warns_at_the_start_of_a_config_that_will_not_descr
         trainer.train()
 
 
+def test_lightning_callback_refuses_a_scheduler_before_the_module_gets_masks():
+    """A scheduler that keeps per-group settings (OneCycleLR) cannot take the scores'
+    group: refused when fitting starts, with the module left without masks."""
+    lightning = pytest.importorskip("lightning")
+    from torch.nn.utils import parametrize
+
+    from dtp_kernels.integrations.lightning import DTPCallback
+
+    def one_cycle(module):
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+        return [optimizer], [torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.1, total_steps=8)]
+
+    module = classifier(lightning, small_net(), one_cycle)
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    callback = DTPCallback(torch.randn(1, 8), 0.5)
+    trainer = lightning.pytorch.Trainer(max_steps=2, callbacks=[callback], **QUIET)
+    with pytest.raises(ValueError, match=r"scheduler OneCycleLR keeps per-group settings"):
+        trainer.fit(module, loader)
+    assert callback.pruner is None
+    assert not any(parametrize.is_parametrized(m) for m in module.modules())
+
+
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_lightning_callback_prunes_a_module(accumulate):
     """One commit per optimizer step, also when Lightning accumulates two batches."""
