@@ -1,19 +1,33 @@
 """DTP in Hugging Face's Trainer: a TrainerCallback that prepares the pruner when training
-begins (the Trainer has made its optimizer by then)."""
+begins (the Trainer has made its optimizer by then) and saves its state beside every
+checkpoint, so that ``trainer.train(resume_from_checkpoint=...)`` resumes a DTP run.
+
+The Trainer loads a checkpoint's weights, optimizer and scheduler before any callback
+event of the resumed run, so those files must load into the model and optimizer as they
+are before the pruner: the model's files hold the weights under their own keys
+(:meth:`DTPPruner.name_weights_unmasked`), the optimizer's file leaves out the scores'
+group and the scheduler's entry for it loads into a scheduler without one
+(prepare._extend_scheduler). The scores, transport state and the scores' group go to
+``dtp_pruner.pt`` in the checkpoint's directory."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..pruning.config_forecast import config_forecast, forecast_message
 from ..pruning.example_inputs import on_model_device
-from ..pruning.prepare import prepare
+from ..pruning.prepare import check_score_options, join_optimizer, unwrap_optimizer
 from ..pruning.pruner import DTPPruner
 from ..pruning.ratios import Ratios
+
+CHECKPOINT_FILE = "dtp_pruner.pt"
 
 
 class DTPTrainerCallback(TrainerCallback):
@@ -25,14 +39,24 @@ class DTPTrainerCallback(TrainerCallback):
             moved to the model's device.
         ratios: as for :class:`DTPPruner` (e.g. ``{"heads": 0.5, "mlp": 0.5}``).
         score_lr, pruner_kwargs: as for :func:`dtp_kernels.prepare`.
+        resume_from: the checkpoint directory a resumed run reads the pruner's state from,
+            where it is not ``output_dir/checkpoint-<step>`` (what
+            ``resume_from_checkpoint=True`` picks).
 
     The scores follow the Trainer's learning-rate schedule. After ``trainer.train()``,
-    ``callback.pruner.export()`` is the smaller model, with its
-    config updated for ``save_pretrained``; where the config cannot describe the pruned
-    sizes (GPT-2's fewer heads), training begins with a warning to save it with
-    ``save_pruned`` (:func:`dtp_kernels.pruning.config_forecast.config_forecast`). The
-    scores and transport state are not in the Trainer's checkpoints: a run is trained
-    from its start.
+    ``callback.pruner.export()`` is the smaller model, with its config updated for
+    ``save_pretrained``; where the config cannot describe the pruned sizes (GPT-2's
+    fewer heads), training begins with a warning to save it with ``save_pruned``
+    (:func:`dtp_kernels.pruning.config_forecast.config_forecast`).
+
+    Checkpoints: every checkpoint directory gets ``dtp_pruner.pt`` (scores, transport
+    state, the scores' optimizer state) and the model's files hold the weights without
+    the masks, so ``trainer.train(resume_from_checkpoint=...)`` with a new model and a
+    new callback of the same arguments continues the run as if it had not stopped. The
+    model's files (``trainer.save_model()`` too) load into the model as it was built:
+    the dense weights, not the pruned model, which is ``pruner.export()``. With
+    ``load_best_model_at_end`` the pruner's state is the best checkpoint's, as the
+    weights are.
     """
 
     def __init__(
@@ -41,13 +65,22 @@ class DTPTrainerCallback(TrainerCallback):
         ratios: Ratios,
         *,
         score_lr: float | None = None,
+        resume_from: str | os.PathLike | None = None,
         **pruner_kwargs,
     ) -> None:
+        check_score_options(score_lr, 0.0, None, pruner_kwargs.get("scores"))
+        if resume_from is not None and not isinstance(resume_from, (str, os.PathLike)):
+            raise TypeError(
+                f"resume_from must be a checkpoint directory, got {type(resume_from).__name__}"
+            )
         self.example_inputs = example_inputs
         self.ratios = ratios
         self.score_lr = score_lr
+        self.resume_from = resume_from
         self.pruner_kwargs = pruner_kwargs
         self.pruner: DTPPruner | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._whole_state = False  # the optimizer's state_dict with the scores' group
 
     def on_train_begin(
         self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs
@@ -56,18 +89,160 @@ class DTPTrainerCallback(TrainerCallback):
             raise RuntimeError("DTPTrainerCallback prunes one training run; make a new one")
         if model is None or optimizer is None:
             raise RuntimeError("the Trainer passed no model or optimizer to on_train_begin")
+        # what join_optimizer refuses, refused before the model gets its masks
+        check_score_options(self.score_lr, 0.0, lr_scheduler, self.pruner_kwargs.get("scores"))
+        inner = unwrap_optimizer(optimizer)
+        resumed = self._resumed_state(args, state)
         inputs = on_model_device(self.example_inputs, model)
-        self.pruner = prepare(
-            model,
-            optimizer,
-            inputs,
-            self.ratios,
-            score_lr=self.score_lr,
-            scheduler=lr_scheduler,
-            **self.pruner_kwargs,
-        )
-        forecast = config_forecast(self.pruner)
+        pruner = DTPPruner(model, inputs, self.ratios, **self.pruner_kwargs)
+        if resumed is not None:
+            try:
+                _restore(pruner, resumed)
+            except (RuntimeError, ValueError) as error:
+                pruner.remove()  # the model as it was
+                raise ValueError(
+                    f"the checkpoint's pruner state ({CHECKPOINT_FILE}) does not fit this "
+                    f"callback's pruner: was it saved with other ratios or options? {error}"
+                ) from error
+        join_optimizer(pruner, inner, score_lr=self.score_lr, scheduler=lr_scheduler)
+        pruner.name_weights_unmasked()
+        self.pruner, self._optimizer = pruner, inner
+        if self._scores_group() is not None:
+            inner.register_state_dict_post_hook(self._without_scores_group)
+            if resumed is not None:
+                self._load_scores_group(resumed["scores_group"])
+        forecast = config_forecast(pruner)
         if forecast is not None and not forecast["describes"]:  # now, not after training
-            learned = self.pruner.budget != "layer"
+            learned = pruner.budget != "layer"
             warnings.warn(forecast_message(forecast, learned), UserWarning, stacklevel=2)
         return control
+
+    def on_step_end(self, args, state, control, **kwargs):
+        # the Trainer zeroes the model's gradients (model.zero_grad()), and the scores are
+        # the pruner's: without this they would add up over every step
+        if self.pruner is not None:
+            for parameter in self.pruner.parameters():
+                parameter.grad = None
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.pruner is None or not args.should_save:
+            return control
+        directory = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if not os.path.isdir(directory):
+            raise RuntimeError(
+                f"DTPTrainerCallback: the Trainer saved a checkpoint, but not in {directory}, "
+                "where the pruner's state goes (a hyperparameter search's runs are not supported)"
+            )
+        saved = {
+            "step": state.global_step,
+            "pruner": self.pruner.state_dict(),
+            "scores_group": self._saved_scores_group(),
+        }
+        torch.save(saved, os.path.join(directory, CHECKPOINT_FILE))
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        best = state.best_model_checkpoint
+        if self.pruner is not None and args.load_best_model_at_end and best is not None:
+            # the Trainer loaded the best checkpoint's weights: its masks go with them
+            path = os.path.join(best, CHECKPOINT_FILE)
+            self.pruner.load_state_dict(_load(path)["pruner"])
+        return control
+
+    def _resumed_state(self, args, state) -> dict | None:
+        """The saved state of the checkpoint the Trainer resumes from (None at step 0)."""
+        if state.global_step == 0:
+            if self.resume_from is not None:
+                raise ValueError(
+                    f"resume_from = {os.fspath(self.resume_from)!r}, but the Trainer starts at "
+                    "step 0: pass the checkpoint to trainer.train(resume_from_checkpoint=...)"
+                )
+            return None
+        directory = self.resume_from or os.path.join(
+            args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        )
+        path = os.path.join(directory, CHECKPOINT_FILE)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"the Trainer resumes at step {state.global_step}, but {path} (the pruner's "
+                "state, which DTPTrainerCallback writes into every checkpoint) does not exist: "
+                "give DTPTrainerCallback(resume_from=<the checkpoint's directory>) where it "
+                "lies elsewhere; a checkpoint of training without DTP is no DTP run to resume "
+                "(load its weights into the model and train from step 0)"
+            )
+        saved = _load(path)
+        if saved.get("step") != state.global_step:
+            raise ValueError(
+                f"{path} holds the pruner at step {saved.get('step')}; the Trainer resumes "
+                f"at step {state.global_step}"
+            )
+        return saved
+
+    def _scores_group(self) -> int | None:
+        """The index of the scores' group in the optimizer (None: no learned scores)."""
+        own = {id(p) for p in self.pruner.parameters()}
+        for index, group in enumerate(self._optimizer.param_groups):
+            if any(id(p) in own for p in group["params"]):
+                return index
+        return None
+
+    @contextlib.contextmanager
+    def _with_scores_group(self) -> Iterator[None]:
+        self._whole_state = True
+        try:
+            yield
+        finally:
+            self._whole_state = False
+
+    def _without_scores_group(self, optimizer, state_dict: dict) -> dict | None:
+        """The optimizer's state_dict as the Trainer saves it: without the scores' group,
+        which a resumed run's optimizer lacks when the Trainer loads the file."""
+        if self._whole_state:
+            return None
+        index = self._scores_group()
+        ids = set(state_dict["param_groups"][index]["params"])
+        return {
+            **state_dict,
+            "state": {key: value for key, value in state_dict["state"].items() if key not in ids},
+            "param_groups": [g for i, g in enumerate(state_dict["param_groups"]) if i != index],
+        }
+
+    def _saved_scores_group(self) -> dict | None:
+        index = self._scores_group()
+        if index is None:
+            return None
+        with self._with_scores_group():
+            whole = self._optimizer.state_dict()
+        group = whole["param_groups"][index]
+        return {
+            "group": {key: value for key, value in group.items() if key != "params"},
+            "state": [whole["state"].get(key) for key in group["params"]],
+        }
+
+    def _load_scores_group(self, saved: dict) -> None:
+        index = self._scores_group()
+        with self._with_scores_group():
+            whole = self._optimizer.state_dict()
+        group = whole["param_groups"][index]
+        for key, value in zip(group["params"], saved["state"], strict=True):
+            if value is not None:
+                whole["state"][key] = value
+        whole["param_groups"][index] = {**saved["group"], "params": group["params"]}
+        self._optimizer.load_state_dict(whole)
+
+
+def _restore(pruner: DTPPruner, saved: dict) -> None:
+    """Load the saved scores and transport state; check the saved optimizer state has one
+    entry per parameter of the pruner."""
+    pruner.load_state_dict(saved["pruner"])
+    entries = saved["scores_group"]["state"] if saved["scores_group"] is not None else []
+    parameters = len(list(pruner.parameters()))
+    if len(entries) != parameters:
+        raise ValueError(
+            f"its optimizer state holds {len(entries)} parameters; this pruner has {parameters}"
+        )
+
+
+def _load(path: str) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)

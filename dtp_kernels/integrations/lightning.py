@@ -9,8 +9,8 @@ from collections.abc import Mapping
 import torch
 from lightning.pytorch import Callback
 
+from ..pruning.checkpoint_keys import unmasked_keys
 from ..pruning.example_inputs import on_model_device
-from ..pruning.masking import unmasked_keys
 from ..pruning.prepare import check_score_options, join_optimizer, unwrap_optimizer
 from ..pruning.pruner import DTPPruner
 from ..pruning.ratios import Ratios

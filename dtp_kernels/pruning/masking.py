@@ -283,21 +283,6 @@ def foreign_parametrizations(module: nn.Module) -> dict[str, list[str]]:
     }
 
 
-def unmasked_keys(model: nn.Module) -> dict[str, str]:
-    """The state-dict keys of the parameters masks parametrize in `model`, each to the key
-    it has without them ("fc.parametrizations.weight.original" to "fc.weight"): a
-    checkpoint renamed so loads into the model before any pruner is made."""
-    keys = {}
-    for name, module in model.named_modules():
-        if not parametrize.is_parametrized(module):
-            continue
-        prefix = f"{name}." if name else ""
-        for tensor, plist in module.parametrizations.items():
-            if all(is_mask(p) for p in plist):
-                keys[f"{prefix}parametrizations.{tensor}.original"] = f"{prefix}{tensor}"
-    return keys
-
-
 def strip_parametrizations(module: nn.Module) -> None:
     """Put the original parameters back where masks parametrize them; the model's own
     parametrizations (a weight norm) stay. Unlike parametrize.remove_parametrizations

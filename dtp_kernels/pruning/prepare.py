@@ -55,16 +55,21 @@ def _check_scheduler(scheduler) -> None:
             raise TypeError(f"scheduler must be a torch LR scheduler, got {type(part).__name__}")
 
 
-def _extend_scheduler(scheduler, lr: float) -> None:
-    """Give the scores' new group the first group's schedule, scaled to `lr`."""
+def _extend_scheduler(scheduler, lr: float, groups: int) -> None:
+    """Give the scores' new group (the last of `groups`) the first group's schedule,
+    scaled to `lr`. A list that has the entry already keeps it: a state saved with the
+    scores' group, loaded into the scheduler of a resumed run before its pruner exists."""
     for part in _schedulers(scheduler):
         for name in PER_GROUP_LISTS:
             values = getattr(part, name, None)
-            if isinstance(values, list):
+            if isinstance(values, list) and len(values) < groups:
                 values.append(lr)
         lambdas = getattr(part, "lr_lambdas", None)
-        if isinstance(lambdas, list):
-            lambdas.append(lambdas[0])
+        if isinstance(lambdas, list) and len(lambdas) < groups:
+            first = lambdas[0]
+            # a function, which LambdaLR's state_dict stores as None (a callable object's
+            # state is stored): a state with this entry loads into a scheduler without it
+            lambdas.append(lambda step, first=first: first(step))
 
 
 def prepare(
@@ -84,7 +89,9 @@ def prepare(
     ``budget="flops"``, its learned ratios) to `optimizer` as a parameter group of their
     own (none under ``scores="magnitude"``, where the weights are the scores), and
     commits the transport state after every ``optimizer.step()``. Nothing else
-    changes in the loop; ``pruner.export()`` gives the smaller model at the end.
+    changes in the loop; ``pruner.export()`` gives the smaller model at the end. (A loop
+    that zeroes gradients with ``model.zero_grad()`` must also call
+    ``pruner.zero_grad()``: the scores are the pruner's parameters, not the model's.)
 
     Args:
         score_lr: learning rate of the scores; default: that of the optimizer's first group.
@@ -152,5 +159,5 @@ def join_optimizer(
             group["lr"] = lr * first["lr"] / first["initial_lr"] if first["initial_lr"] else lr
         inner.add_param_group(group)
         if scheduler is not None:
-            _extend_scheduler(scheduler, lr)
+            _extend_scheduler(scheduler, lr, len(inner.param_groups))
     pruner.attach(inner)

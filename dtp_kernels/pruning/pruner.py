@@ -33,6 +33,7 @@ from ..transport_state import TransportState
 from . import nm as nm_rules
 from .base import ChannelPruner, ExportMismatchError
 from .channel_graph import output_tensors
+from .checkpoint_keys import name_weights_unmasked
 from .conv1d import linear_to_conv1d
 from .cost import FlopsRatio
 from .example_inputs import call_model, in_float32, on_model_device
@@ -594,6 +595,14 @@ class DTPPruner(ChannelPruner):
             hooks.append(optimizer.register_step_pre_hook(lambda *_: self._average_over_ranks()))
         return StepHooks(hooks)
 
+    def name_weights_unmasked(self) -> None:
+        """From now on the model's ``state_dict()`` holds every masked weight under its
+        own key ("fc.weight", not "fc.parametrizations.weight.original"), the weight
+        without its mask, and ``load_state_dict()`` takes it so: files a trainer writes
+        of the model load into the model as it was built, before any pruner (a resumed
+        run makes its pruner after loading them). :meth:`remove` and exports undo it."""
+        self._handles.extend(name_weights_unmasked(self.model))
+
     def _average_over_ranks(self) -> None:
         """All-reduce the gradients of the pruner's own parameters to their mean."""
         ranks = dist.get_world_size()
@@ -851,6 +860,8 @@ class DTPPruner(ChannelPruner):
                 module._forward_pre_hooks.pop(handle.id, None)
                 module._forward_hooks.pop(handle.id, None)
                 module._load_state_dict_post_hooks.pop(handle.id, None)
+                module._state_dict_hooks.pop(handle.id, None)
+                module._load_state_dict_pre_hooks.pop(handle.id, None)
             if parametrize.is_parametrized(module):
                 strip_parametrizations(module)
             if isinstance(module.__dict__.get("forward"), MaskedRouting):
