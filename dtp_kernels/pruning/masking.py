@@ -6,7 +6,8 @@ the masks off a copy. The pruner (pruner.py) decides the masks; this module appl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -281,6 +282,31 @@ def foreign_parametrizations(module: nn.Module) -> dict[str, list[str]]:
         for name, plist in module.parametrizations.items()
         if not all(is_mask(p) for p in plist)
     }
+
+
+@contextlib.contextmanager
+def keeping_grad_accumulators() -> Iterator[None]:
+    """Register parametrizations without giving their parameters new gradient accumulators.
+
+    ``register_parametrization`` sets the original parameter to itself (a no-op on its
+    values) and autograd then gives it a new accumulator. DistributedDataParallel's
+    hooks sit on the old one when the model was wrapped before the pruner was made (the
+    Trainer's and Lightning's callbacks make it after): they never fire, and every rank
+    would train its own masked weights. Inside this context that no-op is skipped."""
+    setter = getattr(parametrize, "_maybe_set", None)
+    if setter is None:  # a torch without it: the test of a wrapped model says so
+        yield
+        return
+
+    def set_unless_same(dest, src) -> None:
+        if dest is not src:
+            setter(dest, src)
+
+    parametrize._maybe_set = set_unless_same
+    try:
+        yield
+    finally:
+        parametrize._maybe_set = setter
 
 
 def strip_parametrizations(module: nn.Module) -> None:

@@ -55,6 +55,7 @@ from .masking import (
     ScaleLeadingRows,
     ScaleRows,
     folded_products,
+    keeping_grad_accumulators,
     read_folded_first,
     strip_parametrizations,
 )
@@ -267,8 +268,9 @@ class DTPPruner(ChannelPruner):
             # load_state_dict(assign=True) puts new parameter tensors in the BNs
             model.register_load_state_dict_post_hook(self._refresh_fold),
         ]
-        for index, group in enumerate(self.groups):  # a tie set's groups read its first's
-            self._attach_mask(self.mask_of[index], group)
+        with keeping_grad_accumulators():  # DDP's hooks on the masked weights stay live
+            for index, group in enumerate(self.groups):  # a tie set's read its first's
+                self._attach_mask(self.mask_of[index], group)
         self._refresh_fold()
 
     def _forward_done(self, *_) -> None:
@@ -564,8 +566,10 @@ class DTPPruner(ChannelPruner):
 
         When the process runs distributed (a torch.distributed process group of several
         ranks, as under DistributedDataParallel), the scores' gradients are also averaged
-        over the ranks before every step, as DDP averages the model's: every rank then
-        steps the same scores and computes the same masks and transport state.
+        over the ranks before every update (after the step's closure, where it has one),
+        as DDP averages the model's: every rank then steps the same scores and computes the
+        same masks and transport state. The model may be wrapped in DDP before or after
+        the pruner is made.
 
         The step also drops the autograd graph of the last forward's masks (its backward
         has run): held into the next step it would keep the scores' and BN parameters'
@@ -592,8 +596,26 @@ class DTPPruner(ChannelPruner):
 
         hooks = [optimizer.register_step_post_hook(after_step)]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            hooks.append(optimizer.register_step_pre_hook(lambda *_: self._average_over_ranks()))
+            hooks.append(optimizer.register_step_pre_hook(self._average_before_update))
         return StepHooks(hooks)
+
+    def _average_before_update(self, optimizer, args: tuple, kwargs: dict):
+        """A step pre-hook: average the scores' gradients now, or, where the step gets a
+        closure that computes them (Lightning's steps, LBFGS), after every call of it."""
+        # (args are step()'s own: the optimizer first, then a positional closure if any)
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._average_over_ranks()
+            return None
+
+        def averaged():
+            loss = closure()
+            self._average_over_ranks()
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": averaged}
+        return (args[0], averaged, *args[2:]), kwargs
 
     def name_weights_unmasked(self) -> None:
         """From now on the model's ``state_dict()`` holds every masked weight under its

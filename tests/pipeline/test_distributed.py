@@ -1,13 +1,16 @@
 """Multi-process training (issue 6): 2 processes with the gloo backend on CPU, each on its
 shard of the data under DDP. Masks, scores and transport state are identical on every
-rank because the pruner's gradients are averaged before each step (the hook
-DTPPruner.attach registers under a process group of several ranks: the pipeline's loop
-and a user's own loop with prepare() alike); without that average they drift apart (the
-control)."""
+rank because the pruner's gradients are averaged before each update (the hook
+DTPPruner.attach registers under a process group of several ranks: the pipeline's loop,
+a user's own loop with prepare() before or after DDP wraps the model, the Hugging Face
+Trainer's and Lightning's callbacks alike); without that average they drift apart (the
+control). The weights stay equal too: DDP's hooks on the masked weights still fire when
+the pruner is made after DDP wrapped the model, as both callbacks make it."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -33,8 +36,76 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def hugging_face_trainer(rank: int, out: str):
+    """A tiny Llama under the Trainer (DDP of its own over the running process group)."""
+    import transformers
+
+    from dtp_kernels.integrations.huggingface import DTPTrainerCallback
+    from utils import tiny_llama
+
+    ids = torch.randint(0, 61, (32, 12), generator=torch.Generator().manual_seed(1))
+    callback = DTPTrainerCallback({"input_ids": ids[:1]}, {"heads": 0.5, "mlp": 0.5})
+    args = transformers.TrainingArguments(
+        output_dir=out, max_steps=4, per_device_train_batch_size=4, learning_rate=1e-3,
+        report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True,
+        disable_tqdm=True, ddp_backend="gloo",
+    )  # fmt: skip
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    trainer = transformers.Trainer(
+        model=tiny_llama(), args=args, train_dataset=data, callbacks=[callback]
+    )
+    trainer.train()
+    return trainer.model, callback.pruner
+
+
+def lightning_trainer(rank: int, out: str):
+    """A small MLP under Lightning's DDP strategy; its steps run a closure."""
+    import lightning
+
+    from dtp_kernels.integrations.lightning import DTPCallback
+
+    class Module(lightning.pytorch.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3)
+            )
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, _index):
+            return torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    generator = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(64, 8, generator=generator), torch.randint(0, 3, (64,), generator=generator)
+    )
+    callback, module = DTPCallback(torch.randn(1, 8, generator=generator), 0.5), Module()
+    trainer = lightning.pytorch.Trainer(
+        max_steps=4, callbacks=[callback], accelerator="cpu", strategy="ddp", devices=2,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
+    return module, callback.pruner
+
+
+FRAMEWORKS = {"trainer": hugging_face_trainer, "lightning": lightning_trainer}
+LOOPS = ["pipeline", "prepare", "wrapped", *FRAMEWORKS]
+
+
 def worker(rank: int, port: int, out: str, sync_pruner: bool, loop: str) -> None:
     torch.set_num_threads(1)
+    # what the frameworks read to join the process group this worker starts
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         from dtp_kernels import DTPPruner, prepare
@@ -51,7 +122,10 @@ def worker(rank: int, port: int, out: str, sync_pruner: bool, loop: str) -> None
         model = digits_cnn()
         example = next(iter(test_loader))[0][:1]
         first = next(iter(train_loader))[0]
-        if loop == "pipeline":
+        if loop in FRAMEWORKS:
+            model, pruner = FRAMEWORKS[loop](rank, out)
+            first = None
+        elif loop == "pipeline":
             pruner = DTPPruner(model, example, 0.5)
             train(
                 model,
@@ -62,10 +136,13 @@ def worker(rank: int, port: int, out: str, sync_pruner: bool, loop: str) -> None
                 "dtp",
                 pruner=pruner,
             )
-        else:  # a user's own loop: prepare(), then DDP around the model
+        else:  # a user's own loop: prepare(), and DDP around the model before or after
+            if loop == "wrapped":
+                ddp = torch.nn.parallel.DistributedDataParallel(model)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
             pruner = prepare(model, optimizer, example, 0.5)
-            ddp = torch.nn.parallel.DistributedDataParallel(model)
+            if loop == "prepare":
+                ddp = torch.nn.parallel.DistributedDataParallel(model)
             for images, labels in train_loader:  # (the DistributedSampler's shard)
                 loss = torch.nn.functional.cross_entropy(ddp(images), labels)
                 optimizer.zero_grad()
@@ -89,10 +166,11 @@ def run_ranks(tmp_path: Path, sync_pruner: bool, loop: str = "pipeline") -> list
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
-@pytest.mark.parametrize("loop", ["pipeline", "prepare"])
+@pytest.mark.parametrize("loop", LOOPS)
 def test_two_gloo_ranks_keep_identical_masks_and_state(tmp_path, loop):
     a, b = run_ranks(tmp_path, sync_pruner=True, loop=loop)
-    assert not torch.equal(a["first"], b["first"])  # each rank trained on its own shard
+    if a["first"] is not None:  # (the frameworks shard their data: the control shows it)
+        assert not torch.equal(a["first"], b["first"])  # each rank on its own shard
     for key in a["pruner"]:
         assert torch.equal(a["pruner"][key], b["pruner"][key]), key
     assert torch.equal(a["masks"], b["masks"])
@@ -101,7 +179,7 @@ def test_two_gloo_ranks_keep_identical_masks_and_state(tmp_path, loop):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("loop", ["pipeline", "prepare"])
+@pytest.mark.parametrize("loop", LOOPS)
 def test_without_the_pruner_gradient_average_ranks_drift_apart(tmp_path, loop):
     a, b = run_ranks(tmp_path, sync_pruner=False, loop=loop)
     assert not torch.equal(a["pruner"]["scores"], b["pruner"]["scores"])

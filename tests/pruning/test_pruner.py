@@ -1179,3 +1179,20 @@ def test_a_frozen_model_has_the_groups_of_a_trainable_one(make):
     assert [(g.name, g.size) for g in frozen.groups] == [(g.name, g.size) for g in trainable.groups]
     kinds = {type(g).__name__ for g in frozen.groups}
     assert kinds == ({"HeadGroup", "ChannelGroup"} if make == "llama" else {"ChannelGroup"})
+
+
+def test_masked_parameters_keep_their_gradient_accumulators():
+    """register_parametrization would give every masked parameter a new gradient
+    accumulator; DDP's hooks, on the old one when the model was wrapped first, would
+    never fire (tests/pipeline/test_distributed.py runs that case on two ranks)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+    def accumulator(parameter):
+        return parameter.view_as(parameter).grad_fn.next_functions[0][0]
+
+    before = {id(p): accumulator(p) for p in net.parameters()}
+    DTPPruner(net, torch.randn(2, 8), 0.5)
+    masked = net[0].parametrizations.weight.original
+    assert all(accumulator(p) is before[id(p)] for p in net.parameters())
+    assert accumulator(masked) is before[id(masked)]
