@@ -57,6 +57,11 @@ class DTPTrainerCallback(TrainerCallback):
     the dense weights, not the pruned model, which is ``pruner.export()``. With
     ``load_best_model_at_end`` the pruner's state is the best checkpoint's, as the
     weights are.
+
+    Under several processes (DDP) every rank computes the same masks: the scores'
+    gradients are averaged over the ranks before every update (:meth:`DTPPruner.attach`).
+    The Trainer zeroes only the model's gradients; the callback drops the scores' after
+    every step.
     """
 
     def __init__(
