@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -108,6 +109,22 @@ class ExportMismatchError(ValueError):
     """export() produced a model that does not compute what the hard-masked one does."""
 
 
+def _sharded_parameters(model: nn.Module) -> list[str]:
+    """The modules of `model` whose parameters FSDP (either version) or tensor
+    parallelism shards across ranks."""
+    if not dist.is_available():
+        return []
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    return [
+        name or type(model).__name__
+        for name, module in model.named_modules()
+        if isinstance(module, FullyShardedDataParallel)
+        or any(isinstance(p, DTensor) for p in module.parameters(recurse=False))
+    ]
+
+
 def _ignored_modules(model: nn.Module, ignored: Iterable[nn.Module | str]) -> list[nn.Module]:
     """`ignored_layers` as modules of `model`, each given as one of its modules or its
     name, with every module inside them (a block leaves all its layers whole); TypeError
@@ -192,6 +209,15 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             raise ValueError(
                 f"the model already carries a pruner's masks ({masked[0]!r} and "
                 f"{len(masked) - 1} more layers): call remove() on that pruner first"
+            )
+        sharded = _sharded_parameters(model)
+        if sharded:
+            more = f" and {len(sharded) - 1} more modules" if len(sharded) > 1 else ""
+            raise ValueError(
+                f"the parameters of {sharded[0]!r}{more} are sharded (FSDP or tensor "
+                "parallelism): DTP's masks multiply whole weights. Train under "
+                "DistributedDataParallel (the pruner averages its scores over the ranks), or "
+                "prune before sharding and shard the exported model"
             )
         inputs = as_example_inputs(example_inputs)
         was_training = model.training

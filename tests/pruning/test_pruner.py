@@ -1196,3 +1196,34 @@ def test_masked_parameters_keep_their_gradient_accumulators():
     masked = net[0].parametrizations.weight.original
     assert all(accumulator(p) is before[id(p)] for p in net.parameters())
     assert accumulator(masked) is before[id(masked)]
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A torch.distributed process group of this process alone (gloo)."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sharding", ["fsdp2", "fsdp1"])
+def test_a_model_with_sharded_parameters_is_refused_before_any_mask(one_rank_group, sharding):
+    """FSDP's shards (DTensors for fully_shard, flat parameters for the wrapper) are no
+    whole weights to mask: refused, naming the module, instead of a crash later."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    if sharding == "fsdp2":
+        fully_shard(net[0])
+        fully_shard(net)
+        message = r"the parameters of '0' and 1 more modules are sharded \(FSDP"
+    else:
+        net = FullyShardedDataParallel(net, device_id=torch.device("cpu"))
+        message = r"the parameters of 'FullyShardedDataParallel' are sharded \(FSDP"
+    with pytest.raises(ValueError, match=message + r".*DistributedDataParallel"):
+        DTPPruner(net, torch.randn(2, 8), 0.5)
+    assert not any(parametrize.is_parametrized(m) for m in net.modules())
