@@ -12,10 +12,9 @@ group and the scheduler's entry for it loads into a scheduler without one
 
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import torch
 from transformers import TrainerCallback
@@ -56,7 +55,8 @@ class DTPTrainerCallback(TrainerCallback):
     model's files (``trainer.save_model()`` too) load into the model as it was built:
     the dense weights, not the pruned model, which is ``pruner.export()``. With
     ``load_best_model_at_end`` the pruner's state is the best checkpoint's, as the
-    weights are.
+    weights are. (``callback.scores_group.whole_state_dict()`` is the optimizer's state
+    with the scores' group, which ``optimizer.state_dict()`` leaves out.)
 
     Under several processes (DDP) every rank computes the same masks: the scores'
     gradients are averaged over the ranks before every update (:meth:`DTPPruner.attach`).
@@ -84,8 +84,7 @@ class DTPTrainerCallback(TrainerCallback):
         self.resume_from = resume_from
         self.pruner_kwargs = pruner_kwargs
         self.pruner: DTPPruner | None = None
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._whole_state = False  # the optimizer's state_dict with the scores' group
+        self.scores_group: ScoresGroup | None = None  # None: no learned scores
 
     def on_train_begin(
         self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs
@@ -111,11 +110,11 @@ class DTPTrainerCallback(TrainerCallback):
                 ) from error
         join_optimizer(pruner, inner, score_lr=self.score_lr, scheduler=lr_scheduler)
         pruner.name_weights_unmasked()
-        self.pruner, self._optimizer = pruner, inner
-        if self._scores_group() is not None:
-            inner.register_state_dict_post_hook(self._without_scores_group)
+        self.pruner = pruner
+        if any(True for _ in pruner.parameters()):
+            self.scores_group = ScoresGroup(pruner, inner)
             if resumed is not None:
-                self._load_scores_group(resumed["scores_group"])
+                self.scores_group.load(resumed["scores_group"])
         forecast = config_forecast(pruner)
         if forecast is not None and not forecast["describes"]:  # now, not after training
             learned = pruner.budget != "layer"
@@ -142,7 +141,7 @@ class DTPTrainerCallback(TrainerCallback):
         saved = {
             "step": state.global_step,
             "pruner": self.pruner.state_dict(),
-            "scores_group": self._saved_scores_group(),
+            "scores_group": None if self.scores_group is None else self.scores_group.saved(),
         }
         torch.save(saved, os.path.join(directory, CHECKPOINT_FILE))
         return control
@@ -184,57 +183,59 @@ class DTPTrainerCallback(TrainerCallback):
             )
         return saved
 
-    def _scores_group(self) -> int | None:
-        """The index of the scores' group in the optimizer (None: no learned scores)."""
+
+class ScoresGroup:
+    """The scores' parameter group of the Trainer's optimizer, kept out of the file the
+    Trainer writes of it (a resumed run's optimizer lacks the group when the Trainer
+    loads that file) and saved and restored by the callback instead."""
+
+    def __init__(self, pruner: DTPPruner, optimizer: torch.optim.Optimizer) -> None:
+        self.pruner, self.optimizer = pruner, optimizer
+        self._whole = False  # state_dict() with the group, for the callback's own use
+        optimizer.register_state_dict_post_hook(self._without)
+
+    def index(self) -> int:
         own = {id(p) for p in self.pruner.parameters()}
-        for index, group in enumerate(self._optimizer.param_groups):
+        for index, group in enumerate(self.optimizer.param_groups):
             if any(id(p) in own for p in group["params"]):
                 return index
-        return None
+        raise RuntimeError("the pruner's scores are in no group of the Trainer's optimizer")
 
-    @contextlib.contextmanager
-    def _with_scores_group(self) -> Iterator[None]:
-        self._whole_state = True
+    def whole_state_dict(self) -> dict:
+        """The optimizer's state_dict with the scores' group."""
+        self._whole = True
         try:
-            yield
+            return self.optimizer.state_dict()
         finally:
-            self._whole_state = False
+            self._whole = False
 
-    def _without_scores_group(self, optimizer, state_dict: dict) -> dict | None:
-        """The optimizer's state_dict as the Trainer saves it: without the scores' group,
-        which a resumed run's optimizer lacks when the Trainer loads the file."""
-        if self._whole_state:
+    def saved(self) -> dict:
+        whole = self.whole_state_dict()
+        group = whole["param_groups"][self.index()]
+        return {
+            "group": {key: value for key, value in group.items() if key != "params"},
+            "state": [whole["state"].get(key) for key in group["params"]],
+        }
+
+    def load(self, saved: dict) -> None:
+        whole, index = self.whole_state_dict(), self.index()
+        group = whole["param_groups"][index]
+        for key, value in zip(group["params"], saved["state"], strict=True):
+            if value is not None:
+                whole["state"][key] = value
+        whole["param_groups"][index] = {**saved["group"], "params": group["params"]}
+        self.optimizer.load_state_dict(whole)
+
+    def _without(self, optimizer, state_dict: dict) -> dict | None:
+        if self._whole:
             return None
-        index = self._scores_group()
+        index = self.index()
         ids = set(state_dict["param_groups"][index]["params"])
         return {
             **state_dict,
             "state": {key: value for key, value in state_dict["state"].items() if key not in ids},
             "param_groups": [g for i, g in enumerate(state_dict["param_groups"]) if i != index],
         }
-
-    def _saved_scores_group(self) -> dict | None:
-        index = self._scores_group()
-        if index is None:
-            return None
-        with self._with_scores_group():
-            whole = self._optimizer.state_dict()
-        group = whole["param_groups"][index]
-        return {
-            "group": {key: value for key, value in group.items() if key != "params"},
-            "state": [whole["state"].get(key) for key in group["params"]],
-        }
-
-    def _load_scores_group(self, saved: dict) -> None:
-        index = self._scores_group()
-        with self._with_scores_group():
-            whole = self._optimizer.state_dict()
-        group = whole["param_groups"][index]
-        for key, value in zip(group["params"], saved["state"], strict=True):
-            if value is not None:
-                whole["state"][key] = value
-        whole["param_groups"][index] = {**saved["group"], "params": group["params"]}
-        self._optimizer.load_state_dict(whole)
 
 
 def _restore(pruner: DTPPruner, saved: dict) -> None:

@@ -38,8 +38,7 @@ def train(output_dir, resume=None, callback=None, max_steps=6, model=None, **opt
 
 
 def whole_optimizer_state(callback) -> dict:
-    with callback._with_scores_group():
-        return callback._optimizer.state_dict()
+    return callback.scores_group.whole_state_dict()
 
 
 def assert_equal_states(a: dict, b: dict) -> None:
@@ -99,7 +98,8 @@ def test_the_checkpoint_loads_into_the_model_and_optimizer_as_built(tmp_path):
     assert pruner_file["step"] == 2
     assert torch.equal(pruner_file["pruner"]["scores"], callback.pruner.scores.detach())
     group = pruner_file["scores_group"]["group"]
-    assert (group["initial_lr"], group["lr"]) == (0.05, callback._optimizer.param_groups[-1]["lr"])
+    live = callback.scores_group.optimizer.param_groups[-1]
+    assert (group["initial_lr"], group["lr"]) == (0.05, live["lr"])
 
 
 def test_the_best_checkpoint_brings_its_masks_with_its_weights(tmp_path):
