@@ -23,7 +23,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ..pruning.config_forecast import config_forecast, forecast_message
 from ..pruning.example_inputs import on_model_device
 from ..pruning.prepare import check_score_options, join_optimizer, unwrap_optimizer
-from ..pruning.pruner import DTPPruner
+from ..pruning.pruner import DTPPruner, StepHooks
 from ..pruning.ratios import Ratios
 
 CHECKPOINT_FILE = "dtp_pruner.pt"
@@ -85,14 +85,19 @@ class DTPTrainerCallback(TrainerCallback):
         self.pruner_kwargs = pruner_kwargs
         self.pruner: DTPPruner | None = None
         self.scores_group: ScoresGroup | None = None  # None: no learned scores
+        self._step_hooks: StepHooks | None = None
+        self._optimizer: torch.optim.Optimizer | None = None  # the one the scores are in
 
     def on_train_begin(
         self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs
     ):
-        if self.pruner is not None:
-            raise RuntimeError("DTPTrainerCallback prunes one training run; make a new one")
         if model is None or optimizer is None:
             raise RuntimeError("the Trainer passed no model or optimizer to on_train_begin")
+        if self.pruner is not None:
+            if model is not self.pruner.model or state.global_step != 0:
+                raise RuntimeError("DTPTrainerCallback prunes one training run; make a new one")
+            self._join_again(self.pruner, optimizer, lr_scheduler)
+            return control
         # what join_optimizer refuses, refused before the model gets its masks
         check_score_options(self.score_lr, 0.0, lr_scheduler, self.pruner_kwargs.get("scores"))
         inner = unwrap_optimizer(optimizer)
@@ -108,10 +113,12 @@ class DTPTrainerCallback(TrainerCallback):
                     f"the checkpoint's pruner state ({CHECKPOINT_FILE}) does not fit this "
                     f"callback's pruner: was it saved with other ratios or options? {error}"
                 ) from error
-        join_optimizer(pruner, inner, score_lr=self.score_lr, scheduler=lr_scheduler)
+        self._step_hooks = join_optimizer(
+            pruner, inner, score_lr=self.score_lr, scheduler=lr_scheduler
+        )
         pruner.name_weights_unmasked()
-        self.pruner = pruner
-        if any(True for _ in pruner.parameters()):
+        self.pruner, self._optimizer = pruner, inner
+        if list(pruner.parameters()):
             self.scores_group = ScoresGroup(pruner, inner)
             if resumed is not None:
                 self.scores_group.load(resumed["scores_group"])
@@ -120,6 +127,27 @@ class DTPTrainerCallback(TrainerCallback):
             learned = pruner.budget != "layer"
             warnings.warn(forecast_message(forecast, learned), UserWarning, stacklevel=2)
         return control
+
+    def _join_again(self, pruner: DTPPruner, optimizer, lr_scheduler) -> None:
+        """The Trainer starts over with a smaller batch (``auto_find_batch_size`` after an
+        out-of-memory error): the pruner, masks and scores stay, as the model's weights
+        do. The Trainer keeps its optimizer, scores' group and hooks included, and makes
+        its new scheduler over every group; an optimizer made anew (a Trainer subclass
+        may) gets the scores' group and the hooks, which leave the old one."""
+        inner = unwrap_optimizer(optimizer)
+        if inner is self._optimizer:
+            return
+        check_score_options(self.score_lr, 0.0, lr_scheduler, self.pruner_kwargs.get("scores"))
+        if self._step_hooks is not None:
+            self._step_hooks.remove()
+        if self.scores_group is not None:
+            self.scores_group.remove()
+        self._step_hooks = join_optimizer(
+            pruner, inner, score_lr=self.score_lr, scheduler=lr_scheduler
+        )
+        if self.scores_group is not None:
+            self.scores_group = ScoresGroup(pruner, inner)
+        self._optimizer = inner
 
     def on_step_end(self, args, state, control, **kwargs):
         # the Trainer zeroes the model's gradients (model.zero_grad()), and the scores are
@@ -192,7 +220,11 @@ class ScoresGroup:
     def __init__(self, pruner: DTPPruner, optimizer: torch.optim.Optimizer) -> None:
         self.pruner, self.optimizer = pruner, optimizer
         self._whole = False  # state_dict() with the group, for the callback's own use
-        optimizer.register_state_dict_post_hook(self._without)
+        self._hook = optimizer.register_state_dict_post_hook(self._without)
+
+    def remove(self) -> None:
+        """Leave the optimizer's state_dict whole again."""
+        self._hook.remove()
 
     def index(self) -> int:
         own = {id(p) for p in self.pruner.parameters()}

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from .pruner import DTPPruner
+from .pruner import DTPPruner, StepHooks
 from .ratios import Ratios
 
 
@@ -139,12 +139,13 @@ def join_optimizer(
     score_lr: float | None = None,
     score_weight_decay: float = 0.0,
     scheduler=None,
-) -> None:
+) -> StepHooks:
     """The second half of :func:`prepare`, for a pruner made before the optimizer (a
     Lightning callback makes it before the Trainer makes the optimizers, so that a
     checkpoint's model and optimizer state load into their parametrized, extended
     forms): add its scores to `optimizer` as a group of their own and commit its
-    state after every step. Arguments as for prepare()."""
+    state after every step. Arguments as for prepare(); returns the step hooks
+    (:meth:`DTPPruner.attach`)."""
     scores = "magnitude" if pruner.scores is None else "learned"  # (|w| under magnitude)
     check_score_options(score_lr, score_weight_decay, scheduler, scores)
     inner = unwrap_optimizer(optimizer)
@@ -160,4 +161,4 @@ def join_optimizer(
         inner.add_param_group(group)
         if scheduler is not None:
             _extend_scheduler(scheduler, lr, len(inner.param_groups))
-    pruner.attach(inner)
+    return pruner.attach(inner)

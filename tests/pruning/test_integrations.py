@@ -296,3 +296,68 @@ def test_a_lightning_checkpoint_resumes_the_dtp_run_bitwise(tmp_path):
     assert scores["lr"] == whole_optimizer.param_groups[-1]["lr"] == pytest.approx(0.1 * 0.5**3)
     momentum = optimizer.state[pruner.scores]["momentum_buffer"]
     assert torch.equal(momentum, whole_optimizer.state[whole_pruner.scores]["momentum_buffer"])
+
+
+class OutOfMemoryOnce:
+    """A TrainerCallback whose first step fails as an exhausted CPU allocator fails: the
+    Trainer under auto_find_batch_size starts over with a smaller batch."""
+
+    def __new__(cls):
+        import transformers
+
+        class Callback(transformers.TrainerCallback):
+            raised = False
+
+            def on_step_begin(self, args, state, control, **kwargs):
+                if not self.raised:
+                    self.raised = True
+                    raise RuntimeError("DefaultCPUAllocator: can't allocate memory: 1 bytes")
+
+        return Callback()
+
+
+@pytest.mark.parametrize("fresh_optimizer", [False, True], ids=["same", "fresh"])
+def test_the_trainer_callback_goes_on_when_the_trainer_starts_over(tmp_path, fresh_optimizer):
+    """auto_find_batch_size: after an out-of-memory error the Trainer starts training
+    again, with its optimizer (scores' group and hooks included) and a new scheduler
+    over every group, or, in a subclass, with an optimizer made anew, which the scores
+    join and the hooks move to. The pruner and its masks stay, as the weights do."""
+    transformers = pytest.importorskip("transformers")
+    from dtp_kernels.integrations.huggingface import DTPTrainerCallback
+    from dtp_kernels.pruning.prepare import unwrap_optimizer
+
+    optimizers = []
+
+    class Trainer(transformers.Trainer):
+        def create_optimizer(self, model=None):
+            if fresh_optimizer:
+                self.optimizer = None
+            optimizer = super().create_optimizer(model)
+            optimizers.append(unwrap_optimizer(optimizer))  # (the second: in Accelerate's)
+            return optimizer
+
+    ids = torch.randint(0, 61, (32, 12), generator=torch.Generator().manual_seed(1))
+    callback = DTPTrainerCallback({"input_ids": ids[:1]}, {"heads": 0.5, "mlp": 0.5}, score_lr=0.05)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=8,
+        auto_find_batch_size=True, learning_rate=1e-3, report_to=[], save_strategy="no",
+        logging_strategy="no", use_cpu=True, disable_tqdm=True,
+    )  # fmt: skip
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    trainer = Trainer(
+        model=tiny_llama(), args=args, train_dataset=data, callbacks=[OutOfMemoryOnce(), callback]
+    )
+    trainer.train()
+    assert trainer._train_batch_size < 8  # it started over
+    assert len(optimizers) == 2 and (optimizers[0] is optimizers[1]) != fresh_optimizer
+    pruner = callback.pruner
+    assert int(pruner.state.steps) == 4  # each step committed once, by the last optimizer
+    inner = unwrap_optimizer(trainer.optimizer)
+    assert inner is optimizers[-1]
+    groups = [g for g in inner.param_groups if any(p is pruner.scores for p in g["params"])]
+    assert len(groups) == 1 and groups[0]["initial_lr"] == 0.05
+    assert groups[0]["lr"] == pytest.approx(0.05 * inner.param_groups[0]["lr"] / 1e-3)
+    if fresh_optimizer:  # the first optimizer keeps neither the scores' hooks nor the group
+        first = optimizers[0]
+        assert not first._optimizer_step_post_hooks
+        assert not first._optimizer_state_dict_post_hooks
