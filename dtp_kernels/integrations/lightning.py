@@ -9,7 +9,6 @@ from collections.abc import Mapping
 import torch
 from lightning.pytorch import Callback
 
-from ..pruning.checkpoint_keys import unmasked_keys
 from ..pruning.example_inputs import on_model_device
 from ..pruning.prepare import check_score_options, join_optimizer, unwrap_optimizer
 from ..pruning.pruner import DTPPruner
@@ -32,8 +31,8 @@ class DTPCallback(Callback):
     into the module as it was built) and, as the callback's state, the pruner's scores
     and transport state: ``trainer.fit(module, ckpt_path=...)`` with a new callback of
     the same arguments resumes the run where it stopped (the scores' optimizer state
-    too). A weights-only checkpoint (``save_weights_only=True``) holds neither the
-    pruner's state nor the renamed weights: it does not resume a DTP run.
+    too). A weights-only checkpoint (``save_weights_only=True``) holds the weights but
+    not the pruner's state: it does not resume a DTP run.
     """
 
     def __init__(
@@ -80,6 +79,7 @@ class DTPCallback(Callback):
             pruner.load_state_dict(self._resumed)
             self._resumed = None
         join_optimizer(pruner, optimizer, score_lr=self.score_lr, scheduler=schedulers or None)
+        pruner.name_weights_unmasked()  # checkpoints hold the weights under their own names
         self.pruner = pruner
 
     def state_dict(self) -> dict:
@@ -88,8 +88,3 @@ class DTPCallback(Callback):
     def load_state_dict(self, state_dict: dict) -> None:
         # called when a checkpoint is restored, before fitting starts: kept until then
         self._resumed = state_dict.get("pruner")
-
-    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
-        renamed = unmasked_keys(pl_module)
-        weights = checkpoint["state_dict"]
-        checkpoint["state_dict"] = {renamed.get(key, key): value for key, value in weights.items()}
