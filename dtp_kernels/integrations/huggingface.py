@@ -94,9 +94,14 @@ class DTPTrainerCallback(TrainerCallback):
         if model is None or optimizer is None:
             raise RuntimeError("the Trainer passed no model or optimizer to on_train_begin")
         if self.pruner is not None:
-            if model is not self.pruner.model or state.global_step != 0:
-                raise RuntimeError("DTPTrainerCallback prunes one training run; make a new one")
+            if model is not self.pruner.model:
+                raise RuntimeError("DTPTrainerCallback prunes one model; make a new one")
             self._join_again(self.pruner, optimizer, lr_scheduler)
+            if state.global_step != 0:  # the Trainer loaded the checkpoint's optimizer again
+                saved = self._resumed_state(args, state)
+                _restore(self.pruner, saved)
+                if self.scores_group is not None:
+                    self.scores_group.load(saved["scores_group"])
             return control
         # what join_optimizer refuses, refused before the model gets its masks
         check_score_options(self.score_lr, 0.0, lr_scheduler, self.pruner_kwargs.get("scores"))
@@ -131,9 +136,11 @@ class DTPTrainerCallback(TrainerCallback):
     def _join_again(self, pruner: DTPPruner, optimizer, lr_scheduler) -> None:
         """The Trainer starts over with a smaller batch (``auto_find_batch_size`` after an
         out-of-memory error): the pruner, masks and scores stay, as the model's weights
-        do. The Trainer keeps its optimizer, scores' group and hooks included, and makes
-        its new scheduler over every group; an optimizer made anew (a Trainer subclass
-        may) gets the scores' group and the hooks, which leave the old one."""
+        do (a resumed run's pruner goes back to the checkpoint's state, as the optimizer
+        does: on_train_begin). The Trainer keeps its optimizer, scores' group and hooks
+        included, and makes its new scheduler over every group; an optimizer made anew (a
+        Trainer subclass may) gets the scores' group and the hooks, which leave the old
+        one."""
         inner = unwrap_optimizer(optimizer)
         if inner is self._optimizer:
             return
@@ -215,16 +222,25 @@ class DTPTrainerCallback(TrainerCallback):
 class ScoresGroup:
     """The scores' parameter group of the Trainer's optimizer, kept out of the file the
     Trainer writes of it (a resumed run's optimizer lacks the group when the Trainer
-    loads that file) and saved and restored by the callback instead."""
+    loads that file) and saved and restored by the callback instead.
+
+    ``optimizer.state_dict()`` leaves the group out, and ``optimizer.load_state_dict``
+    of a state without it keeps the group as it is (the Trainer loads the file again
+    into the optimizer holding the group when ``auto_find_batch_size`` starts a resumed
+    run over)."""
 
     def __init__(self, pruner: DTPPruner, optimizer: torch.optim.Optimizer) -> None:
         self.pruner, self.optimizer = pruner, optimizer
         self._whole = False  # state_dict() with the group, for the callback's own use
-        self._hook = optimizer.register_state_dict_post_hook(self._without)
+        self._hooks = [
+            optimizer.register_state_dict_post_hook(self._without),
+            optimizer.register_load_state_dict_pre_hook(self._with),
+        ]
 
     def remove(self) -> None:
-        """Leave the optimizer's state_dict whole again."""
-        self._hook.remove()
+        """Leave the optimizer's state_dict and load_state_dict as they were."""
+        for hook in self._hooks:
+            hook.remove()
 
     def index(self) -> int:
         own = {id(p) for p in self.pruner.parameters()}
@@ -268,6 +284,26 @@ class ScoresGroup:
             "state": {key: value for key, value in state_dict["state"].items() if key not in ids},
             "param_groups": [g for i, g in enumerate(state_dict["param_groups"]) if i != index],
         }
+
+    def _with(self, optimizer, state_dict: dict) -> dict | None:
+        if len(state_dict["param_groups"]) != len(optimizer.param_groups) - 1:
+            return None  # the whole state, or one load_state_dict refuses as it is
+        whole, index = self.whole_state_dict(), self.index()
+        group = whole["param_groups"][index]
+        # the group's parameters under keys the loaded state does not use
+        first = 1 + max((k for g in state_dict["param_groups"] for k in g["params"]), default=-1)
+        keys = range(first, first + len(group["params"]))
+        state = dict(state_dict["state"])
+        state.update(
+            {
+                new: whole["state"][old]
+                for new, old in zip(keys, group["params"], strict=True)
+                if old in whole["state"]
+            }
+        )
+        groups = list(state_dict["param_groups"])
+        groups.insert(index, {**group, "params": list(keys)})
+        return {**state_dict, "state": state, "param_groups": groups}
 
 
 def _restore(pruner: DTPPruner, saved: dict) -> None:

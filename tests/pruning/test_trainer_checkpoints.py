@@ -21,17 +21,19 @@ EXAMPLE = {"input_ids": IDS[:1], "attention_mask": torch.ones(1, 12, dtype=torch
 RATIOS = {"heads": 0.5, "mlp": 0.5}
 
 
-def train(output_dir, resume=None, callback=None, max_steps=6, model=None, **options):
+def train(
+    output_dir, resume=None, callback=None, max_steps=6, model=None, batch=4, before=(), **options
+):
     """Six steps of a tiny Llama (a warm-up and a linear decay: the scores' learning rate
-    changes every step), a checkpoint every two."""
+    changes every step), a checkpoint every two; ``before``: callbacks ahead of DTP's."""
     callback = callback or DTPTrainerCallback(EXAMPLE, RATIOS, score_lr=0.05)
     args = transformers.TrainingArguments(
-        output_dir=str(output_dir), max_steps=max_steps, per_device_train_batch_size=4,
+        output_dir=str(output_dir), max_steps=max_steps, per_device_train_batch_size=batch,
         learning_rate=1e-3, warmup_steps=2, save_strategy="steps", save_steps=2,
         report_to=[], logging_strategy="no", use_cpu=True, disable_tqdm=True, **options,
     )  # fmt: skip
     trainer = transformers.Trainer(
-        model=model or tiny_llama(), args=args, train_dataset=DATA, callbacks=[callback]
+        model=model or tiny_llama(), args=args, train_dataset=DATA, callbacks=[*before, callback]
     )
     trainer.train(resume_from_checkpoint=resume)
     return trainer, callback
@@ -90,6 +92,77 @@ def test_a_resumed_run_ends_bitwise_equal_to_one_that_never_stopped(
     assert all(p.grad is None for p in whole_callback.pruner.parameters())
     a, b = whole_callback.pruner.export(), resumed_callback.pruner.export()
     assert_equal_states(a.state_dict(), b.state_dict())
+
+
+def test_a_resumed_run_started_over_with_a_smaller_batch_ends_as_one_resumed_at_it(tmp_path):
+    """auto_find_batch_size after a resume: the first step runs out of memory, and the
+    Trainer starts over at 3 (from 4), loading the checkpoint's optimizer file again
+    into the optimizer that now holds the scores' group (which the load keeps). It ends
+    bitwise where a run resumed at 3 from the start ends."""
+    from test_integrations import OutOfMemoryOnce
+
+    train(tmp_path / "whole")
+    for run in ("at-3", "started-over"):
+        shutil.copytree(tmp_path / "whole" / "checkpoint-2", tmp_path / run / "checkpoint-2")
+    at_3, at_3_callback = train(tmp_path / "at-3", resume=True, batch=3)
+    started_over, callback = train(
+        tmp_path / "started-over", resume=True, before=[OutOfMemoryOnce()],
+        auto_find_batch_size=True,
+    )  # fmt: skip
+    assert started_over._train_batch_size == 3
+    assert int(callback.pruner.state.steps) == 6
+    assert_equal_states(started_over.model.state_dict(), at_3.model.state_dict())
+    assert_equal_states(callback.pruner.state_dict(), at_3_callback.pruner.state_dict())
+    assert_equal_states(
+        whole_optimizer_state(callback)["state"], whole_optimizer_state(at_3_callback)["state"]
+    )
+
+
+def test_training_again_from_a_checkpoint_brings_back_its_pruner_state(tmp_path):
+    """The same Trainer and callback train again from an earlier checkpoint: the Trainer
+    loads its weights and optimizer, the callback its scores, transport state and the
+    scores' optimizer state; the run ends where the first ended."""
+    trainer, callback = train(tmp_path)
+    weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    pruner_state = {k: v.clone() for k, v in callback.pruner.state_dict().items()}
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert_equal_states(trainer.model.state_dict(), weights)
+    assert_equal_states(callback.pruner.state_dict(), pruner_state)
+
+
+def test_a_callback_is_refused_a_second_model(tmp_path):
+    _, callback = train(tmp_path / "first", max_steps=2)
+    with pytest.raises(RuntimeError, match="prunes one model"):
+        train(tmp_path / "second", callback=callback, max_steps=2)
+
+
+def test_the_optimizer_state_without_the_scores_group_loads_keeping_the_group():
+    """optimizer.state_dict() leaves the scores' group out; loading it (or an older
+    state of the model's groups) changes those groups and keeps the scores' as they are."""
+    from dtp_kernels import prepare
+    from dtp_kernels.integrations.huggingface import ScoresGroup
+
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    pruner = prepare(model, optimizer, EXAMPLE, RATIOS, score_lr=0.05)
+    group = ScoresGroup(pruner, optimizer)
+    for _ in range(2):
+        model(**EXAMPLE, labels=EXAMPLE["input_ids"]).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        pruner.zero_grad()
+    first = optimizer.state_dict()
+    assert len(first["param_groups"]) == len(optimizer.param_groups) - 1
+    model(**EXAMPLE, labels=EXAMPLE["input_ids"]).loss.backward()
+    optimizer.step()
+    scores_state = {k: v.clone() for k, v in optimizer.state[pruner.scores].items()}
+    optimizer.load_state_dict(first)
+    assert_equal_states(optimizer.state[pruner.scores], scores_state)
+    assert optimizer.param_groups[-1]["params"][0] is pruner.scores
+    assert_equal_states(optimizer.state_dict()["state"], first["state"])
+    group.remove()
+    with pytest.raises(ValueError, match="different number of parameter groups"):
+        optimizer.load_state_dict(first)
 
 
 def test_the_checkpoint_loads_into_the_model_and_optimizer_as_built(tmp_path):
