@@ -110,8 +110,8 @@ class ExportMismatchError(ValueError):
 
 
 def _sharded_parameters(model: nn.Module) -> list[str]:
-    """The modules of `model` whose parameters FSDP (either version) or tensor
-    parallelism shards across ranks."""
+    """The modules of `model` whose parameters FSDP (either version), tensor parallelism
+    or DeepSpeed's ZeRO stage 3 (which marks them with ``ds_id``) shards across ranks."""
     if not dist.is_available():
         return []
     from torch.distributed.fsdp import FullyShardedDataParallel
@@ -121,7 +121,9 @@ def _sharded_parameters(model: nn.Module) -> list[str]:
         name or type(model).__name__
         for name, module in model.named_modules()
         if isinstance(module, FullyShardedDataParallel)
-        or any(isinstance(p, DTensor) for p in module.parameters(recurse=False))
+        or any(
+            isinstance(p, DTensor) or hasattr(p, "ds_id") for p in module.parameters(recurse=False)
+        )
     ]
 
 
@@ -214,10 +216,10 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         if sharded:
             more = f" and {len(sharded) - 1} more modules" if len(sharded) > 1 else ""
             raise ValueError(
-                f"the parameters of {sharded[0]!r}{more} are sharded (FSDP or tensor "
-                "parallelism): DTP's masks multiply whole weights. Train under "
-                "DistributedDataParallel (the pruner averages its scores over the ranks), or "
-                "prune before sharding and shard the exported model"
+                f"the parameters of {sharded[0]!r}{more} are sharded (FSDP, tensor "
+                "parallelism or DeepSpeed ZeRO-3): DTP's masks multiply whole weights. Train "
+                "under DistributedDataParallel (the pruner averages its scores over the "
+                "ranks), or prune before sharding and shard the exported model"
             )
         inputs = as_example_inputs(example_inputs)
         was_training = model.training

@@ -17,6 +17,14 @@ def unwrap_optimizer(optimizer) -> torch.optim.Optimizer:
     ``.optimizer``); step hooks fire on it, not on the wrapper."""
     inner = optimizer
     while not type(inner).__module__.startswith("torch.optim") and hasattr(inner, "optimizer"):
+        if type(inner).__module__.startswith("deepspeed.runtime.zero"):
+            # its step walks the groups it partitioned when it was made: one more breaks it
+            raise ValueError(
+                f"optimizer is DeepSpeed's ZeRO optimizer ({type(inner).__name__}), which "
+                "fixes its parameter groups when it is made: the pruner's scores cannot join "
+                "it. Train with ZeRO stage 0 or DistributedDataParallel (the pruner averages "
+                "its scores over the ranks)"
+            )
         inner = inner.optimizer
     if not isinstance(inner, torch.optim.Optimizer):
         raise TypeError(
