@@ -25,6 +25,7 @@ from ..pruning.example_inputs import on_model_device
 from ..pruning.prepare import check_score_options, join_optimizer, unwrap_optimizer
 from ..pruning.pruner import DTPPruner, StepHooks
 from ..pruning.ratios import Ratios
+from ..pruning.zero_scores import ZeroScores, find_zero_optimizer
 
 CHECKPOINT_FILE = "dtp_pruner.pt"
 
@@ -60,6 +61,9 @@ class DTPTrainerCallback(TrainerCallback):
 
     Under several processes (DDP) every rank computes the same masks: the scores'
     gradients are averaged over the ranks before every update (:meth:`DTPPruner.attach`).
+    Under DeepSpeed, ZeRO stages 1 and 2 fix their optimizer's groups: the scores get an
+    optimizer of their own, stepped after every ZeRO step (its state goes to
+    ``dtp_pruner.pt``); ZeRO stage 3, which partitions the weights, is refused.
     The Trainer zeroes only the model's gradients; the callback drops the scores' after
     every step.
     """
@@ -85,8 +89,9 @@ class DTPTrainerCallback(TrainerCallback):
         self.pruner_kwargs = pruner_kwargs
         self.pruner: DTPPruner | None = None
         self.scores_group: ScoresGroup | None = None  # None: no learned scores
-        self._step_hooks: StepHooks | None = None
-        self._optimizer: torch.optim.Optimizer | None = None  # the one the scores are in
+        self._step_hooks: StepHooks | ZeroScores | None = None
+        # the optimizer the scores are in (or beside: DeepSpeed's ZeRO, zero_scores.py)
+        self._optimizer: object | None = None
 
     def on_train_begin(
         self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs
@@ -99,19 +104,18 @@ class DTPTrainerCallback(TrainerCallback):
             self._join_again(self.pruner, optimizer, lr_scheduler)
             if state.global_step != 0:  # the Trainer loaded the checkpoint's optimizer again
                 saved = self._resumed_state(args, state)
-                _restore(self.pruner, saved)
-                if self.scores_group is not None:
-                    self.scores_group.load(saved["scores_group"])
+                _restore(self.pruner, saved, isinstance(self._step_hooks, ZeroScores))
+                self._load_scores_optimizer(saved)
             return control
         # what join_optimizer refuses, refused before the model gets its masks
         check_score_options(self.score_lr, 0.0, lr_scheduler, self.pruner_kwargs.get("scores"))
-        inner = unwrap_optimizer(optimizer)
+        inner = _scores_optimizer_home(optimizer)
         resumed = self._resumed_state(args, state)
         inputs = on_model_device(self.example_inputs, model)
         pruner = DTPPruner(model, inputs, self.ratios, **self.pruner_kwargs)
         if resumed is not None:
             try:
-                _restore(pruner, resumed)
+                _restore(pruner, resumed, not isinstance(inner, torch.optim.Optimizer))
             except (RuntimeError, ValueError) as error:
                 pruner.remove()  # the model as it was
                 raise ValueError(
@@ -123,10 +127,10 @@ class DTPTrainerCallback(TrainerCallback):
         )
         pruner.name_weights_unmasked()
         self.pruner, self._optimizer = pruner, inner
-        if list(pruner.parameters()):
+        if list(pruner.parameters()) and not isinstance(self._step_hooks, ZeroScores):
             self.scores_group = ScoresGroup(pruner, inner)
-            if resumed is not None:
-                self.scores_group.load(resumed["scores_group"])
+        if resumed is not None:
+            self._load_scores_optimizer(resumed)
         forecast = config_forecast(pruner)
         if forecast is not None and not forecast["describes"]:  # now, not after training
             learned = pruner.budget != "layer"
@@ -141,7 +145,7 @@ class DTPTrainerCallback(TrainerCallback):
         included, and makes its new scheduler over every group; an optimizer made anew (a
         Trainer subclass may) gets the scores' group and the hooks, which leave the old
         one."""
-        inner = unwrap_optimizer(optimizer)
+        inner = _scores_optimizer_home(optimizer)
         if inner is self._optimizer:
             return
         check_score_options(self.score_lr, 0.0, lr_scheduler, self.pruner_kwargs.get("scores"))
@@ -155,6 +159,14 @@ class DTPTrainerCallback(TrainerCallback):
         if self.scores_group is not None:
             self.scores_group = ScoresGroup(pruner, inner)
         self._optimizer = inner
+
+    def _load_scores_optimizer(self, saved: dict) -> None:
+        """The scores' optimizer state from the checkpoint's pruner file: their group of
+        the Trainer's optimizer, or their own optimizer beside DeepSpeed's ZeRO."""
+        if self.scores_group is not None:
+            self.scores_group.load(saved["scores_group"])
+        elif isinstance(self._step_hooks, ZeroScores) and self._step_hooks.optimizer:
+            self._step_hooks.optimizer.load_state_dict(saved["scores_optimizer"])
 
     def on_step_end(self, args, state, control, **kwargs):
         # the Trainer zeroes the model's gradients (model.zero_grad()), and the scores are
@@ -177,6 +189,7 @@ class DTPTrainerCallback(TrainerCallback):
             "step": state.global_step,
             "pruner": self.pruner.state_dict(),
             "scores_group": None if self.scores_group is None else self.scores_group.saved(),
+            "scores_optimizer": _zero_scores_state(self._step_hooks),
         }
         torch.save(saved, os.path.join(directory, CHECKPOINT_FILE))
         return control
@@ -306,11 +319,36 @@ class ScoresGroup:
         return {**state_dict, "state": state, "param_groups": groups}
 
 
-def _restore(pruner: DTPPruner, saved: dict) -> None:
+def _scores_optimizer_home(optimizer):
+    """Where the scores' optimizer state lives: DeepSpeed's ZeRO optimizer (the scores
+    get one of their own beside it) or the torch optimizer inside `optimizer`; what
+    neither can take is refused before the model gets its masks."""
+    zero = find_zero_optimizer(optimizer)
+    return zero if zero is not None else unwrap_optimizer(optimizer)
+
+
+def _zero_scores_state(hooks) -> dict | None:
+    if isinstance(hooks, ZeroScores) and hooks.optimizer is not None:
+        return hooks.optimizer.state_dict()
+    return None
+
+
+def _restore(pruner: DTPPruner, saved: dict, beside_zero: bool) -> None:
     """Load the saved scores and transport state; check the saved optimizer state has one
-    entry per parameter of the pruner."""
+    entry per parameter of the pruner, of the kind this run keeps (a group of the
+    Trainer's optimizer, or an optimizer beside DeepSpeed's ZeRO)."""
+    own = saved.get("scores_optimizer")
+    if (own is not None) != beside_zero and list(pruner.parameters()):
+        was, now = ("beside", "in") if own is not None else ("in", "beside")
+        raise ValueError(
+            f"its scores were trained {was} DeepSpeed's ZeRO optimizer; this run trains them "
+            f"{now} it (a ZeRO stage 1 or 2 config in one run and not in the other)"
+        )
     pruner.load_state_dict(saved["pruner"])
-    entries = saved["scores_group"]["state"] if saved["scores_group"] is not None else []
+    if own is not None:
+        entries = [p for g in own["param_groups"] for p in g["params"]]
+    else:
+        entries = saved["scores_group"]["state"] if saved["scores_group"] is not None else []
     parameters = len(list(pruner.parameters()))
     if len(entries) != parameters:
         raise ValueError(

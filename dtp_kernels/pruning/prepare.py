@@ -10,6 +10,7 @@ from torch import nn
 
 from .pruner import DTPPruner, StepHooks
 from .ratios import Ratios
+from .zero_scores import ZeroScores, find_zero_optimizer
 
 
 def unwrap_optimizer(optimizer) -> torch.optim.Optimizer:
@@ -22,8 +23,7 @@ def unwrap_optimizer(optimizer) -> torch.optim.Optimizer:
             raise ValueError(
                 f"optimizer is DeepSpeed's ZeRO optimizer ({type(inner).__name__}), which "
                 "fixes its parameter groups when it is made: the pruner's scores cannot join "
-                "it. Train with ZeRO stage 0 or DistributedDataParallel (the pruner averages "
-                "its scores over the ranks)"
+                "it (prepare() and DTPTrainerCallback train them beside ZeRO stages 1 and 2)"
             )
         inner = inner.optimizer
     if not isinstance(inner, torch.optim.Optimizer):
@@ -100,6 +100,8 @@ def prepare(
     changes in the loop; ``pruner.export()`` gives the smaller model at the end. (A loop
     that zeroes gradients with ``model.zero_grad()`` must also call
     ``pruner.zero_grad()``: the scores are the pruner's parameters, not the model's.)
+    Under DeepSpeed, give the engine's optimizer: ZeRO stages 1 and 2 fix their groups,
+    so the scores get an optimizer of their own, stepped after every ZeRO step.
 
     Args:
         score_lr: learning rate of the scores; default: that of the optimizer's first group.
@@ -112,7 +114,8 @@ def prepare(
             this call covers every group itself).
     """
     check_score_options(score_lr, score_weight_decay, scheduler, pruner_kwargs.get("scores"))
-    unwrap_optimizer(optimizer)  # a wrong optimizer is refused before the model is touched
+    if find_zero_optimizer(optimizer) is None:  # (ZeRO stage 3 refused there)
+        unwrap_optimizer(optimizer)  # a wrong optimizer is refused before the model is touched
     pruner = DTPPruner(model, example_inputs, ratios, **pruner_kwargs)
     join_optimizer(
         pruner,
@@ -147,15 +150,19 @@ def join_optimizer(
     score_lr: float | None = None,
     score_weight_decay: float = 0.0,
     scheduler=None,
-) -> StepHooks:
+) -> StepHooks | ZeroScores:
     """The second half of :func:`prepare`, for a pruner made before the optimizer (a
     Lightning callback makes it before the Trainer makes the optimizers, so that a
     checkpoint's model and optimizer state load into their parametrized, extended
     forms): add its scores to `optimizer` as a group of their own and commit its
     state after every step. Arguments as for prepare(); returns the step hooks
-    (:meth:`DTPPruner.attach`)."""
+    (:meth:`DTPPruner.attach`). DeepSpeed's ZeRO optimizer (stages 1 and 2) fixes its
+    groups: the scores get an optimizer beside it (zero_scores.py), returned."""
     scores = "magnitude" if pruner.scores is None else "learned"  # (|w| under magnitude)
     check_score_options(score_lr, score_weight_decay, scheduler, scores)
+    zero = find_zero_optimizer(optimizer)
+    if zero is not None:  # its groups are fixed: the scores get an optimizer beside it
+        return ZeroScores(pruner, zero, score_lr=score_lr, score_weight_decay=score_weight_decay)
     inner = unwrap_optimizer(optimizer)
     # scores and learned ratios; no scores under scores="magnitude"
     params = [p for p in (pruner.scores, getattr(pruner, "theta", None)) if p is not None]

@@ -95,6 +95,11 @@ def parameter_slot(model: nn.Module) -> tuple[nn.Module, str] | None:
     return model.get_submodule(prefix), key
 
 
+def distributed() -> bool:
+    """Whether a torch.distributed process group of several ranks is up."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 class StepHooks:
     """The optimizer hooks DTPPruner.attach() registers, removed together."""
 
@@ -584,20 +589,19 @@ class DTPPruner(ChannelPruner):
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
 
-        def after_step(*_) -> None:
-            self._source.release_graph()
-            self.state.commit()
-            self._steps_since_check += 1
-            if self.NONFINITE_CHECK_EVERY and (
-                self._steps_since_check >= self.NONFINITE_CHECK_EVERY
-            ):
-                self._steps_since_check = 0
-                self._warn_skipped()
-
-        hooks = [optimizer.register_step_post_hook(after_step)]
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        hooks = [optimizer.register_step_post_hook(self._after_update)]
+        if distributed():
             hooks.append(optimizer.register_step_pre_hook(self._average_before_update))
         return StepHooks(hooks)
+
+    def _after_update(self, *_) -> None:
+        """What follows every update of the scores: commit the transport state."""
+        self._source.release_graph()
+        self.state.commit()
+        self._steps_since_check += 1
+        if self.NONFINITE_CHECK_EVERY and self._steps_since_check >= self.NONFINITE_CHECK_EVERY:
+            self._steps_since_check = 0
+            self._warn_skipped()
 
     def _average_before_update(self, optimizer, args: tuple, kwargs: dict):
         """A step pre-hook: average the scores' gradients now, or, where the step gets a

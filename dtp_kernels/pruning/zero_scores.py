@@ -1,0 +1,102 @@
+"""The scores trained beside DeepSpeed's ZeRO optimizer (stages 1 and 2).
+
+ZeRO flattens and partitions its parameter groups when it is made, and its step walks
+those groups: a group added later breaks it. The scores get an optimizer of their own,
+of the ZeRO optimizer's class and settings, stepped right after every ZeRO step that
+updates the weights (a step skipped for an overflow skips the scores too), at the score
+learning rate scaled as the first group's is (the schedule), with the loss scale taken
+out of their gradients. Stage 3 partitions the weights themselves, which the masks
+multiply whole: refused."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from .pruner import DTPPruner, distributed
+
+STAGE_3 = "DeepSpeedZeroOptimizer_Stage3"
+
+
+def find_zero_optimizer(optimizer) -> object | None:
+    """DeepSpeed's ZeRO optimizer among `optimizer` and the wrappers around it
+    (Accelerate's keeps it in ``.optimizer``); None where there is none. Refused: ZeRO
+    stage 3 (its weights are partitioned) and a ZeRO optimizer stepping an optimizer
+    not of torch.optim (the scores' optimizer is made of its class)."""
+    inner = optimizer
+    # (Accelerate's wrapper is a torch Optimizer too: walk to torch's own)
+    while inner is not None and not type(inner).__module__.startswith("torch.optim"):
+        if type(inner).__module__.startswith("deepspeed.runtime.zero"):
+            if type(inner).__name__ == STAGE_3:
+                raise ValueError(
+                    f"optimizer is DeepSpeed's ZeRO stage 3 optimizer ({STAGE_3}), which "
+                    "partitions the weights: DTP's masks multiply whole weights. Train with "
+                    "ZeRO stage 0, 1 or 2, or DistributedDataParallel"
+                )
+            if not type(inner.optimizer).__module__.startswith("torch.optim"):
+                raise ValueError(
+                    f"DeepSpeed's ZeRO optimizer steps {type(inner.optimizer).__name__}, not a "
+                    "torch.optim optimizer: the scores beside it need one of torch's (leave "
+                    "the optimizer out of the DeepSpeed config: the Trainer makes its own)"
+                )
+            return inner
+        inner = getattr(inner, "optimizer", None)
+    return None
+
+
+class ZeroScores:
+    """The pruner's scores stepped after every step of DeepSpeed's ZeRO optimizer `zero`
+    (stages 1 and 2), by an optimizer of the class and settings of the one ZeRO wraps.
+    ``remove()`` gives `zero` its own step back."""
+
+    def __init__(
+        self,
+        pruner: DTPPruner,
+        zero,
+        *,
+        score_lr: float | None = None,
+        score_weight_decay: float = 0.0,
+    ) -> None:
+        inner = zero.optimizer  # a torch.optim optimizer (find_zero_optimizer)
+        self.pruner, self.zero = pruner, zero
+        first = zero.param_groups[0]
+        self._first_lr = first.get("initial_lr", first["lr"])  # its schedule's 1.0
+        self.lr = float(score_lr) if score_lr is not None else self._first_lr
+        params = [p for p in (pruner.scores, getattr(pruner, "theta", None)) if p is not None]
+        self.optimizer: torch.optim.Optimizer | None = None  # None: magnitude scores
+        if params:
+            accepted = inspect.signature(type(inner)).parameters
+            settings = {k: v for k, v in first.items() if k in accepted and k != "params"}
+            settings.update(lr=self.lr, weight_decay=score_weight_decay)
+            self.optimizer = type(inner)(params, **settings)
+        self._zero_step = zero.step
+        zero.step = self._step  # an attribute of the instance: remove() deletes it
+
+    def remove(self) -> None:
+        if self.zero.__dict__.get("step") == self._step:
+            del self.zero.step
+
+    def _step(self, *args, **kwargs):
+        scale = float(getattr(self.zero, "loss_scale", 1.0))  # before the step updates it
+        result = self._zero_step(*args, **kwargs)
+        if getattr(self.zero, "overflow", False):  # skipped: the scores skip it too
+            if self.optimizer is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+            return result
+        if self.optimizer is not None:
+            if distributed():
+                self.pruner._average_over_ranks()
+            for group in self.optimizer.param_groups:
+                for parameter in group["params"]:
+                    if parameter.grad is not None and scale != 1.0:
+                        parameter.grad.div_(scale)
+            first = self.zero.param_groups[0]
+            base = first.get("initial_lr", self._first_lr)
+            ratio = first["lr"] / base if base else 1.0
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.lr * ratio
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.pruner._after_update()
+        return result
