@@ -2,8 +2,8 @@
 a DeepSpeed config trains the pruner under ZeRO stages 0 to 2 as it does without
 DeepSpeed (stages 1 and 2 fix their optimizer's groups when it is made: the scores are
 stepped beside it) and resumes a ZeRO-2 run; prepare() in a loop of one's own under
-ZeRO-2 trains as a plain loop does; ZeRO stage 3, which partitions the weights, is
-refused before any mask.
+ZeRO-2 trains as a plain loop does, and on two ranks every rank learns the same masks;
+ZeRO stage 3, which partitions the weights, is refused before any mask.
 
 Each run is a process of its own: DeepSpeed and the Trainer's DeepSpeed config keep
 global state (stage 3 changes how transformers builds every later model)."""
@@ -121,6 +121,35 @@ def own_loop(out: Path, stage: int | None) -> dict:
     return outcome
 
 
+def two_ranks(out: Path, average: bool) -> dict:
+    """prepare() under ZeRO-2 on this process's rank of two, each on its own rows; with
+    `average` False the scores' gradients are not averaged over the ranks (the control)."""
+    import deepspeed
+
+    from dtp_kernels import prepare
+    from dtp_kernels.pruning import zero_scores
+
+    if not average:
+        zero_scores.distributed = lambda: False
+    rank = int(os.environ["RANK"])
+    model = tiny_llama()
+    config = {
+        "zero_optimization": {"stage": 2}, "train_batch_size": 4,
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+    }  # fmt: skip
+    deepspeed.init_distributed(dist_backend="gloo")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    pruner = prepare(model, optimizer, EXAMPLE, RATIOS, score_lr=0.05)
+    for step in range(3):
+        rows = IDS[4 * step + 2 * rank : 4 * step + 2 * rank + 2]
+        engine.backward(engine(input_ids=rows, labels=rows).loss)
+        engine.step()
+    state = {"pruner": pruner.state_dict(), "weights": model.state_dict()}
+    torch.save(state, out / f"rank{rank}.pt")
+    return {"error": None, "steps": int(pruner.state.steps)}
+
+
 def zero3_pruner(out: Path) -> dict:
     """A model built under deepspeed.zero.Init (its weights partitioned), given to
     DTPPruner directly."""
@@ -141,25 +170,36 @@ def zero3_pruner(out: Path) -> dict:
     return {"error": None}
 
 
-def run(scenario: str, tmp_path: Path) -> dict:
-    """`scenario` ("stage-N", "plain" or "zero3-pruner") in a process of its own, as
-    DeepSpeed's launcher would start one rank."""
-    variables = {
-        "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "2",
-    }  # fmt: skip
-    environment = checkout_environment(**variables)
-    environment["PYTHONPATH"] += os.pathsep + os.pathsep.join([str(HERE.parent), str(HERE)])
-    done = subprocess.run(
-        [sys.executable, __file__, scenario, str(tmp_path)],
-        env=environment, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
+def run(scenario: str, tmp_path: Path, ranks: int = 1) -> dict:
+    """`scenario` (a name the script's end reads) in a process per rank, as DeepSpeed's
+    launcher would start them; what rank 0 returned."""
+    port = str(free_port())
+    processes = []
+    for rank in range(ranks):
+        variables = {
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+            "OMP_NUM_THREADS": str(max(1, 2 // ranks)),
+        }  # fmt: skip
+        environment = checkout_environment(**variables)
+        environment["PYTHONPATH"] += os.pathsep + os.pathsep.join([str(HERE.parent), str(HERE)])
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, __file__, scenario, str(tmp_path)],
+                env=environment,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    for process in processes:
+        output, _ = process.communicate(timeout=600)
+        assert process.returncode == 0, output[-4000:]
     return json.loads((tmp_path / "result.json").read_text())
 
 
-def saved(directory: Path) -> dict:
-    return torch.load(directory / "pruner.pt", weights_only=True)
+def saved(directory: Path, name: str = "pruner.pt") -> dict:
+    return torch.load(directory / name, weights_only=True)
 
 
 @pytest.fixture(scope="module")
@@ -218,6 +258,21 @@ def test_prepare_in_a_loop_of_ones_own_under_zero_2(tmp_path):
             assert torch.equal(got[part][key], want[part][key]), key
 
 
+@pytest.mark.parametrize("average", [True, False], ids=["averaged", "control"])
+def test_every_rank_learns_the_same_masks_under_zero_2(tmp_path, average):
+    """Two ranks, each on its own rows: the scores' gradients averaged before every step
+    beside ZeRO-2, both ranks hold the same scores and transport state (and weights,
+    which ZeRO averages); without the average (the control) the scores drift apart."""
+    assert run("ranks-" + ("averaged" if average else "control"), tmp_path, ranks=2) == {
+        "error": None, "steps": 3,
+    }  # fmt: skip
+    one, other = saved(tmp_path, "rank0.pt"), saved(tmp_path, "rank1.pt")
+    for key in one["weights"]:
+        assert torch.equal(one["weights"][key], other["weights"][key]), key
+    same = all(torch.equal(one["pruner"][key], other["pruner"][key]) for key in one["pruner"])
+    assert same == average
+
+
 def test_zero_stage_3_is_refused_before_any_mask(tmp_path):
     result = run("stage-3", tmp_path)
     assert not result["masked"]
@@ -238,9 +293,12 @@ if __name__ == "__main__":
         outcome = zero3_pruner(directory)
     elif name == "plain":
         outcome = trainer_run(directory, None)
+    elif name.startswith("ranks-"):  # ranks-averaged, ranks-control
+        outcome = two_ranks(directory, name == "ranks-averaged")
     elif name.startswith("loop"):  # loop-plain, loop-N
         outcome = own_loop(directory, None if name == "loop-plain" else int(name[5:]))
     else:  # stage-N, or resume-N:CHECKPOINT
         stage, _, checkpoint = name.split("-", 1)[1].partition(":")
         outcome = trainer_run(directory, int(stage), checkpoint or None)
-    (directory / "result.json").write_text(json.dumps(outcome))
+    if os.environ["RANK"] == "0":
+        (directory / "result.json").write_text(json.dumps(outcome))
