@@ -17,6 +17,8 @@ import torch
 from .pruner import DTPPruner, distributed
 
 STAGE_3 = "DeepSpeedZeroOptimizer_Stage3"
+WRAPPED = ("step", "state_dict", "load_state_dict")  # ZeRO's methods ZeroScores extends
+CHECKPOINT_KEY = "dtp_scores_optimizer"  # the scores' optimizer state in ZeRO's
 
 
 def find_zero_optimizer(optimizer) -> object | None:
@@ -48,7 +50,10 @@ def find_zero_optimizer(optimizer) -> object | None:
 class ZeroScores:
     """The pruner's scores stepped after every step of DeepSpeed's ZeRO optimizer `zero`
     (stages 1 and 2), by an optimizer of the class and settings of the one ZeRO wraps.
-    ``remove()`` gives `zero` its own step back."""
+    ZeRO's state_dict holds that optimizer's state too, and its load_state_dict takes
+    it, so ``engine.save_checkpoint`` / ``engine.load_checkpoint`` keep it (the
+    pruner's own state, ``pruner.state_dict()``, goes in as client state).
+    ``remove()`` gives `zero` its own methods back."""
 
     def __init__(
         self,
@@ -70,16 +75,36 @@ class ZeroScores:
             settings = {k: v for k, v in first.items() if k in accepted and k != "params"}
             settings.update(lr=self.lr, weight_decay=score_weight_decay)
             self.optimizer = type(inner)(params, **settings)
-        self._zero_step = zero.step
-        zero.step = self._step  # an attribute of the instance: remove() deletes it
+        # attributes of the instance, which remove() deletes: the scores' optimizer state
+        # goes into ZeRO's checkpoints (engine.save_checkpoint, load_checkpoint) with its own
+        self._zero = {name: getattr(zero, name) for name in WRAPPED}
+        zero.step, zero.state_dict = self._step, self._state_dict
+        zero.load_state_dict = self._load_state_dict
 
     def remove(self) -> None:
-        if self.zero.__dict__.get("step") == self._step:
-            del self.zero.step
+        for name in WRAPPED:
+            if name in self.zero.__dict__:
+                delattr(self.zero, name)
+
+    def _state_dict(self) -> dict:
+        state = self._zero["state_dict"]()
+        if self.optimizer is not None:
+            state[CHECKPOINT_KEY] = self.optimizer.state_dict()
+        return state
+
+    def _load_state_dict(self, state_dict_list, *args, **kwargs):
+        """ZeRO's load_state_dict (a list of every rank's saved state) and the scores'
+        optimizer state saved with it, which every rank holds alike."""
+        result = self._zero["load_state_dict"](state_dict_list, *args, **kwargs)
+        states = kwargs.get("load_optimizer_states", args[0] if args else True)
+        saved = [s[CHECKPOINT_KEY] for s in state_dict_list or [] if CHECKPOINT_KEY in s]
+        if states and saved and self.optimizer is not None:
+            self.optimizer.load_state_dict(saved[0])
+        return result
 
     def _step(self, *args, **kwargs):
         scale = float(getattr(self.zero, "loss_scale", 1.0))  # before the step updates it
-        result = self._zero_step(*args, **kwargs)
+        result = self._zero["step"](*args, **kwargs)
         if getattr(self.zero, "overflow", False):  # skipped: the scores skip it too
             if self.optimizer is not None:
                 self.optimizer.zero_grad(set_to_none=True)

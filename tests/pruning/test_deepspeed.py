@@ -1,9 +1,10 @@
-"""DTP under DeepSpeed (the real library, on CPU, one rank): the Hugging Face Trainer with
-a DeepSpeed config trains the pruner under ZeRO stages 0 to 2 as it does without
+"""DTP under DeepSpeed (the real library, on CPU): the Hugging Face Trainer with a
+DeepSpeed config trains the pruner under ZeRO stages 0 to 2 as it does without
 DeepSpeed (stages 1 and 2 fix their optimizer's groups when it is made: the scores are
 stepped beside it) and resumes a ZeRO-2 run; prepare() in a loop of one's own under
-ZeRO-2 trains as a plain loop does, and on two ranks every rank learns the same masks;
-ZeRO stage 3, which partitions the weights, is refused before any mask.
+ZeRO-2 trains as a plain loop does (also across the engine's checkpoint), and on two
+ranks every rank learns the same masks; ZeRO stage 3, which partitions the weights, is
+refused before any mask.
 
 Each run is a process of its own: DeepSpeed and the Trainer's DeepSpeed config keep
 global state (stage 3 changes how transformers builds every later model)."""
@@ -81,9 +82,11 @@ def trainer_run(out: Path, stage: int | None, resume: str | None = None) -> dict
     return {"error": None, "steps": int(callback.pruner.state.steps)}
 
 
-def own_loop(out: Path, stage: int | None) -> dict:
+def own_loop(out: Path, stage: int | None, part: str = "whole") -> dict:
     """prepare() in a loop of one's own: three steps of a tiny Llama, under DeepSpeed's
-    engine of ZeRO `stage` (engine.backward, engine.step) or without it."""
+    engine of ZeRO `stage` (engine.backward, engine.step) or without it. `part`
+    "first": two steps, then engine.save_checkpoint (the pruner's state as client
+    state); "rest": engine.load_checkpoint of that, then the third step."""
     from dtp_kernels import prepare
 
     model = tiny_llama()
@@ -100,7 +103,11 @@ def own_loop(out: Path, stage: int | None) -> dict:
             model=model, optimizer=optimizer, config=config, dist_init_required=True
         )
     pruner = prepare(model, optimizer, EXAMPLE, RATIOS, score_lr=0.05)
-    for step in range(3):
+    checkpoint = out.parent / "checkpoint"
+    if part == "rest":
+        _, client = engine.load_checkpoint(str(checkpoint))
+        pruner.load_state_dict(client["pruner"])
+    for step in {"whole": range(3), "first": range(2), "rest": range(2, 3)}[part]:
         rows = IDS[4 * step : 4 * step + 4]
         if stage is None:
             model(input_ids=rows, labels=rows).loss.backward()
@@ -109,6 +116,8 @@ def own_loop(out: Path, stage: int | None) -> dict:
         else:
             engine.backward(engine(input_ids=rows, labels=rows).loss)
             engine.step()
+    if part == "first":
+        engine.save_checkpoint(str(checkpoint), client_state={"pruner": pruner.state_dict()})
     torch.save({"pruner": pruner.state_dict(), "weights": model.state_dict()}, out / "pruner.pt")
     outcome = {"error": None, "steps": int(pruner.state.steps)}
     if stage is not None:  # what joins an optimizer's groups (Lightning's callback) refuses it
@@ -258,6 +267,19 @@ def test_prepare_in_a_loop_of_ones_own_under_zero_2(tmp_path):
             assert torch.equal(got[part][key], want[part][key]), key
 
 
+def test_engine_checkpoints_keep_the_scores_optimizer_state_beside_zero_2(tmp_path):
+    """engine.save_checkpoint after two steps (the pruner's state as client state), a new
+    process's engine.load_checkpoint, the third step: where three steps end. ZeRO's
+    state holds the scores' optimizer state (the resumed run fails without it)."""
+    assert run("loop-2", tmp_path / "whole")["steps"] == 3
+    assert run("loop-2-first", tmp_path / "first")["steps"] == 2
+    assert run("loop-2-rest", tmp_path / "rest")["steps"] == 3
+    want, got = saved(tmp_path / "whole"), saved(tmp_path / "rest")
+    for part in ("pruner", "weights"):
+        for key in want[part]:
+            assert torch.equal(got[part][key], want[part][key]), key
+
+
 @pytest.mark.parametrize("average", [True, False], ids=["averaged", "control"])
 def test_every_rank_learns_the_same_masks_under_zero_2(tmp_path, average):
     """Two ranks, each on its own rows: the scores' gradients averaged before every step
@@ -295,8 +317,9 @@ if __name__ == "__main__":
         outcome = trainer_run(directory, None)
     elif name.startswith("ranks-"):  # ranks-averaged, ranks-control
         outcome = two_ranks(directory, name == "ranks-averaged")
-    elif name.startswith("loop"):  # loop-plain, loop-N
-        outcome = own_loop(directory, None if name == "loop-plain" else int(name[5:]))
+    elif name.startswith("loop"):  # loop-plain, loop-N, loop-N-first, loop-N-rest
+        _, stage, *part = name.split("-")
+        outcome = own_loop(directory, None if stage == "plain" else int(stage), *part)
     else:  # stage-N, or resume-N:CHECKPOINT
         stage, _, checkpoint = name.split("-", 1)[1].partition(":")
         outcome = trainer_run(directory, int(stage), checkpoint or None)
