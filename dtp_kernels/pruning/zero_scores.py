@@ -68,7 +68,7 @@ class ZeroScores:
         first = zero.param_groups[0]
         self._first_lr = first.get("initial_lr", first["lr"])  # its schedule's 1.0
         self.lr = float(score_lr) if score_lr is not None else self._first_lr
-        params = [p for p in (pruner.scores, getattr(pruner, "theta", None)) if p is not None]
+        params = list(pruner.parameters())  # scores, learned ratios; none: magnitude scores
         self.optimizer: torch.optim.Optimizer | None = None  # None: magnitude scores
         if params:
             accepted = inspect.signature(type(inner)).parameters
@@ -112,9 +112,9 @@ class ZeroScores:
         if self.optimizer is not None:
             if distributed():
                 self.pruner._average_over_ranks()
-            for group in self.optimizer.param_groups:
-                for parameter in group["params"]:
-                    if parameter.grad is not None and scale != 1.0:
+            if scale != 1.0:  # fp16: the loss was scaled for the backward
+                for parameter in self.pruner.parameters():
+                    if parameter.grad is not None:
                         parameter.grad.div_(scale)
             first = self.zero.param_groups[0]
             base = first.get("initial_lr", self._first_lr)
