@@ -148,6 +148,13 @@ class DTPTrainerCallback(TrainerCallback):
         inner = _scores_optimizer_home(optimizer)
         if inner is self._optimizer:
             return
+        if isinstance(self._step_hooks, ZeroScores) and find_zero_optimizer(optimizer) is None:
+            raise RuntimeError(
+                "the same Trainer trains again under DeepSpeed: transformers keeps the first "
+                "run's engine and makes this run's optimizer outside it (accelerate's backward "
+                "then fails). Make a new Trainer and DTPTrainerCallback and pass "
+                "resume_from_checkpoint to train()"
+            )
         check_score_options(self.score_lr, 0.0, lr_scheduler, self.pruner_kwargs.get("scores"))
         if self._step_hooks is not None:
             self._step_hooks.remove()

@@ -2,7 +2,7 @@
 
 ZeRO flattens and partitions its parameter groups when it is made, and its step walks
 those groups: a group added later breaks it. The scores get an optimizer of their own,
-of the ZeRO optimizer's class and settings, stepped right after every ZeRO step that
+of the update and settings of the one ZeRO steps, stepped right after every ZeRO step that
 updates the weights (a step skipped for an overflow skips the scores too), at the score
 learning rate scaled as the first group's is (the schedule), with the loss scale taken
 out of their gradients. Stage 3 partitions the weights themselves, which the masks
@@ -19,13 +19,38 @@ from .pruner import DTPPruner, distributed
 STAGE_3 = "DeepSpeedZeroOptimizer_Stage3"
 WRAPPED = ("step", "state_dict", "load_state_dict")  # ZeRO's methods ZeroScores extends
 CHECKPOINT_KEY = "dtp_scores_optimizer"  # the scores' optimizer state in ZeRO's
+# DeepSpeed's own Adams (a config's "Adam"/"AdamW" block; CPUAdam under offload_optimizer):
+# torch's Adam or AdamW makes the same update, and the scores are few (no fused kernel needed)
+DEEPSPEED_ADAMS = ("FusedAdam", "DeepSpeedCPUAdam")
+
+
+def scores_optimizer_class(inner: torch.optim.Optimizer) -> type[torch.optim.Optimizer]:
+    """The torch optimizer that steps the scores beside ZeRO's optimizer `inner`: its own
+    class when it is torch's, torch's Adam or AdamW for DeepSpeed's FusedAdam and
+    DeepSpeedCPUAdam (by their ``adam_w_mode``). Any other is refused, naming it."""
+    kind = type(inner)
+    if kind.__module__.startswith("torch.optim"):
+        return kind
+    if kind.__module__.startswith("deepspeed.ops.adam") and kind.__name__ in DEEPSPEED_ADAMS:
+        if not all(group.get("bias_correction", True) for group in inner.param_groups):
+            raise ValueError(
+                f"DeepSpeed's {kind.__name__} runs with bias_correction=False, which torch's "
+                "Adam, stepping the scores beside it, does not offer: leave bias_correction on"
+            )
+        return torch.optim.AdamW if inner.adam_w_mode else torch.optim.Adam
+    raise ValueError(
+        f"DeepSpeed's ZeRO optimizer steps {kind.__name__} ({kind.__module__}): the scores "
+        "beside it are stepped by a torch optimizer of the same update, known for torch.optim's "
+        f"optimizers and DeepSpeed's {' and '.join(DEEPSPEED_ADAMS)} (a config's \"Adam\" or "
+        '"AdamW", offloaded or not): use one of those'
+    )
 
 
 def find_zero_optimizer(optimizer) -> object | None:
     """DeepSpeed's ZeRO optimizer among `optimizer` and the wrappers around it
     (Accelerate's keeps it in ``.optimizer``); None where there is none. Refused: ZeRO
     stage 3 (its weights are partitioned) and a ZeRO optimizer stepping an optimizer
-    not of torch.optim (the scores' optimizer is made of its class)."""
+    whose update no torch optimizer makes for the scores (scores_optimizer_class)."""
     inner = optimizer
     # (Accelerate's wrapper is a torch Optimizer too: walk to torch's own)
     while inner is not None and not type(inner).__module__.startswith("torch.optim"):
@@ -36,12 +61,7 @@ def find_zero_optimizer(optimizer) -> object | None:
                     "partitions the weights: DTP's masks multiply whole weights. Train with "
                     "ZeRO stage 0, 1 or 2, or DistributedDataParallel"
                 )
-            if not type(inner.optimizer).__module__.startswith("torch.optim"):
-                raise ValueError(
-                    f"DeepSpeed's ZeRO optimizer steps {type(inner.optimizer).__name__}, not a "
-                    "torch.optim optimizer: the scores beside it need one of torch's (leave "
-                    "the optimizer out of the DeepSpeed config: the Trainer makes its own)"
-                )
+            scores_optimizer_class(inner.optimizer)  # refused: before any mask
             return inner
         inner = getattr(inner, "optimizer", None)
     return None
@@ -49,7 +69,8 @@ def find_zero_optimizer(optimizer) -> object | None:
 
 class ZeroScores:
     """The pruner's scores stepped after every step of DeepSpeed's ZeRO optimizer `zero`
-    (stages 1 and 2), by an optimizer of the class and settings of the one ZeRO wraps.
+    (stages 1 and 2), by a torch optimizer of the update and settings of the one ZeRO
+    steps (scores_optimizer_class).
     ZeRO's state_dict holds that optimizer's state too, and its load_state_dict takes
     it, so ``engine.save_checkpoint`` / ``engine.load_checkpoint`` keep it (the
     pruner's own state, ``pruner.state_dict()``, goes in as client state).
@@ -63,7 +84,7 @@ class ZeroScores:
         score_lr: float | None = None,
         score_weight_decay: float = 0.0,
     ) -> None:
-        inner = zero.optimizer  # a torch.optim optimizer (find_zero_optimizer)
+        kind = scores_optimizer_class(zero.optimizer)
         self.pruner, self.zero = pruner, zero
         first = zero.param_groups[0]
         self._first_lr = first.get("initial_lr", first["lr"])  # its schedule's 1.0
@@ -71,10 +92,10 @@ class ZeroScores:
         params = list(pruner.parameters())  # scores, learned ratios; none: magnitude scores
         self.optimizer: torch.optim.Optimizer | None = None  # None: magnitude scores
         if params:
-            accepted = inspect.signature(type(inner)).parameters
+            accepted = inspect.signature(kind).parameters
             settings = {k: v for k, v in first.items() if k in accepted and k != "params"}
             settings.update(lr=self.lr, weight_decay=score_weight_decay)
-            self.optimizer = type(inner)(params, **settings)
+            self.optimizer = kind(params, **settings)
         # attributes of the instance, which remove() deletes: the scores' optimizer state
         # goes into ZeRO's checkpoints (engine.save_checkpoint, load_checkpoint) with its own
         self._zero = {name: getattr(zero, name) for name in WRAPPED}

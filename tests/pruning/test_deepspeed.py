@@ -1,7 +1,8 @@
 """DTP under DeepSpeed (the real library, on CPU): the Hugging Face Trainer with a
 DeepSpeed config trains the pruner under ZeRO stages 0 to 2 as it does without
 DeepSpeed (stages 1 and 2 fix their optimizer's groups when it is made: the scores are
-stepped beside it) and resumes a ZeRO-2 run; prepare() in a loop of one's own under
+stepped beside it, by torch's optimizer of the same update), also with the config's
+own Adam, and resumes or starts over a ZeRO-2 run; prepare() in a loop of one's own under
 ZeRO-2 trains as a plain loop does (also across the engine's checkpoint), and on two
 ranks every rank learns the same masks; ZeRO stage 3, which partitions the weights, is
 refused before any mask.
@@ -41,15 +42,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def trainer_run(out: Path, stage: int | None, resume: str | None = None) -> dict:
+def trainer_run(
+    out: Path,
+    stage: int | None = None,
+    resume: str | None = None,
+    adam: str = "",
+    again: bool = False,
+    batch: int = 4,
+    shrink: bool = False,
+) -> dict:
     """Four steps of a tiny Llama under the Trainer and DTPTrainerCallback, with a
     DeepSpeed config of ZeRO `stage` (None: without DeepSpeed), a checkpoint after the
-    second, resumed from `resume`. Returns what happened: the error, whether the model
-    got masks; the pruner's state is saved to pruner.pt."""
+    second, resumed from `resume`, `batch` rows a step. `adam` "fused": the config's own
+    "AdamW" (DeepSpeed's FusedAdam, not the Trainer's torch AdamW); "offload": that
+    offloaded to the CPU (DeepSpeedCPUAdam). `again`: then the same Trainer trains again
+    from checkpoint-2. `shrink`: the first step runs out of memory, and the Trainer
+    (auto_find_batch_size) starts over with a smaller batch and a new engine. Returns
+    what happened: the error, whether the model got masks; the pruner's state is saved
+    to pruner.pt."""
     import transformers
+    from test_integrations import OutOfMemoryOnce
     from torch.nn.utils import parametrize
 
     from dtp_kernels.integrations.huggingface import DTPTrainerCallback
+    from dtp_kernels.pruning.zero_scores import WRAPPED, find_zero_optimizer
     from utils import tiny_llama
 
     deepspeed = None
@@ -60,8 +76,14 @@ def trainer_run(out: Path, stage: int | None, resume: str | None = None) -> dict
             "train_micro_batch_size_per_gpu": "auto",
             "gradient_accumulation_steps": "auto",
         }
+        if adam:  # the config's optimizer, its settings the Trainer's ("auto")
+            settings = dict.fromkeys(["lr", "betas", "eps", "weight_decay"], "auto")
+            deepspeed["optimizer"] = {"type": "AdamW", "params": settings}
+        if adam == "offload":
+            deepspeed["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     args = transformers.TrainingArguments(
-        output_dir=str(out / "trainer"), max_steps=4, per_device_train_batch_size=4,
+        output_dir=str(out / "trainer"), max_steps=4, per_device_train_batch_size=batch,
+        auto_find_batch_size=shrink,
         learning_rate=1e-3, warmup_steps=2, report_to=[], save_strategy="steps",
         save_steps=2, logging_strategy="no",
         disable_tqdm=True, deepspeed=deepspeed, use_cpu=deepspeed is None,
@@ -69,10 +91,20 @@ def trainer_run(out: Path, stage: int | None, resume: str | None = None) -> dict
     model = tiny_llama()
     callback = DTPTrainerCallback(EXAMPLE, RATIOS, score_lr=0.05)
     data = [{"input_ids": row, "labels": row} for row in IDS]
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    before = [OutOfMemoryOnce()] if shrink else []  # (ahead of DTP's callback)
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=data, callbacks=[*before, callback]
+    )
     try:
         trainer.train(resume_from_checkpoint=resume)
-    except ValueError as error:
+        if shrink:  # the first engine's ZeRO optimizer has its own methods back
+            assert trainer._train_batch_size == 3
+            first = find_zero_optimizer(before[0].optimizers[0])
+            assert first is not find_zero_optimizer(trainer.optimizer)
+            assert not set(vars(first)) & set(WRAPPED)
+        if again:
+            trainer.train(resume_from_checkpoint=str(out / "trainer" / "checkpoint-2"))
+    except (ValueError, RuntimeError) as error:
         masked = any(parametrize.is_parametrized(m) for m in model.modules())
         return {"error": str(error), "masked": masked}
     torch.save(
@@ -86,11 +118,16 @@ def own_loop(out: Path, stage: int | None, part: str = "whole") -> dict:
     """prepare() in a loop of one's own: three steps of a tiny Llama, under DeepSpeed's
     engine of ZeRO `stage` (engine.backward, engine.step) or without it. `part`
     "first": two steps, then engine.save_checkpoint (the pruner's state as client
-    state); "rest": engine.load_checkpoint of that, then the third step."""
+    state); "rest": engine.load_checkpoint of that, then the third step; "sign": the
+    engine made with SignDescent (below), which prepare() refuses."""
+    from torch.nn.utils import parametrize
+
     from dtp_kernels import prepare
 
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if part == "sign":
+        optimizer = SignDescent(model.parameters(), lr=1e-3)
     if stage is not None:
         import deepspeed
 
@@ -99,10 +136,15 @@ def own_loop(out: Path, stage: int | None, part: str = "whole") -> dict:
             "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
             "gradient_clipping": 0.0,  # (DeepSpeed's default clips at 1; the plain loop does not)
         }  # fmt: skip
+        config["zero_allow_untested_optimizer"] = part == "sign"  # (DeepSpeed asks for it)
         engine, optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=config, dist_init_required=True
         )
-    pruner = prepare(model, optimizer, EXAMPLE, RATIOS, score_lr=0.05)
+    try:
+        pruner = prepare(model, optimizer, EXAMPLE, RATIOS, score_lr=0.05)
+    except ValueError as error:
+        masked = any(parametrize.is_parametrized(m) for m in model.modules())
+        return {"error": str(error), "masked": masked}
     checkpoint = out.parent / "checkpoint"
     if part == "rest":
         _, client = engine.load_checkpoint(str(checkpoint))
@@ -179,9 +221,10 @@ def zero3_pruner(out: Path) -> dict:
     return {"error": None}
 
 
-def run(scenario: str, tmp_path: Path, ranks: int = 1) -> dict:
-    """`scenario` (a name the script's end reads) in a process per rank, as DeepSpeed's
-    launcher would start them; what rank 0 returned."""
+def run(scenario: str, tmp_path: Path, ranks: int = 1, **options) -> dict:
+    """`scenario` (a name the script's end reads; "trainer": trainer_run with `options`)
+    in a process per rank, as DeepSpeed's launcher would start them; what rank 0
+    returned."""
     port = str(free_port())
     processes = []
     for rank in range(ranks):
@@ -194,7 +237,7 @@ def run(scenario: str, tmp_path: Path, ranks: int = 1) -> dict:
         environment["PYTHONPATH"] += os.pathsep + os.pathsep.join([str(HERE.parent), str(HERE)])
         processes.append(
             subprocess.Popen(
-                [sys.executable, __file__, scenario, str(tmp_path)],
+                [sys.executable, __file__, scenario, str(tmp_path), json.dumps(options)],
                 env=environment,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -215,7 +258,7 @@ def saved(directory: Path, name: str = "pruner.pt") -> dict:
 def plain(tmp_path_factory) -> Path:
     """The run without DeepSpeed: its directory."""
     directory = tmp_path_factory.mktemp("plain")
-    assert run("plain", directory) == {"error": None, "steps": 4}
+    assert run("trainer", directory) == {"error": None, "steps": 4}
     return directory
 
 
@@ -225,7 +268,7 @@ def test_zero_stages_0_to_2_train_the_pruner_as_without_deepspeed(tmp_path, plai
     fix their groups, and the scores are stepped beside them (zero_scores.py) at the
     schedule's learning rate. Four steps under a warm-up end where four steps without
     DeepSpeed end: scores, transport state and weights."""
-    assert run(f"stage-{stage}", tmp_path) == {"error": None, "steps": 4}
+    assert run("trainer", tmp_path, stage=stage) == {"error": None, "steps": 4}
     want, got = saved(plain), saved(tmp_path)
     for part in ("pruner", "weights"):
         assert want[part].keys() == got[part].keys()
@@ -238,15 +281,63 @@ def test_zero_stages_0_to_2_train_the_pruner_as_without_deepspeed(tmp_path, plai
     assert not torch.allclose(got["pruner"]["scores"], initial)  # the scores learned
 
 
+@pytest.mark.parametrize("adam", ["fused", "offload"])
+def test_deepspeeds_own_adam_trains_the_pruner_as_the_trainers_adamw(tmp_path, plain, adam):
+    """A DeepSpeed config with its own "AdamW" (FusedAdam; DeepSpeedCPUAdam under
+    offload_optimizer), which ZeRO-2 steps: the scores beside it get torch's AdamW, the
+    same update. Four steps end where four steps of the Trainer's AdamW without DeepSpeed
+    end, to rounding (DeepSpeed's Adam kernels round differently)."""
+    assert run("trainer", tmp_path, stage=2, adam=adam) == {"error": None, "steps": 4}
+    want, got = saved(plain), saved(tmp_path)
+    for part in ("pruner", "weights"):
+        assert want[part].keys() == got[part].keys()
+        for key in want[part]:
+            torch.testing.assert_close(got[part][key], want[part][key], rtol=1e-4, atol=1e-6)
+
+
+class SignDescent(torch.optim.SGD):
+    """An optimizer of one's own (not torch.optim's): its update is its own."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for parameter in group["params"]:
+                parameter.sub_(group["lr"] * parameter.grad.sign())
+
+
+def test_the_scores_optimizer_beside_zero_makes_the_update_of_zeros():
+    """torch's AdamW or Adam by DeepSpeed's adam_w_mode (decoupled or L2 weight decay);
+    an update torch's Adam cannot make (no bias correction), or an optimizer of one's
+    own, is refused, naming it."""
+    from deepspeed.ops.adam import FusedAdam
+
+    from dtp_kernels.pruning.zero_scores import scores_optimizer_class
+
+    weights = [torch.nn.Parameter(torch.zeros(3))]
+    assert scores_optimizer_class(FusedAdam(weights, adam_w_mode=True)) is torch.optim.AdamW
+    assert scores_optimizer_class(FusedAdam(weights, adam_w_mode=False)) is torch.optim.Adam
+    assert scores_optimizer_class(torch.optim.RMSprop(weights)) is torch.optim.RMSprop
+    with pytest.raises(ValueError, match=r"FusedAdam runs with bias_correction=False"):
+        scores_optimizer_class(FusedAdam(weights, bias_correction=False))
+    with pytest.raises(ValueError, match=r"steps SignDescent \(test_deepspeed\): the scores"):
+        scores_optimizer_class(SignDescent(weights, lr=0.1))
+
+
+def test_prepare_refuses_zero_stepping_an_optimizer_of_ones_own_before_any_mask(tmp_path):
+    result = run("loop-2-sign", tmp_path)
+    assert not result["masked"]
+    assert result["error"].startswith("DeepSpeed's ZeRO optimizer steps SignDescent (__main__)")
+
+
 def test_a_zero_2_run_resumes_from_its_checkpoint(tmp_path):
     """The pruner's file of a ZeRO-2 run holds the scores' own optimizer state: resumed
     after step 2 (DeepSpeed loading its checkpoint), the run ends where it ended."""
-    whole = run("stage-2", tmp_path / "whole")
+    whole = run("trainer", tmp_path / "whole", stage=2)
     assert whole == {"error": None, "steps": 4}
     checkpoint = tmp_path / "resumed" / "trainer" / "checkpoint-2"
     shutil.copytree(tmp_path / "whole" / "trainer" / "checkpoint-2", checkpoint)
     assert torch.load(checkpoint / "dtp_pruner.pt", weights_only=True)["scores_optimizer"]
-    resumed = run(f"resume-2:{checkpoint}", tmp_path / "resumed")
+    resumed = run("trainer", tmp_path / "resumed", stage=2, resume=str(checkpoint))
     assert resumed == {"error": None, "steps": 4}
     want, got = saved(tmp_path / "whole"), saved(tmp_path / "resumed")
     for part in ("pruner", "weights"):
@@ -265,6 +356,31 @@ def test_prepare_in_a_loop_of_ones_own_under_zero_2(tmp_path):
     for part in ("pruner", "weights"):
         for key in want[part]:
             assert torch.equal(got[part][key], want[part][key]), key
+
+
+def test_a_zero_2_run_started_over_with_a_smaller_batch_ends_as_one_run_at_it(tmp_path):
+    """auto_find_batch_size: the first step runs out of memory, and the Trainer starts
+    over at 3 rows (from 4) with a new engine and ZeRO optimizer: the scores leave the
+    old one (ZeroScores.remove) and are stepped beside the new one, ending where a run
+    at 3 from the start ends."""
+    shrunk = run("trainer", tmp_path / "shrunk", stage=2, shrink=True)
+    assert shrunk == {"error": None, "steps": 4}
+    assert run("trainer", tmp_path / "at-3", stage=2, batch=3) == {"error": None, "steps": 4}
+    want, got = saved(tmp_path / "at-3"), saved(tmp_path / "shrunk")
+    for part in ("pruner", "weights"):
+        for key in want[part]:
+            assert torch.equal(got[part][key], want[part][key]), key
+
+
+def test_the_same_trainer_training_again_under_deepspeed_is_refused_naming_what_works(
+    tmp_path,
+):
+    """transformers keeps the first run's engine for a second train() of the same Trainer
+    under DeepSpeed and gives it an optimizer outside it (its backward then fails): the
+    callback says so, and how to resume, before the run goes on."""
+    result = run("trainer", tmp_path, stage=2, again=True)
+    assert result["error"].startswith("the same Trainer trains again under DeepSpeed")
+    assert "a new Trainer and DTPTrainerCallback" in result["error"]
 
 
 def test_engine_checkpoints_keep_the_scores_optimizer_state_beside_zero_2(tmp_path):
@@ -296,7 +412,7 @@ def test_every_rank_learns_the_same_masks_under_zero_2(tmp_path, average):
 
 
 def test_zero_stage_3_is_refused_before_any_mask(tmp_path):
-    result = run("stage-3", tmp_path)
+    result = run("trainer", tmp_path, stage=3)
     assert not result["masked"]
     assert result["error"].startswith("optimizer is DeepSpeed's ZeRO stage 3 optimizer")
 
@@ -311,17 +427,15 @@ def test_weights_partitioned_by_zero_3_are_refused_before_any_mask(tmp_path):
 if __name__ == "__main__":
     name, directory = sys.argv[1], Path(sys.argv[2])
     directory.mkdir(parents=True, exist_ok=True)
+    options = json.loads(sys.argv[3])
     if name == "zero3-pruner":
         outcome = zero3_pruner(directory)
-    elif name == "plain":
-        outcome = trainer_run(directory, None)
+    elif name == "trainer":
+        outcome = trainer_run(directory, **options)
     elif name.startswith("ranks-"):  # ranks-averaged, ranks-control
         outcome = two_ranks(directory, name == "ranks-averaged")
-    elif name.startswith("loop"):  # loop-plain, loop-N, loop-N-first, loop-N-rest
+    else:  # loop-plain, loop-N, loop-N-first, loop-N-rest, loop-N-sign
         _, stage, *part = name.split("-")
         outcome = own_loop(directory, None if stage == "plain" else int(stage), *part)
-    else:  # stage-N, or resume-N:CHECKPOINT
-        stage, _, checkpoint = name.split("-", 1)[1].partition(":")
-        outcome = trainer_run(directory, int(stage), checkpoint or None)
     if os.environ["RANK"] == "0":
         (directory / "result.json").write_text(json.dumps(outcome))

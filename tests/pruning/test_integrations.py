@@ -300,13 +300,20 @@ def test_a_lightning_checkpoint_resumes_the_dtp_run_bitwise(tmp_path):
 
 class OutOfMemoryOnce:
     """A TrainerCallback whose first step fails as an exhausted CPU allocator fails: the
-    Trainer under auto_find_batch_size starts over with a smaller batch."""
+    Trainer under auto_find_batch_size starts over with a smaller batch. ``optimizers``:
+    what each start of training was given."""
 
     def __new__(cls):
         import transformers
 
         class Callback(transformers.TrainerCallback):
             raised = False
+
+            def __init__(self) -> None:
+                self.optimizers = []  # the optimizer each start of training had
+
+            def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+                self.optimizers.append(optimizer)
 
             def on_step_begin(self, args, state, control, **kwargs):
                 if not self.raised:
