@@ -50,16 +50,17 @@ def trainer_run(
     again: bool = False,
     batch: int = 4,
     shrink: bool = False,
+    accumulate: int = 1,
 ) -> dict:
     """Four steps of a tiny Llama under the Trainer and DTPTrainerCallback, with a
     DeepSpeed config of ZeRO `stage` (None: without DeepSpeed), a checkpoint after the
-    second, resumed from `resume`, `batch` rows a step. `adam` "fused": the config's own
-    "AdamW" (DeepSpeed's FusedAdam, not the Trainer's torch AdamW); "offload": that
-    offloaded to the CPU (DeepSpeedCPUAdam). `again`: then the same Trainer trains again
-    from checkpoint-2. `shrink`: the first step runs out of memory, and the Trainer
-    (auto_find_batch_size) starts over with a smaller batch and a new engine. Returns
-    what happened: the error, whether the model got masks; the pruner's state is saved
-    to pruner.pt."""
+    second, resumed from `resume`, `batch` rows a step (in `accumulate` micro-batches).
+    `adam` "fused": the config's own "AdamW" (DeepSpeed's FusedAdam, not the Trainer's
+    torch AdamW); "offload": that offloaded to the CPU (DeepSpeedCPUAdam). `again`: then
+    the same Trainer trains again from checkpoint-2. `shrink`: the first step runs out of
+    memory, and the Trainer (auto_find_batch_size) starts over with a smaller batch and
+    a new engine. Returns what happened: the error, whether the model got masks; the
+    pruner's state is saved to pruner.pt."""
     import transformers
     from test_integrations import OutOfMemoryOnce
     from torch.nn.utils import parametrize
@@ -82,8 +83,8 @@ def trainer_run(
         if adam == "offload":
             deepspeed["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     args = transformers.TrainingArguments(
-        output_dir=str(out / "trainer"), max_steps=4, per_device_train_batch_size=batch,
-        auto_find_batch_size=shrink,
+        output_dir=str(out / "trainer"), max_steps=4, auto_find_batch_size=shrink,
+        per_device_train_batch_size=batch // accumulate, gradient_accumulation_steps=accumulate,
         learning_rate=1e-3, warmup_steps=2, report_to=[], save_strategy="steps",
         save_steps=2, logging_strategy="no",
         disable_tqdm=True, deepspeed=deepspeed, use_cpu=deepspeed is None,
@@ -279,6 +280,19 @@ def test_zero_stages_0_to_2_train_the_pruner_as_without_deepspeed(tmp_path, plai
             torch.testing.assert_close(got[part][key], want[part][key], **tolerance, msg=key)
     initial = DTPPruner(tiny_llama(), EXAMPLE, RATIOS).scores.detach()
     assert not torch.allclose(got["pruner"]["scores"], initial)  # the scores learned
+
+
+def test_gradient_accumulation_under_zero_2_trains_as_without_deepspeed(tmp_path):
+    """Two micro-batches a step: DeepSpeed's engine.step after each, its ZeRO step (and
+    the scores' beside it) at the boundary only. Four steps end bitwise where the
+    Trainer's four steps of two micro-batches without DeepSpeed end."""
+    assert run("trainer", tmp_path / "plain", accumulate=2) == {"error": None, "steps": 4}
+    zero = run("trainer", tmp_path / "zero", stage=2, accumulate=2)
+    assert zero == {"error": None, "steps": 4}
+    want, got = saved(tmp_path / "plain"), saved(tmp_path / "zero")
+    for part in ("pruner", "weights"):
+        for key in want[part]:
+            assert torch.equal(got[part][key], want[part][key]), key
 
 
 @pytest.mark.parametrize("adam", ["fused", "offload"])
