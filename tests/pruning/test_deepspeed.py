@@ -173,6 +173,32 @@ def own_loop(out: Path, stage: int | None, part: str = "whole") -> dict:
     return outcome
 
 
+def accelerate_loop(out: Path) -> dict:
+    """prepare() in a loop of one's own under Accelerate with a ZeRO-2 DeepSpeed plugin:
+    given the engine and optimizer wrapper accelerator.prepare returns, three steps of
+    accelerator.backward (which steps the engine) and the wrapper's step."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    from dtp_kernels import prepare
+
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plugin = DeepSpeedPlugin(zero_stage=2)
+    sizes = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4}
+    plugin.deepspeed_config.update(sizes, gradient_clipping=0.0)  # (as the plain loop)
+    accelerator = Accelerator(deepspeed_plugin=plugin)
+    engine, optimizer = accelerator.prepare(model, optimizer)
+    pruner = prepare(engine, optimizer, EXAMPLE, RATIOS, score_lr=0.05)
+    for step in range(3):
+        rows = IDS[4 * step : 4 * step + 4]
+        accelerator.backward(engine(input_ids=rows, labels=rows).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.save({"pruner": pruner.state_dict(), "weights": model.state_dict()}, out / "pruner.pt")
+    return {"error": None, "steps": int(pruner.state.steps)}
+
+
 def two_ranks(out: Path, average: bool) -> dict:
     """prepare() under ZeRO-2 on this process's rank of two, each on its own rows; with
     `average` False the scores' gradients are not averaged over the ranks (the control)."""
@@ -397,6 +423,17 @@ def test_the_same_trainer_training_again_under_deepspeed_is_refused_naming_what_
     assert "a new Trainer and DTPTrainerCallback" in result["error"]
 
 
+def test_prepare_in_a_loop_of_ones_own_under_accelerates_deepspeed_plugin(tmp_path):
+    """The engine and optimizer wrapper of accelerator.prepare (ZeRO-2) given to
+    prepare(): three steps end bitwise where three steps of a plain loop end."""
+    assert run("loop-plain", tmp_path / "plain") == {"error": None, "steps": 3}
+    assert run("accelerate", tmp_path / "accelerate") == {"error": None, "steps": 3}
+    want, got = saved(tmp_path / "plain"), saved(tmp_path / "accelerate")
+    for part in ("pruner", "weights"):
+        for key in want[part]:
+            assert torch.equal(got[part][key], want[part][key]), key
+
+
 def test_engine_checkpoints_keep_the_scores_optimizer_state_beside_zero_2(tmp_path):
     """engine.save_checkpoint after two steps (the pruner's state as client state), a new
     process's engine.load_checkpoint, the third step: where three steps end. ZeRO's
@@ -446,6 +483,8 @@ if __name__ == "__main__":
         outcome = zero3_pruner(directory)
     elif name == "trainer":
         outcome = trainer_run(directory, **options)
+    elif name == "accelerate":
+        outcome = accelerate_loop(directory)
     elif name.startswith("ranks-"):  # ranks-averaged, ranks-control
         outcome = two_ranks(directory, name == "ranks-averaged")
     else:  # loop-plain, loop-N, loop-N-first, loop-N-rest, loop-N-sign
