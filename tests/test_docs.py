@@ -93,7 +93,7 @@ def prepare_gpt2(tmp_path, monkeypatch):
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
     ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(0))
     namespace = {"checkpoint": str(tmp_path / "gpt2"), "example_inputs": (ids,)}
-    ns = run(("pruning.md", 2), namespace)
+    ns = run(("pruning.md", 3), namespace)
     model, optimizer, pruner = ns["model"], ns["optimizer"], ns["pruner"]
     model.train()
     model(ids, labels=ids).loss.backward()  # the reader's loop, one step
@@ -128,10 +128,34 @@ def trainer_callback(tmp_path, monkeypatch):
         "data": [{"input_ids": row, "labels": row} for row in ids],
         "example_input_ids": ids[:1],
     }
-    run(("pruning.md", 3), ns)
+    run(("pruning.md", 4), ns)
     assert int(ns["callback"].pruner.state.steps) == 2
     loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "pruned")
     assert loaded.config.num_attention_heads == 2  # half the key/value heads, with their queries
+
+
+def fsdp_llama(tmp_path, monkeypatch):
+    """docs/pruning.md: the pruner made before FSDP2's fully_shard (one gloo rank here;
+    tests/pruning/test_fsdp.py trains two), the scores joined to the optimizer made
+    after it: a step commits the state, and the sharded model's export is refused."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(0))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        names = {"model": tiny_llama(), "example_inputs": (ids[:1],)}
+        ns = run(("pruning.md", 2), {**names, "ratios": {"heads": 0.5, "mlp": 0.5}})
+        model, pruner, optimizer = ns["model"], ns["pruner"], ns["optimizer"]
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        assert int(pruner.state.steps) == 1
+        assert pruner.scores.grad is not None  # in the optimizer's scores group
+        with pytest.raises(ValueError, match=r"export\(\) copies the model whole"):
+            pruner.export()
+    finally:
+        dist.destroy_process_group()
 
 
 def pretokenize(tmp_path, monkeypatch):
@@ -173,8 +197,9 @@ ENTRIES = {
     ("ops.md", 0): ops_loop,
     ("pruning.md", 0): pruner_loop,
     ("pruning.md", 1): prepare_llama,
-    ("pruning.md", 2): prepare_gpt2,
-    ("pruning.md", 3): trainer_callback,
+    ("pruning.md", 2): fsdp_llama,
+    ("pruning.md", 3): prepare_gpt2,
+    ("pruning.md", 4): trainer_callback,
 }
 
 

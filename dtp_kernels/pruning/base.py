@@ -217,9 +217,10 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             more = f" and {len(sharded) - 1} more modules" if len(sharded) > 1 else ""
             raise ValueError(
                 f"the parameters of {sharded[0]!r}{more} are sharded (FSDP, tensor "
-                "parallelism or DeepSpeed ZeRO-3): DTP's masks multiply whole weights. Train "
-                "under DistributedDataParallel (the pruner averages its scores over the "
-                "ranks), or prune before sharding and shard the exported model"
+                "parallelism or DeepSpeed ZeRO-3): DTP's masks multiply whole weights. Make "
+                "the pruner before FSDP2's fully_shard (docs/pruning.md), train under "
+                "DistributedDataParallel (the pruner averages its scores over the ranks), or "
+                "prune before sharding and shard the exported model"
             )
         inputs = as_example_inputs(example_inputs)
         was_training = model.training

@@ -31,7 +31,7 @@ from ..masked_channel_epilogue import masked_channel_epilogue
 from ..transport_mask import transport_mask
 from ..transport_state import TransportState
 from . import nm as nm_rules
-from .base import ChannelPruner, ExportMismatchError
+from .base import ChannelPruner, ExportMismatchError, _sharded_parameters
 from .channel_graph import output_tensors
 from .checkpoint_keys import name_weights_unmasked
 from .conv1d import linear_to_conv1d
@@ -68,6 +68,12 @@ from .whole_experts import MaskedRouting, WholeExpertsGroup, mask_router, unmask
 MASK_AT = ("auto", "parameters", "activation")
 GRANULARITIES = ("filter", "weight", "n:m")
 SCORE_SOURCES = ("learned", "magnitude")
+try:  # FSDP2's shards (fully_shard after the pruner was made): no whole weights to read
+    from torch.distributed.tensor import DTensor
+
+    SHARDED: tuple[type, ...] = (DTensor,)
+except ImportError:  # torch without distributed: nothing is sharded
+    SHARDED = ()
 # the layers granularity="weight" and "n:m" mask: weights laid out [out, in, ...]
 WEIGHT_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 EPILOGUE_BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
@@ -257,6 +263,7 @@ class DTPPruner(ChannelPruner):
         # per slot: (group, the BN parameter's parametrization list); its parameter
         self._fold: list[tuple[int, nn.Module]] = []
         self._fold_originals: list[nn.Parameter] = []
+        self._fold_sharded = False  # FSDP2 shards them: each BN reads its own, unsharded
         self._fold_plan: FoldPlan | None = None
         with torch.no_grad():  # masks exist before the first forward (parametrize checks)
             self._compute_masks(model, ())
@@ -486,6 +493,8 @@ class DTPPruner(ChannelPruner):
         and after a conversion that replaced the first of them (folding the old ones
         would train tensors the model no longer has)."""
         self._fold_originals = [param_list.original for _, param_list in self._fold]
+        # FSDP2 gathers a module's parameters only for its own forward
+        self._fold_sharded |= any(isinstance(p, SHARDED) for p in self._fold_originals)
 
     def _check_device(self, model: nn.Module) -> None:
         """Refuse a model moved without its pruner, naming both devices."""
@@ -511,8 +520,11 @@ class DTPPruner(ChannelPruner):
             return
         originals = self._fold_originals
         if self._fold[0][1].original is not originals[0]:  # replaced by a conversion
-            self._refresh_fold()  # (a move to the meta device makes new tensors)
-            originals = self._fold_originals
+            self._refresh_fold()  # (a move to the meta device makes new tensors, fully_shard
+            originals = self._fold_originals  # sharded ones)
+        if self._fold_sharded:  # parametrize's getter, in each BN's forward, when FSDP2
+            self._source.folded = None  # has gathered its parameters
+            return
         flat = self._source.flat
         if self._fold_plan is None or (
             self._fold_plan.channels is not None and self._fold_plan.channels.device != flat.device
@@ -542,7 +554,19 @@ class DTPPruner(ChannelPruner):
             else g.layer.weight  # the first masks, computed before the masks attach
             for g in self.groups
         ]
+        if dist.is_available() and dist.is_initialized():  # (no walk in one process)
+            self._refuse_sharded_magnitudes(weights)
         return self._magnitudes(weights).float()
+
+    def _refuse_sharded_magnitudes(self, weights: list[torch.Tensor]) -> None:
+        """|w| cannot be read from FSDP2's shards, which the forward pre-hook sees."""
+        for group, weight in zip(self.groups, weights, strict=True):
+            if isinstance(weight, SHARDED):
+                raise ValueError(
+                    f"scores='magnitude' reads |w| of '{group.name}' before every forward, and "
+                    "FSDP shards its weight then: under FSDP train learned scores "
+                    "(scores='learned'), or DistributedDataParallel"
+                )
 
     def _transport(self, update: bool, scores: torch.Tensor | None = None) -> torch.Tensor:
         """The soft masks of all groups (from `scores`, default this step's), NaN/Inf
@@ -729,7 +753,18 @@ class DTPPruner(ChannelPruner):
         wrong. When the run fails or differs, the groups to blame are found by exporting
         again with only some groups pruned (export_blame.py: up to 48 trial exports, on
         this failure path only) and the error names them with the ratios that leave them
-        whole."""
+        whole.
+
+        A model FSDP2 shards (``fully_shard`` after the pruner was made) is refused: export
+        a model built unsharded that holds the gathered weights (docs/pruning.md)."""
+        sharded = _sharded_parameters(self.model)
+        if sharded:
+            raise ValueError(
+                f"export() copies the model whole, and FSDP shards the parameters of "
+                f"{sharded[0]!r}: load get_model_state_dict(model, options=StateDictOptions("
+                "full_state_dict=True)) and pruner.state_dict() into a model built as this one "
+                "(unsharded) and a DTPPruner made on it as this one was, and export that"
+            )
         try:
             return self._checked_export()
         except _CheckRunError as error:

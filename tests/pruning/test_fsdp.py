@@ -1,0 +1,176 @@
+"""DTP under FSDP2 (`fully_shard`), two gloo ranks on CPU: a pruner made before the model
+is sharded trains as it does under DistributedDataParallel (a Llama by heads and MLP
+neurons; a CIFAR ResNet-20 by filters, whose BN parameters the pruner otherwise folds
+before the forward: sharded, each BN masks its own in its forward), every rank holding
+the same scores and transport state; the sharded model's export is refused with what
+to do instead, and doing it (the gathered weights and the pruner's state loaded into an
+unsharded model) exports what the DDP run exports."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.slow  # processes of their own: `make test-fast` leaves it out
+if not dist.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+IDS = torch.randint(0, 61, (12, 12), generator=torch.Generator().manual_seed(1))
+IMAGES = torch.randn(12, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+LABELS = torch.randint(0, 10, (12,), generator=torch.Generator().manual_seed(3))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def llama():
+    """A tiny Llama, its example, its blocks (what fully_shard wraps), its loss on rows
+    `rows` of the data, the ratios and an input to compare exports on."""
+    from utils import tiny_llama
+
+    def loss(model, rows):
+        ids = IDS[rows]
+        return model(input_ids=ids, labels=ids).loss
+
+    model = tiny_llama()
+    blocks = list(model.model.layers)
+    return model, {"input_ids": IDS[:1]}, blocks, loss, {"heads": 0.5, "mlp": 0.5}, IDS[:2]
+
+
+def resnet20():
+    from dtp_kernels.models import get_model
+
+    def loss(model, rows):
+        return torch.nn.functional.cross_entropy(model(IMAGES[rows]), LABELS[rows])
+
+    torch.manual_seed(0)
+    model = get_model("resnet20")
+    blocks = [model.layer1, model.layer2, model.layer3]
+    return model, IMAGES[:1], blocks, loss, 0.5, IMAGES[:2]
+
+
+MODELS = {"llama": llama, "resnet20": resnet20}
+
+
+def logits(output) -> torch.Tensor:
+    return output.logits if hasattr(output, "logits") else output
+
+
+def worker(rank: int, port: int, out: str, kind: str, sharding: str) -> None:
+    """Three steps on this rank's rows (rank r of step s: rows 4s + 2r, 4s + 2r + 1)
+    under `sharding` ("fsdp": fully_shard each block and the model after the pruner is
+    made; "ddp"); rank 0 saves the pruner's state, the whole weights and the outputs of
+    the model exported from them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from dtp_kernels import DTPPruner
+    from dtp_kernels.pruning.prepare import join_optimizer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model, example, blocks, loss, ratios, probe = MODELS[kind]()
+        pruner = DTPPruner(model, example, ratios)
+        initial = pruner.scores.detach().clone()
+        with torch.no_grad():  # an evaluation before sharding: its folded BN parameters
+            model.eval()  # must not be read after it
+            logits(model(**example) if isinstance(example, dict) else model(example))
+            model.train()
+        if sharding == "fsdp":
+            for block in blocks:
+                fully_shard(block)
+            trained = fully_shard(model)
+        else:
+            trained = torch.nn.parallel.DistributedDataParallel(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        join_optimizer(pruner, optimizer, score_lr=0.05)
+        for step in range(3):
+            optimizer.zero_grad()
+            loss(trained, [4 * step + 2 * rank, 4 * step + 2 * rank + 1]).backward()
+            optimizer.step()
+        refused = None
+        if sharding == "fsdp":
+            try:
+                pruner.export()
+            except ValueError as error:
+                refused = str(error)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(model, options=options)  # (every rank takes part)
+        state = pruner.state_dict()
+        saved = {"pruner": state, "refused": refused, "initial": initial}
+        if rank == 0:  # what the refusal says: an unsharded model and pruner, loaded
+            unsharded, *_ = MODELS[kind]()
+            again = DTPPruner(unsharded, example, ratios)
+            unsharded.load_state_dict(weights)
+            again.load_state_dict(state)
+            small = again.export()
+            with torch.no_grad():
+                saved["exported"] = logits(small.eval()(probe))
+            saved["weights"] = weights
+        torch.save(saved, f"{out}/{sharding}-rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def magnitude_worker(rank: int, port: int, out: str) -> None:
+    """scores="magnitude" (|w| read before every forward) and fully_shard: the first
+    forward's error, saved by rank 0."""
+    from torch.distributed.fsdp import fully_shard
+
+    from dtp_kernels import DTPPruner
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model, example, blocks, loss, _, _ = resnet20()
+        DTPPruner(model, example, 0.5, granularity="weight", scores="magnitude")
+        for block in blocks:
+            fully_shard(block)
+        fully_shard(model)
+        try:
+            loss(model, [rank])
+        except ValueError as error:
+            if rank == 0:
+                Path(out, "error.txt").write_text(str(error))
+    finally:
+        dist.destroy_process_group()
+
+
+def run(tmp_path: Path, kind: str, sharding: str) -> list[dict]:
+    mp.spawn(worker, args=(free_port(), str(tmp_path), kind, sharding), nprocs=2, join=True)
+    return [torch.load(tmp_path / f"{sharding}-rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_a_pruner_made_before_fully_shard_trains_as_under_ddp(tmp_path, kind):
+    if kind == "llama":
+        pytest.importorskip("transformers")
+    fsdp, fsdp_other = run(tmp_path, kind, "fsdp")
+    ddp, _ = run(tmp_path, kind, "ddp")
+    for key in fsdp["pruner"]:  # the scores' gradients averaged: every rank alike
+        assert torch.equal(fsdp["pruner"][key], fsdp_other["pruner"][key]), key
+    assert int(fsdp["pruner"]["state.steps"]) == 3
+    assert not torch.equal(fsdp["pruner"]["scores"], fsdp["initial"])  # they learned
+    for part in ("pruner", "weights"):  # FSDP's reduce-scatter rounds as DDP's all-reduce
+        assert fsdp[part].keys() == ddp[part].keys()
+        for key in fsdp[part]:
+            torch.testing.assert_close(fsdp[part][key], ddp[part][key], rtol=1e-4, atol=1e-6)
+    assert fsdp["refused"].startswith("export() copies the model whole, and FSDP shards")
+    assert "full_state_dict=True" in fsdp["refused"]
+    torch.testing.assert_close(fsdp["exported"], ddp["exported"], rtol=1e-4, atol=1e-5)
+
+
+def test_magnitude_scores_of_sharded_weights_are_refused_naming_the_layer(tmp_path):
+    mp.spawn(magnitude_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    error = (tmp_path / "error.txt").read_text()
+    assert error.startswith("scores='magnitude' reads |w| of 'layer1.0.conv1' before every")
+    assert "FSDP shards its weight" in error
