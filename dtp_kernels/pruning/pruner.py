@@ -519,11 +519,13 @@ class DTPPruner(ChannelPruner):
         if not self._fold or torch.compiler.is_compiling():
             return
         originals = self._fold_originals
-        if self._fold[0][1].original is not originals[0]:  # replaced by a conversion
-            self._refresh_fold()  # (a move to the meta device makes new tensors, fully_shard
-            originals = self._fold_originals  # sharded ones)
-        if self._fold_sharded:  # parametrize's getter, in each BN's forward, when FSDP2
-            self._source.folded = None  # has gathered its parameters
+        # replaced by a conversion (a move to the meta device makes new tensors, fully_shard
+        # sharded ones)
+        if self._fold[0][1].original is not originals[0]:
+            self._refresh_fold()
+            originals = self._fold_originals
+        if self._fold_sharded:  # each BN reads its own through parametrize in its forward,
+            self._source.folded = None  # when FSDP2 has gathered its parameters
             return
         flat = self._source.flat
         if self._fold_plan is None or (
