@@ -4,6 +4,7 @@ check. Imported after conftest.py has set TRITON_INTERPRET (pyproject's pythonpa
 tests/ on sys.path, so every test folder imports it as `utils`)."""
 
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -187,6 +188,13 @@ def checkout_environment(**variables: str) -> dict:
     as a folder of carried wheels, kept), plus `variables`."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": path, **variables}
+
+
+def free_port() -> int:
+    """A TCP port of this machine free now (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def subprocess_environment() -> dict:

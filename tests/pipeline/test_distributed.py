@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,17 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from utils import checkout_environment, prune_argv
+from utils import checkout_environment, free_port, prune_argv
 
 pytestmark = pytest.mark.slow  # end to end or long: `make test-fast` leaves it out
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def hugging_face_trainer(rank: int, out: str, resume: str | None = None):

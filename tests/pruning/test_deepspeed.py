@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ import pytest
 import torch
 
 from dtp_kernels import DTPPruner
-from utils import checkout_environment, tiny_llama
+from utils import checkout_environment, free_port, tiny_llama
 
 pytestmark = pytest.mark.slow  # DeepSpeed processes: `make test-fast` leaves it out
 pytest.importorskip("deepspeed")
@@ -34,12 +33,6 @@ HERE = Path(__file__).resolve().parent
 IDS = torch.randint(0, 61, (16, 12), generator=torch.Generator().manual_seed(1))
 EXAMPLE = {"input_ids": IDS[:1]}
 RATIOS = {"heads": 0.5, "mlp": 0.5}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def trainer_run(

@@ -8,13 +8,14 @@ unsharded model) exports what the DDP run exports."""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from utils import free_port
 
 pytestmark = pytest.mark.slow  # processes of their own: `make test-fast` leaves it out
 if not dist.is_available():
@@ -23,12 +24,6 @@ if not dist.is_available():
 IDS = torch.randint(0, 61, (12, 12), generator=torch.Generator().manual_seed(1))
 IMAGES = torch.randn(12, 3, 32, 32, generator=torch.Generator().manual_seed(2))
 LABELS = torch.randint(0, 10, (12,), generator=torch.Generator().manual_seed(3))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def llama():
