@@ -2,9 +2,10 @@
 is sharded trains as it does under DistributedDataParallel (a Llama by heads and MLP
 neurons; a CIFAR ResNet-20 by filters, whose BN parameters the pruner otherwise folds
 before the forward: sharded, each BN masks its own in its forward), every rank holding
-the same scores and transport state; the sharded model's export is refused with what
-to do instead, and doing it (the gathered weights and the pruner's state loaded into an
-unsharded model) exports what the DDP run exports."""
+the same scores and transport state (also computing in bfloat16, FSDP's mixed
+precision: the scores float32, near the float32 run's); the sharded model's export is
+refused with what to do instead, and doing it (the gathered weights and the pruner's
+state loaded into an unsharded model) exports what the DDP run exports."""
 
 from __future__ import annotations
 
@@ -62,10 +63,11 @@ def logits(output) -> torch.Tensor:
 def worker(rank: int, port: int, out: str, kind: str, sharding: str) -> None:
     """Three steps on this rank's rows (rank r of step s: rows 4s + 2r, 4s + 2r + 1)
     under `sharding` ("fsdp": fully_shard each block and the model after the pruner is
-    made; "ddp"); rank 0 saves the pruner's state, the whole weights and the outputs of
-    the model exported from them."""
+    made; "fsdp-bf16": the same computing in bfloat16, FSDP's MixedPrecisionPolicy;
+    "ddp"); rank 0 saves the pruner's state, the whole weights and the outputs of the
+    model exported from them."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from dtp_kernels import DTPPruner
     from dtp_kernels.pruning.prepare import join_optimizer
@@ -80,10 +82,12 @@ def worker(rank: int, port: int, out: str, kind: str, sharding: str) -> None:
             model.eval()  # must not be read after it
             logits(model(**example) if isinstance(example, dict) else model(example))
             model.train()
-        if sharding == "fsdp":
+        if sharding.startswith("fsdp"):
+            computing = torch.bfloat16 if sharding == "fsdp-bf16" else None
+            policy = MixedPrecisionPolicy(param_dtype=computing, reduce_dtype=torch.float32)
             for block in blocks:
-                fully_shard(block)
-            trained = fully_shard(model)
+                fully_shard(block, mp_policy=policy)
+            trained = fully_shard(model, mp_policy=policy)
         else:
             trained = torch.nn.parallel.DistributedDataParallel(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -93,7 +97,7 @@ def worker(rank: int, port: int, out: str, kind: str, sharding: str) -> None:
             loss(trained, [4 * step + 2 * rank, 4 * step + 2 * rank + 1]).backward()
             optimizer.step()
         refused = None
-        if sharding == "fsdp":
+        if sharding.startswith("fsdp"):
             try:
                 pruner.export()
             except ValueError as error:
@@ -162,6 +166,25 @@ def test_a_pruner_made_before_fully_shard_trains_as_under_ddp(tmp_path, kind):
     assert fsdp["refused"].startswith("export() copies the model whole, and FSDP shards")
     assert "full_state_dict=True" in fsdp["refused"]
     torch.testing.assert_close(fsdp["exported"], ddp["exported"], rtol=1e-4, atol=1e-5)
+
+
+def test_mixed_precision_computes_in_bfloat16_and_learns_the_scores_in_float32(tmp_path):
+    """FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16): each layer multiplies its
+    gathered bfloat16 weight by its mask cast to bfloat16 (a float32 product would fail
+    the bfloat16 matmul); the scores and transport state stay float32, learn, and end
+    near the float32 run's (bfloat16's rounding: within a tenth of how far they moved)."""
+    pytest.importorskip("transformers")
+    half, half_other = run(tmp_path, "llama", "fsdp-bf16")
+    ddp, _ = run(tmp_path, "llama", "ddp")
+    for key in half["pruner"]:
+        assert torch.equal(half["pruner"][key], half_other["pruner"][key]), key
+        assert half["pruner"][key].dtype == ddp["pruner"][key].dtype, key
+    assert half["pruner"]["scores"].dtype == torch.float32
+    assert half["exported"].dtype == torch.float32  # the gathered weights: float32
+    moved = (ddp["pruner"]["scores"] - half["initial"]).abs().max()
+    assert moved > 0.05
+    apart = (half["pruner"]["scores"] - ddp["pruner"]["scores"]).abs().max()
+    assert 0 < apart < 0.1 * moved  # computed in bfloat16, yet near the float32 run
 
 
 def test_magnitude_scores_of_sharded_weights_are_refused_naming_the_layer(tmp_path):
