@@ -137,17 +137,21 @@ def trainer_callback(tmp_path, monkeypatch):
 def fsdp_llama(tmp_path, monkeypatch):
     """docs/pruning.md: the pruner made before FSDP2's fully_shard (one gloo rank here;
     tests/pruning/test_fsdp.py trains two), the scores joined to the optimizer made
-    after it: a step commits the state, and the sharded model's export is refused."""
+    after it: export_sharded gives the smaller model, a step commits the state, and the
+    sharded model's export() is refused."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(0))
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
-        names = {"model": tiny_llama(), "example_inputs": (ids[:1],)}
+        names = {"model": tiny_llama(), "example_inputs": (ids[:1],), "build_model": tiny_llama}
         ns = run(("pruning.md", 2), {**names, "ratios": {"heads": 0.5, "mlp": 0.5}})
         model, pruner, optimizer = ns["model"], ns["pruner"], ns["optimizer"]
         assert all(isinstance(p, DTensor) for p in model.parameters())
+        attention = ns["small"].model.layers[0].self_attn
+        assert attention.q_proj.out_features == 16  # half of 4 heads of 8
+        assert not any(isinstance(p, DTensor) for p in ns["small"].parameters())
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
         assert int(pruner.state.steps) == 1

@@ -18,7 +18,7 @@ import contextlib
 import copy
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +63,7 @@ from .precision import HALF, float32_weights, ieee_fp32
 from .proof import FP32_TOLERANCE, TOLERANCES, close
 from .ratios import Ratios
 from .refusals import zero_ratios
+from .sharded_export import export_sharded
 from .whole_experts import MaskedRouting, WholeExpertsGroup, mask_router, unmask_router
 
 MASK_AT = ("auto", "parameters", "activation")
@@ -214,6 +215,10 @@ class DTPPruner(ChannelPruner):
         self.epilogue_backend = epilogue_backend
         if isinstance(eps, bool) or not (isinstance(eps, (int, float)) and 0 < eps < math.inf):
             raise ValueError(f"eps = {eps!r}; it must be a finite number > 0")
+        if isinstance(ignored_layers, Iterable) and not isinstance(
+            ignored_layers, (str, nn.Module)
+        ):
+            ignored_layers = list(ignored_layers)  # read twice: a generator only once
         super().__init__(
             model,
             example_inputs,
@@ -223,6 +228,22 @@ class DTPPruner(ChannelPruner):
             prune_coupled=prune_coupled,
         )
         self.eps, self.iters, self.backend, self.mask_at = float(eps), iters, backend, mask_at
+        names = {module: name for name, module in model.named_modules()}
+        self._made_with = dict(  # export_sharded() makes a pruner as this one on a new model
+            example_inputs=example_inputs,
+            ratios=ratios,
+            budget=budget,
+            granularity=granularity,
+            nm=nm,
+            scores=scores,
+            eps=eps,
+            iters=iters,
+            mask_at=mask_at,
+            ignored_layers=[names.get(m, m) for m in ignored_layers],  # by name
+            backend=backend,
+            epilogue_backend=epilogue_backend,
+            prune_coupled=prune_coupled,
+        )
         if self.nm is not None:
             self._check_nm_groups()
         device = next(model.parameters()).device
@@ -757,15 +778,14 @@ class DTPPruner(ChannelPruner):
         this failure path only) and the error names them with the ratios that leave them
         whole.
 
-        A model FSDP2 shards (``fully_shard`` after the pruner was made) is refused: export
-        a model built unsharded that holds the gathered weights (docs/pruning.md)."""
+        A model FSDP2 shards (``fully_shard`` after the pruner was made) is refused: see
+        :meth:`export_sharded`."""
         sharded = _sharded_parameters(self.model)
         if sharded:
             raise ValueError(
                 f"export() copies the model whole, and FSDP shards the parameters of "
-                f"{sharded[0]!r}: load get_model_state_dict(model, options=StateDictOptions("
-                "full_state_dict=True)) and pruner.state_dict() into a model built as this one "
-                "(unsharded) and a DTPPruner made on it as this one was, and export that"
+                f"{sharded[0]!r}: call pruner.export_sharded(model) on every rank, `model` "
+                "built again as this one was and not sharded (docs/pruning.md)"
             )
         try:
             return self._checked_export()
@@ -773,6 +793,17 @@ class DTPPruner(ChannelPruner):
             if self._trial_masks is not None:
                 raise
             raise self._blamed(error) from error
+
+    def export_sharded(self, unsharded: nn.Module | None) -> nn.Module | None:
+        """The export of a model FSDP2 shards (``fully_shard`` after the pruner was made),
+        which export() cannot copy: every rank calls it with `unsharded`, the model built
+        again as this pruner's model was (same class and config, any weights, no pruner,
+        not sharded), into which the weights are gathered one tensor at a time; a pruner
+        made on it as this one was, holding this one's scores and transport state,
+        exports it with export()'s checks. A rank that passes None takes part in the
+        gathering only and gets None. Every rank that builds one gets the same export
+        (buffers FSDP does not shard, such as BN statistics, are rank 0's)."""
+        return export_sharded(self, unsharded)
 
     def _checked_export(self) -> nn.Module:
         """The export with both of its checks."""

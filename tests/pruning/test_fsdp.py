@@ -9,6 +9,7 @@ state loaded into an unsharded model) exports what the DDP run exports."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -96,25 +97,26 @@ def worker(rank: int, port: int, out: str, kind: str, sharding: str) -> None:
             optimizer.zero_grad()
             loss(trained, [4 * step + 2 * rank, 4 * step + 2 * rank + 1]).backward()
             optimizer.step()
-        refused = None
+        refused, small, built = None, None, None
         if sharding.startswith("fsdp"):
             try:
                 pruner.export()
             except ValueError as error:
                 refused = str(error)
+            if rank == 0 or kind == "resnet20":  # the Llama's rank 1 only helps gather
+                built = MODELS[kind]()[0]
+            small = pruner.export_sharded(built)
+        elif rank == 0:
+            small = pruner.export()
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        weights = get_model_state_dict(model, options=options)  # (every rank takes part)
-        state = pruner.state_dict()
-        saved = {"pruner": state, "refused": refused, "initial": initial}
-        if rank == 0:  # what the refusal says: an unsharded model and pruner, loaded
-            unsharded, *_ = MODELS[kind]()
-            again = DTPPruner(unsharded, example, ratios)
-            unsharded.load_state_dict(weights)
-            again.load_state_dict(state)
-            small = again.export()
+        weights = get_model_state_dict(model, options=options)  # (rank 0's; all take part)
+        saved = {"pruner": pruner.state_dict(), "refused": refused, "initial": initial}
+        saved["weights"], saved["small"] = weights, small is not None
+        if built is not None:  # left holding the gathered weights, without masks
+            saved["built"] = built.state_dict()
+        if small is not None:
             with torch.no_grad():
                 saved["exported"] = logits(small.eval()(probe))
-            saved["weights"] = weights
         torch.save(saved, f"{out}/{sharding}-rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -144,6 +146,37 @@ def magnitude_worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+def refusal_worker(rank: int, port: int, out: str) -> None:
+    """export_sharded() given models it cannot take, on one rank and then the other;
+    each rank saves what it raised, and whether an export that can go on went on after
+    (no rank left waiting in a gather the other skipped)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from dtp_kernels import DTPPruner
+    from utils import tiny_llama
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model, example, blocks, _, ratios, _ = llama()
+        pruner = DTPPruner(model, example, ratios)
+        for block in blocks:
+            fully_shard(block)
+        fully_shard(model)
+        raised = []
+        for wrong in (tiny_llama(heads=2), model):  # rank 1: narrower; rank 0: sharded
+            given = wrong if rank == (1 if wrong is not model else 0) else llama()[0]
+            try:
+                pruner.export_sharded(given)
+            except ValueError as error:
+                raised.append(str(error))
+        small = pruner.export_sharded(llama()[0])
+        saved = {"raised": raised, "exported": small is not None}
+        torch.save(saved, f"{out}/refused-rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
 def run(tmp_path: Path, kind: str, sharding: str) -> list[dict]:
     mp.spawn(worker, args=(free_port(), str(tmp_path), kind, sharding), nprocs=2, join=True)
     return [torch.load(tmp_path / f"{sharding}-rank{r}.pt", weights_only=True) for r in range(2)]
@@ -164,8 +197,19 @@ def test_a_pruner_made_before_fully_shard_trains_as_under_ddp(tmp_path, kind):
         for key in fsdp[part]:
             torch.testing.assert_close(fsdp[part][key], ddp[part][key], rtol=1e-4, atol=1e-6)
     assert fsdp["refused"].startswith("export() copies the model whole, and FSDP shards")
-    assert "full_state_dict=True" in fsdp["refused"]
+    assert "pruner.export_sharded(model) on every rank" in fsdp["refused"]
+    unmasked = {  # gathered into the model built, under its own keys
+        re.sub(r"\.parametrizations\.(\w+)\.original$", r".\1", key): value
+        for key, value in fsdp["weights"].items()
+    }
+    assert fsdp["built"].keys() == unmasked.keys()
+    for key, value in unmasked.items():
+        assert torch.equal(fsdp["built"][key], value), key
     torch.testing.assert_close(fsdp["exported"], ddp["exported"], rtol=1e-4, atol=1e-5)
+    if kind == "resnet20":  # both ranks built one: the same export (rank 0's BN statistics)
+        assert torch.equal(fsdp_other["exported"], fsdp["exported"])
+    else:  # rank 1 passed None: it helped gather and got None
+        assert not fsdp_other["small"]
 
 
 def test_mixed_precision_computes_in_bfloat16_and_learns_the_scores_in_float32(tmp_path):
@@ -185,6 +229,48 @@ def test_mixed_precision_computes_in_bfloat16_and_learns_the_scores_in_float32(t
     assert moved > 0.05
     apart = (half["pruner"]["scores"] - ddp["pruner"]["scores"]).abs().max()
     assert 0 < apart < 0.1 * moved  # computed in bfloat16, yet near the float32 run
+
+
+def test_an_unsharded_model_one_rank_cannot_take_is_refused_on_every_rank(tmp_path):
+    pytest.importorskip("transformers")
+    mp.spawn(refusal_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"refused-rank{r}.pt", weights_only=True) for r in range(2)]
+    assert ranks[0] == ranks[1]  # the same errors on both ranks, and the export after
+    narrower, sharded = ranks[0]["raised"]
+    assert narrower.startswith("unsharded (rank 1's): 'model.embed_tokens.weight' is (61, 16)")
+    assert "the sharded model's is (61, 32)" in narrower
+    assert sharded == (
+        "unsharded (rank 0's): its parameters are sharded: build it again and do not shard it"
+    )
+    assert ranks[0]["exported"]
+
+
+def test_export_sharded_of_a_model_not_sharded_says_to_call_export():
+    from dtp_kernels import DTPPruner
+    from dtp_kernels.models import get_model
+
+    model = get_model("resnet20")
+    pruner = DTPPruner(model, IMAGES[:1], 0.5)
+    with pytest.raises(
+        ValueError, match=r"no parameter of CifarResNet is sharded: call export\(\)"
+    ):
+        pruner.export_sharded(get_model("resnet20"))
+
+
+def test_a_model_built_into_other_groups_is_refused_naming_them():
+    """The groups of the pruner made on the model built again must be the trained
+    pruner's (here a stage left whole in one and not the other)."""
+    from dtp_kernels import DTPPruner
+    from dtp_kernels.models import get_model
+    from dtp_kernels.pruning.sharded_export import refuse_other_groups
+
+    model = get_model("resnet20")  # ignored layers given as modules (once: a generator)
+    trained = DTPPruner(model, IMAGES[:1], 0.5, ignored_layers=(m for m in [model.layer1]))
+    assert trained._made_with["ignored_layers"] == ["layer1"]  # made again by name
+    again = DTPPruner(get_model("resnet20"), IMAGES[:1], 0.5)
+    with pytest.raises(ValueError, match="unsharded: a pruner made on it has the groups"):
+        refuse_other_groups(again, trained)
+    refuse_other_groups(DTPPruner(get_model("resnet20"), **trained._made_with), trained)
 
 
 def test_magnitude_scores_of_sharded_weights_are_refused_naming_the_layer(tmp_path):

@@ -1,0 +1,132 @@
+"""Exporting a model FSDP2 shards (``fully_shard`` after the pruner was made).
+
+export() copies the model whole, which a sharded model cannot give: its parameters are
+DTensor shards and FSDP refuses a deep copy. Instead every rank gathers the weights,
+one tensor at a time, into the model built again unsharded; a pruner made on that
+model as the first was, holding the first's scores and transport state, exports it with
+every check export() makes. Only one whole tensor at a time exists beside the shards.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.utils import parametrize
+
+from .checkpoint_keys import unmasked_keys
+from .example_inputs import on_model_device
+
+if TYPE_CHECKING:
+    from .pruner import DTPPruner
+
+
+def export_sharded(pruner: DTPPruner, unsharded: nn.Module | None) -> nn.Module | None:
+    """The export of `pruner.model`, which FSDP2 shards, made from `unsharded`: the model
+    built again as the pruner's model was (same class and config, any weights, not
+    sharded, no pruner on it; on the device the export should be on). Every rank of the
+    default process group calls it, as the weights are gathered collectively; a rank
+    that passes None only takes part in the gathering and returns None (build the model
+    on rank 0 alone to spare the others its memory). Buffers, which FSDP does not shard
+    (BN statistics), are rank 0's on every rank, so every rank exports the same model.
+    `unsharded` is left holding the gathered weights, without masks."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = pruner.model
+    renamed = unmasked_keys(sharded)
+    state = {
+        renamed.get(key, key): value
+        for key, value in sharded.state_dict(keep_vars=True).items()
+        if isinstance(value, torch.Tensor)  # not a module's extra state
+    }
+    shards = [value for value in state.values() if isinstance(value, DTensor)]
+    if not shards:
+        raise ValueError(
+            "export_sharded() gathers a model FSDP2 shards, and no parameter of "
+            f"{type(sharded).__name__} is sharded: call export()"
+        )
+    if not dist.is_initialized():
+        raise RuntimeError("export_sharded() needs the process group FSDP shards over")
+    device = shards[0].device  # where the backend reduces: the shards' device
+    problem = None if unsharded is None else _mismatch(state, unsharded)
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)  # every rank raises, or none: no hang
+    refused = [(rank, text) for rank, text in enumerate(problems) if text]
+    if refused:
+        rank, text = refused[0]
+        raise ValueError(f"unsharded (rank {rank}'s): {text}")
+    targets = None if unsharded is None else _tensors(unsharded)
+    with torch.no_grad():
+        for key, value in state.items():
+            if isinstance(value, DTensor):
+                whole = value.full_tensor()  # all-gather: the same order on every rank
+            else:  # rank 0's: every rank's export alike
+                whole = value.detach().to(device, copy=True)
+                dist.broadcast(whole, src=0)
+            if targets is not None:
+                targets[key].copy_(whole)
+            del whole
+    if unsharded is None:
+        return None
+    from .pruner import DTPPruner
+
+    arguments = dict(pruner._made_with)
+    arguments["example_inputs"] = on_model_device(arguments["example_inputs"], unsharded)
+    again = DTPPruner(unsharded, **arguments)
+    try:
+        refuse_other_groups(again, pruner)
+        again.load_state_dict(pruner.state_dict())
+        return again.export()
+    finally:
+        again.remove()
+
+
+def refuse_other_groups(again: DTPPruner, pruner: DTPPruner) -> None:
+    """ValueError unless `again`, made on the model built again, has `pruner`'s groups:
+    names and sizes, in order (scores of other groups would load as long as their total
+    is the same)."""
+    built = [(g.name, size) for g, size in zip(again.groups, again.sizes, strict=True)]
+    trained = [(g.name, size) for g, size in zip(pruner.groups, pruner.sizes, strict=True)]
+    if built != trained:
+        pairs = zip(built, trained, strict=False)  # where they part (or the shorter ends)
+        first = next((i for i, (b, t) in enumerate(pairs) if b != t), len(built))
+        raise ValueError(
+            f"unsharded: a pruner made on it has the groups {built[first : first + 2]} where "
+            f"the sharded model's pruner has {trained[first : first + 2]} ({len(built)} groups "
+            f"against {len(trained)}): build it as the pruner's model was built"
+        )
+
+
+def _mismatch(state: dict[str, torch.Tensor], unsharded: nn.Module) -> str | None:
+    """What keeps `unsharded` from taking the gathered `state`: sharded, carrying masks,
+    other keys, shapes or dtypes. None where it takes it."""
+    from torch.distributed.tensor import DTensor
+
+    mine = _tensors(unsharded)
+    if any(isinstance(value, DTensor) for value in mine.values()):
+        return "its parameters are sharded: build it again and do not shard it"
+    masked = [n for n, m in unsharded.named_modules() if parametrize.is_parametrized(m)]
+    if masked:
+        return f"{masked[0]!r} carries parametrizations (a pruner's masks?): build it again"
+    missing = [key for key in state if key not in mine]
+    unexpected = [key for key in mine if key not in state]
+    if missing or unexpected:
+        return (
+            f"its state_dict keys differ from the sharded model's: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    for key, value in state.items():
+        if tuple(mine[key].shape) != tuple(value.shape) or mine[key].dtype != value.dtype:
+            return (
+                f"{key!r} is {tuple(mine[key].shape)} {mine[key].dtype}; the sharded "
+                f"model's is {tuple(value.shape)} {value.dtype}"
+            )
+    return None
+
+
+def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model`'s state-dict tensors themselves (parameters and buffers), by key."""
+    state = model.state_dict(keep_vars=True)
+    return {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
