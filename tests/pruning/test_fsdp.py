@@ -65,7 +65,7 @@ def worker(rank: int, port: int, out: str, kind: str, sharding: str) -> None:
     """Three steps on this rank's rows (rank r of step s: rows 4s + 2r, 4s + 2r + 1)
     under `sharding` ("fsdp": fully_shard each block and the model after the pruner is
     made; "fsdp-bf16": the same computing in bfloat16, FSDP's MixedPrecisionPolicy;
-    "ddp"); rank 0 saves the pruner's state, the whole weights and the outputs of the
+    "fsdp-root": the model alone, one unit gathering every parameter; "ddp"); rank 0 saves the pruner's state, the whole weights and the outputs of the
     model exported from them."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -86,7 +86,7 @@ def worker(rank: int, port: int, out: str, kind: str, sharding: str) -> None:
         if sharding.startswith("fsdp"):
             computing = torch.bfloat16 if sharding == "fsdp-bf16" else None
             policy = MixedPrecisionPolicy(param_dtype=computing, reduce_dtype=torch.float32)
-            for block in blocks:
+            for block in [] if sharding == "fsdp-root" else blocks:
                 fully_shard(block, mp_policy=policy)
             trained = fully_shard(model, mp_policy=policy)
         else:
@@ -210,6 +210,11 @@ def test_a_pruner_made_before_fully_shard_trains_as_under_ddp(tmp_path, kind):
         assert torch.equal(fsdp_other["exported"], fsdp["exported"])
     else:  # rank 1 passed None: it helped gather and got None
         assert not fsdp_other["small"]
+    if kind == "resnet20":  # every BN in the root unit, gathered by its pre-forward
+        root, _ = run(tmp_path, kind, "fsdp-root")
+        for key in ddp["pruner"]:
+            torch.testing.assert_close(root["pruner"][key], ddp["pruner"][key], rtol=1e-4, atol=0)
+        torch.testing.assert_close(root["exported"], ddp["exported"], rtol=1e-4, atol=1e-5)
 
 
 def test_mixed_precision_computes_in_bfloat16_and_learns_the_scores_in_float32(tmp_path):
