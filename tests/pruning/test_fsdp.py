@@ -65,8 +65,10 @@ def worker(rank: int, port: int, out: str, kind: str, sharding: str) -> None:
     """Three steps on this rank's rows (rank r of step s: rows 4s + 2r, 4s + 2r + 1)
     under `sharding` ("fsdp": fully_shard each block and the model after the pruner is
     made; "fsdp-bf16": the same computing in bfloat16, FSDP's MixedPrecisionPolicy;
-    "fsdp-root": the model alone, one unit gathering every parameter; "ddp"); rank 0 saves the pruner's state, the whole weights and the outputs of the
-    model exported from them."""
+    "fsdp-root": the model alone, one unit gathering every parameter; "ddp"). Each
+    rank saves the pruner's state, the whole weights (rank 0's gathered), the model
+    export_sharded gathered into and the outputs of its export (export() of rank 0's
+    under DDP)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
