@@ -1,11 +1,11 @@
 """DTP under FSDP2 (`fully_shard`), two gloo ranks on CPU: a pruner made before the model
 is sharded trains as it does under DistributedDataParallel (a Llama by heads and MLP
-neurons; a CIFAR ResNet-20 by filters, whose BN parameters the pruner otherwise folds
-before the forward: sharded, each BN masks its own in its forward), every rank holding
-the same scores and transport state (also computing in bfloat16, FSDP's mixed
-precision: the scores float32, near the float32 run's); the sharded model's export is
-refused with what to do instead, and doing it (the gathered weights and the pruner's
-state loaded into an unsharded model) exports what the DDP run exports."""
+neurons, also under activation checkpointing; a CIFAR ResNet-20 by filters, whose BN
+parameters the pruner otherwise folds before the forward: sharded, each BN masks its
+own in its forward), every rank holding the same scores and transport state (also
+computing in bfloat16, FSDP's mixed precision: the scores float32, near the float32
+run's); the sharded model's export() is refused, and export_sharded() gathers the
+weights into the model built again and exports what the DDP run exports."""
 
 from __future__ import annotations
 
@@ -65,7 +65,8 @@ def worker(rank: int, port: int, out: str, kind: str, sharding: str) -> None:
     """Three steps on this rank's rows (rank r of step s: rows 4s + 2r, 4s + 2r + 1)
     under `sharding` ("fsdp": fully_shard each block and the model after the pruner is
     made; "fsdp-bf16": the same computing in bfloat16, FSDP's MixedPrecisionPolicy;
-    "fsdp-root": the model alone, one unit gathering every parameter; "ddp"). Each
+    "fsdp-root": the model alone, one unit gathering every parameter;
+    "fsdp-checkpointed": a Llama's blocks under activation checkpointing; "ddp"). Each
     rank saves the pruner's state, the whole weights (rank 0's gathered), the model
     export_sharded gathered into and the outputs of its export (export() of rank 0's
     under DDP)."""
@@ -86,6 +87,9 @@ def worker(rank: int, port: int, out: str, kind: str, sharding: str) -> None:
             logits(model(**example) if isinstance(example, dict) else model(example))
             model.train()
         if sharding.startswith("fsdp"):
+            if sharding == "fsdp-checkpointed":  # the blocks recomputed in the backward
+                kwargs = {"use_reentrant": False}
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
             computing = torch.bfloat16 if sharding == "fsdp-bf16" else None
             policy = MixedPrecisionPolicy(param_dtype=computing, reduce_dtype=torch.float32)
             for block in [] if sharding == "fsdp-root" else blocks:
@@ -212,11 +216,12 @@ def test_a_pruner_made_before_fully_shard_trains_as_under_ddp(tmp_path, kind):
         assert torch.equal(fsdp_other["exported"], fsdp["exported"])
     else:  # rank 1 passed None: it helped gather and got None
         assert not fsdp_other["small"]
-    if kind == "resnet20":  # every BN in the root unit, gathered by its pre-forward
-        root, _ = run(tmp_path, kind, "fsdp-root")
-        for key in ddp["pruner"]:
-            torch.testing.assert_close(root["pruner"][key], ddp["pruner"][key], rtol=1e-4, atol=0)
-        torch.testing.assert_close(root["exported"], ddp["exported"], rtol=1e-4, atol=1e-5)
+    # every BN in the root unit, gathered by its pre-forward; the Llama's blocks gathered
+    # again to be recomputed in the backward, reading the forward's masks
+    other = run(tmp_path, kind, "fsdp-root" if kind == "resnet20" else "fsdp-checkpointed")[0]
+    for key in ddp["pruner"]:
+        torch.testing.assert_close(other["pruner"][key], ddp["pruner"][key], rtol=1e-4, atol=0)
+    torch.testing.assert_close(other["exported"], ddp["exported"], rtol=1e-4, atol=1e-5)
 
 
 def test_mixed_precision_computes_in_bfloat16_and_learns_the_scores_in_float32(tmp_path):
