@@ -525,7 +525,8 @@ class DTPPruner(ChannelPruner):
             self._device_witness = slot = parameter_slot(model)
             witness = None if slot is None else slot[0]._parameters[slot[1]]
         device = self._buffers["keep"].device  # (Module.__getattr__ is slow: every step)
-        if witness is not None and witness.device != device:
+        # (FSDP2's CPU offload keeps a shard on the CPU, gathered to the device for use)
+        if witness is not None and witness.device != device and not isinstance(witness, SHARDED):
             raise RuntimeError(
                 f"the model's parameters are on {witness.device} but the pruner's scores and "
                 f"transport state are on {device}: move the pruner with the model "

@@ -49,7 +49,7 @@ def export_sharded(pruner: DTPPruner, unsharded: nn.Module | None) -> nn.Module 
         )
     if not dist.is_initialized():
         raise RuntimeError("export_sharded() needs the process group FSDP shards over")
-    device = shards[0].device  # where the backend reduces: the shards' device
+    device = _mesh_device(shards[0])  # where the process group's backend communicates
     problem = None if unsharded is None else _mismatch(state, unsharded)
     problems = [None] * dist.get_world_size()
     dist.all_gather_object(problems, problem)  # every rank raises, or none: no hang
@@ -60,8 +60,8 @@ def export_sharded(pruner: DTPPruner, unsharded: nn.Module | None) -> nn.Module 
     targets = None if unsharded is None else _tensors(unsharded)
     with torch.no_grad():
         for key, value in state.items():
-            if isinstance(value, DTensor):
-                whole = value.full_tensor()  # all-gather: the same order on every rank
+            if isinstance(value, DTensor):  # all-gather: the same order on every rank
+                whole = value.to(device).full_tensor()  # (a CPU-offloaded shard moved)
             else:  # rank 0's: every rank's export alike
                 whole = value.detach().to(device, copy=True)
                 dist.broadcast(whole, src=0)
@@ -130,3 +130,13 @@ def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """`model`'s state-dict tensors themselves (parameters and buffers), by key."""
     state = model.state_dict(keep_vars=True)
     return {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
+
+
+def _mesh_device(shard: torch.Tensor) -> torch.device:
+    """The device a DTensor's mesh communicates on (the GPU this rank uses under NCCL),
+    which under FSDP2's CPU offload is not the device its shard is kept on."""
+    kind = shard.device_mesh.device_type
+    if kind == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, kind)  # torch.cuda, torch.xpu, ...
+    return torch.device(kind, module.current_device())
