@@ -100,13 +100,15 @@ def refuse_other_groups(again: DTPPruner, pruner: DTPPruner) -> None:
 
 
 def _mismatch(state: dict[str, torch.Tensor], unsharded: nn.Module) -> str | None:
-    """What keeps `unsharded` from taking the gathered `state`: sharded, carrying masks,
-    other keys, shapes or dtypes. None where it takes it."""
+    """What keeps `unsharded` from taking the gathered `state`: sharded, on the meta
+    device, carrying masks, other keys, shapes or dtypes. None where it takes it."""
     from torch.distributed.tensor import DTensor
 
     mine = _tensors(unsharded)
     if any(isinstance(value, DTensor) for value in mine.values()):
         return "its parameters are sharded: build it again and do not shard it"
+    if any(value.is_meta for value in mine.values()):
+        return "its tensors are on the meta device: build it where the weights can be copied"
     masked = [n for n, m in unsharded.named_modules() if parametrize.is_parametrized(m)]
     if masked:
         return f"{masked[0]!r} carries parametrizations (a pruner's masks?): build it again"

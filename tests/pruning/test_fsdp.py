@@ -169,9 +169,11 @@ def refusal_worker(rank: int, port: int, out: str) -> None:
         for block in blocks:
             fully_shard(block)
         fully_shard(model)
-        raised = []
-        for wrong in (tiny_llama(heads=2), model):  # rank 1: narrower; rank 0: sharded
-            given = wrong if rank == (1 if wrong is not model else 0) else llama()[0]
+        with torch.device("meta"):
+            unmade = tiny_llama()
+        raised = []  # rank 1: narrower; rank 0: sharded; rank 1: on the meta device
+        for wrong, where in ((tiny_llama(heads=2), 1), (model, 0), (unmade, 1)):
+            given = wrong if rank == where else llama()[0]
             try:
                 pruner.export_sharded(given)
             except ValueError as error:
@@ -248,11 +250,15 @@ def test_an_unsharded_model_one_rank_cannot_take_is_refused_on_every_rank(tmp_pa
     mp.spawn(refusal_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"refused-rank{r}.pt", weights_only=True) for r in range(2)]
     assert ranks[0] == ranks[1]  # the same errors on both ranks, and the export after
-    narrower, sharded = ranks[0]["raised"]
+    narrower, sharded, unmade = ranks[0]["raised"]
     assert narrower.startswith("unsharded (rank 1's): 'model.embed_tokens.weight' is (61, 16)")
     assert "the sharded model's is (61, 32)" in narrower
     assert sharded == (
         "unsharded (rank 0's): its parameters are sharded: build it again and do not shard it"
+    )
+    assert unmade == (
+        "unsharded (rank 1's): its tensors are on the meta device: build it where the "
+        "weights can be copied"
     )
     assert ranks[0]["exported"]
 
