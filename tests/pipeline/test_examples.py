@@ -1,11 +1,18 @@
-"""examples/own_training_loop.py: DTP in a user's own training loop, without the CLI."""
+"""examples/: DTP in a user's own training loop without the CLI, in the Hugging Face
+Trainer, and under FSDP2 with torchrun."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import torch
+
+from utils import checkout_environment, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,3 +49,30 @@ def test_hugging_face_trainer_example_prunes_resumes_and_saves(tmp_path):
     assert (config.num_attention_heads, config.num_key_value_heads) == (2, 1)
     assert config.intermediate_size == 64
     assert (tmp_path / "run" / "checkpoint-4" / "dtp_pruner.pt").is_file()
+
+
+@pytest.mark.slow  # two processes of torchrun
+def test_fsdp2_example_prunes_a_sharded_llama_and_saves_it(tmp_path):
+    """examples/fsdp2_llama.py under torchrun, two gloo ranks: the loss falls, half the
+    heads and MLP neurons go, and rank 0's save loads with from_pretrained at the pruned
+    sizes and runs."""
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "pruned"
+    torchrun = ["-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    command = [sys.executable, *torchrun, f"--master_port={free_port()}"]
+    command += [str(ROOT / "examples" / "fsdp2_llama.py"), "--steps", "40", "--out", str(out)]
+    env = checkout_environment(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1  # rank 0 alone reports
+    printed = json.loads(lines[0])
+    assert printed["kept"] == [1, 64, 1, 64] and printed["of"] == [2, 128, 2, 128]
+    assert printed["loss"][1] < 0.6 * printed["loss"][0]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    config = loaded.config
+    assert (config.num_attention_heads, config.num_key_value_heads) == (2, 1)
+    assert config.intermediate_size == 64
+    assert sum(p.numel() for p in loaded.parameters()) == printed["params"][1]
+    ids = torch.arange(16).view(1, 16)
+    assert loaded(input_ids=ids).logits.shape == (1, 16, 64)
