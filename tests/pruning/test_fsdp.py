@@ -1,11 +1,12 @@
 """DTP under FSDP2 (`fully_shard`), two gloo ranks on CPU: a pruner made before the model
 is sharded trains as it does under DistributedDataParallel (a Llama by heads and MLP
-neurons, also under activation checkpointing; a CIFAR ResNet-20 by filters, whose BN
-parameters the pruner otherwise folds before the forward: sharded, each BN masks its
-own in its forward), every rank holding the same scores and transport state (also
-computing in bfloat16, FSDP's mixed precision: the scores float32, near the float32
-run's); the sharded model's export() is refused, and export_sharded() gathers the
-weights into the model built again and exports what the DDP run exports."""
+neurons, also under activation checkpointing or compiled block by block without a
+graph break; a CIFAR ResNet-20 by filters, whose BN parameters the pruner otherwise
+folds before the forward: sharded, each BN masks its own in its forward), every rank
+holding the same scores and transport state (also computing in bfloat16, FSDP's mixed
+precision: the scores float32, near the float32 run's); the sharded model's export()
+is refused, and export_sharded() gathers the weights into the model built again and
+exports what the DDP run exports."""
 
 from __future__ import annotations
 
@@ -66,10 +67,12 @@ def worker(rank: int, port: int, out: str, kind: str, sharding: str) -> None:
     under `sharding` ("fsdp": fully_shard each block and the model after the pruner is
     made; "fsdp-bf16": the same computing in bfloat16, FSDP's MixedPrecisionPolicy;
     "fsdp-root": the model alone, one unit gathering every parameter;
-    "fsdp-checkpointed": a Llama's blocks under activation checkpointing; "ddp"). Each
+    "fsdp-checkpointed": a Llama's blocks under activation checkpointing;
+    "fsdp-compiled": each block under torch.compile; "ddp"). Each
     rank saves the pruner's state, the whole weights (rank 0's gathered), the model
     export_sharded gathered into and the outputs of its export (export() of rank 0's
     under DDP)."""
+    from torch._dynamo.utils import counters
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -94,6 +97,8 @@ def worker(rank: int, port: int, out: str, kind: str, sharding: str) -> None:
             policy = MixedPrecisionPolicy(param_dtype=computing, reduce_dtype=torch.float32)
             for block in [] if sharding == "fsdp-root" else blocks:
                 fully_shard(block, mp_policy=policy)
+                if sharding == "fsdp-compiled":  # each block compiled, as torchtitan does
+                    block.compile()
             trained = fully_shard(model, mp_policy=policy)
         else:
             trained = torch.nn.parallel.DistributedDataParallel(model)
@@ -118,6 +123,7 @@ def worker(rank: int, port: int, out: str, kind: str, sharding: str) -> None:
         weights = get_model_state_dict(model, options=options)  # (rank 0's; all take part)
         saved = {"pruner": pruner.state_dict(), "refused": refused, "initial": initial}
         saved["weights"], saved["small"] = weights, small is not None
+        saved["graph_breaks"] = sum(counters["graph_break"].values())
         if built is not None:  # left holding the gathered weights, without masks
             saved["built"] = built.state_dict()
         if small is not None:
@@ -219,11 +225,16 @@ def test_a_pruner_made_before_fully_shard_trains_as_under_ddp(tmp_path, kind):
     else:  # rank 1 passed None: it helped gather and got None
         assert not fsdp_other["small"]
     # every BN in the root unit, gathered by its pre-forward; the Llama's blocks gathered
-    # again to be recomputed in the backward, reading the forward's masks
-    other = run(tmp_path, kind, "fsdp-root" if kind == "resnet20" else "fsdp-checkpointed")[0]
-    for key in ddp["pruner"]:
-        torch.testing.assert_close(other["pruner"][key], ddp["pruner"][key], rtol=1e-4, atol=0)
-    torch.testing.assert_close(other["exported"], ddp["exported"], rtol=1e-4, atol=1e-5)
+    # again to be recomputed in the backward, reading the forward's masks, or compiled
+    others = ["fsdp-root"] if kind == "resnet20" else ["fsdp-checkpointed", "fsdp-compiled"]
+    for sharding in others:
+        other = run(tmp_path, kind, sharding)[0]
+        for key in ddp["pruner"]:
+            torch.testing.assert_close(
+                other["pruner"][key], ddp["pruner"][key], rtol=1e-4, atol=0, msg=sharding
+            )
+        torch.testing.assert_close(other["exported"], ddp["exported"], rtol=1e-4, atol=1e-5)
+        assert other["graph_breaks"] == 0, sharding
 
 
 def test_mixed_precision_computes_in_bfloat16_and_learns_the_scores_in_float32(tmp_path):
