@@ -109,21 +109,33 @@ class ExportMismatchError(ValueError):
     """export() produced a model that does not compute what the hard-masked one does."""
 
 
+try:  # FSDP2's and tensor parallelism's shards
+    from torch.distributed.tensor import DTensor
+
+    SHARDED: tuple[type, ...] = (DTensor,)
+except ImportError:  # torch without distributed: nothing is sharded
+    SHARDED = ()
+
+
+def is_sharded(parameter: torch.Tensor) -> bool:
+    """Whether `parameter` is a shard (a DTensor: FSDP2, tensor parallelism) or one
+    DeepSpeed's ZeRO stage 3 partitioned (marked with ``ds_id``; empty outside its
+    module's forward): whole only while its module runs, if at all."""
+    return isinstance(parameter, SHARDED) or hasattr(parameter, "ds_id")
+
+
 def _sharded_parameters(model: nn.Module) -> list[str]:
     """The modules of `model` whose parameters FSDP (either version), tensor parallelism
-    or DeepSpeed's ZeRO stage 3 (which marks them with ``ds_id``) shards across ranks."""
+    or DeepSpeed's ZeRO stage 3 shards across ranks."""
     if not dist.is_available():
         return []
     from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.distributed.tensor import DTensor
 
     return [
         name or type(model).__name__
         for name, module in model.named_modules()
         if isinstance(module, FullyShardedDataParallel)
-        or any(
-            isinstance(p, DTensor) or hasattr(p, "ds_id") for p in module.parameters(recurse=False)
-        )
+        or any(is_sharded(p) for p in module.parameters(recurse=False))
     ]
 
 
@@ -218,7 +230,8 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             raise ValueError(
                 f"the parameters of {sharded[0]!r}{more} are sharded (FSDP, tensor "
                 "parallelism or DeepSpeed ZeRO-3): DTP's masks multiply whole weights. Make "
-                "the pruner before FSDP2's fully_shard (docs/pruning.md), train under "
+                "the pruner before FSDP2's fully_shard or deepspeed.initialize (ZeRO-3; "
+                "docs/pruning.md), train under "
                 "DistributedDataParallel (the pruner averages its scores over the ranks), or "
                 "prune before sharding and shard the exported model"
             )

@@ -156,11 +156,12 @@ def join_optimizer(
     checkpoint's model and optimizer state load into their parametrized, extended
     forms): add its scores to `optimizer` as a group of their own and commit its
     state after every step. Arguments as for prepare(); returns the step hooks
-    (:meth:`DTPPruner.attach`). DeepSpeed's ZeRO optimizer (stages 1 and 2) fixes its
-    groups: the scores get an optimizer beside it (zero_scores.py), returned."""
+    (:meth:`DTPPruner.attach`). DeepSpeed's ZeRO optimizer (stages 1 to 3; stage 3 with
+    the pruner made before deepspeed.initialize) fixes its groups: the scores get an
+    optimizer beside it (zero_scores.py), returned."""
     scores = "magnitude" if pruner.scores is None else "learned"  # (|w| under magnitude)
     check_score_options(score_lr, score_weight_decay, scheduler, scores)
-    zero = find_zero_optimizer(optimizer)
+    zero = find_zero_optimizer(optimizer, stage_3=True)  # (the pruner saw whole weights)
     if zero is not None:  # its groups are fixed: the scores get an optimizer beside it
         return ZeroScores(pruner, zero, score_lr=score_lr, score_weight_decay=score_weight_decay)
     inner = unwrap_optimizer(optimizer)

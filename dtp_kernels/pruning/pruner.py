@@ -31,7 +31,7 @@ from ..masked_channel_epilogue import masked_channel_epilogue
 from ..transport_mask import transport_mask
 from ..transport_state import TransportState
 from . import nm as nm_rules
-from .base import ChannelPruner, ExportMismatchError, _sharded_parameters
+from .base import ChannelPruner, ExportMismatchError, _sharded_parameters, is_sharded
 from .channel_graph import output_tensors
 from .checkpoint_keys import name_weights_unmasked
 from .conv1d import linear_to_conv1d
@@ -69,12 +69,6 @@ from .whole_experts import MaskedRouting, WholeExpertsGroup, mask_router, unmask
 MASK_AT = ("auto", "parameters", "activation")
 GRANULARITIES = ("filter", "weight", "n:m")
 SCORE_SOURCES = ("learned", "magnitude")
-try:  # FSDP2's shards (fully_shard after the pruner was made): no whole weights to read
-    from torch.distributed.tensor import DTensor
-
-    SHARDED: tuple[type, ...] = (DTensor,)
-except ImportError:  # torch without distributed: nothing is sharded
-    SHARDED = ()
 # the layers granularity="weight" and "n:m" mask: weights laid out [out, in, ...]
 WEIGHT_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 EPILOGUE_BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
@@ -515,7 +509,7 @@ class DTPPruner(ChannelPruner):
         would train tensors the model no longer has)."""
         self._fold_originals = [param_list.original for _, param_list in self._fold]
         # FSDP2 gathers a module's parameters only for its own forward
-        self._fold_sharded |= any(isinstance(p, SHARDED) for p in self._fold_originals)
+        self._fold_sharded |= any(is_sharded(p) for p in self._fold_originals)
 
     def _check_device(self, model: nn.Module) -> None:
         """Refuse a model moved without its pruner, naming both devices."""
@@ -526,7 +520,7 @@ class DTPPruner(ChannelPruner):
             witness = None if slot is None else slot[0]._parameters[slot[1]]
         device = self._buffers["keep"].device  # (Module.__getattr__ is slow: every step)
         # (FSDP2's CPU offload keeps a shard on the CPU, gathered to the device for use)
-        if witness is not None and witness.device != device and not isinstance(witness, SHARDED):
+        if witness is not None and witness.device != device and not is_sharded(witness):
             raise RuntimeError(
                 f"the model's parameters are on {witness.device} but the pruner's scores and "
                 f"transport state are on {device}: move the pruner with the model "
@@ -546,6 +540,8 @@ class DTPPruner(ChannelPruner):
         if self._fold[0][1].original is not originals[0]:
             self._refresh_fold()
             originals = self._fold_originals
+        elif hasattr(originals[0], "ds_id"):  # ZeRO-3 partitioned them in place
+            self._fold_sharded = True
         if self._fold_sharded:  # each BN reads its own through parametrize in its forward,
             self._source.folded = None  # when FSDP2 has gathered its parameters
             return
@@ -583,13 +579,14 @@ class DTPPruner(ChannelPruner):
         return self._magnitudes(weights).float()
 
     def _refuse_sharded_magnitudes(self, weights: list[torch.Tensor]) -> None:
-        """|w| cannot be read from FSDP2's shards, which the forward pre-hook sees."""
+        """|w| cannot be read from FSDP2's shards or ZeRO-3's partitions, which the forward
+        pre-hook sees."""
         for group, weight in zip(self.groups, weights, strict=True):
-            if isinstance(weight, SHARDED):
+            if is_sharded(weight):
                 raise ValueError(
                     f"scores='magnitude' reads |w| of '{group.name}' before every forward, and "
-                    "FSDP shards its weight then: under FSDP train learned scores "
-                    "(scores='learned'), or DistributedDataParallel"
+                    "FSDP (or ZeRO-3) shards its weight then: train learned scores "
+                    "(scores='learned') there, or under DistributedDataParallel"
                 )
 
     def _transport(self, update: bool, scores: torch.Tensor | None = None) -> torch.Tensor:

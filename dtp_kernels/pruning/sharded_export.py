@@ -1,11 +1,12 @@
-"""Exporting a model FSDP2 shards (``fully_shard`` after the pruner was made).
+"""Exporting a model FSDP2 shards (``fully_shard`` after the pruner was made) or
+DeepSpeed's ZeRO stage 3 partitions (``deepspeed.initialize`` after it).
 
 export() copies the model whole, which a sharded model cannot give: its parameters are
-DTensor shards and FSDP refuses a deep copy. Instead every rank gathers the weights,
-one tensor at a time, into the model built again unsharded; a pruner made on that
-model as the first was, holding the first's scores and transport state, exports it with
-every check export() makes. Only one whole tensor at a time exists beside the shards.
-"""
+DTensor shards (and FSDP refuses a deep copy) or ZeRO-3's empty partitioned tensors.
+Instead every rank gathers the weights, one tensor at a time, into the model built
+again unsharded; a pruner made on that model as the first was, holding the first's
+scores and transport state, exports it with every check export() makes. Only one
+whole tensor at a time exists beside the shards."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parametrize
 
+from .base import is_sharded
 from .checkpoint_keys import unmasked_keys
 from .example_inputs import on_model_device
 
@@ -24,7 +26,8 @@ if TYPE_CHECKING:
 
 
 def export_sharded(pruner: DTPPruner, unsharded: nn.Module | None) -> nn.Module | None:
-    """The export of `pruner.model`, which FSDP2 shards, made from `unsharded`: the model
+    """The export of `pruner.model`, which FSDP2 shards or ZeRO-3 partitions, made from
+    `unsharded`: the model
     built again as the pruner's model was (same class and config, any weights, not
     sharded, no pruner on it; on the device the export should be on). Every rank of the
     default process group calls it, as the weights are gathered collectively; a rank
@@ -32,8 +35,6 @@ def export_sharded(pruner: DTPPruner, unsharded: nn.Module | None) -> nn.Module 
     on rank 0 alone to spare the others its memory). Buffers, which FSDP does not shard
     (BN statistics), are rank 0's on every rank, so every rank exports the same model.
     `unsharded` is left holding the gathered weights, without masks."""
-    from torch.distributed.tensor import DTensor
-
     sharded = pruner.model
     renamed = unmasked_keys(sharded)
     state = {
@@ -41,15 +42,15 @@ def export_sharded(pruner: DTPPruner, unsharded: nn.Module | None) -> nn.Module 
         for key, value in sharded.state_dict(keep_vars=True).items()
         if isinstance(value, torch.Tensor)  # not a module's extra state
     }
-    shards = [value for value in state.values() if isinstance(value, DTensor)]
+    shards = [value for value in state.values() if is_sharded(value)]
     if not shards:
         raise ValueError(
-            "export_sharded() gathers a model FSDP2 shards, and no parameter of "
-            f"{type(sharded).__name__} is sharded: call export()"
+            "export_sharded() gathers a model FSDP2 shards or ZeRO-3 partitions, and no "
+            f"parameter of {type(sharded).__name__} is: call export()"
         )
     if not dist.is_initialized():
-        raise RuntimeError("export_sharded() needs the process group FSDP shards over")
-    device = _mesh_device(shards[0])  # where the process group's backend communicates
+        raise RuntimeError("export_sharded() needs the process group the model is sharded over")
+    device = _communication_device(shards[0])  # where the process group's backend works
     problem = None if unsharded is None else _mismatch(state, unsharded)
     problems = [None] * dist.get_world_size()
     dist.all_gather_object(problems, problem)  # every rank raises, or none: no hang
@@ -59,9 +60,9 @@ def export_sharded(pruner: DTPPruner, unsharded: nn.Module | None) -> nn.Module 
         raise ValueError(f"unsharded (rank {rank}'s): {text}")
     targets = None if unsharded is None else _tensors(unsharded)
     with torch.no_grad():
-        for key, value in state.items():
-            if isinstance(value, DTensor):  # all-gather: the same order on every rank
-                whole = value.to(device).full_tensor()  # (a CPU-offloaded shard moved)
+        for key, value in state.items():  # collectives, in the same order on every rank
+            if is_sharded(value):
+                whole = _gathered(value, device)
             else:  # rank 0's: every rank's export alike
                 whole = value.detach().to(device, copy=True)
                 dist.broadcast(whole, src=0)
@@ -99,13 +100,27 @@ def refuse_other_groups(again: DTPPruner, pruner: DTPPruner) -> None:
         )
 
 
+def _gathered(shard: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The whole tensor of FSDP2's `shard` or of a parameter ZeRO-3 partitioned, on every
+    rank (a collective)."""
+    if hasattr(shard, "ds_id"):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([shard]):
+            return shard.data.detach().clone()
+    return shard.to(device).full_tensor()  # (a CPU-offloaded shard moved first)
+
+
+def _whole_shape(value: torch.Tensor) -> tuple[int, ...]:
+    """The shape of the whole tensor (a partitioned parameter's own is empty)."""
+    return tuple(value.ds_shape if hasattr(value, "ds_id") else value.shape)
+
+
 def _mismatch(state: dict[str, torch.Tensor], unsharded: nn.Module) -> str | None:
     """What keeps `unsharded` from taking the gathered `state`: sharded, on the meta
     device, carrying masks, other keys, shapes or dtypes. None where it takes it."""
-    from torch.distributed.tensor import DTensor
-
     mine = _tensors(unsharded)
-    if any(isinstance(value, DTensor) for value in mine.values()):
+    if any(is_sharded(value) for value in mine.values()):
         return "its parameters are sharded: build it again and do not shard it"
     if any(value.is_meta for value in mine.values()):
         return "its tensors are on the meta device: build it where the weights can be copied"
@@ -120,10 +135,10 @@ def _mismatch(state: dict[str, torch.Tensor], unsharded: nn.Module) -> str | Non
             f"unexpected {unexpected[:5]}"
         )
     for key, value in state.items():
-        if tuple(mine[key].shape) != tuple(value.shape) or mine[key].dtype != value.dtype:
+        if tuple(mine[key].shape) != _whole_shape(value) or mine[key].dtype != value.dtype:
             return (
                 f"{key!r} is {tuple(mine[key].shape)} {mine[key].dtype}; the sharded "
-                f"model's is {tuple(value.shape)} {value.dtype}"
+                f"model's is {_whole_shape(value)} {value.dtype}"
             )
     return None
 
@@ -134,10 +149,16 @@ def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
 
 
-def _mesh_device(shard: torch.Tensor) -> torch.device:
-    """The device a DTensor's mesh communicates on (the GPU this rank uses under NCCL),
-    which under FSDP2's CPU offload is not the device its shard is kept on."""
-    kind = shard.device_mesh.device_type
+def _communication_device(shard: torch.Tensor) -> torch.device:
+    """The device the process group communicates on (the GPU this rank uses under NCCL):
+    a DTensor's mesh's, which under FSDP2's CPU offload is not its shard's; gloo's CPU
+    or the current accelerator under ZeRO-3."""
+    if hasattr(shard, "device_mesh"):
+        kind = shard.device_mesh.device_type
+    else:
+        kind = (
+            "cpu" if dist.get_backend() == "gloo" else torch.accelerator.current_accelerator().type
+        )
     if kind == "cpu":
         return torch.device("cpu")
     module = getattr(torch, kind)  # torch.cuda, torch.xpu, ...

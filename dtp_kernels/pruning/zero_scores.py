@@ -1,4 +1,4 @@
-"""The scores trained beside DeepSpeed's ZeRO optimizer (stages 1 and 2).
+"""The scores trained beside DeepSpeed's ZeRO optimizer (stages 1, 2 and 3).
 
 ZeRO flattens and partitions its parameter groups when it is made, and its step walks
 those groups: a group added later breaks it. The scores get an optimizer of their own,
@@ -6,7 +6,10 @@ of the update and settings of the one ZeRO steps, stepped right after every ZeRO
 updates the weights (a step skipped for an overflow skips the scores too), at the score
 learning rate scaled as the first group's is (the schedule), with the loss scale taken
 out of their gradients. Stage 3 partitions the weights themselves, which the masks
-multiply whole: refused."""
+multiply whole: it trains a pruner made before ``deepspeed.initialize`` (whose masks
+then live in parametrizations of the layers, gathered with the weights), joined with
+join_optimizer; prepare() and the Trainer's callback, which make the pruner after it,
+refuse it."""
 
 from __future__ import annotations
 
@@ -46,20 +49,22 @@ def scores_optimizer_class(inner: torch.optim.Optimizer) -> type[torch.optim.Opt
     )
 
 
-def find_zero_optimizer(optimizer) -> object | None:
+def find_zero_optimizer(optimizer, stage_3: bool = False) -> object | None:
     """DeepSpeed's ZeRO optimizer among `optimizer` and the wrappers around it
     (Accelerate's keeps it in ``.optimizer``); None where there is none. Refused: ZeRO
-    stage 3 (its weights are partitioned) and a ZeRO optimizer stepping an optimizer
-    whose update no torch optimizer makes for the scores (scores_optimizer_class)."""
+    stage 3 unless `stage_3` (a pruner made before its weights were partitioned) and a
+    ZeRO optimizer stepping an optimizer whose update no torch optimizer makes for the
+    scores (scores_optimizer_class)."""
     inner = optimizer
     # (Accelerate's wrapper is a torch Optimizer too: walk to torch's own)
     while inner is not None and not type(inner).__module__.startswith("torch.optim"):
         if type(inner).__module__.startswith("deepspeed.runtime.zero"):
-            if type(inner).__name__ == STAGE_3:
+            if type(inner).__name__ == STAGE_3 and not stage_3:
                 raise ValueError(
                     f"optimizer is DeepSpeed's ZeRO stage 3 optimizer ({STAGE_3}), which "
-                    "partitions the weights: DTP's masks multiply whole weights. Train with "
-                    "ZeRO stage 0, 1 or 2, or DistributedDataParallel"
+                    "partitions the weights: DTP's masks multiply whole weights. Make the "
+                    "pruner before deepspeed.initialize and join it with join_optimizer "
+                    "(docs/pruning.md), or train with ZeRO stage 0, 1 or 2"
                 )
             scores_optimizer_class(inner.optimizer)  # refused: before any mask
             return inner
@@ -69,7 +74,7 @@ def find_zero_optimizer(optimizer) -> object | None:
 
 class ZeroScores:
     """The pruner's scores stepped after every step of DeepSpeed's ZeRO optimizer `zero`
-    (stages 1 and 2), by a torch optimizer of the update and settings of the one ZeRO
+    (stages 1, 2 and 3), by a torch optimizer of the update and settings of the one ZeRO
     steps (scores_optimizer_class).
     ZeRO's state_dict holds that optimizer's state too, and its load_state_dict takes
     it, so ``engine.save_checkpoint`` / ``engine.load_checkpoint`` keep it (the

@@ -4,8 +4,9 @@ DeepSpeed (stages 1 and 2 fix their optimizer's groups when it is made: the scor
 stepped beside it, by torch's optimizer of the same update), also with the config's
 own Adam, and resumes or starts over a ZeRO-2 run; prepare() in a loop of one's own under
 ZeRO-2 trains as a plain loop does (also across the engine's checkpoint), and on two
-ranks every rank learns the same masks; ZeRO stage 3, which partitions the weights, is
-refused before any mask.
+ranks every rank learns the same masks; ZeRO stage 3, which partitions the weights,
+trains a pruner made before deepspeed.initialize (export_sharded exports it), and is
+refused before any mask where the pruner would be made after it.
 
 Each run is a process of its own: DeepSpeed and the Trainer's DeepSpeed config keep
 global state (stage 3 changes how transformers builds every later model)."""
@@ -32,6 +33,8 @@ pytest.importorskip("transformers")
 HERE = Path(__file__).resolve().parent
 IDS = torch.randint(0, 61, (16, 12), generator=torch.Generator().manual_seed(1))
 EXAMPLE = {"input_ids": IDS[:1]}
+IMAGES = torch.randn(12, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+LABELS = torch.randint(0, 10, (12,), generator=torch.Generator().manual_seed(3))
 RATIOS = {"heads": 0.5, "mlp": 0.5}
 
 
@@ -219,6 +222,81 @@ def two_ranks(out: Path, average: bool) -> dict:
     state = {"pruner": pruner.state_dict(), "weights": model.state_dict()}
     torch.save(state, out / f"rank{rank}.pt")
     return {"error": None, "steps": int(pruner.state.steps)}
+
+
+def network(kind: str) -> tuple:
+    """A tiny Llama (heads, MLP neurons) or a CIFAR ResNet-20 (filters; BN parameters
+    masked): the model, its example, ratios, its loss on some rows, and the outputs an
+    export is compared on."""
+    if kind == "llama":
+
+        def loss(net, rows):
+            return net(input_ids=IDS[rows], labels=IDS[rows]).loss
+
+        return tiny_llama(), EXAMPLE, RATIOS, loss, lambda m: m(input_ids=IDS[:2]).logits
+    from dtp_kernels.models import get_model
+
+    def loss(net, rows):
+        return torch.nn.functional.cross_entropy(net(IMAGES[rows]), LABELS[rows])
+
+    torch.manual_seed(0)
+    return get_model("resnet20"), IMAGES[:1], 0.5, loss, lambda m: m(IMAGES[:2])
+
+
+def zero3_loop(out: Path, kind: str, plain: bool) -> dict:
+    """ZeRO stage 3 on this process's rank of two, each on its own rows: the pruner made
+    before deepspeed.initialize (on the whole weights), joined with join_optimizer to the
+    engine's optimizer, three steps of the engine, then export_sharded (rank 0 builds the
+    model again, rank 1 only helps gather). `plain`: the same in one process without
+    DeepSpeed, the mean of the losses of both ranks' rows (each its own batch, as a
+    rank's BN sees it), and export()."""
+    from dtp_kernels.pruning.prepare import join_optimizer
+
+    rank = int(os.environ["RANK"])
+    model, example, ratios, loss, outputs = network(kind)
+    pruner = DTPPruner(model, example, ratios)  # before ZeRO-3 partitions the weights
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    partitioned = []
+    if not plain:
+        import deepspeed
+
+        config = {
+            "zero_optimization": {"stage": 3}, "train_batch_size": 4,
+            "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+            "gradient_clipping": 0.0,  # (DeepSpeed's default clips at 1; a plain loop does not)
+        }  # fmt: skip
+        deepspeed.init_distributed(dist_backend="gloo")
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=config
+        )
+        partitioned = [tuple(p.shape) for p in model.parameters()]
+    join_optimizer(pruner, optimizer, score_lr=0.05)
+    for step in range(3):
+        if plain:
+            halves = [slice(4 * step + 2 * r, 4 * step + 2 * r + 2) for r in range(2)]
+            (sum(loss(model, rows) for rows in halves) / 2).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        else:
+            engine.backward(loss(engine, slice(4 * step + 2 * rank, 4 * step + 2 * rank + 2)))
+            engine.step()
+    refused = None
+    if plain:
+        small = pruner.export()
+    else:
+        try:
+            pruner.export()
+        except ValueError as error:
+            refused = str(error)
+        small = pruner.export_sharded(network(kind)[0] if rank == 0 else None)
+    state = {"pruner": pruner.state_dict(), "refused": refused, "small": small is not None}
+    if small is not None:
+        with torch.no_grad():
+            state["exported"] = outputs(small.eval())
+        state["widths"] = [m.weight.shape[0] for m in small.modules() if hasattr(m, "weight")]
+    torch.save(state, out / f"rank{rank}.pt")
+    empty = bool(partitioned) and set(partitioned) == {(0,)}
+    return {"error": None, "steps": int(pruner.state.steps), "empty": empty}
 
 
 def zero3_pruner(out: Path) -> dict:
@@ -461,6 +539,32 @@ def test_zero_stage_3_is_refused_before_any_mask(tmp_path):
     assert result["error"].startswith("optimizer is DeepSpeed's ZeRO stage 3 optimizer")
 
 
+@pytest.mark.parametrize("kind", ["llama", "resnet20"])
+def test_a_pruner_made_before_deepspeed_initialize_trains_under_zero_3(tmp_path, kind):
+    """ZeRO-3 on two ranks partitions the weights (empty between forwards) after the
+    pruner was made on them whole: each layer multiplies its gathered weight by its mask
+    (a BN its own, not folded ahead of the forward), and the scores stepped beside ZeRO's
+    optimizer end, on both ranks, where three steps of a plain loop on all the rows end
+    (to rounding); export() is refused and export_sharded, gathering into a model built
+    again, exports what the plain loop's export() does (the ResNet's outputs differ by
+    its BN statistics, each rank's own: its layers' widths are compared)."""
+    plain = run(f"zero3-{kind}-plain", tmp_path / "plain")
+    assert plain == {"error": None, "steps": 3, "empty": False}
+    assert run(f"zero3-{kind}", tmp_path / "zero", ranks=2) == {
+        "error": None, "steps": 3, "empty": True,
+    }  # fmt: skip
+    want = saved(tmp_path / "plain", "rank0.pt")
+    one, other = saved(tmp_path / "zero", "rank0.pt"), saved(tmp_path / "zero", "rank1.pt")
+    for key in want["pruner"]:
+        assert torch.equal(one["pruner"][key], other["pruner"][key]), key
+        torch.testing.assert_close(one["pruner"][key], want["pruner"][key], rtol=1e-4, atol=1e-6)
+    assert one["refused"].startswith("export() copies the model whole")
+    assert one["small"] and not other["small"]
+    assert one["widths"] == want["widths"]
+    if kind == "llama":
+        torch.testing.assert_close(one["exported"], want["exported"], rtol=1e-4, atol=1e-5)
+
+
 def test_weights_partitioned_by_zero_3_are_refused_before_any_mask(tmp_path):
     result = run("zero3-pruner", tmp_path)
     assert not result["masked"]
@@ -478,6 +582,9 @@ if __name__ == "__main__":
         outcome = trainer_run(directory, **options)
     elif name == "accelerate":
         outcome = accelerate_loop(directory)
+    elif name.startswith("zero3-"):  # zero3-llama, zero3-resnet20-plain, ...
+        _, kind, *plain = name.split("-")
+        outcome = zero3_loop(directory, kind, bool(plain))
     elif name.startswith("ranks-"):  # ranks-averaged, ranks-control
         outcome = two_ranks(directory, name == "ranks-averaged")
     else:  # loop-plain, loop-N, loop-N-first, loop-N-rest, loop-N-sign

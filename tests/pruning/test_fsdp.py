@@ -281,7 +281,7 @@ def test_export_sharded_of_a_model_not_sharded_says_to_call_export():
     model = get_model("resnet20")
     pruner = DTPPruner(model, IMAGES[:1], 0.5)
     with pytest.raises(
-        ValueError, match=r"no parameter of CifarResNet is sharded: call export\(\)"
+        ValueError, match=r"ZeRO-3 partitions, and no parameter of CifarResNet is: call export\(\)"
     ):
         pruner.export_sharded(get_model("resnet20"))
 
@@ -306,4 +306,4 @@ def test_magnitude_scores_of_sharded_weights_are_refused_naming_the_layer(tmp_pa
     mp.spawn(magnitude_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     error = (tmp_path / "error.txt").read_text()
     assert error.startswith("scores='magnitude' reads |w| of 'layer1.0.conv1' before every")
-    assert "FSDP shards its weight" in error
+    assert "FSDP (or ZeRO-3) shards its weight" in error
