@@ -62,9 +62,9 @@ def find_zero_optimizer(optimizer, stage_3: bool = False) -> object | None:
             if type(inner).__name__ == STAGE_3 and not stage_3:
                 raise ValueError(
                     f"optimizer is DeepSpeed's ZeRO stage 3 optimizer ({STAGE_3}), which "
-                    "partitions the weights: DTP's masks multiply whole weights. Make the "
-                    "pruner before deepspeed.initialize and join it with join_optimizer "
-                    "(docs/pruning.md), or train with ZeRO stage 0, 1 or 2"
+                    "partitions the weights: DTP's masks multiply whole weights. In a loop of "
+                    "your own, make the pruner before deepspeed.initialize and join it with "
+                    "join_optimizer (docs/pruning.md); or train with ZeRO stage 0, 1 or 2"
                 )
             scores_optimizer_class(inner.optimizer)  # refused: before any mask
             return inner
