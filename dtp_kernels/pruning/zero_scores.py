@@ -119,11 +119,13 @@ class ZeroScores:
         return state
 
     def _load_state_dict(self, state_dict_list, *args, **kwargs):
-        """ZeRO's load_state_dict (a list of every rank's saved state) and the scores'
-        optimizer state saved with it, which every rank holds alike."""
+        """ZeRO's load_state_dict (a list of every rank's saved state; stage 3 reads its
+        own rank's alone, None in the others' places) and the scores' optimizer state
+        saved with it, which every rank holds alike."""
+        # read first: ZeRO's own may empty the list as it goes (load_serial)
+        saved = [s[CHECKPOINT_KEY] for s in state_dict_list or [] if s and CHECKPOINT_KEY in s]
         result = self._zero["load_state_dict"](state_dict_list, *args, **kwargs)
         states = kwargs.get("load_optimizer_states", args[0] if args else True)
-        saved = [s[CHECKPOINT_KEY] for s in state_dict_list or [] if CHECKPOINT_KEY in s]
         if states and saved and self.optimizer is not None:
             self.optimizer.load_state_dict(saved[0])
         return result

@@ -243,13 +243,15 @@ def network(kind: str) -> tuple:
     return get_model("resnet20"), IMAGES[:1], 0.5, loss, lambda m: m(IMAGES[:2])
 
 
-def zero3_loop(out: Path, kind: str, plain: bool) -> dict:
+def zero3_loop(out: Path, kind: str, plain: bool, part: str = "whole") -> dict:
     """ZeRO stage 3 on this process's rank of two, each on its own rows: the pruner made
     before deepspeed.initialize (on the whole weights), joined with join_optimizer to the
     engine's optimizer, three steps of the engine, then export_sharded (rank 0 builds the
     model again, rank 1 only helps gather). `plain`: the same in one process without
     DeepSpeed, the mean of the losses of both ranks' rows (each its own batch, as a
-    rank's BN sees it), and export()."""
+    rank's BN sees it), and export(). `part` "first": two steps, then
+    engine.save_checkpoint (the pruner's state as client state); "rest": a new engine
+    loads it, then the third step."""
     from dtp_kernels.pruning.prepare import join_optimizer
 
     rank = int(os.environ["RANK"])
@@ -271,7 +273,11 @@ def zero3_loop(out: Path, kind: str, plain: bool) -> dict:
         )
         partitioned = [tuple(p.shape) for p in model.parameters()]
     join_optimizer(pruner, optimizer, score_lr=0.05)
-    for step in range(3):
+    checkpoint = out.parent / "checkpoint"
+    if part == "rest":
+        _, client = engine.load_checkpoint(str(checkpoint))
+        pruner.load_state_dict(client["pruner"])
+    for step in {"whole": range(3), "first": range(2), "rest": range(2, 3)}[part]:
         if plain:
             halves = [slice(4 * step + 2 * r, 4 * step + 2 * r + 2) for r in range(2)]
             (sum(loss(model, rows) for rows in halves) / 2).backward()
@@ -280,6 +286,9 @@ def zero3_loop(out: Path, kind: str, plain: bool) -> dict:
         else:
             engine.backward(loss(engine, slice(4 * step + 2 * rank, 4 * step + 2 * rank + 2)))
             engine.step()
+    if part == "first":
+        engine.save_checkpoint(str(checkpoint), client_state={"pruner": pruner.state_dict()})
+        return {"error": None, "steps": int(pruner.state.steps)}
     refused = None
     if plain:
         small = pruner.export()
@@ -565,6 +574,22 @@ def test_a_pruner_made_before_deepspeed_initialize_trains_under_zero_3(tmp_path,
         torch.testing.assert_close(one["exported"], want["exported"], rtol=1e-4, atol=1e-5)
 
 
+def test_engine_checkpoints_keep_the_scores_optimizer_state_beside_zero_3(tmp_path):
+    """Two steps under ZeRO-3 on two ranks, engine.save_checkpoint (the scores'
+    optimizer state inside ZeRO's, the pruner's as client state), a new engine in new
+    processes loading it for the third step: it ends where three steps in a row end."""
+    assert run("zero3-llama", tmp_path / "whole", ranks=2)["steps"] == 3
+    assert run("zero3-llama-first", tmp_path / "split", ranks=2)["steps"] == 2
+    assert run("zero3-llama-rest", tmp_path / "split", ranks=2)["steps"] == 3
+    want = saved(tmp_path / "whole", "rank0.pt")
+    for rank in range(2):
+        got = saved(tmp_path / "split", f"rank{rank}.pt")
+        for key in want["pruner"]:
+            assert torch.equal(got["pruner"][key], want["pruner"][key]), key
+        if rank == 0:
+            assert torch.equal(got["exported"], want["exported"])
+
+
 def test_weights_partitioned_by_zero_3_are_refused_before_any_mask(tmp_path):
     result = run("zero3-pruner", tmp_path)
     assert not result["masked"]
@@ -582,9 +607,10 @@ if __name__ == "__main__":
         outcome = trainer_run(directory, **options)
     elif name == "accelerate":
         outcome = accelerate_loop(directory)
-    elif name.startswith("zero3-"):  # zero3-llama, zero3-resnet20-plain, ...
-        _, kind, *plain = name.split("-")
-        outcome = zero3_loop(directory, kind, bool(plain))
+    elif name.startswith("zero3-"):  # zero3-llama, zero3-resnet20-plain, zero3-llama-first
+        _, kind, *rest = name.split("-")
+        part = rest[0] if rest and rest[0] in ("first", "rest") else "whole"
+        outcome = zero3_loop(directory, kind, "plain" in rest, part)
     elif name.startswith("ranks-"):  # ranks-averaged, ranks-control
         outcome = two_ranks(directory, name == "ranks-averaged")
     else:  # loop-plain, loop-N, loop-N-first, loop-N-rest, loop-N-sign
