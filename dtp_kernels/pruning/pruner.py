@@ -223,21 +223,7 @@ class DTPPruner(ChannelPruner):
         )
         self.eps, self.iters, self.backend, self.mask_at = float(eps), iters, backend, mask_at
         names = {module: name for name, module in model.named_modules()}
-        self._made_with = dict(  # export_sharded() makes a pruner as this one on a new model
-            example_inputs=example_inputs,
-            ratios=ratios,
-            budget=budget,
-            granularity=granularity,
-            nm=nm,
-            scores=scores,
-            eps=eps,
-            iters=iters,
-            mask_at=mask_at,
-            ignored_layers=[names.get(m, m) for m in ignored_layers],  # by name
-            backend=backend,
-            epilogue_backend=epilogue_backend,
-            prune_coupled=prune_coupled,
-        )
+        self._ignored_names = [names.get(m, m) for m in ignored_layers]  # (made_with)
         if self.nm is not None:
             self._check_nm_groups()
         device = next(model.parameters()).device
@@ -299,6 +285,26 @@ class DTPPruner(ChannelPruner):
             for index, group in enumerate(self.groups):  # a tie set's read its first's
                 self._attach_mask(self.mask_of[index], group)
         self._refresh_fold()
+
+    def made_with(self) -> dict:
+        """The keyword arguments that make a pruner as this one was made (the model left
+        out; ignored layers by name), for the same architecture built again
+        (export_sharded)."""
+        return dict(
+            example_inputs=self.example_inputs,
+            ratios=self._asked_ratios,
+            budget=self.budget,
+            granularity=self.granularity,
+            nm=self.nm or (2, 4),
+            scores="magnitude" if self.scores is None else "learned",
+            eps=self.eps,
+            iters=self.iters,
+            mask_at=self.mask_at,
+            ignored_layers=self._ignored_names,
+            backend=self.backend,
+            epilogue_backend=self.epilogue_backend,
+            prune_coupled=self.prune_coupled,
+        )
 
     def _forward_done(self, *_) -> None:
         self._source.in_forward = False
@@ -537,13 +543,14 @@ class DTPPruner(ChannelPruner):
         originals = self._fold_originals
         # replaced by a conversion (a move to the meta device makes new tensors, fully_shard
         # sharded ones)
-        if self._fold[0][1].original is not originals[0]:
+        if not self._fold_sharded and self._fold[0][1].original is not originals[0]:
             self._refresh_fold()
             originals = self._fold_originals
-        elif hasattr(originals[0], "ds_id"):  # ZeRO-3 partitioned them in place
+        # sharded (FSDP2's new tensors; ZeRO-3 partitions the same ones in place): each BN
+        # reads its own through parametrize in its forward, where they are gathered
+        if self._fold_sharded or is_sharded(originals[0]):
             self._fold_sharded = True
-        if self._fold_sharded:  # each BN reads its own through parametrize in its forward,
-            self._source.folded = None  # when FSDP2 has gathered its parameters
+            self._source.folded = None
             return
         flat = self._source.flat
         if self._fold_plan is None or (

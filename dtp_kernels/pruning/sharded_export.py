@@ -73,7 +73,7 @@ def export_sharded(pruner: DTPPruner, unsharded: nn.Module | None) -> nn.Module 
         return None
     from .pruner import DTPPruner
 
-    arguments = dict(pruner._made_with)
+    arguments = pruner.made_with()
     arguments["example_inputs"] = on_model_device(arguments["example_inputs"], unsharded)
     again = DTPPruner(unsharded, **arguments)
     try:

@@ -295,11 +295,36 @@ def test_a_model_built_into_other_groups_is_refused_naming_them():
 
     model = get_model("resnet20")  # ignored layers given as modules (once: a generator)
     trained = DTPPruner(model, IMAGES[:1], 0.5, ignored_layers=(m for m in [model.layer1]))
-    assert trained._made_with["ignored_layers"] == ["layer1"]  # made again by name
+    assert trained.made_with()["ignored_layers"] == ["layer1"]  # made again by name
     again = DTPPruner(get_model("resnet20"), IMAGES[:1], 0.5)
     with pytest.raises(ValueError, match="unsharded: a pruner made on it has the groups"):
         refuse_other_groups(again, trained)
-    refuse_other_groups(DTPPruner(get_model("resnet20"), **trained._made_with), trained)
+    refuse_other_groups(DTPPruner(get_model("resnet20"), **trained.made_with()), trained)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"granularity": "n:m", "nm": (2, 8), "scores": "magnitude", "eps": 0.5, "iters": 3},
+    ],
+    ids=["filter", "nm-magnitude"],
+)
+def test_made_with_makes_the_same_pruner_again(options):
+    """The arguments export_sharded makes its pruner with are the first pruner's."""
+    from dtp_kernels import DTPPruner
+    from dtp_kernels.models import get_model
+
+    ratio = {"conv1": 0.0, "*": 0.75} if options else 0.5  # (the stem's 3 inputs: no 2:8)
+    first = DTPPruner(get_model("resnet20"), IMAGES[:1], ratio, **options)
+    again = DTPPruner(get_model("resnet20"), **first.made_with())
+    mine, its = first.made_with(), again.made_with()
+    assert mine.pop("example_inputs") is not None and its.pop("example_inputs") is not None
+    assert mine == its
+    assert mine["ratios"] == ratio and mine["eps"] == options.get("eps", 1.0)
+    assert mine["scores"] == options.get("scores", "learned")
+    assert mine["nm"] == options.get("nm", (2, 4)) and mine["iters"] == options.get("iters", 1)
+    assert [g.name for g in again.groups] == [g.name for g in first.groups]
 
 
 def test_magnitude_scores_of_sharded_weights_are_refused_naming_the_layer(tmp_path):
