@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from ..pruning.base import SHARDED
+
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 STATE_NAMES = ("momentum_buffer", "exp_avg", "exp_avg_sq")  # held in state_dtype
 
@@ -203,7 +205,10 @@ class _Compensated(torch.optim.Optimizer):
 
     def _low_precision(self, update: Callable, tensors: list[torch.Tensor]):
         """`update` (compiled when fused) and the pieces of `tensors` it takes: each whole
-        when fused (no float32 copies to bound), else chunks of chunk_size."""
+        when fused (no float32 copies to bound), else chunks of chunk_size. Shards of
+        FSDP's DTensors are updated where they lie (the update is elementwise, and the
+        parameter, its gradient and its state are sharded alike)."""
+        tensors = [t.to_local() if isinstance(t, SHARDED) else t for t in tensors]
         if self.fused:
             return FUSED[update], _pieces(tensors, max(tensors[0].numel(), 1))
         return update, _pieces(tensors, self.chunk_size)

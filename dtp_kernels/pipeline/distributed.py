@@ -67,3 +67,31 @@ def wrap(model: nn.Module) -> nn.Module:
     device = next(model.parameters()).device
     ids = [device.index] if device.type == "cuda" else None
     return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+
+class Agreement:
+    """A flag every rank agrees on, one call late: each call starts a max over the ranks
+    of this rank's flag on a CPU gloo group (the GPUs are not synced) and returns the
+    previous call's result, so the exchange overlaps a step instead of adding a round
+    trip to it. Made and called in the same order on every rank (a collective)."""
+
+    def __init__(self) -> None:
+        self._group = dist.new_group(backend="gloo")
+        self._pending: tuple[torch.Tensor, object] | None = None
+
+    def __call__(self, flag: bool) -> bool:
+        agreed = False
+        if self._pending is not None:
+            value, work = self._pending
+            work.wait()  # started a step ago: done by now
+            agreed = bool(value)
+        value = torch.tensor([int(flag)], dtype=torch.int64)
+        work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        self._pending = (value, work)
+        return agreed
+
+    def close(self) -> None:
+        """Finish the last exchange (every rank calls it at the same point)."""
+        if self._pending is not None:
+            self._pending[1].wait()
+        self._pending = None

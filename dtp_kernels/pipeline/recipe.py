@@ -127,6 +127,10 @@ DEFAULTS = {
     # (transformers' activation_checkpointing_enable, non-reentrant): less memory, more time.
     # eval_every_steps: also evaluate (a metrics line with "step") every that many
     # optimizer steps within an epoch; null: at the end of every epoch only.
+    # sharding: null (under torchrun each rank holds the whole model, DDP) or "fsdp"
+    # (FSDP2 shards the weights, gradients and optimizer state of the DTP and fine-tuning
+    # stages over the ranks); shard_units: globs naming the modules sharded one by one
+    # (default: a Hugging Face model's blocks).
     "run": {
         "device": "auto",
         "amp": None,
@@ -139,6 +143,8 @@ DEFAULTS = {
         "checkpoint_steps": None,
         "eval_every_steps": None,
         "activation_checkpointing": False,
+        "sharding": None,
+        "shard_units": [],
     },
 }
 # dict fields whose keys are the user's, replaced whole (a ratio map set by --set

@@ -23,7 +23,7 @@ from ..pruning.config_forecast import config_forecast, forecast_message
 from ..pruning.cost import count_flops, count_params
 from ..pruning.hf_config import describes
 from . import data as datasets
-from . import distributed, plots, schema, text_data
+from . import distributed, plots, schema, sharding, text_data
 from . import out_dir as out_dir_rules
 from .device import resolve_device
 from .errors import DivergedError, UsageError
@@ -208,7 +208,12 @@ def prune_and_finetune(
     """Prune a copy of `dense` per recipe["prune"], fine-tune it; return the summary.
     `example` is one input for tracing (default: the first test image). With
     `copy_model=False`, `dense` itself is pruned (no second copy of a large model; the
-    caller no longer uses it)."""
+    caller no longer uses it).
+
+    Under `options.sharding` "fsdp" both stages train sharded (sharding.py): the DTP
+    stage's model after the pruner is made, the exported model before fine-tuning; the
+    export gathers the model into one built again from the recipe (on the CPU), and the
+    summary's model is the fine-tuned one gathered whole, on the CPU."""
     settings = recipe["prune"]
     method = settings["method"]
     if method not in METHODS:
@@ -234,6 +239,8 @@ def prune_and_finetune(
 
         trace(-1)
         with frozen(model, not settings.get("train_weights", True)):
+            if options.sharding == "fsdp":  # after the pruner: it is made on the whole model
+                sharding.shard(model, options.shard_units)
             result = train(
                 model,
                 train_loader,
@@ -252,8 +259,19 @@ def prune_and_finetune(
         times["prune"] = time.perf_counter() - start
     report = pruner.report()
     start = time.perf_counter()
-    pruned = pruner.export()
+    if sharding.is_sharded(model):
+        with torch.random.fork_rng(devices=[]):  # its initialisation draws nothing of the run's
+            rebuilt = build_model(recipe["model"], options.task)  # (weights gathered in)
+        pruned = pruner.export_sharded(rebuilt)
+    else:
+        pruned = pruner.export()
     times["export"] = time.perf_counter() - start
+    here = next(pruned.parameters()).device
+    params, flops = count_params(pruned), count_flops(pruned, example.to(here))
+    whole = None
+    if options.sharding == "fsdp":
+        whole = copy.deepcopy(pruned).cpu()  # what the fine-tuned shards are gathered into
+        sharding.shard(pruned, options.shard_units)
     before_finetune = metrics(pruned, test_loader, options)  # the paper's star point
     zeros = zero_pattern(pruned) if settings["granularity"] != "filter" else None
     saving = stage_checkpoint(checkpoints, recipe, "finetune", resume)
@@ -269,7 +287,6 @@ def prune_and_finetune(
         keep_zero=zeros,
     )
     times["finetune"] = result["seconds"]
-    params, flops = count_params(pruned), count_flops(pruned, example)
     if zeros is not None:  # unstructured: the same shapes, pruned weights held at zero
         params -= sum(int((~keep).sum()) for keep in zeros.values())
     summary = {
@@ -286,6 +303,9 @@ def prune_and_finetune(
         "left_whole": report["left_whole"],  # the layers no group cut, with why
         "model": pruned,
     }
+    if whole is not None:
+        whole.load_state_dict(sharding.model_state(pruned))
+        summary["model"] = whole
     if "perplexity" in before_finetune:
         summary["perplexity_before_finetune"] = before_finetune["perplexity"]
     return summary
@@ -382,6 +402,8 @@ def run_options(recipe: dict, device: torch.device) -> RunOptions:
         optimizer_state_dtype=(
             torch.float32 if recipe["model"]["optimizer_state_dtype"] == "float32" else None
         ),
+        sharding=settings["sharding"],
+        shard_units=settings["shard_units"],
     )
 
 
@@ -425,7 +447,9 @@ def run(
             if overwrite and main:
                 out_dir_rules.clear(out)
             distributed.barrier()  # no rank writes before rank 0 has cleared
-        return _run(recipe, out, resume, options, main)
+        group = sharding.process_group(device) if options.sharding else contextlib.nullcontext()
+        with group:  # FSDP shards over a process group, even of one process
+            return _run(recipe, out, resume, options, main)
 
 
 def prepare(
@@ -447,6 +471,8 @@ def prepare(
     sample = None if recipe["model"]["input_shape"] else next(iter(test_loader))[0]
     example = example_input(recipe["model"], sample)
     check_pruning_plan(model, recipe["prune"], example.to(options.device))
+    if options.sharding:
+        sharding.units(model, options.shard_units)  # a unit naming no module: said now
     return model, train_loader, test_loader, example
 
 

@@ -218,6 +218,8 @@ FIELDS: dict[str, Check] = {
     "run.checkpoint_minutes": number(0, low_open=True, optional=True),
     "run.checkpoint_steps": integer(1, optional=True),
     "run.eval_every_steps": integer(1, optional=True),
+    "run.sharding": choice(None, "fsdp"),
+    "run.shard_units": list_of(text(), "module names or globs"),
 }
 
 
@@ -306,6 +308,34 @@ def validate(recipe: Mapping, sources: Mapping[str, str] | None = None) -> None:
             "'bfloat16': float32 weights keep float32 optimizer state"
         )
     _check_huggingface(values, sources)
+    _check_sharding(values, sources)
+
+
+def _check_sharding(values: Mapping, sources: Mapping[str, str] | None) -> None:
+    """run.sharding 'fsdp' trains the DTP and fine-tuning stages sharded; what it does
+    not cover is refused here, before any work."""
+    if values["run.sharding"] is None:
+        if values["run.shard_units"]:
+            raise RecipeError(
+                f"run.shard_units = {values['run.shard_units']!r} (from "
+                f"{_source('run.shard_units', sources)}) names FSDP's units: it needs "
+                "run.sharding = 'fsdp'"
+            )
+        return
+    where = f"run.sharding = 'fsdp' (from {_source('run.sharding', sources)})"
+    conflicts = [  # (field, what it is, what sharding needs)
+        ("pretrain.epochs", values["pretrain.epochs"] > 0, "0 (give the dense model's weights)"),
+        ("run.amp", values["run.amp"] == "fp16", "'bf16' or null"),
+        ("run.compile", values["run.compile"], "false"),
+        ("prune.granularity", values["prune.granularity"] != "filter", "'filter'"),
+    ]
+    for name, conflict, needed in conflicts:
+        if conflict:
+            raise RecipeError(
+                f"{where} trains the DTP and fine-tuning stages sharded, which does not "
+                f"cover {name} = {values[name]!r} (from {_source(name, sources)}); "
+                f"allowed with it: {needed}"
+            )
 
 
 def _check_huggingface(values: Mapping, sources: Mapping[str, str] | None) -> None:

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from . import distributed
+from . import distributed, sharding
 from .checkpoint import (
     CheckpointError,
     check_state_dict,
@@ -96,8 +96,9 @@ class RunOptions:
     language model: its logits per token, against the next tokens), `accumulate`, the
     batches whose gradients make one optimizer step (data.accumulate), and
     `eval_every_steps`, how often (in optimizer steps) to evaluate within an epoch too,
-    and `optimizer_state_dtype`, the optimizer state's dtype for low-precision weights
-    (None: the weights' own; model.optimizer_state_dtype)."""
+    `optimizer_state_dtype`, the optimizer state's dtype for low-precision weights
+    (None: the weights' own; model.optimizer_state_dtype), and `sharding` ("fsdp" or
+    None: run.sharding) with `shard_units` (run.shard_units)."""
 
     amp: str | None = None
     channels_last: bool = False
@@ -111,6 +112,8 @@ class RunOptions:
     task: str = "classify"
     accumulate: int = 1
     optimizer_state_dtype: torch.dtype | None = torch.float32
+    sharding: str | None = None
+    shard_units: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         count = self.accumulate
@@ -170,6 +173,10 @@ def _test_pass(
             loss += nn.functional.cross_entropy(logits.float(), targets, reduction="sum").double()
         count += targets.numel()
     model.train(was_training)
+    if sharding.is_sharded(model):
+        # FSDP's root keeps its weights gathered after a forward that no backward follows;
+        # its parameters must be the shards again (the optimizer holds those)
+        model.reshard()
     result = {"accuracy": int(correct) / max(count, 1)}
     if perplexity:
         result["perplexity"] = math.exp(float(loss) / max(count, 1))
@@ -310,6 +317,9 @@ def train(
     With `options.accumulate` = k > 1, every k batches make one optimizer step (their
     gradients weighted by their samples); the schedule counts optimizer steps, and
     checkpoints and preemption stops fall between optimizer steps.
+
+    A model FSDP2 shards (sharding.shard, before this call) trains as it is, not in DDP;
+    its checkpoints hold whole tensors, as an unsharded model's do.
     """
     options = options or RunOptions()
     steps, batch = len(train_loader), train_loader.batch_size
@@ -335,6 +345,9 @@ def train(
     if options.channels_last:
         model.to(memory_format=torch.channels_last)
     scaler = torch.amp.GradScaler(options.device.type) if options.amp == "fp16" else None
+    sharded = sharding.is_sharded(model)  # FSDP2 (run.sharding): no DDP around it
+    if sharded:  # the optimizer takes the shards, not gathered weights
+        model.reshard()
     optimizer = make_optimizer(model, settings, pruner, options.optimizer_state_dtype)
     schedule = make_schedule(optimizer, settings, total, per_epoch=updates)
     if pruner is not None:  # (under torchrun it averages the scores' gradients over ranks)
@@ -364,7 +377,7 @@ def train(
     )
     max_norm = settings.get("max_grad_norm")
     clip = ([p for p in model.parameters() if p.requires_grad], max_norm) if max_norm else None
-    net = ddp = distributed.wrap(model)
+    net = ddp = model if sharded else distributed.wrap(model)
     if options.compile:  # default mode: the pruner's hooks and ops trace without breaks
         net = compile_model(net)
     guard = options.preemption
@@ -387,8 +400,14 @@ def train(
     def save(epoch: int, step: int, done: bool) -> None:
         nonlocal last_save
         last_save = (time.monotonic(), epoch * steps + step)
-        if checkpoint is None or not distributed.is_main():
+        if checkpoint is None:
             return
+        if sharded:  # every rank gathers the shards, tensor by tensor
+            weights, moments = sharding.model_state(model), sharding.optimizer_state(optimizer)
+        if not distributed.is_main():
+            return
+        if not sharded:
+            weights, moments = model.state_dict(), optimizer.state_dict()
         save_atomic(
             make_payload(
                 checkpoint.meta,
@@ -398,8 +417,8 @@ def train(
                 result=result,
                 seconds=time.perf_counter() - start,
                 losses=losses.cpu(),
-                model=model.state_dict(),
-                optimizer=optimizer.state_dict(),
+                model=weights,
+                optimizer=moments,
                 scheduler=schedule.state_dict(),
                 pruner=pruner.state_dict() if pruner is not None else None,
                 rng=torch.get_rng_state(),
@@ -410,15 +429,23 @@ def train(
             checkpoint.path,
         )
 
+    minutes, every = options.checkpoint_minutes, options.checkpoint_steps
+    # A sharded model's checkpoint is gathered by every rank, so every rank must find it
+    # due at the same step; the clocks of the ranks differ, the step counts do not.
+    agree = (
+        distributed.Agreement()
+        if sharded and distributed.active() and checkpoint is not None and minutes is not None
+        else None
+    )
+
     def due(epoch: int, step: int) -> bool:
         """A mid-epoch checkpoint is due (run.checkpoint_minutes / checkpoint_steps)."""
         if checkpoint is None:
             return False
-        minutes, every = options.checkpoint_minutes, options.checkpoint_steps
-        elapsed = time.monotonic() - last_save[0]
-        return (every is not None and epoch * steps + step - last_save[1] >= every) or (
-            minutes is not None and elapsed >= 60 * minutes
-        )
+        late = minutes is not None and time.monotonic() - last_save[0] >= 60 * minutes
+        if agree is not None:
+            late = agree(late)
+        return (every is not None and epoch * steps + step - last_save[1] >= every) or late
 
     last_save = (time.monotonic(), first_epoch * steps + first_step)
     for epoch in range(first_epoch, run_epochs):
@@ -429,9 +456,14 @@ def train(
         left = itertools.islice(enumerate(train_loader, start=begin), max(length - begin, 0))
         for step, (images, labels) in left:
             weight, first, last = plan[step]
-            # DDP all-reduces the gradients at the backward of an optimizer step's last
-            # batch only; the others accumulate locally.
-            sync = ddp.no_sync() if not last and ddp is not model else contextlib.nullcontext()
+            # DDP all-reduces (FSDP reduce-scatters) the gradients at the backward of an
+            # optimizer step's last batch only; the others accumulate locally.
+            if sharded:
+                sync = sharding.gradient_sync(model, last)
+            elif not last and ddp is not model:
+                sync = ddp.no_sync()
+            else:
+                sync = contextlib.nullcontext()
             with sync:
                 loss = training_step(
                     net,
@@ -480,6 +512,8 @@ def train(
         result = {"seconds": time.perf_counter() - start, **scores}
         save(epoch + 1, 0, epoch + 1 == run_epochs)
     bar.close()
+    if agree is not None:
+        agree.close()
     if first_epoch < run_epochs:  # the last epoch's evaluation: no second pass over the test set
         return result
     return {
@@ -508,10 +542,16 @@ def _restore(checkpoint: Checkpointing, model, optimizer, schedule, pruner, log,
         if saved["pruner"] is None:
             raise CheckpointError(f"{checkpoint.path} holds no pruner state")
         check_state_dict(pruner, saved["pruner"], "pruner state", checkpoint.path)
-    model.load_state_dict(saved["model"])
+    if sharding.is_sharded(model):  # whole tensors, cut into this rank's shards
+        sharding.load_model_state(model, saved["model"])
+    else:
+        model.load_state_dict(saved["model"])
     if pruner is not None:
         pruner.load_state_dict(saved["pruner"])
-    optimizer.load_state_dict(saved["optimizer"])  # moves its state to the parameters' device
+    if sharding.is_sharded(model):
+        sharding.load_optimizer_state(optimizer, saved["optimizer"])
+    else:  # (moves its state to the parameters' device)
+        optimizer.load_state_dict(saved["optimizer"])
     schedule.load_state_dict(saved["scheduler"])
     torch.set_rng_state(saved["rng"])
     if options.device.type == "cuda" and saved.get("cuda_rng") is not None:

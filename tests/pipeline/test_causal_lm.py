@@ -53,6 +53,27 @@ def write_text(where: Path, train_bytes: int = 12000, val_bytes: int = 3000) -> 
     return where
 
 
+def torchrun_language_model(out: Path, sets: list[str]) -> dict:
+    """`dtp prune` of configs/causal_lm.yaml with `sets` into `out` under torchrun, 2
+    processes of one thread; its summary."""
+    import subprocess
+    import sys
+
+    from utils import ROOT, checkout_environment
+
+    argv = ["prune", "--config", str(CONFIGS / "causal_lm.yaml"), "--out", str(out)]
+    command = [
+        sys.executable,
+        *["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
+        *["-m", "dtp_kernels", *argv, "--no-progress"],
+        *[a for s in sets for a in ("--set", s)],
+    ]
+    env = checkout_environment(OMP_NUM_THREADS="1")
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text())
+
+
 def lm_overrides(model: Path, text: Path) -> list[str]:
     """configs/causal_lm.yaml set for the tiny model and text, fp32 on the CPU."""
     return [

@@ -11,7 +11,6 @@ uninterrupted run ended."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -276,7 +275,13 @@ def test_torchrun_prunes_a_hugging_face_language_model_as_one_process(tmp_path, 
     pruner's alone), and rank 0 alone writes the from_pretrained directory."""
     transformers = pytest.importorskip("transformers")
     import numpy as np
-    from test_causal_lm import CONFIGS, lm_overrides, save_llama, write_text
+    from test_causal_lm import (
+        CONFIGS,
+        lm_overrides,
+        save_llama,
+        torchrun_language_model,
+        write_text,
+    )
 
     from dtp_kernels.pipeline import recipe
     from dtp_kernels.pipeline.run import run
@@ -294,17 +299,7 @@ def test_torchrun_prunes_a_hugging_face_language_model_as_one_process(tmp_path, 
         f"prune.train_weights={train_weights}",
     ]
     out = tmp_path / "two"
-    argv = ["prune", "--config", str(CONFIGS / "causal_lm.yaml"), "--out", str(out)]
-    command = [
-        sys.executable,
-        *["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
-        *["-m", "dtp_kernels", *argv, "--no-progress"],
-        *[a for s in [*sets, "data.batch_size=8"] for a in ("--set", s)],
-    ]
-    env = checkout_environment(OMP_NUM_THREADS="1")
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    two = json.loads((out / "summary.json").read_text())
+    two = torchrun_language_model(out, [*sets, "data.batch_size=8"])
     one = run(recipe.load(CONFIGS / "causal_lm.yaml", [*sets, "data.batch_size=16"]), None)
     assert [g["k"] for g in two["groups"]] == [g["k"] for g in one["groups"]]
     for key in ("dense_perplexity", "perplexity_before_finetune", "perplexity"):

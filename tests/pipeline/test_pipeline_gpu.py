@@ -124,3 +124,24 @@ def test_prune_a_causal_lm_on_cuda(tmp_path, amp):
     assert summary["device"].startswith("cuda")
     assert summary["perplexity"] < summary["dense_perplexity"]
     assert (tmp_path / "run" / "pruned" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_causal_lm_sharded_on_cuda_trains_as_unsharded(tmp_path, dtype):
+    """run.sharding fsdp on one GPU (NCCL, a process group of one): the kept counts and
+    perplexities of the unsharded run on the GPU, the summary's model on the CPU
+    (tests/pipeline/test_sharding.py runs it on gloo ranks)."""
+    pytest.importorskip("transformers")
+    from test_causal_lm import lm_recipe, save_llama, write_text
+
+    from dtp_kernels.pipeline.run import run
+
+    model_dir, text = save_llama(tmp_path / "llama"), write_text(tmp_path / "text")
+    sets = ("run.device=cuda", f"model.dtype={dtype}", "run.amp=bf16")
+    plain = run(lm_recipe(model_dir, text, *sets), None)
+    sharded = run(lm_recipe(model_dir, text, *sets, "run.sharding=fsdp"), tmp_path / "run")
+    assert [g["k"] for g in sharded["groups"]] == [g["k"] for g in plain["groups"]]
+    for key in ("dense_perplexity", "perplexity_before_finetune", "perplexity"):
+        assert sharded[key] == pytest.approx(plain[key], rel=1e-3), key
+    assert next(sharded["model"].parameters()).device.type == "cpu"
+    assert (tmp_path / "run" / "pruned" / "config.json").is_file()
