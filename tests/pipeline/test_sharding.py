@@ -85,12 +85,14 @@ def test_one_process_sharded_over_itself_trains_as_unsharded(tmp_path, llama_and
 
 
 @pytest.mark.slow
-def test_a_cnn_with_the_units_named_trains_as_unsharded(tmp_path):
+@pytest.mark.parametrize("method", ["dtp", "l1"])
+def test_a_cnn_with_the_units_named_trains_as_unsharded(tmp_path, method):
     """The digits CNN with its convolutions as units (BN statistics are buffers, not
-    sharded) on one process."""
+    sharded) on one process; one-shot L1 pruning shards the fine-tuning alone."""
     from dtp_kernels.pipeline.run import run
 
     sets = ["run.device=cpu", "run.progress=false", "prune.epochs=2", "finetune.epochs=1"]
+    sets.append(f"prune.method={method}")
     plain = run(load_builtin(sets), None)
     units = "run.shard_units=[features.0,features.3]"
     sharded = run(load_builtin([*sets, "run.sharding=fsdp", units]), tmp_path)
@@ -137,9 +139,13 @@ class StopAt:
         return signal.SIGTERM if self.calls == self.call else None
 
 
+STOPS = {"dtp": 5, "finetune": 9}  # the optimizer step of the run to stop after (6 a stage)
+
+
 def stopped_and_resumed(rank: int, port: int, out: str, sets: list[str]) -> None:
-    """On each of two gloo ranks: the run whole, then the run stopped after its fifth
-    optimizer step (the DTP stage's) and resumed."""
+    """On each of two gloo ranks: the run whole, then the run stopped inside each stage
+    (the fifth optimizer step, the DTP stage's; the ninth, fine-tuning's third) and
+    resumed."""
     from dtp_kernels.pipeline import run as runs
     from dtp_kernels.pipeline.preemption import Preempted
 
@@ -148,41 +154,45 @@ def stopped_and_resumed(rank: int, port: int, out: str, sets: list[str]) -> None
         MASTER_PORT=str(port), OMP_NUM_THREADS="1",
     )  # fmt: skip
     torch.set_num_threads(1)
+    real = runs.PreemptionGuard
     try:
         runs.run(load(sets), f"{out}/whole")
-        real = runs.PreemptionGuard
-        runs.PreemptionGuard = lambda: StopAt(5)
-        with pytest.raises(Preempted, match="stage dtp"):
-            runs.run(load(sets), f"{out}/stopped")
-        runs.PreemptionGuard = real
-        dist.barrier()  # rank 0 has written the checkpoint
-        saved = torch.load(f"{out}/stopped/checkpoints/dtp.pt", weights_only=True)
-        assert not saved["done"], "the stop did not fall inside the DTP stage"
-        runs.run(load(sets), f"{out}/stopped", resume=True)
+        for stage, call in STOPS.items():
+            runs.PreemptionGuard = lambda call=call: StopAt(call)
+            with pytest.raises(Preempted, match=f"stage {stage}"):
+                runs.run(load(sets), f"{out}/stopped-{stage}")
+            runs.PreemptionGuard = real
+            dist.barrier()  # rank 0 has written the checkpoint
+            saved = torch.load(f"{out}/stopped-{stage}/checkpoints/{stage}.pt", weights_only=True)
+            assert not saved["done"], f"the stop did not fall inside stage {stage}"
+            runs.run(load(sets), f"{out}/stopped-{stage}", resume=True)
     finally:
+        runs.PreemptionGuard = real
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_a_run_stopped_on_two_ranks_resumes_bitwise(tmp_path, llama_and_text):
+    """Stopped in the DTP stage or in fine-tuning (the DTP stage then restored whole from
+    its checkpoint and exported again), resumed on both ranks: every checkpoint's model,
+    optimizer state and pruner state end bitwise where the uninterrupted run's end."""
     sets = overrides(llama_and_text, "data.batch_size=8", "run.sharding=fsdp")
     mp.spawn(stopped_and_resumed, args=(free_port(), str(tmp_path), sets), nprocs=2, join=True)
-    for stage in ("dtp", "finetune"):
-        want, got = (
-            torch.load(tmp_path / run / "checkpoints" / f"{stage}.pt", weights_only=True)
-            for run in ("whole", "stopped")
-        )
-        assert got["done"]
-        for part in ("model", "optimizer", "pruner"):
-            flat_want, flat_got = flatten(want[part]), flatten(got[part])
-            assert flat_want.keys() == flat_got.keys(), (stage, part)
-            for key in flat_want:
-                assert torch.equal(flat_want[key], flat_got[key]), (stage, part, key)
-    summary = json.loads((tmp_path / "stopped" / "summary.json").read_text())
-    assert (
-        summary["perplexity"]
-        == json.loads((tmp_path / "whole" / "summary.json").read_text())["perplexity"]
-    )
+    whole = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    for stopped in STOPS:
+        for stage in ("dtp", "finetune"):
+            want, got = (
+                torch.load(tmp_path / run / "checkpoints" / f"{stage}.pt", weights_only=True)
+                for run in ("whole", f"stopped-{stopped}")
+            )
+            assert got["done"]
+            for part in ("model", "optimizer", "pruner"):
+                flat_want, flat_got = flatten(want[part]), flatten(got[part])
+                assert flat_want.keys() == flat_got.keys(), (stopped, stage, part)
+                for key in flat_want:
+                    assert torch.equal(flat_want[key], flat_got[key]), (stopped, stage, key)
+        summary = json.loads((tmp_path / f"stopped-{stopped}" / "summary.json").read_text())
+        assert summary["perplexity"] == whole["perplexity"]
 
 
 def flatten(value, prefix: str = "") -> dict[str, torch.Tensor]:
