@@ -326,7 +326,6 @@ def _check_sharding(values: Mapping, sources: Mapping[str, str] | None) -> None:
     conflicts = [  # (field, what it is, what sharding needs)
         ("pretrain.epochs", values["pretrain.epochs"] > 0, "0 (give the dense model's weights)"),
         ("run.amp", values["run.amp"] == "fp16", "'bf16' or null"),
-        ("run.compile", values["run.compile"], "false"),
         ("prune.granularity", values["prune.granularity"] != "filter", "'filter'"),
     ]
     for name, conflict, needed in conflicts:

@@ -61,14 +61,21 @@ def assert_same_run(got: dict, want: dict, rel: float, keys=PERPLEXITIES) -> Non
 @pytest.mark.slow  # end to end: `make test-fast` leaves it out
 @pytest.mark.parametrize(
     "extra",
-    [[], ["data.accumulate=2"], ["model.dtype=bfloat16"], ["prune.train_weights=false"]],
-    ids=["plain", "accumulate", "bfloat16", "frozen"],
+    [
+        [],
+        ["data.accumulate=2"],
+        ["model.dtype=bfloat16"],
+        ["prune.train_weights=false"],
+        ["run.compile=true"],
+    ],
+    ids=["plain", "accumulate", "bfloat16", "frozen", "compiled"],
 )
 def test_one_process_sharded_over_itself_trains_as_unsharded(tmp_path, llama_and_text, extra):
     """A process group of one is started for the run (and stopped after it): the same
     kept counts, perplexities and weights as the unsharded run, gradient accumulation
     and clipping (max_grad_norm 1) included; bfloat16 weights with the compensated
-    optimizer updating each shard where it lies; the weights frozen in the DTP stage."""
+    optimizer updating each shard where it lies; the weights frozen in the DTP stage;
+    the training step compiled (the sharded model whole, as unsharded)."""
     from dtp_kernels.pipeline.run import run
 
     sets = overrides(llama_and_text, *extra)
@@ -212,7 +219,6 @@ def flatten(value, prefix: str = "") -> dict[str, torch.Tensor]:
     [
         ("pretrain.epochs", "1"),
         ("run.amp", "fp16"),
-        ("run.compile", "true"),
         ("prune.granularity", "weight"),
     ],
 )
