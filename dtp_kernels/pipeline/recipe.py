@@ -128,8 +128,8 @@ DEFAULTS = {
     # eval_every_steps: also evaluate (a metrics line with "step") every that many
     # optimizer steps within an epoch; null: at the end of every epoch only.
     # sharding: null (under torchrun each rank holds the whole model, DDP) or "fsdp"
-    # (FSDP2 shards the weights, gradients and optimizer state of the DTP and fine-tuning
-    # stages over the ranks); shard_units: globs naming the modules sharded one by one
+    # (FSDP2 shards the weights, gradients and optimizer state of every stage over the
+    # ranks); shard_units: globs naming the modules sharded one by one
     # (default: a Hugging Face model's blocks).
     "run": {
         "device": "auto",

@@ -259,10 +259,8 @@ def prune_and_finetune(
         times["prune"] = time.perf_counter() - start
     report = pruner.report()
     start = time.perf_counter()
-    if sharding.is_sharded(model):
-        with torch.random.fork_rng(devices=[]):  # its initialisation draws nothing of the run's
-            rebuilt = build_model(recipe["model"], options.task)  # (weights gathered in)
-        pruned = pruner.export_sharded(rebuilt)
+    if sharding.is_sharded(model):  # the weights are gathered into the model built again
+        pruned = pruner.export_sharded(rebuilt(recipe, options))
     else:
         pruned = pruner.export()
     times["export"] = time.perf_counter() - start
@@ -309,6 +307,19 @@ def prune_and_finetune(
     if "perplexity" in before_finetune:
         summary["perplexity_before_finetune"] = before_finetune["perplexity"]
     return summary
+
+
+def rebuilt(recipe: dict, options: RunOptions, state: dict | None = None) -> nn.Module:
+    """The recipe's model built again, on the CPU, as `prepare` builds it, holding
+    `state` when given (the whole tensors of a sharded model: sharding.model_state).
+    Building it draws nothing from the run's random numbers."""
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(recipe["model"], options.task)
+    if recipe["run"]["activation_checkpointing"]:
+        checkpoint_activations(model)
+    if state is not None:
+        model.load_state_dict(state)
+    return model
 
 
 @contextlib.contextmanager
@@ -491,6 +502,8 @@ def _run(recipe: dict, out: Path | None, resume: bool, options: RunOptions, main
         hugging = recipe["model"]["source"] == "huggingface"
         if recipe["pretrain"]["epochs"]:
             saving = stage_checkpoint(checkpoints, recipe, "pretrain", resume)
+            if options.sharding == "fsdp":
+                sharding.shard(model, options.shard_units)
             dense = train(
                 model,
                 train_loader,
@@ -503,6 +516,8 @@ def _run(recipe: dict, out: Path | None, resume: bool, options: RunOptions, main
             )
         else:
             dense = {"seconds": 0.0, **metrics(model, test_loader, options)}
+        if sharding.is_sharded(model):  # the pruner is made on the whole model
+            model = rebuilt(recipe, options, sharding.model_state(model)).to(device)
         summary = prune_and_finetune(
             model,
             recipe,

@@ -312,8 +312,8 @@ def validate(recipe: Mapping, sources: Mapping[str, str] | None = None) -> None:
 
 
 def _check_sharding(values: Mapping, sources: Mapping[str, str] | None) -> None:
-    """run.sharding 'fsdp' trains the DTP and fine-tuning stages sharded; what it does
-    not cover is refused here, before any work."""
+    """run.sharding 'fsdp' trains every stage sharded; what it does not cover is
+    refused here, before any work."""
     if values["run.sharding"] is None:
         if values["run.shard_units"]:
             raise RecipeError(
@@ -324,14 +324,13 @@ def _check_sharding(values: Mapping, sources: Mapping[str, str] | None) -> None:
         return
     where = f"run.sharding = 'fsdp' (from {_source('run.sharding', sources)})"
     conflicts = [  # (field, what it is, what sharding needs)
-        ("pretrain.epochs", values["pretrain.epochs"] > 0, "0 (give the dense model's weights)"),
         ("run.amp", values["run.amp"] == "fp16", "'bf16' or null"),
         ("prune.granularity", values["prune.granularity"] != "filter", "'filter'"),
     ]
     for name, conflict, needed in conflicts:
         if conflict:
             raise RecipeError(
-                f"{where} trains the DTP and fine-tuning stages sharded, which does not "
+                f"{where} trains every stage sharded, which does not "
                 f"cover {name} = {values[name]!r} (from {_source(name, sources)}); "
                 f"allowed with it: {needed}"
             )

@@ -1,9 +1,11 @@
 """FSDP2 in the pipeline (`run.sharding: fsdp`): the model's parameters, gradients and
 optimizer state sharded over the ranks instead of copied to each (DDP).
 
-The pruner is made on the whole model first, then `shard` applies ``fully_shard`` to
-each unit (a Hugging Face model's blocks, or the modules `run.shard_units` names) and
-to the root, and the stage's optimizer is made on the sharded parameters. The pruner's
+The pruner is made on the whole model first (after a sharded pre-training, its weights
+are gathered into the model built again: `model_state`), then `shard` applies
+``fully_shard`` to each unit (a Hugging Face model's blocks, or the modules
+`run.shard_units` names) and to the root, and the stage's optimizer is made on the
+sharded parameters. The pruner's
 own parameters (scores, learned ratios) stay whole on every rank and are averaged over
 the ranks as under DDP. Checkpoints hold whole tensors, as an unsharded run's do
 (gathered one tensor at a time on every rank, written by rank 0); `load_model_state`

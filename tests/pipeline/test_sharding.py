@@ -92,18 +92,22 @@ def test_one_process_sharded_over_itself_trains_as_unsharded(tmp_path, llama_and
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["dtp", "l1"])
-def test_a_cnn_with_the_units_named_trains_as_unsharded(tmp_path, method):
+@pytest.mark.parametrize(
+    ("method", "pretrain"), [("dtp", 0), ("l1", 0), ("dtp", 1)], ids=["dtp", "l1", "pretrained"]
+)
+def test_a_cnn_with_the_units_named_trains_as_unsharded(tmp_path, method, pretrain):
     """The digits CNN with its convolutions as units (BN statistics are buffers, not
-    sharded) on one process; one-shot L1 pruning shards the fine-tuning alone."""
+    sharded) on one process; one-shot L1 pruning shards the fine-tuning alone; a
+    pre-training stage trains sharded too, then gathered whole for the pruner."""
     from dtp_kernels.pipeline.run import run
 
     sets = ["run.device=cpu", "run.progress=false", "prune.epochs=2", "finetune.epochs=1"]
-    sets.append(f"prune.method={method}")
+    sets += [f"prune.method={method}", f"pretrain.epochs={pretrain}"]
     plain = run(load_builtin(sets), None)
     units = "run.shard_units=[features.0,features.3]"
     sharded = run(load_builtin([*sets, "run.sharding=fsdp", units]), tmp_path)
-    assert_same_run(sharded, plain, rel=1e-5, keys=("accuracy_before_finetune", "accuracy"))
+    keys = ("dense_accuracy", "accuracy_before_finetune", "accuracy")
+    assert_same_run(sharded, plain, rel=1e-5, keys=keys)
     want = plain["model"].state_dict()
     for name, tensor in sharded["model"].state_dict().items():
         torch.testing.assert_close(tensor, want[name], rtol=1e-4, atol=1e-5)
@@ -217,7 +221,6 @@ def flatten(value, prefix: str = "") -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("pretrain.epochs", "1"),
         ("run.amp", "fp16"),
         ("prune.granularity", "weight"),
     ],
