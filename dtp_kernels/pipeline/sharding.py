@@ -90,27 +90,33 @@ def gradient_sync(model: nn.Module, on: bool) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def whole(tensor: torch.Tensor) -> torch.Tensor:
+def whole(tensor: torch.Tensor, keep: bool = True) -> torch.Tensor | None:
     """`tensor` whole on the CPU: a DTensor gathered from every rank (a collective: every
-    rank calls it, in the same order), a plain tensor copied."""
+    rank calls it, in the same order), a plain tensor copied. With `keep` False the
+    gathered tensor is dropped at once (a rank that only helps gather) and None comes
+    back: no rank but the one that writes holds a whole copy."""
     if isinstance(tensor, DTensor):
         tensor = tensor.full_tensor()
-    return tensor.detach().cpu()
+    return tensor.detach().cpu() if keep else None
 
 
-def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state_dict with whole tensors (see `whole`)."""
-    return {key: whole(value) for key, value in model.state_dict().items()}
+def model_state(model: nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The model's state_dict with whole tensors (see `whole`; {} without `keep`)."""
+    state = {key: whole(value, keep) for key, value in model.state_dict().items()}
+    return state if keep else {}
 
 
-def optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
-    """The optimizer's state_dict with whole tensors, as an unsharded run's."""
+def optimizer_state(optimizer: torch.optim.Optimizer, keep: bool = True) -> dict:
+    """The optimizer's state_dict with whole tensors, as an unsharded run's (see
+    `whole`; {} without `keep`)."""
     state = optimizer.state_dict()
     state["state"] = {
-        index: {key: whole(v) if isinstance(v, torch.Tensor) else v for key, v in entry.items()}
+        index: {
+            key: whole(v, keep) if isinstance(v, torch.Tensor) else v for key, v in entry.items()
+        }
         for index, entry in sorted(state["state"].items())
     }
-    return state
+    return state if keep else {}
 
 
 def _like(value: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:

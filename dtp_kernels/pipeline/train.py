@@ -402,8 +402,10 @@ def train(
         last_save = (time.monotonic(), epoch * steps + step)
         if checkpoint is None:
             return
-        if sharded:  # every rank gathers the shards, tensor by tensor
-            weights, moments = sharding.model_state(model), sharding.optimizer_state(optimizer)
+        if sharded:  # every rank gathers the shards, tensor by tensor; rank 0 keeps them
+            keep = distributed.is_main()
+            weights = sharding.model_state(model, keep)
+            moments = sharding.optimizer_state(optimizer, keep)
         if not distributed.is_main():
             return
         if not sharded:
