@@ -161,10 +161,9 @@ def process_group(device: torch.device) -> Iterator[None]:
     if dist.is_initialized():
         yield
         return
-    extra = {"backend": "nccl", "device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(
-        **{"backend": "gloo", **extra}, store=dist.HashStore(), rank=0, world_size=1
-    )
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    extra = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **extra)
     try:
         yield
     finally:
