@@ -76,8 +76,10 @@ class Agreement:
     trip to it. Made and called in the same order on every rank (a collective)."""
 
     def __init__(self) -> None:
-        self._group = dist.new_group(backend="gloo")
-        self._pending: tuple[torch.Tensor, object] | None = None
+        group = dist.new_group(backend="gloo")
+        assert isinstance(group, dist.ProcessGroup)  # every rank is in it
+        self._group = group
+        self._pending: tuple[torch.Tensor, dist.Work] | None = None
 
     def __call__(self, flag: bool) -> bool:
         agreed = False
@@ -87,6 +89,7 @@ class Agreement:
             agreed = bool(value)
         value = torch.tensor([int(flag)], dtype=torch.int64)
         work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        assert work is not None  # (async_op)
         self._pending = (value, work)
         return agreed
 

@@ -27,8 +27,10 @@ from .errors import UsageError
 try:
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.tensor import DTensor, distribute_tensor
-except ImportError:  # torch without torch.distributed: nothing is sharded
-    FSDPModule = DTensor = ()
+
+    FSDP_MODULES: tuple[type, ...] = (FSDPModule,)
+except ImportError:  # torch without torch.distributed: nothing is sharded (and the
+    FSDP_MODULES = ()  # functions below that take shards are never called)
 
 
 def units(model: nn.Module, patterns: list[str]) -> list[nn.Module]:
@@ -76,11 +78,12 @@ def shard(model: nn.Module, patterns: list[str]) -> None:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+    """Whether `shard` (FSDP2's fully_shard) has been applied to `model`."""
+    return isinstance(model, FSDP_MODULES)
 
 
 @contextlib.contextmanager
-def gradient_sync(model: nn.Module, on: bool) -> Iterator[None]:
+def gradient_sync(model: FSDPModule, on: bool) -> Iterator[None]:
     """A micro-batch that is not the optimizer step's last keeps its gradients local
     (FSDP's reduce-scatter waits for the last), as DDP's no_sync does."""
     model.set_requires_gradient_sync(on)
@@ -102,8 +105,12 @@ def whole(tensor: torch.Tensor, keep: bool = True) -> torch.Tensor | None:
 
 def model_state(model: nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
     """The model's state_dict with whole tensors (see `whole`; {} without `keep`)."""
-    state = {key: whole(value, keep) for key, value in model.state_dict().items()}
-    return state if keep else {}
+    state = {}
+    for key, value in model.state_dict().items():
+        tensor = whole(value, keep)
+        if tensor is not None:
+            state[key] = tensor
+    return state
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer, keep: bool = True) -> dict:
@@ -119,7 +126,7 @@ def optimizer_state(optimizer: torch.optim.Optimizer, keep: bool = True) -> dict
     return state if keep else {}
 
 
-def _like(value: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+def _like(value: torch.Tensor, reference: DTensor) -> DTensor:
     """The whole tensor `value` cut as `reference` (a DTensor) is, on its device."""
     value = value.to(reference.device_mesh.device_type)
     return distribute_tensor(value, reference.device_mesh, reference.placements)
@@ -161,9 +168,11 @@ def process_group(device: torch.device) -> Iterator[None]:
     if dist.is_initialized():
         yield
         return
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    extra = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **extra)
+    store = dist.HashStore()
+    if device.type == "cuda":
+        dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=device)
+    else:
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         yield
     finally:
