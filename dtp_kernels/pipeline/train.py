@@ -431,7 +431,8 @@ def train(
             checkpoint.path,
         )
 
-    minutes, every = options.checkpoint_minutes, options.checkpoint_steps
+    # (not `every`: the loop below binds that name to eval_every_steps, and due() reads it)
+    minutes, steps_apart = options.checkpoint_minutes, options.checkpoint_steps
     # A sharded model's checkpoint is gathered by every rank, so every rank must find it
     # due at the same step; the clocks of the ranks differ, the step counts do not.
     agree = (
@@ -447,7 +448,8 @@ def train(
         late = minutes is not None and time.monotonic() - last_save[0] >= 60 * minutes
         if agree is not None:
             late = agree(late)
-        return (every is not None and epoch * steps + step - last_save[1] >= every) or late
+        apart = epoch * steps + step - last_save[1]
+        return (steps_apart is not None and apart >= steps_apart) or late
 
     last_save = (time.monotonic(), first_epoch * steps + first_step)
     for epoch in range(first_epoch, run_epochs):

@@ -380,10 +380,12 @@ def test_zero_stages_0_to_2_train_the_pruner_as_without_deepspeed(tmp_path, plai
     for part in ("pruner", "weights"):
         assert want[part].keys() == got[part].keys()
         for key in want[part]:
-            # under the Trainer stages 1 and 2 end equal to rounding, weights included,
-            # not bitwise (the loop test below, without clipping, is bitwise)
-            tolerance = {"rtol": 1e-4, "atol": 1e-6} if stage else {"rtol": 0, "atol": 0}
-            torch.testing.assert_close(got[part][key], want[part][key], **tolerance, msg=key)
+            # under the Trainer (which clips the gradients) every stage ends equal to
+            # rounding, weights included, not bitwise: stage 0 differs by a unit in the last
+            # place on some machines (the loop test below, without clipping, is bitwise)
+            torch.testing.assert_close(
+                got[part][key], want[part][key], rtol=1e-4, atol=1e-6, msg=key
+            )
     initial = DTPPruner(tiny_llama(), EXAMPLE, RATIOS).scores.detach()
     assert not torch.allclose(got["pruner"]["scores"], initial)  # the scores learned
 
