@@ -70,10 +70,11 @@ def wrap(model: nn.Module) -> nn.Module:
 
 
 class Agreement:
-    """A flag every rank agrees on, one call late: each call starts a max over the ranks
-    of this rank's flag on a CPU gloo group (the GPUs are not synced) and returns the
-    previous call's result, so the exchange overlaps a step instead of adding a round
-    trip to it. Made and called in the same order on every rank (a collective)."""
+    """A value every rank agrees on (the max over the ranks), one call late: each call
+    starts the max of this rank's value on a CPU gloo group (the GPUs are not synced)
+    and returns the previous call's result (0 at the first), so the exchange overlaps a
+    step instead of adding a round trip to it. Made and called in the same order on
+    every rank (a collective)."""
 
     def __init__(self) -> None:
         group = dist.new_group(backend="gloo")
@@ -81,16 +82,16 @@ class Agreement:
         self._group = group
         self._pending: tuple[torch.Tensor, dist.Work] | None = None
 
-    def __call__(self, flag: bool) -> bool:
-        agreed = False
+    def __call__(self, value: int) -> int:
+        agreed = 0
         if self._pending is not None:
-            value, work = self._pending
+            previous, work = self._pending
             work.wait()  # started a step ago: done by now
-            agreed = bool(value)
-        value = torch.tensor([int(flag)], dtype=torch.int64)
-        work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+            agreed = int(previous)
+        mine = torch.tensor([value], dtype=torch.int64)
+        work = dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         assert work is not None  # (async_op)
-        self._pending = (value, work)
+        self._pending = (mine, work)
         return agreed
 
     def close(self) -> None:

@@ -9,8 +9,9 @@ import signal
 import threading
 from types import FrameType
 
-import torch
 import torch.distributed as dist
+
+from .distributed import Agreement
 
 SIGNALS = tuple(
     getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1") if hasattr(signal, name)
@@ -43,23 +44,22 @@ class PreemptionGuard:
     def __init__(self) -> None:
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
-        self._group = None
-        self._exchange: tuple[torch.Tensor, object] | None = None  # (flag, pending work)
+        self._agreement: Agreement | None = None
 
     def __enter__(self) -> PreemptionGuard:
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self._group = dist.new_group(backend="gloo")
+            self._agreement = Agreement()
         return self
 
     def __exit__(self, exc_type, *_) -> None:
         # Every rank finishes the last exchange on a normal end or a preemption (all ranks
         # are there); after another error the other ranks may never join it.
-        if self._exchange is not None and (exc_type is None or issubclass(exc_type, Preempted)):
-            self._exchange[1].wait()
-        self._exchange = None
+        if self._agreement is not None and (exc_type is None or issubclass(exc_type, Preempted)):
+            self._agreement.close()
+        self._agreement = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
@@ -71,14 +71,6 @@ class PreemptionGuard:
 
     def requested(self) -> int | None:
         """The signal to stop at (None: keep going), the same on every rank."""
-        if self._group is None:
+        if self._agreement is None:
             return self.signum
-        agreed = None
-        if self._exchange is not None:
-            flag, work = self._exchange
-            work.wait()  # started a step ago: done by now
-            agreed = int(flag) or None
-        flag = torch.tensor([self.signum or 0], dtype=torch.int64)
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        self._exchange = (flag, work)
-        return agreed
+        return self._agreement(self.signum or 0) or None

@@ -447,7 +447,7 @@ def train(
             return False
         late = minutes is not None and time.monotonic() - last_save[0] >= 60 * minutes
         if agree is not None:
-            late = agree(late)
+            late = bool(agree(late))
         apart = epoch * steps + step - last_save[1]
         return (steps_apart is not None and apart >= steps_apart) or late
 
