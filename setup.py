@@ -168,7 +168,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     packages=find_packages(include=["dtp_kernels", "dtp_kernels.*"]),
-    package_data={"dtp_kernels": ["py.typed", "configs/*.yaml", "configs/paper/*.yaml"]},
+    package_data={"dtp_kernels": ["py.typed", "_C.pyi", "configs/*.yaml", "configs/paper/*.yaml"]},
     python_requires=">=3.11",
     install_requires=["torch>=2.11", "torch-pruning", "numpy"],
     extras_require=EXTRAS,

@@ -13,7 +13,7 @@ try:
 
     _C_ERROR: Exception | None = None
 except ImportError as error:  # the package stays importable without its build
-    _C = None
+    _C = None  # type: ignore[assignment]  # (mypy types a module, not an optional one)
     _C_ERROR = error
 
 BUILD_HINT = (

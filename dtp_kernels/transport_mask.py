@@ -81,12 +81,13 @@ def _check_scores(scores: Scores, state: TransportState) -> tuple[torch.Tensor, 
         if len(dtypes) > 1:
             raise TypeError(f"scores segments mix dtypes {sorted(map(str, dtypes))}")
         return torch.cat(parts), True
-    if scores.numel() != state.numel:
+    (whole,) = parts
+    if whole.numel() != state.numel:
         raise ValueError(
-            f"scores has {scores.numel()} entries, the transport state expects "
+            f"scores has {whole.numel()} entries, the transport state expects "
             f"{state.numel} (segment sizes {list(state.sizes)})"
         )
-    return scores, False
+    return whole, False
 
 
 def _check_keep(keep, state: TransportState) -> torch.Tensor:
@@ -164,7 +165,7 @@ def _check_eps(eps, state: TransportState) -> torch.Tensor:
         type(eps) is float
         and cached is not None
         and cached[0] == eps
-        and cached[2] is state._buffers["log_odds"]  # replaced when the state moves
+        and cached[2] is state._state_buffers()["log_odds"]  # replaced when the state moves
     ):
         return cached[1]
     shared = isinstance(eps, numbers.Real) and not isinstance(eps, bool)
@@ -191,7 +192,7 @@ def _check_eps(eps, state: TransportState) -> torch.Tensor:
     # not while compiling: a cache written while tracing is a graph output, which torch
     # 2.11's partitioner refused ("Node expand_3 was invalid, but is output", triton)
     if type(eps) is float and not torch.compiler.is_compiling():
-        state._eps_cache = (eps, result, state._buffers["log_odds"])
+        state._eps_cache = (eps, result, state._state_buffers()["log_odds"])
     return result
 
 
@@ -397,7 +398,7 @@ def _state_tensors(
     """(offsets, log-odds, shift) for a fused kernel, the state in its compute dtype:
     float32, or float64 for float64 scores."""
     acc = torch.float64 if scores.dtype == torch.float64 else torch.float32
-    buffers = state._buffers  # direct: Module.__getattr__ costs ~1 us per buffer per step
+    buffers = state._state_buffers()  # not Module.__getattr__: ~1 us a buffer
     log_odds, shift = buffers["log_odds"], buffers["shift"]
     if log_odds.dtype != acc:
         log_odds, shift = log_odds.to(acc), shift.to(acc)
@@ -615,7 +616,7 @@ def _triton_step(
     next state in the pending buffers, bitwise as ``_transport_mask_triton`` followed by
     ``state.write_pending`` (tests/ops/test_transport_mask.py)."""
     args = _triton_args(scores, keep, eps, state, neutral, blocks_per_segment)
-    buffers = state._buffers
+    buffers = state._state_buffers()
     if args[4] is not buffers["log_odds"]:  # float64 scores on a float32 state: copies
         mask, new_d, new_shift, flags = _transport_mask_triton(
             scores, keep, eps, state, 1, neutral, blocks_per_segment
@@ -664,8 +665,8 @@ def _transport_mask_reference(
         [h or not bool(ok.all()) for h, ok in zip(held, scores_ok.split(sizes), strict=True)],
         device=scores.device,
     )
-    held = nonfinite.repeat_interleave(torch.tensor(sizes, device=scores.device))
-    new_d = torch.where(held, state.log_odds.to(torch.float64), torch.cat(new_d))
+    held_channels = nonfinite.repeat_interleave(torch.tensor(sizes, device=scores.device))
+    new_d = torch.where(held_channels, state.log_odds.to(torch.float64), torch.cat(new_d))
     new_shift = torch.where(nonfinite, state.shift.to(torch.float64), new_shift)
     return torch.cat(masks).to(scores.dtype), new_d, new_shift, nonfinite
 
@@ -685,7 +686,7 @@ def _compiled_step(
     """The eager training step on the compiled backends: the op and the pending-state
     write in one C++ call (csrc/transport_step.cpp), the same as
     ``_transport_mask_compiled`` followed by ``state.write_pending``."""
-    buffers = state._buffers
+    buffers = state._state_buffers()
     return _C.transport_mask_step(
         *_op_args(scores, keep, eps, state, iters, neutral, blocks_per_segment),
         buffers["pending_log_odds"],

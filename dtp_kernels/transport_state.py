@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -40,6 +41,16 @@ class TransportState(nn.Module):
         dtype: float32 (default) or float64 for the carried state.
         device: where the buffers live; scores must be on the same device.
     """
+
+    offsets: torch.Tensor
+    log_odds: torch.Tensor
+    shift: torch.Tensor
+    pending_log_odds: torch.Tensor
+    pending_shift: torch.Tensor
+    has_pending: torch.Tensor
+    steps: torch.Tensor
+    pending_nonfinite: torch.Tensor
+    skipped_steps: torch.Tensor
 
     def __init__(
         self,
@@ -91,6 +102,11 @@ class TransportState(nn.Module):
         # Derived, not saved, built on first use (see segment_ids).
         self._segment_ids: torch.Tensor | None = None
 
+    def _state_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers by name, read without Module.__getattr__ (slow on a per-step path);
+        none of them is ever None."""
+        return cast(dict[str, torch.Tensor], self._buffers)
+
     @property
     def segment_ids(self) -> torch.Tensor:
         """Segment index of every channel (int64, on the state's device). Only the eager
@@ -113,7 +129,7 @@ class TransportState(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self._buffers["log_odds"].device  # direct: Module.__getattr__ is slow per step
+        return self._state_buffers()["log_odds"].device
 
     def write_pending(
         self, log_odds: torch.Tensor, shift: torch.Tensor, nonfinite: torch.Tensor | None = None
@@ -122,7 +138,7 @@ class TransportState(nn.Module):
         ``nonfinite`` (bool, one per segment; the transport kernels return it) marks the
         segments that kept their state in it: :meth:`commit` counts them as skipped. The
         last write before a commit decides both (several forwards per optimizer step)."""
-        buffers = self._buffers  # direct: Module.__getattr__ is slow on a per-step path
+        buffers = self._state_buffers()  # direct: Module.__getattr__ is slow per step
         pending_d, pending_s = buffers["pending_log_odds"], buffers["pending_shift"]
         if log_odds.dtype != pending_d.dtype:  # float64 scores on a float32 state
             log_odds, shift = log_odds.to(pending_d.dtype), shift.to(pending_d.dtype)
@@ -138,7 +154,7 @@ class TransportState(nn.Module):
         """Keep the current state of the marked segments (bool, one per segment) at the
         next :meth:`commit` and count the step as skipped for them, if a forward wrote a
         pending step; on the device."""
-        buffers = self._buffers
+        buffers = self._state_buffers()
         pending_d, pending_s = buffers["pending_log_odds"], buffers["pending_shift"]
         torch.where(segments[self.segment_ids], buffers["log_odds"], pending_d, out=pending_d)
         torch.where(segments, buffers["shift"], pending_s, out=pending_s)
@@ -154,7 +170,7 @@ class TransportState(nn.Module):
         pending buffers equal the current ones (every commit leaves them so), so copying
         is always right, and ``pending_nonfinite`` is only ever set with a pending step.
         """
-        buffers = self._buffers
+        buffers = self._state_buffers()
         if _C is not None and not torch.compiler.is_compiling():  # one call from Python
             _C.transport_commit(
                 buffers["log_odds"],
