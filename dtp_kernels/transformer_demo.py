@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -62,7 +63,10 @@ def stdlib_bytes(limit: int) -> tuple[torch.Tensor, torch.Tensor]:
         target.extend(path.read_bytes())
         if len(held_out) >= limit // 10:
             break
-    return (torch.frombuffer(b, dtype=torch.uint8).long() for b in (train, held_out))
+    return (
+        torch.frombuffer(train, dtype=torch.uint8).long(),
+        torch.frombuffer(held_out, dtype=torch.uint8).long(),
+    )
 
 
 def batches(x: torch.Tensor, y: torch.Tensor, size: int, generator) -> Iterator[tuple]:
@@ -173,7 +177,7 @@ def llama_task(seed: int = 0, experts: int = 0) -> LlamaTask:
 
     torch.manual_seed(seed)
     train, held_out = stdlib_bytes(1_500_000)
-    sizes = dict(
+    sizes: dict[str, Any] = dict(
         vocab_size=256,
         hidden_size=64,
         num_hidden_layers=2,
@@ -181,6 +185,7 @@ def llama_task(seed: int = 0, experts: int = 0) -> LlamaTask:
         num_key_value_heads=2,
         max_position_embeddings=128,
     )
+    model: transformers.PreTrainedModel
     if experts:
         config = transformers.MixtralConfig(
             **sizes, intermediate_size=96, num_local_experts=experts, num_experts_per_tok=2

@@ -424,7 +424,23 @@ def _transport_mask_compiled(
     return mask, new_d, new_shift, nonfinite
 
 
-def _op_args(scores, keep, eps, state: TransportState, iters, neutral, blocks_per_segment) -> tuple:
+# dtp::transport_mask's arguments: scores, offsets, keep, eps, log-odds, shift (tensors),
+# iters, neutral_nonfinite, blocks_per_segment, segment_size
+OpArgs = tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+    int, bool, int, int,
+]  # fmt: skip
+
+
+def _op_args(
+    scores: torch.Tensor,
+    keep: torch.Tensor,
+    eps: torch.Tensor,
+    state: TransportState,
+    iters: int,
+    neutral: bool,
+    blocks_per_segment: int,
+) -> OpArgs:
     """The arguments of dtp::transport_mask for a step on `state`: its segments (offsets,
     and segment_size when all have one tiny size) and its state in the compute dtype."""
     offsets, log_odds, shift = _state_tensors(state, scores)
@@ -653,7 +669,7 @@ def _transport_mask_reference(
     scores_ok = torch.isfinite(scores.detach())
     if neutral:
         scores = torch.where(scores_ok, scores, 0.5)
-    masks, new_d, new_shift, held = reference.transport_mask_segments(
+    masks, segment_d, new_shift, held = reference.transport_mask_segments(
         list(scores.split(sizes)),
         keep,
         list(state.log_odds.split(sizes)),
@@ -666,7 +682,7 @@ def _transport_mask_reference(
         device=scores.device,
     )
     held_channels = nonfinite.repeat_interleave(torch.tensor(sizes, device=scores.device))
-    new_d = torch.where(held_channels, state.log_odds.to(torch.float64), torch.cat(new_d))
+    new_d = torch.where(held_channels, state.log_odds.to(torch.float64), torch.cat(segment_d))
     new_shift = torch.where(nonfinite, state.shift.to(torch.float64), new_shift)
     return torch.cat(masks).to(scores.dtype), new_d, new_shift, nonfinite
 

@@ -697,9 +697,10 @@ def _strides(keep: torch.Tensor, eps: torch.Tensor) -> tuple[int, int]:
     """keep's and eps's strides as the kernels read them: 1 (one value per segment), or 0
     where an expand()ed view holds one value for all segments (the kernels then read that
     one address); any other layout is made contiguous by the caller."""
-    return tuple(
+    keep_stride, eps_stride = (
         0 if t.dim() == 1 and t.numel() > 1 and t.stride(0) == 0 else 1 for t in (keep, eps)
     )
+    return keep_stride, eps_stride
 
 
 def _acc(scores: torch.Tensor):

@@ -30,7 +30,7 @@ class InvertedResidual(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int, expansion: int) -> None:
         super().__init__()
         hidden = cin * expansion
-        layers = [] if expansion == 1 else [conv_bn(cin, hidden, 1, 1)]
+        layers: list[nn.Module] = [] if expansion == 1 else [conv_bn(cin, hidden, 1, 1)]
         layers += [
             conv_bn(hidden, hidden, 3, stride, groups=hidden),
             nn.Conv2d(hidden, cout, 1, bias=False),
@@ -46,7 +46,8 @@ class InvertedResidual(nn.Module):
 class MobileNetV2(nn.Module):
     def __init__(self, num_classes: int = 10) -> None:
         super().__init__()
-        layers, cin = [conv_bn(3, 32, 3, 1)], 32
+        layers: list[nn.Module] = [conv_bn(3, 32, 3, 1)]
+        cin = 32
         for t, c, n, s in SETTINGS:
             for i in range(n):
                 layers.append(InvertedResidual(cin, c, s if i == 0 else 1, t))

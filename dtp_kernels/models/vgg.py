@@ -32,7 +32,8 @@ CONFIG_19 = [
 class CifarVGG(nn.Module):
     def __init__(self, config: list, num_classes: int = 100) -> None:
         super().__init__()
-        layers, in_channels = [], 3
+        layers: list[nn.Module] = []
+        in_channels = 3
         for item in config:
             if item == "M":
                 layers.append(nn.MaxPool2d(2, 2))

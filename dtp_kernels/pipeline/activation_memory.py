@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -32,8 +33,11 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from .step import forward_loss
 
+if TYPE_CHECKING:
+    from transformers.modeling_layers import GradientCheckpointingLayer
 
-def _checkpointed(model: nn.Module) -> list[nn.Module]:
+
+def _checkpointed(model: nn.Module) -> list[GradientCheckpointingLayer]:
     """The layers of `model` that transformers' activation checkpointing recomputes."""
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
@@ -47,7 +51,7 @@ def _checkpointed(model: nn.Module) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
-def _whole(layers: list[nn.Module]) -> Iterator[None]:
+def _whole(layers: list[GradientCheckpointingLayer]) -> Iterator[None]:
     """The checkpointed `layers` run whole inside the block (their saved tensors seen)."""
     for layer in layers:
         layer.gradient_checkpointing = False

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from typing import overload
 
 import torch
 
@@ -123,7 +124,8 @@ class _Fused:
     Triton for the GPU) it warns once and runs eager."""
 
     def __init__(self, update: Callable) -> None:
-        self.update, self.compiled, self.eager = update, None, False
+        self.update, self.eager = update, False
+        self.compiled: Callable | None = None
         self._settings: tuple | None = None  # (floats, device, their tensors): the last ones
 
     def settings(self, values: tuple[float, ...], device: torch.device) -> tuple:
@@ -140,16 +142,17 @@ class _Fused:
         return last[2]
 
     def __call__(self, *args) -> None:
-        if self.compiled is None and not self.eager:  # made here: importing stays light
-            # emulate_precision_casts: round to bfloat16 where the code rounds; by default
-            # inductor keeps the float32 value, and the compensation would always be zero
-            self.compiled = torch.compile(
-                self.update,
-                dynamic=True,
-                fullgraph=True,
-                options={"emulate_precision_casts": True},
-            )
         if not self.eager:
+            if self.compiled is None:  # made here: importing stays light
+                # emulate_precision_casts: round to bfloat16 where the code rounds; by
+                # default inductor keeps the float32 value, and the compensation would
+                # always be zero
+                self.compiled = torch.compile(
+                    self.update,
+                    dynamic=True,
+                    fullgraph=True,
+                    options={"emulate_precision_casts": True},
+                )
             # tensors (or None) first, then the settings
             start = next(i for i, a in enumerate(args) if isinstance(a, (int, float)))
             values = tuple(float(v) for v in args[start:])
@@ -208,12 +211,15 @@ class _Compensated(torch.optim.Optimizer):
         when fused (no float32 copies to bound), else chunks of chunk_size. Shards of
         FSDP's DTensors are updated where they lie (the update is elementwise, and the
         parameter, its gradient and its state are sharded alike)."""
-        tensors = [t.to_local() if isinstance(t, SHARDED) else t for t in tensors]
+        # (SHARDED holds DTensor when torch.distributed is there: mypy cannot narrow it)
+        tensors = [t.to_local() if isinstance(t, SHARDED) else t for t in tensors]  # type: ignore[attr-defined]
         if self.fused:
             return FUSED[update], _pieces(tensors, max(tensors[0].numel(), 1))
         return update, _pieces(tensors, self.chunk_size)
 
-    def _state(self, p: torch.Tensor, names: tuple[str, ...]) -> list[torch.Tensor | None]:
+    def _state(
+        self, p: torch.Tensor, names: tuple[str, ...]
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """The parameter's state tensors `names`, created as zeros on its first step, and
         its compensation buffer (None for a float32 or float64 parameter)."""
         state = self.state[p]
@@ -226,7 +232,11 @@ class _Compensated(torch.optim.Optimizer):
             if p.dtype in LOW_PRECISION:
                 state["compensation"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["step"] += 1
-        return [state[name] for name in names] + [state.get("compensation")]
+        return [state[name] for name in names], state.get("compensation")
+
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, group: dict) -> None:
+        """One step of `p` with its gradient `grad` under `group`'s settings."""
+        raise NotImplementedError
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load, which casts every floating state tensor to its parameter's dtype,
@@ -240,8 +250,12 @@ class _Compensated(torch.optim.Optimizer):
                 if name in STATE_NAMES and value.dtype != self.state[p][name].dtype:
                     self.state[p][name] = value.to(device=p.device, copy=True)
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
     @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One update of every parameter that has a gradient; returns closure's loss."""
         loss = None
         if closure is not None:
@@ -258,11 +272,12 @@ class _Compensated(torch.optim.Optimizer):
         with limit:
             for group in self.param_groups:
                 for p in group["params"]:
-                    if p.grad is None:
+                    grad = p.grad
+                    if grad is None:
                         continue
-                    if p.grad.is_sparse:
+                    if grad.is_sparse:
                         raise ValueError(f"{type(self).__name__} does not take sparse gradients")
-                    self._update(p, group)
+                    self._update(p, grad, group)
         return loss
 
 
@@ -299,17 +314,17 @@ class CompensatedSGD(_Compensated):
         defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
         super().__init__(params, defaults, chunk_size, fused, state_dtype)
 
-    def _update(self, p: torch.Tensor, group: dict) -> None:
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, group: dict) -> None:
         lr, momentum, decay = group["lr"], group["momentum"], group["weight_decay"]
-        *buffers, compensation = self._state(p, ("momentum_buffer",) if momentum else ())
+        buffers, compensation = self._state(p, ("momentum_buffer",) if momentum else ())
         if compensation is None:  # float32: torch.optim.SGD's operations, in its order
-            change = p.grad if not decay else p.grad.add(p, alpha=decay)
+            change = grad if not decay else grad.add(p, alpha=decay)
             if buffers:
                 buffers[0].mul_(momentum).add_(change)
                 change = buffers[0]
             p.add_(change, alpha=-lr)
             return
-        tensors = [p, p.grad, *buffers, compensation]
+        tensors = [p, grad, *buffers, compensation]
         update, pieces = self._low_precision(sgd_low_precision, tensors)
         for weight, grad, *buffer, kept in pieces:
             update(weight, grad, buffer[0] if buffer else None, kept, lr, momentum, decay)
@@ -352,21 +367,21 @@ class CompensatedAdamW(_Compensated):
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults, chunk_size, fused, state_dtype)
 
-    def _update(self, p: torch.Tensor, group: dict) -> None:
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, group: dict) -> None:
         lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
         decay = group["weight_decay"]
-        mean, square, compensation = self._state(p, ("exp_avg", "exp_avg_sq"))
+        (mean, square), compensation = self._state(p, ("exp_avg", "exp_avg_sq"))
         step = float(self.state[p]["step"])
         step_size = lr / (1 - beta1**step)
         root = (1 - beta2**step) ** 0.5
         if compensation is None:  # float32: torch.optim.AdamW's operations, in its order
-            mean.lerp_(p.grad, 1 - beta1)
-            square.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+            mean.lerp_(grad, 1 - beta1)
+            square.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             denominator = (square.sqrt() / root).add_(eps)
             p.mul_(1 - lr * decay).addcdiv_(mean, denominator, value=-step_size)
             return
         settings = (lr, beta1, beta2, eps, step_size, root, decay)
-        tensors = [p, p.grad, mean, square, compensation]
+        tensors = [p, grad, mean, square, compensation]
         update, pieces = self._low_precision(adamw_low_precision, tensors)
         for piece in pieces:
             update(*piece, *settings)

@@ -20,8 +20,9 @@ import contextlib
 import os
 import tempfile
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sized
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -75,6 +76,11 @@ class _PresenceChecked:
     """torchvision's CIFAR data set on the folder given, its batch files read with the
     restricted unpickler (safe_pickle) instead of pickle, and torchvision's md5 check of
     its own archive replaced by the presence check of `cifar` (done before construction)."""
+
+    # torchvision's CIFAR10/CIFAR100 class attributes: the batch files and the names' file
+    train_list: list[list[str]]
+    test_list: list[list[str]]
+    meta: dict[str, str]
 
     def __init__(self, folder: Path, train: bool = True, transform=None) -> None:
         datasets.VisionDataset.__init__(self, str(folder.parent), transform=transform)
@@ -166,7 +172,7 @@ class CheckedImageFolder(datasets.ImageFolder):
                 return super().__getitem__(where)
             except OSError as error:  # PIL: truncated file, or not an image at all
                 path = self.samples[where][0]
-                if not self.skip_bad_files:
+                if self.record is None:  # not skip_bad_files
                     raise UsageError(
                         f"{path}: the image cannot be read ({error}); fix or remove it, or set "
                         "data.skip_bad_files=true to leave unreadable files out"
@@ -274,7 +280,7 @@ class SeededSamples(Dataset):
         self.dataset = dataset
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(cast(Sized, self.dataset))
 
     def __getitem__(self, item: tuple[int, int]):
         index, seed = item
@@ -287,6 +293,18 @@ class SeededSamples(Dataset):
             return self.dataset[index]
         finally:
             generator.set_state(state)
+
+
+def epoch_sampler(loader: DataLoader) -> tuple[EpochSampler, int]:
+    """The EpochSampler `loaders` gave `loader`, and the loader's batch size: what a stage
+    resumes mid-epoch with. UsageError for another loader."""
+    sampler, batch = loader.sampler, loader.batch_size
+    if not isinstance(sampler, EpochSampler) or batch is None:
+        raise UsageError(
+            f"the training loader draws with {type(sampler).__name__} and batch size {batch}; "
+            "a stage trains from the loaders data.loaders makes (an EpochSampler, a batch size)"
+        )
+    return sampler, batch
 
 
 def default_workers(dataset: Dataset) -> int:
@@ -326,7 +344,7 @@ def loaders(
         extra["persistent_workers"] = persistent_workers
         if prefetch_factor is not None:
             extra["prefetch_factor"] = prefetch_factor
-    sampler = EpochSampler(len(train), seed, shuffle=True, rank=rank, world=world)
+    sampler = EpochSampler(len(cast(Sized, train)), seed, shuffle=True, rank=rank, world=world)
     # Own generators: creating an iterator draws the workers' base seed from the global
     # RNG otherwise, and a resumed run would then draw it once more than the original.
     training = DataLoader(

@@ -27,12 +27,15 @@ def init_from_env(device: torch.device) -> int:
     on the CPU); returns this process's rank."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        extra = {"device_id": device} if backend == "nccl" else {}
+        device_id = device if backend == "nccl" else None
         store = _attempt_store()
-        if store is not None:
+        if store is None:
+            dist.init_process_group(backend, device_id=device_id)
+        else:
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            extra.update(store=store, rank=rank, world_size=world)
-        dist.init_process_group(backend, **extra)
+            dist.init_process_group(
+                backend, device_id=device_id, store=store, rank=rank, world_size=world
+            )
     return dist.get_rank() if dist.is_initialized() else 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,7 +150,7 @@ def run_experiment(
     name: str,
     seeds: list[int],
     out: str | Path,
-    overrides: list[str] = (),
+    overrides: Sequence[str] = (),
     rows: list[str] | None = None,
 ) -> list[dict]:
     """Run every row (or those labelled in `rows`) of experiment `name` once per seed
@@ -173,7 +174,7 @@ def run_experiment(
     out = Path(out)
     results = []
     for row in chosen:
-        summaries = []
+        summaries: list[dict] = []
         for seed in seeds:
             where = out / row_folder(row.label) / f"seed{seed}"
             done = where / "summary.json"
@@ -182,8 +183,8 @@ def run_experiment(
                 # The row's own folder: resume what it checkpointed, else start it over.
                 resume = has_checkpoints(where)
                 run(recipe, where, resume=resume, overwrite=not resume and where.exists())
-            summaries.append(json.loads(done.read_text()) if done.exists() else None)
-        summaries = [s for s in summaries if s is not None]  # rank 0 writes them
+            if done.exists():  # rank 0 writes them
+                summaries.append(json.loads(done.read_text()))
         if not summaries:
             continue
         accuracy = _mean_std([100 * s["accuracy"] for s in summaries])
@@ -229,7 +230,7 @@ def results_table(experiment: Experiment, results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def missing_inputs(name: str, overrides: list[str] = ()) -> list[str]:
+def missing_inputs(name: str, overrides: Sequence[str] = ()) -> list[str]:
     """What experiment `name` needs that is not on disk (data directory, weights file),
     for each of its rows, in words."""
     from . import recipe as recipes

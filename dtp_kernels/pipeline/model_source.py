@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -24,6 +25,9 @@ from ..models import get_model
 from ..pruning.built_model import build, is_safetensors
 from ..pruning.conv1d import conv1d_to_linear
 from .errors import UsageError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 SOURCES = ("builtin", "torchvision", "python", "huggingface")
 RANDOM = "random"  # model.weights: start from the architecture's random initialisation
@@ -87,10 +91,23 @@ def pretrained(
     return conv1d_to_linear(model)
 
 
+def hugging_face_model(model: nn.Module, what: str) -> PreTrainedModel:
+    """`model` as the transformers model `what` needs; UsageError for another module."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise UsageError(
+            f"{what} needs a Hugging Face model (model.source: huggingface), not a "
+            f"{type(model).__name__}"
+        )
+    return model
+
+
 def checkpoint_activations(model: nn.Module) -> None:
     """run.activation_checkpointing: transformers' non-reentrant activation checkpointing
     on a Hugging Face model (DTP's masks need it non-reentrant; docs/pruning.md)."""
-    if not getattr(model, "supports_gradient_checkpointing", False):
+    model = hugging_face_model(model, "run.activation_checkpointing = true")
+    if not model.supports_gradient_checkpointing:
         raise UsageError(
             f"run.activation_checkpointing = true, but {type(model).__name__} (model.path) "
             "does not support transformers' gradient checkpointing; set it to false"
@@ -100,6 +117,7 @@ def checkpoint_activations(model: nn.Module) -> None:
 
 def check_labels(model: nn.Module, num_classes: int) -> None:
     """A Hugging Face image classifier's labels match model.num_classes (the data's)."""
+    model = hugging_face_model(model, "a classifier from model.path")
     labels = model.config.num_labels
     if labels != num_classes:
         raise UsageError(
@@ -112,7 +130,8 @@ def check_labels(model: nn.Module, num_classes: int) -> None:
 
 def vocabulary_size(model: nn.Module) -> int:
     """The number of token ids a language model's input embedding takes."""
-    return model.get_input_embeddings().num_embeddings
+    model = hugging_face_model(model, "a causal language model (task causal_lm)")
+    return cast(nn.Embedding, model.get_input_embeddings()).num_embeddings
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
@@ -123,6 +142,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"model.weights = {str(path)!r}: no such file")
+    payload: Any  # a dict of tensors, or what a torch file holds (checked below)
     try:
         if is_safetensors(path):
             from safetensors.torch import load_file

@@ -13,13 +13,17 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch import nn
 
 from ..pruning.config_forecast import config_forecast
 from . import schema
 from .activation_memory import saved_activation_bytes
+from .data import epoch_sampler
 from .run import check_starting_point, make_pruner, prepare, run_options
 from .run import frozen as run_frozen
-from .train import accumulation_plan, stage_steps
+from .train import RunOptions, accumulation_plan, stage_steps
+
+Shape = tuple[tuple[int, ...], torch.dtype]  # a batch's shape and dtype
 
 
 def state_bytes(
@@ -41,7 +45,9 @@ def state_bytes(
     return params * (element * 3 + states * state_element)
 
 
-def measure_activations(model, shapes, options) -> int | str:
+def measure_activations(
+    model: nn.Module, shapes: tuple[Shape, Shape], options: RunOptions
+) -> int | str:
     """saved_activation_bytes for the run's batch shapes, or why it could not be measured
     (a forward that does not run on fake tensors: a transformers mixture of experts'
     grouped matmul in float32, for one)."""
@@ -49,8 +55,9 @@ def measure_activations(model, shapes, options) -> int | str:
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # its failed op would be logged as an error first
     try:
+        inputs, labels = shapes
         return saved_activation_bytes(
-            model, *shapes, options.amp_dtype, options.outputs, options.images
+            model, inputs, labels, options.amp_dtype, options.outputs, options.images
         )
     except Exception as error:
         first = (str(error).strip().splitlines() or [""])[0]
@@ -87,13 +94,11 @@ def plan(recipe: dict) -> dict:
     check_starting_point(recipe)
     options = run_options(recipe, torch.device("cpu"))
     model, train_loader, _, example = prepare(recipe, options)
-    batches = accumulation_plan(
-        len(train_loader.sampler), train_loader.batch_size, recipe["data"]["accumulate"]
-    )
+    sampler, batch = epoch_sampler(train_loader)
+    batches = accumulation_plan(len(sampler), batch, recipe["data"]["accumulate"])
     settings = recipe["prune"]
     frozen = not settings["train_weights"]
     sample, target = train_loader.dataset[0, 0]  # (index, seed): SeededSamples
-    batch = train_loader.batch_size
     shapes = (
         ((batch, *sample.shape), sample.dtype),
         ((batch, *torch.as_tensor(target).shape), torch.long),

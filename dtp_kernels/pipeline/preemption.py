@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 import torch.distributed as dist
 
@@ -43,7 +45,7 @@ class PreemptionGuard:
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
         self._agreement: Agreement | None = None
 
     def __enter__(self) -> PreemptionGuard:

@@ -5,6 +5,7 @@ recipe against schema.FIELDS before returning it."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -195,7 +196,7 @@ def override(recipe: dict, assignment: str) -> dict:
     return merge(recipe, _parse(assignment))
 
 
-def load(path: str | Path | None, overrides: list[str] = ()) -> dict:
+def load(path: str | Path | None, overrides: Sequence[str] = ()) -> dict:
     """The defaults, updated by the file at `path` and then by each override, checked
     whole: a RecipeError names the first bad field, its value and where it was set."""
     recipe = copy.deepcopy(DEFAULTS)

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from ..models import CIFAR_MODELS, TORCHVISION_MODELS
 from ..pruning import DTPPruner, L1Pruner, RandomPruner, save_pruned
+from ..pruning.base import ChannelPruner
 from ..pruning.config_forecast import config_forecast, forecast_message
 from ..pruning.cost import count_flops, count_params
 from ..pruning.hf_config import describes
@@ -33,6 +34,7 @@ from .model_source import (
     check_labels,
     checkpoint_activations,
     example_input,
+    hugging_face_model,
     load_weights,
     vocabulary_size,
 )
@@ -48,6 +50,8 @@ def build_data(recipe: dict, device: torch.device | None = None, vocab_size: int
     `vocab_size` token ids."""
     spec = recipe["data"]
     device = torch.device(device or "cpu")
+    train_set: Dataset
+    test_set: Dataset
     if spec["name"] == "text":
         train_set, test_set = text_data.text(
             spec["root"], spec["seq_len"], spec["tokenizer"], recipe["model"]["path"], vocab_size
@@ -170,7 +174,7 @@ def stage_checkpoint(
     return Checkpointing(checkpoints / f"{stage}.pt", stage_fields(recipe, stage), resume)
 
 
-def make_pruner(model: nn.Module, settings: dict, example: torch.Tensor) -> nn.Module:
+def make_pruner(model: nn.Module, settings: dict, example: torch.Tensor) -> ChannelPruner:
     """The pruner of the recipe's `prune` section (`settings`) on `model`."""
     skip = skipped_modules(model, settings["skip"])
     if settings["method"] == "dtp" or settings["granularity"] != "filter":
@@ -233,6 +237,7 @@ def prune_and_finetune(
         message = forecast_message(forecast, learned) + " (the run writes it to pruned.pt)"
         warnings.warn(message, UserWarning, stacklevel=2)
     if method == "dtp":
+        assert isinstance(pruner, DTPPruner)  # make_pruner's for "dtp"
 
         def trace(epoch: int) -> None:  # soft masks of sample filters, for the Fig. 3a plot
             log.write(stage="mask-trace", epoch=epoch, masks=sample_masks(pruner))
@@ -260,6 +265,7 @@ def prune_and_finetune(
     report = pruner.report()
     start = time.perf_counter()
     if sharding.is_sharded(model):  # the weights are gathered into the model built again
+        assert isinstance(pruner, DTPPruner)  # only DTP's stage shards the model
         pruned = pruner.export_sharded(rebuilt(recipe, options))
     else:
         pruned = pruner.export()
@@ -337,7 +343,7 @@ def frozen(model: nn.Module, freeze: bool) -> Iterator[None]:
             weight.requires_grad_(True)
 
 
-def zero_pattern(model: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
+def zero_pattern(model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
     """The kept entries (weight != 0) of every conv and linear weight of an exported
     unstructured model, which fine-tuning keeps at zero where they are pruned."""
     return {
@@ -495,9 +501,11 @@ def _run(recipe: dict, out: Path | None, resume: bool, options: RunOptions, main
         out.mkdir(parents=True, exist_ok=True)
     checkpoints = out / "checkpoints" if out is not None else None
     with PreemptionGuard() as options.preemption:
-        writes = out is not None and main  # rank 0 writes the files
-        tensorboard = out / "tensorboard" if writes and settings["tensorboard"] else None
-        log = MetricsLog(out / "metrics.jsonl" if writes else None, tensorboard)
+        writes = out if main else None  # where rank 0 writes the files (None: nowhere)
+        tensorboard = (
+            writes / "tensorboard" if writes is not None and settings["tensorboard"] else None
+        )
+        log = MetricsLog(writes / "metrics.jsonl" if writes is not None else None, tensorboard)
         model, train_loader, test_loader, example = prepare(recipe, options)
         hugging = recipe["model"]["source"] == "huggingface"
         if recipe["pretrain"]["epochs"]:
@@ -541,27 +549,27 @@ def _run(recipe: dict, out: Path | None, resume: bool, options: RunOptions, main
     # describe the pruned sizes; one with layers of different sizes cannot, and goes to
     # pruned.pt (a pickled module) instead of a save_pretrained that would not load.
     pretrained = hugging and describes(summary["model"])
-    if writes:
-        summary["saved"] = "pruned" if pretrained else "pruned.pt"
-    if writes and pretrained:
-        save_hugging_face(summary["model"], recipe, out / "pruned")
-    elif writes:
+    if writes is None:
+        return summary
+    summary["saved"] = "pruned" if pretrained else "pruned.pt"
+    if pretrained:
+        save_hugging_face(summary["model"], recipe, writes / "pruned")
+    else:
         metadata = {"method": summary["method"], "ratios": str(summary["ratios"])}
-        save_pruned(out / "pruned.pt", summary["model"], saved_architecture(recipe), metadata)
+        save_pruned(writes / "pruned.pt", summary["model"], saved_architecture(recipe), metadata)
         if hugging:
-            save_tokenizer(recipe, out / "tokenizer")
-    if writes:
-        if settings["plots"]:
-            write_plots(summary, log.rows, out / "plots", recipe)
-        printable = {k: v for k, v in summary.items() if k != "model"}
-        (out / "summary.json").write_text(json.dumps(printable, indent=2, allow_nan=False))
+            save_tokenizer(recipe, writes / "tokenizer")
+    if settings["plots"]:
+        write_plots(summary, log.rows, writes / "plots", recipe)
+    printable = {k: v for k, v in summary.items() if k != "model"}
+    (writes / "summary.json").write_text(json.dumps(printable, indent=2, allow_nan=False))
     return summary
 
 
 def save_hugging_face(model: nn.Module, recipe: dict, where: Path) -> None:
     """save_pretrained of the pruned Hugging Face model (its config holds the pruned
     sizes), with the tokenizer of model.path when the text data used it."""
-    model.save_pretrained(where)
+    hugging_face_model(model, "save_pretrained").save_pretrained(where)
     save_tokenizer(recipe, where)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import pickle
 from pathlib import Path
+from typing import Any
 
 from .errors import UsageError
 
@@ -33,7 +34,7 @@ class _DataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def load_data_pickle(path: str | Path, encoding: str = "latin1") -> object:
+def load_data_pickle(path: str | Path, encoding: str = "latin1") -> Any:
     """Unpickle `path` allowing only plain containers, numbers, strings, bytes and NumPy
     arrays. A file that asks for anything else (a function to call, a class to build) is
     refused with a UsageError naming it, before anything of it runs."""

@@ -11,6 +11,7 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any, TypeGuard
 
 from ..pruning.nm import check_nm
 from ..pruning.ratios import check_ratio_syntax
@@ -25,11 +26,11 @@ class Check:
     allowed: str
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -81,7 +82,9 @@ def text(optional: bool = False, pattern: str | None = None, describe: str = "a 
     def accepts(v: object) -> bool:
         if optional and v is None:
             return True
-        return isinstance(v, str) and bool(v) and (pattern is None or re.fullmatch(pattern, v))
+        if not isinstance(v, str) or not v:
+            return False
+        return pattern is None or re.fullmatch(pattern, v) is not None
 
     return Check(accepts, describe + (" or null" if optional else ""))
 
@@ -223,7 +226,7 @@ FIELDS: dict[str, Check] = {
 }
 
 
-def flatten(recipe: Mapping, prefix: str = "") -> dict[str, object]:
+def flatten(recipe: Mapping, prefix: str = "") -> dict[str, Any]:
     """{"section.key": value} of every field that has a check (model.kwargs stays whole)."""
     out = {}
     for key, value in recipe.items():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -82,15 +83,23 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDP_MODULES)
 
 
+def reshard(model: nn.Module) -> None:
+    """The sharded `model`'s parameters back to their shards (FSDP's root keeps its
+    weights gathered after a forward that no backward follows)."""
+    cast("FSDPModule", model).reshard()
+
+
 @contextlib.contextmanager
-def gradient_sync(model: FSDPModule, on: bool) -> Iterator[None]:
-    """A micro-batch that is not the optimizer step's last keeps its gradients local
-    (FSDP's reduce-scatter waits for the last), as DDP's no_sync does."""
-    model.set_requires_gradient_sync(on)
+def gradient_sync(model: nn.Module, on: bool) -> Iterator[None]:
+    """A micro-batch of the sharded `model` that is not the optimizer step's last keeps
+    its gradients local (FSDP's reduce-scatter waits for the last), as DDP's no_sync
+    does."""
+    fsdp = cast("FSDPModule", model)
+    fsdp.set_requires_gradient_sync(on)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)
+        fsdp.set_requires_gradient_sync(True)
 
 
 def whole(tensor: torch.Tensor, keep: bool = True) -> torch.Tensor | None:

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from ..pruning.pruner import DTPPruner
 
 
 def forward_loss(
@@ -43,7 +47,7 @@ def training_step(
     optimizer: torch.optim.Optimizer,
     images: torch.Tensor,
     labels: torch.Tensor,
-    pruner: nn.Module | None = None,
+    pruner: DTPPruner | None = None,
     flops_target: float | None = None,
     penalty_weight: float = 10.0,
     amp: torch.dtype | None = None,
@@ -76,6 +80,8 @@ def training_step(
     """
     loss = forward_loss(model, images, labels, amp, outputs)
     if flops_target is not None:
+        if pruner is None:
+            raise ValueError("training_step: flops_target needs the pruner whose penalty it is")
         loss = loss + penalty_weight * pruner.penalty(flops_target)
     scaled = loss if weight == 1.0 else loss * weight
     if first:
@@ -105,4 +111,4 @@ def compile_model(model: nn.Module, **options) -> nn.Module:
     the last batch a graph of its own (one more compilation) and keep every full batch on
     the graph specialised for it (tests/pipeline/test_pipeline.py). `options` go to
     torch.compile (a test's backend)."""
-    return torch.compile(model, dynamic=False, **options)
+    return cast(nn.Module, torch.compile(model, dynamic=False, **options))

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,9 +29,13 @@ from .checkpoint import (
     save_atomic,
 )
 from .compensated_optim import LOW_PRECISION, CompensatedAdamW, CompensatedSGD
+from .data import epoch_sampler
 from .errors import DivergedError, UsageError
 from .preemption import Preempted, PreemptionGuard
 from .step import compile_model, training_step
+
+if TYPE_CHECKING:
+    from ..pruning.pruner import DTPPruner
 
 TASKS = ("classify", "causal_lm")
 OPTIMIZERS = ("sgd", "adamw")
@@ -41,7 +46,8 @@ class MetricsLog:
     the numbers to TensorBoard under `tensorboard_dir` when tensorboard is installed."""
 
     def __init__(self, path: Path | None = None, tensorboard_dir: Path | None = None) -> None:
-        self.path, self.rows, self.writer = path, [], None
+        self.path, self.writer = path, None
+        self.rows: list[dict] = []
         if tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is not None:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -176,7 +182,7 @@ def _test_pass(
     if sharding.is_sharded(model):
         # FSDP's root keeps its weights gathered after a forward that no backward follows;
         # its parameters must be the shards again (the optimizer holds those)
-        model.reshard()
+        sharding.reshard(model)
     result = {"accuracy": int(correct) / max(count, 1)}
     if perplexity:
         result["perplexity"] = math.exp(float(loss) / max(count, 1))
@@ -193,7 +199,7 @@ def metrics(model: nn.Module, loader: DataLoader, options: RunOptions) -> dict:
 def make_optimizer(
     model: nn.Module,
     settings: dict,
-    pruner: nn.Module | None = None,
+    pruner: DTPPruner | None = None,
     state_dtype: torch.dtype | None = torch.float32,
 ):
     """The stage's optimizer (settings["optimizer"]: "sgd", the default, or "adamw").
@@ -202,7 +208,7 @@ def make_optimizer(
     compensated version (compensated_optim.py), so updates below a weight's spacing add
     up instead of rounding away, with its moments or momentum in `state_dtype` (None:
     the weights' dtype)."""
-    groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    groups: list[dict[str, Any]] = [{"params": [p for p in model.parameters() if p.requires_grad]}]
     low = any(p.dtype in LOW_PRECISION for p in groups[0]["params"])
     # the pruner's scores and learned ratios (none for magnitude scores): no weight decay
     extra = list(pruner.parameters()) if pruner is not None else []
@@ -211,17 +217,18 @@ def make_optimizer(
     kind = settings.get("optimizer", "sgd")
     if kind not in OPTIMIZERS:
         raise UsageError(f"optimizer = {kind!r}; allowed: {list(OPTIMIZERS)}")
-    extra = {"state_dtype": state_dtype} if low else {}  # torch's optimizers take none
+    # the compensated optimizers' state dtype (torch's optimizers take none)
+    state: dict[str, Any] = {"state_dtype": state_dtype} if low else {}
     if kind == "adamw":
         return (CompensatedAdamW if low else torch.optim.AdamW)(
-            groups, lr=settings["lr"], weight_decay=settings.get("weight_decay", 0.01), **extra
+            groups, lr=settings["lr"], weight_decay=settings.get("weight_decay", 0.01), **state
         )
     return (CompensatedSGD if low else torch.optim.SGD)(
         groups,
         lr=settings["lr"],
         momentum=settings.get("momentum", 0.9),
         weight_decay=settings.get("weight_decay", 5e-4),
-        **extra,
+        **state,
     )
 
 
@@ -232,6 +239,7 @@ def make_schedule(
     "step" (x gamma at each of `milestones`, in epochs of `per_epoch` optimizer steps;
     default: `steps` over the stage's epochs); with `warmup_steps` = w > 0, times a
     linear warm-up from 1/(w+1) to 1 over the first w steps."""
+    main: torch.optim.lr_scheduler.LRScheduler
     if settings.get("schedule", "cosine") == "cosine":
         main = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(steps, 1))
     else:
@@ -279,7 +287,7 @@ class Checkpointing:
     resume: bool = False
 
 
-def hold_at_zero(optimizer: torch.optim.Optimizer, kept: dict[nn.Parameter, torch.Tensor]):
+def hold_at_zero(optimizer: torch.optim.Optimizer, kept: dict[torch.Tensor, torch.Tensor]):
     """After every optimizer step, set the entries of each parameter that `kept` (boolean
     masks of the kept entries) marks as pruned back to zero; returns the hook's handle."""
     params, masks = list(kept), [m.to(p.dtype) for p, m in kept.items()]
@@ -295,12 +303,12 @@ def train(
     settings: dict,
     log: MetricsLog,
     stage: str,
-    pruner: nn.Module | None = None,
+    pruner: DTPPruner | None = None,
     flops_target: float | None = None,
     checkpoint: Checkpointing | None = None,
     options: RunOptions | None = None,
     on_epoch: Callable[[int], None] | None = None,
-    keep_zero: dict[nn.Parameter, torch.Tensor] | None = None,
+    keep_zero: dict[torch.Tensor, torch.Tensor] | None = None,
 ) -> dict:
     """Train for settings["epochs"], or settings["max_steps"] optimizer steps if that
     ends sooner (the last epoch then cut short); log the loss and the test metrics
@@ -322,14 +330,15 @@ def train(
     its checkpoints hold whole tensors, as an unsharded model's do.
     """
     options = options or RunOptions()
-    steps, batch = len(train_loader), train_loader.batch_size
+    steps = len(train_loader)
+    sampler, batch = epoch_sampler(train_loader)
     if options.accumulate > steps:
         raise UsageError(
             f"data.accumulate = {options.accumulate} is more than the {steps} batches of an "
             f"epoch{' on each rank' if distributed.active() else ''}; allowed: 1 to {steps} "
             "(or lower data.batch_size)"
         )
-    plan = accumulation_plan(len(train_loader.sampler), batch, options.accumulate)
+    plan = accumulation_plan(len(sampler), batch, options.accumulate)
     updates = sum(last for _, _, last in plan)
     total = stage_steps(plan, settings)
     # the last epoch run ends after `cut` batches, the batch that closes its last step
@@ -347,7 +356,7 @@ def train(
     scaler = torch.amp.GradScaler(options.device.type) if options.amp == "fp16" else None
     sharded = sharding.is_sharded(model)  # FSDP2 (run.sharding): no DDP around it
     if sharded:  # the optimizer takes the shards, not gathered weights
-        model.reshard()
+        sharding.reshard(model)
     optimizer = make_optimizer(model, settings, pruner, options.optimizer_state_dtype)
     schedule = make_schedule(optimizer, settings, total, per_epoch=updates)
     if pruner is not None:  # (under torchrun it averages the scores' gradients over ranks)
@@ -376,12 +385,14 @@ def train(
         leave=False,
     )
     max_norm = settings.get("max_grad_norm")
-    clip = ([p for p in model.parameters() if p.requires_grad], max_norm) if max_norm else None
+    clip: tuple[list[torch.Tensor], float] | None = (
+        ([p for p in model.parameters() if p.requires_grad], max_norm) if max_norm else None
+    )
     net = ddp = model if sharded else distributed.wrap(model)
     if options.compile:  # default mode: the pruner's hooks and ops trace without breaks
         net = compile_model(net)
     guard = options.preemption
-    result = {}
+    result: dict[str, Any] = {}
 
     def check_losses(epoch: int, upto: int) -> None:
         """DivergedError if a loss of this epoch's steps [0, upto) is NaN or Inf."""
@@ -396,6 +407,8 @@ def train(
                 f"{step} of {steps}; the stage stopped ({kept}). Lower {_section(stage)}.lr, "
                 "or check the data and the model's weights"
             )
+
+    last_save: tuple[float, int]  # (monotonic seconds, steps) of the last checkpoint
 
     def save(epoch: int, step: int, done: bool) -> None:
         nonlocal last_save
@@ -455,16 +468,17 @@ def train(
     for epoch in range(first_epoch, run_epochs):
         length = batches(epoch)
         begin = first_step if epoch == first_epoch else 0
-        train_loader.sampler.set_epoch(epoch, start=begin * batch)
+        sampler.set_epoch(epoch, start=begin * batch)
         # the epoch's batches from `begin` to `length` (fewer than all under max_steps)
         left = itertools.islice(enumerate(train_loader, start=begin), max(length - begin, 0))
         for step, (images, labels) in left:
             weight, first, last = plan[step]
             # DDP all-reduces (FSDP reduce-scatters) the gradients at the backward of an
             # optimizer step's last batch only; the others accumulate locally.
+            sync: contextlib.AbstractContextManager[None]
             if sharded:
                 sync = sharding.gradient_sync(model, last)
-            elif not last and ddp is not model:
+            elif not last and isinstance(ddp, nn.parallel.DistributedDataParallel):
                 sync = ddp.no_sync()
             else:
                 sync = contextlib.nullcontext()

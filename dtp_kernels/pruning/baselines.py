@@ -18,6 +18,8 @@ class L1Pruner(ChannelPruner):
 class RandomPruner(ChannelPruner):
     """Keep k random filters of each group (seeded, so repeatable)."""
 
+    _draw: torch.Tensor
+
     def __init__(self, *args, seed: int = 0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         generator = torch.Generator().manual_seed(seed)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +28,7 @@ READS = ("3", VERSION)  # version 3 had no replaced modules
 ATTRIBUTE_TYPES = (int, float, tuple)
 
 
-def build(builder: str, kwargs: dict, field: str = "builder") -> nn.Module:
+def build(builder: object, kwargs: dict, field: str = "builder") -> nn.Module:
     """Import the entry point `builder` and call it with `kwargs`; errors name `field`."""
     if not isinstance(builder, str) or builder.count(":") != 1:
         raise ValueError(
@@ -38,6 +39,7 @@ def build(builder: str, kwargs: dict, field: str = "builder") -> nn.Module:
     if not isinstance(kwargs, dict):
         raise TypeError(f"the keyword arguments of {field} must be a dict, got {type(kwargs)}")
     module_name, attribute = builder.split(":")
+    target: Any  # the module, then each attribute the entry point names
     try:
         target = importlib.import_module(module_name)
         for part in attribute.split("."):
@@ -64,7 +66,7 @@ def _attributes(model: nn.Module) -> dict[str, dict]:
     }
 
 
-def export_classes() -> dict[str, type[nn.Module]]:
+def export_classes() -> dict[str, Any]:
     """The classes export puts in place of a model's modules (of the libraries imported:
     a model or builder holding their layers has imported them), by qualified name; each
     has `replaces` (the class it stands for) and `from_dense(module)` (one of the dense
@@ -72,7 +74,7 @@ def export_classes() -> dict[str, type[nn.Module]]:
     from .multihead_attention import PrunedMultiheadAttention
     from .pruned_classes import pruned_classes
 
-    classes = [PrunedMultiheadAttention, *pruned_classes().values()]
+    classes: list[Any] = [PrunedMultiheadAttention, *pruned_classes().values()]
     named = {f"{c.__module__}:{c.__qualname__}": c for c in classes}
     return named | {old: named[new] for old, new in FORMER_NAMES.items()}
 

@@ -201,7 +201,7 @@ def _channel_slice(grad_fn) -> tuple[int, range] | None:
     one), or None."""
     sizes = tuple(getattr(grad_fn, "_saved_self_sym_sizes", ()))
     dim = getattr(grad_fn, "_saved_dim", None)
-    if {2: 1, 3: 2, 4: 1}.get(len(sizes)) != dim:
+    if dim is None or {2: 1, 3: 2, 4: 1}.get(len(sizes)) != dim:
         return None
     width = int(sizes[dim])
     return width, range(width)[grad_fn._saved_start : grad_fn._saved_end : grad_fn._saved_step]

@@ -17,6 +17,7 @@ class PrunedMultiheadAttention(nn.Module):
     (batch * heads, L, S) made for more heads than it has gives it theirs."""
 
     replaces = nn.MultiheadAttention
+    kept_heads: torch.Tensor
 
     def __init__(
         self,

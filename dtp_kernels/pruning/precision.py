@@ -19,7 +19,8 @@ def ieee_fp32() -> Iterator[None]:
     through torch's fp32_precision settings, which work whichever TF32 API the user
     chose (reading the legacy ``allow_tf32`` after the new API was used raises).
     """
-    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    # (torch's type stubs lack cudnn.conv, the fp32_precision setting of convolutions)
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv  # type: ignore[attr-defined]
     before = matmul.fp32_precision, conv.fp32_precision
     matmul.fp32_precision = conv.fp32_precision = "ieee"
     try:

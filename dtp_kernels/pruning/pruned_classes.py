@@ -47,7 +47,7 @@ class GivenToTheLayer:
     @classmethod
     def from_dense(cls, layer: nn.Module) -> nn.Module:
         """`layer` itself, given this class."""
-        layer.__class__ = cls
+        layer.__class__ = cls  # type: ignore[assignment]  # (its subclasses are modules)
         return layer
 
 
@@ -57,7 +57,7 @@ def pruned_classes() -> dict[type[nn.Module], type[nn.Module]]:
     looked at: a model holding such a layer has imported its module. A library version
     without the classes these subclass gives none: its layers fail their heads' proof and
     are refused by name, as without this package's classes."""
-    classes = {}
+    classes: dict[type[nn.Module], type[nn.Module]] = {}
     for library, own in PRUNED_CLASS_MODULES.items():
         if library in sys.modules:
             try:

@@ -20,6 +20,7 @@ import math
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 import torch.distributed as dist
@@ -799,6 +800,10 @@ class DTPPruner(ChannelPruner):
                 raise
             raise self._blamed(error) from error
 
+    @overload
+    def export_sharded(self, unsharded: nn.Module) -> nn.Module: ...
+    @overload
+    def export_sharded(self, unsharded: None) -> None: ...
     def export_sharded(self, unsharded: nn.Module | None) -> nn.Module | None:
         """The export of a model FSDP2 shards (``fully_shard`` after the pruner was made),
         which export() cannot copy: every rank calls it with `unsharded`, the model built

@@ -40,7 +40,8 @@ def scores_optimizer_class(inner: torch.optim.Optimizer) -> type[torch.optim.Opt
                 f"DeepSpeed's {kind.__name__} runs with bias_correction=False, which torch's "
                 "Adam, stepping the scores beside it, does not offer: leave bias_correction on"
             )
-        return torch.optim.AdamW if inner.adam_w_mode else torch.optim.Adam
+        adam_w = inner.adam_w_mode  # type: ignore[attr-defined]  # DeepSpeed's Adams have it
+        return torch.optim.AdamW if adam_w else torch.optim.Adam
     raise ValueError(
         f"DeepSpeed's ZeRO optimizer steps {kind.__name__} ({kind.__module__}): the scores "
         "beside it are stepped by a torch optimizer of the same update, known for torch.optim's "

@@ -100,3 +100,17 @@ def test_missing_or_malformed_directories_are_named(tmp_path):
         data.cifar(tmp_path, "cifar10")
     with pytest.raises(FileNotFoundError, match=r"train/<class>/<image> folders"):
         data.image_folder(tmp_path)
+
+
+def test_a_stage_refuses_a_loader_it_cannot_resume_before_any_step():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from dtp_kernels.pipeline.errors import UsageError
+    from dtp_kernels.pipeline.train import MetricsLog, train
+
+    model = torch.nn.Linear(4, 2)
+    before = model.weight.detach().clone()
+    plain = DataLoader(TensorDataset(torch.randn(8, 4), torch.zeros(8, dtype=torch.long)), 4)
+    with pytest.raises(UsageError, match=r"draws with SequentialSampler.*EpochSampler"):
+        train(model, plain, plain, {"epochs": 1, "lr": 0.1}, MetricsLog(), "finetune")
+    assert torch.equal(model.weight, before)

@@ -280,3 +280,12 @@ def test_a_hugging_face_classifier_of_other_labels_is_refused_with_the_way_out(t
     ]
     with pytest.raises(ValueError, match=r"has 7 labels and model.num_classes is 10.*num_labels"):
         run.run(recipe.load(DIGITS_RECIPE, overrides), tmp_path / "run")
+
+
+def test_the_hugging_face_helpers_name_what_they_need_for_another_module():
+    from dtp_kernels.pipeline.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"causal language model .* needs a Hugging Face model"):
+        model_source.vocabulary_size(resnet20(10))
+    with pytest.raises(UsageError, match=r"from model.path needs a Hugging Face model.* CifarRes"):
+        model_source.check_labels(resnet20(10), 10)

@@ -126,3 +126,13 @@ def test_a_crash_in_the_warm_up_resumes_bitwise(tmp_path, monkeypatch):
     want, got = final_state(tmp_path / "reference"), final_state(out)
     for key in want:
         assert torch.equal(want[key], got[key]), f"{key} differs"
+
+
+def test_a_flops_target_without_its_pruner_is_an_error_before_the_step():
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.weight.detach().clone()
+    x, y = torch.randn(3, 4), torch.zeros(3, dtype=torch.long)
+    with pytest.raises(ValueError, match="flops_target needs the pruner"):
+        training_step(model, optimizer, x, y, flops_target=0.5)
+    assert torch.equal(model.weight, before)
