@@ -36,6 +36,7 @@ from .cost import (
 from .example_inputs import as_example_inputs, call_model, on_model_device
 from .experts import (
     ExpertGroup,
+    ExpertProjection,
     Layout,
     check_expert_ratios,
     find_expert_groups,
@@ -151,7 +152,7 @@ def _ignored_modules(model: nn.Module, ignored: Iterable[nn.Module | str]) -> li
             + (" (put it in a list)" if isinstance(ignored, (str, nn.Module)) else "")
         )
     names = {module: name for name, module in model.named_modules()}
-    modules = []
+    modules: list[nn.Module] = []
     for index, entry in enumerate(ignored):
         if isinstance(entry, str):
             module = dict(model.named_modules()).get(entry)
@@ -182,12 +183,14 @@ def _carries_masks(module: nn.Module) -> bool:
     if isinstance(vars(module).get("forward"), MaskedRouting):
         return True
     return parametrize.is_parametrized(module) and any(
-        masking.is_mask(p) for plist in module.parametrizations.values() for p in plist
+        masking.is_mask(p) for plist in masking.parametrizations(module).values() for p in plist
     )
 
 
 class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
     """Exact-size filter pruning of `model` (the model is referenced, not owned)."""
+
+    model: nn.Module  # set with object.__setattr__: referenced, not a submodule
 
     BUDGETS: tuple[str, ...] = ("layer", "global")
 
@@ -356,8 +359,10 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         heads = tie_weight_sharing_heads(heads)  # a block several layers share: one group
         experts = find_expert_groups(model, ignored)
         whole = find_whole_expert_groups(model, ignored, inputs)
-        mixers = find_mamba_groups(model, ignored, inputs)
-        mixers += find_mamba2_groups(model, ignored, inputs)
+        mixers: list[MambaGroup | Mamba2Group] = [
+            *find_mamba_groups(model, ignored, inputs),
+            *find_mamba2_groups(model, ignored, inputs),
+        ]
         projections = [layer for g in heads + mixers for layer in (*g.kept_out, *g.kept_in)]
         # a latent attention's compressed latents serve all its heads and stay whole
         latents = [
@@ -393,7 +398,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                     "Torch-Pruning's channel graph fails on the model (only heads, "
                     "experts, Mamba mixers and MLPs found by their form prune)",
                 )
-            channels = find_form_mlps(model, ignored + projections, inputs)
+            channels = [*find_form_mlps(model, ignored + projections, inputs)]
         # gated convolution blocks split unequally, which the graph cannot follow
         grouped = [m for g in channels for m in (g.layer, *g.kept_out, *g.kept_in)]
         channels += find_split_gated_convs(model, ignored + projections + grouped, inputs)
@@ -462,9 +467,12 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                 mask[part.argmax()] = 1.0
         return masks
 
-    def _kept_channels(self, masks: list[torch.Tensor]) -> dict[nn.Module, tuple[int, int]]:
-        """Per affected module: (output channels lost, input channels lost)."""
-        lost: dict[nn.Module, list[int]] = {}
+    def _kept_channels(
+        self, masks: list[torch.Tensor]
+    ) -> dict[nn.Module | ExpertProjection, tuple[int, int]]:
+        """Per affected module (or expert's projection): (output channels lost, input
+        channels lost)."""
+        lost: dict[nn.Module | ExpertProjection, list[int]] = {}
         for group, mask in zip(self.groups, masks, strict=True):
             if hasattr(group, "channels_lost"):  # which units go decides it
                 for module, counts in group.channels_lost(mask).items():
@@ -490,7 +498,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         """(parameters, FLOPs) after pruning with `masks`, computed from the layer shapes."""
         masks = self.hard_masks() if masks is None else masks
         lost = self._kept_channels(masks)
-        params, owners = 0, {}
+        params, owners = 0, dict[nn.Parameter, int]()
         copies = weight_copies(self.model)  # counted, and cut alike, with the first holder
         cut = dict(lost)  # a copy cut where its first holder is not (one it never runs)
         for holder, first in copies.items():
@@ -507,7 +515,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             elif not isinstance(module, parametrize.ParametrizationList):  # owner counts it
                 params += sum(p.numel() for p in module.parameters(recurse=False))
                 if parametrize.is_parametrized(module):  # an experts block's masked weight
-                    lists = module.parametrizations.values()
+                    lists = masking.parametrizations(module).values()
                     params += sum(p.numel() for plist in lists for p in plist.parameters())
             for p in module.parameters(recurse=False):
                 owners[p] = owners.get(p, -1) + 1
@@ -633,6 +641,7 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                     for m in group.kept_in
                     if is_grouped(m)
                 }
+                assert graph is not None  # needs_graph: the graph cuts this group
                 cut = graph.get_pruning_group(layer, out_channel_handler(layer), drop)
                 if getattr(cut, UNFOLLOWED, False):  # found when the pruner was made: not now
                     raise ExportMismatchError(

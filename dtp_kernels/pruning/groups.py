@@ -55,7 +55,8 @@ class ChannelGroup:
     norms: list[nn.Module] = field(default_factory=list)
     # where a parameter mask goes when `bn` is None: the rows of the root, or of the
     # depthwise conv after it whose bias would otherwise be added to masked channels
-    rows: nn.Module | None = None
+    # (None given: the root, set by __post_init__)
+    rows: nn.Module = None  # type: ignore[assignment]
     # a gated group (several outputs multiplied): the mask goes on the input columns of
     # the consuming linear layers instead, the one place where it is exact
     gated: bool = False

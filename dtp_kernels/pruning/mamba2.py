@@ -116,13 +116,13 @@ def in_proj_tables(mixer: nn.Module) -> list[str]:
     return [name for name, t in own if t is not None and t.dim() and t.shape[-1] == width]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class Mamba2Group(ChannelGroup):
     """A Mamba-2 mixer's heads: `layer` is its in_proj, `rows` its conv1d (where the mask
     goes, on the x channels only)."""
 
-    mixer: nn.Module | None = None
-    form: Mamba2Form | None = None
+    mixer: nn.Module
+    form: Mamba2Form
 
     @property
     def segments(self) -> int:  # every group of heads keeps as many

@@ -7,8 +7,9 @@ the masks off a copy. The pruner (pruner.py) decides the masks; this module appl
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -67,6 +68,18 @@ def refuse_no_grad_read(source: MaskSource, mask: torch.Tensor) -> None:
         )
 
 
+def flat_mask(source: MaskSource) -> torch.Tensor:
+    """The masks of this forward, all groups' in one tensor, checked by
+    refuse_no_grad_read; RuntimeError when no forward of the pruned model set them."""
+    if source.flat is None:
+        raise RuntimeError(
+            "the pruner's masks are read outside a forward of the pruned model (its "
+            "forward pre-hook sets them): call the model, not one of its layers alone"
+        )
+    refuse_no_grad_read(source, source.flat)
+    return source.flat
+
+
 class MaskSource:
     """The masks of the current forward, shared by the parametrizations and hooks, and
     the BN parameters already multiplied by them (all at once; see
@@ -98,8 +111,7 @@ class MaskSource:
     @property
     def masks(self) -> tuple[torch.Tensor, ...]:
         if self._split is None:
-            refuse_no_grad_read(self, self.flat)
-            self._split = self.flat.split(self.sizes)
+            self._split = flat_mask(self).split(self.sizes)
         return self._split
 
     def get(self, index: int) -> torch.Tensor:
@@ -217,8 +229,7 @@ class ScaleExperts(nn.Module):
         if source.hard is not None:
             mask = torch.stack(source.hard[self.first : last])
         else:
-            refuse_no_grad_read(source, source.flat)
-            mask = source.flat.narrow(0, self.offset, self.length)
+            mask = flat_mask(source).narrow(0, self.offset, self.length)
         product = weight * mask.to(weight.dtype).view(self.shape)
         if reuse:
             source.products[self] = (weight, weight._version, product)
@@ -272,14 +283,20 @@ def is_mask(parametrization: nn.Module) -> bool:
     return type(parametrization).__module__ == __name__
 
 
+def parametrizations(module: nn.Module) -> MutableMapping[str, parametrize.ParametrizationList]:
+    """A parametrized module's ModuleDict of parametrizations, by tensor name (its
+    `parametrizations`, which mypy reads as `Tensor | Module`); {} when it has none."""
+    if not parametrize.is_parametrized(module):
+        return {}
+    return cast(MutableMapping[str, parametrize.ParametrizationList], module.parametrizations)
+
+
 def foreign_parametrizations(module: nn.Module) -> dict[str, list[str]]:
     """The tensors of `module` parametrized otherwise than by a pruner's mask (the
     user's weight norm), with the parametrizations' class names."""
-    if not parametrize.is_parametrized(module):
-        return {}
     return {
         name: [type(p).__name__ for p in plist]
-        for name, plist in module.parametrizations.items()
+        for name, plist in parametrizations(module).items()
         if not all(is_mask(p) for p in plist)
     }
 
@@ -314,7 +331,7 @@ def strip_parametrizations(module: nn.Module) -> None:
     parametrizations (a weight norm) stay. Unlike parametrize.remove_parametrizations
     this leaves the parametrized class alone, which deep copies share with the original:
     a module keeping some parametrizations gets a class of its own without the others."""
-    lists = module.parametrizations
+    lists = parametrizations(module)
     masked = [name for name, plist in lists.items() if all(is_mask(p) for p in plist)]
     mixed = [name for name, plist in lists.items() if any(is_mask(p) for p in plist)]
     if set(mixed) != set(masked):  # the pruner refuses such layers before any mask
@@ -330,7 +347,7 @@ def strip_parametrizations(module: nn.Module) -> None:
         for name in masked:
             del lists[name]
     for name, parameter in originals.items():
-        module._parameters[name] = parameter
+        module._parameters[name] = cast(nn.Parameter, parameter)
 
 
 class HardMasks:

@@ -20,7 +20,7 @@ import math
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import overload
+from typing import cast, overload
 
 import torch
 import torch.distributed as dist
@@ -160,6 +160,13 @@ class DTPPruner(ChannelPruner):
             depthwise conv are left whole.
     """
 
+    # parameters and buffers (nn.Module's attributes read as `Tensor | Module` otherwise)
+    scores: nn.Parameter | None
+    theta: nn.Parameter
+    keep: torch.Tensor
+    _sizes: torch.Tensor
+    _tie: torch.Tensor | None
+
     BUDGETS = ("layer", "global", "flops")
     _trial_masks: list[torch.Tensor] | None = None  # set only during export_blame's trials
     NONFINITE_CHECK_EVERY = 100  # steps between reads of the skipped-step counts (0: never)
@@ -226,7 +233,7 @@ class DTPPruner(ChannelPruner):
         names = {module: name for name, module in model.named_modules()}
         self._ignored_names = [names.get(m, m) for m in ignored_layers]  # (made_with)
         if self.nm is not None:
-            self._check_nm_groups()
+            self._check_nm_groups(self.nm)
         device = next(model.parameters()).device
         self._device_witness = parameter_slot(model)
         if budget == "flops":  # learned kept ratios, started at the ratios' kept fractions
@@ -246,6 +253,7 @@ class DTPPruner(ChannelPruner):
             else:  # |w| of every weight (block by block under n:m)
                 initial = self._magnitudes([g.layer.weight.detach() for g in self.groups])
             self.scores = nn.Parameter(initial.float().to(device))
+        kept: Sequence[float]
         if self.nm is not None:  # one segment per block of M, keeping N
             n, m = self.nm
             # N held once and read by every block (current_keep): not 4 bytes per block
@@ -263,8 +271,8 @@ class DTPPruner(ChannelPruner):
         self.register_buffer("_sizes", torch.tensor(self.sizes, dtype=torch.float32, device=device))
         self._source = MaskSource(self.sizes)
         # per slot: (group, the BN parameter's parametrization list); its parameter
-        self._fold: list[tuple[int, nn.Module]] = []
-        self._fold_originals: list[nn.Parameter] = []
+        self._fold: list[tuple[int, parametrize.ParametrizationList]] = []
+        self._fold_originals: list[torch.Tensor] = []
         self._fold_sharded = False  # FSDP2 shards them: each BN reads its own, unsharded
         self._fold_plan: FoldPlan | None = None
         with torch.no_grad():  # masks exist before the first forward (parametrize checks)
@@ -311,10 +319,10 @@ class DTPPruner(ChannelPruner):
         self._source.in_forward = False
         self._source.drop_products()
 
-    def _check_nm_groups(self) -> None:
+    def _check_nm_groups(self, nm: tuple[int, int]) -> None:
         """Every layer N:M prunes has an input dimension divisible by M and the ratio
         1 - N/M (N:M fixes it); else ValueError naming the layers, before any mask."""
-        n, m = self.nm
+        n, m = nm
         nm_rules.check_layers({g.name: g.layer for g in self.groups}, m)
         wrong = {name: r for name, r in self.ratios.items() if abs(r - (1 - n / m)) > 1e-9}
         if wrong:
@@ -326,7 +334,7 @@ class DTPPruner(ChannelPruner):
     def _find_groups(self, model: nn.Module, inputs: tuple, ignored: list) -> list:
         if self.granularity == "filter":
             return super()._find_groups(model, inputs, ignored)
-        owners: dict[nn.Parameter, list[str]] = {}
+        owners: dict[torch.Tensor, list[str]] = {}
         for name, module in model.named_modules():
             for parameter in module.parameters(recurse=False):
                 owners.setdefault(parameter, []).append(name)
@@ -361,6 +369,7 @@ class DTPPruner(ChannelPruner):
         ]
 
     def _attach_mask(self, index: int, group) -> None:
+        scale: nn.Module  # the parametrization that masks a tensor
         if self.granularity != "filter":
             scale = ScaleEach(self._source, index, blocked=self.nm is not None)
             parametrize.register_parametrization(group.layer, "weight", scale)
@@ -376,9 +385,9 @@ class DTPPruner(ChannelPruner):
             mask_router(group.router, self._source, index, group.size)
             return
         if isinstance(group, Mamba2Group):  # conv1d's x rows, per head; B and C stay
-            conv, rows = group.rows, group.form.inner
+            conv, inner = group.rows, group.form.inner
             for name in ("weight", "bias") if conv.bias is not None else ("weight",):
-                scale = ScaleLeadingRows(self._source, index, group.form.head_dim, rows)
+                scale = ScaleLeadingRows(self._source, index, group.form.head_dim, inner)
                 parametrize.register_parametrization(conv, name, scale)
             return
         if isinstance(group, MambaGroup):  # conv1d's rows: fused kernels read its weight
@@ -464,7 +473,8 @@ class DTPPruner(ChannelPruner):
             return self._kept_fractions() * self._sizes
         if self.nm is None:
             return self.keep
-        keep, view = self._buffers["keep"], self._keep_view  # (Module.__getattr__ is slow)
+        # (Module.__getattr__ is slow)
+        keep, view = cast(torch.Tensor, self._buffers["keep"]), self._keep_view
         if view is None or view._base is not keep:  # first use, or the module moved
             view = keep.expand(self.state.num_segments)
             self._keep_view = view
@@ -525,7 +535,8 @@ class DTPPruner(ChannelPruner):
         if witness is None:  # moved into a parametrization (the pruner's own, at construction)
             self._device_witness = slot = parameter_slot(model)
             witness = None if slot is None else slot[0]._parameters[slot[1]]
-        device = self._buffers["keep"].device  # (Module.__getattr__ is slow: every step)
+        # (Module.__getattr__ is slow: every step)
+        device = cast(torch.Tensor, self._buffers["keep"]).device
         # (FSDP2's CPU offload keeps a shard on the CPU, gathered to the device for use)
         if witness is not None and witness.device != device and not is_sharded(witness):
             raise RuntimeError(
@@ -554,6 +565,7 @@ class DTPPruner(ChannelPruner):
             self._source.folded = None
             return
         flat = self._source.flat
+        assert flat is not None  # set by this forward's pre-hook, before the fold
         if self._fold_plan is None or (
             self._fold_plan.channels is not None and self._fold_plan.channels.device != flat.device
         ):
