@@ -181,7 +181,7 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
             warnings.filterwarnings("ignore", message=RECURSION_WARNING)
             hooks = {module: set(module._forward_hooks) for module in model.modules()}
             largest = LargestTensor()
-            returned = set()  # the gradient functions of the tensors the model returns
+            returned: set[object] = set()  # the gradient functions of the tensors the model returns
 
             def forward(model: nn.Module, inputs):
                 with largest, leaf_outputs_recorded(model) as recorded:
@@ -285,7 +285,8 @@ def bounded_search(graph: tp.DependencyGraph, names: dict[nn.Module, str]) -> It
         and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
         and signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, signal.SIG_IGN, None)
     )
-    search, root, searching = graph.get_pruning_group, [], [False]
+    search, searching = graph.get_pruning_group, [False]
+    root: list[nn.Module] = []
 
     def layer_name() -> str:
         return repr(names.get(root[0], type(root[0]).__name__))

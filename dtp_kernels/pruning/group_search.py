@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
-from numbers import Number
 
 import torch
 import torch_pruning as tp
@@ -123,7 +122,7 @@ def coupled_group(
         and module.out_channels > 1
     ):  # Torch-Pruning's own rule: a depthwise conv's channels go with its inputs
         handler = tp.prune_depthwise_conv_out_channels
-    if isinstance(idxs, Number):
+    if isinstance(idxs, int):
         idxs = [idxs]
     if not getattr(graph, MAPPINGS_HELD, False):  # the widths may have changed (export)
         index_mapping.update_index_mapping(graph)
@@ -171,9 +170,9 @@ def coupled_group(
                 stack.append((dep.target, dep.handler, list(fresh.values())))
 
     group = Group()
-    for dep, indices in reached.values():
-        group.add_dep(dep, list(indices))
-        group[-1].root_idxs = [index.root_idx for index in indices.values()]
+    for dep, first_reached in reached.values():
+        group.add_dep(dep, list(first_reached))
+        group[-1].root_idxs = [index.root_idx for index in first_reached.values()]
     group._DG = graph
     setattr(group, UNFOLLOWED, unfollowed)
     return group

@@ -145,7 +145,7 @@ class _Proof:
         return self.zero[key]
 
 
-def _reads_weight(node, linear: nn.Linear) -> bool:
+def _reads_weight(node, linear: nn.Module) -> bool:
     """Whether `node` is an op on `linear`'s own weight (its transpose in a matmul)."""
     functions = getattr(node.grad_fn, "next_functions", ())
     return any(getattr(f, "variable", None) is linear.weight for f, _ in functions)
@@ -171,7 +171,7 @@ def _own_matmul(node, source):
 
 def _read_inputs(node) -> list:
     """The nodes a reader reads its input from, through a linear layer's own matmul."""
-    inputs = []
+    inputs: list = []
     for source in node.inputs:
         matmul = _own_matmul(node, source)
         # the matmul's inputs: the reader's input, and its transposed weight

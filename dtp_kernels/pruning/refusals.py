@@ -182,13 +182,13 @@ def refuse_inexact(
         details = "; ".join(f"{what[kind_of(g)]} {g.name!r}: {g.refusal}" for g in unproven)
         refusals.append((f"cannot prune {details}", [g.name for g in unproven]))
     if refusals:
-        names = list(dict.fromkeys(name for _, group in refusals for name in group))
+        left_whole = list(dict.fromkeys(name for _, group in refusals for name in group))
         for members in tied:  # a set's groups are left whole together, or none
-            if any(g.name in names for g in members):
-                names += [g.name for g in members if g.name not in names]
+            if any(g.name in left_whole for g in members):
+                left_whole += [g.name for g in members if g.name not in left_whole]
         raise ValueError(
             ". ".join(what for what, _ in refusals)
             + ". Leave these layers whole with ignored_layers=[...] or a ratio of 0 for "
-            f"them: {zero_ratios(ratios, names)}"
+            f"them: {zero_ratios(ratios, left_whole)}"
         )
     return tied

@@ -209,14 +209,14 @@ def _shrink_to(model: nn.Module, state: dict, path) -> None:
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
         weight = state.get(prefix + "weight")
-        if isinstance(module, nn.Conv2d):
+        if isinstance(module, nn.Conv2d) and weight is not None:
             depthwise = module.groups > 1 and module.groups == module.in_channels
             module.out_channels = weight.shape[0]
             module.groups = weight.shape[0] if depthwise else module.groups
             module.in_channels = weight.shape[1] * module.groups
         elif isinstance(module, nn.BatchNorm2d):
             module.num_features = state[prefix + "running_mean"].shape[0]
-        elif isinstance(module, nn.Linear):
+        elif isinstance(module, nn.Linear) and weight is not None:
             module.out_features, module.in_features = weight.shape
         for key, tensor in list(module.named_parameters(recurse=False)):
             setattr(module, key, nn.Parameter(tensor.new_empty(state[prefix + key].shape)))

@@ -52,7 +52,7 @@ def export_sharded(pruner: DTPPruner, unsharded: nn.Module | None) -> nn.Module 
         raise RuntimeError("export_sharded() needs the process group the model is sharded over")
     device = _communication_device(shards[0])  # where the process group's backend works
     problem = None if unsharded is None else _mismatch(state, unsharded)
-    problems = [None] * dist.get_world_size()
+    problems: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(problems, problem)  # every rank raises, or none: no hang
     refused = [(rank, text) for rank, text in enumerate(problems) if text]
     if refused:
@@ -108,12 +108,18 @@ def _gathered(shard: torch.Tensor, device: torch.device) -> torch.Tensor:
 
         with deepspeed.zero.GatheredParameters([shard]):
             return shard.data.detach().clone()
-    return shard.to(device).full_tensor()  # (a CPU-offloaded shard moved first)
+    from torch.distributed.tensor import DTensor
+
+    moved = shard.to(device)  # (a CPU-offloaded shard moved first)
+    if not isinstance(moved, DTensor):
+        raise TypeError(f"a sharded parameter is a {type(shard).__name__}, not FSDP2's DTensor")
+    return moved.full_tensor()
 
 
 def _whole_shape(value: torch.Tensor) -> tuple[int, ...]:
     """The shape of the whole tensor (a partitioned parameter's own is empty)."""
-    return tuple(value.ds_shape if hasattr(value, "ds_id") else value.shape)
+    partitioned = getattr(value, "ds_shape", None) if hasattr(value, "ds_id") else None
+    return tuple(value.shape if partitioned is None else partitioned)
 
 
 def _mismatch(state: dict[str, torch.Tensor], unsharded: nn.Module) -> str | None:
@@ -156,9 +162,8 @@ def _communication_device(shard: torch.Tensor) -> torch.device:
     if hasattr(shard, "device_mesh"):
         kind = shard.device_mesh.device_type
     else:
-        kind = (
-            "cpu" if dist.get_backend() == "gloo" else torch.accelerator.current_accelerator().type
-        )
+        accelerator = torch.accelerator.current_accelerator()
+        kind = "cpu" if dist.get_backend() == "gloo" or accelerator is None else accelerator.type
     if kind == "cpu":
         return torch.device("cpu")
     module = getattr(torch, kind)  # torch.cuda, torch.xpu, ...
