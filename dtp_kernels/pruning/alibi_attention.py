@@ -66,7 +66,7 @@ class PrunedFalconAttention(PicksItsHeads, FalconAttention):
         self,
         hidden_states: torch.Tensor,
         alibi: torch.Tensor | None,
-        attention_mask: torch.Tensor | None,
+        attention_mask: torch.Tensor,
         *args,
         **kwargs,
     ):
@@ -75,6 +75,7 @@ class PrunedFalconAttention(PicksItsHeads, FalconAttention):
             heads = per_head.shape[1]  # the model's
             alibi = per_head.index_select(1, self.kept_heads)
             mask = attention_mask
+            # (Falcon's own forward takes a mask; a None passed all the same stays None)
             if mask is not None and mask.dim() == 4 and mask.shape[1] == heads:  # bias added in
                 attention_mask = mask.index_select(1, self.kept_heads)
         return super().forward(hidden_states, alibi, attention_mask, *args, **kwargs)

@@ -13,19 +13,23 @@ from __future__ import annotations
 
 import copy
 import sys
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from transformers.pytorch_utils import Conv1D
 
-def is_conv1d(module: nn.Module) -> bool:
+
+def is_conv1d(module: nn.Module) -> TypeGuard[Conv1D]:
     """Whether `module` is transformers' Conv1D (known by its class, without importing
     transformers)."""
     cls = type(module)
     return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.")
 
 
-def _as_linear(conv: nn.Module) -> nn.Linear:
+def _as_linear(conv: Conv1D) -> nn.Linear:
     inputs, outputs = conv.weight.shape
     weight = conv.weight
     linear = nn.Linear(

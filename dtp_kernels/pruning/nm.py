@@ -29,7 +29,7 @@ def check_nm(nm: object) -> tuple[int, int]:
     return n, m
 
 
-def check_layers(layers: dict[str, nn.Module], m: int) -> None:
+def check_layers(layers: dict[str, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d], m: int) -> None:
     """ValueError naming every layer whose input dimension is not a multiple of M."""
     bad = {
         name: layer.weight.shape[1]

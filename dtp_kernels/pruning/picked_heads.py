@@ -23,6 +23,7 @@ class PicksItsHeads(GivenToTheLayer):
     model's heads: the layer itself, with the buffer `kept_heads` (the model's heads it
     computes, in order), whose forward picks their entries of the argument `picked`."""
 
+    kept_heads: torch.Tensor  # the buffer: the model's heads the layer computes
     picked: str = ""  # the forward argument holding the bias for all the model's heads
     head_count: str = ""  # the layer's attribute holding its number of heads
     # its submodules that serve all the model's heads, kept whole (not per-head tables)
@@ -71,7 +72,17 @@ def keep_heads(module: nn.Module, query_heads: torch.Tensor) -> None:
     """Give `module` (a layer of which `picked_argument` is not "", with the head count
     it had before export) its picking class, keeping the heads `query_heads` of those
     it computes: of the model's heads, for a layer exported before."""
-    if not isinstance(module, PicksItsHeads):
-        pruned_classes()[type(module)].from_dense(module)
-    index = query_heads.to(module.kept_heads.device)
-    module.kept_heads = module.kept_heads.index_select(0, index)
+    picking = module if isinstance(module, PicksItsHeads) else _picking(module)
+    index = query_heads.to(picking.kept_heads.device)
+    picking.kept_heads = picking.kept_heads.index_select(0, index)
+
+
+def _picking(module: nn.Module) -> PicksItsHeads:
+    """`module` given its picking class (pruned_classes maps its class to a subclass of
+    PicksItsHeads and of the layer's own)."""
+    cls = pruned_classes()[type(module)]
+    if not issubclass(cls, PicksItsHeads):
+        raise TypeError(f"{type(module).__name__} has no class that picks its heads")
+    picking = cls.from_dense(module)
+    assert isinstance(picking, PicksItsHeads)
+    return picking

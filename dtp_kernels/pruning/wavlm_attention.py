@@ -35,7 +35,7 @@ class PrunedWavLMAttention(PicksItsHeads, WavLMAttention):
     whole = ("rel_attn_embed", "gru_rel_pos_linear")
     per_head = ("gru_rel_pos_linear",)
 
-    def forward(
+    def forward(  # type: ignore[override]  # (transformers types its returned bias a tuple)
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
