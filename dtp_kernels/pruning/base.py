@@ -636,10 +636,11 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
                     continue
                 layer = names[group.name]
                 drop = group.channels(dropped_units).tolist()
-                grouped = {  # their inputs are cut group by group below, from these
-                    names[original_names[m]]: names[original_names[m]].weight
+                # their inputs are cut group by group below, from these weights
+                grouped = {
+                    conv: conv.weight
                     for m in group.kept_in
-                    if is_grouped(m)
+                    if is_grouped(conv := names[original_names[m]])
                 }
                 assert graph is not None  # needs_graph: the graph cuts this group
                 cut = graph.get_pruning_group(layer, out_channel_handler(layer), drop)

@@ -60,11 +60,14 @@ def channel_dim(layer: nn.Module) -> int:
 def cut_inputs(layer: nn.Module, keep: torch.Tensor) -> None:
     """Keep the input channels (columns) `keep` of a linear layer or an ungrouped
     convolution, in place."""
-    layer.weight = kept_rows(layer.weight, keep, 1)
+    weight = layer.weight
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{type(layer).__name__}.weight is a {type(weight).__name__}")
+    layer.weight = kept_rows(weight, keep, 1)
     if isinstance(layer, nn.Linear):
         layer.in_features = len(keep)
-    else:
-        layer.in_channels = len(keep)
+    else:  # (setattr: mypy types a module's attributes as tensors or modules)
+        setattr(layer, "in_channels", len(keep))  # noqa: B010
 
 
 def cut_depthwise(conv: nn.Conv1d, keep: torch.Tensor) -> None:

@@ -6,7 +6,8 @@ where the model is now (a pruner is often built on the CPU and moved with its mo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,9 +55,9 @@ def call_model(model: nn.Module, inputs: tuple):
     return model(*inputs, **getattr(inputs, "kwargs", {}))
 
 
-def _mapped(value: object, change) -> object:
+def _mapped(value: Any, change: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """`value` with `change` applied to every tensor in it (through tuples, lists and
-    dicts)."""
+    dicts): of `value`'s own type."""
     if isinstance(value, torch.Tensor):
         return change(value)
     if isinstance(value, Mapping):
@@ -67,7 +68,7 @@ def _mapped(value: object, change) -> object:
     return value
 
 
-def _moved(value: object, device: torch.device) -> object:
+def _moved(value: Any, device: torch.device) -> Any:
     """`value` with every tensor in it (through tuples, lists and dicts) on `device`."""
     return _mapped(value, lambda tensor: tensor.to(device))
 

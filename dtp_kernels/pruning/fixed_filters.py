@@ -26,6 +26,14 @@ def _filter(module: nn.Module) -> torch.Tensor | None:
     return filt if filt.shape[0] > 1 and filt.shape[1] == 1 else None
 
 
+def _filter_of(layer: nn.Module) -> torch.Tensor:
+    """The filter of a layer is_fixed_filter accepted."""
+    filt = _filter(layer)
+    if filt is None:
+        raise TypeError(f"{type(layer).__name__} holds no fixed filter per channel")
+    return filt
+
+
 def is_fixed_filter(module: nn.Module) -> bool:
     """A parameter-free module whose one buffer is a filter per channel."""
     return _filter(module) is not None
@@ -35,7 +43,7 @@ class FixedFilterPruner(BasePruningFunc):
     """Cuts a fixed filter's buffer (and its `channels`, where it holds the width)."""
 
     def prune_out_channels(self, layer: nn.Module, idxs: list[int]) -> nn.Module:
-        filt = _filter(layer)
+        filt = _filter_of(layer)
         width = filt.shape[0]
         gone = set(idxs)
         keep = torch.tensor(
@@ -44,13 +52,14 @@ class FixedFilterPruner(BasePruningFunc):
         name = next(n for n, b in layer.named_buffers(recurse=False) if b is filt)
         layer._buffers[name] = filt.index_select(0, keep)
         if getattr(layer, "channels", None) == width:  # the `groups` its forward passes
-            layer.channels = len(keep)
+            # (setattr: mypy types a module's attributes as tensors or modules)
+            setattr(layer, "channels", len(keep))  # noqa: B010
         return layer
 
     prune_in_channels = prune_out_channels
 
     def get_out_channels(self, layer: nn.Module) -> int:
-        return _filter(layer).shape[0]
+        return _filter_of(layer).shape[0]
 
     get_in_channels = get_out_channels
 

@@ -28,23 +28,34 @@ def is_frozen_batch_norm(module: nn.Module) -> bool:
     return len({buffers[name].shape for name in BUFFERS}) == 1 and buffers["weight"].dim() == 1
 
 
+def _buffers(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """The four buffers of a layer is_frozen_batch_norm accepted."""
+    buffers = {name: layer._buffers.get(name) for name in BUFFERS}
+    present = {name: b for name, b in buffers.items() if b is not None}
+    if len(present) != len(BUFFERS):
+        raise TypeError(f"{type(layer).__name__} is not a frozen batch norm ({BUFFERS})")
+    return present
+
+
 class FrozenBatchNormPruner(BasePruningFunc):
     """Cuts a frozen batch norm's buffers (and `num_features`, where it has one)."""
 
     def prune_out_channels(self, layer: nn.Module, idxs: list[int]) -> nn.Module:
         gone = set(idxs)
         keep = [i for i in range(self.get_out_channels(layer)) if i not in gone]
-        index = torch.tensor(keep, dtype=torch.long, device=layer.weight.device)
+        buffers = _buffers(layer)
+        index = torch.tensor(keep, dtype=torch.long, device=buffers["weight"].device)
         for name in BUFFERS:
-            layer._buffers[name] = layer._buffers[name].index_select(0, index)
+            layer._buffers[name] = buffers[name].index_select(0, index)
         if isinstance(getattr(layer, "num_features", None), int):
-            layer.num_features = len(keep)
+            # (setattr: mypy types a module's attributes as tensors or modules)
+            setattr(layer, "num_features", len(keep))  # noqa: B010
         return layer
 
     prune_in_channels = prune_out_channels
 
     def get_out_channels(self, layer: nn.Module) -> int:
-        return layer.weight.numel()
+        return _buffers(layer)["weight"].numel()
 
     get_in_channels = get_out_channels
 

@@ -13,14 +13,17 @@ group by group here: Torch-Pruning's cut keeps the same positions in every group
 from __future__ import annotations
 
 from fractions import Fraction
+from typing import TypeGuard
 
 import torch
 from torch import nn
 
 from .ratios import kept_count
 
+Conv = nn.Conv1d | nn.Conv2d | nn.Conv3d
 
-def is_grouped(module: nn.Module) -> bool:
+
+def is_grouped(module: nn.Module) -> TypeGuard[Conv]:
     """A grouped convolution that is not depthwise (ResNeXt, RegNet)."""
     return (
         isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
@@ -29,9 +32,7 @@ def is_grouped(module: nn.Module) -> bool:
     )
 
 
-def equal_parts(
-    writes: list[nn.Module], reads: dict[nn.Module, list[int]], size: int
-) -> int | None:
+def equal_parts(writes: list[Conv], reads: dict[Conv, list[int]], size: int) -> int | None:
     """The number of equal parts the grouped convolutions that write (`writes`, their
     output channels) or read (`reads`: each with the input channels the group's channels
     0..size-1 map to) a group's `size` channels split them into: G when every one has G
@@ -87,7 +88,7 @@ def ratios_keeping_parts_alike(parts: set[int]) -> list[str]:
     return [f"{float(r):g}" for r in sorted(set.intersection(*fits))]
 
 
-def cut_grouped_inputs(conv: nn.Module, weight: torch.Tensor, keep: torch.Tensor) -> None:
+def cut_grouped_inputs(conv: Conv, weight: torch.Tensor, keep: torch.Tensor) -> None:
     """Keep the input channels `keep` (sorted; as many from each group) of the grouped
     convolution `conv`, whose weight before the cut was `weight`, in place."""
     groups, per_group = conv.groups, weight.shape[1]

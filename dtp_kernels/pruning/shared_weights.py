@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .head_group import HeadGroup
+from .masking import parametrizations
 from .tied_heads import TiedHeadGroup
 
 
@@ -139,10 +140,9 @@ def held_elsewhere(
 
 def _own_weights(module: nn.Module) -> list[torch.Tensor]:
     """The parameters `module` holds itself, a parametrized one's original among them."""
-    own = list(module.parameters(recurse=False))
-    if parametrize.is_parametrized(module):
-        lists = module.parametrizations.values()  # `original`, or original0, original1, ...
-        own += [p for plist in lists for p in plist.parameters(recurse=False)]
+    own: list[torch.Tensor] = list(module.parameters(recurse=False))
+    lists = parametrizations(module).values()  # `original`, or original0, original1, ...
+    own += [p for plist in lists for p in plist.parameters(recurse=False)]
     return own
 
 
@@ -159,8 +159,7 @@ def weight_copies(model: nn.Module) -> dict[nn.Module, nn.Module | None]:
         own = _own_weights(module)
         if own and all(id(p) in first for p in own):
             copies[module] = first[id(own[0])]
-            if parametrize.is_parametrized(module):
-                copies.update(dict.fromkeys(module.parametrizations.values()))
+            copies.update(dict.fromkeys(parametrizations(module).values()))
         for p in own:
             first.setdefault(id(p), module)
     return copies
@@ -227,10 +226,10 @@ def _sync_sizes(module: nn.Module, name: str) -> None:
     """A linear or conv layer handed a cut weight: its size attributes follow it."""
     if name != "weight":
         return
-    weight = module.weight
     if isinstance(module, nn.Linear):
-        module.out_features, module.in_features = weight.shape
+        module.out_features, module.in_features = module.weight.shape
     elif isinstance(module, nn.modules.conv._ConvNd):
+        weight = module.weight
         module.out_channels, module.in_channels = weight.shape[0], weight.shape[1] * module.groups
 
 
