@@ -20,6 +20,7 @@ from torch import nn
 from torch_pruning.pruner.function import BasePruningFunc
 
 from .cuts import kept_rows
+from .module_tensors import tensor_of
 
 # classes whose form the pruner knows otherwise (norms over all channels, or with
 # statistics): never probed
@@ -55,13 +56,14 @@ LAST, CHANNELS = "last", "channels"
 def _form(module: nn.Module) -> str | None:
     """LAST or CHANNELS when a CPU copy of `module`, given random parameters, computes
     x * weight + bias per channel on a random x of that form (float64); else None."""
-    width = module.weight.numel()
+    width = tensor_of(module).numel()
     try:
         probe = copy.deepcopy(module).to_empty(device="cpu").double()
     except Exception:
         return None
     generator = torch.Generator().manual_seed(0)
-    for parameter in (probe.weight, probe.bias):
+    weight, bias = tensor_of(probe), tensor_of(probe, "bias")
+    for parameter in (weight, bias):
         parameter.copy_(torch.randn(width, generator=generator, dtype=torch.float64))
     for form, shape, view in (
         (LAST, (2, 3, width), (width,)),
@@ -72,7 +74,7 @@ def _form(module: nn.Module) -> str | None:
             out = probe(x)
         except Exception:  # a forward of another form
             continue
-        expected = x * probe.weight.view(view) + probe.bias.view(view)
+        expected = x * weight.view(view) + bias.view(view)
         if (
             isinstance(out, torch.Tensor)
             and out.shape == expected.shape
@@ -107,17 +109,18 @@ class ChannelAffinePruner(BasePruningFunc):
     def prune_out_channels(self, layer: nn.Module, idxs: list[int]) -> nn.Module:
         gone = set(idxs)
         width = self.get_out_channels(layer)
+        weight, bias = tensor_of(layer), tensor_of(layer, "bias")
         keep = torch.tensor(
-            [i for i in range(width) if i not in gone], dtype=torch.long, device=layer.weight.device
+            [i for i in range(width) if i not in gone], dtype=torch.long, device=weight.device
         )
-        layer.weight = kept_rows(layer.weight, keep)
-        layer.bias = kept_rows(layer.bias, keep)
+        layer.weight = kept_rows(weight, keep)
+        layer.bias = kept_rows(bias, keep)
         return layer
 
     prune_in_channels = prune_out_channels
 
     def get_out_channels(self, layer: nn.Module) -> int:
-        return layer.weight.numel()
+        return tensor_of(layer).numel()
 
     get_in_channels = get_out_channels
 

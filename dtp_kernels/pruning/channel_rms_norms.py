@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from .groups import ChannelGroup, _is_depthwise
+from .module_tensors import tensor_of
 from .precision import ieee_fp32
 from .proof import close, dropped, example_calls, random_half, run_watched
 
@@ -190,12 +191,13 @@ def cut_and_rescale(norms: Sequence[Fed], width: int, kept: torch.Tensor) -> Non
 
 def _cut_norm(norm: nn.Module, width: int, kept: torch.Tensor, factor: float) -> None:
     """`norm`'s weight cut to `kept` (unless cut already) and scaled by `factor`."""
-    weight = norm.weight.detach()
+    weight = tensor_of(norm).detach()
     if weight.shape[0] == width:  # not cut by the graph's export
         weight = weight[kept.to(weight.device)]
     norm.weight = nn.Parameter(_scaled(weight, factor))
     if isinstance(getattr(norm, "normalized_shape", None), tuple):  # torch's, timm's
-        norm.normalized_shape = (len(kept),)
+        # (setattr: mypy types a module's attributes as tensors or modules)
+        setattr(norm, "normalized_shape", (len(kept),))  # noqa: B010
 
 
 def _scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
@@ -206,13 +208,13 @@ def _rescales_exactly(norm: nn.Module, x: torch.Tensor, dim: int) -> bool:
     """Whether `norm`, a copy with a random weight cut to a random half of its channels
     and rescaled, computes on them, given them c times larger, what it computes on its
     example input `x` with the others zeroed."""
-    width = norm.weight.shape[0]
+    width = tensor_of(norm).shape[0]
     generator = torch.Generator().manual_seed(1)
     keep = random_half(width, generator).to(x.device)
     gone = dropped(width, keep, x.device)
     probe = copy.deepcopy(norm).eval()
     with torch.no_grad():
-        probe.weight.copy_(torch.rand(width, generator=generator) + 0.5)
+        tensor_of(probe).copy_(torch.rand(width, generator=generator) + 0.5)
     cut = copy.deepcopy(probe)
     scale = math.sqrt(len(keep) / width)
     try:

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from .groups import ChannelGroup, is_response_norm_shaped
+from .module_tensors import tensor_of
 from .precision import ieee_fp32
 from .proof import close, dropped, example_calls, random_half
 
@@ -49,11 +50,12 @@ def rescale_response_norm(norm: nn.Module, width: int, kept: int) -> None:
     """Scale `norm`'s weight, and its eps where it has one, by `width / kept`, once cut
     from `width` channels to `kept` (see the module docstring)."""
     factor = width / kept
-    weight = norm.weight.detach()
+    weight = tensor_of(norm).detach()
     wide = torch.promote_types(weight.dtype, torch.float32)  # half precision: one rounding
     norm.weight = nn.Parameter((weight.to(wide) * factor).to(weight.dtype))
-    if isinstance(getattr(norm, "eps", None), float):
-        norm.eps = norm.eps * factor
+    eps = getattr(norm, "eps", None)
+    if isinstance(eps, float):  # (setattr: mypy types a module's attributes as tensors)
+        setattr(norm, "eps", eps * factor)  # noqa: B010
 
 
 def rescales_exactly(norm: nn.Module, x: torch.Tensor) -> bool:
@@ -61,7 +63,7 @@ def rescales_exactly(norm: nn.Module, x: torch.Tensor) -> bool:
     them what it computes with the others zeroed (and their bias masked), which it leaves
     zero: shown on a copy with random parameters, on its example input `x`, for a dim of
     `x` of the norm's width (its channels)."""
-    width = norm.weight.shape[-1]
+    width = tensor_of(norm).shape[-1]
     generator = torch.Generator().manual_seed(0)
     keep = random_half(width, generator)
     probe = copy.deepcopy(norm)
@@ -80,7 +82,7 @@ def _rescales_along(probe: nn.Module, x: torch.Tensor, dim: int, keep: torch.Ten
     masked, cut = copy.deepcopy(probe), copy.deepcopy(probe)
     try:
         with torch.no_grad(), ieee_fp32():  # TF32 would round the two apart
-            masked.bias[..., gone] = 0
+            tensor_of(masked, "bias")[..., gone] = 0
             want = masked(x.index_fill(dim, gone, 0))
             cut_response_norm(cut, keep)
             rescale_response_norm(cut, x.shape[dim], len(keep))

@@ -24,6 +24,7 @@ from torch import nn
 
 from .cuts import channel_dim, cut_inputs
 from .groups import ChannelGroup
+from .module_tensors import tensor_of
 from .precision import ieee_fp32
 from .proof import close, dropped, example_calls, random_half
 
@@ -59,22 +60,24 @@ def scales_rows_exactly(layer: nn.Module, x: torch.Tensor) -> bool:
     """Whether `layer`, its weight's rows (and bias) scaled by a mask of zeros and values
     in [0.5, 1.5), computes on `x` its outputs scaled by that mask: what a mask on its
     rows is taken to do."""
-    out = layer.weight.shape[0]
+    weight = tensor_of(layer)
+    out = weight.shape[0]
     generator = torch.Generator().manual_seed(1)
     mask = torch.rand(out, generator=generator) + 0.5
     mask[random_half(out, generator)] = 0
-    mask = mask.to(device=x.device, dtype=layer.weight.dtype)
+    mask = mask.to(device=x.device, dtype=weight.dtype)
     scaled = copy.deepcopy(layer)
-    shape = (-1,) + (1,) * (layer.weight.dim() - 1)
+    shape = (-1,) + (1,) * (weight.dim() - 1)
     try:
         with torch.no_grad(), ieee_fp32():
             want = scaled(x)
             view = [1] * want.dim()
             view[channel_dim(layer)] = out
             want = want * mask.view(view)
-            scaled.weight.mul_(mask.view(shape))
-            if scaled.bias is not None:
-                scaled.bias.mul_(mask)
+            tensor_of(scaled).mul_(mask.view(shape))
+            bias = scaled.bias
+            if isinstance(bias, torch.Tensor):
+                bias.mul_(mask)
             got = scaled(x)
     except Exception:
         return False

@@ -41,6 +41,7 @@ from torch.overrides import TorchFunctionMode
 
 from .channel_graph import output_tensors
 from .experts import Layout, expert_layout
+from .module_tensors import tensor_of
 from .precision import ieee_fp32
 from .proof import close, example_calls
 from .ratios import kept_count
@@ -175,7 +176,7 @@ class WholeExpertsGroup:
     def unit_weights(self) -> torch.Tensor:
         """Per expert, its up and down projections' weights in one row."""
         up = getattr(self.experts, self.layout.up).detach()
-        down = self.experts.down_proj.detach()
+        down = tensor_of(self.experts, "down_proj").detach()
         return torch.cat([up.flatten(1), down.flatten(1)], dim=1)
 
     def removed_params(self, units: int) -> int:
@@ -215,8 +216,8 @@ def _router(block: nn.Module, experts: nn.Module, layout: Layout) -> nn.Module |
         child
         for child in block.children()
         if child is not experts
-        and isinstance(getattr(child, "weight", None), torch.Tensor)
-        and tuple(child.weight.shape) == (layout.experts, layout.hidden)
+        and isinstance(weight := getattr(child, "weight", None), torch.Tensor)
+        and tuple(weight.shape) == (layout.experts, layout.hidden)
     ]
     return found[0] if len(found) == 1 else None
 
@@ -306,10 +307,10 @@ def _routes_exactly(
     cut_tensors(smaller, experts, keep)
     mask = torch.zeros(experts)
     mask[keep] = 1
-    args, kwargs = call
-    device = masked.weight.device
+    given, kwargs = call
+    device = tensor_of(masked).device
     # per-expert vectors the block hands its router favour the removed experts too
-    args = [favour.to(a.device, a.dtype) if _is_per_expert(a, experts) else a for a in args]
+    args = [favour.to(a.device, a.dtype) if _is_per_expert(a, experts) else a for a in given]
     cut_args = [
         a.index_select(0, keep.to(a.device)) if _is_per_expert(a, experts) else a for a in args
     ]
