@@ -15,6 +15,14 @@ def kept_rows(tensor: torch.Tensor, keep: torch.Tensor, dim: int = 0) -> nn.Para
     return nn.Parameter(kept, requires_grad=tensor.requires_grad)
 
 
+def as_linear(module: nn.Module) -> nn.Linear:
+    """`module`, a linear layer by construction (an exported copy of one); TypeError
+    naming its class otherwise."""
+    if not isinstance(module, nn.Linear):
+        raise TypeError(f"expected a linear layer, got {type(module).__name__}")
+    return module
+
+
 def cut_linear(layer: nn.Linear, keep: torch.Tensor, dim: int = 0) -> None:
     """Keep the rows (dim 0: outputs, with the bias) or columns (dim 1: inputs) `keep`
     of `layer`, in place."""

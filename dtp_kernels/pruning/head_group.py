@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .head_norms import RescaledNorm
+from .module_tensors import tensor_of
 
 
 @dataclass
@@ -168,12 +169,12 @@ class HeadGroup:
         return self.units
 
     @property
-    def layer(self) -> nn.Linear:
+    def layer(self) -> nn.Module:
         return self.out.layer
 
     def unit_weights(self) -> torch.Tensor:
         """The output projection's columns, one row per unit (the unit's filter)."""
-        weight = self.out.layer.weight.detach()
+        weight = tensor_of(self.out.layer).detach()
         if self.out.diagonal > 1:  # a unit's columns in its own run's rows
             blocks = self.out.unit_block(weight, self.units)
             return blocks.permute(0, 2, 1, 3).reshape(self.units, -1)

@@ -23,13 +23,13 @@ MLP, so it is found by its form even where the graph works.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .cuts import cut_linear
+from .cuts import as_linear, cut_linear
 from .groups import ChannelGroup
 from .head_norms import cut_norm
 from .proof import cuts_exactly, dropped, example_calls
@@ -56,7 +56,7 @@ class FormMLPGroup(ChannelGroup):
 Form = tuple[tuple[str, ...], str, str | None, str | None]
 
 
-def _hidden_norm(module: nn.Module, linears: dict[str, nn.Module]) -> str | None:
+def _hidden_norm(module: nn.Module, linears: Mapping[str, nn.Module]) -> str | None:
     """The name of `module`'s one child outside `linears` that owns parameters, when
     that child's only parameter is a 1-D weight (an RMS norm's); else None (any other
     parameter then fails the form's ownership check)."""
@@ -161,7 +161,7 @@ def _proven(module: nn.Module, form: Form, call: tuple[tuple, dict]) -> bool:
     producers, consumer, norm, rows = form
 
     def zero(copy: nn.Module, keep: torch.Tensor) -> None:
-        if norm is None:  # the consumer's columns
+        if norm is None or rows is None:  # the consumer's columns (no norm: no rows)
             weight = getattr(copy, consumer).weight
             weight[:, dropped(weight.shape[1], keep, weight.device)] = 0
             return
@@ -173,7 +173,7 @@ def _proven(module: nn.Module, form: Form, call: tuple[tuple, dict]) -> bool:
     def cut(copy: nn.Module, keep: torch.Tensor) -> None:
         layers = [getattr(copy, p) for p in producers]
         cut_hidden(copy, layers, getattr(copy, consumer), keep)
-        if norm is not None:
+        if norm is not None and rows is not None:
             cut_norm(getattr(copy, norm), getattr(copy, rows), keep)
 
     return cuts_exactly(module, call, getattr(module, consumer).in_features, zero, cut)
@@ -190,10 +190,11 @@ def prune_form_mlp(
     keep = mask.nonzero().flatten()
     if len(keep) == len(mask):
         return
-    producers = [names[original_names[m]] for m in group.kept_out]
-    consumer = names[original_names[group.kept_in[0]]]
+    producers = [as_linear(names[original_names[m]]) for m in group.kept_out]
+    consumer = as_linear(names[original_names[group.kept_in[0]]])
     parent = names[group.name.rpartition(".")[0]]
     cut_hidden(parent, producers, consumer, keep)
     if group.norm is not None:  # rescaled with the rows it reads (head_norms.py)
+        assert group.norm_rows is not None  # found with the norm (_forms)
         norm = names[original_names[group.norm]]
-        cut_norm(norm, names[original_names[group.norm_rows]], keep)
+        cut_norm(norm, as_linear(names[original_names[group.norm_rows]]), keep)
