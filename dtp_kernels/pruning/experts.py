@@ -111,10 +111,9 @@ def _dbrx_layout(module: nn.Module) -> Layout | None:
     do not have the shapes its counts say."""
     mlp = getattr(module, "mlp", None)
     experts, width = getattr(module, "num_experts", None), getattr(module, "ffn_hidden_size", None)
-    weights = [getattr(mlp, name, None) for name in ("w1", "v1", "w2")]
-    if not (isinstance(experts, int) and isinstance(width, int)) or not all(
-        isinstance(w, torch.Tensor) and w.dim() == 2 for w in weights
-    ):
+    found = [getattr(mlp, name, None) for name in ("w1", "v1", "w2")]
+    weights = [w for w in found if isinstance(w, torch.Tensor) and w.dim() == 2]
+    if not (isinstance(experts, int) and isinstance(width, int)) or len(weights) != 3:
         return None
     shapes = {tuple(w.shape) for w in weights}
     if len(shapes) != 1 or next(iter(shapes))[0] != experts * width:
@@ -156,9 +155,10 @@ def expert_layout(module: nn.Module) -> Layout | None:
         return _dbrx_layout(module)
     if type(module).__name__ == JETMOE_EXPERTS:
         return _jetmoe_layout(module)
-    flags = [getattr(module, name, None) for name in LAYOUT_FLAGS]
+    found = [getattr(module, name, None) for name in LAYOUT_FLAGS]
     every_token = False
-    if not all(isinstance(flag, bool) for flag in flags):
+    flags = tuple(flag for flag in found if isinstance(flag, bool))
+    if len(flags) != len(found):
         if type(module).__name__ not in KNOWN_LAYOUTS:
             return None
         flags, every_token = KNOWN_LAYOUTS[type(module).__name__]
@@ -329,14 +329,15 @@ def tied_units(groups: list) -> list[int] | None:
     """Per group, the index of its learned kept ratio under budget "flops": the experts
     of one block share one (they keep one count), every other group has its own. None
     when no groups share."""
-    units, block_unit = [], {}
+    units: list[int] = []
+    block_unit: dict[str, int] = {}
     for group in groups:
         block = group.module_name if isinstance(group, ExpertGroup) else None
-        if block not in block_unit:
+        if block is None or block not in block_unit:
             unit = len(set(units))  # a new unit: the next index
             if block is not None:
                 block_unit[block] = unit
-        units.append(block_unit.get(block, unit))
+        units.append(unit if block is None else block_unit[block])
     return None if len(set(units)) == len(groups) else units
 
 
@@ -396,7 +397,7 @@ def run_misaligned_experts(model: nn.Module, blocks: dict[str, nn.Module]) -> No
     config = getattr(model, "config", None)
     if getattr(config, "_experts_implementation", None) != "grouped_mm":
         return
-    layouts = {name: expert_layout(block) for name, block in blocks.items()}
+    layouts = {name: layout for name, block in blocks.items() if (layout := expert_layout(block))}
     misaligned = {
         name: layout.width
         for name, layout in layouts.items()
@@ -406,7 +407,7 @@ def run_misaligned_experts(model: nn.Module, blocks: dict[str, nn.Module]) -> No
     }
     if not misaligned:
         return
-    model.set_experts_implementation("batched_mm")
+    model.set_experts_implementation("batched_mm")  # type: ignore[operator]  # (a PreTrainedModel)
     warnings.warn(
         f"the experts of {misaligned} (block: neurons kept per expert) keep a width torch's "
         f"grouped_mm cannot run (rows of a multiple of {GROUPED_MM_ROW_BYTES} bytes: 8 "
