@@ -22,6 +22,7 @@ from torch import nn
 
 from .example_inputs import as_example_inputs, call_model
 from .experts import ExpertProjection, Layout, expert_layout
+from .module_tensors import tensor_of
 
 CONV = (
     nn.Conv1d,
@@ -32,13 +33,16 @@ CONV = (
     nn.ConvTranspose3d,
 )
 COSTED = (*CONV, nn.Linear)  # the layers whose FLOPs are counted
+Conv = (
+    nn.Conv1d | nn.Conv2d | nn.Conv3d | nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d
+)
 
 
 @dataclass(frozen=True)
 class Layer:
     """One costed layer as one forward saw it."""
 
-    module: nn.Module
+    module: Conv | nn.Linear
     kernel: int  # kernel area (1 for a linear layer)
     rows: int  # output positions: batch x feature-map area (linear: batch x tokens)
 
@@ -169,13 +173,15 @@ def trace_layers(
                     positions.shape[0] * math.prod(positions.shape[2:]),
                 )
             )
-        else:  # a Linear subclass may return more (PhiMoE's router: logits first)
+        elif isinstance(module, nn.Linear):  # (the hook is on COSTED layers only)
+            # a Linear subclass may return more (PhiMoE's router: logits first)
             if not isinstance(output, torch.Tensor):
                 output = next(t for t in output if isinstance(t, torch.Tensor))
             layers.append(Layer(module, 1, output.numel() // max(module.out_features, 1)))
 
     def expert_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         layout = expert_layout(module)
+        assert layout is not None  # the hook is on experts modules only
         if layout.counts_at is not None:  # counted where they are handed on
             return
         if layout.every_token:  # its input: every token once per expert
@@ -202,7 +208,8 @@ def trace_layers(
     def attention_hook(module: nn.Module, args: tuple, kwargs: dict, _output) -> None:
         names = ("query", "key", "value")
         given = dict(zip(names, args, strict=False)) | {n: kwargs[n] for n in names if n in kwargs}
-        width, block = module.in_proj_weight.shape[1], module.in_proj_weight.shape[0] // 3
+        packed = tensor_of(module, "in_proj_weight")
+        width, block = packed.shape[1], packed.shape[0] // 3
         queries, keys = given["query"].numel() // width, given["key"].numel() // width
         for tokens in (queries, keys, keys):
             layers.append(PackedProjection(module, block, width, tokens))
@@ -275,7 +282,8 @@ def flops_after(
     total = 0
     for layer in layers:
         flops = layer.flops(*lost.get(layer.module, (0, 0)))
-        kept, heads = kept_rows.get(layer.module, (1, 1))
+        module = layer.module
+        kept, heads = kept_rows.get(module, (1, 1)) if isinstance(module, nn.Module) else (1, 1)
         total += flops * kept // heads
     return total
 
