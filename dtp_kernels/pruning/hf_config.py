@@ -20,6 +20,7 @@ import copy
 import re
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -108,7 +109,7 @@ def _mlp_widths_field(config) -> str | None:
     )
 
 
-def _per_layer_widths(config, field: str, mlps: list[tuple[object, int]]) -> list[int]:
+def _per_layer_widths(config, field: str, mlps: list[tuple[Any, int]]) -> list[int]:
     """`config`'s list of MLP widths per layer with each pruned layer's kept width, from
     the groups of `mlps` named in a layer and as wide as its MLP (others, another
     module's hidden width, are left to the rebuild check)."""
@@ -125,7 +126,7 @@ def _uniform(kept: list[int]) -> int | None:
     return kept[0] if kept and len(set(kept)) == 1 else None
 
 
-def config_fields(config, groups: list[tuple[str, object]], masks: list) -> dict | None:
+def config_fields(config, groups: list[tuple[str, Any]], masks: list) -> dict | None:
     """The config fields the exported sizes need; None when one size per kind cannot
     describe them (layers pruned to different sizes)."""
     heads = [
@@ -145,7 +146,7 @@ def config_fields(config, groups: list[tuple[str, object]], masks: list) -> dict
         and g.size == _mlp_width(config, mlp_field)
         and not (shared and SHARED_EXPERT in g.name)
     ]
-    fields = {}
+    fields: dict[str, Any] = {}
     if heads:
         units = _uniform([k for _, k in heads])
         per_unit = _uniform([g.query_heads_per_unit for g, _ in heads])
@@ -160,8 +161,8 @@ def config_fields(config, groups: list[tuple[str, object]], masks: list) -> dict
             fields["head_dim"] = heads[0][0].head_dim
         if hasattr(config, "num_key_value_heads"):
             fields["num_key_value_heads"] = kv_heads
-    if mlps:  # whether every MLP was pruned is left to the rebuild check (DeepSeek's
-        # first layers are dense, the others mixtures of experts)
+    if mlps and mlp_field is not None:  # whether every MLP was pruned is left to the
+        # rebuild check (DeepSeek's first layers are dense, the others mixtures of experts)
         size = _uniform(mlps)
         if size is None:
             return None
@@ -225,26 +226,26 @@ def config_fields(config, groups: list[tuple[str, object]], masks: list) -> dict
     ]
     if experts:  # whether every block was pruned is left to the rebuild check
         width = experts[0][0].size
-        field = next((f for f in EXPERT_FIELDS if _get(config, f) == width), None)
+        expert_field = next((f for f in EXPERT_FIELDS if _get(config, f) == width), None)
         size = _uniform([kept for _, kept in experts])
-        if field is None or size is None or fields.get(field, size) != size:
+        if expert_field is None or size is None or fields.get(expert_field, size) != size:
             return None
-        fields[field] = size
+        fields[expert_field] = size
     whole = [
         (g, int(m.sum())) for (k, g), m in zip(groups, masks, strict=True) if k == "whole_experts"
     ]
     if whole:  # whether every block was pruned is left to the rebuild check
         size = _uniform([kept for _, kept in whole])
-        field = next(
+        count_field = next(
             (f for f in COUNT_FIELDS if getattr(config, f, None) == whole[0][0].size), None
         )
-        if field is None or size is None:
+        if count_field is None or size is None:
             return None
-        fields[field] = size
+        fields[count_field] = size
     return fields
 
 
-def _mamba_fields(config, groups: list[tuple[str, object]], kept: int | None) -> dict | None:
+def _mamba_fields(config, groups: list[tuple[str, Any]], kept: int | None) -> dict | None:
     """The config field of the Mamba mixers' inner width: intermediate_size (Mamba,
     FalconMamba), or the expansion over hidden_size (Jamba's mamba_expand) when the kept
     width is a whole multiple of it; None when no field describes `kept`."""
@@ -295,7 +296,7 @@ def _rebuilds(model: nn.Module, config, matches: Matches | None = None) -> bool:
     return matches(fresh) if matches is not None else _shapes(fresh) == _shapes(model)
 
 
-def _unexplained(model: nn.Module, config, writes: list[tuple[object, dict]]) -> list[str]:
+def _unexplained(model: nn.Module, config, writes: list[tuple[Any, dict]]) -> list[str]:
     """The modules of `model` whose parameter or buffer shapes a model built from
     `config` with `writes` made (to it or its parts' configs) would not have, in order;
     [] where that model cannot be built."""
@@ -315,14 +316,14 @@ def _unexplained(model: nn.Module, config, writes: list[tuple[object, dict]]) ->
     return list(dict.fromkeys(n.rpartition(".")[0] for n in differ))
 
 
-def _parts(model: nn.Module, config) -> list[tuple[str, object]]:
+def _parts(model: nn.Module, config) -> list[tuple[str, Any]]:
     """(module name, config) of each part of a composite model that holds one of its
     config's sub-configs as its own (a vision-language model's vision tower and language
     model: `vision_config`, `text_config`), outermost first; [] for a model of one
     config."""
     subs = [getattr(config, key, None) for key in getattr(config, "sub_configs", None) or {}]
     subs = [sub for sub in subs if sub is not None]
-    parts: list[tuple[str, object]] = []
+    parts: list[tuple[str, Any]] = []
     for name, module in model.named_modules():
         own = getattr(module, "config", None)
         inside = any(name.startswith(f"{prefix}.") for prefix, _ in parts)
@@ -331,7 +332,7 @@ def _parts(model: nn.Module, config) -> list[tuple[str, object]]:
     return parts
 
 
-def _assignments(model: nn.Module, config, groups: list) -> list[tuple[object, list[int]]]:
+def _assignments(model: nn.Module, config, groups: list) -> list[tuple[Any, list[int]]]:
     """(config, the indices of its groups) for each config the exported sizes go to:
     each part's sub-config for the groups inside that part, the model's config (last)
     for the rest."""
@@ -344,9 +345,7 @@ def _assignments(model: nn.Module, config, groups: list) -> list[tuple[object, l
     return [*assigned, (config, rest)]
 
 
-def _writes(
-    model: nn.Module, config, groups: list, masks: list
-) -> list[tuple[object, dict | None]]:
+def _writes(model: nn.Module, config, groups: list, masks: list) -> list[tuple[Any, dict | None]]:
     """(config, its fields) for each config the exported sizes go to (`_assignments`)."""
     writes = []
     for target, indices in _assignments(model, config, groups):
@@ -437,7 +436,7 @@ def _set_sizes(config, shared: dict, overrides: dict) -> None:
 
 def update_config(
     model: nn.Module,
-    groups: list[tuple[str, object]],
+    groups: list[tuple[str, Any]],
     masks: list,
     matches: Matches | None = None,
 ) -> bool:
@@ -455,12 +454,13 @@ def update_config(
     groups, masks = [groups[i] for i in cut], [masks[i] for i in cut]
     writes = _writes(model, config, groups, masks)
     described = [fields for _, fields in writes]
+    complete = [(target, fields) for target, fields in writes if fields is not None]
     if all(fields == {} for fields in described) and _rebuilds(model, config, matches):
         return True
     before = []  # (config, field, value) to restore
-    if None not in described:  # None: no one size per kind; all {}: it did not rebuild
+    if len(complete) == len(writes):  # None: no one size per kind; all {}: not rebuilt
         try:
-            for target, fields in writes:
+            for target, fields in complete:
                 for name, value in fields.items():
                     current = _get(target, name)
                     # one per stage (SegFormer's heads), unless written as a list of as many
@@ -490,7 +490,7 @@ def update_config(
             "holds, or a Mamba-2 mixer's norm epsilon, rescaled in each layer"
         )
     else:
-        layers = _unexplained(model, config, writes)
+        layers = _unexplained(model, config, complete)
         named = f": {layers[:4]}{' ...' if len(layers) > 4 else ''}" if layers else ""
         why = (
             f"a model built from the updated config {fields} would not have the exported "
@@ -517,7 +517,7 @@ def _configs_within(config) -> list:
 
 
 def predicts_described(
-    model: nn.Module, groups: list[tuple[str, object]], masks: list, params_after: int
+    model: nn.Module, groups: list[tuple[str, Any]], masks: list, params_after: int
 ) -> bool | None:
     """Whether the export of `model` (unpruned) with `masks` will have a config that
     describes it, before any export: update_config run on `model`'s own config, a model
