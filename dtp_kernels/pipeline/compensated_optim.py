@@ -211,8 +211,11 @@ class _Compensated(torch.optim.Optimizer):
         when fused (no float32 copies to bound), else chunks of chunk_size. Shards of
         FSDP's DTensors are updated where they lie (the update is elementwise, and the
         parameter, its gradient and its state are sharded alike)."""
-        # (SHARDED holds DTensor when torch.distributed is there: mypy cannot narrow it)
-        tensors = [t.to_local() if isinstance(t, SHARDED) else t for t in tensors]  # type: ignore[attr-defined]
+        # (mypy cannot narrow to DTensor through SHARDED, empty without torch.distributed)
+        tensors = [
+            t.to_local() if isinstance(t, SHARDED) else t  # type: ignore[attr-defined]
+            for t in tensors
+        ]
         if self.fused:
             return FUSED[update], _pieces(tensors, max(tensors[0].numel(), 1))
         return update, _pieces(tensors, self.chunk_size)
