@@ -31,6 +31,7 @@ from torch import nn
 
 from .cost import run_hooked
 from .groups import is_norm
+from .module_tensors import tensor_of
 from .proof import close, random_half
 
 
@@ -60,8 +61,8 @@ def norms_over_all_heads(module: nn.Module, head_dim: int) -> tuple[nn.Module, .
         child
         for child in module.children()
         if is_norm(child)
-        and isinstance(getattr(child, "weight", None), torch.Tensor)
-        and child.weight.numel() != head_dim
+        and isinstance(weight := getattr(child, "weight", None), torch.Tensor)
+        and weight.numel() != head_dim
     )
 
 
@@ -183,12 +184,14 @@ def cut_norm(norm: nn.Module, rows: nn.Linear, kept: torch.Tensor) -> None:
     """Keep the `kept` channels of `norm` and the rows of `rows` already cut to them (in
     place), scaled so that the norm computes on them what it computed on all its channels
     with the others zero (see the module docstring)."""
-    width = norm.weight.shape[0]
+    weight = tensor_of(norm)
+    width = weight.shape[0]
     scale = math.sqrt(len(kept) / width)
-    kept = kept.to(norm.weight.device)
-    norm.weight = nn.Parameter(_scaled(norm.weight.detach()[kept], 1 / scale))
+    kept = kept.to(weight.device)
+    norm.weight = nn.Parameter(_scaled(weight.detach()[kept], 1 / scale))
     if isinstance(getattr(norm, "normalized_shape", None), tuple):  # torch's nn.RMSNorm
-        norm.normalized_shape = (len(kept),)
+        # (setattr: mypy types a module's attributes as tensors or modules)
+        setattr(norm, "normalized_shape", (len(kept),))  # noqa: B010
     rows.weight = nn.Parameter(_scaled(rows.weight.detach(), scale))
     if rows.bias is not None:
         rows.bias = nn.Parameter(_scaled(rows.bias.detach(), scale))
@@ -202,10 +205,11 @@ def rescales_exactly(norm: nn.Module) -> bool:
     """Whether `norm`, cut to a random half of its channels by `cut_norm`, computes on
     them what it computes on all of them with the others zero: shown on a copy with a
     random weight (so a weight read as 1 + w shows), on a random input."""
-    width = norm.weight.shape[0]
+    weight = tensor_of(norm)
+    width = weight.shape[0]
     generator = torch.Generator().manual_seed(0)
     kept = random_half(width, generator)
-    dtype, device = norm.weight.dtype, norm.weight.device
+    dtype, device = weight.dtype, weight.device
     x = torch.randn(3, width, generator=generator).to(device, dtype)
     zeroed = torch.zeros_like(x)
     zeroed[:, kept.to(device)] = x[:, kept.to(device)]
@@ -214,7 +218,7 @@ def rescales_exactly(norm: nn.Module) -> bool:
     rows = nn.Linear(width, width, bias=False).to(device, dtype)
     try:
         with torch.no_grad():
-            probe.weight.copy_(torch.rand(width, generator=generator) + 0.5)
+            tensor_of(probe).copy_(torch.rand(width, generator=generator) + 0.5)
             want = probe(zeroed)[:, kept.to(device)]
             rows.weight = nn.Parameter(torch.eye(width, dtype=dtype, device=device)[kept])
             cut_norm(probe, rows, kept)
