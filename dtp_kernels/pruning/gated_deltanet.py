@@ -86,9 +86,9 @@ def _rows(symbols: str, sizes: dict[str, int]) -> int:
 
 def gated_deltanet(name: str, module: nn.Module) -> LinearAttentionGroup | None:
     """The group of a Gated DeltaNet layer in one of LAYOUTS, or None."""
-    counts = [getattr(module, a, None) for a in SIZES]
+    counts = [c for a in SIZES if isinstance(c := getattr(module, a, None), int) and c > 0]
     conv = getattr(module, "conv1d", None)
-    if not all(isinstance(c, int) and c > 0 for c in counts) or not isinstance(conv, nn.Conv1d):
+    if len(counts) != len(SIZES) or not isinstance(conv, nn.Conv1d):
         return None
     keys, values, key_dim, value_dim = counts
     if values % keys:
@@ -101,11 +101,10 @@ def gated_deltanet(name: str, module: nn.Module) -> LinearAttentionGroup | None:
         return None
     sizes = {"k": key_dim, "v": per_key * value_dim, "h": per_key}
     for projections, gates, output in LAYOUTS:
-        layers = {n: getattr(module, n, None) for n, _ in (*projections, *gates)}
+        wanted = {n for n, _ in (*projections, *gates)}
+        layers = {n: x for n in wanted if isinstance(x := getattr(module, n, None), nn.Linear)}
         out = getattr(module, output, None)
-        if not isinstance(out, nn.Linear) or not all(
-            isinstance(x, nn.Linear) for x in layers.values()
-        ):
+        if not isinstance(out, nn.Linear) or len(layers) != len(wanted):
             continue
         rows = [
             Projection(
@@ -165,10 +164,12 @@ def kimi_delta_attention(name: str, module: nn.Module) -> LinearAttentionGroup |
         layers[found or names[0]] = getattr(owner, found) if found else None
     out = getattr(module, "o_proj", None)
     decay_bias, decay_rate = getattr(gate, "dt_bias", None), getattr(gate, "A_log", None)
+    linear = {n: x for n, x in layers.items() if isinstance(x, nn.Linear)}
+    if not isinstance(out, nn.Linear) or len(linear) != len(layers):
+        return None
     if not (
-        all(isinstance(x, nn.Linear) for x in (*layers.values(), out))
-        and all(x.out_features == width for n, x in layers.items() if n != "b_proj")
-        and layers["b_proj"].out_features == heads
+        all(x.out_features == width for n, x in linear.items() if n != "b_proj")
+        and linear["b_proj"].out_features == heads
         and out.in_features == width
         and conv.groups == conv.in_channels == conv.out_channels == 3 * width
         and isinstance(decay_bias, nn.Parameter)
@@ -178,7 +179,7 @@ def kimi_delta_attention(name: str, module: nn.Module) -> LinearAttentionGroup |
         and heads in decay_rate.shape
     ):
         return None
-    rows = [Projection(x, 1, 1 if n == "b_proj" else size) for n, x in layers.items()]
+    rows = [Projection(x, 1, 1 if n == "b_proj" else size) for n, x in linear.items()]
     per_unit = {"num_heads": 1, "qkv_dim": size, "conv_dim": 3 * size}
     group = LinearAttentionGroup(
         name,
