@@ -21,8 +21,9 @@ check() {  # wheel dir, 1 when the wheel must hold the compiled module
   "$PY" - "$wheel_file" "$2" <<'EOF'
 import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
-compiled = any(n.startswith("dtp_kernels/_C") for n in names)
+compiled = any(n.startswith("dtp_kernels/_C.") and not n.endswith(".pyi") for n in names)
 assert compiled == (sys.argv[2] == "1"), f"compiled module in the wheel: {compiled}"
+assert "dtp_kernels/_C.pyi" in names, "_C.pyi missing: the compiled module's hints"
 assert "dtp_kernels/configs/paper/table1_resnet56_cifar10.yaml" in names, "recipes missing"
 assert "dtp_kernels/py.typed" in names, "py.typed missing: type checkers would skip the hints"
 EOF

@@ -498,7 +498,8 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
         """(parameters, FLOPs) after pruning with `masks`, computed from the layer shapes."""
         masks = self.hard_masks() if masks is None else masks
         lost = self._kept_channels(masks)
-        params, owners = 0, dict[nn.Parameter, int]()
+        params = 0
+        owners: dict[nn.Parameter, int] = {}
         copies = weight_copies(self.model)  # counted, and cut alike, with the first holder
         cut = dict(lost)  # a copy cut where its first holder is not (one it never runs)
         for holder, first in copies.items():
