@@ -24,6 +24,7 @@ working copies stay small whatever the layer's size.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -182,7 +183,7 @@ def _check(name: str, value: float, low: float, high: float | None = None) -> No
         raise ValueError(f"{name} = {value!r}; allowed: {allowed}")
 
 
-class _Compensated(torch.optim.Optimizer):
+class _Compensated(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     """Shared parts: the step loop over low-precision and full-precision parameters;
     each subclass's `_update(p, group)` updates one parameter."""
 
@@ -237,9 +238,10 @@ class _Compensated(torch.optim.Optimizer):
         state["step"] += 1
         return [state[name] for name in names], state.get("compensation")
 
+    @abc.abstractmethod
     def _update(self, p: torch.Tensor, grad: torch.Tensor, group: dict) -> None:
-        """One step of `p` with its gradient `grad` under `group`'s settings."""
-        raise NotImplementedError
+        """One step of `p` with its gradient `grad` under `group`'s settings (each
+        optimizer's own update)."""
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load, which casts every floating state tensor to its parameter's dtype,
