@@ -252,8 +252,10 @@ def _dispatch(args: argparse.Namespace, argv: list[str] | None) -> int:
             again = " ".join(["dtp", *(argv if argv is not None else sys.argv[1:])])
             again += "" if args.resume else " --resume"
             print(f"dtp prune: {stop}. Resume with:\n  {again}", file=sys.stderr)
+        distributed.end()  # (every rank stops at the same step)
         return 128 + stop.signum
 
     if distributed.is_main():
         print(json.dumps({k: v for k, v in summary.items() if k != "model"}, indent=2))
+    distributed.end()
     return 0

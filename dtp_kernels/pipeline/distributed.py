@@ -56,6 +56,18 @@ def is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+def end() -> None:
+    """End the process group, when one runs, after every rank got here: a process that
+    exits with it running leaves gloo's threads to abort the process at exit ("terminate
+    called without an active exception") and NCCL to warn that it was not destroyed.
+    Called by `dtp prune` once its run is over on every rank. run() leaves the group it
+    started running, so that a script can call it again (a group started anew from
+    torchrun's variables in the same process failed to connect its ranks)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def barrier() -> None:
     """Wait for every rank (nothing when not distributed)."""
     if active():

@@ -198,6 +198,28 @@ def test_without_the_pruner_gradient_average_ranks_drift_apart(tmp_path, loop):
     assert not torch.equal(a["pruner"]["scores"], b["pruner"]["scores"])
 
 
+def cli_rank(rank: int, port: int, out: str) -> None:
+    """`dtp prune` (one DTP epoch) on this rank of two, as torchrun starts it: its exit
+    code, and whether the process group it started still runs after it."""
+    from dtp_kernels.cli import main
+
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    code = main(prune_argv(Path(out) / "run", ["prune.epochs=1"], "--no-progress"))
+    torch.save({"code": code, "group": dist.is_initialized()}, f"{out}/rank{rank}.pt")
+
+
+def test_the_cli_ends_the_process_group_it_started_on_every_rank(tmp_path):
+    """Left running until the interpreter exits, gloo's threads can abort a rank and
+    NCCL warns that the group was not destroyed."""
+    mp.spawn(cli_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        assert torch.load(tmp_path / f"rank{rank}.pt") == {"code": 0, "group": False}
+
+
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_torchrun_runs_the_cli_on_two_processes(tmp_path):
     out = tmp_path / "run"

@@ -620,3 +620,8 @@ if __name__ == "__main__":
         outcome = own_loop(directory, None if stage == "plain" else int(stage), *part)
     if os.environ["RANK"] == "0":
         (directory / "result.json").write_text(json.dumps(outcome))
+    if torch.distributed.is_initialized():
+        # gloo's threads still running at interpreter exit abort the process
+        # ("terminate called without an active exception"): every rank ends together
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
