@@ -107,6 +107,8 @@ class TiedHeadGroup(HeadGroup):
         heads = (keep[:, None] * per_unit + torch.arange(per_unit)).flatten()
         bound = inspect.signature(member.module.forward).bind_partial(*args, **kwargs)
         argument = bias_argument(member.module)
+        if argument is None:  # (a member with a bias dim was handed its bias)
+            raise RuntimeError(f"{type(member.module).__name__} takes no attention bias")
         bias = bound.arguments[argument]
         bound.arguments[argument] = bias.index_select(dim, heads.to(bias.device))
         return bound.args, bound.kwargs
@@ -166,7 +168,7 @@ def _source_tables(
     if heads < 2:  # nothing to prove with one
         return []
     inside = {m for g in chain for m in g.module.modules()}
-    candidates = []
+    candidates: list[list[tuple[nn.Module, str, int]]] = []
     for module in model.modules():
         if module in inside:
             continue
@@ -277,18 +279,19 @@ def tie_chains(model: nn.Module, groups: list[HeadGroup], inputs: tuple) -> list
     }
     chains: dict[nn.Module, list[HeadGroup]] = {}  # by the first layer's module
     bias_dims: dict[nn.Module, dict[nn.Module, int]] = {}
-    outside: dict[int, list[HeadGroup]] = {}  # the layers handed each bias from outside
+    # each bias handed from outside, by identity, and the layers handed it
+    outside: dict[int, tuple[torch.Tensor, list[HeadGroup]]] = {}
     for group in takers:
         bias = handed.get(group.module, 0)  # 0: never called
         if bias is None:
             chains.setdefault(group.module, [group])
             continue
-        first = firsts.get(id(bias)) if isinstance(bias, torch.Tensor) else None
+        if not isinstance(bias, torch.Tensor):
+            group.refusal = _outside_why(group)
+            continue
+        first = firsts.get(id(bias))
         if first is None:
-            if isinstance(bias, torch.Tensor):
-                outside.setdefault(id(bias), []).append(group)
-            else:
-                group.refusal = _outside_why(group)
+            outside.setdefault(id(bias), (bias, []))[1].append(group)
             continue
         dim = _bias_dim(bias, group.units * group.query_heads_per_unit)
         if dim is None or _heads(group) != _heads(first):
@@ -297,12 +300,13 @@ def tie_chains(model: nn.Module, groups: list[HeadGroup], inputs: tuple) -> list
         chains.setdefault(first.module, [first]).append(group)
         bias_dims.setdefault(first.module, {})[group.module] = dim
     sources = {}  # per first layer of a chain handed a bias from outside: its tables
-    for chain in outside.values():
-        first, bias = chain[0], handed[chain[0].module]
-        dims = {g.module: _bias_dim(bias, g.units * g.query_heads_per_unit) for g in chain}
+    for bias, chain in outside.values():
+        first = chain[0]
+        found = {g.module: _bias_dim(bias, g.units * g.query_heads_per_unit) for g in chain}
+        dims = {module: dim for module, dim in found.items() if dim is not None}
         unlike = [g for g in chain if _heads(g) != _heads(first)]
         source = []
-        if not unlike and None not in dims.values():
+        if not unlike and len(dims) == len(found):
             source = _source_tables(model, inputs, chain, bias, dims[first.module])
         if not source:
             for group in chain:
