@@ -35,8 +35,9 @@ from .excitations import excited_root
 from .frozen_norms import FROZEN_BATCH_NORM
 from .graph_workarounds import UNMAPPED_RESHAPE
 from .group_search import TENSOR_OPS, UNFOLLOWED, mappings_held
-from .grouped_convs import equal_parts, is_grouped
+from .grouped_convs import Conv, equal_parts, is_grouped
 from .masked_reads import own_matmul_ops, unmasked_readers
+from .module_tensors import tensor_of
 
 
 @dataclass
@@ -139,7 +140,8 @@ class ChannelGroup:
             weight = self.layer.weight.detach()
             return weight.view(self.parts, self.size, -1).transpose(0, 1).reshape(self.size, -1)
         layers = [layer for layer, _ in self.producers] or [self.layer]
-        return torch.cat([m.weight.detach().reshape(self.size, -1) for m in layers], dim=1)
+        weights = [tensor_of(m).detach().reshape(self.size, -1) for m in layers]
+        return torch.cat(weights, dim=1)
 
     def channels(self, units: torch.Tensor) -> torch.Tensor:
         """The channel indices of `units`."""
@@ -151,6 +153,7 @@ class ChannelGroup:
 
 # the convolutions whose output channels are group roots (1-D, images, video and volumes)
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+TRANSPOSED_CONVS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 # how Torch-Pruning names the autograd nodes that merge several layers' outputs
 MERGING_OPS = ("AddBackward", "SubBackward", "CatBackward", "StackBackward")
 # attention (a softmax, or torch's fused scaled_dot_product_attention): its code
@@ -262,7 +265,7 @@ def _per_channel_width(module: nn.Module) -> int:
     """The channels a BN, InstanceNorm, per-channel affine layer or depthwise conv acts on."""
     if isinstance(module, CONVS):
         return module.out_channels
-    return getattr(module, "num_features", None) or module.weight.numel()
+    return getattr(module, "num_features", None) or tensor_of(module).numel()
 
 
 def _plain_layer(module: nn.Module) -> bool:
@@ -272,7 +275,9 @@ def _plain_layer(module: nn.Module) -> bool:
 
 
 def _in_width(layer: nn.Module) -> int:
-    return layer.in_features if isinstance(layer, nn.Linear) else layer.in_channels
+    """A linear layer's input features, a convolution's input channels."""
+    root = _root(layer)
+    return root.in_features if isinstance(root, nn.Linear) else root.in_channels
 
 
 def out_width(layer: nn.Module) -> int:
@@ -280,7 +285,16 @@ def out_width(layer: nn.Module) -> int:
     the transformers Conv1D an exported GPT-2 has back)."""
     if is_conv1d(layer):
         return layer.nf
-    return layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
+    root = _root(layer)
+    return root.out_features if isinstance(root, nn.Linear) else root.out_channels
+
+
+def _root(layer: nn.Module) -> Conv | nn.Linear:
+    """`layer` as what a group's root is: a convolution or a linear layer."""
+    if isinstance(layer, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)):
+        return layer
+    kind = type(layer).__name__
+    raise TypeError(f"a group's root is a convolution or a linear layer, not a {kind}")
 
 
 def out_channel_handler(layer: nn.Module):
@@ -379,7 +393,7 @@ def _coupling_problem(ops: list[str], norms: list, params: list, bns: list, rest
     return ""
 
 
-def output_layers(graph: tp.DependencyGraph, roots: tuple[type, ...]) -> list[nn.Module]:
+def output_layers(graph: tp.DependencyGraph, roots: tuple[type[nn.Module], ...]) -> list[nn.Module]:
     """The layers of the `roots` types from whose outputs only tensor ops lead, to the
     model's outputs: no module reads their channels, so they keep them all, and their
     groups need no search. A detection head's box regressor is one: its outputs are decoded
@@ -409,7 +423,9 @@ def output_layers(graph: tp.DependencyGraph, roots: tuple[type, ...]) -> list[nn
     ]
 
 
-def shuffled_layers(graph: tp.DependencyGraph, roots: tuple[type, ...]) -> list[nn.Module]:
+def shuffled_layers(
+    graph: tp.DependencyGraph, roots: tuple[type[nn.Module], ...]
+) -> list[nn.Module]:
     """The layers of the `roots` types whose channels meet a reshape the graph left
     unmapped (UNMAPPED_RESHAPE: a channel shuffle): their groups are left whole, with no
     search (Torch-Pruning's search through a shuffle fails). The channels' reach is
@@ -515,7 +531,7 @@ def _channel_groups(
     ignored: list[nn.Module],
     coupled: bool,
     names: dict[nn.Module, str],
-    roots: list[type],
+    roots: list[type[nn.Module]],
     whole: dict[nn.Module, str],
 ) -> dict[nn.Module, ChannelGroup]:
     """find_groups' search: each prunable group by its root layer; why each group it
@@ -523,9 +539,9 @@ def _channel_groups(
     owners = _parameter_owners(model)
     shared = _shared_parameters(model)
     order = {module: index for index, module in enumerate(model.modules())}
-    returned = getattr(graph, RETURNED, set())
+    returned: set[object] = getattr(graph, RETURNED, set())  # grad_fns
     returning = {n for n in graph.module2node.values() if n.grad_fn in returned}
-    found = {}
+    found: dict[nn.Module, ChannelGroup] = {}
     for group in graph.get_all_groups(ignored_layers=list(ignored), root_module_types=roots):
         out_layers: list[nn.Module] = [group[0].dep.target.module]  # the root, until all found
         if getattr(group, UNFOLLOWED, False):
@@ -542,7 +558,7 @@ def _channel_groups(
         op_ids: list[int] = []  # each op's module, to tell the readers' own matmuls
         group_norms, params, param_owners, affines = [], [], [], []
         read: dict[nn.Module, int] = {}  # input channels of each consumer the group holds
-        grouped_reads: dict[nn.Module, list[int]] = {}  # grouped convs' inputs, in order
+        grouped_reads: dict[Conv, list[int]] = {}  # grouped convs' inputs, in order
         for dep, idxs in group:
             module, handler = dep.target.module, dep.handler
             ops.append(_group_op(graph, module))
@@ -560,7 +576,7 @@ def _channel_groups(
                 bns.append(module)
                 outs.append(module)
                 pruner = getattr(handler, "__self__", None)  # a bound method's owner
-                if pruner in CHANNEL_AFFINES.values():
+                if pruner is not None and pruner in CHANNEL_AFFINES.values():
                     affines.append((module, pruner.form))
             elif handler == tp.prune_groupnorm_out_channels:
                 group_norms.append(module)
@@ -581,6 +597,11 @@ def _channel_groups(
                 read[module] = len(idxs)
                 if is_grouped(module):
                     grouped_reads[module] = [int(i) for i in idxs]
+        if any(isinstance(m, TRANSPOSED_CONVS) for m in outs):
+            # its output channels lie along the weight's second dimension, where no mask
+            # goes (a transposed convolution is never a root for the same reason)
+            _leave(whole, out_layers, "a transposed convolution writes its channels", ins)
+            continue
         gated = (
             len(out_layers) > 1
             and all(_plain_layer(m) for m in [*out_layers, *ins])
@@ -665,7 +686,7 @@ def _channel_groups(
                 ins,
             )
             continue
-        layer = min(out_layers, key=lambda m: order[m])
+        layer = _root(min(out_layers, key=lambda m: order[m]))
         # cutting one use of a shared weight would untie it from the others (refused)
         tied = [names[m] for m in [*outs, *ins] if any(id(p) in shared for p in m.parameters())]
         size = out_width(layer)
@@ -751,7 +772,7 @@ def _channel_groups(
             )
             continue
         bn = last if last in bns else None
-        rows = last if last in depthwise else layer
+        rows: nn.Module = last if last is not None and last in depthwise else layer
         if residual:
             found[layer] = ChannelGroup(
                 names[layer],

@@ -290,10 +290,14 @@ class DTPPruner(ChannelPruner):
             # load_state_dict(assign=True) puts new parameter tensors in the BNs
             model.register_load_state_dict_post_hook(self._refresh_fold),
         ]
-        with keeping_grad_accumulators():  # DDP's hooks on the masked weights stay live
-            for index, group in enumerate(self.groups):  # a tie set's read its first's
-                self._attach_mask(self.mask_of[index], group)
-        self._refresh_fold()
+        try:
+            with keeping_grad_accumulators():  # DDP's hooks on the masked weights stay live
+                for index, group in enumerate(self.groups):  # a tie set's read its first's
+                    self._attach_mask(self.mask_of[index], group)
+            self._refresh_fold()
+        except BaseException:
+            self.remove()  # the model as it was given, not half masked
+            raise
 
     def made_with(self) -> dict:
         """The keyword arguments that make a pruner as this one was made (the model left

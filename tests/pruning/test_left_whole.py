@@ -62,6 +62,45 @@ def test_a_residual_network_names_the_coupled_layers_and_the_classifier():
     assert DTPPruner(model, inputs, 0.5, prune_coupled=True).left_whole == {}
 
 
+class Upsampled(nn.Module):
+    """A transposed conv's output added to a conv's: coupled channels, one of whose
+    writers holds them along its weight's second dimension."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.ConvTranspose2d(width, 6, 2, stride=2)
+        self.stem, self.side = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 6, 3, padding=1)
+        self.head = nn.Conv2d(6, 5, 1)
+
+    def forward(self, x: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+        side = self.side(torch.relu(self.stem(x)))
+        return self.head(torch.relu(self.up(low) + side))
+
+
+@pytest.mark.parametrize("coupled", [True, False])
+@pytest.mark.parametrize("width", [4, 6])  # 6: the transposed conv's weight is square
+def test_channels_a_transposed_conv_writes_are_left_whole_even_coupled(width, coupled):
+    """Its output channels lie along its weight's second dimension: left whole, with
+    the channels it adds to (the side conv's outputs), coupled or not. Before, with
+    prune_coupled=True, the mask went on its first dimension: a shape error, or with a
+    square weight its input channels masked in training and the export refused."""
+    torch.manual_seed(0)
+    model = Upsampled(width).eval()
+    inputs = (torch.randn(1, 3, 8, 8), torch.randn(1, width, 4, 4))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    pruner = DTPPruner(model, inputs, 0.5, prune_coupled=coupled)
+    assert [g.name for g in pruner.groups] == ["stem"]  # (side: its input channels cut)
+    assert pruner.left_whole == {
+        "up": "a transposed convolution writes its channels",
+        "head": "its outputs are the model's outputs: no layer reads them",
+    }
+    with torch.no_grad(), randomised(pruner).hard_masked():
+        want = model(*inputs)
+    torch.testing.assert_close(pruner.export().eval()(*inputs), want, rtol=1e-5, atol=1e-6)
+    pruner.remove()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 def test_an_mlp_with_statistics_over_its_neurons_is_listed_with_where_they_meet():
     """Gemma 3n's first MLP subtracts a cutoff computed over all its neurons from the
     gate (activation sparsity): the gate's channels meet the up projection's there, so

@@ -388,6 +388,30 @@ def test_bad_input_leaves_model_untouched(kwargs, error, pattern):
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_a_mask_that_fails_to_attach_leaves_the_model_untouched(monkeypatch):
+    """An error while the masks go on (the third group's here) takes off the ones
+    already attached, with the pruner's hooks: the model is as it was given."""
+    model = resnet20()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    attach, calls = DTPPruner._attach_mask, []
+
+    def failing(self, mask, group):
+        calls.append(group.name)
+        if len(calls) == 3:
+            raise RuntimeError(f"cannot mask {group.name}")
+        attach(self, mask, group)
+
+    monkeypatch.setattr(DTPPruner, "_attach_mask", failing)
+    with pytest.raises(RuntimeError, match="cannot mask"):
+        DTPPruner(model, X1, 0.5)
+    assert not any(parametrize.is_parametrized(m) for m in model.modules())
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    monkeypatch.undo()
+    DTPPruner(model, X1, 0.5)  # (no masks of the failed pruner left to refuse)
+
+
 def test_ignored_layers_by_name_leave_the_same_layers_whole_as_by_module():
     """ignored_layers takes the model's modules or their names alike (the names refusals
     print); a module holding layers leaves them all whole; a model that is no module is
