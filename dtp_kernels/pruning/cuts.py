@@ -78,7 +78,7 @@ def cut_inputs(layer: nn.Module, keep: torch.Tensor) -> None:
         setattr(layer, "in_channels", len(keep))  # noqa: B010
 
 
-def cut_depthwise(conv: nn.Conv1d, keep: torch.Tensor) -> None:
+def cut_depthwise(conv: nn.Conv1d | nn.Conv2d | nn.Conv3d, keep: torch.Tensor) -> None:
     """Keep the channels `keep` of a depthwise convolution, in place."""
     conv.weight = kept_rows(conv.weight, keep)
     if conv.bias is not None:

@@ -41,60 +41,85 @@ class SplitGatedConvGroup(FormMLPGroup):
     def channels_lost(self, mask: torch.Tensor) -> dict[nn.Module, tuple[int, int]]:
         """(output, input) channels each layer loses under `mask`: fc1 two rows and fc2
         one column per removed neuron, the conv a channel per removed neuron past i."""
-        _, values, _ = self.block.split_indices
+        parts = parts_of(self.block)
+        _, values, _ = parts.split
         gone = (mask == 0).nonzero().flatten()
         convolved = int((gone >= values).sum())
         return {
-            self.block.fc1: (2 * len(gone), 0),
-            self.block.conv: (convolved, convolved),
-            self.block.fc2: (0, len(gone)),
+            parts.fc1: (2 * len(gone), 0),
+            parts.conv: (convolved, convolved),
+            parts.fc2: (0, len(gone)),
         }
 
 
-def _is_split_gated_conv(module: nn.Module) -> bool:
-    """Whether `module` has the form of the module docstring, its sizes consistent."""
+@dataclass(frozen=True)
+class BlockParts:
+    """A gated convolution block's layers and `split_indices`, as the module docstring
+    has them."""
+
+    fc1: nn.Linear
+    conv: nn.Conv2d  # depthwise
+    fc2: nn.Linear
+    split: tuple[int, int, int]  # (hidden, taken as they are, convolved)
+
+
+def _form(module: nn.Module) -> BlockParts | None:
+    """`module`'s parts when it has the form of the module docstring, its sizes
+    consistent; else None."""
     fc1, fc2, conv = (getattr(module, n, None) for n in ("fc1", "fc2", "conv"))
     split = getattr(module, "split_indices", None)
     if not (isinstance(fc1, nn.Linear) and isinstance(fc2, nn.Linear)):
-        return False
+        return None
     if not (isinstance(conv, nn.Conv2d) and conv.groups == conv.in_channels == conv.out_channels):
-        return False
+        return None
     if not (isinstance(split, tuple) and len(split) == 3):
-        return False
-    if not all(isinstance(n, int) for n in split):
-        return False
+        return None
     hidden, values, convolved = split
-    return (
+    if not all(isinstance(n, int) for n in split):
+        return None
+    consistent = (
         fc1.out_features == 2 * hidden
         and values + convolved == hidden
         and conv.in_channels == convolved
         and fc2.in_features == hidden
         and hidden >= 2
     )
+    return BlockParts(fc1, conv, fc2, (hidden, values, convolved)) if consistent else None
+
+
+def parts_of(block: nn.Module | None) -> BlockParts:
+    """The parts of `block`, a gated convolution block (TypeError naming it if not)."""
+    parts = _form(block) if block is not None else None
+    if parts is None:
+        kind = type(block).__name__
+        raise TypeError(f"a {kind} is not a gated convolution block (fc1, conv, fc2, split)")
+    return parts
 
 
 def cut_block(block: nn.Module, keep: torch.Tensor) -> None:
     """Keep the hidden neurons `keep` (sorted) of a gated convolution block, in place."""
-    hidden, values, _ = block.split_indices
-    keep = keep.to(block.fc1.weight.device)
-    cut_linear(block.fc1, torch.cat([keep, hidden + keep]), 0)
-    cut_linear(block.fc2, keep, 1)
+    parts = parts_of(block)
+    hidden, values, _ = parts.split
+    keep = keep.to(parts.fc1.weight.device)
+    cut_linear(parts.fc1, torch.cat([keep, hidden + keep]), 0)
+    cut_linear(parts.fc2, keep, 1)
     convolved = keep[keep >= values] - values
     if len(convolved):
-        cut_depthwise(block.conv, convolved)
+        cut_depthwise(parts.conv, convolved)
     else:  # no channel left to convolve: an identity on the empty part
         block.conv = nn.Identity()
-    block.split_indices = (len(keep), len(keep) - len(convolved), len(convolved))
+    split = (len(keep), len(keep) - len(convolved), len(convolved))
+    setattr(block, "split_indices", split)  # noqa: B010 (a tuple on a module typed as any)
 
 
 def _proven(block: nn.Module, call: tuple[tuple, dict]) -> bool:
     """Whether `block` cuts exactly on its example call (proof.py)."""
 
     def zero(copy: nn.Module, keep: torch.Tensor) -> None:
-        weight = copy.fc2.weight
+        weight = parts_of(copy).fc2.weight
         weight[:, dropped(weight.shape[1], keep, weight.device)] = 0
 
-    return cuts_exactly(block, call, block.split_indices[0], zero, cut_block)
+    return cuts_exactly(block, call, parts_of(block).split[0], zero, cut_block)
 
 
 def find_split_gated_convs(
@@ -104,20 +129,17 @@ def find_split_gated_convs(
     of whose layers is in `ignored`, in model order."""
     names = {module: name for name, module in model.named_modules()}
     skipped = set(ignored)
-    blocks = [
-        m
-        for m in model.modules()
-        if _is_split_gated_conv(m) and not {m, m.fc1, m.fc2, m.conv} & skipped
-    ]
+    found = {m: parts for m in model.modules() if (parts := _form(m)) is not None}
+    blocks = [m for m, p in found.items() if not {m, p.fc1, p.fc2, p.conv} & skipped]
     calls = example_calls(model, blocks, inputs)
     return [
         SplitGatedConvGroup(
-            names[block.fc1],
-            block.fc1,
+            names[found[block].fc1],
+            found[block].fc1,
             None,
-            block.split_indices[0],
-            [block.fc1, block.conv],
-            [block.fc2],
+            found[block].split[0],
+            [found[block].fc1, found[block].conv],
+            [found[block].fc2],
             gated=True,
             parts=2,
             block=block,

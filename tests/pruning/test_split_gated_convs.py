@@ -12,7 +12,7 @@ from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.cost import count_flops, count_params
 from dtp_kernels.pruning.split_gated_convs import (
     SplitGatedConvGroup,
-    _is_split_gated_conv,
+    _form,
     cut_block,
 )
 
@@ -35,7 +35,7 @@ def tiny_mambaout(conv_ratio: float = 1.0) -> nn.Module:
 @pytest.mark.parametrize("conv_ratio", [1.0, 0.5])
 def test_mambaout_blocks_prune_and_export_what_the_masked_model_computes(conv_ratio):
     model, x = tiny_mambaout(conv_ratio), torch.randn(4, 3, 64, 64)
-    blocks = [m for m in model.modules() if _is_split_gated_conv(m)]
+    blocks = [m for m in model.modules() if _form(m) is not None]
     dense = [(b.split_indices, b.fc1.weight.detach().clone()) for b in blocks]
     pruner = DTPPruner(model, (x[:1],), {"*": 0.5, **WHOLE})
     assert [type(g) for g in pruner.groups] == [SplitGatedConvGroup] * 4
@@ -53,7 +53,7 @@ def test_mambaout_blocks_prune_and_export_what_the_masked_model_computes(conv_ra
         torch.testing.assert_close(exported(x), want, rtol=1e-5, atol=1e-5)
     params, flops = pruner.predicted_counts()
     assert params == count_params(exported) and flops == count_flops(exported, (x[:1],))
-    cut = [m for m in exported.modules() if _is_split_gated_conv(m)]
+    cut = [m for m in exported.modules() if _form(m) is not None]
     for ((hidden, values, _), weight), block, mask in zip(dense, cut, masks, strict=True):
         keep = mask.nonzero().flatten()
         assert block.split_indices == (
@@ -113,6 +113,6 @@ def test_a_block_that_does_not_cut_exactly_is_not_adopted():
 )
 def test_only_consistent_sizes_are_the_form(change):
     block = FixedSplit()
-    assert _is_split_gated_conv(block)
+    assert _form(block) is not None
     change(block)
-    assert not _is_split_gated_conv(block)
+    assert _form(block) is None
