@@ -19,6 +19,8 @@ width is left).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from timm.layers import apply_rot_embed_cat
@@ -55,11 +57,11 @@ class _GivenToTheLayer(GivenToTheLayer):
         then gives it the saved shapes)."""
         layer = super().from_dense(layer)
         if getattr(layer, "q_bias", None) is not None:
-            layer.k_bias = None  # zeros, made in forward at the kept width
+            setattr(layer, "k_bias", None)  # noqa: B010 (zeros, made in forward at the kept width)
         return layer
 
 
-def _heads(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _heads(layer: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Queries, keys and values (batch, heads, tokens, head size) of the fused projection
     `layer.qkv`, with the query and value biases `layer.q_bias`, `layer.v_bias` (and a
     zero key bias) where the layer has them, added as its class adds them."""
@@ -75,7 +77,7 @@ def _heads(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return qkv.reshape(batch, tokens, 3, layer.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
 
 
-def _attention(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _attention(layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Attention with no mask as timm writes it: fused (the layer's dropout when training)
     or written out with the layer's scale and dropout."""
     if layer.fused_attn:
@@ -145,7 +147,9 @@ class PrunedBeitAttention(_GivenToTheLayer, BeitAttention):
         self, x: torch.Tensor, shared_rel_pos_bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         q, k, v = _heads(self, x)
-        table = None if self.relative_position_bias_table is None else self._get_rel_pos_bias()
+        table: torch.Tensor | None = None
+        if self.relative_position_bias_table is not None:
+            table = self._get_rel_pos_bias()
         if self.fused_attn:
             bias = table
             if shared_rel_pos_bias is not None:
@@ -156,9 +160,9 @@ class PrunedBeitAttention(_GivenToTheLayer, BeitAttention):
             )
         else:
             scores = (q * self.scale) @ k.transpose(-2, -1)
-            for bias in (table, shared_rel_pos_bias):  # added one after the other
-                if bias is not None:
-                    scores = scores + bias
+            for added in (table, shared_rel_pos_bias):  # added one after the other
+                if added is not None:
+                    scores = scores + added
             out = self.attn_drop(scores.softmax(dim=-1)) @ v
         return self.proj_drop(self.proj(_merged(out)))
 
@@ -169,6 +173,9 @@ class PrunedSwinV2WindowAttention(_GivenToTheLayer, SwinV2WindowAttention):
     their size."""
 
     replaces = SwinV2WindowAttention
+    cpb_mlp: nn.Sequential  # (its bias MLP, and the buffers it reads)
+    relative_coords_table: torch.Tensor
+    relative_position_index: torch.Tensor
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         tokens = x.shape[1]
@@ -215,7 +222,7 @@ class PrunedDavitWindowAttention(_GivenToTheLayer, DavitWindowAttention):
         return self.proj(_merged(out))
 
 
-def _cross_covariance(layer: nn.Module, x: torch.Tensor, fused: bool) -> torch.Tensor:
+def _cross_covariance(layer: Any, x: torch.Tensor, fused: bool) -> torch.Tensor:
     """XCiT's and EdgeNeXt's attention over each head's channels: queries and keys
     L2-normalised over the tokens, a learned temperature per head, the heads' output
     merged back to the tokens."""
@@ -270,6 +277,7 @@ class PrunedRelPosAttention(_GivenToTheLayer, RelPosAttention):
     over their size (its position-bias module's table or MLP rows cut with them)."""
 
     replaces = RelPosAttention
+    rel_pos: Any  # timm's position-bias module (RelPosBias, RelPosMlp, ...) or None
 
     def forward(self, x: torch.Tensor, shared_rel_pos: torch.Tensor | None = None) -> torch.Tensor:
         batch, tokens, _ = x.shape
@@ -329,7 +337,7 @@ class PrunedNextVitAttention(_GivenToTheLayer, NextVitAttention):
 
 
 def _sub_sampled_keys_values(
-    layer: nn.Module, x: torch.Tensor, size: tuple[int, int]
+    layer: Any, x: torch.Tensor, size: Sequence[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values (batch, heads, tokens, head size) of `layer.kv` over the tokens `x`
     of an image of `size`, first pooled (PVT v2's linear attention), reduced by the strided
