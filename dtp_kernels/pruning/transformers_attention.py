@@ -14,6 +14,7 @@ layer the subclass below: the same parameters, state-dict keys, call and outputs
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import nn
@@ -50,23 +51,24 @@ class PrunedTrOCRAttention(GivenToTheLayer, TrOCRAttention):
         (the encoder's states for cross-attention), added to the cache, or read from it
         where a cross-attention layer already wrote its own."""
         cross = key_value_states is not None
+        index = cast(int, self.layer_idx)  # (transformers annotates it `bool | None`)
         layer_cache, written = cache, False
         if isinstance(cache, EncoderDecoderCache):
-            written = cache.is_updated.get(self.layer_idx)
+            written = bool(cache.is_updated.get(index))
             layer_cache = cache.cross_attention_cache if cross else cache.self_attention_cache
         if cross and cache is not None and written:
-            layer = layer_cache.layers[self.layer_idx]
+            layer = layer_cache.layers[index]
             return layer.keys, layer.values
-        source = key_value_states if cross else hidden_states
+        source = hidden_states if key_value_states is None else key_value_states
         batch = source.shape[0]
         key, value = (
             p(source).view(batch, -1, self.num_heads, self.head_dim).transpose(1, 2)
             for p in (self.k_proj, self.v_proj)
         )
         if cache is not None:
-            key, value = layer_cache.update(key, value, self.layer_idx, kwargs=kwargs)
+            key, value = layer_cache.update(key, value, index, kwargs=kwargs)
             if cross and isinstance(cache, EncoderDecoderCache):
-                cache.is_updated[self.layer_idx] = True
+                cache.is_updated[index] = True
         return key, value
 
     def forward(
@@ -94,7 +96,8 @@ class PrunedTrOCRAttention(GivenToTheLayer, TrOCRAttention):
         if output_attentions:  # reshaped twice, as TrOCR's, so they keep their gradient
             per_head = weights.view(batch, self.num_heads, length, sources)
             weights = per_head.view(heads, length, sources)
-        probs = nn.functional.dropout(weights, p=self.dropout, training=self.training)
+        dropout = cast(float, self.dropout)  # (transformers annotates it `float | None`)
+        probs = nn.functional.dropout(weights, p=dropout, training=self.training)
         out = torch.bmm(probs, value).view(batch, self.num_heads, length, self.head_dim)
         return self.out_proj(out.transpose(1, 2).reshape(batch, length, -1)), per_head
 
@@ -105,7 +108,8 @@ class PrunedPvtV2SelfAttention(GivenToTheLayer, PvtV2SelfAttention):
 
     replaces = PvtV2SelfAttention
 
-    def forward(
+    # (one item or two, as transformers' forward returns: it is annotated one)
+    def forward(  # type: ignore[override]
         self,
         hidden_states: torch.Tensor,
         height: int,
@@ -145,6 +149,21 @@ class _PositionedAttention(GivenToTheLayer):
     and keys from the states with their position embeddings added, values from the states
     alone; the heads' output reshaped to their own width."""
 
+    # the attention layer's, which this class is mixed into
+    num_heads: int
+    head_dim: int
+    scaling: float
+    dropout: float
+    training: bool
+    q_proj: nn.Linear
+    k_proj: nn.Linear
+    v_proj: nn.Linear
+    out_proj: nn.Linear
+
+    def _dropout(self) -> float:
+        """The attention weights' dropout probability."""
+        return self.dropout
+
     def _attend(
         self,
         queries: torch.Tensor,
@@ -167,7 +186,7 @@ class _PositionedAttention(GivenToTheLayer):
         if bias is not None:
             scores = (scores.view(batch, heads, length, sources) + bias).view(scores.shape)
         weights = nn.functional.softmax(scores, dim=-1)
-        probs = nn.functional.dropout(weights, p=self.dropout, training=self.training)
+        probs = nn.functional.dropout(weights, p=self._dropout(), training=self.training)
         out = torch.bmm(probs, value).view(batch, heads, length, self.head_dim)
         out = self.out_proj(out.transpose(1, 2).reshape(batch, length, -1))
         return out, weights.view(batch, heads, length, sources)
@@ -194,7 +213,8 @@ class PrunedTableTransformerAttention(_PositionedAttention, TableTransformerAtte
 
     replaces = TableTransformerAttention
 
-    def forward(
+    # (two items, as transformers' forward returns: it is annotated three)
+    def forward(  # type: ignore[override]
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
@@ -216,11 +236,11 @@ class PrunedDabDetrEncoderAttention(_PositionedAttention, DabDetrEncoderAttentio
 
     replaces = DabDetrEncoderAttention
 
-    @property
-    def dropout(self) -> float:  # the name `_attend` reads
+    def _dropout(self) -> float:
         return self.attention_dropout
 
-    def forward(
+    # (two items, as transformers' forward returns: it is annotated three)
+    def forward(  # type: ignore[override]
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
@@ -254,7 +274,7 @@ class _SequenceFirstAttention(_PositionedAttention):
         if bias is not None:  # (batch * heads, queries, keys)
             bias = bias.view(hidden_states.shape[1], self.num_heads, *bias.shape[1:])
         out, weights = self._positioned(
-            first(hidden_states),
+            hidden_states.transpose(0, 1),
             first(position_embeddings),
             first(key_value_states),
             first(key_value_position_embeddings),
@@ -263,14 +283,15 @@ class _SequenceFirstAttention(_PositionedAttention):
         return out.transpose(0, 1), (weights if output_attentions else None)
 
 
-class PrunedMask2FormerAttention(_SequenceFirstAttention, Mask2FormerAttention):
+# (its forward returns two items, as transformers' do: they are annotated three)
+class PrunedMask2FormerAttention(_SequenceFirstAttention, Mask2FormerAttention):  # type: ignore[misc]
     """Mask2Former's attention whose heads may be fewer than the model width over their
     size."""
 
     replaces = Mask2FormerAttention
 
 
-class PrunedOneFormerAttention(_SequenceFirstAttention, OneFormerAttention):
+class PrunedOneFormerAttention(_SequenceFirstAttention, OneFormerAttention):  # type: ignore[misc]
     """OneFormer's attention whose heads may be fewer than the model width over their
     size."""
 
