@@ -27,6 +27,7 @@ from torch import nn
 
 from .cuts import cut_depthwise, cut_linear, kept_rows
 from .groups import ChannelGroup
+from .module_tensors import tensor_of
 from .proof import cuts_exactly, dropped, example_calls
 
 
@@ -44,9 +45,9 @@ class MambaGroup(ChannelGroup):
 
     def unit_weights(self) -> torch.Tensor:
         """Per channel: its in_proj rows (input and gate) and its out_proj column."""
-        mixer, size = self.mixer, self.size
-        rows = mixer.in_proj.weight.detach().view(2, size, -1).transpose(0, 1)
-        return torch.cat([rows.reshape(size, -1), mixer.out_proj.weight.detach().t()], dim=1)
+        parts, size = parts_of(self.mixer), self.size
+        rows = parts.in_proj.weight.detach().view(2, size, -1).transpose(0, 1)
+        return torch.cat([rows.reshape(size, -1), parts.out_proj.weight.detach().t()], dim=1)
 
     def channels(self, units: torch.Tensor) -> torch.Tensor:
         return units
@@ -55,15 +56,36 @@ class MambaGroup(ChannelGroup):
         cut_channels(mixer, keep)
 
 
-def _width(mixer: nn.Module) -> int | None:
-    """I, when `mixer` has the Mamba mixer's layers and parameters in their shapes."""
-    layers = [getattr(mixer, n, None) for n in ("in_proj", "x_proj", "dt_proj", "out_proj")]
+@dataclass(frozen=True)
+class MixerParts:
+    """A Mamba mixer's layers and per-channel parameters, as the module docstring has
+    them, and its inner width I."""
+
+    in_proj: nn.Linear
+    conv1d: nn.Conv1d
+    x_proj: nn.Linear
+    dt_proj: nn.Linear
+    out_proj: nn.Linear
+    width: int
+
+
+def _form(mixer: nn.Module) -> MixerParts | None:
+    """`mixer`'s parts, when it has the Mamba mixer's layers and parameters in their
+    shapes; else None."""
+    in_proj, x_proj, dt_proj, out_proj = (
+        getattr(mixer, n, None) for n in ("in_proj", "x_proj", "dt_proj", "out_proj")
+    )
     conv, a_log, d = (getattr(mixer, n, None) for n in ("conv1d", "A_log", "D"))
-    if not all(isinstance(m, nn.Linear) for m in layers) or not isinstance(conv, nn.Conv1d):
+    if not (
+        isinstance(in_proj, nn.Linear)
+        and isinstance(x_proj, nn.Linear)
+        and isinstance(dt_proj, nn.Linear)
+        and isinstance(out_proj, nn.Linear)
+        and isinstance(conv, nn.Conv1d)
+    ):
         return None
     if not (isinstance(a_log, nn.Parameter) and isinstance(d, nn.Parameter)):
         return None
-    in_proj, x_proj, dt_proj, out_proj = layers
     width = conv.out_channels
     depthwise = conv.groups == conv.in_channels == width
     if not (
@@ -76,12 +98,20 @@ def _width(mixer: nn.Module) -> int | None:
         and tuple(d.shape) == (width,)
     ):
         return None
-    return width
+    return MixerParts(in_proj, conv, x_proj, dt_proj, out_proj, width)
+
+
+def parts_of(mixer: nn.Module | None) -> MixerParts:
+    """The parts of `mixer`, a Mamba mixer (TypeError naming it if not)."""
+    parts = _form(mixer) if mixer is not None else None
+    if parts is None:
+        raise TypeError(f"a {type(mixer).__name__} is not a Mamba mixer of the known form")
+    return parts
 
 
 def _zero(mixer: nn.Module, keep: torch.Tensor) -> None:
     """What the hard mask does: the dropped channels' conv rows and bias zeroed."""
-    conv = mixer.conv1d
+    conv = parts_of(mixer).conv1d
     drop = dropped(conv.out_channels, keep, conv.weight.device)
     conv.weight[drop] = 0
     if conv.bias is not None:
@@ -90,17 +120,18 @@ def _zero(mixer: nn.Module, keep: torch.Tensor) -> None:
 
 def cut_channels(mixer: nn.Module, keep: torch.Tensor) -> None:
     """Remove the inner channels not in `keep` (sorted indices) from a Mamba mixer."""
-    width = mixer.conv1d.out_channels
+    parts = parts_of(mixer)
+    width = parts.width
     keep = keep.cpu()
-    cut_linear(mixer.in_proj, torch.cat([keep, keep + width]))  # input and gate rows
-    cut_depthwise(mixer.conv1d, keep)
-    cut_linear(mixer.x_proj, keep, dim=1)
-    cut_linear(mixer.dt_proj, keep)
-    cut_linear(mixer.out_proj, keep, dim=1)
-    mixer.A_log = kept_rows(mixer.A_log, keep)
-    mixer.D = kept_rows(mixer.D, keep)
+    cut_linear(parts.in_proj, torch.cat([keep, keep + width]))  # input and gate rows
+    cut_depthwise(parts.conv1d, keep)
+    cut_linear(parts.x_proj, keep, dim=1)
+    cut_linear(parts.dt_proj, keep)
+    cut_linear(parts.out_proj, keep, dim=1)
+    for name in ("A_log", "D"):
+        setattr(mixer, name, kept_rows(tensor_of(mixer, name), keep))
     if getattr(mixer, "intermediate_size", None) == width:
-        mixer.intermediate_size = len(keep)
+        setattr(mixer, "intermediate_size", len(keep))  # noqa: B010 (an int on any module)
 
 
 def find_mamba_groups(
@@ -109,30 +140,30 @@ def find_mamba_groups(
     """One group per Mamba mixer of `model` that runs on `inputs` and cuts exactly, none
     of whose layers is in `ignored`, in model order."""
     ignored_set = set(ignored)
-    mixers = {
-        name: module
+    found = {
+        name: (module, parts)
         for name, module in model.named_modules()
-        if _width(module) is not None
+        if (parts := _form(module)) is not None
         and module not in ignored_set
         and not set(module.children()) & ignored_set
     }
-    if not mixers:
+    if not found:
         return []
-    calls = example_calls(model, list(mixers.values()), inputs)
+    calls = example_calls(model, [mixer for mixer, _ in found.values()], inputs)
     groups = []
-    for name, mixer in mixers.items():
-        width = _width(mixer)
+    for name, (mixer, parts) in found.items():
+        width = parts.width
         if mixer not in calls or not cuts_exactly(mixer, calls[mixer], width, _zero, cut_channels):
             continue
         groups.append(
             MambaGroup(
                 name,
-                mixer.in_proj,
+                parts.in_proj,
                 None,
                 width,
-                [mixer.in_proj, mixer.conv1d, mixer.dt_proj],
-                [mixer.x_proj, mixer.out_proj],
-                rows=mixer.conv1d,
+                [parts.in_proj, parts.conv1d, parts.dt_proj],
+                [parts.x_proj, parts.out_proj],
+                rows=parts.conv1d,
                 mixer=mixer,
                 tables=[(mixer, "A_log", 0), (mixer, "D", 0)],
             )
