@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -63,12 +64,18 @@ class Mamba2Form:
 def mamba2_form(mixer: nn.Module) -> Mamba2Form | None:
     """The sizes of `mixer` when it has a Mamba-2 mixer's layers, parameters and
     attributes in their shapes; else None."""
-    sizes = [getattr(mixer, n, None) for n in ("num_heads", "head_dim", "n_groups")]
-    state = getattr(mixer, "ssm_state_size", None)
-    if not all(isinstance(x, int) and x > 0 for x in (*sizes, state)):
+    names = ("num_heads", "head_dim", "n_groups", "ssm_state_size")
+    heads, head_dim, groups, state = (getattr(mixer, n, None) for n in names)
+    if not (
+        isinstance(heads, int)
+        and isinstance(head_dim, int)
+        and isinstance(groups, int)
+        and isinstance(state, int)
+        and min(heads, head_dim, groups, state) > 0
+    ):
         return None
     norm = getattr(mixer, "norm", None)
-    form = Mamba2Form(*sizes, state, normed=not isinstance(norm, nn.Identity))
+    form = Mamba2Form(heads, head_dim, groups, state, normed=not isinstance(norm, nn.Identity))
     in_proj, conv, out_proj = (getattr(mixer, n, None) for n in ("in_proj", "conv1d", "out_proj"))
     tables = [getattr(mixer, n, None) for n in ("A_log", "D", "dt_bias")]
     if not (
@@ -87,7 +94,7 @@ def mamba2_form(mixer: nn.Module) -> Mamba2Form | None:
     return form
 
 
-def _group_norm(norm: nn.Module, form: Mamba2Form) -> bool:
+def _group_norm(norm: object, form: Mamba2Form) -> bool:
     """Whether `norm` is an RMS norm of the form's channels in its groups: their size in
     `group_size` (Mamba2's) or their count in `n_groups` (Falcon-H1's); or, with neither
     attribute, over all of them (Mamba2 of transformers 5.17 and earlier): every group
@@ -107,11 +114,35 @@ def _group_norm(norm: nn.Module, form: Mamba2Form) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class Mamba2Parts:
+    """A Mamba-2 mixer's layers, as the module docstring has them."""
+
+    in_proj: nn.Linear
+    conv1d: nn.Conv1d
+    out_proj: nn.Linear
+    # the model's own gated RMS norm (weight, variance_epsilon, group_size where it has
+    # one), or an Identity where the mixer has none
+    norm: Any
+
+
+def parts_of(mixer: nn.Module) -> Mamba2Parts:
+    """The layers of `mixer`, a Mamba-2 mixer (TypeError naming it if not)."""
+    in_proj, conv, out_proj = (getattr(mixer, n, None) for n in ("in_proj", "conv1d", "out_proj"))
+    if not (
+        isinstance(in_proj, nn.Linear)
+        and isinstance(conv, nn.Conv1d)
+        and isinstance(out_proj, nn.Linear)
+    ):
+        raise TypeError(f"a {type(mixer).__name__} is not a Mamba-2 mixer of the known form")
+    return Mamba2Parts(in_proj, conv, out_proj, getattr(mixer, "norm", None))
+
+
 def in_proj_tables(mixer: nn.Module) -> list[str]:
     """The mixer's own buffers with an entry per in_proj output along their last
     dimension, cut with its rows (Falcon-H1's muP multipliers, `mup_vector`). (A
     parameter of that width is not cut: the proof then fails and the mixer stays whole.)"""
-    width = mixer.in_proj.out_features
+    width = parts_of(mixer).in_proj.out_features
     own = mixer.named_buffers(recurse=False)
     return [name for name, t in own if t is not None and t.dim() and t.shape[-1] == width]
 
@@ -133,12 +164,12 @@ class Mamba2Group(ChannelGroup):
         """Channels lost per head: in_proj its z and x rows and its dt row, conv1d its x
         channels, out_proj its columns."""
         p = self.form.head_dim
-        return {self.layer: 2 * p + 1, self.rows: p, self.mixer.out_proj: p}
+        return {self.layer: 2 * p + 1, self.rows: p, parts_of(self.mixer).out_proj: p}
 
     @property
     def cut_norms(self) -> list[tuple[nn.Module, int]]:
         """The norm over the heads' channels, cut with them: (norm, channels per head)."""
-        return [(self.mixer.norm, self.form.head_dim)] if self.form.normed else []
+        return [(parts_of(self.mixer).norm, self.form.head_dim)] if self.form.normed else []
 
     @property
     def tables(self) -> list[tuple[nn.Module, str, int]]:
@@ -147,11 +178,12 @@ class Mamba2Group(ChannelGroup):
 
     def unit_weights(self) -> torch.Tensor:
         """Per head: its z, x and dt rows of in_proj and its out_proj columns."""
-        form, weight = self.form, self.mixer.in_proj.weight.detach()
+        parts = parts_of(self.mixer)
+        form, weight = self.form, parts.in_proj.weight.detach()
         h, inner = form.heads, form.inner
         z, x = weight[:inner].reshape(h, -1), weight[inner : 2 * inner].reshape(h, -1)
         dt = weight[inner + form.conv_dim :]
-        out = self.mixer.out_proj.weight.detach().t().reshape(h, -1)
+        out = parts.out_proj.weight.detach().t().reshape(h, -1)
         return torch.cat([z, x, dt, out], dim=1)
 
     def channels(self, units: torch.Tensor) -> torch.Tensor:
@@ -175,10 +207,11 @@ def cut_heads(mixer: nn.Module, form: Mamba2Form, keep: torch.Tensor) -> None:
     inner, shared = form.inner, torch.arange(form.inner, form.conv_dim)  # B and C stay
     conv_rows = torch.cat([channels, shared])
     in_rows = torch.cat([channels, inner + conv_rows, inner + form.conv_dim + keep])
-    cut_linear(mixer.in_proj, in_rows)
-    cut_depthwise(mixer.conv1d, conv_rows)
-    cut_linear(mixer.out_proj, channels, dim=1)
-    norm = mixer.norm
+    parts = parts_of(mixer)
+    cut_linear(parts.in_proj, in_rows)
+    cut_depthwise(parts.conv1d, conv_rows)
+    cut_linear(parts.out_proj, channels, dim=1)
+    norm = parts.norm
     for name in multipliers:
         table = getattr(mixer, name)
         setattr(mixer, name, table.index_select(-1, in_rows.to(table.device)))
@@ -191,14 +224,16 @@ def cut_heads(mixer: nn.Module, form: Mamba2Form, keep: torch.Tensor) -> None:
         norm.variance_epsilon *= ratio
         if isinstance(getattr(norm, "group_size", None), int):
             norm.group_size = len(channels) // form.groups
-    mixer.num_heads, mixer.intermediate_size = len(keep), len(channels)
+    sizes = {"num_heads": len(keep), "intermediate_size": len(channels)}
     if isinstance(getattr(mixer, "conv_dim", None), int):
-        mixer.conv_dim = len(conv_rows)
+        sizes["conv_dim"] = len(conv_rows)
+    for name, size in sizes.items():
+        setattr(mixer, name, size)
 
 
 def zero_heads(mixer: nn.Module, form: Mamba2Form, drop: torch.Tensor) -> None:
     """What the hard mask does: the x channels of the heads `drop` zeroed in conv1d."""
-    conv = mixer.conv1d
+    conv = parts_of(mixer).conv1d
     rows = head_channels(form, drop.cpu()).to(conv.weight.device)
     conv.weight[rows] = 0
     if conv.bias is not None:
