@@ -304,15 +304,14 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             model, self.groups, all_groups, per_group, budget, ran, inputs, ratios
         )
         if not self.groups:
+            whole = [f"{n}: {why}" for n, why in self._layer_fates.items() if isinstance(why, str)]
             if all_groups:
                 found = f"its groups: {[g.name for g in all_groups][:8]}"
-            elif prune_coupled:
-                found = "no group was found in it"
-            else:  # every channel meets a residual add (RepVGG's blocks)
-                found = (
-                    "no group was found in it; channels that meet a residual add are "
-                    "groups only with prune_coupled=True"
-                )
+            elif whole:  # why each layer is left whole (the first few)
+                more = f"; and {len(whole) - 4} more" if len(whole) > 4 else ""
+                found = f"no group was found in it; {'; '.join(whole[:4])}{more}"
+            else:
+                found = "no group was found in it: it has no convolution or linear layer"
             raise ValueError(f"the ratios prune nothing of this model ({found})")
         self.ratios = {g.name: per_group[g.name] for g in self.groups}
         self.sizes = [g.size for g in self.groups]

@@ -388,6 +388,23 @@ def test_bad_input_leaves_model_untouched(kwargs, error, pattern):
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_a_model_with_no_group_is_refused_with_why_each_layer_is_whole():
+    """No group at all: the error says why each layer is left whole (the first four),
+    not a guess at the cause."""
+    with pytest.raises(ValueError) as error:
+        DTPPruner(torch.nn.Sequential(torch.nn.Linear(4, 3)), torch.randn(1, 4), 0.5)
+    assert str(error.value) == (
+        "the ratios prune nothing of this model (no group was found in it; "
+        "0: its outputs are the model's outputs: no layer reads them)"
+    )
+    layers = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(6)))
+    fourth = r"; 3: in ignored_layers \(or inside one of them\); and 2 more\)$"
+    with pytest.raises(ValueError, match=fourth):
+        DTPPruner(layers, torch.randn(1, 4), 0.5, ignored_layers=list(layers))
+    with pytest.raises(ValueError, match="it has no convolution or linear layer"):
+        DTPPruner(torch.nn.Sequential(torch.nn.ReLU()), torch.randn(1, 4), 0.5)
+
+
 def test_a_mask_that_fails_to_attach_leaves_the_model_untouched(monkeypatch):
     """An error while the masks go on (the third group's here) takes off the ones
     already attached, with the pruner's hooks: the model is as it was given."""
