@@ -61,6 +61,7 @@ from .mamba import MambaGroup, find_mamba_groups, prune_mamba
 from .mamba2 import Mamba2Group, check_mamba2_ratios, find_mamba2_groups
 from .mlps import FormMLPGroup, find_form_mlps, prune_form_mlp
 from .ratios import Ratios
+from .recurrent_readers import RECURRENT
 from .refusals import refuse_inexact
 from .response_norms import adopt_response_norms, rescale_response_norm
 from .shared_kv import tie_kv_sharing
@@ -508,7 +509,9 @@ class ChannelPruner(nn.Module, metaclass=abc.ABCMeta):
             if module in copies:
                 continue
             # a layer the model parametrizes itself is never cut: its own parameters count
-            formula = isinstance(module, (*COSTED, *PER_CHANNEL_AFFINE, nn.MultiheadAttention))
+            formula = isinstance(
+                module, (*COSTED, *PER_CHANNEL_AFFINE, nn.MultiheadAttention, *RECURRENT)
+            )
             if formula and not masking.foreign_parametrizations(module):
                 params += params_after(module, *cut.get(module, (0, 0)))
                 params += extra_parameters(module)

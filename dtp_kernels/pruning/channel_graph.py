@@ -34,6 +34,7 @@ from .graph_workarounds import (
     unmappable_reshapes_marked,
 )
 from .group_search import LARGEST_TENSOR, LargestTensor, coupled_group
+from .recurrent_readers import STATE_READERS, reader_pruners, run_as_one_op
 
 
 def output_tensors(output) -> list[torch.Tensor]:
@@ -174,6 +175,7 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
             region_pooling_reads_features_only(),
             without_cache(model),
             all_parameters_recorded(model),
+            run_as_one_op(model) as states,
         ):
             # norms that are not nn.LayerNorm (RMSNorm) are "unwrapped parameters" to it;
             # groups through them are refused or left alone here, never pruned
@@ -190,7 +192,8 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
                 # the outputs of layers the model runs and drops (MobileNetV2's last conv
                 # under a segmentation head) are traced too: the readers of the channels
                 # a group cuts include them, or export leaves them too wide to run
-                return output, dropped_outputs(_traced_outputs(output), recorded)
+                # and the initial hidden states recurrent layers read, each to its marker
+                return output, dropped_outputs(_traced_outputs(output), recorded), states.tensors
 
             try:
                 graph = tp.DependencyGraph().build_dependency(
@@ -203,6 +206,7 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
                         **frozen_norm_pruners(model),
                         **channel_affine_pruners(model),
                         **fixed_filter_pruners(model),
+                        **reader_pruners(model),
                     },
                 )
             except Exception as error:  # its own errors say nothing of the model or what to do
@@ -220,6 +224,7 @@ def traced_graph(model: nn.Module, example_inputs) -> Iterator[tp.DependencyGrap
         # view would map one past its tensor or the largest tensor the forward made
         setattr(graph, LARGEST_TENSOR, largest.numel)
         setattr(graph, RETURNED, returned)
+        setattr(graph, STATE_READERS, states.readers)
         graph.get_pruning_group = functools.partial(coupled_group, graph)
         try:
             with warnings.catch_warnings():

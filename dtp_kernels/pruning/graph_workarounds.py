@@ -35,6 +35,12 @@ lets it through.
   group passes one. torchvision's Swin merges its windows back the same way. So is any
   other reshape whose widths the inference takes for 0 and divides by (SHViT's view of
   its attention output, (batch, channels, tokens), back to an image).
+- A reshape that merges the channels with the dimensions after them but not all of
+  them ((N, C, H, W) to (N, C * H, W): a CRNN's feature map turned into a sequence of
+  C * H features per column for its LSTM or linear layer): the graph maps only a
+  flatten of all of them, and leaves this one unmapped, so channel c would be taken
+  for feature c of the C * H. Inside `unmappable_reshapes_marked()` it is mapped as a
+  flatten of H features per channel (`_merged_channels`).
 - A slice of the channels (`x[:, :c]`): the graph's width inference reads through it
   the width of the tensor sliced, so a concatenation of slices (timm's ReXNet adds its
   shortcut into the first channels: `cat([x[:, :c] + shortcut, x[:, c:]])`) gets
@@ -117,6 +123,31 @@ def _keeps_channels(before: tuple, after: tuple | None) -> bool:
     return after == before[:2] and all(size == 1 for size in before[2:])
 
 
+def _merged_channels(before: tuple, after: tuple | None) -> int | None:
+    """How many features each channel becomes where a reshape of `before` (N, C, ...)
+    into `after` merges the channels with the dimensions after them and keeps the
+    batch and the dimensions after those: (N, C, H, W) into (N, C * H, W) gives H.
+    None for any other reshape (a flatten of all of them is Torch-Pruning's own)."""
+    if after is None or len(before) < 4 or len(after) < 3 or after[0] != before[0]:
+        return None
+    for end in range(3, len(before)):  # the dimensions before[2:end] merged in
+        if after[1:] == (math.prod(before[1:end]), *before[end:]):
+            return math.prod(before[2:end]) if math.prod(before[2:end]) > 1 else None
+    return None
+
+
+def _map_flatten(node, stride: int) -> None:
+    """Map `node`, a reshape, as a flatten of `stride` features per channel of its
+    input, both ways (as Torch-Pruning maps a flatten it recognises)."""
+    for source in node.inputs:
+        for dep in node.dependencies:
+            if dep.target == source:
+                dep.index_mapping[0] = index_mapping._FlattenIndexMapping(stride, reverse=True)
+        for dep in source.dependencies:
+            if dep.target == node:
+                dep.index_mapping[0] = index_mapping._FlattenIndexMapping(stride, reverse=False)
+
+
 # how autograd names a linear layer's own matmul of a 2-D input
 LINEAR_MATMULS = ("AddmmBackward", "MmBackward")
 
@@ -137,7 +168,9 @@ def unmappable_reshapes_marked() -> Iterator[None]:
     its channels (all but those of `_keeps_channels` and `_into_linear`), or one whose
     mapping divides by zero, is left unmapped and marked with UNMAPPED_RESHAPE
     (Torch-Pruning's width inference divides by zero on a channel shuffle's and on
-    SHViT's); the others are mapped as Torch-Pruning maps them."""
+    SHViT's); one merging the channels with some of the dimensions after them is
+    mapped as a flatten (`_merged_channels`); the others are mapped as Torch-Pruning
+    maps them."""
     update = index_mapping.update_reshape_index_mapping
 
     def marking(graph, node) -> None:
@@ -155,6 +188,11 @@ def unmappable_reshapes_marked() -> Iterator[None]:
             update(graph, node)
         except ZeroDivisionError:  # widths it infers as 0 (SHViT's attention output)
             setattr(node.module, UNMAPPED_RESHAPE, True)
+            return
+        stride = _merged_channels(sizes, after)
+        mapped = any(m is not None for d in node.dependencies for m in d.index_mapping)
+        if stride is not None and not mapped:
+            _map_flatten(node, stride)
 
     index_mapping.update_reshape_index_mapping = marking
     try:

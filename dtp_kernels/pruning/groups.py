@@ -38,6 +38,12 @@ from .group_search import TENSOR_OPS, UNFOLLOWED, mappings_held
 from .grouped_convs import Conv, equal_parts, is_grouped
 from .masked_reads import own_matmul_ops, unmasked_readers
 from .module_tensors import tensor_of
+from .recurrent_readers import (
+    RECURRENT_INPUTS,
+    STATE_READERS,
+    UNCUT_OUTPUTS,
+    UNCUT_READERS,
+)
 
 
 @dataclass
@@ -328,6 +334,7 @@ READER_HANDLERS = (
     tp.prune_conv_in_channels,
     tp.prune_depthwise_conv_in_channels,
     tp.prune_linear_in_channels,
+    RECURRENT_INPUTS.prune_in_channels,
 )
 
 
@@ -403,13 +410,16 @@ def output_layers(graph: tp.DependencyGraph, roots: tuple[type[nn.Module], ...])
     # its outputs are visited closes a cycle and adds nothing)
     reaches: dict[int, bool] = {}
     entered: set[int] = set()
+    state_readers = getattr(graph, STATE_READERS, {})
     for start in graph.module2node.values():
         stack = [(start, False)]
         while stack:
             node, outputs_done = stack.pop()
             if outputs_done:
                 reaches[id(node)] = any(
-                    not isinstance(out.module, TENSOR_OPS) or reaches.get(id(out), False)
+                    not isinstance(out.module, TENSOR_OPS)
+                    or out.grad_fn in state_readers  # a recurrent layer's initial state
+                    or reaches.get(id(out), False)
                     for out in node.outputs
                 )
             elif id(node) not in entered:
@@ -509,6 +519,15 @@ def _leave(
         whole.setdefault(layer, f"the channels it reads are left whole ({why})")
 
 
+def _uncut_why(layer: nn.Module, group, names: dict[nn.Module, str]) -> str:
+    """Why channels that `layer`, a layer the pruner never cuts, reads or writes are left
+    whole."""
+    kind = f"{type(layer).__name__} ({names[layer]!r})"
+    if any(dep.target.module is layer and dep.handler in UNCUT_OUTPUTS for dep, _ in group):
+        return f"its channels are coupled with the outputs of a {kind}, which are never cut"
+    return f"a {kind} reads its channels, and the pruner does not cut its inputs"
+
+
 def _coupled_why(
     layers: list[nn.Module], ops: list[str], names: dict[nn.Module, str], coupled: bool
 ) -> str:
@@ -541,9 +560,15 @@ def _channel_groups(
     order = {module: index for index, module in enumerate(model.modules())}
     returned: set[object] = getattr(graph, RETURNED, set())  # grad_fns
     returning = {n for n in graph.module2node.values() if n.grad_fn in returned}
+    state_readers: dict[object, nn.Module] = getattr(graph, STATE_READERS, {})
     found: dict[nn.Module, ChannelGroup] = {}
     for group in graph.get_all_groups(ignored_layers=list(ignored), root_module_types=roots):
         out_layers: list[nn.Module] = [group[0].dep.target.module]  # the root, until all found
+        uncut = [d.target.module for d, _ in group if d.handler in UNCUT_READERS + UNCUT_OUTPUTS]
+        if uncut:  # (whether or not the search went on past them)
+            reading = [d.target.module for d, _ in group if d.handler in READER_HANDLERS]
+            _leave(whole, out_layers, _uncut_why(uncut[0], group, names), reading)
+            continue
         if getattr(group, UNFOLLOWED, False):
             _leave(
                 whole,
@@ -597,6 +622,14 @@ def _channel_groups(
                 read[module] = len(idxs)
                 if is_grouped(module):
                     grouped_reads[module] = [int(i) for i in idxs]
+        read_as_state = [
+            state_readers[d.target.grad_fn] for d, _ in group if d.target.grad_fn in state_readers
+        ]
+        if read_as_state:
+            name = names[read_as_state[0]]
+            why = f"a recurrent layer ({name!r}) reads its channels as its initial hidden state"
+            _leave(whole, out_layers, why, ins)
+            continue
         if any(isinstance(m, TRANSPOSED_CONVS) for m in outs):
             # its output channels lie along the weight's second dimension, where no mask
             # goes (a transposed convolution is never a root for the same reason)

@@ -1,0 +1,205 @@
+"""Recurrent layers and nn.Bilinear as readers (recurrent_readers.py): the layers feeding
+an nn.RNN, nn.GRU or nn.LSTM are pruned, the recurrent layer's first input weights cut
+with them, and the export equals the hard-masked model; a layer computing a recurrent
+layer's initial hidden state, one whose outputs are added to a recurrent layer's, and
+one feeding an nn.Bilinear are left whole, each with why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import rnn as rnn_utils
+
+from dtp_kernels.pruning import DTPPruner
+from dtp_kernels.pruning.cost import count_params
+from dtp_kernels.pruning.recurrent_readers import run_as_one_op
+from utils import check_export, drawn_statistics, randomised
+
+RECURRENT = {"rnn": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}
+
+
+class Tagger(nn.Module):
+    """Two linear layers, a recurrent layer (batch first), a classifier per step."""
+
+    def __init__(self, kind: str, bidirectional: bool = False, layers: int = 1) -> None:
+        super().__init__()
+        self.embed, self.mix = nn.Linear(8, 16), nn.Linear(16, 12)
+        self.rnn = RECURRENT[kind](
+            12, 6, num_layers=layers, batch_first=True, bidirectional=bidirectional
+        )
+        self.head = nn.Linear(6 * (2 if bidirectional else 1), 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.mix(torch.relu(self.embed(x))))[0])
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("kind", list(RECURRENT))
+def test_the_layers_feeding_a_recurrent_layer_are_pruned_and_exported_exactly(
+    kind: str, bidirectional: bool, layers: int
+) -> None:
+    torch.manual_seed(0)
+    model, x = Tagger(kind, bidirectional, layers), torch.randn(3, 5, 8)
+    pruner = randomised(DTPPruner(model, x[:1], 0.5))
+    assert [g.name for g in pruner.groups] == ["embed", "mix"]
+    assert pruner.left_whole == {"head": "its outputs are the model's outputs: no layer reads them"}
+    exported = check_export(pruner, model, x)
+    rnn = exported.rnn
+    assert rnn.input_size == 6 and rnn.weight_ih_l0.shape[1] == 6
+    if bidirectional:
+        assert rnn.weight_ih_l0_reverse.shape[1] == 6
+    if layers == 2:  # the second layer reads the first's hidden units: not cut
+        assert rnn.weight_ih_l1.shape[1] == 6 * (2 if bidirectional else 1)
+
+
+class PackedTagger(Tagger):
+    """The recurrent layer reads a packed batch of sequences of different lengths."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lengths = torch.tensor([x.shape[1] - i for i in range(x.shape[0])])
+        packed = rnn_utils.pack_padded_sequence(self.mix(self.embed(x)), lengths, True)
+        out, _ = rnn_utils.pad_packed_sequence(self.rnn(packed)[0], batch_first=True)
+        return self.head(out)
+
+
+def test_a_packed_sequence_is_read_like_a_tensor() -> None:
+    torch.manual_seed(0)
+    model, x = PackedTagger("lstm"), torch.randn(3, 5, 8)
+    pruner = randomised(DTPPruner(model, x, 0.5))
+    assert [g.name for g in pruner.groups] == ["embed", "mix"]
+    check_export(pruner, model, x, example=(x,))
+
+
+class CRNN(nn.Module):
+    """A CRNN for text lines: two convs with BNs, the feature map turned into a sequence
+    of columns (each the C * H features of the channels over the height), a reader
+    of that sequence (a bidirectional LSTM, or a linear layer), a classifier."""
+
+    def __init__(self, reader: str) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16)
+        lstm = reader == "lstm"
+        self.reader = nn.LSTM(16 * 4, 10, bidirectional=True) if lstm else nn.Linear(64, 20)
+        self.head = nn.Linear(20, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+        n, c, h, w = x.shape
+        columns = x.reshape(n, c * h, w).permute(2, 0, 1)  # (W, N, C * H)
+        out = self.reader(columns)
+        return self.head(out[0] if isinstance(out, tuple) else out)
+
+
+@pytest.mark.parametrize("reader", ["lstm", "linear"])
+def test_a_crnn_prunes_through_its_columns_of_channels_over_the_height(reader: str) -> None:
+    """The reshape of (N, C, H, W) into (N, C * H, W) maps channel c to the H features
+    c * H ... c * H + H - 1 (graph_workarounds._merged_channels): each filter of conv2
+    removed takes its 4 input columns of the reader with it."""
+    torch.manual_seed(0)
+    model, x = drawn_statistics(CRNN(reader)), torch.randn(2, 1, 4, 7)
+    pruner = randomised(DTPPruner(model, x[:1], 0.5))
+    assert {"conv1", "conv2"} <= {g.name for g in pruner.groups}
+    exported = check_export(pruner, model, x)
+    assert exported.conv2.out_channels == 8
+    width = exported.reader.input_size if reader == "lstm" else exported.reader.in_features
+    assert width == 8 * 4
+
+
+class Decoder(nn.Module):
+    """A GRU whose initial hidden state a linear layer computes from a summary vector;
+    its outputs are added to a linear layer's (a skip around it, from the inputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.start, self.embed, self.skip = nn.Linear(5, 6), nn.Linear(8, 12), nn.Linear(8, 6)
+        self.rnn = nn.GRU(12, 6, batch_first=True)
+        self.head = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor, summary: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.embed(x))
+        out = self.rnn(h, torch.tanh(self.start(summary))[None])[0]
+        return self.head(out + self.skip(x))
+
+
+def test_hidden_state_and_output_coupled_layers_are_left_whole_with_why() -> None:
+    torch.manual_seed(0)
+    model = Decoder()
+    x, summary = torch.randn(3, 5, 8), torch.randn(3, 5)
+    pruner = randomised(DTPPruner(model, (x[:1], summary[:1]), 0.5))
+    assert [g.name for g in pruner.groups] == ["embed"]
+    why = pruner.left_whole
+    assert (
+        why["start"] == "a recurrent layer ('rnn') reads its channels as its initial hidden state"
+    )
+    assert why["skip"] == (
+        "its channels are coupled with the outputs of a GRU ('rnn'), which are never cut"
+    )
+    model.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(x, summary)
+    exported = pruner.export().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(x, summary), want, rtol=1e-5, atol=1e-6)
+    assert count_params(exported) == pruner.report()["params_after"]
+    assert exported.rnn.input_size == 6 and exported.start.out_features == 6
+
+
+class Scorer(nn.Module):
+    """A bilinear form of two linear layers' features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left, self.right = nn.Linear(8, 12), nn.Linear(8, 10)
+        self.bilinear = nn.Bilinear(12, 10, 3)
+        self.out = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.bilinear(self.left(x), self.right(x)))
+
+
+def test_the_layers_feeding_a_bilinear_layer_are_left_whole_with_why() -> None:
+    model = Scorer()
+    with pytest.raises(ValueError, match="no group was found") as caught:
+        DTPPruner(model, torch.randn(1, 8), 0.5)
+    message = str(caught.value)
+    assert (
+        "left: a Bilinear ('bilinear') reads its channels, and the pruner does not cut" in message
+    )
+    assert "right: a Bilinear ('bilinear') reads" in message
+
+
+@pytest.mark.parametrize("kind", ["gru", "lstm", "bilinear"])
+def test_one_op_forwards_compute_the_same_values_and_gradients(kind: str) -> None:
+    """The traced form of each layer is its forward: float64 values and gradients of its
+    inputs (the initial state among them) and its parameters match, and the layer's own
+    forward is back after the block."""
+    torch.manual_seed(0)
+    if kind == "bilinear":
+        layer = nn.Bilinear(6, 3, 4).double()
+        inputs: tuple = (torch.randn(5, 6), torch.randn(5, 3))
+    else:
+        layer = RECURRENT[kind](6, 5, num_layers=2, bidirectional=True).double()
+        state = torch.randn(4, 2, 5)
+        inputs = (torch.randn(7, 2, 6), (state, torch.randn(4, 2, 5)) if kind == "lstm" else state)
+    inputs = torch.utils._pytree.tree_map(lambda t: t.double().requires_grad_(), inputs)
+    leaves = [*torch.utils._pytree.tree_leaves(inputs), *layer.parameters()]
+
+    def run() -> tuple[list, tuple]:
+        outputs = torch.utils._pytree.tree_leaves(layer(*inputs))
+        weights = [
+            torch.randn(o.shape, dtype=o.dtype, generator=torch.Generator().manual_seed(i))
+            for i, o in enumerate(outputs)
+        ]
+        loss = sum((o * w).sum() for o, w in zip(outputs, weights, strict=True))
+        return outputs, torch.autograd.grad(loss, leaves)
+
+    want_out, want_grads = run()
+    with run_as_one_op(layer):
+        got_out, got_grads = run()
+        assert {o.grad_fn.name() for o in got_out} == {"_OneOpBackward"}
+    assert "forward" not in vars(layer)
+    for got, want in zip([*got_out, *got_grads], [*want_out, *want_grads], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
