@@ -60,14 +60,23 @@ def cut_diagonal_columns(
 
 
 def channel_dim(layer: nn.Module) -> int:
-    """The dimension of a linear (last) or convolution (1) layer's input that holds its
-    input channels."""
-    return -1 if isinstance(layer, nn.Linear) else 1
+    """The dimension of a linear or recurrent layer's (last) or convolution's (1) input
+    that holds its input channels."""
+    return -1 if isinstance(layer, (nn.Linear, nn.RNNBase)) else 1
 
 
 def cut_inputs(layer: nn.Module, keep: torch.Tensor) -> None:
-    """Keep the input channels (columns) `keep` of a linear layer or an ungrouped
-    convolution, in place."""
+    """Keep the input channels (columns) `keep` of a linear layer, an ungrouped
+    convolution or a recurrent layer (its first layer's input weights, in each
+    direction), in place."""
+    if isinstance(layer, nn.RNNBase):
+        for suffix in ("", "_reverse") if layer.bidirectional else ("",):
+            name = f"weight_ih_l0{suffix}"
+            # (setattr: nn.RNNBase keeps its flat weight list in step with the attribute)
+            setattr(layer, name, kept_rows(getattr(layer, name), keep, 1))
+        layer.input_size = len(keep)
+        layer.flatten_parameters()  # cuDNN's one buffer of weights again (on CUDA)
+        return
     weight = layer.weight
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"{type(layer).__name__}.weight is a {type(weight).__name__}")

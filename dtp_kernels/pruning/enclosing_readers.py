@@ -6,16 +6,17 @@ what a module's code does with the shape of its input. timm's LambdaLayer reshap
 output to its input's channel count: cut the channels that feed it and the exported
 model fails where the masked one runs, which export() would only find after training.
 
-So a group's readers (the layers that lose input channels) are proven inside the module
+So a group's readers (the linear, conv and recurrent layers that lose input channels)
+are proven inside the module
 that holds them: the outermost module below the model that holds a reader and no other
 layer of the group, and is no container (a Sequential's code uses no width, and would
 run all it holds), when the example forward hands it the readers' input as it is. Run
 on that input with a random half of the channels zeroed, and again cut to the kept
 channels with its readers' input columns cut, it must compute the same (within the
 proof's tolerance). A group whose module fails, or computes other values, is refused
-by name. A module whose
-output changes shape when cut (it passes the channels on) is left to export's check,
-as is one whose readers see a tensor it made itself.
+by name. A module whose output changes shape when cut (it passes the channels on) is
+left to export's check, as is one whose readers see a tensor it made itself (or a
+packed sequence).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from .grouped_convs import is_grouped
 from .groups import ChannelGroup
 from .precision import ieee_fp32
 from .proof import close, dropped, example_calls, random_half
+from .recurrent_readers import RECURRENT
 
-READERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+READERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, *RECURRENT)
 
 
 # modules whose forward only hands their input to their children (or none): their own
@@ -168,8 +170,8 @@ def enclosing_reader_refusals(
         if module not in calls or any(r not in calls or not calls[r][0] for r in readers):
             continue  # not run by the example, or a reader called by keywords alone
         x = calls[readers[0]][0][0]
-        if any(calls[r][0][0] is not x for r in readers):
-            continue  # its readers read different tensors
+        if not isinstance(x, torch.Tensor) or any(calls[r][0][0] is not x for r in readers):
+            continue  # its readers read different tensors (or a packed sequence)
         places = _located(calls[module], x)
         dim = channel_dim(readers[0])
         width = group.size * group.channels_per_unit

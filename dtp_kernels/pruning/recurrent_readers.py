@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch_pruning.pruner.function import BasePruningFunc
 
-from .cuts import kept_rows
+from .cuts import cut_inputs
 
 # exactly these classes: a subclass may compute with its weights otherwise
 RECURRENT = (nn.RNN, nn.GRU, nn.LSTM)
@@ -172,10 +172,6 @@ def run_as_one_op(model: nn.Module) -> Iterator[StateReads]:
                 layer.forward = forward
 
 
-def _directions(layer: nn.RNNBase) -> list[str]:
-    return ["", "_reverse"] if layer.bidirectional else [""]
-
-
 class RecurrentInputPruner(BasePruningFunc):
     """Cuts a recurrent layer's input features: the columns of its first layer's input
     weights, in each direction. Its hidden units are not cut (see the module docstring)."""
@@ -183,13 +179,7 @@ class RecurrentInputPruner(BasePruningFunc):
     def prune_in_channels(self, layer: nn.Module, idxs: list[int]) -> nn.Module:
         assert isinstance(layer, nn.RNNBase)
         gone = set(idxs)
-        keep = torch.tensor([i for i in range(layer.input_size) if i not in gone])
-        for suffix in _directions(layer):
-            name = f"weight_ih_l0{suffix}"
-            # (setattr: nn.RNNBase keeps its flat weight list in step with the attribute)
-            setattr(layer, name, kept_rows(getattr(layer, name), keep, 1))
-        layer.input_size = len(keep)
-        layer.flatten_parameters()  # cuDNN's one buffer of weights again (on CUDA)
+        cut_inputs(layer, torch.tensor([i for i in range(layer.input_size) if i not in gone]))
         return layer
 
     def prune_out_channels(self, layer: nn.Module, idxs: list[int]) -> nn.Module:
@@ -204,7 +194,7 @@ class RecurrentInputPruner(BasePruningFunc):
 
     def get_out_channels(self, layer: nn.Module) -> int:
         assert isinstance(layer, nn.RNNBase)
-        return (layer.proj_size or layer.hidden_size) * len(_directions(layer))
+        return (layer.proj_size or layer.hidden_size) * (2 if layer.bidirectional else 1)
 
 
 class BilinearPruner(BasePruningFunc):

@@ -54,6 +54,40 @@ def test_the_layers_feeding_a_recurrent_layer_are_pruned_and_exported_exactly(
         assert rnn.weight_ih_l1.shape[1] == 6 * (2 if bidirectional else 1)
 
 
+class Encoder(nn.Module):
+    """A recurrent layer inside a module of its own; `scaled`: its output scaled by one
+    over the square root of its input's width (which export changes)."""
+
+    def __init__(self, scaled: bool) -> None:
+        super().__init__()
+        self.rnn, self.scaled = nn.GRU(12, 6, batch_first=True), scaled
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rnn(x)[0] * (x.shape[-1] ** -0.5 if self.scaled else 1.0)
+
+
+class EncodedTagger(Tagger):
+    def __init__(self, scaled: bool) -> None:
+        super().__init__("gru")
+        self.rnn = Encoder(scaled)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.mix(torch.relu(self.embed(x)))))
+
+
+def test_a_module_around_a_recurrent_layer_is_proven_before_its_group_prunes() -> None:
+    """The module holding the reader is run cut and with the channels zeroed
+    (enclosing_readers.py): a plain wrapper passes and prunes exactly; one whose code
+    scales by its input's width is refused when the pruner is made, naming it."""
+    torch.manual_seed(0)
+    model, x = EncodedTagger(scaled=False), torch.randn(3, 5, 8)
+    pruner = randomised(DTPPruner(model, x[:1], 0.5))
+    assert [g.name for g in pruner.groups] == ["embed", "mix"]
+    assert check_export(pruner, model, x).rnn.rnn.input_size == 6
+    with pytest.raises(ValueError, match=r"Encoder 'rnn' \(through 'rnn.rnn'\), which computes"):
+        DTPPruner(EncodedTagger(scaled=True), x[:1], 0.5)
+
+
 class PackedTagger(Tagger):
     """The recurrent layer reads a packed batch of sequences of different lengths."""
 
