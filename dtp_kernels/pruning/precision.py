@@ -11,22 +11,26 @@ import torch
 
 @contextlib.contextmanager
 def ieee_fp32() -> Iterator[None]:
-    """Float32 convolutions and matrix products in full precision while the block runs.
+    """Float32 convolutions, recurrent layers and matrix products in full precision while
+    the block runs.
 
-    On GPUs cuDNN runs float32 convolutions in TF32 by default (10-bit mantissa): the
-    masked and the exported model, whose convolutions differ in size and algorithm, then
-    differ by ~1e-3, far beyond the export check's float32 tolerance. Set and restored
-    through torch's fp32_precision settings, which work whichever TF32 API the user
-    chose (reading the legacy ``allow_tf32`` after the new API was used raises).
+    On GPUs cuDNN runs float32 convolutions and recurrent layers in TF32 by default
+    (10-bit mantissa): the masked and the exported model, whose layers differ in size and
+    algorithm, then differ by ~1e-3, far beyond the export check's float32 tolerance. Set
+    and restored through torch's fp32_precision settings, which work whichever TF32 API
+    the user chose (reading the legacy ``allow_tf32`` after the new API was used raises).
     """
-    # (torch's type stubs lack cudnn.conv, the fp32_precision setting of convolutions)
-    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv  # type: ignore[attr-defined]
-    before = matmul.fp32_precision, conv.fp32_precision
-    matmul.fp32_precision = conv.fp32_precision = "ieee"
+    # (torch's type stubs lack cudnn.conv and cudnn.rnn, their fp32_precision settings)
+    cudnn = torch.backends.cudnn
+    settings = [torch.backends.cuda.matmul, cudnn.conv, cudnn.rnn]  # type: ignore[attr-defined]
+    before = [setting.fp32_precision for setting in settings]
+    for setting in settings:
+        setting.fp32_precision = "ieee"
     try:
         yield
     finally:
-        matmul.fp32_precision, conv.fp32_precision = before
+        for setting, precision in zip(settings, before, strict=True):
+            setting.fp32_precision = precision
 
 
 HALF = (torch.float16, torch.bfloat16)

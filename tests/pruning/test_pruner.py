@@ -903,23 +903,27 @@ def test_channels_a_reader_sees_unmasked_are_left_whole():
 @pytest.mark.parametrize("api", ["legacy", "new"])
 def test_export_check_runs_float32_without_tf32(api):
     """The export check compares the masked and the exported model in full float32: with
-    cuDNN's default TF32 convolutions on a GPU they differ by ~1e-3 (seen on an H200),
-    over the check's tolerance. Both forwards see TF32 off and the user's settings return,
-    whether they were made with the legacy `allow_tf32` flags or the fp32_precision API
-    (after which reading the legacy flags raises)."""
-    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    cuDNN's default TF32 convolutions (and recurrent layers) on a GPU they differ by
+    ~1e-3 (seen on an H200), over the check's tolerance. Both forwards see TF32 off and
+    the user's settings return, whether they were made with the legacy `allow_tf32`
+    flags or the fp32_precision API (after which reading the legacy flags raises)."""
+    matmul, conv, rnn = (
+        torch.backends.cuda.matmul,
+        torch.backends.cudnn.conv,
+        torch.backends.cudnn.rnn,
+    )
     model = resnet20()
     pruner = DTPPruner(model, torch.randn(1, 3, 32, 32), 0.5)
     seen = []  # (which model, precisions) per forward; the check's two forwards come last
 
     def record(name):
-        seen.append((name, (matmul.fp32_precision, conv.fp32_precision)))
+        seen.append((name, (matmul.fp32_precision, conv.fp32_precision, rnn.fp32_precision)))
 
-    before = matmul.fp32_precision, conv.fp32_precision
+    before = matmul.fp32_precision, conv.fp32_precision, rnn.fp32_precision
     if api == "legacy":
         torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
     else:
-        matmul.fp32_precision = conv.fp32_precision = "tf32"
+        matmul.fp32_precision = conv.fp32_precision = rnn.fp32_precision = "tf32"
     try:
         model.register_forward_pre_hook(lambda *_: record("masked"))
         original = torch.nn.Module.__call__
@@ -934,14 +938,14 @@ def test_export_check_runs_float32_without_tf32(api):
             pruner.export()
         finally:
             torch.nn.Module.__call__ = original
-        after = matmul.fp32_precision, conv.fp32_precision
+        after = matmul.fp32_precision, conv.fp32_precision, rnn.fp32_precision
         if api == "legacy":  # still readable the way they were set
             assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
     finally:
-        matmul.fp32_precision, conv.fp32_precision = before
+        matmul.fp32_precision, conv.fp32_precision, rnn.fp32_precision = before
     last = {name: flags for name, flags in seen}
-    assert last == {"masked": ("ieee", "ieee"), "exported": ("ieee", "ieee")}, seen
-    assert after == ("tf32", "tf32")
+    assert last == {"masked": ("ieee",) * 3, "exported": ("ieee",) * 3}, seen
+    assert after == ("tf32",) * 3
 
 
 def _mlp() -> torch.nn.Module:

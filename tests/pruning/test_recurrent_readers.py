@@ -13,6 +13,7 @@ from torch.nn.utils import rnn as rnn_utils
 
 from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.cost import count_params
+from dtp_kernels.pruning.precision import ieee_fp32
 from dtp_kernels.pruning.recurrent_readers import run_as_one_op
 from utils import check_export, drawn_statistics, randomised
 
@@ -52,6 +53,23 @@ def test_the_layers_feeding_a_recurrent_layer_are_pruned_and_exported_exactly(
         assert rnn.weight_ih_l0_reverse.shape[1] == 6
     if layers == 2:  # the second layer reads the first's hidden units: not cut
         assert rnn.weight_ih_l1.shape[1] == 6 * (2 if bidirectional else 1)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("kind", ["gru", "lstm"])
+def test_recurrent_readers_prune_on_the_device(kind: str, device: str) -> None:
+    """On a GPU the recurrent layers run as cuDNN's one op (and the trace's form is the
+    same): the groups, the cut and the export's equality hold there too (float32 in
+    full precision: cuDNN's TF32 would round the two models apart)."""
+    torch.manual_seed(0)
+    model = Tagger(kind, bidirectional=True, layers=2).to(device)
+    x = torch.randn(3, 5, 8, device=device)
+    pruner = randomised(DTPPruner(model, x[:1], 0.5))
+    assert [g.name for g in pruner.groups] == ["embed", "mix"]
+    with ieee_fp32():
+        exported = check_export(pruner, model, x)
+    assert exported.rnn.weight_ih_l0_reverse.shape[1] == 6
+    assert exported.rnn.weight_ih_l0.device.type == device
 
 
 class Encoder(nn.Module):
