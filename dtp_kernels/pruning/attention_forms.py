@@ -87,6 +87,20 @@ def _linear(module: nn.Module, name: str) -> nn.Linear | None:
     return child if isinstance(child, nn.Linear) else None
 
 
+def _linears(module: nn.Module, names: tuple[str, ...]) -> list[nn.Linear] | None:
+    """`module`'s linear layers `names`, in order, when it holds every one."""
+    layers = [_linear(module, name) for name in names]
+    return [layer for layer in layers if layer is not None] if None not in layers else None
+
+
+def _ints(module: nn.Module, names: tuple[str, ...]) -> list[int] | None:
+    """`module`'s int attributes `names` (sizes, counts), in order, when every one is an
+    int."""
+    values = [getattr(module, name, None) for name in names]
+    ints = [value for value in values if isinstance(value, int)]
+    return ints if len(ints) == len(values) else None
+
+
 def _fused_pair(
     module: nn.Module, forms: tuple[tuple[str, str], ...]
 ) -> tuple[str, str, nn.Linear, nn.Linear] | None:
@@ -140,18 +154,19 @@ def _separate(name: str, module: nn.Module) -> HeadGroup | None:
     form's size None) a layer with no head_dim and a num_heads, the head size then the
     output projection's inputs over it."""
     for names, size in SEPARATE_FORMS:
-        layers = [_linear(module, p) for p in names]
         head_dim = None if size is None else getattr(module, size, None)
         heads = getattr(module, "num_heads", None)
         alone = size is None and not hasattr(module, "head_dim")  # a head count alone
-        if alone and layers[3] is not None and isinstance(heads, int) and heads > 0:
-            if layers[3].in_features % heads:
+        output = _linear(module, names[3])
+        if alone and output is not None and isinstance(heads, int) and heads > 0:
+            if output.in_features % heads:
                 raise ValueError(
-                    f"attention layer {name!r}: {names[3]} ({layers[3].in_features} inputs) "
+                    f"attention layer {name!r}: {names[3]} ({output.in_features} inputs) "
                     f"does not split into its num_heads {heads}"
                 )
-            head_dim, size = layers[3].in_features // heads, "size"
-        if all(layer is not None for layer in layers) and isinstance(head_dim, int):
+            head_dim, size = output.in_features // heads, "size"
+        layers = _linears(module, names)
+        if layers is not None and isinstance(head_dim, int):
             break
     else:
         return None
@@ -205,10 +220,10 @@ def _differential(name: str, module: nn.Module) -> HeadGroup | None:
     of queries in each half of ``q_proj``, a key and a value head in each half of
     ``k_proj`` and ``v_proj``, and the G pairs' 2 G head_dim columns of ``o_proj``.
     The layer reads its head counts from the config, which export writes."""
-    layers = [_linear(module, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    layers = _linears(module, ("q_proj", "k_proj", "v_proj", "o_proj"))
     head_dim = getattr(module, "head_dim", None)
     if not (
-        all(layer is not None for layer in layers)
+        layers is not None
         and isinstance(head_dim, int)
         and isinstance(getattr(module, "lambda_q1", None), nn.Parameter)
         and isinstance(getattr(module, "groupnorm", None), nn.Module)
@@ -255,8 +270,8 @@ def _split(name: str, module: nn.Module) -> HeadGroup | None:
     if out is None or not isinstance(heads, int) or heads < 1:
         return None
     for form in SPLIT_FORMS:
-        layers = [_linear(module, part) for part, _ in form]
-        if all(layer is not None for layer in layers):
+        layers = _linears(module, tuple(part for part, _ in form))
+        if layers is not None:
             break
     else:
         return None
@@ -296,13 +311,13 @@ def _latent(name: str, module: nn.Module) -> HeadGroup | None:
     gated = query is None and _linear(module, "q_gate_proj") is not None
     query = _linear(module, "q_gate_proj") if gated else query
     kv_up, out = _linear(module, "kv_b_proj"), _linear(module, "o_proj")
-    sizes = [getattr(module, f"{part}_head_dim", None) for part in ("qk_nope", "qk_rope", "v")]
+    sizes = _ints(module, ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
     if (
         query is None
         or kv_up is None
         or out is None
         or _linear(module, "kv_a_proj_with_mqa") is None
-        or not all(isinstance(size, int) for size in sizes)
+        or sizes is None
     ):
         return None
     nope, rope, value = sizes
@@ -332,14 +347,13 @@ def _grouped_output(name: str, module: nn.Module) -> HeadGroup | None:
     each equal run of heads to its own rows, which ``o_b_proj`` then mixes. A unit is a
     query head; every run keeps as many (transport segments), as the grouped projection
     needs."""
-    query, kv, out = (_linear(module, n) for n in ("q_b_proj", "kv_proj", "o_a_proj"))
-    runs, heads, head_dim = (
-        getattr(o, a, None)
-        for o, a in ((out, "n_groups"), (module, "num_heads"), (module, "head_dim"))
-    )
-    if query is None or kv is None or out is None:
+    layers = _linears(module, ("q_b_proj", "kv_proj", "o_a_proj"))
+    counts = _ints(module, ("num_heads", "head_dim"))
+    if layers is None or counts is None:
         return None
-    if not all(isinstance(v, int) and v > 0 for v in (runs, heads, head_dim)):
+    (query, kv, out), (heads, head_dim) = layers, counts
+    runs = getattr(out, "n_groups", None)
+    if not isinstance(runs, int) or min(runs, heads, head_dim) < 1:
         return None
     if (
         query.out_features != heads * head_dim
@@ -448,6 +462,8 @@ def _linear_and_norm(module: nn.Module | None) -> tuple[nn.Linear | None, nn.Mod
     for anything else."""
     if isinstance(module, nn.Sequential) and len(module):
         module = module[-1]
+    if module is None:
+        return None, None
     if isinstance(module, nn.Linear):
         return module, None
     linear = getattr(module, "linear", None)
@@ -490,7 +506,9 @@ def _per_head_qkv(name: str, module: nn.Module) -> HeadGroup | None:
     ratio = getattr(module, "attention_ratio", None)
     if val_dim is None and isinstance(ratio, int) and isinstance(key_dim, int):
         val_dim = ratio * key_dim
-    if not all(isinstance(v, int) and v > 0 for v in (key_dim, val_dim, heads)):
+    if not (isinstance(key_dim, int) and isinstance(val_dim, int) and isinstance(heads, int)):
+        return None
+    if min(key_dim, val_dim, heads) < 1:
         return None
     per_unit = 2 * key_dim + val_dim
     if qkv.out_features != heads * per_unit or proj.in_features != heads * val_dim:
@@ -641,25 +659,29 @@ def _bert(name: str, module: nn.Module) -> HeadGroup | None:
     biases are vectors of the query width) with ``pos_proj`` and ``pos_q_proj``;
     TimeSformer's ``qkv`` (all heads' queries, keys, then values) with ``num_heads``, the
     head size its outputs over three times that."""
-    output = getattr(module, "output", None)
     # the inner layer is `self` (BERT), or `attention` (the ViT layout of Data2Vec's
-    # vision model and YOLOS)
-    for inner_name in ("self", "attention"):
-        inner = getattr(module, inner_name, None)
-        for names in BERT_FORMS:
-            layers = [_linear(inner, p) for p in names] if inner is not None else [None]
-            if all(x is not None for x in layers):
-                break
-        if all(x is not None for x in layers):
-            break
-    out = _linear(output, "dense") if output is not None else None
+    # vision model and YOLOS): the first of them holding a form's projections
+    found = next(
+        (
+            (inner_name, inner, names, layers)
+            for inner_name in ("self", "attention")
+            if isinstance(inner := getattr(module, inner_name, None), nn.Module)
+            for names in BERT_FORMS
+            if (layers := _linears(inner, names)) is not None
+        ),
+        None,
+    )
+    output = getattr(module, "output", None)
+    out = _linear(output, "dense") if isinstance(output, nn.Module) else None
+    if found is None or out is None:
+        return None
+    inner_name, inner, names, layers = found
     heads = getattr(inner, "num_attention_heads", None)
     head_dim = getattr(inner, "attention_head_size", None)
-    if any(x is None for x in layers) or out is None:
-        return None
     fused = names == ("qkv",)  # TimeSformer's: the head count alone
-    if fused and isinstance(getattr(inner, "num_heads", None), int) and inner.num_heads > 0:
-        heads, head_dim = inner.num_heads, layers[0].out_features // (3 * inner.num_heads)
+    num_heads = getattr(inner, "num_heads", None)
+    if fused and isinstance(num_heads, int) and num_heads > 0:
+        heads, head_dim = num_heads, layers[0].out_features // (3 * num_heads)
     if not isinstance(heads, int):
         return None
     blocks = 3 if len(layers) == 1 else 1  # per head: rows of each of `layers`
@@ -690,10 +712,10 @@ def _sharded(name: str, module: nn.Module) -> HeadGroup | None:
     ``num_attention_heads`` and ``head_dim``: its code splits the projection into
     ``mp_num`` equal parts, so every shard keeps as many heads (one segment each)."""
     qkv, out = _linear(module, "qkv_proj"), _linear(module, "out_proj")
-    shards = getattr(module, "mp_num", None)
-    heads, head_dim = (getattr(module, a, None) for a in ("num_attention_heads", "head_dim"))
-    if qkv is None or out is None or not all(isinstance(v, int) for v in (shards, heads, head_dim)):
+    counts = _ints(module, ("mp_num", "num_attention_heads", "head_dim"))
+    if qkv is None or out is None or counts is None:
         return None
+    shards, heads, head_dim = counts
     width = heads * head_dim
     if qkv.out_features != 3 * width or out.in_features != width or heads % shards:
         raise ValueError(
@@ -756,12 +778,12 @@ def _kv_reusing(name: str, module: nn.Module) -> HeadGroup | None:
     if getattr(module, READS_KV, None) is not True:
         return None
     q, o = getattr(module, "q_proj", None), getattr(module, "o_proj", None)
-    head_dim = getattr(module, "head_dim", None)
-    per_unit = getattr(module, "num_key_value_groups", None)
+    counts = _ints(module, ("head_dim", "num_key_value_groups"))
     if not (isinstance(q, nn.Linear) and isinstance(o, nn.Linear)):
         return None
-    if not all(isinstance(v, int) and v > 0 for v in (head_dim, per_unit)):
+    if counts is None or min(counts) < 1:
         return None
+    head_dim, per_unit = counts
     heads = o.in_features // head_dim
     if q.out_features != o.in_features or o.in_features % head_dim or heads % per_unit:
         raise ValueError(

@@ -1,12 +1,19 @@
-"""Cutting a layer to the units export keeps: the one place a linear layer or a depthwise
-convolution loses rows or columns (heads, MLPs found by form, Mamba and Mamba-2 mixers,
-and the proofs' copies of a layer cut to its kept inputs).
+"""Cutting a layer to the units export keeps: the one place a linear layer, a depthwise
+convolution, a batch norm or a recurrent layer's inputs lose rows or columns (heads,
+MLPs found by form, Mamba and Mamba-2 mixers, recurrent readers, and the proofs' copies
+of a layer cut to its kept inputs).
 Each cut makes new parameters, keeping whether they train."""
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.conv import _ConvNd
+
+M = TypeVar("M", bound=nn.Module)
 
 
 def kept_rows(tensor: torch.Tensor, keep: torch.Tensor, dim: int = 0) -> nn.Parameter:
@@ -18,8 +25,14 @@ def kept_rows(tensor: torch.Tensor, keep: torch.Tensor, dim: int = 0) -> nn.Para
 def as_linear(module: nn.Module) -> nn.Linear:
     """`module`, a linear layer by construction (an exported copy of one); TypeError
     naming its class otherwise."""
-    if not isinstance(module, nn.Linear):
-        raise TypeError(f"expected a linear layer, got {type(module).__name__}")
+    return of_kind(module, nn.Linear)
+
+
+def of_kind(module: nn.Module, kind: type[M]) -> M:
+    """`module`, of the class `kind` by construction (an exported copy of a layer the
+    pruner found as one); TypeError naming both classes otherwise."""
+    if not isinstance(module, kind):
+        raise TypeError(f"expected a {kind.__name__}, got {type(module).__name__}")
     return module
 
 
@@ -87,7 +100,7 @@ def cut_inputs(layer: nn.Module, keep: torch.Tensor) -> None:
         setattr(layer, "in_channels", len(keep))  # noqa: B010
 
 
-def cut_depthwise(conv: nn.Conv1d | nn.Conv2d | nn.Conv3d, keep: torch.Tensor) -> None:
+def cut_depthwise(conv: _ConvNd, keep: torch.Tensor) -> None:
     """Keep the channels `keep` of a depthwise convolution, in place."""
     conv.weight = kept_rows(conv.weight, keep)
     if conv.bias is not None:
@@ -95,7 +108,7 @@ def cut_depthwise(conv: nn.Conv1d | nn.Conv2d | nn.Conv3d, keep: torch.Tensor) -
     conv.in_channels = conv.out_channels = conv.groups = len(keep)
 
 
-def cut_batch_norm(norm: nn.BatchNorm1d, keep: torch.Tensor) -> None:
+def cut_batch_norm(norm: _BatchNorm, keep: torch.Tensor) -> None:
     """Keep the channels `keep` of a batch norm (its affine parameters and running
     statistics), in place."""
     for name in ("weight", "bias"):

@@ -42,7 +42,7 @@ class RescaledNorm:
     rows per unit, which the group's mask also masks."""
 
     norm: nn.Module
-    rows: nn.Linear
+    rows: nn.Module  # a linear layer
     per_unit: int
     # the norm's channels per unit where they are not the rows' (a norm of the attention
     # output over the query heads, its rows the value projection's: grouped-query
@@ -67,13 +67,13 @@ def norms_over_all_heads(module: nn.Module, head_dim: int) -> tuple[nn.Module, .
 
 
 def fed_norms(
-    model: nn.Module, inputs: tuple, candidates: dict[nn.Module, list[tuple[nn.Linear, int]]]
-) -> dict[nn.Module, tuple[nn.Linear, int]]:
+    model: nn.Module, inputs: tuple, candidates: dict[nn.Module, list[tuple[nn.Module, int]]]
+) -> dict[nn.Module, tuple[nn.Module, int]]:
     """For each norm of `candidates` (norm: its attention layer's single-block projections,
     with their rows per unit), the projection whose output it normalizes as it is, seen
     in one eval forward of `model` on `inputs`; a norm reading anything else is absent."""
     last: dict[nn.Module, torch.Tensor] = {}  # each projection's latest output
-    fed: dict[nn.Module, tuple[nn.Linear, int]] = {}
+    fed: dict[nn.Module, tuple[nn.Module, int]] = {}
 
     def produced(module, _args, output):
         last[module] = output
@@ -104,7 +104,7 @@ def _view_of(tensor: object, output: torch.Tensor) -> bool:
 
 
 def norms_read_by(
-    model: nn.Module, inputs: tuple, candidates: dict[nn.Module, list[nn.Linear]]
+    model: nn.Module, inputs: tuple, candidates: dict[nn.Module, list[nn.Module]]
 ) -> set[nn.Module]:
     """The norms of `candidates` (norm: layers that may read it) whose output one of
     those layers reads as its input, seen in one eval forward of `model` on `inputs`: a
@@ -155,7 +155,7 @@ def norms_read_by(
 
 
 def norms_after_output(
-    model: nn.Module, inputs: tuple, candidates: dict[nn.Module, nn.Linear]
+    model: nn.Module, inputs: tuple, candidates: dict[nn.Module, nn.Module]
 ) -> set[nn.Module]:
     """The norms of `candidates` (norm: its attention layer's output projection) that
     first run after that projection, seen in one eval forward of `model` on `inputs`: a

@@ -30,10 +30,19 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.conv import _ConvNd
 
 from .attention_forms import match_form
 from .cost import run_hooked
-from .cuts import cut_batch_norm, cut_depthwise, cut_diagonal_columns, cut_linear
+from .cuts import (
+    as_linear,
+    cut_batch_norm,
+    cut_depthwise,
+    cut_diagonal_columns,
+    cut_linear,
+    of_kind,
+)
 from .grouped_convs import ratios_keeping_parts_alike
 from .groups import is_norm
 from .head_group import HeadGroup, Projection
@@ -46,6 +55,7 @@ from .head_norms import (
     norms_read_by,
     rescales_exactly,
 )
+from .module_tensors import tensor_of
 from .multihead_attention import PrunedMultiheadAttention
 from .picked_heads import PicksItsHeads, keep_heads, picked_argument, picking_submodules
 from .proof import cuts_exactly, dropped, example_calls
@@ -163,9 +173,9 @@ def _rescale_norms(model: nn.Module, inputs: tuple, groups: list[HeadGroup]) -> 
     for group in groups:
         exact = [n for n in group.norms if n in fed and rescales_exactly(n)]
         group.rescaled = [RescaledNorm(n, *fed[n]) for n in exact]
+        value = _value(group)
         for norm in group.norms:
-            if norm in after and rescales_exactly(norm):
-                value = _value(group)
+            if norm in after and value is not None and rescales_exactly(norm):
                 group.rescaled.append(
                     RescaledNorm(norm, value.layer, value.per_unit, group.out.per_unit)
                 )
@@ -226,24 +236,24 @@ def prove_head_groups(model: nn.Module, groups: list[HeadGroup], inputs: tuple) 
         names = {m: n for n, m in scope.named_modules()}
 
         def zero(copy: nn.Module, keep: torch.Tensor, group=group, names=names) -> None:
-            out = copy.get_submodule(names[group.out.layer])
+            out = tensor_of(copy.get_submodule(names[group.out.layer]))
             units = dropped(group.units, keep, torch.device("cpu"))
             if group.out.diagonal > 1:  # a unit's columns in its own run's rows
-                blocks = group.out.unit_block(out.weight, group.units)
+                blocks = group.out.unit_block(out, group.units)
                 run = group.units // group.out.diagonal
                 for unit in units.tolist():
                     blocks[unit // run, :, unit % run] = 0
             else:
-                columns = group.out.kept(group.units, units).to(out.weight.device)
-                out.weight[:, columns] = 0
+                out[:, group.out.kept(group.units, units).to(out.device)] = 0
             for mixer in group.head_mixers:  # the columns of the heads' mixes too
-                weight = copy.get_submodule(names[mixer]).weight
+                weight = tensor_of(copy.get_submodule(names[mixer]))
                 weight[:, units.to(weight.device)] = 0
             for rescaled in group.rescaled:  # the hard mask zeroes their rows too
                 rows = copy.get_submodule(names[rescaled.rows])
                 removed = Projection(rows, 1, rescaled.per_unit).kept(group.units, units)
-                for tensor in (rows.weight, rows.bias):
-                    if tensor is not None:
+                for name in ("weight", "bias"):
+                    tensor = getattr(rows, name, None)
+                    if isinstance(tensor, torch.Tensor):
                         tensor[removed.to(tensor.device)] = 0
 
         def cut(copy: nn.Module, keep: torch.Tensor, group=group, names=names) -> None:
@@ -342,8 +352,9 @@ def _other_linears(group: HeadGroup) -> str:
     known = {group.out.layer, *(p.layer for p in group.rows)}
     # the layer's input: a latent attention's query rows read the compressed query, the
     # output projection writes the model width its input has (HunYuan V4's output gate)
+    given: int | None
     if group.latent:
-        given = group.out.layer.out_features
+        given = as_linear(group.out.layer).out_features
     else:  # torch's MultiheadAttention is its own row projection: it has no in_features
         given = getattr(group.rows[0].layer, "in_features", None)
     for name, child in group.module.named_children():
@@ -377,7 +388,8 @@ def _biases_from_outside(
     """The attention layers (of `groups`) handed a bias per head from outside, with why
     that refuses them. The model runs once on `inputs`, only when a layer may receive
     one."""
-    found, watched = {}, {}
+    found: dict[nn.Module, str] = {}
+    watched: dict[nn.Module, list[str]] = {}
     for group in groups:
         forward = inspect.signature(group.module.forward).parameters
         # a layer export gives a class that picks its heads' entries is not refused (as
@@ -428,10 +440,10 @@ def _per_head_tables(
     item say why the heads cannot be pruned ("" when they can)."""
     heads = group.units * group.query_heads_per_unit
     projections = {*group.kept_out, group.layer}
-    candidates = []  # (owner, owner's name, parameter name, tensor)
+    candidates: list[tuple[nn.Module, str, str, torch.Tensor]] = []  # (owner, its name, ...)
     # an embedding of one column per head (T5's relative position bias of a few dozen
     # buckets: their number may equal the heads')
-    tables = [
+    tables: list[tuple[nn.Module, str, int]] = [
         (owner, "weight", 1)
         for owner in group.module.modules()
         if isinstance(owner, nn.Embedding) and owner.embedding_dim == heads
@@ -522,10 +534,11 @@ def set_head_count(owner: nn.Module, heads: int, kept: int) -> None:
         if getattr(owner, count, None) == heads:
             setattr(owner, count, kept)
     shape = getattr(owner, "bias_shape", None)
+    # (setattr: mypy types a module's attributes as tensors or modules)
     if isinstance(shape, tuple) and shape and shape[-1] == heads:
-        owner.bias_shape = (*shape[:-1], kept)
+        setattr(owner, "bias_shape", (*shape[:-1], kept))  # noqa: B010
     elif isinstance(shape, tuple) and shape and shape[0] == heads:
-        owner.bias_shape = (kept, *shape[1:])
+        setattr(owner, "bias_shape", (kept, *shape[1:]))  # noqa: B010
 
 
 def _query_heads(mask: torch.Tensor, per_unit: int) -> torch.Tensor:
@@ -570,28 +583,28 @@ def _prune_layer_heads(
         setattr(copy[names[owner]], name, nn.Parameter(vector[query_rows.to(vector.device)]))
     if isinstance(group.module, nn.MultiheadAttention):  # replaced: its width is fixed
         parent, _, attr = names[group.module].rpartition(".")
-        source = copy[names[group.module]]
+        source = of_kind(copy[names[group.module]], nn.MultiheadAttention)
         rows = group.rows[0].kept(group.units, kept)
         cut_linear(source.out_proj, group.out.kept(group.units, kept), dim=1)
         setattr(copy[parent], attr, PrunedMultiheadAttention(source, rows, query_heads))
         return
     for projection in group.rows:
-        cut_linear(copy[names[projection.layer]], projection.kept(group.units, kept))
-    out = group.out
+        cut_linear(as_linear(copy[names[projection.layer]]), projection.kept(group.units, kept))
+    out, out_layer = group.out, as_linear(copy[names[group.out.layer]])
     if out.diagonal > 1:
-        cut_diagonal_columns(copy[names[out.layer]], out.diagonal, out.per_unit, group.units, kept)
+        cut_diagonal_columns(out_layer, out.diagonal, out.per_unit, group.units, kept)
     else:
-        cut_linear(copy[names[out.layer]], out.kept(group.units, kept), dim=1)
+        cut_linear(out_layer, out.kept(group.units, kept), dim=1)
     for rescaled in group.rescaled:  # their rows are cut: the norms follow, rescaled
         channels = Projection(rescaled.norm, 1, rescaled.channels_per_unit).kept(group.units, kept)
-        cut_norm(copy[names[rescaled.norm]], copy[names[rescaled.rows]], channels)
+        cut_norm(copy[names[rescaled.norm]], as_linear(copy[names[rescaled.rows]]), channels)
     for conv in group.convs:
-        cut_depthwise(copy[names[conv.layer]], conv.kept(group.units, kept))
+        cut_depthwise(of_kind(copy[names[conv.layer]], _ConvNd), conv.kept(group.units, kept))
     for norm in group.row_norms:
-        cut_batch_norm(copy[names[norm.layer]], norm.kept(group.units, kept))
+        cut_batch_norm(of_kind(copy[names[norm.layer]], _BatchNorm), norm.kept(group.units, kept))
     for mixer in group.head_mixers:  # one head per unit (_head_mixers)
-        cut_linear(copy[names[mixer]], kept)
-        cut_linear(copy[names[mixer]], kept, dim=1)
+        cut_linear(as_linear(copy[names[mixer]]), kept)
+        cut_linear(as_linear(copy[names[mixer]]), kept, dim=1)
     cache = getattr(copy[names[group.module]], "attention_bias_cache", None)
     if isinstance(cache, dict):  # timm's cache of its per-head bias table, of the old heads
         cache.clear()

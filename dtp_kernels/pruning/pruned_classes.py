@@ -51,13 +51,13 @@ class GivenToTheLayer:
         return layer
 
 
-def pruned_classes() -> dict[type[nn.Module], type[nn.Module]]:
+def pruned_classes() -> dict[type[nn.Module], type[GivenToTheLayer]]:
     """The class export gives an attention layer of each class above that loses heads
     (`from_dense(layer)` gives it). Only the libraries' modules already imported are
     looked at: a model holding such a layer has imported its module. A library version
     without the classes these subclass gives none: its layers fail their heads' proof and
     are refused by name, as without this package's classes."""
-    classes: dict[type[nn.Module], type[nn.Module]] = {}
+    classes: dict[type[nn.Module], type[GivenToTheLayer]] = {}
     for library, own in PRUNED_CLASS_MODULES.items():
         if library in sys.modules:
             try:
