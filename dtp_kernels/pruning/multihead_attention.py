@@ -18,6 +18,9 @@ class PrunedMultiheadAttention(nn.Module):
 
     replaces = nn.MultiheadAttention
     kept_heads: torch.Tensor
+    # read by torch's nn.TransformerEncoderLayer before it takes its fused fast path,
+    # which computes nn.MultiheadAttention's own width: False sends it to this forward
+    _qkv_same_embed_dim = False
 
     def __init__(
         self,
@@ -61,6 +64,10 @@ class PrunedMultiheadAttention(nn.Module):
         average_attn_weights: bool = True,
         is_causal: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if query.is_nested:
+            return self._ragged(query, key, value, attn_mask, is_causal), None
+        if is_causal and key_padding_mask is None and not need_weights:
+            attn_mask = None  # torch's own rule: the hint stands for the mask it is given
         batched = query.dim() == 3
         if not batched:
             query, key, value = (
@@ -111,6 +118,33 @@ class PrunedMultiheadAttention(nn.Module):
             return out, None
         weights = weights.mean(dim=1) if average_attn_weights else weights
         return out, (weights if batched else weights.squeeze(0))
+
+    def _ragged(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        is_causal: bool,
+    ) -> torch.Tensor:
+        """The attention of nested (ragged) sequences, batch first, as torch's
+        nn.TransformerEncoder hands them to its layers in eval with a padding mask:
+        computed padded, the padding masked out as keys, the outputs ragged again."""
+        if not self.batch_first:
+            raise ValueError("nested inputs need batch_first=True (as nn.MultiheadAttention)")
+        queries = [len(t) for t in query.unbind()]
+        keys = torch.tensor([len(t) for t in key.unbind()], device=key.device)
+        padded = [t.to_padded_tensor(0.0) for t in (query, key, value)]
+        source = padded[1].shape[1]
+        padding = torch.arange(source, device=key.device)[None, :] >= keys[:, None]
+        out, _ = self.forward(
+            *padded,
+            key_padding_mask=padding,
+            need_weights=False,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+        )
+        return torch.nested.as_nested_tensor([o[:n] for o, n in zip(out, queries, strict=True)])
 
 
 def _additive_mask(attn_mask, key_padding_mask, batch, heads, length, source, dtype):

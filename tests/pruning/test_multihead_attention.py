@@ -2,7 +2,9 @@
 kept it computes what torch's does (masks of every kind, batched or not); handed a mask
 per head made for all the layer's heads (Mask2Former's decoder makes one), the exported
 layer picks its kept heads' masks, equal to the hard-masked model with kept heads that
-are not the first ones; a file saved before the layers held `kept_heads` still loads."""
+are not the first ones; a file saved before the layers held `kept_heads` still loads.
+torch's own nn.TransformerEncoder, nn.TransformerDecoder and nn.Transformer prune and
+export exactly, the encoder's ragged fast path (eval with a padding mask) included."""
 
 import json
 
@@ -44,6 +46,12 @@ def test_keeping_every_head_is_nn_multihead_attention(batch_first):
         pruned(q, kv, kv, is_causal=True), mha(q, kv, kv, attn_mask=causal), strict=True
     ):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # torch's rule: with no padding mask and no weights asked for, is_causal stands for
+    # the mask it is given, whatever that mask holds
+    hinted = {"attn_mask": attn_mask, "is_causal": True, "need_weights": False}
+    torch.testing.assert_close(
+        pruned(q, kv, kv, **hinted)[0], mha(q, kv, kv, **hinted)[0], rtol=1e-5, atol=1e-6
+    )
     single = q[0] if batch_first else q[:, 0]
     single_kv = kv[0] if batch_first else kv[:, 0]
     for a, b in zip(
@@ -130,3 +138,86 @@ def test_kept_heads_live_on_the_models_device(device):
     assert exported.attention.kept_heads.device.type == device
     with torch.no_grad():
         torch.testing.assert_close(exported(x), want, rtol=1e-4, atol=1e-4)
+
+
+class Seq2Seq(nn.Module):
+    """torch's nn.Transformer between two linear embeddings and a readout, the target
+    masked causally; batch first or sequence first."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.source, self.target = nn.Linear(8, 16), nn.Linear(8, 16)
+        self.transformer = nn.Transformer(16, 4, 2, 2, 32, dropout=0.0, batch_first=batch_first)
+        self.readout, self.batch_first = nn.Linear(16, 4), batch_first
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        causal = nn.Transformer.generate_square_subsequent_mask(y.shape[1])
+        if not self.batch_first:
+            x, y = x.transpose(0, 1), y.transpose(0, 1)
+        out = self.transformer(self.source(x), self.target(y), tgt_mask=causal, tgt_is_causal=True)
+        return self.readout(out if self.batch_first else out.transpose(0, 1))
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_torchs_transformer_prunes_its_heads_and_mlps_and_exports_exactly(batch_first):
+    torch.manual_seed(0)
+    model = Seq2Seq(batch_first)
+    x, y = torch.randn(3, 6, 8), torch.randn(3, 5, 8)
+    pruner = DTPPruner(model, (x[:1], y[:1]), 0.5)
+    with torch.no_grad():  # kept heads and neurons other than the first ones
+        pruner.scores.copy_(
+            torch.rand(pruner.scores.shape, generator=torch.Generator().manual_seed(3))
+        )
+    kinds = {"self_attn": 4, "multihead_attn": 2, "linear1": 4}
+    for kind, count in kinds.items():
+        assert sum(g.name.endswith(kind) for g in pruner.groups) == count
+    model.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(x, y)
+    exported = pruner.export().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(x, y), want, rtol=1e-5, atol=1e-5)
+    attention = exported.transformer.decoder.layers[0].self_attn
+    assert isinstance(attention, PrunedMultiheadAttention) and attention.num_heads == 2
+
+
+class PaddedEncoder(nn.Module):
+    """torch's nn.TransformerEncoder (post-norm, batch first: its ragged fast path in eval
+    with a padding mask) between a linear embedding and a readout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2)
+        self.readout = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
+        return self.readout(self.encoder(self.embed(x), src_key_padding_mask=padding))
+
+
+def test_torchs_transformer_encoder_exports_exactly_on_its_ragged_fast_path(monkeypatch):
+    """In eval with a padding mask the encoder hands its layers nested (ragged) batches:
+    the exported attention computes them padded, and equals the hard-masked model."""
+    torch.manual_seed(0)
+    model, x = PaddedEncoder(), torch.randn(3, 6, 8)
+    padding = torch.zeros(3, 6, dtype=torch.bool)
+    padding[1, 4:], padding[2, 2:] = True, True
+    pruner = DTPPruner(model, (x[:1],), {"heads": 0.5})
+    with torch.no_grad():
+        pruner.scores.copy_(torch.tensor([0.9, 0.1, 0.2, 0.8] * 2))
+    model.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(x, padding)
+    exported = pruner.export().eval()
+    ragged = []
+    compute = PrunedMultiheadAttention._ragged
+    monkeypatch.setattr(
+        PrunedMultiheadAttention,
+        "_ragged",
+        lambda self, *args: ragged.append(1) or compute(self, *args),
+    )
+    with torch.no_grad():
+        got = exported(x, padding)
+    assert len(ragged) == 2  # both layers were handed ragged batches
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
