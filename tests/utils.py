@@ -616,6 +616,18 @@ def hard_masked_and_exported(pruner, model, inputs: tuple):
     return exported, got, want
 
 
+def exported_as_masked(pruner, model: nn.Module, inputs: tuple, atol: float = 1e-5):
+    """The pruner's export, checked to compute on `inputs` what the hard-masked model
+    computes (eval, float32 tolerances)."""
+    model.eval()
+    with torch.no_grad(), pruner.hard_masked():
+        want = model(*inputs)
+    exported = pruner.export().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(*inputs), want, rtol=1e-5, atol=atol)
+    return exported
+
+
 def described_export(pruner, model, inputs: tuple) -> tuple[nn.Module, torch.Tensor]:
     """(exported model, its logits), checked: the export computes what the hard-masked
     model computes and export gave no warning that the config cannot describe it."""

@@ -134,11 +134,12 @@ class PrunedMultiheadAttention(nn.Module):
             raise ValueError("nested inputs need batch_first=True (as nn.MultiheadAttention)")
         queries = [len(t) for t in query.unbind()]
         keys = torch.tensor([len(t) for t in key.unbind()], device=key.device)
-        padded = [t.to_padded_tensor(0.0) for t in (query, key, value)]
-        source = padded[1].shape[1]
-        padding = torch.arange(source, device=key.device)[None, :] >= keys[:, None]
+        q, k, v = (t.to_padded_tensor(0.0) for t in (query, key, value))
+        padding = torch.arange(k.shape[1], device=key.device)[None, :] >= keys[:, None]
         out, _ = self.forward(
-            *padded,
+            q,
+            k,
+            v,
             key_padding_mask=padding,
             need_weights=False,
             attn_mask=attn_mask,

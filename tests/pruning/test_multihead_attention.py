@@ -15,6 +15,7 @@ from torch import nn
 from dtp_kernels import load_pruned, save_pruned
 from dtp_kernels.pruning import DTPPruner, built_model
 from dtp_kernels.pruning.multihead_attention import PrunedMultiheadAttention
+from utils import exported_as_masked
 
 
 @pytest.mark.parametrize("batch_first", [False, True])
@@ -171,12 +172,7 @@ def test_torchs_transformer_prunes_its_heads_and_mlps_and_exports_exactly(batch_
     kinds = {"self_attn": 4, "multihead_attn": 2, "linear1": 4}
     for kind, count in kinds.items():
         assert sum(g.name.endswith(kind) for g in pruner.groups) == count
-    model.eval()
-    with torch.no_grad(), pruner.hard_masked():
-        want = model(x, y)
-    exported = pruner.export().eval()
-    with torch.no_grad():
-        torch.testing.assert_close(exported(x, y), want, rtol=1e-5, atol=1e-5)
+    exported = exported_as_masked(pruner, model, (x, y))
     attention = exported.transformer.decoder.layers[0].self_attn
     assert isinstance(attention, PrunedMultiheadAttention) and attention.num_heads == 2
 

@@ -15,7 +15,7 @@ from dtp_kernels.pruning import DTPPruner
 from dtp_kernels.pruning.cost import count_params
 from dtp_kernels.pruning.precision import ieee_fp32
 from dtp_kernels.pruning.recurrent_readers import run_as_one_op
-from utils import check_export, drawn_statistics, randomised
+from utils import check_export, drawn_statistics, exported_as_masked, randomised
 
 RECURRENT = {"rnn": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}
 
@@ -189,12 +189,7 @@ def test_hidden_state_and_output_coupled_layers_are_left_whole_with_why() -> Non
     assert why["skip"] == (
         "its channels are coupled with the outputs of a GRU ('rnn'), which are never cut"
     )
-    model.eval()
-    with torch.no_grad(), pruner.hard_masked():
-        want = model(x, summary)
-    exported = pruner.export().eval()
-    with torch.no_grad():
-        torch.testing.assert_close(exported(x, summary), want, rtol=1e-5, atol=1e-6)
+    exported = exported_as_masked(pruner, model, (x, summary), atol=1e-6)
     assert count_params(exported) == pruner.report()["params_after"]
     assert exported.rnn.input_size == 6 and exported.start.out_features == 6
 
