@@ -502,7 +502,47 @@ def find_groups(
             failed[error.layer] = error.why
     if failed:
         raise ChannelGraphError(failed_searches(failed, names))
+    with bounded_search(graph, names), mappings_held(graph):
+        _held_with_left_out(graph, [*found, *whole, *ignored], set(ignored), names, roots, whole)
     return [found[m] for m in model.modules() if m in found]
+
+
+def _held_with_left_out(
+    graph: tp.DependencyGraph,
+    decided: list[nn.Module],
+    left_out: set[nn.Module],
+    names: dict[nn.Module, str],
+    roots: list[type[nn.Module]],
+    whole: dict[nn.Module, str],
+) -> None:
+    """Why each root layer that neither has a group nor a reason yet is left whole:
+    Torch-Pruning's search yields no group whose channels a layer it was told to leave
+    out also writes (the projections of attention heads, a layer in ignored_layers), so
+    such a layer's output channels go with that one's."""
+    done, kinds = set(decided), tuple(roots)
+    for module in graph.module2node:
+        if not isinstance(module, kinds) or module in done:
+            continue
+        try:
+            group = graph.get_pruning_group(module, out_channel_handler(module), [0])
+        except SearchFailedError:  # no reason found here: the general one stands
+            continue
+        written = [d.target.module for d, _ in group if graph.is_out_channel_pruning_fn(d.handler)]
+        # one search answers for every layer whose outputs are in the group
+        writers = [m for m in written if isinstance(m, kinds)]
+        done.update(writers)
+        held = [m for m in dict.fromkeys(written) if m in left_out]
+        if not held:
+            continue
+        listed = ", ".join(repr(names.get(m, type(m).__name__)) for m in held[:3])
+        for writer in writers:
+            if writer not in left_out:
+                whole.setdefault(
+                    writer,
+                    f"its output channels go with those of {listed}, which the channel "
+                    "search leaves out (an attention layer's projections, a layer in "
+                    "ignored_layers)",
+                )
 
 
 def _leave(

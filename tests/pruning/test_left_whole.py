@@ -145,6 +145,32 @@ def test_ratio_zero_ignored_idle_and_latent_layers_say_so():
     assert whole["model.layers.1.self_attn.kv_a_proj_with_mqa"] == latent
 
 
+class Attended(nn.Module):
+    """A linear embedding read by nn.MultiheadAttention and added to its output (a
+    residual around it), then a readout; the embedding's width is the attention's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.attention = nn.MultiheadAttention(16, 4, batch_first=True)
+        self.readout = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        return self.readout(h + self.attention(h, h, h, need_weights=False)[0])
+
+
+def test_a_width_an_attention_layer_writes_too_is_listed_with_that_layer():
+    """Torch-Pruning's search gives no group whose outputs a layer left out of it (the
+    heads' projections) writes too: the embedding is listed with that layer, not with
+    "no group holds its output channels"."""
+    whole = DTPPruner(Attended(), torch.randn(1, 5, 8), 0.5).left_whole
+    assert whole["embed"] == (
+        "its output channels go with those of 'attention', which the channel search "
+        "leaves out (an attention layer's projections, a layer in ignored_layers)"
+    )
+
+
 def test_weights_tied_to_another_module_are_listed_under_weight_granularity():
     class Tied(nn.Module):
         def __init__(self) -> None:
