@@ -111,8 +111,8 @@ class StateReads:
         the sequence input's channels (Torch-Pruning cuts all of a node's inputs alike)."""
 
         def marked(tensor: Any) -> Any:
-            if not isinstance(tensor, torch.Tensor) or tensor.grad_fn is None:
-                return tensor
+            if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad:
+                return tensor  # a constant (zeros): no edge of the graph
             read = _StateRead.apply(tensor)
             self.tensors.append(read)
             self.readers[read.grad_fn] = layer

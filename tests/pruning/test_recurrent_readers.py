@@ -194,6 +194,29 @@ def test_hidden_state_and_output_coupled_layers_are_left_whole_with_why() -> Non
     assert exported.rnn.input_size == 6 and exported.start.out_features == 6
 
 
+class LearnedStart(Tagger):
+    """An LSTM whose initial hidden and cell states are parameters of the model."""
+
+    def __init__(self) -> None:
+        super().__init__("lstm")
+        self.h0, self.c0 = nn.Parameter(torch.randn(1, 3, 6)), nn.Parameter(torch.randn(1, 3, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mix(torch.relu(self.embed(x)))
+        return self.head(self.rnn(h, (self.h0[:, : len(x)], self.c0))[0])
+
+
+def test_learned_initial_states_are_read_as_states_not_as_the_inputs() -> None:
+    """The parameters stay whole and the layers feeding the sequence prune; a state
+    taken for the sequence input would be cut along with it."""
+    torch.manual_seed(0)
+    model, x = LearnedStart(), torch.randn(3, 5, 8)
+    pruner = randomised(DTPPruner(model, x, 0.5))
+    assert [g.name for g in pruner.groups] == ["embed", "mix"]
+    exported = check_export(pruner, model, x, example=(x,))
+    assert exported.h0.shape == exported.c0.shape == (1, 3, 6)
+
+
 class Scorer(nn.Module):
     """A bilinear form of two linear layers' features."""
 
@@ -220,9 +243,10 @@ def test_the_layers_feeding_a_bilinear_layer_are_left_whole_with_why() -> None:
 
 @pytest.mark.parametrize("kind", ["gru", "lstm", "bilinear"])
 def test_one_op_forwards_compute_the_same_values_and_gradients(kind: str) -> None:
-    """The traced form of each layer is its forward: float64 values and gradients of its
-    inputs (the initial state among them) and its parameters match, and the layer's own
-    forward is back after the block."""
+    """The traced form of each layer is its forward: float64 values, and the gradients
+    of its inputs and parameters, match; a recurrent layer's initial state is read as a
+    constant there (recorded, with no gradient), and the layer's own forward is back
+    after the block."""
     torch.manual_seed(0)
     if kind == "bilinear":
         layer = nn.Bilinear(6, 3, 4).double()
@@ -232,6 +256,7 @@ def test_one_op_forwards_compute_the_same_values_and_gradients(kind: str) -> Non
         state = torch.randn(4, 2, 5)
         inputs = (torch.randn(7, 2, 6), (state, torch.randn(4, 2, 5)) if kind == "lstm" else state)
     inputs = torch.utils._pytree.tree_map(lambda t: t.double().requires_grad_(), inputs)
+    states = torch.utils._pytree.tree_leaves(inputs[1:]) if kind != "bilinear" else []
     leaves = [*torch.utils._pytree.tree_leaves(inputs), *layer.parameters()]
 
     def run() -> tuple[list, tuple]:
@@ -241,12 +266,18 @@ def test_one_op_forwards_compute_the_same_values_and_gradients(kind: str) -> Non
             for i, o in enumerate(outputs)
         ]
         loss = sum((o * w).sum() for o, w in zip(outputs, weights, strict=True))
-        return outputs, torch.autograd.grad(loss, leaves)
+        return outputs, torch.autograd.grad(loss, leaves, allow_unused=True)
 
     want_out, want_grads = run()
-    with run_as_one_op(layer):
+    with run_as_one_op(layer) as read:
         got_out, got_grads = run()
         assert {o.grad_fn.name() for o in got_out} == {"_OneOpBackward"}
     assert "forward" not in vars(layer)
-    for got, want in zip([*got_out, *got_grads], [*want_out, *want_grads], strict=True):
+    assert len(read.tensors) == len(states) and set(read.readers.values()) <= {layer}
+    for got, want, leaf in zip(got_grads, want_grads, leaves, strict=True):
+        if any(leaf is s for s in states):
+            assert got is None
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for got, want in zip(got_out, want_out, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
