@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .cuts import input_weights
 from .example_inputs import as_example_inputs, call_model
 from .experts import ExpertProjection, Layout, expert_layout
 from .module_tensors import tensor_of
@@ -305,11 +306,10 @@ def params_after(module: nn.Module, out_lost: int, in_lost: int) -> int:
         out_c, in_c, groups = Layer(module, 0, 0).channels(out_lost, in_lost)
         kernel = math.prod(module.kernel_size) if isinstance(module, CONV) else 1
         return out_c * (in_c // groups) * kernel + (out_c if module.bias is not None else 0)
-    if isinstance(module, RECURRENT):  # the input columns of its first layer's weights
-        directions = 2 if module.bidirectional else 1
+    if isinstance(module, RECURRENT):  # the input columns of its input weights
         total = sum(p.numel() for p in module.parameters(recurse=False))
-        gate_rows = tensor_of(module, "weight_ih_l0").shape[0]  # the gates' rows
-        return total - in_lost * gate_rows * directions
+        gate_rows = sum(tensor_of(module, n).shape[0] for n in input_weights(module))
+        return total - in_lost * gate_rows
     if isinstance(module, nn.MultiheadAttention):  # its packed input projection
         rows = 3 * module.embed_dim - out_lost
         return rows * module.embed_dim + (rows if module.in_proj_bias is not None else 0)

@@ -75,20 +75,27 @@ def cut_diagonal_columns(
 def channel_dim(layer: nn.Module) -> int:
     """The dimension of a linear or recurrent layer's (last) or convolution's (1) input
     that holds its input channels."""
-    return -1 if isinstance(layer, (nn.Linear, nn.RNNBase)) else 1
+    return -1 if isinstance(layer, (nn.Linear, nn.RNNBase, nn.RNNCellBase)) else 1
+
+
+def input_weights(layer: nn.RNNBase | nn.RNNCellBase) -> list[str]:
+    """The names of the weights through which a recurrent layer (or cell) reads its
+    input: its first layer's, in each direction (a cell's one)."""
+    if isinstance(layer, nn.RNNCellBase):
+        return ["weight_ih"]
+    return ["weight_ih_l0", "weight_ih_l0_reverse"] if layer.bidirectional else ["weight_ih_l0"]
 
 
 def cut_inputs(layer: nn.Module, keep: torch.Tensor) -> None:
     """Keep the input channels (columns) `keep` of a linear layer, an ungrouped
-    convolution or a recurrent layer (its first layer's input weights, in each
-    direction), in place."""
-    if isinstance(layer, nn.RNNBase):
-        for suffix in ("", "_reverse") if layer.bidirectional else ("",):
-            name = f"weight_ih_l0{suffix}"
+    convolution or a recurrent layer or cell (`input_weights`), in place."""
+    if isinstance(layer, (nn.RNNBase, nn.RNNCellBase)):
+        for name in input_weights(layer):
             # (setattr: nn.RNNBase keeps its flat weight list in step with the attribute)
             setattr(layer, name, kept_rows(getattr(layer, name), keep, 1))
         layer.input_size = len(keep)
-        layer.flatten_parameters()  # cuDNN's one buffer of weights again (on CUDA)
+        if isinstance(layer, nn.RNNBase):
+            layer.flatten_parameters()  # cuDNN's one buffer of weights again (on CUDA)
         return
     weight = layer.weight
     if not isinstance(weight, torch.Tensor):

@@ -1,15 +1,16 @@
-"""Recurrent layers (nn.RNN, nn.GRU, nn.LSTM) and nn.Bilinear as readers of a group's
-channels.
+"""Recurrent layers (nn.RNN, nn.GRU, nn.LSTM) and cells (nn.RNNCell, nn.GRUCell,
+nn.LSTMCell) and nn.Bilinear as readers of a group's channels.
 
 A recurrent layer reads its sequence input only through the input columns of its first
-layer's weights (`weight_ih_l0`, and `weight_ih_l0_reverse` when bidirectional). Masked
+layer's weights (`weight_ih_l0`, and `weight_ih_l0_reverse` when bidirectional; a
+cell's `weight_ih`, step by step). Masked
 channels are zeros there, so cutting those columns at export computes what the masked
 model does: the layers that feed a recurrent layer are pruned like those that feed a
 linear one. Its hidden units are never cut (no group has them as its channels).
 
 Torch-Pruning follows a module as one node only where its forward is one autograd op:
-LSTM on the CPU is, GRU and RNN on the CPU run as many small ops that it would follow
-into the recurrence (and fail on), and under cuDNN all three are one op. So that the
+LSTM on the CPU is, GRU, RNN and the cells on the CPU run as many small ops that it
+would follow into the recurrence (and fail on), and under cuDNN the layers are one op. So that the
 channel graph is the same on every device, each of these layers runs as one op of its
 inputs while the graph is traced (`run_as_one_op`). An initial hidden state the model
 passes is no input of that op (Torch-Pruning cuts all of a node's inputs alike): the op
@@ -35,7 +36,7 @@ from torch_pruning.pruner.function import BasePruningFunc
 from .cuts import cut_inputs
 
 # exactly these classes: a subclass may compute with its weights otherwise
-RECURRENT = (nn.RNN, nn.GRU, nn.LSTM)
+RECURRENT = (nn.RNN, nn.GRU, nn.LSTM, nn.RNNCell, nn.GRUCell, nn.LSTMCell)
 # the graph's attribute holding StateReads.readers
 STATE_READERS = "dtp_state_readers"
 
@@ -177,7 +178,7 @@ class RecurrentInputPruner(BasePruningFunc):
     weights, in each direction. Its hidden units are not cut (see the module docstring)."""
 
     def prune_in_channels(self, layer: nn.Module, idxs: list[int]) -> nn.Module:
-        assert isinstance(layer, nn.RNNBase)
+        assert isinstance(layer, (nn.RNNBase, nn.RNNCellBase))
         gone = set(idxs)
         cut_inputs(layer, torch.tensor([i for i in range(layer.input_size) if i not in gone]))
         return layer
@@ -189,10 +190,12 @@ class RecurrentInputPruner(BasePruningFunc):
         )
 
     def get_in_channels(self, layer: nn.Module) -> int:
-        assert isinstance(layer, nn.RNNBase)
+        assert isinstance(layer, (nn.RNNBase, nn.RNNCellBase))
         return layer.input_size
 
     def get_out_channels(self, layer: nn.Module) -> int:
+        if isinstance(layer, nn.RNNCellBase):
+            return layer.hidden_size
         assert isinstance(layer, nn.RNNBase)
         return (layer.proj_size or layer.hidden_size) * (2 if layer.bidirectional else 1)
 

@@ -72,6 +72,35 @@ def test_recurrent_readers_prune_on_the_device(kind: str, device: str) -> None:
     assert exported.rnn.weight_ih_l0.device.type == device
 
 
+CELLS = {"rnn": nn.RNNCell, "gru": nn.GRUCell, "lstm": nn.LSTMCell}
+
+
+class Stepped(nn.Module):
+    """A recurrent cell run step by step over a linear layer's features (a decoder's
+    loop), its state the previous step's output, then a classifier per step."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.embed, self.cell, self.head = nn.Linear(8, 16), CELLS[kind](16, 6), nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, state, steps = torch.relu(self.embed(x)), None, []
+        for t in range(h.shape[1]):
+            state = self.cell(h[:, t], state)
+            steps.append(state[0] if isinstance(state, tuple) else state)
+        return self.head(torch.stack(steps, 1))
+
+
+@pytest.mark.parametrize("kind", list(CELLS))
+def test_the_layer_feeding_a_recurrent_cell_prunes_with_its_input_columns(kind: str) -> None:
+    torch.manual_seed(0)
+    model, x = Stepped(kind), torch.randn(3, 4, 8)
+    pruner = randomised(DTPPruner(model, x[:1], 0.5))
+    assert [g.name for g in pruner.groups] == ["embed"]
+    exported = check_export(pruner, model, x)
+    assert exported.cell.input_size == exported.cell.weight_ih.shape[1] == 8
+
+
 class Encoder(nn.Module):
     """A recurrent layer inside a module of its own; `scaled`: its output scaled by one
     over the square root of its input's width (which export changes)."""
