@@ -495,6 +495,10 @@ def find_groups(
                 found = _channel_groups(
                     model, graph, ignored + list(failed), coupled, names, roots, whole
                 )
+                if not failed:  # (the index mappings held: updated once for all searches)
+                    grouped = [m for g in found.values() for m in g.kept_out]
+                    decided = [*found, *grouped, *whole, *ignored]
+                    _held_with_left_out(graph, decided, set(ignored), names, roots, whole)
             break
         except SearchFailedError as error:
             if error.layer in failed:  # a search of the root's own code, not a root's
@@ -502,8 +506,6 @@ def find_groups(
             failed[error.layer] = error.why
     if failed:
         raise ChannelGraphError(failed_searches(failed, names))
-    with bounded_search(graph, names), mappings_held(graph):
-        _held_with_left_out(graph, [*found, *whole, *ignored], set(ignored), names, roots, whole)
     return [found[m] for m in model.modules() if m in found]
 
 
