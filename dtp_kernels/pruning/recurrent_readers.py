@@ -52,7 +52,7 @@ class _OneOp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, run, box, n, *tensors):
-        ctx.run, ctx.n, ctx.params = run, n, tensors[n:]
+        ctx.run, ctx.params = run, tensors[n:]
         ctx.save_for_backward(*tensors[:n])
         leaves, box["spec"] = pytree.tree_flatten(run(*tensors[:n]))
         box["leaves"] = leaves  # the outputs that are no tensors (None) stay as they are

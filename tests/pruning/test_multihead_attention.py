@@ -14,6 +14,7 @@ from torch import nn
 
 from dtp_kernels import load_pruned, save_pruned
 from dtp_kernels.pruning import DTPPruner, built_model
+from dtp_kernels.pruning.cost import count_flops, count_params
 from dtp_kernels.pruning.multihead_attention import PrunedMultiheadAttention
 from utils import exported_as_masked
 
@@ -173,6 +174,9 @@ def test_torchs_transformer_prunes_its_heads_and_mlps_and_exports_exactly(batch_
     for kind, count in kinds.items():
         assert sum(g.name.endswith(kind) for g in pruner.groups) == count
     exported = exported_as_masked(pruner, model, (x, y))
+    report = pruner.report()
+    assert count_params(exported) == report["params_after"]
+    assert count_flops(exported, (x[:1], y[:1])) == report["flops_after"]
     attention = exported.transformer.decoder.layers[0].self_attn
     assert isinstance(attention, PrunedMultiheadAttention) and attention.num_heads == 2
 

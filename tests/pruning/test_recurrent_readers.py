@@ -1,8 +1,9 @@
 """Recurrent layers and nn.Bilinear as readers (recurrent_readers.py): the layers feeding
-an nn.RNN, nn.GRU or nn.LSTM are pruned, the recurrent layer's first input weights cut
-with them, and the export equals the hard-masked model; a layer computing a recurrent
-layer's initial hidden state, one whose outputs are added to a recurrent layer's, and
-one feeding an nn.Bilinear are left whole, each with why."""
+an nn.RNN, nn.GRU or nn.LSTM (or a cell run step by step; a CRNN's columns of channels
+over the height too) are pruned, the recurrent layer's input weights cut with them, and
+the export equals the hard-masked model; a layer computing a recurrent layer's initial
+hidden state, one whose outputs are added to a recurrent layer's, and one feeding an
+nn.Bilinear are left whole, each with why."""
 
 from __future__ import annotations
 
